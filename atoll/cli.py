@@ -1,0 +1,81 @@
+"""The `atoll` command line: one parser, a subcommand per component.
+
+Each subcommand's parser is built by a `register(subparsers)` function next to the component it runs;
+heavy imports (torch, grpc servers) happen inside the command, so `atoll --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from atoll import __version__
+from atoll.log import setup_logging
+
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def _register_version(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("version", help="print the versions of atoll, its wire schema and its runtime",
+                       description="Print the versions of atoll, its wire schema, torch, grpcio and protobuf.")
+    p.set_defaults(func=_run_version)
+
+
+def _run_version(args: argparse.Namespace) -> int:
+    import google.protobuf
+    import grpc
+
+    from atoll import WIRE_VERSION
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        cuda = torch.version.cuda or "none"
+    except ImportError:  # pragma: no cover - torch is a dependency; say so plainly if it is missing
+        torch_version, cuda = "not installed", "none"
+    print(f"atoll {__version__}")
+    print(f"wire schema {WIRE_VERSION}")
+    print(f"python {sys.version.split()[0]}, torch {torch_version} (cuda {cuda}), grpcio {grpc.__version__}, "
+          f"protobuf {google.protobuf.__version__}")
+    return 0
+
+
+def _commands() -> list[Register]:
+    return [_register_version]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atoll",
+        description="Atoll trains large models across heterogeneous, geo-distributed GPUs: a coordinator "
+        "groups the GPUs that join into islands, cuts the model into slices and runs balanced pipelines.",
+    )
+    parser.add_argument("--version", action="version", version=f"atoll {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for register in _commands():
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(-1 if args.quiet else args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        logging.getLogger("atoll").warning("interrupted")
+        return 130
+    except (ValueError, FileNotFoundError, PermissionError, TimeoutError, ConnectionError) as e:
+        # errors meant for the person at the terminal: say what is wrong, without a traceback
+        logging.getLogger("atoll").error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Analytic description of a decoder-only transformer, layer by layer.
+
+Layers are numbered as the planner and the stages see them: layer 0 is the embedding, layers
+1..n_layers are the transformer blocks, and layer n_layers + 1 is the head (final norm + LM head).
+A slice is a half-open range `[a, b)` of these layers.
+
+Two styles share the description:
+- ``gpt``: learned position embedding, LayerNorm (weight + bias), biased linears, GELU MLP.
+- ``llama``: rotary positions (no position embedding), RMSNorm (weight only), no biases, SwiGLU MLP.
+
+Units: parameters are counts, FLOPs are per token (a multiply-add is 2 FLOPs), memory is in bytes.
+Attention FLOPs count the full (non-causal) score matrix, as `torch.utils.flop_counter` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+Style = Literal["gpt", "llama"]
+LayerKind = Literal["embedding", "block", "head"]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ("fp32", "fp16", "bf16")."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of fp32, fp16, bf16") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer."""
+
+    name: str = "custom"
+    """A label used in plans and logs."""
+    style: Style = "gpt"
+    """``gpt`` (LayerNorm, GELU, learned positions, biases) or ``llama`` (RMSNorm, SwiGLU, RoPE)."""
+    vocab_size: int
+    """Tokens in the vocabulary."""
+    d_model: int
+    """Width of the residual stream."""
+    n_layers: int
+    """Transformer blocks."""
+    n_heads: int
+    """Attention heads; must divide d_model."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means n_heads. Must divide n_heads."""
+    ffn_hidden: int | None = None
+    """Hidden width of the MLP; None means 4 x d_model."""
+    seq_len: int
+    """Maximum sequence length (the learned position table of the gpt style has this many rows)."""
+    tied_head: bool = False
+    """Share the LM head's weight with the token embedding."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.style not in ("gpt", "llama"):
+            raise ValueError(f"model.style must be 'gpt' or 'llama', got {self.style!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads})")
+        if self.ffn <= 0:
+            raise ValueError(f"model.ffn_hidden must be positive, got {self.ffn}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.d_model if self.ffn_hidden is None else self.ffn_hidden
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # trains in seconds on a CPU; byte-level vocabulary
+    "tiny": ModelConfig(name="tiny", vocab_size=256, d_model=64, n_layers=4, n_heads=4, ffn_hidden=256, seq_len=64),
+    "small": ModelConfig(name="small", vocab_size=256, d_model=256, n_layers=8, n_heads=8, seq_len=256),
+    "125m": ModelConfig(name="125m", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, seq_len=1024),
+    "350m": ModelConfig(name="350m", vocab_size=50257, d_model=1024, n_layers=24, n_heads=16, seq_len=1024),
+    "1.3b": ModelConfig(name="1.3b", vocab_size=50257, d_model=2048, n_layers=24, n_heads=16, seq_len=2048),
+    "7b": ModelConfig(name="7b", style="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                      ffn_hidden=11008, seq_len=4096),
+    "13b": ModelConfig(name="13b", style="llama", vocab_size=32000, d_model=5120, n_layers=40, n_heads=40,
+                       ffn_hidden=13824, seq_len=4096),
+    "70b": ModelConfig(name="70b", style="llama", vocab_size=32000, d_model=8192, n_layers=80, n_heads=64,
+                       n_kv_heads=8, ffn_hidden=28672, seq_len=4096),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named model configuration (case-insensitive): tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the model: what it holds and what it costs per token."""
+
+    index: int
+    kind: LayerKind
+    params: int
+    """Parameters held by this layer (a tied head holds none of its own)."""
+    flops_fwd_per_token: float
+    flops_bwd_per_token: float
+    out_elems_per_token: int
+    """Elements of the layer's output per token (what crosses a stage boundary after it)."""
+    saved_elems_per_token: int
+    """Elements saved for backward per token without recomputation."""
+    saved_fp32_elems_per_token: int = 0
+    """Extra fp32 elements saved per token (the head's logits for the loss)."""
+
+    def out_bytes_per_token(self, dtype: str = "fp32") -> int:
+        return self.out_elems_per_token * dtype_bytes(dtype)
+
+    def activation_bytes(self, micro_batch: int, seq_len: int, dtype: str = "fp32", recompute: bool = False) -> int:
+        """Memory held for backward by one micro-batch in flight through this layer."""
+        tokens = micro_batch * seq_len
+        if recompute:  # only the layer's input is kept; the rest is recomputed in backward
+            elems = self.out_elems_per_token
+            return tokens * elems * dtype_bytes(dtype)
+        return tokens * (self.saved_elems_per_token * dtype_bytes(dtype) + self.saved_fp32_elems_per_token * 4)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the planner sees it: a list of layers with their costs."""
+
+    config: ModelConfig
+    layers: tuple[LayerSpec, ...] = field(repr=False)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "ModelSpec":
+        c = config
+        d, v, f, kv, s = c.d_model, c.vocab_size, c.ffn, c.kv_dim, c.seq_len
+        gpt = c.style == "gpt"
+        norm_params = 2 * d if gpt else d
+        layers: list[LayerSpec] = []
+
+        emb_params = v * d + (s * d if gpt else 0)
+        layers.append(LayerSpec(0, "embedding", emb_params, 0.0, 0.0, d, saved_elems_per_token=d))
+
+        # matmul weights of one block (multiply-adds per token = these counts)
+        attn_w = d * (d + 2 * kv) + d * d
+        mlp_w = (2 if gpt else 3) * d * f
+        bias = (d + 2 * kv) + d + f + d if gpt else 0
+        block_params = attn_w + mlp_w + bias + 2 * norm_params
+        attn_scores = 4 * s * d  # QK^T and AV, per token, full matrix
+        fwd = 2.0 * (attn_w + mlp_w) + attn_scores
+        # saved for backward: norm inputs, qkv, attention output, MLP input/hidden/activated
+        saved = 2 * d + (d + 2 * kv) + 2 * d + (2 if gpt else 3) * f + d
+        for i in range(1, c.n_layers + 1):
+            layers.append(LayerSpec(i, "block", block_params, fwd, 2.0 * fwd, d, saved_elems_per_token=saved))
+
+        head_params = norm_params + (0 if c.tied_head else d * v)
+        head_fwd = 2.0 * d * v
+        layers.append(
+            LayerSpec(c.n_layers + 1, "head", head_params, head_fwd, 2.0 * head_fwd, 1,
+                      saved_elems_per_token=2 * d, saved_fp32_elems_per_token=2 * v)
+        )
+        return cls(config=c, layers=tuple(layers))
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelSpec":
+        return cls.from_config(preset(name))
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def num_layers(self) -> int:
+        """Layers including the embedding and the head (n_layers + 2)."""
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def with_seq_len(self, seq_len: int) -> "ModelSpec":
+        return ModelSpec.from_config(replace(self.config, seq_len=seq_len))
+
+    def slice_params(self, start: int, end: int) -> int:
+        self._check_slice(start, end)
+        return sum(layer.params for layer in self.layers[start:end])
+
+    def slice_flops_per_token(self, start: int, end: int) -> tuple[float, float]:
+        """(forward, backward) FLOPs per token of layers [start, end)."""
+        self._check_slice(start, end)
+        sl = self.layers[start:end]
+        return sum(x.flops_fwd_per_token for x in sl), sum(x.flops_bwd_per_token for x in sl)
+
+    def boundary_bytes(self, end: int, micro_batch: int, seq_len: int, dtype: str = "fp32") -> int:
+        """Bytes of the activation that leaves layer end-1 for one micro-batch (what a stage sends)."""
+        return self.layers[end - 1].out_bytes_per_token(dtype) * micro_batch * seq_len
+
+    def activation_bytes(self, start: int, end: int, micro_batch: int, seq_len: int, dtype: str = "fp32",
+                         recompute: bool = False) -> int:
+        """Memory saved for backward by one micro-batch through layers [start, end)."""
+        self._check_slice(start, end)
+        return sum(x.activation_bytes(micro_batch, seq_len, dtype, recompute) for x in self.layers[start:end])
+
+    def model_state_bytes(self, start: int, end: int, dtype: str = "fp32", optimizer: str = "adamw") -> dict[str, int]:
+        """Weights, gradients and optimizer states of layers [start, end), unsharded.
+
+        fp32 training keeps fp32 weights and gradients and AdamW's two fp32 moments; 16-bit mixed
+        precision keeps 16-bit weights and gradients plus an fp32 master copy and the two moments.
+        """
+        p = self.slice_params(start, end)
+        b = dtype_bytes(dtype)
+        states_per_param = {"adamw": 2, "adam": 2, "sgd": 1}.get(optimizer)
+        if states_per_param is None:
+            raise ValueError(f"unknown optimizer {optimizer!r}: use adamw, adam or sgd")
+        master = 4 if b < 4 else 0
+        return {"weights": p * b, "gradients": p * b, "optimizer": p * (4 * states_per_param + master)}
+
+    def _check_slice(self, start: int, end: int) -> None:
+        if not 0 <= start < end <= self.num_layers:
+            raise ValueError(f"slice [{start}, {end}) is outside the model's {self.num_layers} layers")

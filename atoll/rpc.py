@@ -1,0 +1,196 @@
+"""The one place that builds gRPC servers and channels.
+
+Message-size limits, keepalive, TLS, the job token and default deadlines are set here and nowhere else.
+Servers bind port 0 when asked and report the real address back.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+TOKEN_METADATA_KEY = "authorization"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RpcOptions:
+    """Transport settings shared by servers and channels."""
+
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest single message accepted or sent. Tensors travel in chunks well below this."""
+    keepalive: timedelta = timedelta(seconds=20)
+    """Interval of HTTP/2 keepalive pings on idle connections."""
+    keepalive_timeout: timedelta = timedelta(seconds=10)
+    """How long a keepalive ping may go unanswered before the connection is dropped."""
+    default_deadline: timedelta = timedelta(seconds=30)
+    """Deadline given to a client call that names none."""
+    tls_cert: Path | None = None
+    """Server: PEM certificate chain. Enables TLS on servers when set with tls_key."""
+    tls_key: Path | None = None
+    """Server: PEM private key."""
+    tls_root_ca: Path | None = None
+    """Client: PEM root certificate to verify servers with. Enables TLS on channels when set."""
+    tls_server_name: str | None = None
+    """Client: name to verify in the server certificate, when it differs from the dialled host."""
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for name in ("keepalive", "keepalive_timeout", "default_deadline"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        opts: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive.total_seconds() * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout.total_seconds() * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        if self.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return opts
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive.total_seconds() * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout.total_seconds() * 1000)),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+@dataclass
+class ServerHandle:
+    """A started server and the address it really listens on."""
+
+    server: grpc.Server
+    address: str
+    port: int
+    _stopped: bool = field(default=False, repr=False)
+
+    def stop(self, grace: timedelta = timedelta(seconds=2)) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.server.stop(grace.total_seconds()).wait(grace.total_seconds() + 5)
+
+
+def make_server(
+    listen: str,
+    register: Sequence[Callable[[grpc.Server], None]],
+    options: RpcOptions | None = None,
+    *,
+    max_workers: int = 16,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> ServerHandle:
+    """Start a server on `listen` (HOST:PORT; port 0 picks a free one) with the given servicers.
+
+    `register` holds callables such as `lambda s: add_PeerServicer_to_server(servicer, s)`.
+    """
+    options = options or RpcOptions()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="atoll-rpc"),
+        options=options.server_options(),
+        interceptors=list(interceptors),
+        maximum_concurrent_rpcs=max_workers * 4,
+    )
+    for reg in register:
+        reg(server)
+    if options.tls_cert is not None and options.tls_key is not None:
+        creds = grpc.ssl_server_credentials(
+            [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not listen on {listen}: the address is in use or invalid")
+    server.start()
+    host = listen.rsplit(":", 1)[0]
+    return ServerHandle(server=server, address=f"{host}:{port}", port=port)
+
+
+class _ClientDefaults(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the job token to every call, and a deadline to calls that name none."""
+
+    def __init__(self, token: str | None, deadline: timedelta):
+        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._deadline = deadline.total_seconds()
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = tuple(d.metadata or ()) + self._metadata
+        timeout = d.timeout if d.timeout is not None else self._deadline
+        return _CallDetails(d.method, timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+def make_channel(target: str, options: RpcOptions | None = None, *, token: str | None = None,
+                 streaming_deadline: bool = True) -> grpc.Channel:
+    """A channel to `target` (HOST:PORT) that sends the token and applies the default deadline.
+
+    Long-lived server streams (WatchPlan) pass their own, longer timeout per call.
+    """
+    options = options or RpcOptions()
+    if options.tls_root_ca is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(options.tls_root_ca).read_bytes())
+        channel = grpc.secure_channel(target, creds, options=options.channel_options())
+    else:
+        channel = grpc.insecure_channel(target, options=options.channel_options())
+    return grpc.intercept_channel(channel, _ClientDefaults(token, options.default_deadline))
+
+
+def token_from_metadata(context: grpc.ServicerContext) -> str | None:
+    """The bearer token a call carries, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == TOKEN_METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+def token_matches(given: str | None, expected: str) -> bool:
+    """Constant-time comparison of a presented token with the job's."""
+    return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+def wait_ready(channel: grpc.Channel, timeout: timedelta) -> None:
+    """Block until the channel connects; raise `TimeoutError` with the target's state otherwise."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout.total_seconds())
+    except grpc.FutureTimeoutError:
+        raise TimeoutError(f"no gRPC server answered within {timeout.total_seconds():.0f}s") from None

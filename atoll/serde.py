@@ -1,0 +1,181 @@
+"""Conversion between the core types and their `atoll.v1` wire messages: `x_to_proto` / `x_from_proto`.
+
+Every pair round-trips (tests/test_serde.py). Nothing else in the project builds these messages by hand.
+"""
+
+from __future__ import annotations
+
+from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
+from atoll.v1 import atoll_pb2 as pb
+
+# codec names used in plans, configs and logs <-> the wire enum
+CODEC_BY_NAME: dict[str, int] = {
+    "identity": pb.CODEC_IDENTITY,
+    "fp16": pb.CODEC_FP16,
+    "bf16": pb.CODEC_BF16,
+    "int8": pb.CODEC_INT8_BLOCK,
+    "int4": pb.CODEC_INT4_BLOCK,
+    "topk": pb.CODEC_TOPK,
+}
+CODEC_NAME: dict[int, str] = {v: k for k, v in CODEC_BY_NAME.items()}
+
+DIRECTION_BY_NAME: dict[str, int] = {"forward": pb.DIRECTION_FORWARD, "backward": pb.DIRECTION_BACKWARD}
+DIRECTION_NAME: dict[int, str] = {v: k for k, v in DIRECTION_BY_NAME.items()}
+
+
+def codec_id(name: str) -> int:
+    try:
+        return CODEC_BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; codecs: {', '.join(CODEC_BY_NAME)}") from None
+
+
+def codec_name(codec: int) -> str:
+    try:
+        return CODEC_NAME[codec]
+    except KeyError:
+        raise ValueError(f"unknown codec id {codec}") from None
+
+
+# --- profiles -----------------------------------------------------------------------------------------
+
+def layer_timing_to_proto(t: LayerTiming) -> pb.LayerTiming:
+    return pb.LayerTiming(layer_kind=t.layer_kind, micro_batch=t.micro_batch, seq_len=t.seq_len,
+                          forward_seconds=t.forward_seconds, backward_seconds=t.backward_seconds)
+
+
+def layer_timing_from_proto(m: pb.LayerTiming) -> LayerTiming:
+    return LayerTiming(layer_kind=m.layer_kind, micro_batch=m.micro_batch, seq_len=m.seq_len,
+                       forward_seconds=m.forward_seconds, backward_seconds=m.backward_seconds)
+
+
+def profile_to_proto(p: NodeProfile) -> pb.NodeProfile:
+    return pb.NodeProfile(
+        hostname=p.hostname, device_kind=p.device_kind, device_name=p.device_name, device_count=p.device_count,
+        memory_total_bytes=p.memory_total_bytes, memory_free_bytes=p.memory_free_bytes, cpu_count=p.cpu_count,
+        layer_timings=[layer_timing_to_proto(t) for t in p.layer_timings],
+        optimizer_step_seconds=p.optimizer_step_seconds, torch_version=p.torch_version,
+        atoll_version=p.atoll_version,
+    )
+
+
+def profile_from_proto(m: pb.NodeProfile) -> NodeProfile:
+    return NodeProfile(
+        hostname=m.hostname, device_kind=m.device_kind, device_name=m.device_name, device_count=m.device_count,
+        memory_total_bytes=m.memory_total_bytes, memory_free_bytes=m.memory_free_bytes, cpu_count=m.cpu_count,
+        layer_timings=[layer_timing_from_proto(t) for t in m.layer_timings],
+        optimizer_step_seconds=m.optimizer_step_seconds, torch_version=m.torch_version,
+        atoll_version=m.atoll_version,
+    )
+
+
+# --- links ---------------------------------------------------------------------------------------------
+
+def link_to_proto(x: LinkMeasurement) -> pb.LinkMeasurement:
+    return pb.LinkMeasurement(src=x.src, dst=x.dst, bandwidth_bytes_per_s=x.bandwidth_bytes_per_s,
+                              rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=x.measured_unix)
+
+
+def link_from_proto(m: pb.LinkMeasurement) -> LinkMeasurement:
+    return LinkMeasurement(src=m.src, dst=m.dst, bandwidth_bytes_per_s=m.bandwidth_bytes_per_s,
+                           rtt_seconds=m.rtt_seconds, probe_bytes=m.probe_bytes, measured_unix=m.measured_unix)
+
+
+def link_stats_to_proto(x: LinkStats) -> pb.LinkStats:
+    return pb.LinkStats(peer=x.peer, direction=DIRECTION_BY_NAME[x.direction], bytes_raw=x.bytes_raw,
+                        bytes_wire=x.bytes_wire, seconds=x.seconds, codec=codec_id(x.codec),
+                        bandwidth_bytes_per_s=x.bandwidth_bytes_per_s)
+
+
+def link_stats_from_proto(m: pb.LinkStats) -> LinkStats:
+    return LinkStats(peer=m.peer, direction=DIRECTION_NAME.get(m.direction, "forward"), bytes_raw=m.bytes_raw,
+                     bytes_wire=m.bytes_wire, seconds=m.seconds, codec=codec_name(m.codec),
+                     bandwidth_bytes_per_s=m.bandwidth_bytes_per_s)
+
+
+# --- islands and plans ---------------------------------------------------------------------------------
+
+def island_to_proto(i: IslandInfo) -> pb.Island:
+    return pb.Island(id=i.id, device_name=i.device, node_ids=i.nodes, inner_bandwidth_bytes_per_s=i.inner_bandwidth,
+                     outer_bandwidth_bytes_per_s=i.outer_bandwidth, group=i.group, gpus=i.gpus)
+
+
+def island_from_proto(m: pb.Island) -> IslandInfo:
+    return IslandInfo(id=m.id, group=m.group, device=m.device_name, nodes=list(m.node_ids), gpus=m.gpus,
+                      inner_bandwidth=m.inner_bandwidth_bytes_per_s, outer_bandwidth=m.outer_bandwidth_bytes_per_s)
+
+
+def _send_to_proto(s: SendPlan) -> pb.LinkPlan:
+    return pb.LinkPlan(codec=codec_id(s.codec), bytes=s.bytes, seconds=s.seconds,
+                       codec_params=pb.CodecParams(block_size=s.block_size, topk_fraction=s.topk_fraction,
+                                                   zstd_level=s.zstd_level))
+
+
+def _send_from_proto(m: pb.LinkPlan) -> SendPlan:
+    return SendPlan(codec=codec_name(m.codec), bytes=m.bytes, seconds=m.seconds,
+                    block_size=m.codec_params.block_size, topk_fraction=m.codec_params.topk_fraction,
+                    zstd_level=m.codec_params.zstd_level)
+
+
+def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
+    m = pb.Stage(index=index, island=s.island, node_ids=s.nodes, layer_start=s.layers[0], layer_end=s.layers[1],
+                 dp=s.dp, tp=s.tp, zero=s.zero, recompute=s.recompute, compute_seconds=s.compute_s,
+                 memory_bytes_per_device=s.memory_gb_per_device * 1e9, dp_rendezvous=s.dp_rendezvous)
+    if s.send is not None:
+        m.send.CopyFrom(_send_to_proto(s.send))
+    return m
+
+
+def stage_from_proto(m: pb.Stage) -> StagePlan:
+    return StagePlan(island=m.island, layers=(m.layer_start, m.layer_end), dp=m.dp, tp=m.tp, zero=m.zero,
+                     recompute=m.recompute, compute_s=m.compute_seconds,
+                     memory_gb_per_device=m.memory_bytes_per_device / 1e9,
+                     send=_send_from_proto(m.send) if m.HasField("send") else None,
+                     nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous)
+
+
+def plan_to_proto(p: Plan) -> pb.Plan:
+    return pb.Plan(
+        epoch=p.epoch, job_id=p.job_id, model=p.model, global_batch=p.global_batch, seq_len=p.seq_len,
+        predicted=pb.PlanPrediction(step_time_seconds=p.predicted.step_time_s,
+                                    tokens_per_second=p.predicted.tokens_per_s, mfu=p.predicted.mfu,
+                                    bottleneck=p.predicted.bottleneck),
+        islands=[island_to_proto(i) for i in p.islands],
+        pipelines=[pb.Pipeline(index=k, micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
+                               stages=[stage_to_proto(s, j) for j, s in enumerate(pl.stages)])
+                   for k, pl in enumerate(p.pipelines)],
+        resume_step=p.resume_step,
+    )
+
+
+def plan_from_proto(m: pb.Plan) -> Plan:
+    return Plan(
+        model=m.model, global_batch=m.global_batch, seq_len=m.seq_len,
+        predicted=Prediction(step_time_s=m.predicted.step_time_seconds, tokens_per_s=m.predicted.tokens_per_second,
+                             mfu=m.predicted.mfu, bottleneck=m.predicted.bottleneck),
+        islands=[island_from_proto(i) for i in m.islands],
+        pipelines=[PipelinePlan(micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
+                                stages=[stage_from_proto(s) for s in pl.stages]) for pl in m.pipelines],
+        epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step,
+    )
+
+
+# --- steps ---------------------------------------------------------------------------------------------
+
+def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
+    return pb.StepMetrics(
+        job_id=s.job_id, node_id=s.node_id, plan_epoch=s.plan_epoch, step=s.step, pipeline=s.pipeline,
+        stage=s.stage, has_loss=s.loss is not None, loss=s.loss if s.loss is not None else 0.0, tokens=s.tokens,
+        step_seconds=s.step_seconds, compute_seconds=s.compute_seconds, wait_seconds=s.wait_seconds,
+        links=[link_stats_to_proto(x) for x in s.links], unix_time=s.unix_time,
+    )
+
+
+def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
+    return StepMetrics(
+        job_id=m.job_id, node_id=m.node_id, plan_epoch=m.plan_epoch, step=m.step, pipeline=m.pipeline,
+        stage=m.stage, loss=m.loss if m.has_loss else None, tokens=m.tokens, step_seconds=m.step_seconds,
+        compute_seconds=m.compute_seconds, wait_seconds=m.wait_seconds,
+        links=[link_stats_from_proto(x) for x in m.links], unix_time=m.unix_time,
+    )

@@ -1,0 +1,80 @@
+"""Core records exchanged between components: node profiles, link measurements and step metrics.
+
+Their wire forms are the `atoll.v1` messages of the same names; `atoll.serde` converts both ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class LayerTiming:
+    """Measured time of one layer kind at one micro-batch size on a node's device."""
+
+    layer_kind: str
+    micro_batch: int
+    seq_len: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+@dataclass(kw_only=True)
+class NodeProfile:
+    """What a node measured of itself before joining."""
+
+    hostname: str = ""
+    device_kind: str = "cpu"
+    device_name: str = ""
+    device_count: int = 1
+    memory_total_bytes: int = 0
+    memory_free_bytes: int = 0
+    cpu_count: int = 1
+    layer_timings: list[LayerTiming] = field(default_factory=list)
+    optimizer_step_seconds: float = 0.0
+    torch_version: str = ""
+    atoll_version: str = ""
+
+
+@dataclass(kw_only=True)
+class LinkMeasurement:
+    """One probe of the link from `src` to `dst`."""
+
+    src: str
+    dst: str
+    bandwidth_bytes_per_s: float
+    rtt_seconds: float
+    probe_bytes: int = 0
+    measured_unix: float = 0.0
+
+
+@dataclass(kw_only=True)
+class LinkStats:
+    """Traffic of one step on one link, as a node saw it."""
+
+    peer: str
+    direction: str  # "forward" or "backward"
+    bytes_raw: int = 0
+    bytes_wire: int = 0
+    seconds: float = 0.0
+    codec: str = "identity"
+    bandwidth_bytes_per_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class StepMetrics:
+    """What one node reports after one training step."""
+
+    job_id: str
+    node_id: str
+    plan_epoch: int
+    step: int
+    pipeline: int = 0
+    stage: int = 0
+    loss: float | None = None
+    tokens: int = 0
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    links: list[LinkStats] = field(default_factory=list)
+    unix_time: float = 0.0

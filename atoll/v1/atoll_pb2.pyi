@@ -1,0 +1,511 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_IDENTITY: _ClassVar[Codec]
+    CODEC_FP16: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_INT8_BLOCK: _ClassVar[Codec]
+    CODEC_INT4_BLOCK: _ClassVar[Codec]
+    CODEC_TOPK: _ClassVar[Codec]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+
+class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DIRECTION_UNSPECIFIED: _ClassVar[Direction]
+    DIRECTION_FORWARD: _ClassVar[Direction]
+    DIRECTION_BACKWARD: _ClassVar[Direction]
+CODEC_IDENTITY: Codec
+CODEC_FP16: Codec
+CODEC_BF16: Codec
+CODEC_INT8_BLOCK: Codec
+CODEC_INT4_BLOCK: Codec
+CODEC_TOPK: Codec
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DIRECTION_UNSPECIFIED: Direction
+DIRECTION_FORWARD: Direction
+DIRECTION_BACKWARD: Direction
+
+class CodecParams(_message.Message):
+    __slots__ = ("block_size", "topk_fraction", "zstd_level")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    topk_fraction: float
+    zstd_level: int
+    def __init__(self, block_size: _Optional[int] = ..., topk_fraction: _Optional[float] = ..., zstd_level: _Optional[int] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("job_id", "plan_epoch", "step", "micro_batch", "direction", "name", "shape", "dtype", "codec", "codec_params", "total_bytes", "checksum", "sender", "pipeline", "stage", "replica")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    plan_epoch: int
+    step: int
+    micro_batch: int
+    direction: Direction
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    codec: Codec
+    codec_params: CodecParams
+    total_bytes: int
+    checksum: int
+    sender: str
+    pipeline: int
+    stage: int
+    replica: int
+    def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., direction: _Optional[_Union[Direction, str]] = ..., name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., sender: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("meta", "data")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    data: bytes
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TransferAck(_message.Message):
+    __slots__ = ("tensors", "bytes", "receive_seconds")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    bytes: int
+    receive_seconds: float
+    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
+
+class LayerTiming(_message.Message):
+    __slots__ = ("layer_kind", "micro_batch", "seq_len", "forward_seconds", "backward_seconds")
+    LAYER_KIND_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer_kind: str
+    micro_batch: int
+    seq_len: int
+    forward_seconds: float
+    backward_seconds: float
+    def __init__(self, layer_kind: _Optional[str] = ..., micro_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ...) -> None: ...
+
+class NodeProfile(_message.Message):
+    __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ATOLL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    device_kind: str
+    device_name: str
+    device_count: int
+    memory_total_bytes: int
+    memory_free_bytes: int
+    cpu_count: int
+    layer_timings: _containers.RepeatedCompositeFieldContainer[LayerTiming]
+    optimizer_step_seconds: float
+    torch_version: str
+    atoll_version: str
+    def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ...) -> None: ...
+
+class LinkMeasurement(_message.Message):
+    __slots__ = ("src", "dst", "bandwidth_bytes_per_s", "rtt_seconds", "probe_bytes", "measured_unix")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    bandwidth_bytes_per_s: float
+    rtt_seconds: float
+    probe_bytes: int
+    measured_unix: float
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_unix: _Optional[float] = ...) -> None: ...
+
+class Island(_message.Message):
+    __slots__ = ("id", "device_name", "node_ids", "inner_bandwidth_bytes_per_s", "outer_bandwidth_bytes_per_s", "group", "gpus")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    INNER_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    OUTER_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    device_name: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    inner_bandwidth_bytes_per_s: float
+    outer_bandwidth_bytes_per_s: float
+    group: str
+    gpus: int
+    def __init__(self, id: _Optional[str] = ..., device_name: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., inner_bandwidth_bytes_per_s: _Optional[float] = ..., outer_bandwidth_bytes_per_s: _Optional[float] = ..., group: _Optional[str] = ..., gpus: _Optional[int] = ...) -> None: ...
+
+class LinkPlan(_message.Message):
+    __slots__ = ("codec", "codec_params", "bytes", "seconds")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    codec_params: CodecParams
+    bytes: int
+    seconds: float
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Stage(_message.Message):
+    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    ZERO_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    DP_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    island: str
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    layer_start: int
+    layer_end: int
+    dp: int
+    tp: int
+    zero: int
+    recompute: bool
+    compute_seconds: float
+    memory_bytes_per_device: float
+    send: LinkPlan
+    dp_rendezvous: str
+    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ...) -> None: ...
+
+class Pipeline(_message.Message):
+    __slots__ = ("index", "micro_batch", "num_micro_batches", "stages")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    micro_batch: int
+    num_micro_batches: int
+    stages: _containers.RepeatedCompositeFieldContainer[Stage]
+    def __init__(self, index: _Optional[int] = ..., micro_batch: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ...) -> None: ...
+
+class PlanPrediction(_message.Message):
+    __slots__ = ("step_time_seconds", "tokens_per_second", "mfu", "bottleneck")
+    STEP_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
+    BOTTLENECK_FIELD_NUMBER: _ClassVar[int]
+    step_time_seconds: float
+    tokens_per_second: float
+    mfu: float
+    bottleneck: str
+    def __init__(self, step_time_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., bottleneck: _Optional[str] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    job_id: str
+    model: str
+    global_batch: int
+    seq_len: int
+    predicted: PlanPrediction
+    islands: _containers.RepeatedCompositeFieldContainer[Island]
+    pipelines: _containers.RepeatedCompositeFieldContainer[Pipeline]
+    created_unix: float
+    resume_step: int
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ...) -> None: ...
+
+class LinkStats(_message.Message):
+    __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RAW_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WIRE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    direction: Direction
+    bytes_raw: int
+    bytes_wire: int
+    seconds: float
+    codec: Codec
+    bandwidth_bytes_per_s: float
+    def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    plan_epoch: int
+    step: int
+    pipeline: int
+    stage: int
+    has_loss: bool
+    loss: float
+    tokens: int
+    step_seconds: float
+    compute_seconds: float
+    wait_seconds: float
+    links: _containers.RepeatedCompositeFieldContainer[LinkStats]
+    unix_time: float
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ...) -> None: ...
+
+class CheckpointReport(_message.Message):
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    plan_epoch: int
+    step: int
+    layer_start: int
+    layer_end: int
+    path: str
+    bytes: int
+    data_position: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("token", "node_id", "job_id", "profile", "peer_address")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    node_id: str
+    job_id: str
+    profile: NodeProfile
+    peer_address: str
+    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "name", "spec_toml")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    spec_toml: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., spec_toml: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("node_id", "job", "lease_seconds", "heartbeat_interval_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    job: JobInfo
+    lease_seconds: float
+    heartbeat_interval_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    step: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ProbeTarget(_message.Message):
+    __slots__ = ("node_id", "address", "probe_bytes")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    probe_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("lease_seconds", "plan_epoch", "probe")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    plan_epoch: int
+    probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ...) -> None: ...
+
+class ProbeReport(_message.Message):
+    __slots__ = ("node_id", "links")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    def __init__(self, node_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class WatchPlanRequest(_message.Message):
+    __slots__ = ("node_id", "known_epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    known_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., known_epoch: _Optional[int] = ...) -> None: ...
+
+class StepAck(_message.Message):
+    __slots__ = ("plan_epoch", "stop")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    stop: bool
+    def __init__(self, plan_epoch: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("node_id", "peer_address", "profile", "state", "last_heartbeat_unix", "joined_unix")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    JOINED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer_address: str
+    profile: NodeProfile
+    state: str
+    last_heartbeat_unix: float
+    joined_unix: float
+    def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., state: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., joined_unix: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ISLANDS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    job: JobInfo
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    islands: _containers.RepeatedCompositeFieldContainer[Island]
+    plan: Plan
+    links: _containers.RepeatedCompositeFieldContainer[LinkMeasurement]
+    recent_steps: _containers.RepeatedCompositeFieldContainer[StepMetrics]
+    step: int
+    tokens_per_second: float
+    last_checkpoint_step: int
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class ProbeChunk(_message.Message):
+    __slots__ = ("sender", "payload")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    payload: bytes
+    def __init__(self, sender: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ProbeReply(_message.Message):
+    __slots__ = ("bytes", "receive_seconds", "node_id")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    receive_seconds: float
+    node_id: str
+    def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...

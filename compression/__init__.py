@@ -1,0 +1,1 @@
+"""atoll.compression: codecs, error feedback, link policy and the tensor wire format."""

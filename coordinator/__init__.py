@@ -1,0 +1,1 @@
+"""atoll.coordinator: the coordinator service, membership, store, islands, planner and simulator."""

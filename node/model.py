@@ -1,0 +1,187 @@
+"""The torch modules of a decoder-only transformer, built slice by slice.
+
+`build_slice(config, start, end)` allocates only layers `[start, end)` (layer 0 is the embedding, the
+last is the final norm + LM head, as in `atoll.modelspec`). Each layer is initialised from a generator
+seeded by (seed, layer index), so every node builds identical weights for a layer whatever the cut.
+Parameters are named by global layer index (`layers.<i>.<...>`), so the state of a slice can be saved
+by layer and loaded into another cut of the same model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atoll.modelspec import ModelConfig
+
+
+def _norm(config: ModelConfig) -> nn.Module:
+    if config.style == "gpt":
+        return nn.LayerNorm(config.d_model)
+    return nn.RMSNorm(config.d_model, eps=1e-5)
+
+
+class Embedding(nn.Module):
+    """Token embedding (+ learned positions in the gpt style). Input: (batch, seq) int64 token ids."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model) if config.style == "gpt" else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return x
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, heads, seq, head_dim); rotate pairs (first half, second half)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.n_heads, self.kv_heads, self.head_dim = c.n_heads, c.kv_heads, c.head_dim
+        gpt = c.style == "gpt"
+        self.gpt = gpt
+        self.norm1 = _norm(c)
+        self.qkv = nn.Linear(c.d_model, c.d_model + 2 * c.kv_dim, bias=gpt)
+        self.proj = nn.Linear(c.d_model, c.d_model, bias=gpt)
+        self.norm2 = _norm(c)
+        if gpt:
+            self.fc = nn.Linear(c.d_model, c.ffn, bias=True)
+        else:
+            self.fc = nn.Linear(c.d_model, 2 * c.ffn, bias=False)  # gate and up, fused
+        self.out = nn.Linear(c.ffn, c.d_model, bias=gpt)
+        if not gpt:
+            inv = 1.0 / (10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+            ang = torch.outer(torch.arange(c.seq_len, dtype=torch.float32), inv)
+            self.register_buffer("cos", ang.cos(), persistent=False)  # (seq, head_dim / 2)
+            self.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = self.qkv(h).split([d, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        if not self.gpt:
+            cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if self.kv_heads != self.n_heads:
+            rep = self.n_heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        if self.gpt:
+            h = F.gelu(self.fc(h))
+        else:
+            gate, up = self.fc(h).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return x + self.out(h)
+
+
+class Head(nn.Module):
+    """Final norm and LM head. Output: (batch, seq, vocab) logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = _norm(config)
+        self.lm = None if config.tied_head else nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)
+        if self.lm is not None:
+            return self.lm(h)
+        if tied_weight is None:
+            raise RuntimeError("a tied head needs the embedding's weight: keep embedding and head on one stage")
+        return F.linear(h, tied_weight)
+
+
+def _init_layer(module: nn.Module, config: ModelConfig, seed: int, index: int) -> None:
+    """GPT-2 style initialisation from a generator seeded by (seed, layer index)."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + index)
+    residual_std = 0.02 / math.sqrt(2 * config.n_layers)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.ndim == 1:  # norm weights and biases
+                p.copy_(torch.ones_like(p) if name.endswith("weight") else torch.zeros_like(p))
+                continue
+            std = residual_std if name.startswith(("proj.", "out.")) else 0.02
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+
+
+def layer_kind(config: ModelConfig, index: int) -> str:
+    if index == 0:
+        return "embedding"
+    if index == config.n_layers + 1:
+        return "head"
+    if 0 < index <= config.n_layers:
+        return "block"
+    raise ValueError(f"layer {index} is outside the model's {config.n_layers + 2} layers")
+
+
+def build_layer(config: ModelConfig, index: int, seed: int = 0) -> nn.Module:
+    kind = layer_kind(config, index)
+    module: nn.Module = {"embedding": Embedding, "block": Block, "head": Head}[kind](config)
+    _init_layer(module, config, seed, index)
+    return module
+
+
+class StageModule(nn.Module):
+    """Layers [start, end) of the model. Input: token ids (first stage) or hidden states.
+
+    Output: hidden states (batch, seq, d_model), or logits (batch, seq, vocab) when it holds the head.
+    """
+
+    def __init__(self, config: ModelConfig, start: int, end: int, seed: int = 0):
+        super().__init__()
+        total = config.n_layers + 2
+        if not 0 <= start < end <= total:
+            raise ValueError(f"slice [{start}, {end}) is outside the model's {total} layers")
+        if config.tied_head and (start == 0) != (end == total):
+            raise ValueError("a tied head must sit on the same stage as the embedding; untie it (tied_head = false) "
+                             "or keep layers 0 and the last on one stage")
+        self.config, self.start, self.end = config, start, end
+        self.layers = nn.ModuleDict({str(i): build_layer(config, i, seed) for i in range(start, end)})
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.config.n_layers + 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.start, self.end):
+            layer = self.layers[str(i)]
+            if isinstance(layer, Head) and self.config.tied_head:
+                x = layer(x, tied_weight=self.layers["0"].tok.weight)
+            else:
+                x = layer(x)
+        return x
+
+
+def build_slice(config: ModelConfig, start: int, end: int, *, seed: int = 0,
+                device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> StageModule:
+    """Allocate layers [start, end) only, initialised identically on every node."""
+    module = StageModule(config, start, end, seed)
+    return module.to(device=device, dtype=dtype)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; logits (batch, seq, vocab), targets (batch, seq) int64."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
