@@ -44,7 +44,10 @@ def _run_version(args: argparse.Namespace) -> int:
 
 
 def _commands() -> list[Register]:
-    return [_register_version]
+    from atoll.coordinator.cli import register_coordinator, register_status
+    from atoll.node.cli import register as register_node
+
+    return [_register_version, register_coordinator, register_status, register_node]
 
 
 def build_parser() -> argparse.ArgumentParser:

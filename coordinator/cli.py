@@ -1,0 +1,71 @@
+"""`atoll coordinator` (run the coordinator of one job) and `atoll status` (show what it knows)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+TOKEN_ENV = "ATOLL_TOKEN"
+
+
+def resolve_token(token: str | None, token_file: str | None) -> str | None:
+    """The job token from --token, --token-file or $ATOLL_TOKEN, in that order (None when none is given)."""
+    if token:
+        return token
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--token-file {token_file}: no such file")
+        text = path.read_text(encoding="utf-8").strip()
+        if not text:
+            raise ValueError(f"--token-file {token_file} is empty; put the job token on its first line")
+        return text
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser(
+        "coordinator", help="run the coordinator of a job",
+        description="Run the coordinator of one job: nodes join it, it forms islands, plans and publishes the "
+        "plan. Its state lives in SQLite under --state-dir; restarted on the same folder it resumes the job.")
+    p.add_argument("--job", required=True, help="job spec (TOML), e.g. examples/tiny.toml")
+    p.add_argument("--listen", default="0.0.0.0:7070", help="HOST:PORT of the gRPC server (port 0 picks one)")
+    p.add_argument("--state-dir", default="runs/coordinator", help="folder for the coordinator's SQLite state")
+    p.add_argument("--token-file", help="file holding the job token (else $ATOLL_TOKEN, else one is generated "
+                   "and kept in the state dir)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS with --tls-key")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
+    p.add_argument("--address-file", help="write the real HOST:PORT here once listening (for scripts and tests)")
+    p.set_defaults(func=_run_coordinator)
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from atoll.coordinator.service import run_coordinator_cli
+
+    return run_coordinator_cli(args)
+
+
+def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser(
+        "status", help="show a coordinator's job, members, islands and plan",
+        description="Ask a coordinator for its job, members, islands, plan epoch, step and throughput.")
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
+    p.add_argument("--token-file", help="file holding the job token")
+    p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    p.set_defaults(func=_run_status)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from atoll.coordinator.status import run_status_cli
+
+    return run_status_cli(args)
