@@ -1,0 +1,1 @@
+"""atoll.coordinator.planner: islands, slices and balanced pipelines (the Tangram decomposition)."""
