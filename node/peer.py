@@ -1,0 +1,147 @@
+"""The node's Peer gRPC server: Transfer (tensors from pipeline neighbours) and Probe (link measurements).
+
+The servicer is thin: it checks the job token and the call's deadline, hands the stream to a plain
+function (`receive_probe`) or to the receiver the running stage attached (`attach`), and maps their
+exceptions to status codes. The server starts before any plan exists, so Transfer answers
+FAILED_PRECONDITION until a stage attaches its receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import grpc
+
+from atoll.node.mailbox import InvalidTransfer, ReceiverBusy, TransferReceiver, UnexpectedTransfer
+from atoll.node.probe import ProbeError, ProbeResult, ProbeTooLarge, probe_peer, receive_probe
+from atoll.rpc import RpcOptions, ServerHandle, make_server, token_from_metadata, token_matches
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+__all__ = ["PeerLimits", "PeerServer", "ProbeError", "ProbeResult", "probe_peer"]
+
+log = logging.getLogger("atoll.node.peer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerLimits:
+    """What the Peer server accepts from any caller, whatever the running stage expects."""
+
+    max_probe_bytes: int = 512 * 1024 * 1024
+    """Largest probe payload; a longer probe is cut off with RESOURCE_EXHAUSTED."""
+    max_call: timedelta = timedelta(minutes=5)
+    """Longest deadline a Transfer or Probe call may carry. Calls without a deadline are refused, so a
+    silent caller cannot hold a server thread forever."""
+    max_concurrent_calls: int = 16
+    """Server threads; each open Transfer or Probe stream holds one."""
+
+    def __post_init__(self) -> None:
+        if self.max_probe_bytes < 0:
+            raise ValueError(f"max_probe_bytes must be >= 0, got {self.max_probe_bytes}")
+        if self.max_call <= timedelta(0):
+            raise ValueError(f"max_call must be positive, got {self.max_call}")
+        if self.max_concurrent_calls < 2:
+            raise ValueError(f"max_concurrent_calls must be at least 2 (one per neighbour), "
+                             f"got {self.max_concurrent_calls}")
+
+
+class _PeerServicer(pb_grpc.PeerServicer):
+    def __init__(self, owner: PeerServer):
+        self._owner = owner
+
+    def _admit(self, context: grpc.ServicerContext, method: str) -> float:
+        """Check token and deadline; return the seconds the call has left."""
+        expected = self._owner.token
+        if expected is not None and not token_matches(token_from_metadata(context), expected):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{method}: missing or wrong job token; start the node with the job's --token")
+        remaining = context.time_remaining()
+        limit = self._owner.limits.max_call.total_seconds()
+        if remaining is None or remaining > limit:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{method}: the call needs a deadline of at most {limit:.0f}s")
+        return remaining
+
+    def Transfer(self, request_iterator, context):
+        remaining = self._admit(context, "Transfer")
+        receiver = self._owner.receiver
+        if receiver is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {self._owner.node_id} runs no stage yet; wait for the plan")
+        try:
+            return receiver.receive(request_iterator, peer=context.peer(), deadline_seconds=remaining)
+        except InvalidTransfer as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnexpectedTransfer as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ReceiverBusy as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except grpc.RpcError:
+            # the caller cancelled or its deadline passed while we read; nobody is left to answer
+            context.abort(grpc.StatusCode.CANCELLED, "Transfer: the caller went away mid-stream")
+
+    def Probe(self, request_iterator, context):
+        self._admit(context, "Probe")
+        try:
+            return receive_probe(request_iterator, node_id=self._owner.node_id,
+                                 max_bytes=self._owner.limits.max_probe_bytes)
+        except ProbeTooLarge as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except grpc.RpcError:
+            context.abort(grpc.StatusCode.CANCELLED, "Probe: the caller went away mid-stream")
+
+
+class PeerServer:
+    """A started Peer server. `address` is the real HOST:PORT (port 0 is resolved)."""
+
+    def __init__(self, *, node_id: str, listen: str, token: str | None, rpc: RpcOptions | None = None,
+                 limits: PeerLimits = PeerLimits()):
+        if not node_id:
+            raise ValueError("node_id must not be empty")
+        self.node_id = node_id
+        self.token = token
+        self.limits = limits
+        self.rpc = rpc or RpcOptions()
+        self._lock = threading.Lock()
+        self._receiver: TransferReceiver | None = None
+        servicer = _PeerServicer(self)
+        self._handle: ServerHandle = make_server(
+            listen, [lambda s: pb_grpc.add_PeerServicer_to_server(servicer, s)], self.rpc,
+            max_workers=limits.max_concurrent_calls)
+        log.info("peer server of %s listening on %s", node_id, self._handle.address)
+
+    @property
+    def address(self) -> str:
+        return self._handle.address
+
+    @property
+    def port(self) -> int:
+        return self._handle.port
+
+    @property
+    def receiver(self) -> TransferReceiver | None:
+        return self._receiver
+
+    def attach(self, receiver: TransferReceiver) -> None:
+        """Route Transfer calls to `receiver` (the running stage's mailbox), replacing any earlier one."""
+        with self._lock:
+            self._receiver = receiver
+
+    def detach(self, receiver: TransferReceiver | None = None) -> None:
+        """Stop routing Transfer calls; with `receiver`, only if it is still the attached one."""
+        with self._lock:
+            if receiver is None or self._receiver is receiver:
+                self._receiver = None
+
+    def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
+        """Stop serving: open calls get `grace` to finish, then are cancelled. Idempotent."""
+        self.detach()
+        self._handle.stop(grace)
+
+    def __enter__(self) -> PeerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
