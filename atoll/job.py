@@ -1,0 +1,335 @@
+"""The job spec: what to train, on what data, how, and when to start.
+
+Written in TOML (see examples/tiny.toml); the coordinator loads it, validates it and hands its text to
+every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same spec. Sections:
+
+    [job]         name, id (optional: derived from the name and the spec's content)
+    [model]       preset = "tiny" | ..., and/or explicit atoll.modelspec.ModelConfig fields (override a preset)
+    [data]        source = "builtin" | a text file path (read by each node), tokenizer = "bytes"
+    [train]       global_batch, seq_len, micro_batch, steps, lr, weight_decay, warmup, grad_clip,
+                  dtype ("fp32" | "bf16"), seed, schedule ("1f1b" | "gpipe")
+    [checkpoint]  interval (steps between checkpoints; 0: none)
+    [compression] mode ("adaptive" | "identity" | a codec name)
+    [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training)
+
+Every error names the field (`train.micro_batch`) and says what to change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from atoll.modelspec import ModelConfig, ModelSpec, preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk")
+COMPRESSION_MODES = ("adaptive", *CODECS)
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class JobSpecError(ValueError):
+    """The job spec is invalid; the message names the field and what to change."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise JobSpecError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """Where the training text comes from."""
+
+    source: str = "builtin"
+    """"builtin" (the demo corpus shipped with atoll) or the path of a UTF-8 text file, read by each node."""
+    tokenizer: str = "bytes"
+    """"bytes": one token per byte (vocabulary 256)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source.strip()), 'data.source is empty: use "builtin" or the path of a text file')
+        _check(self.tokenizer == "bytes", f'data.tokenizer must be "bytes", got {self.tokenizer!r}')
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """The optimisation: batch shape, length, optimizer and schedule."""
+
+    global_batch: int
+    """Sequences per optimizer step, over all pipelines."""
+    seq_len: int
+    """Tokens per sequence; at most the model's seq_len."""
+    micro_batch: int
+    """Sequences per micro-batch; must divide global_batch."""
+    steps: int
+    """Optimizer steps to train."""
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    warmup: int = 0
+    """Steps of linear learning-rate warm-up."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    dtype: str = "fp32"
+    """Compute dtype: "fp32" or "bf16"."""
+    seed: int = 0
+    """Seed of the initial weights and the data order."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: "1f1b" or "gpipe"."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "seq_len", "micro_batch", "steps"):
+            _check(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        _check(self.global_batch % self.micro_batch == 0,
+               f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})")
+        _check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.warmup <= self.steps, f"train.warmup must be between 0 and train.steps ({self.steps}), "
+               f"got {self.warmup}")
+        _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
+        _check(self.dtype in ("fp32", "bf16"), f'train.dtype must be "fp32" or "bf16", got {self.dtype!r}')
+        _check(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
+        _check(self.schedule in ("1f1b", "gpipe"), f'train.schedule must be "1f1b" or "gpipe", got {self.schedule!r}')
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSpec:
+    """When stages save their state."""
+
+    interval: int = 0
+    """Steps between checkpoints (0: no checkpoints)."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0: none), got {self.interval}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionSpec:
+    """How activations are compressed between stages."""
+
+    mode: str = "adaptive"
+    """"adaptive" (a codec per link from its measured bandwidth), "identity", or one codec for every link."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in COMPRESSION_MODES,
+               f"compression.mode must be one of {', '.join(COMPRESSION_MODES)}, got {self.mode!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """When the coordinator plans."""
+
+    expected_nodes: int = 1
+    """Plan once this many nodes have joined (and probed each other)."""
+    min_nodes: int = 1
+    """Fewest alive nodes to keep planning with after members leave."""
+
+    def __post_init__(self) -> None:
+        _check(self.expected_nodes >= 1, f"cluster.expected_nodes must be >= 1, got {self.expected_nodes}")
+        _check(1 <= self.min_nodes <= self.expected_nodes,
+               f"cluster.min_nodes must be between 1 and cluster.expected_nodes ({self.expected_nodes}), "
+               f"got {self.min_nodes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One training job, as loaded from its TOML file."""
+
+    name: str
+    """Readable job name: letters, digits, '.', '_', '-'."""
+    model: ModelConfig
+    """The model's shape (a preset with any overrides applied)."""
+    train: TrainSpec
+    """Batch, length, optimizer and schedule."""
+    id: str = ""
+    """Job id; empty: derived from the name and a hash of the spec."""
+    model_preset: str | None = None
+    """The preset the model came from, if any (kept so to_toml writes it back)."""
+    data: DataSpec = field(default_factory=DataSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    compression: CompressionSpec = field(default_factory=CompressionSpec)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+
+    def __post_init__(self) -> None:
+        _check(bool(_NAME_RE.match(self.name)),
+               f"job.name {self.name!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        _check(self.train.seq_len <= self.model.seq_len,
+               f"train.seq_len ({self.train.seq_len}) exceeds the model's seq_len ({self.model.seq_len}); lower "
+               f"train.seq_len or set model.seq_len")
+        if self.data.tokenizer == "bytes":
+            _check(self.model.vocab_size >= 256,
+                   f"model.vocab_size ({self.model.vocab_size}) is below 256, too small for the bytes tokenizer")
+        if self.id:
+            _check(bool(_NAME_RE.match(self.id)),
+                   f"job.id {self.id!r} must be 1-64 letters, digits, '.', '_' or '-'")
+        else:
+            digest = hashlib.sha256(self._content_toml().encode("utf-8")).hexdigest()[:8]
+            object.__setattr__(self, "id", f"{self.name}-{digest}")
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec.from_config(self.model)
+
+    # --- TOML ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path) -> "JobSpec":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"job spec {path} not found; pass a TOML file such as examples/tiny.toml")
+        try:
+            return cls.from_toml(path.read_text(encoding="utf-8"))
+        except JobSpecError as e:
+            raise JobSpecError(f"{path}: {e}") from None
+
+    @classmethod
+    def from_toml(cls, text: str) -> "JobSpec":
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise JobSpecError(f"not valid TOML: {e}") from None
+        known = {"job", "model", "data", "train", "checkpoint", "compression", "cluster"}
+        unknown = sorted(set(doc) - known)
+        _check(not unknown, f"unknown section(s) {unknown}; sections: {sorted(known)}")
+        for sec, value in doc.items():
+            _check(isinstance(value, dict), f"[{sec}] must be a table")
+
+        job = _Section("job", doc.get("job", {}))
+        name = job.get("name", str)
+        _check(name is not None, 'job.name is missing: add name = "..." under [job]')
+        job_id = job.get("id", str) or ""
+        job.done()
+
+        model, model_preset = _model_from(_Section("model", doc.get("model", {})))
+
+        data = _build(DataSpec, "data", doc.get("data", {}))
+        train_sec = doc.get("train")
+        _check(train_sec is not None, "[train] is missing: add global_batch, seq_len, micro_batch and steps")
+        train = _build(TrainSpec, "train", train_sec)
+        checkpoint = _build(CheckpointSpec, "checkpoint", doc.get("checkpoint", {}))
+        compression = _build(CompressionSpec, "compression", doc.get("compression", {}))
+        cluster = _build(ClusterSpec, "cluster", doc.get("cluster", {}))
+        try:
+            return cls(name=name, id=job_id, model=model, model_preset=model_preset, data=data, train=train,
+                       checkpoint=checkpoint, compression=compression, cluster=cluster)
+        except JobSpecError:
+            raise
+        except ValueError as e:  # ModelConfig's own checks name model.* fields
+            raise JobSpecError(str(e)) from None
+
+    def to_toml(self) -> str:
+        """The spec as TOML; `from_toml(to_toml())` gives an equal spec (id included)."""
+        return f'[job]\nname = {_toml_value(self.name)}\nid = {_toml_value(self.id)}\n\n' + self._content_toml()
+
+    def _content_toml(self) -> str:
+        out: list[str] = ["[model]"]
+        base = preset(self.model_preset) if self.model_preset else None
+        if base is not None:
+            out.append(f"preset = {_toml_value(self.model_preset)}")
+        for f in fields(ModelConfig):
+            value = getattr(self.model, f.name)
+            if value is None or (base is not None and getattr(base, f.name) == value):
+                continue
+            out.append(f"{f.name} = {_toml_value(value)}")
+        for sec in ("data", "train", "checkpoint", "compression", "cluster"):
+            obj = getattr(self, sec)
+            out.append(f"\n[{sec}]")
+            out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj))
+        return "\n".join(out) + "\n"
+
+    def with_id(self, job_id: str) -> "JobSpec":
+        return replace(self, id=job_id)
+
+
+class _Section:
+    """Typed reads from one TOML table, remembering which keys were used."""
+
+    def __init__(self, name: str, table: dict[str, Any]):
+        self.name, self.table, self.used = name, table, set[str]()
+
+    def get(self, key: str, kind: type) -> Any:
+        self.used.add(key)
+        if key not in self.table:
+            return None
+        value = self.table[key]
+        ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        _check(ok, f"{self.name}.{key} must be {_KIND_NAMES.get(kind, kind.__name__)}, got {value!r}")
+        return value
+
+    def done(self, known: list[str] | None = None) -> None:
+        unknown = sorted(set(self.table) - self.used)
+        _check(not unknown, f"unknown field(s) {unknown} in [{self.name}]; fields: {sorted(known or self.used)}")
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _field_kind(annotation: Any) -> type:
+    text = str(annotation)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str), ("Style", str)):
+        if text.startswith(name):
+            return kind
+    raise TypeError(f"no TOML kind for {annotation!r}")  # pragma: no cover - a programming error
+
+
+def _build(cls: Any, name: str, table: dict[str, Any]) -> Any:
+    sec = _Section(name, table)
+    kwargs = {}
+    for f in fields(cls):
+        value = sec.get(f.name, _field_kind(f.type))
+        if value is not None:
+            kwargs[f.name] = value
+    sec.done()
+    missing = [f.name for f in fields(cls)
+               if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
+    _check(not missing, f"[{name}] is missing {', '.join(f'{name}.{m}' for m in missing)}")
+    return cls(**kwargs)
+
+
+def _model_from(sec: _Section) -> tuple[ModelConfig, str | None]:
+    preset_name = sec.get("preset", str)
+    overrides: dict[str, Any] = {}
+    for f in fields(ModelConfig):
+        value = sec.get(f.name, _field_kind(f.type))
+        if value is not None:
+            overrides[f.name] = value
+    sec.done()
+    try:
+        if preset_name is not None:
+            base = preset(preset_name)
+            return replace(base, **overrides), preset_name.lower()
+        required = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+        missing = [f"model.{r}" for r in required if r not in overrides]
+        _check(not missing, f"[model] needs preset = \"tiny\" (or another preset) or explicit fields; missing "
+               f"{', '.join(missing)}")
+        return ModelConfig(**overrides), None
+    except JobSpecError:
+        raise
+    except ValueError as e:
+        raise JobSpecError(str(e)) from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {value!r} as TOML")  # pragma: no cover
