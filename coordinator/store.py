@@ -1,0 +1,444 @@
+"""The coordinator's state behind one interface: `MemoryStore` (tests) and `SqliteStore` (WAL, on disk).
+
+What is kept: the job, members with their profiles, the latest measurement of each link, the islands,
+the plan history, the checkpoint index and recent step metrics. A coordinator restarted on the same
+SQLite file resumes with the same job, members and plan epoch. Methods are thread-safe; returned
+records are copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sqlite3
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from atoll.plan import IslandInfo, Plan
+from atoll.serde import step_metrics_from_proto, step_metrics_to_proto
+from atoll.types import LayerTiming, LinkMeasurement, NodeProfile, StepMetrics
+from atoll.v1 import atoll_pb2 as pb
+
+MEMBER_STATES = ("alive", "gone", "left")
+
+
+class StoreError(RuntimeError):
+    """The store refused an update (e.g. a plan epoch that does not increase)."""
+
+
+@dataclass(kw_only=True)
+class JobRecord:
+    job_id: str
+    name: str
+    spec_toml: str
+    created_unix: float = 0.0
+
+
+@dataclass(kw_only=True)
+class MemberRecord:
+    """A node that joined the job."""
+
+    node_id: str
+    peer_address: str
+    profile: NodeProfile
+    state: str = "alive"
+    """alive (holds a lease), gone (missed its lease), left (said goodbye)."""
+    joined_unix: float = 0.0
+    last_heartbeat_unix: float = 0.0
+    plan_epoch: int = 0
+    """The epoch the node last said it runs."""
+    step: int = 0
+    reason: str = ""
+    """Why the state last changed."""
+
+
+@dataclass(kw_only=True)
+class CheckpointRecord:
+    """One stage replica's report that it saved layers [layer_start, layer_end) at `step`."""
+
+    step: int
+    plan_epoch: int
+    node_id: str
+    layer_start: int
+    layer_end: int
+    path: str = ""
+    bytes: int = 0
+    data_position: int = 0
+    reported_unix: float = 0.0
+
+
+@dataclass(kw_only=True)
+class StoredPlan:
+    plan: Plan
+    created_unix: float = 0.0
+    reason: str = ""
+
+
+@dataclass(kw_only=True)
+class _Snapshot:
+    job: JobRecord | None = None
+    members: dict[str, MemberRecord] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkMeasurement] = field(default_factory=dict)
+    islands: list[IslandInfo] = field(default_factory=list)
+    plans: list[StoredPlan] = field(default_factory=list)
+    checkpoints: dict[tuple[int, int, str, int, int], CheckpointRecord] = field(default_factory=dict)
+    steps: list[StepMetrics] = field(default_factory=list)
+
+
+class Store(ABC):
+    """Coordinator state. One job per store."""
+
+    recent_steps_kept: int = 2000
+
+    # job
+    @abstractmethod
+    def get_job(self) -> JobRecord | None: ...
+    @abstractmethod
+    def put_job(self, job: JobRecord) -> None:
+        """Record the job; a store holds one job, and putting another id raises StoreError."""
+
+    # members
+    @abstractmethod
+    def put_member(self, member: MemberRecord) -> None:
+        """Insert or replace a member (profile, address, state and times)."""
+    @abstractmethod
+    def get_member(self, node_id: str) -> MemberRecord | None: ...
+    @abstractmethod
+    def list_members(self) -> list[MemberRecord]:
+        """All members, ordered by node id."""
+    @abstractmethod
+    def heartbeat(self, node_id: str, now: float, plan_epoch: int, step: int) -> bool:
+        """Renew a member's lease; False when the node is unknown."""
+    @abstractmethod
+    def set_member_state(self, node_id: str, state: str, reason: str) -> None: ...
+
+    # links
+    @abstractmethod
+    def put_links(self, links: list[LinkMeasurement]) -> None:
+        """Keep the latest measurement of each (src, dst)."""
+    @abstractmethod
+    def list_links(self) -> list[LinkMeasurement]: ...
+
+    # islands
+    @abstractmethod
+    def put_islands(self, islands: list[IslandInfo]) -> None: ...
+    @abstractmethod
+    def get_islands(self) -> list[IslandInfo]: ...
+
+    # plans
+    @abstractmethod
+    def add_plan(self, plan: Plan, created_unix: float, reason: str = "") -> None:
+        """Append a plan; its epoch must exceed every stored one."""
+    @abstractmethod
+    def plan_history(self) -> list[StoredPlan]:
+        """Every plan, oldest first."""
+
+    def latest_plan(self) -> Plan | None:
+        history = self.plan_history()
+        return history[-1].plan if history else None
+
+    def latest_epoch(self) -> int:
+        plan = self.latest_plan()
+        return plan.epoch if plan is not None else 0
+
+    # checkpoints
+    @abstractmethod
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        """Index a stage's checkpoint (a repeated report of the same stage, step and epoch replaces it)."""
+    @abstractmethod
+    def list_checkpoints(self) -> list[CheckpointRecord]:
+        """Ordered by step, epoch, layers."""
+
+    # step metrics
+    @abstractmethod
+    def add_step(self, metrics: StepMetrics) -> None:
+        """Keep the latest `recent_steps_kept` reports."""
+    @abstractmethod
+    def recent_steps(self, limit: int = 100) -> list[StepMetrics]:
+        """The latest reports, oldest first."""
+
+    def close(self) -> None:
+        """Release files."""
+
+
+def _check_state(state: str) -> None:
+    if state not in MEMBER_STATES:
+        raise ValueError(f"member state must be one of {MEMBER_STATES}, got {state!r}")
+
+
+class MemoryStore(Store):
+    """State in memory, for tests and throwaway runs."""
+
+    def __init__(self) -> None:
+        self._s = _Snapshot()
+        self._lock = threading.Lock()
+
+    def get_job(self) -> JobRecord | None:
+        with self._lock:
+            return copy.deepcopy(self._s.job)
+
+    def put_job(self, job: JobRecord) -> None:
+        with self._lock:
+            if self._s.job is not None and self._s.job.job_id != job.job_id:
+                raise StoreError(f"this store holds job {self._s.job.job_id}, not {job.job_id}")
+            self._s.job = copy.deepcopy(job)
+
+    def put_member(self, member: MemberRecord) -> None:
+        _check_state(member.state)
+        with self._lock:
+            self._s.members[member.node_id] = copy.deepcopy(member)
+
+    def get_member(self, node_id: str) -> MemberRecord | None:
+        with self._lock:
+            return copy.deepcopy(self._s.members.get(node_id))
+
+    def list_members(self) -> list[MemberRecord]:
+        with self._lock:
+            return [copy.deepcopy(self._s.members[k]) for k in sorted(self._s.members)]
+
+    def heartbeat(self, node_id: str, now: float, plan_epoch: int, step: int) -> bool:
+        with self._lock:
+            m = self._s.members.get(node_id)
+            if m is None:
+                return False
+            m.last_heartbeat_unix, m.plan_epoch, m.step = now, plan_epoch, step
+            return True
+
+    def set_member_state(self, node_id: str, state: str, reason: str) -> None:
+        _check_state(state)
+        with self._lock:
+            m = self._s.members.get(node_id)
+            if m is not None:
+                m.state, m.reason = state, reason
+
+    def put_links(self, links: list[LinkMeasurement]) -> None:
+        with self._lock:
+            for x in links:
+                self._s.links[(x.src, x.dst)] = copy.deepcopy(x)
+
+    def list_links(self) -> list[LinkMeasurement]:
+        with self._lock:
+            return [copy.deepcopy(self._s.links[k]) for k in sorted(self._s.links)]
+
+    def put_islands(self, islands: list[IslandInfo]) -> None:
+        with self._lock:
+            self._s.islands = copy.deepcopy(islands)
+
+    def get_islands(self) -> list[IslandInfo]:
+        with self._lock:
+            return copy.deepcopy(self._s.islands)
+
+    def add_plan(self, plan: Plan, created_unix: float, reason: str = "") -> None:
+        with self._lock:
+            last = self._s.plans[-1].plan.epoch if self._s.plans else 0
+            if plan.epoch <= last:
+                raise StoreError(f"plan epoch {plan.epoch} does not exceed the stored epoch {last}")
+            self._s.plans.append(StoredPlan(plan=copy.deepcopy(plan), created_unix=created_unix, reason=reason))
+
+    def plan_history(self) -> list[StoredPlan]:
+        with self._lock:
+            return copy.deepcopy(self._s.plans)
+
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        key = (record.step, record.plan_epoch, record.node_id, record.layer_start, record.layer_end)
+        with self._lock:
+            self._s.checkpoints[key] = copy.deepcopy(record)
+
+    def list_checkpoints(self) -> list[CheckpointRecord]:
+        with self._lock:
+            return [copy.deepcopy(self._s.checkpoints[k]) for k in sorted(self._s.checkpoints)]
+
+    def add_step(self, metrics: StepMetrics) -> None:
+        with self._lock:
+            self._s.steps.append(copy.deepcopy(metrics))
+            del self._s.steps[:-self.recent_steps_kept]
+
+    def recent_steps(self, limit: int = 100) -> list[StepMetrics]:
+        with self._lock:
+            return copy.deepcopy(self._s.steps[-limit:]) if limit > 0 else []
+
+
+# --- SQLite ---------------------------------------------------------------------------------------------
+
+_SCHEMA_VERSION = 1
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (
+    one INTEGER PRIMARY KEY CHECK (one = 1), job_id TEXT NOT NULL, name TEXT NOT NULL,
+    spec_toml TEXT NOT NULL, created_unix REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS members (
+    node_id TEXT PRIMARY KEY, peer_address TEXT NOT NULL, profile_json TEXT NOT NULL, state TEXT NOT NULL,
+    joined_unix REAL NOT NULL, last_heartbeat_unix REAL NOT NULL, plan_epoch INTEGER NOT NULL,
+    step INTEGER NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS links (
+    src TEXT NOT NULL, dst TEXT NOT NULL, bandwidth REAL NOT NULL, rtt REAL NOT NULL, probe_bytes INTEGER NOT NULL,
+    measured_unix REAL NOT NULL, PRIMARY KEY (src, dst));
+CREATE TABLE IF NOT EXISTS islands (one INTEGER PRIMARY KEY CHECK (one = 1), islands_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS plans (
+    epoch INTEGER PRIMARY KEY, created_unix REAL NOT NULL, reason TEXT NOT NULL, plan_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    step INTEGER NOT NULL, plan_epoch INTEGER NOT NULL, node_id TEXT NOT NULL, layer_start INTEGER NOT NULL,
+    layer_end INTEGER NOT NULL, path TEXT NOT NULL, bytes INTEGER NOT NULL, data_position INTEGER NOT NULL,
+    reported_unix REAL NOT NULL, PRIMARY KEY (step, plan_epoch, node_id, layer_start, layer_end));
+CREATE TABLE IF NOT EXISTS steps (id INTEGER PRIMARY KEY AUTOINCREMENT, metrics BLOB NOT NULL);
+"""
+
+
+def _profile_json(p: NodeProfile) -> str:
+    return json.dumps(asdict(p), sort_keys=True)
+
+
+def _profile_from_json(text: str) -> NodeProfile:
+    d = json.loads(text)
+    d["layer_timings"] = [LayerTiming(**t) for t in d.get("layer_timings", [])]
+    return NodeProfile(**d)
+
+
+class SqliteStore(Store):
+    """State in one SQLite file in WAL mode; every update is its own transaction.
+
+    synchronous=NORMAL under WAL loses nothing when the process is killed (only an OS crash may lose the
+    last transactions), which is the failure a restarted coordinator must survive.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=10000")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, _SCHEMA_VERSION):
+            raise StoreError(f"{self.path} has schema version {version}; this atoll reads {_SCHEMA_VERSION}. "
+                             f"Use a new --state-dir")
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _write(self, sql: str, params: tuple = ()) -> sqlite3.Cursor:
+        with self._tx() as db:
+            return db.execute(sql, params)
+
+    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    def get_job(self) -> JobRecord | None:
+        rows = self._read("SELECT job_id, name, spec_toml, created_unix FROM job")
+        if not rows:
+            return None
+        job_id, name, spec, created = rows[0]
+        return JobRecord(job_id=job_id, name=name, spec_toml=spec, created_unix=created)
+
+    def put_job(self, job: JobRecord) -> None:
+        current = self.get_job()
+        if current is not None and current.job_id != job.job_id:
+            raise StoreError(f"{self.path} holds job {current.job_id}, not {job.job_id}")
+        self._write("INSERT OR REPLACE INTO job VALUES (1, ?, ?, ?, ?)",
+                    (job.job_id, job.name, job.spec_toml, job.created_unix))
+
+    def put_member(self, member: MemberRecord) -> None:
+        _check_state(member.state)
+        m = member
+        self._write("INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (m.node_id, m.peer_address, _profile_json(m.profile), m.state, m.joined_unix,
+                     m.last_heartbeat_unix, m.plan_epoch, m.step, m.reason))
+
+    @staticmethod
+    def _member(row: tuple) -> MemberRecord:
+        node_id, addr, profile, state, joined, hb, epoch, step, reason = row
+        return MemberRecord(node_id=node_id, peer_address=addr, profile=_profile_from_json(profile), state=state,
+                            joined_unix=joined, last_heartbeat_unix=hb, plan_epoch=epoch, step=step, reason=reason)
+
+    def get_member(self, node_id: str) -> MemberRecord | None:
+        rows = self._read("SELECT * FROM members WHERE node_id = ?", (node_id,))
+        return self._member(rows[0]) if rows else None
+
+    def list_members(self) -> list[MemberRecord]:
+        return [self._member(r) for r in self._read("SELECT * FROM members ORDER BY node_id")]
+
+    def heartbeat(self, node_id: str, now: float, plan_epoch: int, step: int) -> bool:
+        cur = self._write("UPDATE members SET last_heartbeat_unix = ?, plan_epoch = ?, step = ? WHERE node_id = ?",
+                          (now, plan_epoch, step, node_id))
+        return cur.rowcount > 0
+
+    def set_member_state(self, node_id: str, state: str, reason: str) -> None:
+        _check_state(state)
+        self._write("UPDATE members SET state = ?, reason = ? WHERE node_id = ?", (state, reason, node_id))
+
+    def put_links(self, links: list[LinkMeasurement]) -> None:
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?, ?)",
+                           [(x.src, x.dst, x.bandwidth_bytes_per_s, x.rtt_seconds, x.probe_bytes, x.measured_unix)
+                            for x in links])
+
+    def list_links(self) -> list[LinkMeasurement]:
+        return [LinkMeasurement(src=s, dst=d, bandwidth_bytes_per_s=bw, rtt_seconds=rtt, probe_bytes=n,
+                                measured_unix=t)
+                for s, d, bw, rtt, n, t in self._read("SELECT * FROM links ORDER BY src, dst")]
+
+    def put_islands(self, islands: list[IslandInfo]) -> None:
+        self._write("INSERT OR REPLACE INTO islands VALUES (1, ?)", (json.dumps([asdict(i) for i in islands]),))
+
+    def get_islands(self) -> list[IslandInfo]:
+        rows = self._read("SELECT islands_json FROM islands")
+        return [IslandInfo(**d) for d in json.loads(rows[0][0])] if rows else []
+
+    def add_plan(self, plan: Plan, created_unix: float, reason: str = "") -> None:
+        with self._tx() as db:
+            last = db.execute("SELECT COALESCE(MAX(epoch), 0) FROM plans").fetchone()[0]
+            if plan.epoch <= last:
+                raise StoreError(f"plan epoch {plan.epoch} does not exceed the stored epoch {last}")
+            db.execute("INSERT INTO plans VALUES (?, ?, ?, ?)",
+                       (plan.epoch, created_unix, reason, plan.to_json(indent=None)))
+
+    def plan_history(self) -> list[StoredPlan]:
+        return [StoredPlan(plan=Plan.from_json(js), created_unix=t, reason=r)
+                for _, t, r, js in self._read("SELECT * FROM plans ORDER BY epoch")]
+
+    def latest_plan(self) -> Plan | None:
+        rows = self._read("SELECT plan_json FROM plans ORDER BY epoch DESC LIMIT 1")
+        return Plan.from_json(rows[0][0]) if rows else None
+
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        r = record
+        self._write("INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (r.step, r.plan_epoch, r.node_id, r.layer_start, r.layer_end, r.path, r.bytes, r.data_position,
+                     r.reported_unix))
+
+    def list_checkpoints(self) -> list[CheckpointRecord]:
+        rows = self._read("SELECT * FROM checkpoints ORDER BY step, plan_epoch, node_id, layer_start, layer_end")
+        return [CheckpointRecord(step=s, plan_epoch=e, node_id=n, layer_start=a, layer_end=b, path=p, bytes=nb,
+                                 data_position=dp, reported_unix=t) for s, e, n, a, b, p, nb, dp, t in rows]
+
+    def add_step(self, metrics: StepMetrics) -> None:
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO steps (metrics) VALUES (?)",
+                             (step_metrics_to_proto(metrics).SerializeToString(),))
+            db.execute("DELETE FROM steps WHERE id <= ?", (cur.lastrowid - self.recent_steps_kept,))
+
+    def recent_steps(self, limit: int = 100) -> list[StepMetrics]:
+        if limit <= 0:
+            return []
+        rows = self._read("SELECT metrics FROM steps ORDER BY id DESC LIMIT ?", (limit,))
+        return [step_metrics_from_proto(pb.StepMetrics.FromString(blob)) for (blob,) in reversed(rows)]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
