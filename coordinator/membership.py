@@ -1,0 +1,134 @@
+"""Membership decisions as pure functions of (now, state, options), each returning a decision and its reason.
+
+- `expire_leases`: which alive members missed their lease and are now gone.
+- `join_decision`: whether a join is a new member, an update of the same node, or a conflicting claim.
+- `plan_decision`: whether the coordinator should (re)plan now.
+
+The clock is a parameter, so tests step time by hand; nothing here reads the wall clock or does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Set
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+from atoll.coordinator.store import MemberRecord
+from atoll.job import ClusterSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class MembershipOptions:
+    """Leases and how long to let membership settle before planning."""
+
+    lease: timedelta = timedelta(seconds=10)
+    """A member that sends no heartbeat for this long is marked gone."""
+    restart_grace: timedelta | None = None
+    """After the coordinator (re)starts, members have this long to heartbeat again before their lease counts
+    from their last heartbeat; None means one lease. Keeps a restarted coordinator from expiring everyone."""
+    settle: timedelta = timedelta(seconds=1)
+    """After a membership change, wait this long for further changes before replanning, so a burst of
+    joins or departures yields one new epoch rather than several."""
+
+    def __post_init__(self) -> None:
+        if self.lease <= timedelta(0):
+            raise ValueError(f"lease must be positive, got {self.lease}")
+        if self.restart_grace is not None and self.restart_grace < timedelta(0):
+            raise ValueError(f"restart_grace must be >= 0, got {self.restart_grace}")
+        if self.settle < timedelta(0):
+            raise ValueError(f"settle must be >= 0, got {self.settle}")
+
+    @property
+    def grace(self) -> timedelta:
+        return self.lease if self.restart_grace is None else self.restart_grace
+
+
+@dataclass(frozen=True)
+class Transition:
+    node_id: str
+    state: Literal["gone"]
+    reason: str
+
+
+def lease_deadline(member: MemberRecord, started_unix: float, options: MembershipOptions) -> float:
+    """Unix time at which an alive member's lease lapses."""
+    return max(member.last_heartbeat_unix + options.lease.total_seconds(),
+               started_unix + options.grace.total_seconds())
+
+
+def expire_leases(now: float, members: Iterable[MemberRecord], started_unix: float,
+                  options: MembershipOptions) -> list[Transition]:
+    """Alive members whose lease has lapsed at `now`, with the reason for each."""
+    out = []
+    for m in members:
+        if m.state == "alive" and now > lease_deadline(m, started_unix, options):
+            silent = now - max(m.last_heartbeat_unix, started_unix)
+            out.append(Transition(m.node_id, "gone",
+                                  f"no heartbeat for {silent:.1f}s (lease {options.lease.total_seconds():g}s)"))
+    return out
+
+
+JoinKind = Literal["new", "update", "rejoin", "conflict"]
+
+
+@dataclass(frozen=True)
+class JoinDecision:
+    kind: JoinKind
+    reason: str
+
+
+def join_decision(now: float, existing: MemberRecord | None, *, hostname: str, started_unix: float,
+                  options: MembershipOptions) -> JoinDecision:
+    """How to treat a join that claims `existing`'s node id (None: an id not seen before).
+
+    A node keeps its id in its state dir, so the same id from the same host is the same node coming back
+    (an idempotent update, whatever its new peer address). The same id from another host is a second
+    machine with a copied state dir: refused while the first holds a live lease, accepted once it lapsed.
+    """
+    if existing is None:
+        return JoinDecision("new", "first join")
+    if existing.state != "alive":
+        return JoinDecision("rejoin", f"was {existing.state}")
+    if existing.profile.hostname == hostname:
+        return JoinDecision("update", "same node joined again")
+    if now > lease_deadline(existing, started_unix, options):
+        return JoinDecision("rejoin", f"lease of the node on {existing.profile.hostname!r} had lapsed")
+    return JoinDecision("conflict", f"node id {existing.node_id} is held by a live node on host "
+                                    f"{existing.profile.hostname!r}; remove the copied state dir of the node on "
+                                    f"{hostname!r} (or give it its own --state-dir)")
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    plan: bool
+    reason: str
+
+
+def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
+                  last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions) -> PlanDecision:
+    """Whether to publish a new plan now.
+
+    alive: ids of alive members; planned: ids in the current plan (None: no plan yet); unprobed: alive
+    members whose links to the others are not measured yet; last_change_unix: the latest join or
+    departure.
+    """
+    if planned is None:
+        if len(alive) < cluster.expected_nodes:
+            return PlanDecision(False, f"waiting for nodes: {len(alive)} of {cluster.expected_nodes} joined")
+        if unprobed:
+            return PlanDecision(False, f"waiting for link probes of {', '.join(sorted(unprobed))}")
+        return PlanDecision(True, f"{len(alive)} nodes joined and probed (expected {cluster.expected_nodes})")
+    if set(alive) == set(planned):
+        return PlanDecision(False, "membership matches the current plan")
+    if len(alive) < cluster.min_nodes:
+        return PlanDecision(False, f"only {len(alive)} alive, fewer than cluster.min_nodes = {cluster.min_nodes}; "
+                                   f"waiting for nodes")
+    joined, gone = sorted(set(alive) - set(planned)), sorted(set(planned) - set(alive))
+    if unprobed:
+        return PlanDecision(False, f"waiting for link probes of {', '.join(sorted(unprobed))}")
+    wait = last_change_unix + options.settle.total_seconds() - now
+    if wait > 0:
+        return PlanDecision(False, f"membership changed; settling for {wait:.1f}s more")
+    parts = ([f"joined: {', '.join(joined)}"] if joined else []) + ([f"gone: {', '.join(gone)}"] if gone else [])
+    return PlanDecision(True, "; ".join(parts))
