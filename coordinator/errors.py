@@ -1,0 +1,31 @@
+"""Domain errors of the coordinator's handlers. The servicer maps each to one gRPC status code."""
+
+from __future__ import annotations
+
+
+class CoordinatorError(Exception):
+    """Base of the errors a handler raises for a bad or untimely request; the message says what to do."""
+
+
+class Unauthenticated(CoordinatorError):
+    """Missing or wrong job token."""
+
+
+class InvalidArgument(CoordinatorError):
+    """A malformed or absurd request."""
+
+
+class NotFound(CoordinatorError):
+    """An unknown node (join first) or an unknown job."""
+
+
+class AlreadyExists(CoordinatorError):
+    """Another live node holds the claimed node id."""
+
+
+class FailedPrecondition(CoordinatorError):
+    """The request does not fit the coordinator's state: another job, a future plan epoch."""
+
+
+class Unavailable(CoordinatorError):
+    """The coordinator is shutting down."""

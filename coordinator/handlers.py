@@ -1,0 +1,187 @@
+"""What each Coordinator RPC does, as plain functions of (request, state) -> reply.
+
+They validate everything first, raise the domain errors of `atoll.coordinator.errors` for bad or
+untimely requests, and never import grpc: `atoll.coordinator.servicer` maps the errors to status codes.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable, Iterator
+
+from atoll.coordinator import validation as v
+from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+                                      Unauthenticated)
+from atoll.coordinator.membership import join_decision
+from atoll.coordinator.progress import throughput
+from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.store import CheckpointRecord, MemberRecord
+from atoll.rpc import token_matches
+from atoll.serde import (island_to_proto, link_to_proto, plan_to_proto, profile_from_proto, profile_to_proto,
+                         step_metrics_from_proto, step_metrics_to_proto)
+from atoll.types import LinkMeasurement
+from atoll.v1 import atoll_pb2 as pb
+
+RECENT_STEPS_IN_STATUS = 32
+
+
+def check_token(given: str | None, state: CoordinatorState) -> None:
+    if not token_matches(given, state.token):
+        raise Unauthenticated("missing or wrong job token; pass the job's token (--token, --token-file or "
+                              "ATOLL_TOKEN)")
+
+
+def _check_job(job_id: str, state: CoordinatorState) -> None:
+    if job_id and job_id != state.job.id:
+        raise FailedPrecondition(f"this coordinator runs job {state.job.id}, not {job_id[:80]!r}; point the node "
+                                 f"at that job's coordinator")
+
+
+def _known(node_id: str, state: CoordinatorState) -> MemberRecord:
+    v.check_node_id(node_id)
+    member = state.store.get_member(node_id)
+    if member is None:
+        raise NotFound(f"node {node_id} is not a member of job {state.job.id}; join first")
+    if member.state != "alive":
+        raise NotFound(f"node {node_id} was marked {member.state} ({member.reason}); join again")
+    return member
+
+
+def _new_node_id(hostname: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9-]+", "-", hostname.split(".")[0]).strip("-")[:40] or "node"
+    return f"{stem}-{secrets.token_hex(3)}"
+
+
+def _job_info(state: CoordinatorState) -> pb.JobInfo:
+    return pb.JobInfo(job_id=state.job.id, name=state.job.name, spec_toml=state.spec_toml)
+
+
+def handle_join(req: pb.JoinRequest, state: CoordinatorState) -> pb.JoinReply:
+    check_token(req.token, state)
+    _check_job(req.job_id, state)
+    v.check_profile(req.profile)
+    v.check_address("peer_address", req.peer_address)
+    node_id = req.node_id or _new_node_id(req.profile.hostname)
+    v.check_node_id(node_id)
+    now = state.clock()
+    existing = state.store.get_member(node_id)
+    decision = join_decision(now, existing, hostname=req.profile.hostname, started_unix=state.started_unix,
+                             options=state.options.membership)
+    if decision.kind == "conflict":
+        raise AlreadyExists(decision.reason)
+    state.store.put_member(MemberRecord(
+        node_id=node_id, peer_address=req.peer_address, profile=profile_from_proto(req.profile), state="alive",
+        joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
+        last_heartbeat_unix=now, reason=decision.reason))
+    if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address:
+        state.membership_changed(now)
+    return pb.JoinReply(node_id=node_id, job=_job_info(state),
+                        lease_seconds=state.options.membership.lease.total_seconds(),
+                        heartbeat_interval_seconds=state.options.heartbeat.total_seconds())
+
+
+def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
+    _known(req.node_id, state)
+    now = state.clock()
+    if req.plan_epoch > state.epoch:
+        raise FailedPrecondition(f"node {req.node_id} claims plan epoch {req.plan_epoch}, but the newest is "
+                                 f"{state.epoch}")
+    state.store.heartbeat(req.node_id, now, req.plan_epoch, req.step)
+    probe_bytes = state.options.probes.probe_bytes
+    return pb.HeartbeatReply(
+        lease_seconds=state.options.membership.lease.total_seconds(), plan_epoch=state.epoch,
+        probe=[pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
+               for m in state.assign_probes(req.node_id, now)])
+
+
+def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:
+    _known(req.node_id, state)
+    if len(req.links) > v.MAX_LINKS_PER_REPORT:
+        raise InvalidArgument(f"{len(req.links)} links in one report; at most {v.MAX_LINKS_PER_REPORT}")
+    for i, x in enumerate(req.links):
+        v.check_link(i, x, req.node_id)
+    now = state.clock()
+    known = {m.node_id for m in state.store.list_members()}
+    # the coordinator's clock dates every measurement, so nodes' clock skew cannot make links look fresh
+    links = [LinkMeasurement(src=x.src, dst=x.dst, bandwidth_bytes_per_s=x.bandwidth_bytes_per_s,
+                             rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=now)
+             for x in req.links if x.dst in known]
+    state.record_probes(links)
+    return pb.Ack(message=f"{len(links)} links recorded")
+
+
+def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepAck:
+    _check_job(req.job_id, state)
+    _known(req.node_id, state)
+    if req.plan_epoch > state.epoch:
+        raise FailedPrecondition(f"step metrics for plan epoch {req.plan_epoch}, but the newest is {state.epoch}")
+    if len(req.links) > 64:
+        raise InvalidArgument(f"{len(req.links)} link stats in one step report; at most 64")
+    try:
+        metrics = step_metrics_from_proto(req)
+    except ValueError as e:
+        raise InvalidArgument(f"step metrics: {e}") from None
+    for name in ("step_seconds", "compute_seconds", "wait_seconds"):
+        v.check_seconds(name, getattr(req, name))
+    state.store.add_step(metrics)
+    return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= state.job.train.steps)
+
+
+def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) -> pb.Ack:
+    _check_job(req.job_id, state)
+    _known(req.node_id, state)
+    if req.plan_epoch > state.epoch or req.plan_epoch == 0:
+        raise FailedPrecondition(f"checkpoint for plan epoch {req.plan_epoch}; the plans run so far are 1-{state.epoch}")
+    layers = state.job.model_spec.num_layers
+    if not 0 <= req.layer_start < req.layer_end <= layers:
+        raise InvalidArgument(f"checkpoint layers [{req.layer_start}, {req.layer_end}) are outside the model's "
+                              f"{layers} layers")
+    v.check_string("path", req.path, limit=4096)
+    state.store.add_checkpoint(CheckpointRecord(
+        step=req.step, plan_epoch=req.plan_epoch, node_id=req.node_id, layer_start=req.layer_start,
+        layer_end=req.layer_end, path=req.path, bytes=req.bytes, data_position=req.data_position,
+        reported_unix=state.clock()))
+    done = state.complete_checkpoint_steps()
+    complete = bool(done) and done[-1] == req.step
+    return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}")
+
+
+def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
+    _known(req.node_id, state)
+    v.check_string("reason", req.reason)
+    state.store.set_member_state(req.node_id, "left", req.reason or "left")
+    state.membership_changed(state.clock())
+    return pb.Ack(message=f"node {req.node_id} left")
+
+
+def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callable[[], bool],
+               poll_seconds: float = 1.0) -> Iterator[pb.Plan]:
+    """Plans newer than `known_epoch`, as they are published, while `active()` holds."""
+    if req.node_id:
+        _known(req.node_id, state)
+    known = req.known_epoch
+    while active() and not state.closed:
+        plan = state.wait_for_plan(known, poll_seconds)
+        if plan is not None:
+            known = plan.epoch
+            yield plan_to_proto(plan)
+
+
+def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusReply:
+    plan = state.current_plan()
+    recent = state.store.recent_steps(RECENT_STEPS_IN_STATUS * 8)
+    step, tps = throughput(recent, plan.epoch if plan is not None else 0)
+    done = state.complete_checkpoint_steps()
+    reply = pb.StatusReply(
+        job=_job_info(state),
+        members=[pb.Member(node_id=m.node_id, peer_address=m.peer_address, profile=profile_to_proto(m.profile),
+                           state=m.state, last_heartbeat_unix=m.last_heartbeat_unix, joined_unix=m.joined_unix)
+                 for m in state.store.list_members()],
+        islands=[island_to_proto(i) for i in state.store.get_islands()],
+        links=[link_to_proto(x) for x in state.store.list_links()],
+        recent_steps=[step_metrics_to_proto(s) for s in recent[-RECENT_STEPS_IN_STATUS:]],
+        step=step, tokens_per_second=tps, last_checkpoint_step=done[-1] if done else 0)
+    if plan is not None:
+        reply.plan.CopyFrom(plan_to_proto(plan))
+    return reply

@@ -1,0 +1,219 @@
+"""The coordinator's state: the store plus what lives only in memory (probes in flight, the plan watchers).
+
+`tick(now)` is the coordinator's heartbeat: it expires leases, refreshes the islands and, when
+`plan_decision` says so, makes and publishes a new plan epoch. The service calls it from a background
+loop; tests call it with their own clock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from atoll.coordinator.checkpoints import complete_steps
+from atoll.coordinator.islands import IslandOptions, device_class, form_islands
+from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fresh_pairs, needs_probes, probe_targets
+from atoll.coordinator.membership import MembershipOptions, expire_leases, plan_decision
+from atoll.coordinator.planning import PlanInputs, make_plan
+from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
+from atoll.job import JobSpec
+from atoll.plan import IslandInfo, Plan
+from atoll.types import LinkMeasurement
+
+log = logging.getLogger("atoll.coordinator")
+
+Planner = Callable[[PlanInputs], tuple[Plan, str]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorOptions:
+    """Timing and policy of one coordinator."""
+
+    membership: MembershipOptions = field(default_factory=MembershipOptions)
+    """Leases, restart grace and settling."""
+    probes: ProbeOptions = field(default_factory=ProbeOptions)
+    """Which links are probed and when again."""
+    islands: IslandOptions = field(default_factory=IslandOptions)
+    """The island clustering threshold."""
+    heartbeat_interval: timedelta | None = None
+    """How often nodes heartbeat; None means a quarter of the lease."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval is not None and not (
+                timedelta(0) < self.heartbeat_interval < self.membership.lease):
+            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval}) must be positive and shorter than the "
+                             f"lease ({self.membership.lease})")
+
+    @property
+    def heartbeat(self) -> timedelta:
+        return self.heartbeat_interval or self.membership.lease / 4
+
+
+class CoordinatorState:
+    """Everything the handlers read and change. Thread-safe."""
+
+    def __init__(self, *, store: Store, job: JobSpec, token: str, options: CoordinatorOptions | None = None,
+                 clock: Callable[[], float] = time.time, planner: Planner = make_plan):
+        if not token:
+            raise ValueError("the coordinator needs a job token: pass --token-file or set ATOLL_TOKEN")
+        self.store, self.job, self.token = store, job, token
+        self.options = options or CoordinatorOptions()
+        self.clock, self.planner = clock, planner
+        stored = store.get_job()
+        if stored is not None and stored.job_id != job.id:
+            raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id} (the spec changed?); start with "
+                             f"the job's original spec or a new --state-dir")
+        if stored is None:
+            store.put_job(JobRecord(job_id=job.id, name=job.name, spec_toml=job.to_toml(), created_unix=clock()))
+        self.spec_toml = job.to_toml()
+        self.started_unix = clock()
+        self._cond = threading.Condition(threading.RLock())
+        self._plan = store.latest_plan()
+        self._in_flight: dict[Pair, float] = {}
+        self._last_change = self.started_unix
+        self._stale_before = 0.0
+        self._islands_dirty = True
+        self._last_reason = ""
+        self._closed = False
+
+    # --- plan ---------------------------------------------------------------------------------------
+
+    def current_plan(self) -> Plan | None:
+        with self._cond:
+            return self._plan
+
+    @property
+    def epoch(self) -> int:
+        plan = self.current_plan()
+        return plan.epoch if plan is not None else 0
+
+    def publish(self, plan: Plan, reason: str) -> None:
+        with self._cond:
+            self.store.add_plan(plan, created_unix=self.clock(), reason=reason)
+            self._plan = plan
+            self._cond.notify_all()
+
+    def wait_for_plan(self, known_epoch: int, timeout: float) -> Plan | None:
+        """The current plan once its epoch exceeds `known_epoch`, or None after `timeout` seconds or on close."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                if self._plan is not None and self._plan.epoch > known_epoch:
+                    return self._plan
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # --- membership -----------------------------------------------------------------------------------
+
+    def membership_changed(self, now: float) -> None:
+        with self._cond:
+            self._last_change = now
+            self._islands_dirty = True
+
+    def alive_members(self) -> dict[str, MemberRecord]:
+        return {m.node_id: m for m in self.store.list_members() if m.state == "alive"}
+
+    # --- probes ---------------------------------------------------------------------------------------
+
+    def _fresh(self, now: float) -> set[Pair]:
+        return fresh_pairs(self.store.list_links(), now, self.options.probes, self._stale_before)
+
+    def assign_probes(self, node_id: str, now: float) -> list[MemberRecord]:
+        """Peers `node_id` should probe now; they count as in flight until reported or timed out."""
+        alive = self.alive_members()
+        if node_id not in alive:
+            return []
+        classes = {n: device_class(m.profile) for n, m in alive.items()}
+        with self._cond:
+            timeout = self.options.probes.in_flight_timeout.total_seconds()
+            self._in_flight = {p: t for p, t in self._in_flight.items() if now - t < timeout}
+            targets = probe_targets(node_id, classes, self._fresh(now), set(self._in_flight), self.options.probes)
+            for peer in targets:
+                self._in_flight[frozenset((node_id, peer))] = now
+        return [alive[p] for p in targets]
+
+    def record_probes(self, links: list[LinkMeasurement]) -> None:
+        self.store.put_links(links)
+        with self._cond:
+            for x in links:
+                self._in_flight.pop(frozenset((x.src, x.dst)), None)
+            self._islands_dirty = True
+
+    def request_reprobe(self, now: float) -> None:
+        """Treat every link measured before `now` as stale, so all are probed again."""
+        with self._cond:
+            self._stale_before = now
+            self._islands_dirty = True
+
+    def unprobed(self, alive: dict[str, MemberRecord], now: float) -> set[str]:
+        classes = {n: device_class(m.profile) for n, m in alive.items()}
+        fresh = self._fresh(now)
+        return {n for n in alive if needs_probes(n, classes, fresh, self.options.probes)}
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+
+    def complete_checkpoint_steps(self) -> list[int]:
+        plans = {h.plan.epoch: h.plan for h in self.store.plan_history()}
+        return complete_steps(self.store.list_checkpoints(), plans)
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def islands_now(self, alive: dict[str, MemberRecord]) -> list[IslandInfo]:
+        matrix = complete_matrix(sorted(alive), self.store.list_links())
+        return form_islands({n: m.profile for n, m in alive.items()}, matrix, self.options.islands)
+
+    def tick(self, now: float | None = None) -> list[str]:
+        """One round of decisions at `now`; returns what changed, as readable lines."""
+        now = self.clock() if now is None else now
+        events: list[str] = []
+        for t in expire_leases(now, self.store.list_members(), self.started_unix, self.options.membership):
+            self.store.set_member_state(t.node_id, t.state, t.reason)
+            self.membership_changed(now)
+            events.append(f"node {t.node_id} is {t.state}: {t.reason}")
+        alive = self.alive_members()
+        with self._cond:
+            dirty, self._islands_dirty = self._islands_dirty, False
+            last_change = self._last_change
+        if dirty:
+            self.store.put_islands(self.islands_now(alive))
+        plan = self.current_plan()
+        planned = None if plan is None else {n for i in plan.islands for n in i.nodes}
+        decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
+                                 last_change_unix=last_change, cluster=self.job.cluster,
+                                 options=self.options.membership)
+        if decision.plan:
+            events.append(self._replan(alive, now, decision.reason))
+        elif decision.reason != self._last_reason:
+            log.info("not planning: %s", decision.reason)
+        self._last_reason = decision.reason
+        for e in events:
+            log.info("%s", e)
+        return events
+
+    def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str) -> str:
+        islands = self.islands_now(alive)
+        self.store.put_islands(islands)
+        matrix = complete_matrix(sorted(alive), self.store.list_links())
+        done = self.complete_checkpoint_steps()
+        inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix,
+                            epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0)
+        plan, how = self.planner(inputs)
+        self.publish(plan, reason)
+        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
+        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}"

@@ -1,0 +1,96 @@
+"""Checks of what nodes send, before anything is stored: sizes, ranges, formats.
+
+Each check raises `InvalidArgument` naming the field, the bad value and the accepted range.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from atoll.coordinator.errors import InvalidArgument
+from atoll.v1 import atoll_pb2 as pb
+
+MAX_STRING = 256
+MAX_TIMINGS = 64
+MAX_LINKS_PER_REPORT = 1024
+MAX_DEVICES = 1024
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: beyond this a profile is wrong, not large
+MAX_SECONDS = 3600.0
+MAX_BANDWIDTH = 1e13  # 10 TB/s, beyond any link
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
+
+
+def check_string(name: str, value: str, *, required: bool = False, limit: int = MAX_STRING) -> None:
+    if len(value) > limit:
+        raise InvalidArgument(f"{name} is {len(value)} characters long; at most {limit} are accepted")
+    if required and not value.strip():
+        raise InvalidArgument(f"{name} is empty")
+
+
+def check_seconds(name: str, value: float) -> None:
+    if not math.isfinite(value) or not 0.0 <= value <= MAX_SECONDS:
+        raise InvalidArgument(f"{name} = {value} must be a finite time between 0 and {MAX_SECONDS:g} seconds")
+
+
+def check_node_id(node_id: str) -> None:
+    if not NODE_ID_RE.match(node_id):
+        raise InvalidArgument(f"node id {node_id[:80]!r} must be 1-64 letters, digits, '.', '_' or '-', starting "
+                              f"with a letter or digit")
+
+
+def check_address(name: str, address: str) -> None:
+    check_string(name, address, required=True)
+    m = _ADDRESS_RE.match(address)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise InvalidArgument(f"{name} {address!r} is not HOST:PORT with a port in 1-65535")
+    if m.group(1) in ("0.0.0.0", "[::]"):
+        raise InvalidArgument(f"{name} {address!r} is a wildcard; advertise an address peers can dial "
+                              f"(atoll node --advertise HOST:PORT)")
+
+
+def check_profile(p: pb.NodeProfile) -> None:
+    """A node's self-description: plausible sizes, non-negative finite timings, bounded strings and lists."""
+    check_string("profile.hostname", p.hostname, required=True)
+    check_string("profile.device_kind", p.device_kind, required=True)
+    if p.device_kind not in DEVICE_KINDS:
+        raise InvalidArgument(f"profile.device_kind {p.device_kind[:40]!r} is not one of {', '.join(DEVICE_KINDS)}")
+    check_string("profile.device_name", p.device_name, required=True)
+    check_string("profile.torch_version", p.torch_version)
+    check_string("profile.atoll_version", p.atoll_version)
+    if not 1 <= p.device_count <= MAX_DEVICES:
+        raise InvalidArgument(f"profile.device_count = {p.device_count} must be between 1 and {MAX_DEVICES}")
+    if not 0 < p.memory_total_bytes <= MAX_MEMORY_BYTES:
+        raise InvalidArgument(f"profile.memory_total_bytes = {p.memory_total_bytes} must be positive and at most "
+                              f"{MAX_MEMORY_BYTES}")
+    if p.memory_free_bytes > p.memory_total_bytes:
+        raise InvalidArgument(f"profile.memory_free_bytes ({p.memory_free_bytes}) exceeds memory_total_bytes "
+                              f"({p.memory_total_bytes})")
+    if not 1 <= p.cpu_count <= 1 << 16:
+        raise InvalidArgument(f"profile.cpu_count = {p.cpu_count} must be between 1 and 65536")
+    check_seconds("profile.optimizer_step_seconds", p.optimizer_step_seconds)
+    if len(p.layer_timings) > MAX_TIMINGS:
+        raise InvalidArgument(f"profile.layer_timings has {len(p.layer_timings)} entries; at most {MAX_TIMINGS}")
+    for i, t in enumerate(p.layer_timings):
+        if t.layer_kind not in ("embedding", "block", "head"):
+            raise InvalidArgument(f"profile.layer_timings[{i}].layer_kind {t.layer_kind[:40]!r} is not embedding, "
+                                  f"block or head")
+        if not 1 <= t.micro_batch <= 1 << 16 or not 1 <= t.seq_len <= 1 << 20:
+            raise InvalidArgument(f"profile.layer_timings[{i}] has micro_batch {t.micro_batch} and seq_len "
+                                  f"{t.seq_len}; both must be positive and plausible")
+        check_seconds(f"profile.layer_timings[{i}].forward_seconds", t.forward_seconds)
+        check_seconds(f"profile.layer_timings[{i}].backward_seconds", t.backward_seconds)
+
+
+def check_link(i: int, x: pb.LinkMeasurement, node_id: str) -> None:
+    if x.src != node_id:
+        raise InvalidArgument(f"links[{i}].src is {x.src[:80]!r}; a node reports only its own probes ({node_id})")
+    check_node_id(x.dst)
+    if x.dst == node_id:
+        raise InvalidArgument(f"links[{i}] measures the node against itself")
+    if not math.isfinite(x.bandwidth_bytes_per_s) or not 0 <= x.bandwidth_bytes_per_s <= MAX_BANDWIDTH:
+        raise InvalidArgument(f"links[{i}].bandwidth_bytes_per_s = {x.bandwidth_bytes_per_s} must be between 0 and "
+                              f"{MAX_BANDWIDTH:g}")
+    check_seconds(f"links[{i}].rtt_seconds", x.rtt_seconds)

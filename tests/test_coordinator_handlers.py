@@ -1,0 +1,247 @@
+"""The coordinator's plain handlers and state with an injected clock, no gRPC involved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from atoll.coordinator import handlers as h
+from atoll.coordinator.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unauthenticated
+from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.store import MemoryStore, StoreError
+from atoll.job import JobSpec
+from atoll.v1 import atoll_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "s3cret"
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def profile(host: str = "h1", name: str = "cpu-x", **kw) -> pb.NodeProfile:
+    base = dict(hostname=host, device_kind="cpu", device_name=name, device_count=1, memory_total_bytes=16 << 30,
+                memory_free_bytes=8 << 30, cpu_count=4,
+                layer_timings=[pb.LayerTiming(layer_kind="block", micro_batch=4, seq_len=64, forward_seconds=0.01,
+                                              backward_seconds=0.02)])
+    base.update(kw)
+    return pb.NodeProfile(**base)
+
+
+def join(state: CoordinatorState, node_id: str = "", host: str = "h1", port: int = 5001, **kw) -> pb.JoinReply:
+    return h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node_id, profile=profile(host, **kw),
+                                        peer_address=f"127.0.0.1:{port}"), state)
+
+
+@pytest.fixture
+def job() -> JobSpec:
+    return JobSpec.load(ROOT / "examples" / "tiny.toml")
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def state(job: JobSpec, clock: Clock) -> CoordinatorState:
+    return CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=clock)
+
+
+def probe_all(state: CoordinatorState, ids: list[str], bw: float = 2e9) -> None:
+    for n in ids:
+        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+        links = [pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=bw, rtt_seconds=1e-4)
+                 for t in reply.probe]
+        h.handle_report_probes(pb.ProbeReport(node_id=n, links=links), state)
+
+
+def test_join_assigns_an_id_and_ships_the_spec(state: CoordinatorState, job: JobSpec) -> None:
+    r = join(state)
+    assert r.node_id.startswith("h1-")
+    assert r.job.job_id == job.id and JobSpec.from_toml(r.job.spec_toml) == job
+    assert r.lease_seconds == 10 and r.heartbeat_interval_seconds == 2.5
+    again = join(state, node_id=r.node_id, port=5009)  # same node, new port: an update
+    assert again.node_id == r.node_id
+    m = state.store.get_member(r.node_id)
+    assert m is not None and m.peer_address == "127.0.0.1:5009"
+    assert len(state.store.list_members()) == 1
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "needle"),
+    [
+        (lambda r: setattr(r, "token", "wrong"), Unauthenticated, "token"),
+        (lambda r: setattr(r, "job_id", "other-job"), FailedPrecondition, "not 'other-job'"),
+        (lambda r: r.profile.MergeFrom(pb.NodeProfile(memory_total_bytes=1 << 60)), InvalidArgument,
+         "memory_total_bytes"),
+        (lambda r: setattr(r.profile, "device_name", ""), InvalidArgument, "device_name is empty"),
+        (lambda r: setattr(r.profile, "hostname", "x" * 10000), InvalidArgument, "hostname is 10000 characters"),
+        (lambda r: r.profile.layer_timings.add(layer_kind="block", micro_batch=1, seq_len=1, forward_seconds=-1.0),
+         InvalidArgument, "forward_seconds"),
+        (lambda r: r.profile.layer_timings.extend([r.profile.layer_timings[0]] * 100), InvalidArgument,
+         "layer_timings has"),
+        (lambda r: setattr(r.profile, "device_kind", "tpu"), InvalidArgument, "device_kind"),
+        (lambda r: setattr(r, "peer_address", "nowhere"), InvalidArgument, "HOST:PORT"),
+        (lambda r: setattr(r, "peer_address", "0.0.0.0:4000"), InvalidArgument, "--advertise"),
+        (lambda r: setattr(r, "node_id", "../../etc"), InvalidArgument, "node id"),
+        (lambda r: setattr(r.profile, "memory_free_bytes", 1 << 40), InvalidArgument, "exceeds"),
+    ],
+)
+def test_bad_joins_are_refused_with_a_reason(state: CoordinatorState, mutate, error, needle) -> None:
+    req = pb.JoinRequest(token=TOKEN, profile=profile(), peer_address="127.0.0.1:5001")
+    mutate(req)
+    with pytest.raises(error, match=needle):
+        h.handle_join(req, state)
+    assert state.store.list_members() == []
+
+
+def test_another_live_node_cannot_take_an_id(state: CoordinatorState, clock: Clock) -> None:
+    r = join(state, host="h1")
+    with pytest.raises(AlreadyExists, match="held by a live node"):
+        join(state, node_id=r.node_id, host="h2")
+    clock.t += 11  # h1's lease lapses: the id may move
+    assert join(state, node_id=r.node_id, host="h2").node_id == r.node_id
+
+
+def test_heartbeat_needs_membership(state: CoordinatorState) -> None:
+    with pytest.raises(NotFound, match="join first"):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id="ghost"), state)
+    r = join(state)
+    with pytest.raises(FailedPrecondition, match="epoch 5"):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=r.node_id, plan_epoch=5), state)
+
+
+def test_three_nodes_probe_form_one_island_and_get_a_plan(state: CoordinatorState, clock: Clock) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(3)]
+    state.tick()
+    assert state.current_plan() is None
+    probe_all(state, ids)
+    # every pair measured once: the next heartbeats hand out nothing
+    assert all(not h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state).probe for n in ids)
+    events = state.tick()
+    plan = state.current_plan()
+    assert plan is not None and plan.epoch == 1 and any("plan epoch 1" in e for e in events)
+    assert [i.nodes for i in plan.islands] == [sorted(ids)]
+    plan.validate(6)
+    for p in plan.pipelines:
+        for s in p.stages:
+            assert s.nodes and set(s.nodes) <= set(ids)
+            assert s.dp_rendezvous.startswith("tcp://127.0.0.1:")
+    status = h.handle_status(pb.StatusRequest(), state)
+    assert status.plan.epoch == 1 and len(status.members) == 3 and len(status.islands) == 1
+    assert status.islands[0].inner_bandwidth_bytes_per_s == 2e9
+    state.tick()
+    assert state.current_plan().epoch == 1  # type: ignore[union-attr]  # nothing changed: no new epoch
+
+
+def test_a_lapsed_lease_and_a_new_node_each_make_a_new_epoch(state: CoordinatorState, clock: Clock) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(3)]
+    probe_all(state, ids)
+    state.tick()
+    assert state.epoch == 1
+    clock.t += 5
+    for n in ids[:2]:
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=1), state)
+    clock.t += 6  # ids[2] silent for 11 s > lease 10 s
+    events = state.tick()
+    assert any(f"node {ids[2]} is gone" in e for e in events)
+    assert state.epoch == 1  # settling
+    clock.t += 2
+    state.tick()
+    assert state.epoch == 2
+    assert {n for i in state.current_plan().islands for n in i.nodes} == set(ids[:2])  # type: ignore[union-attr]
+    with pytest.raises(NotFound, match="marked gone"):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=ids[2]), state)
+    # it comes back (same host), probes again, and a third epoch includes it
+    join(state, node_id=ids[2], host="h2", port=5002)
+    for n in ids[:2]:
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=2), state)
+    clock.t += 2
+    state.tick()
+    assert state.epoch == 3
+    assert [h_.plan.epoch for h_ in state.store.plan_history()] == [1, 2, 3]
+
+
+def test_leave_marks_left_and_watch_yields_newer_plans(state: CoordinatorState) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(3)]
+    probe_all(state, ids)
+    state.tick()
+    plans = list(h.watch_plan(pb.WatchPlanRequest(node_id=ids[0]), state, active=iter([True, False]).__next__,
+                              poll_seconds=0.01))
+    assert [p.epoch for p in plans] == [1]
+    assert list(h.watch_plan(pb.WatchPlanRequest(node_id=ids[0], known_epoch=1), state,
+                             active=iter([True, False]).__next__, poll_seconds=0.01)) == []
+    h.handle_leave(pb.LeaveRequest(node_id=ids[1], reason="maintenance"), state)
+    assert state.store.get_member(ids[1]).state == "left"  # type: ignore[union-attr]
+
+
+def test_probe_reports_are_checked(state: CoordinatorState) -> None:
+    a, b = join(state, host="a").node_id, join(state, host="b", port=5002).node_id
+    bad = [pb.LinkMeasurement(src=b, dst=a, bandwidth_bytes_per_s=1.0),
+           pb.LinkMeasurement(src=a, dst=b, bandwidth_bytes_per_s=float("nan")),
+           pb.LinkMeasurement(src=a, dst=a, bandwidth_bytes_per_s=1.0),
+           pb.LinkMeasurement(src=a, dst=b, bandwidth_bytes_per_s=1.0, rtt_seconds=-1)]
+    for link in bad:
+        with pytest.raises(InvalidArgument):
+            h.handle_report_probes(pb.ProbeReport(node_id=a, links=[link]), state)
+    ack = h.handle_report_probes(pb.ProbeReport(node_id=a, links=[
+        pb.LinkMeasurement(src=a, dst=b, bandwidth_bytes_per_s=1e9),
+        pb.LinkMeasurement(src=a, dst="unknown-node", bandwidth_bytes_per_s=1e9)]), state)
+    assert ack.message == "1 links recorded"
+
+
+def test_checkpoints_complete_when_every_stage_reported(state: CoordinatorState) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(3)]
+    probe_all(state, ids)
+    state.tick()
+    plan = state.current_plan()
+    assert plan is not None
+    stages = plan.pipelines[0].stages
+    first = stages[0]
+    ack = h.handle_report_checkpoint(pb.CheckpointReport(
+        job_id=state.job.id, node_id=first.nodes[0], plan_epoch=1, step=25, layer_start=first.layers[0],
+        layer_end=first.layers[1], path="/ck/25/s0"), state)
+    assert ack.message.endswith("complete" if len(stages) == 1 else "recorded")
+    for s in stages[1:]:
+        h.handle_report_checkpoint(pb.CheckpointReport(
+            job_id=state.job.id, node_id=s.nodes[0], plan_epoch=1, step=25, layer_start=s.layers[0],
+            layer_end=s.layers[1]), state)
+    assert state.complete_checkpoint_steps() == [25]
+    assert h.handle_status(pb.StatusRequest(), state).last_checkpoint_step == 25
+    with pytest.raises(InvalidArgument, match="outside the model"):
+        h.handle_report_checkpoint(pb.CheckpointReport(node_id=ids[0], plan_epoch=1, step=1, layer_start=0,
+                                                       layer_end=99), state)
+    with pytest.raises(FailedPrecondition, match="epoch 7"):
+        h.handle_report_checkpoint(pb.CheckpointReport(node_id=ids[0], plan_epoch=7, step=1, layer_end=1), state)
+
+
+def test_step_reports_feed_status(state: CoordinatorState) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(3)]
+    probe_all(state, ids)
+    state.tick()
+    for step in range(3):
+        ack = h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=ids[0], plan_epoch=1, step=step,
+                                                  has_loss=True, loss=5.0, tokens=1024, step_seconds=0.5), state)
+        assert ack.plan_epoch == 1 and not ack.stop
+    status = h.handle_status(pb.StatusRequest(), state)
+    assert status.step == 2 and status.tokens_per_second == pytest.approx(2048)
+    assert h.handle_report_step(pb.StepMetrics(node_id=ids[0], plan_epoch=1, step=99), state).stop
+    with pytest.raises(FailedPrecondition):
+        h.handle_report_step(pb.StepMetrics(node_id=ids[0], plan_epoch=3), state)
+
+
+def test_state_refuses_a_store_of_another_job(job: JobSpec) -> None:
+    store = MemoryStore()
+    CoordinatorState(store=store, job=job, token=TOKEN)
+    other = JobSpec.from_toml(job.to_toml().replace("steps = 100", "steps = 101").replace(f'id = "{job.id}"\n', ""))
+    with pytest.raises(StoreError, match="state dir holds job"):
+        CoordinatorState(store=store, job=other, token=TOKEN)
+    with pytest.raises(ValueError, match="token"):
+        CoordinatorState(store=MemoryStore(), job=job, token="")
