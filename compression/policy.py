@@ -1,0 +1,189 @@
+"""Per-link codec choice: the least lossy codec whose transfer hides under the compute it overlaps with.
+
+Pure and deterministic: a `LinkPolicy` is a function of its config, the transfers it was shown and the
+decisions it made (for hysteresis). No clocks, no grpc; the planner calls `predict_transfer_seconds` and
+`LinkPolicy.choose` directly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from atoll.compression.errors import CodecError
+from atoll.compression.spec import CodecSpec
+from atoll.compression.tensor import get_codec
+
+ROLES = ("activation", "activation_grad", "weight_grad")
+
+
+def predict_transfer_seconds(raw_bytes: int, spec: CodecSpec, bandwidth: float, latency: float = 0.0, *,
+                             dtype: torch.dtype = torch.float32) -> float:
+    """Seconds to send a tensor of `raw_bytes` (of `dtype`) under `spec` over a link of `bandwidth` bytes/s
+    and one-way `latency` s: latency + payload / bandwidth. The zstd stage is counted as gaining nothing."""
+    if raw_bytes < 0:
+        raise ValueError(f"raw_bytes must be >= 0, got {raw_bytes}")
+    if not bandwidth > 0 or math.isinf(bandwidth):
+        raise ValueError(f"bandwidth must be a positive finite number of bytes/s, got {bandwidth}")
+    if not latency >= 0:
+        raise ValueError(f"latency must be >= 0 s, got {latency}")
+    codec = get_codec(spec)
+    if dtype not in codec.accepts:
+        raise CodecError(f"codec {spec.codec} cannot carry dtype {dtype}")
+    numel = raw_bytes // torch.empty((), dtype=dtype).element_size()
+    return latency + codec.payload_size(numel, dtype) / bandwidth
+
+
+def _default_candidates() -> tuple[CodecSpec, ...]:
+    return (CodecSpec("identity"), CodecSpec("fp16"), CodecSpec("int8"), CodecSpec("int4"), CodecSpec("topk"))
+
+
+def _default_budgets() -> dict[str, float]:
+    return {"activation": 0.01, "activation_grad": 0.15, "weight_grad": 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyConfig:
+    """How a link chooses codecs."""
+
+    candidates: tuple[CodecSpec, ...] = field(default_factory=_default_candidates)
+    """Codecs to choose from, least lossy first (by expected error on Gaussian data)."""
+    error_budgets: Mapping[str, float] = field(default_factory=_default_budgets)
+    """Largest expected relative L2 error allowed per role: "activation", "activation_grad", "weight_grad"
+    (weight gradients go through error feedback, so top-k fits their budget)."""
+    hysteresis: float = 0.2
+    """Relative margin: the current codec is kept until it overshoots the overlap by this much, and a less
+    lossy one is taken back only when it fits with this much to spare."""
+    ema_weight: float = 0.5
+    """Weight of each new transfer in the bandwidth moving average, in (0, 1]."""
+    min_observe_bytes: int = 64 << 10
+    """Transfers smaller than this measure latency rather than bandwidth and are not counted."""
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("PolicyConfig.candidates must name at least one codec")
+        errors = [get_codec(c).expected_error for c in self.candidates]
+        for (a, ea), (b, eb) in zip(zip(self.candidates, errors), zip(self.candidates[1:], errors[1:])):
+            if eb < ea:
+                raise ValueError(f"PolicyConfig.candidates must be ordered least lossy first: {b.label()} "
+                                 f"(expected error {eb:.3g}) comes after {a.label()} ({ea:.3g})")
+        if set(self.error_budgets) != set(ROLES):
+            raise ValueError(f"PolicyConfig.error_budgets must give exactly the roles {', '.join(ROLES)}, "
+                             f"got {', '.join(sorted(self.error_budgets))}")
+        for role, budget in self.error_budgets.items():
+            if not budget >= 0:
+                raise ValueError(f"error budget of {role} must be >= 0, got {budget}")
+            if min(errors) > budget:
+                raise ValueError(f"no candidate fits the {role} error budget of {budget}; add a less lossy codec")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"PolicyConfig.hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 < self.ema_weight <= 1:
+            raise ValueError(f"PolicyConfig.ema_weight must be in (0, 1], got {self.ema_weight}")
+        if self.min_observe_bytes < 0:
+            raise ValueError(f"PolicyConfig.min_observe_bytes must be >= 0, got {self.min_observe_bytes}")
+        object.__setattr__(self, "error_budgets", dict(self.error_budgets))
+
+    def allowed(self, role: str) -> tuple[CodecSpec, ...]:
+        """The candidates within `role`'s error budget, least lossy first."""
+        if role not in self.error_budgets:
+            raise ValueError(f"unknown tensor role {role!r}; roles: {', '.join(ROLES)}")
+        budget = self.error_budgets[role]
+        return tuple(c for c in self.candidates if get_codec(c).expected_error <= budget)
+
+
+@dataclass(frozen=True)
+class Decision:
+    spec: CodecSpec
+    reason: str
+    """Why, in words, with the numbers that decided it."""
+    predicted_seconds: float
+    """Predicted transfer time under `spec` (nan without a bandwidth estimate)."""
+
+
+class LinkPolicy:
+    """Bandwidth estimate and codec choice for one directed link. Not thread-safe: one owner per link."""
+
+    def __init__(self, config: PolicyConfig | None = None, initial_bandwidth_bytes_per_s: float | None = None,
+                 latency_s: float = 0.0) -> None:
+        self.config = config or PolicyConfig()
+        if initial_bandwidth_bytes_per_s is not None and not (0 < initial_bandwidth_bytes_per_s < math.inf):
+            raise ValueError(f"initial bandwidth must be a positive number of bytes/s (a probe's result) or None, "
+                             f"got {initial_bandwidth_bytes_per_s}")
+        if not 0 <= latency_s < math.inf:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        self._bandwidth = initial_bandwidth_bytes_per_s
+        self.latency_s = latency_s
+        self._current: dict[str, CodecSpec] = {}
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Current estimate in bytes/s, None before a probe or a transfer."""
+        return self._bandwidth
+
+    def current(self, role: str) -> CodecSpec | None:
+        """The codec last chosen for `role`."""
+        return self._current.get(role)
+
+    def observe(self, wire_bytes: int, seconds: float) -> None:
+        """Count a real transfer of `wire_bytes` that took `seconds` (including the link's latency)."""
+        if wire_bytes < 0 or not seconds > 0 or math.isinf(seconds):
+            raise ValueError(f"observe needs wire_bytes >= 0 and a positive finite duration, got {wire_bytes} "
+                             f"bytes in {seconds} s")
+        if wire_bytes < self.config.min_observe_bytes:
+            return
+        # the latency is not bandwidth; keep at least a tenth of the time so a fast transfer is not infinite
+        sample = wire_bytes / max(seconds - self.latency_s, seconds * 0.1)
+        w = self.config.ema_weight
+        self._bandwidth = sample if self._bandwidth is None else (1 - w) * self._bandwidth + w * sample
+
+    def choose(self, raw_bytes: int, role: str, overlap_seconds: float, *,
+               dtype: torch.dtype = torch.float32) -> Decision:
+        """The codec for a tensor of `raw_bytes` of `role` whose transfer overlaps `overlap_seconds` of compute."""
+        allowed = self.config.allowed(role)
+        if not overlap_seconds >= 0:
+            raise ValueError(f"overlap_seconds must be >= 0, got {overlap_seconds}")
+        allowed = tuple(c for c in allowed if dtype in get_codec(c).accepts)
+        if not allowed:
+            raise CodecError(f"no candidate codec for {role} can carry dtype {dtype}")
+        if self._bandwidth is None:
+            spec = allowed[0]
+            self._current[role] = spec
+            return Decision(spec, f"{spec.label()}: no bandwidth estimate yet (no probe, no transfer); "
+                                  f"least lossy within the {role} budget", math.nan)
+        bw = self._bandwidth
+        times = [predict_transfer_seconds(raw_bytes, c, bw, self.latency_s, dtype=dtype) for c in allowed]
+        h = self.config.hysteresis
+        current = self._current.get(role)
+        cur = allowed.index(current) if current in allowed else None
+        link = f"at {bw / 1e6:.3g} MB/s, {raw_bytes} raw bytes"
+        fits = [i for i, t in enumerate(times) if t <= overlap_seconds]
+
+        if fits:
+            best = fits[0]
+            why = f"{allowed[best].label()} is the least lossy that fits: {times[best]:.3g} s <= {overlap_seconds:.3g} s " \
+                  f"of overlap {link}"
+            if best > 0:
+                why += f" ({allowed[best - 1].label()} would take {times[best - 1]:.3g} s)"
+            if cur is not None and cur != best:
+                if best < cur and times[best] > overlap_seconds * (1 - h):
+                    best, why = cur, (f"keeps {allowed[cur].label()}: {allowed[best].label()} would fit "
+                                      f"({times[best]:.3g} s <= {overlap_seconds:.3g} s) but not with the "
+                                      f"{h:.0%} hysteresis margin {link}")
+                elif best > cur and times[cur] <= overlap_seconds * (1 + h):
+                    best, why = cur, (f"keeps {allowed[cur].label()}: {times[cur]:.3g} s overshoots "
+                                      f"{overlap_seconds:.3g} s of overlap by less than the {h:.0%} hysteresis "
+                                      f"margin {link}")
+        else:
+            best = min(range(len(times)), key=lambda i: (times[i], i))
+            why = f"{allowed[best].label()}: nothing within the {role} budget fits under {overlap_seconds:.3g} s, " \
+                  f"fastest is {times[best]:.3g} s {link}"
+            if cur is not None and cur != best and times[cur] <= times[best] * (1 + h):
+                best, why = cur, (f"keeps {allowed[cur].label()}: nothing fits under {overlap_seconds:.3g} s and "
+                                  f"its {times[cur]:.3g} s is within the {h:.0%} hysteresis margin of the fastest "
+                                  f"({times[best]:.3g} s) {link}")
+        spec = allowed[best]
+        self._current[role] = spec
+        return Decision(spec, why, times[best])
