@@ -61,6 +61,12 @@ class PolicyConfig:
     """Weight of each new transfer in the bandwidth moving average, in (0, 1]."""
     min_observe_bytes: int = 64 << 10
     """Transfers smaller than this measure latency rather than bandwidth and are not counted."""
+    change_ratio: float = 1.5
+    """A transfer more than this factor off the estimate is out of band (> 1)."""
+    change_samples: int = 2
+    """This many consecutive out-of-band transfers in the same direction are a new regime: the estimate
+    jumps to the latest instead of averaging towards it (a link that drops reacts within a few transfers,
+    while one slow transfer only nudges the average)."""
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -82,6 +88,10 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.hysteresis must be in [0, 1), got {self.hysteresis}")
         if not 0 < self.ema_weight <= 1:
             raise ValueError(f"PolicyConfig.ema_weight must be in (0, 1], got {self.ema_weight}")
+        if not self.change_ratio > 1:
+            raise ValueError(f"PolicyConfig.change_ratio must be > 1, got {self.change_ratio}")
+        if self.change_samples < 1:
+            raise ValueError(f"PolicyConfig.change_samples must be >= 1, got {self.change_samples}")
         if self.min_observe_bytes < 0:
             raise ValueError(f"PolicyConfig.min_observe_bytes must be >= 0, got {self.min_observe_bytes}")
         object.__setattr__(self, "error_budgets", dict(self.error_budgets))
@@ -117,6 +127,7 @@ class LinkPolicy:
         self._bandwidth = initial_bandwidth_bytes_per_s
         self.latency_s = latency_s
         self._current: dict[str, CodecSpec] = {}
+        self._out_of_band = 0  # consecutive out-of-band transfers: > 0 faster, < 0 slower than the estimate
 
     @property
     def bandwidth(self) -> float | None:
@@ -136,8 +147,20 @@ class LinkPolicy:
             return
         # the latency is not bandwidth; keep at least a tenth of the time so a fast transfer is not infinite
         sample = wire_bytes / max(seconds - self.latency_s, seconds * 0.1)
-        w = self.config.ema_weight
-        self._bandwidth = sample if self._bandwidth is None else (1 - w) * self._bandwidth + w * sample
+        est, cfg = self._bandwidth, self.config
+        if est is None:
+            self._bandwidth = sample
+            return
+        if sample > est * cfg.change_ratio:
+            self._out_of_band = max(self._out_of_band, 0) + 1
+        elif sample < est / cfg.change_ratio:
+            self._out_of_band = min(self._out_of_band, 0) - 1
+        else:
+            self._out_of_band = 0
+        if abs(self._out_of_band) >= cfg.change_samples:
+            self._bandwidth, self._out_of_band = sample, 0
+        else:
+            self._bandwidth = (1 - cfg.ema_weight) * est + cfg.ema_weight * sample
 
     def choose(self, raw_bytes: int, role: str, overlap_seconds: float, *,
                dtype: torch.dtype = torch.float32) -> Decision:
