@@ -2,8 +2,8 @@
 
 The servicer is thin: it checks the job token and the call's deadline, hands the stream to a plain
 function (`receive_probe`) or to the receiver the running stage attached (`attach`), and maps their
-exceptions to status codes. The server starts before any plan exists, so Transfer answers
-FAILED_PRECONDITION until a stage attaches its receiver.
+exceptions to status codes. The server starts before any plan exists, so Transfer answers UNAVAILABLE
+(retry) until a stage attaches its receiver.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import grpc
 
-from atoll.node.mailbox import InvalidTransfer, ReceiverBusy, TransferReceiver, UnexpectedTransfer
+from atoll.node.mailbox import InvalidTransfer, NotReady, ReceiverBusy, TransferReceiver, UnexpectedTransfer
 from atoll.node.probe import ProbeError, ProbeResult, ProbeTooLarge, probe_peer, receive_probe
 from atoll.rpc import RpcOptions, ServerHandle, make_server, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
@@ -68,16 +68,20 @@ class _PeerServicer(pb_grpc.PeerServicer):
         remaining = self._admit(context, "Transfer")
         receiver = self._owner.receiver
         if receiver is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"node {self._owner.node_id} runs no stage yet; wait for the plan")
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"node {self._owner.node_id} runs no stage yet; retry once it has the plan")
+        # waits inside end a little before the caller's deadline, so it hears why (busy) instead of a timeout
+        wait = remaining - min(0.5, 0.1 * remaining)
         try:
-            return receiver.receive(request_iterator, peer=context.peer(), deadline_seconds=remaining)
+            return receiver.receive(request_iterator, peer=context.peer(), deadline_seconds=wait)
         except InvalidTransfer as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except UnexpectedTransfer as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ReceiverBusy as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except NotReady as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.RpcError:
             # the caller cancelled or its deadline passed while we read; nobody is left to answer
             context.abort(grpc.StatusCode.CANCELLED, "Transfer: the caller went away mid-stream")

@@ -72,12 +72,12 @@ def test_call_without_deadline_is_refused(server: PeerServer) -> None:
         raw.close()
 
 
-def test_transfer_before_a_stage_attaches_is_failed_precondition(server: PeerServer) -> None:
+def test_transfer_before_a_stage_attaches_is_unavailable(server: PeerServer) -> None:
     ch = make_channel(server.address, token="tok")
     try:
         with pytest.raises(grpc.RpcError) as e:
             pb_grpc.PeerStub(ch).Transfer(iter([pb.TensorChunk(meta=pb.TensorMeta(step=1))]), timeout=5)
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no stage" in e.value.details()
     finally:
         ch.close()
