@@ -1,0 +1,186 @@
+"""The coordinator process: gRPC server (Coordinator + standard health service), Prometheus endpoint, and
+the background loop that expires leases, forms islands and publishes plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from atoll.coordinator.metrics import CoordinatorMetrics
+from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
+from atoll.coordinator.store import MemoryStore, SqliteStore, Store
+from atoll.fsutil import atomic_write_text
+from atoll.job import JobSpec
+from atoll.rpc import RpcOptions, ServerHandle, make_server
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+log = logging.getLogger("atoll.coordinator")
+
+SERVICE_NAME = "atoll.v1.Coordinator"
+DB_NAME = "coordinator.db"
+TOKEN_NAME = "token"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Where and how the coordinator process serves."""
+
+    listen: str = "127.0.0.1:0"
+    """HOST:PORT of the gRPC server; port 0 picks a free one."""
+    state_dir: Path | None = None
+    """Folder of the SQLite state; None keeps state in memory (lost on exit)."""
+    metrics_port: int | None = None
+    """Port of the Prometheus endpoint (0 picks one); None serves none."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds."""
+    rpc: RpcOptions = field(default_factory=RpcOptions)
+    """Message limits, keepalive and TLS of the server."""
+    tick: timedelta = timedelta(milliseconds=250)
+    """Period of the background loop (leases, islands, planning, metrics)."""
+    max_workers: int = 64
+    """Server threads. Each node's plan watch holds one, so this bounds the nodes one coordinator serves."""
+
+    def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics port must be in 0-65535, got {self.metrics_port}")
+        if self.tick <= timedelta(0):
+            raise ValueError(f"tick must be positive, got {self.tick}")
+        if self.max_workers < 4:
+            raise ValueError(f"max_workers must be at least 4, got {self.max_workers}")
+
+
+class CoordinatorService:
+    """A running coordinator. `start()` binds and starts the loop; `stop()` shuts everything down."""
+
+    def __init__(self, *, job: JobSpec, token: str, config: ServiceConfig | None = None,
+                 options: CoordinatorOptions | None = None, store: Store | None = None):
+        self.config = config or ServiceConfig()
+        if store is None:
+            store = SqliteStore(self.config.state_dir / DB_NAME) if self.config.state_dir else MemoryStore()
+        self.store = store
+        self.state = CoordinatorState(store=store, job=job, token=token, options=options)
+        self.metrics = CoordinatorMetrics()
+        self.health = health.HealthServicer()
+        self._server: ServerHandle | None = None
+        self._metrics_server = None
+        self.metrics_address: str | None = None
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run_loop, name="atoll-coordinator-loop", daemon=True)
+
+    @property
+    def address(self) -> str:
+        if self._server is None:
+            raise RuntimeError("the coordinator is not started")
+        return self._server.address
+
+    def start(self) -> CoordinatorService:
+        from atoll.coordinator.servicer import CoordinatorServicer
+
+        servicer = CoordinatorServicer(self.state)
+        self._server = make_server(
+            self.config.listen,
+            [lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s),
+             lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
+            self.config.rpc, max_workers=self.config.max_workers)
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, _ = start_http_server(self.config.metrics_port, self.config.metrics_host,
+                                                        registry=self.metrics.registry)
+            port = self._metrics_server.server_address[1]
+            self.metrics_address = f"{self.config.metrics_host}:{port}"
+        self.metrics.update(self.state)
+        self._loop.start()
+        log.info("coordinator of job %s (%s) listening on %s%s; plan epoch %d, %d members known",
+                 self.state.job.id, self.state.job.name, self.address,
+                 f", metrics on http://{self.metrics_address}/metrics" if self.metrics_address else "",
+                 self.state.epoch, len(self.store.list_members()))
+        return self
+
+    def _run_loop(self) -> None:
+        while not self._stop.wait(self.config.tick.total_seconds()):
+            try:
+                self.state.tick()
+                self.metrics.update(self.state)
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the log says what failed
+                log.exception("coordinator loop round failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.state.close()  # ends plan watches, so the server's grace period is not spent waiting on them
+        if self._server is not None:
+            self._server.stop()
+        if self._loop.is_alive():
+            self._loop.join(timeout=5)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.store.close()
+
+    def __enter__(self) -> CoordinatorService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str, str]:
+    """(token, where it came from). Without a given token, reuse the one kept in the state dir or make one."""
+    if given:
+        return given, "given"
+    if state_dir is not None:
+        path = state_dir / TOKEN_NAME
+        if path.is_file():
+            return path.read_text(encoding="utf-8").strip(), str(path)
+        token = secrets.token_urlsafe(24)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, token + "\n")
+        os.chmod(path, 0o600)
+        return token, f"{path} (new)"
+    return secrets.token_urlsafe(24), "generated for this run"
+
+
+def run_coordinator_cli(args: argparse.Namespace) -> int:
+    """`atoll coordinator`: serve until SIGINT/SIGTERM."""
+    from atoll.coordinator.cli import resolve_token
+    from atoll.coordinator.membership import MembershipOptions
+
+    job = JobSpec.load(args.job)
+    state_dir = Path(args.state_dir)
+    token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
+    rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+                     tls_key=Path(args.tls_key) if args.tls_key else None)
+    options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)))
+    config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
+                           metrics_host=args.metrics_host, rpc=rpc)
+    service = CoordinatorService(job=job, token=token, config=config, options=options).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if args.address_file:
+            atomic_write_text(Path(args.address_file), service.address + "\n")
+        host, port = service.address.rsplit(":", 1)
+        dial = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
+        log.info("job token from %s; start nodes with: atoll node --coordinator %s:%s --token-file <file holding the "
+                 "token>", origin, dial, port)
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping")
+    finally:
+        service.stop()
+    return 0

@@ -1,0 +1,132 @@
+"""The coordinator's servicers against a real in-process gRPC server on port 0."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from atoll.coordinator.membership import MembershipOptions
+from atoll.coordinator.service import CoordinatorService, ServiceConfig
+from atoll.coordinator.state import CoordinatorOptions
+from atoll.coordinator.status import fetch_status, format_status, status_json
+from atoll.job import JobSpec
+from atoll.rpc import RpcOptions, make_channel
+from atoll.v1 import atoll_pb2 as pb
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "tok-123"
+pytestmark = pytest.mark.timeout(60)
+
+
+def profile(host: str = "h1") -> pb.NodeProfile:
+    return pb.NodeProfile(hostname=host, device_kind="cpu", device_name="cpu-x", device_count=1,
+                          memory_total_bytes=16 << 30, memory_free_bytes=8 << 30, cpu_count=4)
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[CoordinatorService]:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)))
+    svc = CoordinatorService(job=job, token=TOKEN, options=opts,
+                             config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0,
+                                                  tick=timedelta(milliseconds=50))).start()
+    yield svc
+    svc.stop()
+
+
+def stub(service: CoordinatorService, token: str | None = TOKEN, **rpc) -> pb_grpc.CoordinatorStub:
+    return pb_grpc.CoordinatorStub(make_channel(service.address, RpcOptions(**rpc), token=token))
+
+
+def join(service: CoordinatorService, host: str, port: int, token: str = TOKEN) -> pb.JoinReply:
+    return stub(service).Join(pb.JoinRequest(token=token, profile=profile(host), peer_address=f"127.0.0.1:{port}"),
+                              timeout=5)
+
+
+def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
+def test_health_is_serving(service: CoordinatorService) -> None:
+    channel = make_channel(service.address)
+    h = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "atoll.v1.Coordinator"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_tokens_are_checked_in_the_request_and_the_metadata(service: CoordinatorService) -> None:
+    req = pb.JoinRequest(token=TOKEN, profile=profile(), peer_address="127.0.0.1:4000")
+    assert code_of(lambda: stub(service, token=None).Join(req, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    assert code_of(lambda: stub(service, token="nope").GetStatus(pb.StatusRequest(), timeout=5)) == \
+        grpc.StatusCode.UNAUTHENTICATED
+    bad = pb.JoinRequest(token="nope", profile=profile(), peer_address="127.0.0.1:4000")
+    assert code_of(lambda: stub(service).Join(bad, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
+    watch = stub(service, token="nope").WatchPlan(pb.WatchPlanRequest(), timeout=5)
+    assert code_of(lambda: next(watch)) == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        (pb.JoinRequest(token=TOKEN, profile=pb.NodeProfile(hostname="h", device_kind="cpu", device_name="x",
+                                                            device_count=1, memory_total_bytes=1 << 62, cpu_count=1),
+                        peer_address="127.0.0.1:1"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.JoinRequest(token=TOKEN, profile=pb.NodeProfile(), peer_address="127.0.0.1:1"),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.JoinRequest(token=TOKEN, job_id="someone-else", profile=profile(), peer_address="127.0.0.1:1"),
+         grpc.StatusCode.FAILED_PRECONDITION),
+    ],
+)
+def test_bad_joins_get_their_status_codes(service: CoordinatorService, request_: pb.JoinRequest,
+                                          code: grpc.StatusCode) -> None:
+    assert code_of(lambda: stub(service).Join(request_, timeout=5)) == code
+
+
+def test_huge_messages_are_refused_and_the_coordinator_stays_up(service: CoordinatorService) -> None:
+    big = pb.JoinRequest(token=TOKEN, profile=profile("x" * (9 << 20)), peer_address="127.0.0.1:1")
+    assert code_of(lambda: stub(service, max_message_bytes=64 << 20).Join(big, timeout=10)) == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert fetch_status(service.address, token=TOKEN).job.name == "tiny"
+
+
+def test_unknown_nodes_duplicates_and_the_path_to_a_plan(service: CoordinatorService) -> None:
+    s = stub(service)
+    assert code_of(lambda: s.Heartbeat(pb.HeartbeatRequest(node_id="ghost"), timeout=5)) == grpc.StatusCode.NOT_FOUND
+    ids = [join(service, f"host{i}", 6000 + i).node_id for i in range(3)]
+    assert join(service, "host0", 6000).node_id != ids[0]  # no id given: a new member
+    dup = pb.JoinRequest(token=TOKEN, node_id=ids[0], profile=profile("elsewhere"), peer_address="127.0.0.1:7")
+    assert code_of(lambda: s.Join(dup, timeout=5)) == grpc.StatusCode.ALREADY_EXISTS
+    same = pb.JoinRequest(token=TOKEN, node_id=ids[0], profile=profile("host0"), peer_address="127.0.0.1:6000")
+    assert s.Join(same, timeout=5).node_id == ids[0]
+    everyone = [m.node_id for m in fetch_status(service.address, token=TOKEN).members]
+    watch = s.WatchPlan(pb.WatchPlanRequest(node_id=ids[0]), timeout=20)
+    for n in everyone:  # probe as asked, until nobody is asked anything
+        for _ in range(5):
+            reply = s.Heartbeat(pb.HeartbeatRequest(node_id=n), timeout=5)
+            if not reply.probe:
+                break
+            s.ReportProbes(pb.ProbeReport(node_id=n, links=[
+                pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=1e9, rtt_seconds=1e-4)
+                for t in reply.probe]), timeout=5)
+    plan = next(watch)
+    watch.cancel()
+    assert plan.epoch >= 1 and plan.job_id == service.state.job.id
+    status = fetch_status(service.address, token=TOKEN)
+    assert status.plan.epoch == plan.epoch and len(status.islands) == 1
+    text = format_status(status)
+    assert "cpu0" in text and "1.00 GB/s" in text and f"plan epoch {plan.epoch}" in text
+    assert '"islands"' in status_json(status)
+    metrics = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=5).read().decode()
+    assert f"atoll_plan_epoch {float(plan.epoch)}" in metrics
+    assert 'atoll_members{state="alive"} 4.0' in metrics and "atoll_islands 1.0" in metrics
+    assert "atoll_link_bandwidth_bytes_per_second{" in metrics
