@@ -11,7 +11,8 @@ and what `atoll plan --json` writes. Its JSON shape:
                    "recompute": bool, "compute_s": float, "memory_gb_per_device": float,
                    "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
-plus the runtime fields `epoch`, `job_id`, `resume_step`, and per stage `nodes` and `dp_rendezvous`.
+plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
+`nodes` and `dp_rendezvous`.
 Layers count the embedding as layer 0 and the head as the last.
 """
 
@@ -105,6 +106,11 @@ class Plan:
     epoch: int = 0
     job_id: str = ""
     resume_step: int = 0
+    """Step the nodes start from: the last complete checkpoint (0: the seeded initialisation)."""
+    node_addresses: dict[str, str] = field(default_factory=dict)
+    """Node id -> HOST:PORT of its Peer server (live plans)."""
+    rendezvous: str = ""
+    """HOST:PORT of the torch.distributed store the nodes of this epoch meet at (live plans)."""
 
     def validate(self, num_layers: int | None = None) -> None:
         """Check that every pipeline covers the layers contiguously, once."""
@@ -146,6 +152,7 @@ class Plan:
             islands=[IslandInfo(**i) for i in d.get("islands", [])],
             pipelines=pipelines,
             epoch=d.get("epoch", 0), job_id=d.get("job_id", ""), resume_step=d.get("resume_step", 0),
+            node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
         )
 
     def to_json(self, indent: int | None = 2) -> str:

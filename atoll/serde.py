@@ -145,7 +145,7 @@ def plan_to_proto(p: Plan) -> pb.Plan:
         pipelines=[pb.Pipeline(index=k, micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
                                stages=[stage_to_proto(s, j) for j, s in enumerate(pl.stages)])
                    for k, pl in enumerate(p.pipelines)],
-        resume_step=p.resume_step,
+        resume_step=p.resume_step, node_addresses=p.node_addresses, rendezvous=p.rendezvous,
     )
 
 
@@ -157,7 +157,8 @@ def plan_from_proto(m: pb.Plan) -> Plan:
         islands=[island_from_proto(i) for i in m.islands],
         pipelines=[PipelinePlan(micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
                                 stages=[stage_from_proto(s) for s in pl.stages]) for pl in m.pipelines],
-        epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step,
+        epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step, node_addresses=dict(m.node_addresses),
+        rendezvous=m.rendezvous,
     )
 
 

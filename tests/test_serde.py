@@ -36,6 +36,7 @@ def test_island_round_trip() -> None:
 def _plan() -> Plan:
     return Plan(
         model="tiny", global_batch=16, seq_len=64, epoch=3, job_id="job", resume_step=25,
+        node_addresses={"n1": "127.0.0.1:7001", "n2": "127.0.0.1:7002"}, rendezvous="127.0.0.1:29400",
         predicted=Prediction(step_time_s=0.5, tokens_per_s=2048.0, mfu=0.1, bottleneck="stage 1 compute"),
         islands=[IslandInfo(id="i0", device="cpu", nodes=["n1"], gpus=1),
                  IslandInfo(id="i1", device="cpu", nodes=["n2", "n3"], gpus=2)],

@@ -251,7 +251,14 @@ class PlanPrediction(_message.Message):
     def __init__(self, step_time_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., bottleneck: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step")
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous")
+    class NodeAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +269,8 @@ class Plan(_message.Message):
     PIPELINES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     job_id: str
     model: str
@@ -272,7 +281,9 @@ class Plan(_message.Message):
     pipelines: _containers.RepeatedCompositeFieldContainer[Pipeline]
     created_unix: float
     resume_step: int
-    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ...) -> None: ...
+    node_addresses: _containers.ScalarMap[str, str]
+    rendezvous: str
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s")
