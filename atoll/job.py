@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields, replace
@@ -35,6 +36,25 @@ else:  # pragma: no cover
 CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk")
 COMPRESSION_MODES = ("adaptive", *CODECS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+TOKEN_ENV = "ATOLL_TOKEN"
+"""Environment variable that may hold the job token (a secret, so not part of the spec)."""
+
+
+def resolve_token(token: str | None = None, token_file: str | Path | None = None) -> str | None:
+    """The job token from a flag, else a file (first line), else $ATOLL_TOKEN; None when none is given."""
+    if token:
+        return token
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"token file {path}: no such file")
+        text = path.read_text(encoding="utf-8").strip()
+        if not text:
+            raise ValueError(f"token file {path} is empty; put the job token on its first line")
+        return text
+    return os.environ.get(TOKEN_ENV) or None
 
 
 class JobSpecError(ValueError):

@@ -3,27 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
-
-TOKEN_ENV = "ATOLL_TOKEN"
-
-
-def resolve_token(token: str | None, token_file: str | None) -> str | None:
-    """The job token from --token, --token-file or $ATOLL_TOKEN, in that order (None when none is given)."""
-    if token:
-        return token
-    if token_file:
-        path = Path(token_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--token-file {token_file}: no such file")
-        text = path.read_text(encoding="utf-8").strip()
-        if not text:
-            raise ValueError(f"--token-file {token_file} is empty; put the job token on its first line")
-        return text
-    return os.environ.get(TOKEN_ENV) or None
 
 
 def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]

@@ -17,11 +17,12 @@ from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store
 from atoll.fsutil import atomic_write_text
-from atoll.job import JobSpec
+from atoll.job import JobSpec, resolve_token
 from atoll.rpc import RpcOptions, ServerHandle, make_server
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -156,9 +157,6 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
 
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     """`atoll coordinator`: serve until SIGINT/SIGTERM."""
-    from atoll.coordinator.cli import resolve_token
-    from atoll.coordinator.membership import MembershipOptions
-
     job = JobSpec.load(args.job)
     state_dir = Path(args.state_dir)
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from atoll.job import resolve_token
 from atoll.rpc import RpcOptions, make_channel
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
@@ -102,7 +103,6 @@ def status_json(s: pb.StatusReply) -> str:
 
 
 def run_status_cli(args: argparse.Namespace) -> int:
-    from atoll.coordinator.cli import resolve_token
 
     token = resolve_token(args.token, args.token_file)
     rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else None

@@ -1,0 +1,436 @@
+"""The node agent: fetch the job spec, profile, start the peer server, join, then keep three loops going:
+
+- heartbeats (renew the lease, report the epoch and step, receive probe requests),
+- probes (measure the links the coordinator asks for and report them),
+- the plan watch (a WatchPlan stream, reconnected with backoff),
+
+while `run(on_plan=...)` hands each new plan to a callback on the calling thread. A coordinator that
+restarts on its state dir still knows the node, so heartbeats simply resume; one that answers NOT_FOUND
+(it lost the node, or marked it gone) gets a fresh join under the same stable id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+
+from atoll.job import TOKEN_ENV, JobSpec, resolve_token
+from atoll.node.identity import load_or_create_node_id
+from atoll.node.peer import PeerServer, ProbeError, probe_peer
+from atoll.node.profiler import ProfileOptions, profile_node
+from atoll.plan import Plan
+from atoll.rpc import RpcOptions, make_channel
+from atoll.serde import (link_to_proto, plan_from_proto, profile_to_proto, step_metrics_to_proto)
+from atoll.types import LinkMeasurement, NodeProfile, StepMetrics
+from atoll.v1 import atoll_pb2 as pb
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+log = logging.getLogger("atoll.node")
+
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+
+
+class AgentError(RuntimeError):
+    """The coordinator refused the node for good (wrong token, another job, invalid profile)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How a node reaches its coordinator and serves its peers."""
+
+    coordinator: str
+    """HOST:PORT of the coordinator."""
+    token: str
+    """The job token."""
+    state_dir: Path
+    """Folder that keeps the node's stable id."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+    listen: str = "127.0.0.1:0"
+    """HOST:PORT of the peer server (port 0 picks one)."""
+    advertise: str | None = None
+    """HOST:PORT peers dial; None: the listen address, a wildcard host replaced by this machine's hostname."""
+    rpc: RpcOptions = field(default_factory=RpcOptions)
+    """Message limits, keepalive and TLS of every channel and the peer server."""
+    call_timeout: timedelta = timedelta(seconds=10)
+    """Deadline of each unary call to the coordinator."""
+    connect_timeout: timedelta = timedelta(minutes=2)
+    """How long to keep retrying the first contact (and each re-join) before giving up."""
+    watch_timeout: timedelta = timedelta(minutes=5)
+    """Deadline of one WatchPlan stream; it is reopened when it ends."""
+    backoff: tuple[timedelta, timedelta] = (timedelta(milliseconds=200), timedelta(seconds=5))
+    """First and largest wait between retries; each retry doubles the wait."""
+    probe_timeout: timedelta = timedelta(seconds=20)
+    """Bound of one link probe."""
+    profile: ProfileOptions = field(default_factory=ProfileOptions)
+    """How long the start-up profile measures."""
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("the node needs the job token: --token, --token-file or ATOLL_TOKEN")
+        for name in ("call_timeout", "connect_timeout", "watch_timeout", "probe_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive")
+        if not timedelta(0) < self.backoff[0] <= self.backoff[1]:
+            raise ValueError(f"backoff must be (first, largest) with 0 < first <= largest, got {self.backoff}")
+
+
+@dataclass
+class PlanRun:
+    """What a plan callback gets: the plan, the job, this node, and ways to report back."""
+
+    plan: Plan
+    job: JobSpec
+    node_id: str
+    peer: PeerServer
+    """The node's peer server: a stage attaches its receiver here."""
+    superseded: threading.Event
+    """Set when a newer plan arrives (or the agent stops): the callback should wind down and return."""
+    agent: NodeAgent
+
+    def report_step(self, metrics: StepMetrics) -> pb.StepAck:
+        self.agent.set_progress(metrics.plan_epoch, metrics.step)
+        return self.agent.call("ReportStep", step_metrics_to_proto(metrics))
+
+    def report_checkpoint(self, report: pb.CheckpointReport) -> pb.Ack:
+        return self.agent.call("ReportCheckpoint", report)
+
+
+OnPlan = Callable[[PlanRun], None]
+
+
+def describe_plan(plan: Plan, node_id: str) -> str:
+    """A readable account of a plan, with this node's place in it."""
+    lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s), global batch "
+             f"{plan.global_batch}, seq {plan.seq_len}, resume at step {plan.resume_step}"]
+    mine = "this node is idle in this plan"
+    for p_index, pipeline in enumerate(plan.pipelines):
+        lines.append(f"  pipeline {p_index}: micro-batch {pipeline.micro_batch} x {pipeline.num_micro_batches}")
+        for s_index, stage in enumerate(pipeline.stages):
+            send = f", sends {stage.send.codec}" if stage.send else ""
+            lines.append(f"    stage {s_index}: island {stage.island}, layers [{stage.layers[0]}, {stage.layers[1]}), "
+                         f"dp {stage.dp} on {', '.join(stage.nodes)}{send}; rendezvous {stage.dp_rendezvous}")
+            if node_id in stage.nodes:
+                mine = (f"this node runs pipeline {p_index} stage {s_index} (layers [{stage.layers[0]}, "
+                        f"{stage.layers[1]})) as rank {stage.nodes.index(node_id)} of {stage.dp}")
+    lines.append(f"  {mine}")
+    return "\n".join(lines)
+
+
+class NodeAgent:
+    """One node of a job. `run()` blocks until `stop()`; see the module docstring for what it does."""
+
+    def __init__(self, config: AgentConfig, *, profile: NodeProfile | None = None):
+        self.config = config
+        self._given_profile = profile
+        self._channel = make_channel(config.coordinator, config.rpc, token=config.token)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._join_lock = threading.Lock()
+        self._probes: queue.Queue[pb.ProbeTarget] = queue.Queue()
+        self._queued: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self.node_id = load_or_create_node_id(config.state_dir)
+        self.job: JobSpec | None = None
+        self.profile: NodeProfile | None = None
+        self.peer: PeerServer | None = None
+        self.heartbeat_interval = 1.0
+        self.plan: Plan | None = None
+        self.epoch = 0
+        self.step = 0
+        self.joins = 0
+        self._stream: grpc.Future | None = None
+
+    # --- calls --------------------------------------------------------------------------------------
+
+    def call(self, method: str, request, timeout: timedelta | None = None):
+        """One unary call to the coordinator with the configured deadline."""
+        return getattr(self._stub, method)(request, timeout=(timeout or self.config.call_timeout).total_seconds())
+
+    def _retrying(self, what: str, fn: Callable[[], object]) -> object:
+        """`fn()` retried with backoff on transient failures, for at most connect_timeout."""
+        deadline = time.monotonic() + self.config.connect_timeout.total_seconds()
+        wait = self.config.backoff[0].total_seconds()
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or time.monotonic() + wait > deadline or self._stop.is_set():
+                    if e.code() in _RETRYABLE:
+                        raise ConnectionError(f"{what}: no answer from the coordinator at {self.config.coordinator} "
+                                              f"({e.code().name}: {e.details()})") from None
+                    raise
+                log.debug("%s: %s, retrying in %.1fs", what, e.code().name, wait)
+                self._stop.wait(wait)
+                wait = min(2 * wait, self.config.backoff[1].total_seconds())
+
+    # --- start-up -----------------------------------------------------------------------------------
+
+    def _fetch_job(self) -> JobSpec:
+        status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
+        return JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
+
+    def _advertise(self, peer: PeerServer) -> str:
+        if self.config.advertise:
+            return self.config.advertise
+        host, port = peer.address.rsplit(":", 1)
+        if host in ("0.0.0.0", "[::]", ""):
+            host = socket.gethostname()
+        return f"{host}:{port}"
+
+    def join(self) -> pb.JoinReply:
+        """Join (or re-join) under the stable id; raises AgentError when refused for good."""
+        assert self.profile is not None and self.peer is not None and self.job is not None
+        req = pb.JoinRequest(token=self.config.token, node_id=self.node_id, job_id=self.job.id,
+                             profile=profile_to_proto(self.profile), peer_address=self._advertise(self.peer))
+        with self._join_lock:
+            try:
+                reply = self._retrying("joining", lambda: self.call("Join", req))
+            except grpc.RpcError as e:
+                raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
+            self.heartbeat_interval = reply.heartbeat_interval_seconds or 1.0  # type: ignore[attr-defined]
+            self.joins += 1
+            log.info("joined job %s as %s (peer address %s, heartbeat every %.1fs)", self.job.id, self.node_id,
+                     req.peer_address, self.heartbeat_interval)
+            return reply  # type: ignore[return-value]
+
+    def start(self) -> NodeAgent:
+        """Fetch the spec, profile, start the peer server, join and start the loops."""
+        self.job = self._fetch_job()
+        log.info("job %s (%s): model %s, %d steps", self.job.id, self.job.name, self.job.model.name,
+                 self.job.train.steps)
+        if self._given_profile is not None:
+            self.profile = self._given_profile
+        else:
+            t0 = time.perf_counter()
+            self.profile = profile_node(self.job, self.config.device, self.config.profile)
+            block = [t for t in self.profile.layer_timings if t.layer_kind == "block"]
+            log.info("profiled %s %s in %.1fs: block fwd+bwd %s", self.profile.device_kind, self.profile.device_name,
+                     time.perf_counter() - t0,
+                     ", ".join(f"{(t.forward_seconds + t.backward_seconds) * 1e3:.1f} ms @ {t.micro_batch}"
+                               for t in block))
+        self.peer = PeerServer(node_id=self.node_id, listen=self.config.listen, token=self.config.token,
+                               rpc=self.config.rpc)
+        self.join()
+        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._probe_loop, "probe"),
+                             (self._watch_loop, "watch")):
+            t = threading.Thread(target=self._guard(target), name=f"atoll-node-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _guard(self, loop: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                loop()
+            except AgentError as e:
+                log.error("%s", e)
+                self.stop(leave=False)
+            except Exception:  # noqa: BLE001 - a dead loop must stop the agent visibly, not silently
+                log.exception("node loop failed")
+                self.stop(leave=False)
+        return run
+
+    def _rejoin(self, why: str) -> None:
+        log.warning("the coordinator does not know this node (%s); joining again as %s", why, self.node_id)
+        self.join()
+
+    # --- loops --------------------------------------------------------------------------------------
+
+    def set_progress(self, epoch: int, step: int) -> None:
+        with self._cond:
+            self.epoch, self.step = epoch, step
+
+    def _heartbeat_loop(self) -> None:
+        unavailable_since: float | None = None
+        while not self._stop.wait(self.heartbeat_interval):
+            with self._cond:
+                req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
+            try:
+                reply = self.call("Heartbeat", req)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self._rejoin(e.details() or "")
+                elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AgentError(f"heartbeat refused: {e.details()}") from None
+                elif unavailable_since is None:
+                    unavailable_since = time.monotonic()
+                    log.warning("heartbeat failed (%s: %s); retrying", e.code().name, e.details())
+                continue
+            if unavailable_since is not None:
+                log.info("coordinator reachable again after %.1fs", time.monotonic() - unavailable_since)
+                unavailable_since = None
+            for target in reply.probe:
+                if target.node_id not in self._queued:
+                    self._queued.add(target.node_id)
+                    self._probes.put(target)
+
+    def _probe_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                target = self._probes.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                result = probe_peer(target.address, nbytes=target.probe_bytes, token=self.config.token,
+                                    rpc=self.config.rpc, timeout=self.config.probe_timeout, sender=self.node_id)
+                link = result.measurement(src=self.node_id, dst=target.node_id)
+                log.info("probed %s: %.1f MB/s, rtt %.2f ms", target.node_id, link.bandwidth_bytes_per_s / 1e6,
+                         link.rtt_seconds * 1e3)
+            except ProbeError as e:
+                # an unreachable peer is a measurement too: no bandwidth, so no island spans the link
+                log.warning("probe of %s failed: %s", target.node_id, e)
+                link = LinkMeasurement(src=self.node_id, dst=target.node_id, bandwidth_bytes_per_s=0.0,
+                                       rtt_seconds=0.0, measured_unix=time.time())
+            try:
+                self.call("ReportProbes", pb.ProbeReport(node_id=self.node_id, links=[link_to_proto(link)]))
+            except grpc.RpcError as e:
+                log.warning("could not report the probe of %s: %s: %s", target.node_id, e.code().name, e.details())
+            finally:
+                self._queued.discard(target.node_id)
+
+    def _watch_loop(self) -> None:
+        wait = self.config.backoff[0].total_seconds()
+        while not self._stop.is_set():
+            with self._cond:
+                known = self.plan.epoch if self.plan is not None else 0
+            stream = self._stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id, known_epoch=known),
+                                          timeout=self.config.watch_timeout.total_seconds())
+            self._stream = stream
+            try:
+                for message in stream:
+                    wait = self.config.backoff[0].total_seconds()
+                    self._new_plan(plan_from_proto(message))
+                continue
+            except grpc.RpcError as e:
+                code = e.code()
+                if self._stop.is_set() or code == grpc.StatusCode.CANCELLED:
+                    return
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    continue  # the stream's own deadline: reopen at once
+                if code == grpc.StatusCode.NOT_FOUND:
+                    self._rejoin(e.details() or "")
+                elif code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AgentError(f"plan watch refused: {e.details()}") from None
+                else:
+                    log.debug("plan watch ended (%s), reconnecting in %.1fs", code.name, wait)
+            self._stop.wait(wait)
+            wait = min(2 * wait, self.config.backoff[1].total_seconds())
+
+    def _new_plan(self, plan: Plan) -> None:
+        with self._cond:
+            if self.plan is not None and plan.epoch <= self.plan.epoch:
+                return
+            self.plan = plan
+            self._cond.notify_all()
+        log.info("%s", describe_plan(plan, self.node_id))
+
+    # --- the caller's thread ------------------------------------------------------------------------
+
+    def wait_for_plan(self, newer_than: int, timeout: float | None = None) -> Plan | None:
+        """The latest plan once its epoch exceeds `newer_than`; None on timeout or stop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._stop.is_set():
+                if self.plan is not None and self.plan.epoch > newer_than:
+                    return self.plan
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            return None
+
+    def run(self, on_plan: OnPlan | None = None) -> None:
+        """Start (if not started) and hand each new plan to `on_plan` until `stop()`.
+
+        `on_plan` runs on this thread; when a newer plan arrives its `PlanRun.superseded` is set, and the
+        next call gets the newest plan. Without a callback, plans are only logged (and the node runs
+        nothing).
+        """
+        if self.peer is None:
+            self.start()
+        done = 0
+        while not self._stop.is_set():
+            plan = self.wait_for_plan(done)
+            if plan is None:
+                continue
+            done = plan.epoch
+            self.set_progress(plan.epoch, self.step)
+            if on_plan is None:
+                continue
+            assert self.job is not None and self.peer is not None
+            superseded = threading.Event()
+            watcher = threading.Thread(target=self._supersede_when_newer, args=(plan.epoch, superseded),
+                                       daemon=True, name="atoll-node-supersede")
+            watcher.start()
+            try:
+                on_plan(PlanRun(plan=plan, job=self.job, node_id=self.node_id, peer=self.peer,
+                                superseded=superseded, agent=self))
+            finally:
+                superseded.set()
+                watcher.join(timeout=5)
+
+    def _supersede_when_newer(self, epoch: int, superseded: threading.Event) -> None:
+        while not superseded.is_set():
+            if self.wait_for_plan(epoch, timeout=0.5) is not None or self._stop.is_set():
+                superseded.set()
+
+    def stop(self, leave: bool = True) -> None:
+        """Stop the loops and the peer server; with `leave`, tell the coordinator (best effort)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._stream is not None:
+            self._stream.cancel()
+        if leave and self.joins:
+            try:
+                self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),
+                          timeout=timedelta(seconds=2))
+            except grpc.RpcError:
+                pass
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        if self.peer is not None:
+            self.peer.stop()
+        self._channel.close()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+
+def run_node_cli(args: argparse.Namespace) -> int:
+    """`atoll node`: run until SIGINT/SIGTERM, then leave the job."""
+    import signal
+
+    token = resolve_token(args.token, args.token_file)
+    if token is None:
+        raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")
+    rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else RpcOptions()
+    config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
+                         device=args.device, listen=args.listen, advertise=args.advertise, rpc=rpc,
+                         profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)))
+    agent = NodeAgent(config)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: threading.Thread(target=agent.stop, daemon=True).start())
+    try:
+        agent.run()
+    except AgentError as e:
+        raise PermissionError(str(e)) from None
+    finally:
+        agent.stop()
+    return 0

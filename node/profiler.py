@@ -1,0 +1,143 @@
+"""What a node measures of itself before joining: its device, memory, CPUs, and how fast it runs the job's
+own layers (embedding, one block, head) forward and backward at a few micro-batch sizes, plus one AdamW
+step over a block's parameters. Short by design: the tiny job profiles in well under a second or two.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import psutil
+import torch
+
+from atoll import __version__
+from atoll.job import JobSpec
+from atoll.node.model import build_layer, lm_loss
+from atoll.types import LayerTiming, NodeProfile
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileOptions:
+    """How much measuring to do."""
+
+    micro_batches: tuple[int, ...] | None = None
+    """Micro-batch sizes to time; None: half, one and two times the job's micro_batch (distinct, >= 1)."""
+    repeats: int = 3
+    """Timed runs per (layer, micro-batch); the median counts. One untimed warm-up run precedes them."""
+    budget: timedelta = timedelta(seconds=3)
+    """Stop repeating once the profile has taken this long (every size is still timed at least once)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batches is not None and (not self.micro_batches or min(self.micro_batches) < 1):
+            raise ValueError(f"micro_batches must be positive sizes, got {self.micro_batches}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.budget <= timedelta(0):
+            raise ValueError(f"budget must be positive, got {self.budget}")
+
+
+def parse_device(device: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N`, checked against what this machine has."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {device}: use cpu, cuda or cuda:N")
+    return dev
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def describe_device(dev: torch.device) -> NodeProfile:
+    """Device kind, name, count and memory; no timings."""
+    cpu_count = psutil.cpu_count(logical=True) or 1
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
+        count = torch.cuda.device_count() if dev.index is None else 1
+        name = torch.cuda.get_device_name(index)
+    else:
+        vm = psutil.virtual_memory()
+        free, total, count, name = vm.available, vm.total, 1, _cpu_name()
+    return NodeProfile(hostname=socket.gethostname(), device_kind=dev.type, device_name=name, device_count=count,
+                       memory_total_bytes=int(total), memory_free_bytes=int(min(free, total)), cpu_count=cpu_count,
+                       torch_version=torch.__version__, atoll_version=__version__)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(dev: torch.device, fn: Callable[[], None]) -> float:
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | None = None) -> NodeProfile:
+    """Measure this node on `job`'s layers; returns the profile to join with."""
+    options = options or ProfileOptions()
+    dev = parse_device(device)
+    profile = describe_device(dev)
+    cfg, seq = job.model, job.train.seq_len
+    dtype = torch.bfloat16 if job.train.dtype == "bf16" and dev.type == "cuda" else torch.float32
+    mb = job.train.micro_batch
+    sizes = options.micro_batches or tuple(sorted({max(1, mb // 2), mb, 2 * mb}))
+    deadline = time.perf_counter() + options.budget.total_seconds()
+    layers = {kind: build_layer(cfg, index).to(dev, dtype)
+              for kind, index in (("embedding", 0), ("block", 1), ("head", cfg.n_layers + 1))}
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    for b in sizes:
+        ids = torch.randint(0, cfg.vocab_size, (b, seq), generator=g).to(dev)
+        hidden = torch.randn(b, seq, cfg.d_model, generator=g).to(dev, dtype)
+        for kind, layer in layers.items():
+            fwd, bwd = [], []
+            for r in range(options.repeats + 1):
+                x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
+                out: list[torch.Tensor] = []
+                f = _timed(dev, lambda: out.append(layer(x)))
+                loss = lm_loss(out[0], ids) if kind == "head" else out[0].float().square().mean()
+                bw = _timed(dev, loss.backward)
+                layer.zero_grad(set_to_none=True)
+                if r > 0:  # the first run warms caches and kernels
+                    fwd.append(f)
+                    bwd.append(bw)
+                if r >= 1 and time.perf_counter() > deadline:
+                    break
+            profile.layer_timings.append(LayerTiming(layer_kind=kind, micro_batch=b, seq_len=seq,
+                                                     forward_seconds=statistics.median(fwd),
+                                                     backward_seconds=statistics.median(bwd)))
+
+    block = layers["block"]
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(block.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
+    opt.step()  # allocates the moments
+    steps = [_timed(dev, opt.step) for _ in range(options.repeats)]
+    profile.optimizer_step_seconds = statistics.median(steps)
+    return profile
