@@ -23,6 +23,9 @@ from atoll.v1 import atoll_pb2 as pb
 _SCALE_ROUNDING = 2.0 ** -7  # a scale rounded up to bfloat16 is at most this much (relative) too large
 
 
+_SLICE = 1 << 20  # elements per slice: temporaries stay a few MiB (cache-resident, no page-faulting allocations)
+
+
 class _BlockQuant(Codec):
     levels: int
 
@@ -36,39 +39,75 @@ class _BlockQuant(Codec):
     def _code_bytes(self, padded: int) -> int:
         raise NotImplementedError
 
+    def _store(self, codes: torch.Tensor, b0: int, b1: int, q: torch.Tensor) -> None:
+        """Write the rounded values `q` [b1 - b0, block] of blocks [b0, b1) into the code region."""
+        raise NotImplementedError
+
+    def _load(self, codes: torch.Tensor, b0: int, b1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 codes [b1 - b0, block], centred on zero, of blocks [b0, b1) (written into `out` if given)."""
+        raise NotImplementedError
+
     def payload_size(self, numel: int, dtype: torch.dtype) -> int:
         nb = self._blocks(numel)
         return 2 * nb + self._code_bytes(nb * self.block_size)
 
-    def _scaled(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bfloat16 scales [nb], float32 values/scale rounded to integers [nb, block])."""
+    def _rows(self) -> int:
+        # blocks per slice; even, so that a slice never starts inside an int4 byte
+        return max(2, (_SLICE // self.block_size) & ~1)
+
+    def encode(self, t: torch.Tensor) -> Payload:
+        flat = self._flat(t)
         n, bs = flat.numel(), self.block_size
+        if n == 0:
+            return b""
         nb = self._blocks(n)
-        if flat.dtype != torch.float32:
-            flat = flat.float()  # reductions in half precision are far slower on CPU than a float32 pass
-        if nb * bs != n:
-            padded = flat.new_zeros(nb * bs)
-            padded[:n] = flat
-            flat = padded
-        x = flat.view(nb, bs)
+        out = torch.empty(self.payload_size(n, flat.dtype), dtype=torch.uint8, device=flat.device)
+        scales, codes = out[: 2 * nb].view(torch.bfloat16), out[2 * nb:]
+        rows = self._rows()
+        for b0 in range(0, nb, rows):
+            b1 = min(nb, b0 + rows)
+            part = flat[b0 * bs: b1 * bs]
+            if part.dtype != torch.float32 or part.numel() != (b1 - b0) * bs:
+                x = torch.zeros((b1 - b0) * bs, dtype=torch.float32, device=flat.device)
+                x[: part.numel()] = part  # upcast (and zero-pad the last block) in one copy
+            else:
+                x = part
+            scale, q = self._quantize(x.view(b1 - b0, bs))
+            scales[b0:b1] = scale
+            self._store(codes, b0, b1, q)
+        return tensor_bytes(out)
+
+    def decode(self, payload: Payload, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        buf, n = self._check_decode(payload, shape, dtype)
+        out = torch.empty(n, dtype=dtype)
+        if n == 0:
+            return out.view(tuple(shape))
+        nb, bs = self._blocks(n), self.block_size
+        scales, codes = buf[: 2 * nb].view(torch.bfloat16), buf[2 * nb:]
+        rows = self._rows()
+        for b0 in range(0, nb, rows):
+            b1 = min(nb, b0 + rows)
+            e1 = min(n, b1 * bs)
+            scale = scales[b0:b1].float().unsqueeze(1)
+            if dtype == torch.float32 and e1 == b1 * bs:
+                # straight into the output: no temporary
+                self._load(codes, b0, b1, out[b0 * bs: e1].view(b1 - b0, bs)).mul_(scale)
+            else:
+                out[b0 * bs: e1] = self._load(codes, b0, b1).mul_(scale).view(-1)[: e1 - b0 * bs]
+        return out.view(tuple(shape))
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bfloat16 scales [nb], float32 values/scale rounded to integers [nb, block]) of float32 x [nb, block]."""
         absmax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())  # two reductions beat abs().amax()
         exact = absmax.div_(self.levels)
         scale = exact.to(torch.bfloat16)
-        low = scale.float() < exact
-        if bool(low.any()):
-            scale.view(torch.int16)[low] += 1  # next bfloat16 up: scales are >= 0, so the bit pattern is ordered
+        # next bfloat16 up where rounding went down: scales are >= 0, so their bit patterns are ordered
+        scale.view(torch.int16).add_((scale.float() < exact).to(torch.int16))
         s = scale.float()
         inv = torch.where(s > 0, s.reciprocal(), torch.zeros_like(s))
         q = torch.mul(x, inv.unsqueeze(1))
         q.round_()
         return scale, q
-
-    def _dequantize(self, codes: torch.Tensor, scales: torch.Tensor, numel: int, shape: Sequence[int],
-                    dtype: torch.dtype) -> torch.Tensor:
-        """codes: float32 [nb, block] (already centred), scales: bfloat16 [nb]."""
-        codes.mul_(scales.float().unsqueeze(1))
-        out = codes.view(-1)[:numel]
-        return out.to(dtype).view(tuple(shape)) if dtype != torch.float32 else out.reshape(tuple(shape))
 
     def error_bound(self, t: torch.Tensor) -> float:
         if t.numel() == 0:
@@ -97,25 +136,14 @@ class Int8BlockCodec(_BlockQuant):
     def _code_bytes(self, padded: int) -> int:
         return padded
 
-    def encode(self, t: torch.Tensor) -> Payload:
-        flat = self._flat(t)
-        if flat.numel() == 0:
-            return b""
-        scale, q = self._scaled(flat)
-        nb = scale.numel()
-        out = torch.empty(self.payload_size(flat.numel(), flat.dtype), dtype=torch.uint8, device=flat.device)
-        out[: 2 * nb].view(torch.bfloat16).copy_(scale)
-        out[2 * nb:].view(torch.int8).view(q.shape).copy_(q.to(torch.int8))
-        return tensor_bytes(out)
+    def _store(self, codes: torch.Tensor, b0: int, b1: int, q: torch.Tensor) -> None:
+        bs = self.block_size
+        codes[b0 * bs: b1 * bs].view(torch.int8).view(q.shape).copy_(q.to(torch.int8))
 
-    def decode(self, payload: Payload, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        buf, numel = self._check_decode(payload, shape, dtype)
-        if numel == 0:
-            return torch.empty(tuple(shape), dtype=dtype)
-        nb = self._blocks(numel)
-        scales = buf[: 2 * nb].view(torch.bfloat16)
-        codes = buf[2 * nb:].view(torch.int8).view(nb, self.block_size).to(torch.float32)
-        return self._dequantize(codes, scales, numel, shape, dtype)
+    def _load(self, codes: torch.Tensor, b0: int, b1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        bs = self.block_size
+        q = codes[b0 * bs: b1 * bs].view(torch.int8).view(b1 - b0, bs)
+        return q.to(torch.float32) if out is None else out.copy_(q)
 
 
 @register
@@ -129,33 +157,28 @@ class Int4BlockCodec(_BlockQuant):
     def _code_bytes(self, padded: int) -> int:
         return (padded + 1) // 2
 
-    def encode(self, t: torch.Tensor) -> Payload:
-        flat = self._flat(t)
-        if flat.numel() == 0:
-            return b""
-        scale, q = self._scaled(flat)
-        nb = scale.numel()
+    def _store(self, codes: torch.Tensor, b0: int, b1: int, q: torch.Tensor) -> None:
+        bs = self.block_size
         q = q.view(-1).add_(8).to(torch.uint8)
-        if q.numel() % 2:
+        if q.numel() % 2:  # only the last slice: pad its final byte's high nibble with a zero code
             q = torch.cat([q, q.new_full((1,), 8)])
         pairs = q.view(-1, 2)
-        out = torch.empty(self.payload_size(flat.numel(), flat.dtype), dtype=torch.uint8, device=flat.device)
-        out[: 2 * nb].view(torch.bfloat16).copy_(scale)
-        codes = out[2 * nb:]
-        torch.bitwise_left_shift(pairs[:, 1], 4, out=codes)
-        codes.bitwise_or_(pairs[:, 0])
-        return tensor_bytes(out)
+        first = b0 * bs // 2
+        dst = codes[first: first + pairs.shape[0]]
+        torch.bitwise_left_shift(pairs[:, 1], 4, out=dst)
+        dst.bitwise_or_(pairs[:, 0])
 
-    def decode(self, payload: Payload, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        buf, numel = self._check_decode(payload, shape, dtype)
-        if numel == 0:
-            return torch.empty(tuple(shape), dtype=dtype)
-        nb = self._blocks(numel)
-        padded = nb * self.block_size
-        scales = buf[: 2 * nb].view(torch.bfloat16)
-        packed = buf[2 * nb:]
-        nibbles = torch.empty(packed.numel(), 2, dtype=torch.float32)
+    def _load(self, codes: torch.Tensor, b0: int, b1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        bs = self.block_size
+        count = (b1 - b0) * bs
+        packed = codes[b0 * bs // 2: b0 * bs // 2 + (count + 1) // 2]
+        if out is None or count % 2:
+            nibbles = torch.empty(packed.numel(), 2, dtype=torch.float32)
+        else:
+            nibbles = out.view(-1, 2)
         nibbles[:, 0] = packed.bitwise_and(15)
         nibbles[:, 1] = packed.bitwise_right_shift(4)
-        codes = nibbles.view(-1)[:padded].sub_(8).view(nb, self.block_size)
-        return self._dequantize(codes, scales, numel, shape, dtype)
+        codes_f = nibbles.view(-1)[:count].sub_(8).view(b1 - b0, bs)
+        if out is not None and codes_f.data_ptr() != out.data_ptr():
+            return out.copy_(codes_f)
+        return codes_f

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -83,14 +84,14 @@ class Fp16Codec(_Cast):
     wire = torch.float16
 
     def _convert(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.numel():
-            lo, hi = torch.aminmax(flat)
-            # one read-only pass decides; the clamping pass is paid only by tensors that need it
-            if not (float(lo) >= -FP16_MAX and float(hi) <= FP16_MAX):
-                finite = torch.isfinite(flat)
+        half = flat.to(torch.float16)
+        if half.numel():
+            lo, hi = torch.aminmax(half)
+            # one pass over the (smaller) result decides; only tensors with inf, NaN or overflow pay for clamping
+            if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
                 clamped = flat.clamp(-FP16_MAX, FP16_MAX)
-                flat = torch.where(finite, clamped, flat)
-        return flat.to(torch.float16)
+                half = torch.where(torch.isfinite(flat), clamped, flat).to(torch.float16)
+        return half
 
     def error_bound(self, t: torch.Tensor) -> float:
         m = _max_abs(t)

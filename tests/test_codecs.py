@@ -164,3 +164,30 @@ def test_spec_from_proto_defaults_and_unknown_id() -> None:
         CodecSpec.from_proto(99, pb.CodecParams())
     with pytest.raises(CodecError, match="zstd_level"):
         CodecSpec.from_proto(pb.CODEC_FP16, pb.CodecParams(zstd_level=40))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("block", [1, 7, 64])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_block_codecs_give_the_same_payload_whatever_the_slice_size(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                     block: int, dtype: torch.dtype) -> None:
+    from atoll.compression import blockquant
+
+    x = _tensor((1001,), dtype, 3, 1.0)
+    spec = CodecSpec(name, block_size=block)
+    whole = bytes(encode_tensor(x, spec).payload)
+    monkeypatch.setattr(blockquant, "_SLICE", 50)  # many slices, the last one partial
+    sliced = encode_tensor(x, spec).payload
+    assert bytes(sliced) == whole
+    y = decode_tensor(sliced, x.shape, x.dtype, spec)
+    monkeypatch.setattr(blockquant, "_SLICE", 1 << 20)
+    assert torch.equal(y, decode_tensor(whole, x.shape, x.dtype, spec))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_topk_on_large_half_precision_tensors(dtype: torch.dtype) -> None:
+    x = _tensor((300_000,), dtype, 5, 1.0)
+    y = _roundtrip(x, CodecSpec("topk", topk_fraction=0.01))
+    kept = y != 0
+    assert int(kept.sum()) == topk_count(x.numel(), CodecSpec("topk").topk_fraction)
+    assert x.float().abs()[~kept].max() <= x.float().abs()[kept].min()
