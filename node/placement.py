@@ -1,0 +1,114 @@
+"""Where a node sits in a plan: its pipeline, stage, replica, neighbours and gradient groups.
+
+Runtime rules (checked here, with errors that name the pipeline and stage):
+- within one pipeline every stage has the same data-parallel degree; replica r of stage s exchanges
+  activations with replica r of stages s - 1 and s + 1 (a "pipeline replica");
+- the global batch is split evenly over all pipeline replicas of all pipelines;
+- gradients are averaged per *layer segment*: the layer ranges of all pipelines cut the model into
+  segments, and every node holding a segment averages that segment's gradients with the other holders
+  (with one pipeline these are simply the replicas of a stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atoll.plan import Plan
+
+
+class PlacementError(ValueError):
+    """The plan cannot be run as given; the message says which pipeline or stage and why."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Layers [start, end) and the node ids that hold them, in rank order."""
+
+    start: int
+    end: int
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    node_id: str
+    pipeline: int
+    stage: int
+    replica: int
+    num_stages: int
+    dp: int
+    layers: tuple[int, int]
+    micro_batch: int
+    num_micro_batches: int
+    upstream: str | None
+    downstream: str | None
+    data_rank: int
+    """Index of this node's pipeline replica among all pipeline replicas of the plan."""
+    data_ranks: int
+    """Pipeline replicas in the plan: the global batch is split into this many equal shares."""
+    chain: tuple[str, ...]
+    """The node ids of this pipeline replica, stage by stage (the norm-exchange group)."""
+    loss_group: tuple[str, ...]
+    """Last-stage node of every pipeline replica (the group that averages the reported loss)."""
+    segments: tuple[Segment, ...]
+    """Segments of this node's layers held by more than one node."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
+    """This node's place in `plan`, or None when the plan gives it no work."""
+    plan.validate(num_layers)
+    data_ranks = 0
+    found: Placement | None = None
+    holders: list[tuple[tuple[int, int], str]] = []
+    loss_group: list[str] = []
+    for p, pipe in enumerate(plan.pipelines):
+        dps = {len(s.nodes) for s in pipe.stages}
+        if len(dps) != 1 or 0 in dps:
+            raise PlacementError(f"pipeline {p}: every stage needs the same number (> 0) of nodes, got "
+                                 f"{[len(s.nodes) for s in pipe.stages]}")
+        dp = dps.pop()
+        for s, st in enumerate(pipe.stages):
+            if st.dp != dp:
+                raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} but {dp} nodes are listed")
+            holders.extend((st.layers, n) for n in st.nodes)
+        for r in range(dp):
+            chain = tuple(st.nodes[r] for st in pipe.stages)
+            loss_group.append(chain[-1])
+            if node_id in chain:
+                s = chain.index(node_id)
+                st = pipe.stages[s]
+                found = Placement(
+                    node_id=node_id, pipeline=p, stage=s, replica=r, num_stages=len(pipe.stages), dp=dp,
+                    layers=st.layers, micro_batch=pipe.micro_batch, num_micro_batches=pipe.num_micro_batches,
+                    upstream=chain[s - 1] if s > 0 else None,
+                    downstream=chain[s + 1] if s + 1 < len(chain) else None,
+                    data_rank=data_ranks, data_ranks=0, chain=chain, loss_group=(), segments=(),
+                )
+            data_ranks += 1
+    if found is None:
+        return None
+    share, rem = divmod(plan.global_batch, data_ranks)
+    if rem:
+        raise PlacementError(f"global batch {plan.global_batch} does not split over {data_ranks} pipeline replicas")
+    pipe = plan.pipelines[found.pipeline]
+    if pipe.micro_batch * pipe.num_micro_batches != share:
+        raise PlacementError(f"pipeline {found.pipeline}: {pipe.num_micro_batches} micro-batches of {pipe.micro_batch} "
+                             f"do not make its share of the batch ({share} = {plan.global_batch} / {data_ranks})")
+    bounds = sorted({b for (a, e), _ in holders for b in (a, e)})
+    a, b = found.layers
+    segments = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if a <= lo and hi <= b:
+            seg_holders = tuple(n for (x, y), n in holders if x <= lo and hi <= y)
+            if len(seg_holders) > 1:
+                segments.append(Segment(lo, hi, seg_holders))
+    return Placement(**{**found.__dict__, "data_ranks": data_ranks, "loss_group": tuple(loss_group),
+                        "segments": tuple(segments)})

@@ -1,0 +1,275 @@
+"""Runs this node's part of a plan: build the stage, connect, train, checkpoint, report.
+
+`PlanRun(context, plan).run(stop)` trains from the plan's resume step until the job's last step, until
+`stop` is set (a new plan arrived) or the coordinator says stop. It:
+1. finds the node's place in the plan (`atoll.node.placement`);
+2. builds layers [a, b) only, and loads them (and their optimizer state) from the checkpoint of the
+   resume step, whatever cut wrote it;
+3. joins its process groups through the epoch's rendezvous store: the norm-exchange group of its
+   pipeline replica, one group per shared layer segment (gradient averaging), and the loss group
+   of the last stages (gloo on CPU, NCCL on CUDA);
+4. connects to its neighbours with the gRPC transport, the codec of each link chosen by the job's
+   compression mode (a fixed codec, or the link policy when adaptive);
+5. runs 1F1B steps, reports step metrics, writes checkpoints every `checkpoint.interval` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from atoll.compression import CodecSpec
+from atoll.job import JobSpec
+from atoll.node.checkpoint import load_layers, save_layers
+from atoll.node.data import TokenDataset
+from atoll.node.dataparallel import GradientAverager
+from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
+from atoll.node.inprocess import InProcessLinks
+from atoll.node.model import build_slice
+from atoll.node.norm_exchange import DistNormExchange, NormExchange
+from atoll.node.peer import PeerServer
+from atoll.node.placement import Placement, place
+from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
+from atoll.plan import Plan
+from atoll.rpc import RpcOptions
+from atoll.types import StepMetrics
+
+log = logging.getLogger("atoll.node.runner")
+
+
+def learning_rate(job: JobSpec, step: int) -> float:
+    """Linear warm-up over `train.warmup` steps, then cosine decay to a tenth of `train.lr` at the last step."""
+    t = job.train
+    if t.warmup and step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    span = max(1, t.steps - t.warmup)
+    progress = min(1.0, (step - t.warmup) / span)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def stage_config(job: JobSpec, micro_batches: int, timeout: timedelta) -> StageConfig:
+    t = job.train
+    return StageConfig(micro_batches=micro_batches, schedule=t.schedule, lr=t.lr, weight_decay=t.weight_decay,
+                       max_grad_norm=t.grad_clip if t.grad_clip > 0 else None, bf16_autocast=t.dtype == "bf16",
+                       recv_timeout=timeout, collective_timeout=timeout)
+
+
+def fixed_codec(job: JobSpec) -> CodecSpec | None:
+    """The codec every link uses, or None when the link policy chooses (compression mode "adaptive")."""
+    mode = job.compression.mode
+    return None if mode == "adaptive" else CodecSpec(codec=mode)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointWritten:
+    step: int
+    layers: tuple[int, int]
+    path: Path
+    bytes: int
+    data_position: int
+
+
+class RunFailed(RuntimeError):
+    """Training under this plan cannot go on (a neighbour or a collective failed); wait for a new plan."""
+
+
+@dataclass(kw_only=True)
+class RunContext:
+    """What a node brings to every plan it runs."""
+
+    node_id: str
+    job: JobSpec
+    peer_server: PeerServer
+    checkpoint_dir: Path
+    """Where checkpoints are written and read: one folder per step, one file per layer. Nodes that may
+    take over each other's layers need the same folder (a shared file system)."""
+    report_step: Callable[[StepMetrics], bool]
+    """Sends step metrics to the coordinator; returns True when the job should stop."""
+    report_checkpoint: Callable[[CheckpointWritten], None]
+    token: str | None = None
+    rpc: RpcOptions = field(default_factory=RpcOptions)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    timeout: timedelta = timedelta(seconds=120)
+    """Bound of every wait on a neighbour, a collective or the rendezvous."""
+
+
+def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
+           device: torch.device) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(prefix, store)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(prefixed, rank, size)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+class _SegmentAverager:
+    """Averages each shared layer segment's gradients over the nodes that hold it."""
+
+    def __init__(self, parts: list[tuple[set[int], GradientAverager]]):
+        self.parts = parts
+
+    def average_(self, params, timeout: timedelta) -> None:
+        params = list(params)
+        for ids, averager in self.parts:
+            averager.average_([p for p in params if id(p) in ids], timeout)
+
+
+class PlanRun:
+    """This node's share of one plan epoch."""
+
+    def __init__(self, ctx: RunContext, plan: Plan):
+        self.ctx, self.plan = ctx, plan
+        self.job = ctx.job
+        self.placement: Placement | None = place(plan, ctx.node_id, self.job.model.n_layers + 2)
+
+    def run(self, stop: threading.Event) -> int:
+        """Train; return the next step to run (the job's steps when it finished)."""
+        pl = self.placement
+        if pl is None:
+            log.info("plan epoch %d gives this node no stage; standing by", self.plan.epoch)
+            stop.wait()
+            return self.plan.resume_step
+        job, ctx = self.job, self.ctx
+        cfg = stage_config(job, pl.num_micro_batches, ctx.timeout)
+        module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device)
+        optimizer = build_optimizer(module, cfg)
+        step = self.plan.resume_step
+        if step > 0:
+            load_layers(module, optimizer, ctx.checkpoint_dir, step)
+            log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
+        store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
+        norm, averager, loss_group = self._groups(store, module)
+        transport = self._transport(pl)
+        stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
+                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer)
+        data = TokenDataset.from_source(job.data.source, job.train.seq_len, seed=job.train.seed) \
+            if (pl.is_first or pl.is_last) else None
+        log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
+                 self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
+                 pl.num_micro_batches, pl.micro_batch, step)
+        try:
+            while step < job.train.steps and not stop.is_set():
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate(job, step)
+                batch = data.replica_batch(step, job.train.global_batch, pl.data_rank, pl.data_ranks) \
+                    if data is not None else None
+                try:
+                    result = stage.train_step(step, batch)
+                    loss = self._mean_loss(result, loss_group, pl)
+                except Exception as e:  # a neighbour or a collective failed: this epoch cannot go on
+                    raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
+                step += 1
+                should_stop = ctx.report_step(self._metrics(step - 1, result, loss, transport))
+                interval = job.checkpoint.interval
+                if interval and (step % interval == 0 or step == job.train.steps):
+                    self._checkpoint(module, optimizer, step)
+                if should_stop:
+                    log.info("the coordinator stopped the job after step %d", step - 1)
+                    break
+        finally:
+            transport.close()
+        return step
+
+    # --- set-up -----------------------------------------------------------------------------------
+
+    def _store(self) -> dist.Store:
+        if not self.plan.rendezvous:
+            raise RunFailed("the plan names no rendezvous store; the coordinator must publish one")
+        host, port = self.plan.rendezvous.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, timeout=self.ctx.timeout)
+
+    def _groups(self, store: dist.Store | None, module: torch.nn.Module
+                ) -> tuple[NormExchange | None, _SegmentAverager | None, dist.ProcessGroup | None]:
+        pl, ctx = self.placement, self.ctx
+        assert pl is not None
+        base = f"atoll/{self.plan.job_id}/epoch-{self.plan.epoch}"
+        norm = None
+        if store is not None and pl.num_stages > 1:
+            g = _group(store, f"{base}/chain-{pl.pipeline}-{pl.replica}/", pl.stage, pl.num_stages, ctx.timeout,
+                       ctx.device)
+            norm = DistNormExchange(g, device=ctx.device)
+        averager = None
+        if store is not None and pl.segments:
+            parts = []
+            for seg in pl.segments:
+                g = _group(store, f"{base}/segment-{seg.start}-{seg.end}/", seg.holders.index(ctx.node_id),
+                           len(seg.holders), ctx.timeout, ctx.device)
+                ids = {id(p) for i in range(seg.start, seg.end) for p in module.layers[str(i)].parameters()}
+                parts.append((ids, GradientAverager(g)))
+            averager = _SegmentAverager(parts)
+        loss_group = None
+        if store is not None and pl.is_last and len(pl.loss_group) > 1:
+            loss_group = _group(store, f"{base}/loss/", pl.loss_group.index(ctx.node_id), len(pl.loss_group),
+                                ctx.timeout, ctx.device)
+        return norm, averager, loss_group
+
+    def _transport(self, pl: Placement):
+        if pl.num_stages == 1:
+            return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing
+        addr = self.plan.node_addresses
+
+        def ref(node: str | None) -> PeerRef | None:
+            if node is None:
+                return None
+            if node not in addr:
+                raise RunFailed(f"the plan has no peer address for node {node}")
+            return PeerRef(node_id=node, address=addr[node])
+
+        stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
+        send = stage_plan.send
+        bandwidth = send.bytes / send.seconds if send and send.seconds > 0 else None
+        codec = fixed_codec(self.job)
+        m = self.job.model
+        return GrpcTransport(GrpcTransportConfig(
+            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch,
+            pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
+            upstream=ref(pl.upstream), downstream=ref(pl.downstream),
+            shape=(pl.micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
+            token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
+            initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
+            call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
+        ), self.ctx.peer_server)
+
+    # --- per step ---------------------------------------------------------------------------------
+
+    def _mean_loss(self, result: StepResult, group: dist.ProcessGroup | None, pl: Placement) -> float | None:
+        if result.loss is None:
+            return None
+        if group is None:
+            return result.loss
+        t = torch.tensor([result.loss], dtype=torch.float64, device=self.ctx.device)
+        group.allreduce([t]).wait(self.ctx.timeout)
+        return float(t.item()) / len(pl.loss_group)
+
+    def _metrics(self, step: int, result: StepResult, loss: float | None, transport) -> StepMetrics:
+        pl = self.placement
+        assert pl is not None
+        reports_loss = loss is not None and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
+        links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
+        return StepMetrics(
+            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch, step=step,
+            pipeline=pl.pipeline, stage=pl.stage, loss=loss if reports_loss else None,
+            tokens=pl.micro_batch * pl.num_micro_batches * self.job.train.seq_len,
+            step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
+            wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
+        )
+
+    def _checkpoint(self, module, optimizer, step: int) -> None:
+        pl = self.placement
+        assert pl is not None
+        # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
+        if pl.pipeline != 0 or pl.replica != 0:
+            return
+        position = step * self.job.train.global_batch
+        path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position)
+        self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
+                                                     data_position=position))
+        log.info("checkpoint of step %d: layers [%d, %d) -> %s", step, *pl.layers, path)
