@@ -1,0 +1,319 @@
+"""The runtime of one pipeline stage replica: runs a schedule over micro-batches and steps AdamW.
+
+`PipelineStage` needs only its module (layers [a, b)), its place in the pipeline, a `Transport` to its
+neighbours, a `NormExchange` across the stages of its pipeline (for global gradient clipping) and,
+with data parallelism, a `GradientAverager` over the replicas of its stage. Whether the neighbours are
+threads or other processes makes no difference to it. The node agent calls `train_step` once per step.
+
+Per step: forward/backward of every micro-batch in schedule order (the loss of each micro-batch is
+divided by the number of micro-batches, so the accumulated gradient is that of the mean loss over the
+whole batch, as the unsplit model would compute), then average gradients over replicas, then exchange
+squared norms and clip, then step the optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from atoll.node.dataparallel import GradientAverager
+from atoll.node.model import StageModule, lm_loss
+from atoll.node.norm_exchange import LocalNormExchange, NormExchange
+from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
+from atoll.node.transport import TensorKey, Transport
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageConfig:
+    """How a stage trains: schedule, optimizer, clipping, precision and timeouts."""
+
+    micro_batches: int = 4
+    """Micro-batches per step; the batch given to `train_step` is split into this many equal parts."""
+    schedule: ScheduleKind = "1f1b"
+    """``1f1b`` (bounded activation memory) or ``gpipe`` (all forwards, then all backwards)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment decay rates."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global (all stages) gradient norm to this; None disables clipping and the exchange."""
+    bf16_autocast: bool = False
+    """Run forward passes under bf16 autocast (weights, gradients and optimizer stay fp32)."""
+    recv_timeout: timedelta = timedelta(seconds=60)
+    """Longest wait for one activation or activation-gradient from a neighbour."""
+    collective_timeout: timedelta = timedelta(seconds=60)
+    """Longest wait for the gradient all-reduce and the norm exchange."""
+    track_memory: bool = False
+    """Count the bytes autograd saves for backward per micro-batch (reported as peak_activation_bytes)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"eps must be positive and weight_decay non-negative, got {self.eps}, {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        for name in ("recv_timeout", "collective_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be a positive timedelta, got {getattr(self, name)}")
+
+
+def build_optimizer(module: nn.Module, config: StageConfig) -> torch.optim.AdamW:
+    """The AdamW every stage (and the single-process reference) uses."""
+    return torch.optim.AdamW(module.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay, foreach=False)
+
+
+class StageData(Protocol):
+    """A step's data for one pipeline replica (`atoll.node.data.Batch` is one).
+
+    `inputs`, (batch, seq) int64 token ids, is read by the first stage only; `targets`, the (batch, seq)
+    next-token ids, by the last stage only; a stage ignores the other and middle stages need neither.
+    """
+
+    @property
+    def inputs(self) -> torch.Tensor | None: ...
+
+    @property
+    def targets(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """One action of the schedule: when it started and ended (seconds from the start of the step)."""
+
+    op: str
+    micro_batch: int
+    start: float
+    end: float
+    wait: float
+    """Of [start, end), the seconds spent blocked on the transport for this action's input."""
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """What one stage replica did in one step."""
+
+    step: int
+    loss: float | None
+    """Mean loss over the micro-batches (last stage only; None elsewhere)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None when clipping is off)."""
+    tokens: int
+    step_seconds: float
+    pipeline_seconds: float
+    """From the start of the step to the end of the norm exchange: the pipelined part, before the optimizer."""
+    compute_seconds: float
+    """Forward and backward compute."""
+    wait_seconds: float
+    """Blocked on neighbours (receives) and on the norm exchange."""
+    sync_seconds: float = 0.0
+    """Data-parallel gradient all-reduce."""
+    optimizer_seconds: float = 0.0
+    peak_activation_bytes: int = 0
+    """Most bytes saved for backward at once (only with track_memory)."""
+    timeline: list[OpTiming] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the pipelined part: 1 - compute / pipeline_seconds."""
+        return max(0.0, 1.0 - self.compute_seconds / self.pipeline_seconds) if self.pipeline_seconds > 0 else 0.0
+
+
+class _SavedBytes:
+    """Bytes of non-parameter tensors autograd saves for backward, counted once per storage."""
+
+    def __init__(self, params: set[int]):
+        self.params = params
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+
+class PipelineStage:
+    """One replica of one stage of a pipeline: `train_step(step, batch)` runs a whole training step."""
+
+    def __init__(self, module: StageModule, *, stage: int, num_stages: int, transport: Transport,
+                 config: StageConfig, norm_exchange: NormExchange | None = None,
+                 grad_averager: GradientAverager | None = None, optimizer: torch.optim.Optimizer | None = None):
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
+        if module.is_first != (stage == 0) or module.is_last != (stage == num_stages - 1):
+            raise ValueError(f"stage {stage} of {num_stages} holds layers [{module.start}, {module.end}): the first "
+                             "stage must start at layer 0 and the last must end with the head")
+        if norm_exchange is None:
+            if num_stages > 1 and config.max_grad_norm is not None:
+                raise ValueError("global gradient clipping across stages needs a norm_exchange; pass one "
+                                 "or set max_grad_norm=None")
+            norm_exchange = LocalNormExchange()
+        self.module, self.stage, self.num_stages = module, stage, num_stages
+        self.transport, self.config = transport, config
+        self.norm_exchange, self.grad_averager = norm_exchange, grad_averager
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(module, config)
+        self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
+                                              micro_batches=config.micro_batches)
+        self.device = next(module.parameters()).device
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def train_step(self, step: int, batch: StageData | None = None) -> StepResult:
+        """Forward and backward every micro-batch, reduce and clip gradients, step the optimizer."""
+        cfg, m = self.config, self.config.micro_batches
+        inputs = self._split(batch.inputs if batch else None, "inputs", self.is_first)
+        targets = self._split(batch.targets if batch else None, "targets", self.is_last)
+        t0 = time.perf_counter()
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
+        mb_bytes: dict[int, int] = {}
+        live_bytes = peak_bytes = 0
+        losses: list[float] = []
+        tokens = 0
+        compute = wait = 0.0
+        timeline: list[OpTiming] = []
+        param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
+
+        for action in self.actions:
+            a_start = time.perf_counter()
+            i = action.micro_batch
+            if action.op == "forward":
+                if self.is_first:
+                    x: torch.Tensor | None = None
+                    h_in = inputs[i].to(self.device)
+                    a_wait = 0.0
+                else:
+                    w0 = time.perf_counter()
+                    x = self.transport.recv(TensorKey(step, i, "forward"), cfg.recv_timeout).to(self.device)
+                    a_wait = time.perf_counter() - w0
+                    x.requires_grad_(True)
+                    h_in = x
+                c0 = time.perf_counter()
+                counter = _SavedBytes(param_ptrs)
+                hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if cfg.track_memory \
+                    else contextlib.nullcontext()
+                with hooks, self._autocast():
+                    out = self.module(h_in)
+                    if self.is_last:
+                        tgt = targets[i].to(self.device)
+                        loss = lm_loss(out, tgt)
+                        tokens += tgt.numel()
+                        out = loss / m
+                compute += time.perf_counter() - c0
+                if self.is_last:
+                    losses.append(float(loss.detach()))
+                else:
+                    self.transport.send(TensorKey(step, i, "forward"), out.detach())
+                saved[i] = (x, out)
+                if cfg.track_memory:
+                    mb_bytes[i] = counter.bytes + _nbytes(x) + _nbytes(out)
+                    live_bytes += mb_bytes[i]
+                    peak_bytes = max(peak_bytes, live_bytes)
+            else:
+                x, out = saved.pop(i)
+                if self.is_last:
+                    grad = None
+                    a_wait = 0.0
+                else:
+                    w0 = time.perf_counter()
+                    grad = self.transport.recv(TensorKey(step, i, "backward"), cfg.recv_timeout).to(self.device)
+                    a_wait = time.perf_counter() - w0
+                c0 = time.perf_counter()
+                out.backward(grad)
+                compute += time.perf_counter() - c0
+                if x is not None:
+                    if x.grad is None:
+                        raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {i}")
+                    self.transport.send(TensorKey(step, i, "backward"), x.grad)
+                if cfg.track_memory:
+                    live_bytes -= mb_bytes.pop(i)
+            wait += a_wait
+            timeline.append(OpTiming(action.op, i, a_start - t0, time.perf_counter() - t0, a_wait))
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        s0 = time.perf_counter()
+        if self.grad_averager is not None:
+            self.grad_averager.average_(params, cfg.collective_timeout)
+        sync = time.perf_counter() - s0
+
+        grad_norm = None
+        if cfg.max_grad_norm is not None:
+            local = _squared_norm(params)
+            w0 = time.perf_counter()
+            total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
+            wait += time.perf_counter() - w0
+            grad_norm = math.sqrt(total)
+            # same coefficient as torch.nn.utils.clip_grad_norm_
+            coef = min(cfg.max_grad_norm / (grad_norm + 1e-6), 1.0)
+            if coef < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+        pipeline_end = time.perf_counter()
+        self.optimizer.step()
+        end = time.perf_counter()
+        return StepResult(
+            step=step, loss=sum(losses) / m if self.is_last else None, grad_norm=grad_norm, tokens=tokens,
+            step_seconds=end - t0, pipeline_seconds=pipeline_end - t0,
+            compute_seconds=compute, wait_seconds=wait, sync_seconds=sync, optimizer_seconds=end - pipeline_end,
+            peak_activation_bytes=peak_bytes, timeline=timeline)
+
+    def _split(self, t: torch.Tensor | None, name: str, needed: bool) -> list[torch.Tensor]:
+        if not needed:
+            return []
+        if t is None:
+            role = "first" if name == "inputs" else "last"
+            raise ValueError(f"stage {self.stage} is the {role} stage of its pipeline: train_step needs batch.{name}")
+        m = self.config.micro_batches
+        if t.ndim != 2 or t.shape[0] % m:
+            raise ValueError(f"batch.{name} must be (batch, seq) with batch divisible by micro_batches={m}; "
+                             f"got shape {tuple(t.shape)}")
+        if t.shape[1] > self.module.config.seq_len:
+            raise ValueError(f"batch.{name} has {t.shape[1]} tokens per sequence; the model allows "
+                             f"{self.module.config.seq_len}")
+        return list(t.chunk(m, dim=0))
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if not self.config.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _squared_norm(params: list[nn.Parameter]) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads])
+    return float(torch.sum(norms.double() ** 2))
