@@ -115,12 +115,19 @@ def even_cuts(total_layers: int, num_stages: int) -> list[int]:
 
 def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: StageConfig,
                    batches: Sequence[Batch], first_step: int = 0, replicas: int = 1, seed: int = 0,
+                   stage_groups: Sequence[dist.ProcessGroup] | None = None,
                    join_timeout: timedelta = timedelta(minutes=5)) -> ThreadedRun:
     """Train `len(batches)` steps with one thread per (replica, stage) of a pipeline cut at `cuts`.
 
     Each batch is the global batch of a step; replica r trains on its r-th share of the rows, and
-    the replicas of a stage average gradients over an in-process gloo group.
+    the replicas of a stage average gradients over an in-process gloo group. With `stage_groups`
+    (one process group per stage, whose other members are in other processes) this process runs one
+    pipeline replica (`replicas` must be 1), is given its own share of the data in `batches`, and
+    averages each stage's gradients over that stage's group.
     """
+    if stage_groups is not None and (replicas != 1 or len(stage_groups) != len(cuts) - 1):
+        raise ValueError(f"stage_groups needs replicas=1 and one group per stage ({len(cuts) - 1}), got "
+                         f"replicas={replicas} and {len(stage_groups)} groups")
     cuts = list(cuts)
     total = config.n_layers + 2
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != total or any(a >= b for a, b in zip(cuts, cuts[1:])):
@@ -144,7 +151,9 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     def work(r: int, s: int) -> None:
         try:
             stage = stages[r][s]
-            if replicas > 1:
+            if stage_groups is not None:
+                stage.grad_averager = GradientAverager(stage_groups[s])
+            elif replicas > 1:
                 group = gloo_group(store, f"stage{s}", rank=r, size=replicas, timeout=stage_config.collective_timeout)
                 stage.grad_averager = GradientAverager(group)
             for k, b in enumerate(batches):
