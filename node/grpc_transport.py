@@ -33,6 +33,7 @@ from atoll.node.transport import Direction, TensorKey, Transport, TransportError
 from atoll.rpc import RpcOptions, make_channel
 from atoll.serde import DIRECTION_BY_NAME
 from atoll.types import LinkStats
+from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 log = logging.getLogger("atoll.node.grpc_transport")
@@ -102,6 +103,9 @@ class GrpcTransportConfig:
     """Compute time a transfer should hide under (the stage's time per micro-batch), for the policy."""
     chunk_bytes: int = 1024 * 1024
     """Payload bytes per chunk message."""
+    parallel_calls: int = 2
+    """Tensors a link works on at once. One streams its chunks at a time (so transfers measure the link);
+    the others encode, or wait for the receiver to check and decode what they sent."""
     max_in_flight_bytes: int = 256 * 1024 * 1024
     """Raw bytes queued or being sent per link before `send` blocks."""
     call_timeout: timedelta = timedelta(seconds=60)
@@ -131,6 +135,8 @@ class GrpcTransportConfig:
         if self.chunk_bytes < 1024 or self.chunk_bytes > self.rpc.max_message_bytes - 4096:
             raise ValueError(f"chunk_bytes must be in [1024, rpc.max_message_bytes - 4096 = "
                              f"{self.rpc.max_message_bytes - 4096}], got {self.chunk_bytes}")
+        if self.parallel_calls < 1:
+            raise ValueError(f"parallel_calls must be at least 1, got {self.parallel_calls}")
         if self.max_in_flight_bytes < 1:
             raise ValueError(f"max_in_flight_bytes must be positive, got {self.max_in_flight_bytes}")
         if self.initial_bandwidth_bytes_per_s is not None and self.initial_bandwidth_bytes_per_s <= 0:
@@ -164,6 +170,19 @@ class _Totals:
     codec: str = "identity"
 
 
+class _Turn:
+    """A held lock released once, from whichever thread gets there first (gRPC's or the sender's)."""
+
+    def __init__(self, lock: threading.Lock):
+        self._lock, self._guard, self._held = lock, threading.Lock(), True
+
+    def release(self) -> None:
+        with self._guard:
+            if self._held:
+                self._held = False
+                self._lock.release()
+
+
 class _Link:
     """Sends to one neighbour: a channel, a bounded queue, a sender thread and the link's policy."""
 
@@ -179,10 +198,15 @@ class _Link:
         self.in_flight = 0  # raw bytes queued or being sent
         self.error: TransportError | None = None
         self.closing = threading.Event()
-        self.call: grpc.Future | None = None
+        self.calls: set[grpc.Future] = set()
         self.totals = _Totals()
-        self.thread = threading.Thread(target=self._run, name=f"atoll-send-{direction}-{peer.node_id}", daemon=True)
-        self.thread.start()
+        self.policy_lock = threading.Lock()  # LinkPolicy is not thread-safe
+        self.wire = threading.Lock()  # held by the tensor whose chunks are streaming
+        self.last_ack = 0.0
+        self.threads = [threading.Thread(target=self._run, name=f"atoll-send-{direction}-{peer.node_id}-{i}",
+                                         daemon=True) for i in range(cfg.parallel_calls)]
+        for th in self.threads:
+            th.start()
 
     # --- caller side ---
 
@@ -229,13 +253,16 @@ class _Link:
 
     def close(self, timeout: float) -> None:
         self.closing.set()
-        self.queue.put(None)
-        call = self.call
-        if call is not None:
-            call.cancel()
+        for _ in self.threads:
+            self.queue.put(None)
         with self.cond:
+            calls = list(self.calls)
             self.cond.notify_all()
-        self.thread.join(timeout)
+        for call in calls:
+            call.cancel()
+        deadline = time.monotonic() + timeout
+        for th in self.threads:
+            th.join(max(0.0, deadline - time.monotonic()))
         self.channel.close()
 
     # --- sender thread ---
@@ -267,8 +294,9 @@ class _Link:
         if self.fixed is not None:
             return self.fixed
         role = "activation" if self.direction == "forward" else "activation_grad"
-        return self.policy.choose(item.raw_bytes, role, self.cfg.overlap.total_seconds(),
-                                  dtype=item.tensor.dtype).spec
+        with self.policy_lock:
+            return self.policy.choose(item.raw_bytes, role, self.cfg.overlap.total_seconds(),
+                                      dtype=item.tensor.dtype).spec
 
     def _send(self, item: _Outgoing) -> None:
         cfg, key = self.cfg, item.key
@@ -283,11 +311,8 @@ class _Link:
         attempt = 0
         while True:
             attempt += 1
-            t0 = time.perf_counter()
             try:
-                self.call = self.stub.Transfer.future(iter(chunks), timeout=cfg.call_timeout.total_seconds())
-                self.call.result()
-                seconds = time.perf_counter() - t0
+                start, end = self._transfer(chunks)
                 break
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
@@ -304,15 +329,47 @@ class _Link:
                 if self.closing.wait(backoff):
                     raise TransportError(f"{key}: the transport closed while sending to {self.peer.node_id}") from None
                 backoff = min(backoff * 2, cfg.retry_max.total_seconds())
-            finally:
-                self.call = None
-        self.policy.observe(wire, seconds)
+        with self.cond:
+            # from the later of this tensor's turn on the wire and the previous acknowledgement: the time the
+            # link spent on these bytes, as the receiver's checking of the previous tensor overlaps them
+            seconds = end - max(start, self.last_ack)
+            self.last_ack = end
+        with self.policy_lock:
+            self.policy.observe(wire, seconds)
         with self.cond:
             t = self.totals
             t.bytes_raw += item.raw_bytes
             t.bytes_wire += wire
             t.seconds += seconds
             t.codec = spec.codec
+
+
+    def _transfer(self, chunks: list[pb.TensorChunk]) -> tuple[float, float]:
+        """One Transfer call; returns when its turn on the wire began and when it was acknowledged."""
+        while not self.wire.acquire(timeout=0.1):
+            if self.closing.is_set():
+                raise TransportError("the transport closed while waiting to send")
+        turn = _Turn(self.wire)
+
+        def stream():
+            try:
+                yield from chunks
+            finally:  # gRPC took the last chunk: the next tensor may start streaming
+                turn.release()
+
+        start = time.perf_counter()
+        try:
+            call = self.stub.Transfer.future(stream(), timeout=self.cfg.call_timeout.total_seconds())
+            with self.cond:
+                self.calls.add(call)
+            try:
+                call.result()
+            finally:
+                with self.cond:
+                    self.calls.discard(call)
+        finally:
+            turn.release()
+        return start, time.perf_counter()
 
 
 class GrpcTransport(Transport):

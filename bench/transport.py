@@ -1,0 +1,308 @@
+"""Peer transport benchmark: the gRPC path against a raw TCP socket, then over a shaped link.
+
+    python -m bench.transport            (from the repository root; the shaped part needs root)
+
+1. Loopback, 1/4/16/64 MiB float32 tensors: `GrpcTransport` (identity codec, chunked, checksummed,
+   acknowledged per tensor) against a raw TCP socket carrying the same bytes with a one-byte
+   acknowledgement per tensor. Sender and receiver are separate processes in both cases.
+2. Two network namespaces joined by a veth pair shaped to 100 Mbit/s with tc tbf: achieved bytes/s of
+   the identity codec against the shaped rate, and tensors/s with identity, int8 and int4.
+
+Targets: gRPC >= 50% of raw TCP at 16 MiB; >= 85% of the shaped rate; int8 >= 3.5x the tensors/s of
+identity on the shaped link. Ends with `targets met: N/M`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+# --- the worker processes: one sends, one receives; commands arrive as JSON lines on stdin ------------------
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _transport(role: str, server, peer: str, epoch: int, codec: str, shape: tuple[int, ...]):
+    from atoll.compression import CodecSpec
+    from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
+
+    me = PeerRef(node_id=server.node_id, address=server.address)
+    other = PeerRef(node_id="recv" if role == "send" else "send", address=peer)
+    return GrpcTransport(GrpcTransportConfig(
+        job_id="bench", node_id=server.node_id, plan_epoch=epoch, stage=0 if role == "send" else 1,
+        upstream=None if role == "send" else other, downstream=other if role == "send" else None,
+        token="bench", shape=shape, forward_codec=CodecSpec(codec), chunk_bytes=4 * MiB,
+        max_in_flight_bytes=128 * MiB, max_tensor_bytes=64 * MiB, max_buffered_bytes=512 * MiB,
+        call_timeout=timedelta(seconds=120), delivery_timeout=timedelta(seconds=120)), server)
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise ConnectionError("the sender closed the socket mid-tensor")
+        got += n
+
+
+def _worker(role: str, host: str) -> None:
+    import torch
+
+    from atoll.node.peer import PeerServer
+    from atoll.node.transport import TensorKey
+
+    server = PeerServer(node_id=role, listen=f"{host}:0", token="bench")
+    _say({"address": server.address})
+    peer = json.loads(sys.stdin.readline())["peer"]
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        count, nbytes = cmd["count"], cmd["nbytes"]
+        shape = (nbytes // 4 // 1024, 1024)
+        if cmd["op"] == "grpc":
+            t = _transport(role, server, peer, cmd["epoch"], cmd["codec"], shape)
+            keys = [TensorKey(0, i, "forward") for i in range(count + 1)]  # the first one warms up
+            if role == "recv":
+                _say({"ready": True})
+                for k in keys:
+                    t.recv(k, timedelta(seconds=120))
+                t.close()
+                _say({"done": True})
+            else:
+                x = torch.randn(shape)
+                t.send(keys[0], x)
+                t.flush(timedelta(seconds=120))
+                t.link_stats()
+                t0 = time.perf_counter()
+                for k in keys[1:]:
+                    t.send(k, x)
+                t.flush(timedelta(seconds=300))
+                seconds = time.perf_counter() - t0
+                stats = t.link_stats()[0]
+                t.close()
+                _say({"seconds": seconds, "bytes_wire": stats.bytes_wire, "bytes_raw": stats.bytes_raw})
+        elif cmd["op"] == "tcp":
+            if role == "recv":
+                with socket.create_server((host, 0)) as ls:
+                    _say({"port": ls.getsockname()[1]})
+                    conn, _ = ls.accept()
+                    with conn:
+                        buf = bytearray(nbytes)
+                        for _ in range(count + 1):
+                            head = bytearray(8)
+                            _recv_exact(conn, memoryview(head))
+                            _recv_exact(conn, memoryview(buf)[:struct.unpack("<Q", head)[0]])
+                            torch.frombuffer(buf, dtype=torch.float32)  # what a receiver would hand on
+                            conn.sendall(b"k")
+                _say({"done": True})
+            else:
+                payload = torch.randn(shape).numpy().tobytes()
+                with socket.create_connection((cmd["host"], cmd["port"]), timeout=120) as s:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    head = struct.pack("<Q", len(payload))
+
+                    def one() -> None:
+                        s.sendall(head)
+                        s.sendall(payload)
+                        if s.recv(1) != b"k":
+                            raise ConnectionError("the receiver did not acknowledge")
+
+                    one()
+                    t0 = time.perf_counter()
+                    for _ in range(count):
+                        one()
+                    seconds = time.perf_counter() - t0
+                _say({"seconds": seconds, "bytes_wire": count * nbytes, "bytes_raw": count * nbytes})
+    server.stop()
+
+
+# --- the orchestration --------------------------------------------------------------------------------------
+
+class _Proc:
+    def __init__(self, argv: Sequence[str], popen=subprocess.Popen):
+        self.p = popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def tell(self, obj: dict) -> None:
+        self.p.stdin.write(json.dumps(obj) + "\n")
+        self.p.stdin.flush()
+
+    def hear(self, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([self.p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"worker {self.p.pid} said nothing for {timeout:.0f}s")
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {self.p.pid} exited with {self.p.wait(10)}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.tell({"op": "quit"})
+                self.p.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.p.kill()
+                self.p.wait(10)
+
+
+class _Pair:
+    """A receiving and a sending worker, introduced to each other."""
+
+    def __init__(self, recv_argv: list[str], send_argv: list[str], recv_host: str, popen=subprocess.Popen):
+        self.recv_host = recv_host
+        self.recv, self.send = _Proc(recv_argv, popen), _Proc(send_argv, popen)
+        r, s = self.recv.hear(60)["address"], self.send.hear(60)["address"]
+        self.recv.tell({"peer": s})
+        self.send.tell({"peer": r})
+        self.epoch = 0
+
+    def grpc(self, codec: str, nbytes: int, count: int) -> dict:
+        self.epoch += 1
+        cmd = {"op": "grpc", "codec": codec, "nbytes": nbytes, "count": count, "epoch": self.epoch}
+        self.recv.tell(cmd)
+        self.recv.hear()
+        self.send.tell(cmd)
+        result = self.send.hear()
+        self.recv.hear()
+        return result
+
+    def tcp(self, nbytes: int, count: int) -> dict:
+        cmd = {"op": "tcp", "nbytes": nbytes, "count": count}
+        self.recv.tell(cmd)
+        port = self.recv.hear()["port"]
+        self.send.tell({**cmd, "host": self.recv_host, "port": port})
+        result = self.send.hear()
+        self.recv.hear()
+        return result
+
+    def close(self) -> None:
+        self.send.close()
+        self.recv.close()
+
+
+def _worker_argv(role: str, host: str) -> list[str]:
+    return [sys.executable, "-m", "bench.transport", "--worker", role, "--host", host]
+
+
+def _rate(r: dict) -> float:
+    return r["bytes_raw"] / r["seconds"]
+
+
+def loopback(sizes_mib: Sequence[int], target_bytes: int) -> list[tuple[int, float, float]]:
+    """(size MiB, raw TCP bytes/s, gRPC bytes/s) per size."""
+    pair = _Pair(_worker_argv("recv", "127.0.0.1"), _worker_argv("send", "127.0.0.1"), "127.0.0.1")
+    rows = []
+    try:
+        for mib in sizes_mib:
+            count = max(3, target_bytes // (mib * MiB))
+            tcp = pair.tcp(mib * MiB, count)
+            grpc_ = pair.grpc("identity", mib * MiB, count)
+            rows.append((mib, _rate(tcp), _rate(grpc_)))
+    finally:
+        pair.close()
+    return rows
+
+
+def shaped(rate_bits_per_s: float, tensor_mib: int, seconds: float) -> tuple[dict, dict[str, dict]]:
+    """Over a tbf-shaped veth link: the raw TCP run and the gRPC run of each codec."""
+    from bench.netns import shaped_link
+
+    with shaped_link(rate_bits_per_s=rate_bits_per_s) as link:
+        pair = _Pair(link.b.argv(_worker_argv("recv", link.b.ip)), link.a.argv(_worker_argv("send", link.a.ip)),
+                     link.b.ip)
+        try:
+            per_identity = tensor_mib * MiB / (rate_bits_per_s / 8)
+            count = max(3, int(seconds / per_identity))
+            tcp = pair.tcp(tensor_mib * MiB, count)
+            runs = {c: pair.grpc(c, tensor_mib * MiB, count * k) for c, k in (("identity", 1), ("int8", 4),
+                                                                              ("int4", 7))}
+        finally:
+            pair.close()
+    return tcp, runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1,4,16,64", help="loopback tensor sizes in MiB")
+    ap.add_argument("--loopback-mib", type=int, default=256, help="MiB sent per size and path on loopback")
+    ap.add_argument("--rate-mbit", type=float, default=100.0, help="rate of the shaped link, Mbit/s")
+    ap.add_argument("--shaped-tensor-mib", type=int, default=4)
+    ap.add_argument("--shaped-seconds", type=float, default=3.0, help="rough duration of the identity run")
+    ap.add_argument("--worker", choices=("send", "recv"), help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, args.host)
+        return 0
+
+    targets: list[tuple[str, bool]] = []
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print("Loopback: GrpcTransport (identity) vs raw TCP, same bytes, one acknowledgement per tensor")
+    print(f"{'size':>8} | {'raw TCP MB/s':>12} | {'gRPC MB/s':>10} | {'gRPC/TCP':>8}")
+    print("-" * 48)
+    for mib, tcp, grpc_ in loopback(sizes, args.loopback_mib * MiB):
+        print(f"{mib:>5} MiB | {tcp / 1e6:>12.1f} | {grpc_ / 1e6:>10.1f} | {grpc_ / tcp:>7.0%}")
+        if mib == 16:
+            targets.append((f"gRPC >= 50% of raw TCP at 16 MiB (got {grpc_ / tcp:.0%})", grpc_ >= 0.5 * tcp))
+    print()
+
+    from bench.netns import netns_unavailable
+    reason = netns_unavailable()
+    rate = args.rate_mbit * 1e6
+    if reason:
+        print(f"Shaped link: skipped ({reason})")
+        targets.append((f"shaped link measured ({reason})", False))
+    else:
+        tcp, runs = shaped(rate, args.shaped_tensor_mib, args.shaped_seconds)
+        shaped_bytes = rate / 8
+        print(f"Shaped link: veth between two namespaces, tc tbf {args.rate_mbit:g} Mbit/s "
+              f"({shaped_bytes / 1e6:.2f} MB/s), {args.shaped_tensor_mib} MiB float32 tensors")
+        print(f"{'path':>14} | {'tensors':>7} | {'wire MB/s':>9} | {'of shaped':>9} | {'tensors/s':>9} | "
+              f"{'vs identity':>11}")
+        print("-" * 74)
+        tcp_wire = tcp["bytes_wire"] / tcp["seconds"]
+        print(f"{'raw TCP':>14} | {tcp['bytes_raw'] // (args.shaped_tensor_mib * MiB):>7} | "
+              f"{tcp_wire / 1e6:>9.2f} | {tcp_wire / shaped_bytes:>8.0%} | "
+              f"{tcp['bytes_raw'] / (args.shaped_tensor_mib * MiB) / tcp['seconds']:>9.2f} | {'':>11}")
+        tps = {}
+        for codec, r in runs.items():
+            n = r["bytes_raw"] // (args.shaped_tensor_mib * MiB)
+            tps[codec] = n / r["seconds"]
+            wire = r["bytes_wire"] / r["seconds"]
+            print(f"{'gRPC ' + codec:>14} | {n:>7} | {wire / 1e6:>9.2f} | {wire / shaped_bytes:>8.0%} | "
+                  f"{tps[codec]:>9.2f} | {tps[codec] / tps['identity']:>10.2f}x")
+        achieved = runs["identity"]["bytes_wire"] / runs["identity"]["seconds"]
+        targets.append((f"identity achieves >= 85% of the shaped rate (got {achieved / shaped_bytes:.0%})",
+                        achieved >= 0.85 * shaped_bytes))
+        ratio = tps["int8"] / tps["identity"]
+        targets.append((f"int8 >= 3.5x the tensors/s of identity (got {ratio:.2f}x)", ratio >= 3.5))
+    print()
+    for name, ok in targets:
+        print(f"  [{'x' if ok else ' '}] {name}")
+    met = sum(ok for _, ok in targets)
+    missed = [name for name, ok in targets if not ok]
+    print(f"targets met: {met}/{len(targets)}" + (f" (missed: {'; '.join(missed)})" if missed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
