@@ -22,7 +22,9 @@ def fetch_status(address: str, *, token: str | None, timeout: timedelta = timede
     """Ask the coordinator at `address`; raises ConnectionError / PermissionError with what to do."""
     channel = make_channel(address, rpc, token=token)
     try:
-        return pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout.total_seconds())
+        # wait_for_ready: a coordinator that is (re)starting gets the whole timeout to come up
+        return pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout.total_seconds(),
+                                                          wait_for_ready=True)
     except grpc.RpcError as e:
         code = e.code()
         if code == grpc.StatusCode.UNAUTHENTICATED:

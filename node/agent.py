@@ -178,7 +178,11 @@ class NodeAgent:
     # --- start-up -----------------------------------------------------------------------------------
 
     def _fetch_job(self) -> JobSpec:
-        status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
+        try:
+            status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
+        except grpc.RpcError as e:
+            raise AgentError(f"the coordinator at {self.config.coordinator} refused to tell the job: "
+                             f"{e.code().name}: {e.details()}") from None
         return JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
 
     def _advertise(self, peer: PeerServer) -> str:

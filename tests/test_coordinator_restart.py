@@ -1,0 +1,85 @@
+"""A coordinator killed with SIGKILL and restarted on its state dir resumes the job, members and plan epoch,
+and its nodes carry on heartbeating without joining again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from atoll.coordinator.status import fetch_status
+from atoll.node.agent import AgentConfig, NodeAgent
+from atoll.types import NodeProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "restart-token"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(tmp: Path, listen: str, log_name: str) -> subprocess.Popen:
+    addr = tmp / "addr"
+    addr.unlink(missing_ok=True)
+    log = open(tmp / log_name, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atoll", "coordinator", "--job", str(ROOT / "examples" / "tiny.toml"), "--listen",
+         listen, "--state-dir", str(tmp / "state"), "--token-file", str(tmp / "token"), "--address-file", str(addr),
+         "--lease", "4"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ATOLL_LOG_LEVEL": "DEBUG"})
+    wait_until(lambda: addr.exists() or proc.poll() is not None, 30, "the coordinator to listen")
+    assert proc.poll() is None, (tmp / log_name).read_text()
+    return proc
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(90)
+def test_sigkill_and_restart_keeps_job_members_and_epoch(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    proc = start(tmp_path, "127.0.0.1:0", "first.log")
+    address = (tmp_path / "addr").read_text().strip()
+    agents = []
+    try:
+        for i in range(3):
+            cfg = AgentConfig(coordinator=address, token=TOKEN, state_dir=tmp_path / f"n{i}", listen="127.0.0.1:0",
+                              connect_timeout=timedelta(seconds=30),
+                              backoff=(timedelta(milliseconds=50), timedelta(milliseconds=500)))
+            agents.append(NodeAgent(cfg, profile=NodeProfile(hostname=f"h{i}", device_kind="cpu", device_name="c",
+                                                             memory_total_bytes=1 << 30, cpu_count=1)).start())
+        wait_until(lambda: all(a.plan is not None for a in agents), 30, "plan epoch 1")
+        before = fetch_status(address, token=TOKEN)
+        assert before.plan.epoch == 1
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = start(tmp_path, address, "second.log")  # same port, same state dir
+        after = fetch_status(address, token=TOKEN)
+        assert after.job.job_id == before.job.job_id
+        assert after.plan.epoch == 1
+        assert sorted(m.node_id for m in after.members) == sorted(m.node_id for m in before.members)
+        restarted = time.time()
+        wait_until(lambda: all(m.last_heartbeat_unix > restarted
+                               for m in fetch_status(address, token=TOKEN).members), 20, "heartbeats to resume")
+        assert all(a.joins == 1 for a in agents)  # nobody had to join again
+        final = fetch_status(address, token=TOKEN)
+        assert all(m.state == "alive" for m in final.members) and final.plan.epoch == 1
+    finally:
+        for a in agents:
+            a.stop(leave=False)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

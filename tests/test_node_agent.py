@@ -1,0 +1,173 @@
+"""Node side: stable identity, the profiler, and agents against a real in-process coordinator."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from atoll.coordinator.linkmatrix import ProbeOptions
+from atoll.coordinator.membership import MembershipOptions
+from atoll.coordinator.service import CoordinatorService, ServiceConfig
+from atoll.coordinator.state import CoordinatorOptions
+from atoll.coordinator.status import fetch_status
+from atoll.coordinator.store import MemoryStore
+from atoll.job import JobSpec
+from atoll.node.agent import AgentConfig, AgentError, NodeAgent, PlanRun, describe_plan
+from atoll.node.identity import load_node_id, load_or_create_node_id, save_node_id
+from atoll.node.profiler import ProfileOptions, parse_device, profile_node
+from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.types import NodeProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "node-test-token"
+
+
+def test_node_id_is_created_once_and_kept(tmp_path: Path) -> None:
+    assert load_node_id(tmp_path) is None
+    first = load_or_create_node_id(tmp_path, hostname="gpu-box.example.org")
+    assert first.startswith("gpu-box-")
+    assert load_or_create_node_id(tmp_path) == first
+    (tmp_path / "node_id").write_text("../../bad id\n")
+    with pytest.raises(ValueError, match="delete the file"):
+        load_node_id(tmp_path)
+    with pytest.raises(ValueError):
+        save_node_id(tmp_path, "bad id")
+
+
+def test_profile_measures_the_jobs_layers_quickly() -> None:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    t0 = time.perf_counter()
+    p = profile_node(job, "cpu", ProfileOptions(repeats=1))
+    assert time.perf_counter() - t0 < 20  # seconds on a quiet machine; CI runners are shared
+    assert p.device_kind == "cpu" and p.device_name and p.device_count == 1
+    assert 0 < p.memory_free_bytes <= p.memory_total_bytes and p.cpu_count >= 1
+    kinds = {(t.layer_kind, t.micro_batch) for t in p.layer_timings}
+    assert kinds == {(k, b) for k in ("embedding", "block", "head") for b in (2, 4, 8)}
+    assert all(t.seq_len == 64 and t.forward_seconds > 0 and t.backward_seconds > 0 for t in p.layer_timings)
+    assert p.optimizer_step_seconds > 0
+
+
+def test_bad_devices_are_explained() -> None:
+    with pytest.raises(ValueError, match="not a device"):
+        parse_device("gpu7")
+    with pytest.raises(ValueError, match="use cpu"):
+        parse_device("meta")
+
+
+def test_describe_plan_names_this_nodes_place() -> None:
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=3, job_id="j", pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="cpu0", layers=(0, 3), nodes=["a"]),
+                                                    StagePlan(island="cpu1", layers=(3, 6), nodes=["b", "c"], dp=2)])])
+    text = describe_plan(plan, "c")
+    assert "plan epoch 3" in text and "pipeline 0 stage 1 (layers [3, 6)) as rank 1 of 2" in text
+    assert "idle" in describe_plan(plan, "zz")
+
+
+# --- agents against a coordinator ------------------------------------------------------------------------
+
+def fake_profile(host: str) -> NodeProfile:
+    return NodeProfile(hostname=host, device_kind="cpu", device_name="test-cpu", memory_total_bytes=8 << 30,
+                       memory_free_bytes=4 << 30, cpu_count=2)
+
+
+def start_coordinator(listen: str = "127.0.0.1:0", store: MemoryStore | None = None) -> CoordinatorService:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=3), settle=timedelta(0)),
+                              probes=ProbeOptions(probe_bytes=256 * 1024))
+    return CoordinatorService(job=job, token=TOKEN, options=opts, store=store or MemoryStore(),
+                              config=ServiceConfig(listen=listen, tick=timedelta(milliseconds=50))).start()
+
+
+def make_agent(address: str, state_dir: Path, host: str) -> NodeAgent:
+    cfg = AgentConfig(coordinator=address, token=TOKEN, state_dir=state_dir, listen="127.0.0.1:0",
+                      connect_timeout=timedelta(seconds=20),
+                      backoff=(timedelta(milliseconds=50), timedelta(milliseconds=500)))
+    return NodeAgent(cfg, profile=fake_profile(host))
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def coordinator() -> Iterator[CoordinatorService]:
+    svc = start_coordinator()
+    yield svc
+    svc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_three_agents_probe_get_a_plan_and_replan_when_one_leaves(coordinator: CoordinatorService,
+                                                                 tmp_path: Path) -> None:
+    runs: dict[str, list[int]] = {}
+    lock = threading.Lock()
+
+    def on_plan(run: PlanRun) -> None:
+        with lock:
+            runs.setdefault(run.node_id, []).append(run.plan.epoch)
+        assert run.job.name == "tiny" and run.peer.node_id == run.node_id
+        run.superseded.wait(30)  # "train" until a newer plan arrives
+
+    agents = [make_agent(coordinator.address, tmp_path / f"n{i}", f"host{i}") for i in range(3)]
+    threads = [threading.Thread(target=a.run, args=(on_plan,), daemon=True) for a in agents]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(runs) == 3, what="every agent to run plan epoch 1")
+        status = fetch_status(coordinator.address, token=TOKEN)
+        assert status.plan.epoch == 1
+        assert [sorted(i.node_ids) for i in status.islands] == [sorted(a.node_id for a in agents)]
+        assert len(status.links) >= 3 and all(x.bandwidth_bytes_per_s > 0 for x in status.links)
+        agents[2].stop()
+        wait_until(lambda: all(runs[a.node_id][-1] == 2 for a in agents[:2]), what="epoch 2 on the others")
+        status = fetch_status(coordinator.address, token=TOKEN)
+        assert {m.node_id: m.state for m in status.members}[agents[2].node_id] == "left"
+        assert runs[agents[2].node_id] == [1]
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(5)
+
+
+@pytest.mark.timeout(60)
+def test_agents_rejoin_by_themselves_when_the_coordinator_forgot_them(tmp_path: Path) -> None:
+    first = start_coordinator()
+    address = first.address
+    agents = [make_agent(address, tmp_path / f"n{i}", f"host{i}") for i in range(3)]
+    try:
+        for a in agents:
+            a.start()
+        wait_until(lambda: all(a.plan is not None for a in agents), what="plan epoch 1")
+        ids = sorted(a.node_id for a in agents)
+        first.stop()
+        second = start_coordinator(listen=address, store=MemoryStore())  # same address, no memory of anyone
+        try:
+            wait_until(lambda: all(a.joins == 2 for a in agents), what="automatic re-joins")
+            status = fetch_status(address, token=TOKEN)
+            assert sorted(m.node_id for m in status.members) == ids  # the same stable ids
+            wait_until(lambda: second.state.epoch == 1, what="a plan from the new coordinator")
+        finally:
+            second.stop()
+    finally:
+        for a in agents:
+            a.stop(leave=False)
+
+
+def test_a_wrong_token_stops_the_agent_with_a_clear_error(coordinator: CoordinatorService, tmp_path: Path) -> None:
+    cfg = AgentConfig(coordinator=coordinator.address, token="wrong", state_dir=tmp_path, listen="127.0.0.1:0",
+                      connect_timeout=timedelta(seconds=5))
+    agent = NodeAgent(cfg, profile=fake_profile("h"))
+    with pytest.raises(AgentError, match="UNAUTHENTICATED: missing or wrong job token"):
+        agent.start()
+    agent.stop()
