@@ -23,7 +23,7 @@ from atoll.v1 import atoll_pb2 as pb
 _SCALE_ROUNDING = 2.0 ** -7  # a scale rounded up to bfloat16 is at most this much (relative) too large
 
 
-_SLICE = 1 << 20  # elements per slice: temporaries stay a few MiB (cache-resident, no page-faulting allocations)
+_SLICE = 1 << 19  # elements per slice: temporaries stay a few MiB (cache-resident, no page-faulting allocations)
 
 
 class _BlockQuant(Codec):
