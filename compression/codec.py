@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Union
 
 import torch
 
-from atoll.compression.dtypes import FLOAT_DTYPES
+from atoll.compression.dtypes import FLOAT_DTYPES, element_size
 from atoll.compression.errors import CodecError
 from atoll.compression.spec import CodecSpec
 
@@ -58,7 +58,7 @@ class Codec(ABC):
     def expected_ratio(self, dtype: torch.dtype = torch.float32) -> float:
         """Raw bytes over payload bytes for a large tensor of `dtype`."""
         n = 1 << 24
-        return n * _element_size(dtype) / self.payload_size(n, dtype)
+        return n * element_size(dtype) / self.payload_size(n, dtype)
 
     # --- shared helpers ---------------------------------------------------------------------------------
 
@@ -119,10 +119,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 # --- registry -------------------------------------------------------------------------------------------
 
 _REGISTRY: dict[int, type[Codec]] = {}
@@ -155,5 +151,3 @@ def check_registry(enum_values: Sequence[int], names: dict[int, str]) -> None:
         if names.get(v) != _REGISTRY[v].name:
             raise RuntimeError(f"codec id {v}: registered as {_REGISTRY[v].name!r}, serde names it {names.get(v)!r}")
 
-
-CodecFactory = Callable[[CodecSpec], Codec]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atoll.compression.dtypes import element_size
 from atoll.compression.errors import CodecError
 from atoll.compression.spec import CodecSpec
 from atoll.compression.tensor import get_codec
@@ -33,7 +34,7 @@ def predict_transfer_seconds(raw_bytes: int, spec: CodecSpec, bandwidth: float, 
     codec = get_codec(spec)
     if dtype not in codec.accepts:
         raise CodecError(f"codec {spec.codec} cannot carry dtype {dtype}")
-    numel = raw_bytes // torch.empty((), dtype=dtype).element_size()
+    numel = raw_bytes // element_size(dtype)
     return latency + codec.payload_size(numel, dtype) / bandwidth
 
 
