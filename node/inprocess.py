@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from atoll.modelspec import ModelConfig
 from atoll.node.dataparallel import GradientAverager, gloo_group
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import InProcessNormGroup
+from atoll.node.slice_state import load_slice
 from atoll.node.data import Batch
 from atoll.node.stage import PipelineStage, StageConfig, StepResult
 from atoll.node.synthetic import replica_batch
@@ -116,6 +119,7 @@ def even_cuts(total_layers: int, num_stages: int) -> list[int]:
 def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: StageConfig,
                    batches: Sequence[Batch], first_step: int = 0, replicas: int = 1, seed: int = 0,
                    stage_groups: Sequence[dist.ProcessGroup] | None = None,
+                   resume_from: Sequence[Mapping[str, Any] | Path] | None = None,
                    join_timeout: timedelta = timedelta(minutes=5)) -> ThreadedRun:
     """Train `len(batches)` steps with one thread per (replica, stage) of a pipeline cut at `cuts`.
 
@@ -123,7 +127,8 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     the replicas of a stage average gradients over an in-process gloo group. With `stage_groups`
     (one process group per stage, whose other members are in other processes) this process runs one
     pipeline replica (`replicas` must be 1), is given its own share of the data in `batches`, and
-    averages each stage's gradients over that stage's group.
+    averages each stage's gradients over that stage's group. With `resume_from` (saved slices of
+    any cut) every stage loads its layers and optimizer state before the first step.
     """
     if stage_groups is not None and (replicas != 1 or len(stage_groups) != len(cuts) - 1):
         raise ValueError(f"stage_groups needs replicas=1 and one group per stage ({len(cuts) - 1}), got "
@@ -141,8 +146,11 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
         row = []
         for s in range(p):
             module = build_slice(config, cuts[s], cuts[s + 1], seed=seed)
-            row.append(PipelineStage(module, stage=s, num_stages=p, transport=links[r].transport(s),
-                                     config=stage_config, norm_exchange=norms.member(s)))
+            stage = PipelineStage(module, stage=s, num_stages=p, transport=links[r].transport(s),
+                                  config=stage_config, norm_exchange=norms.member(s))
+            if resume_from is not None:
+                load_slice(module, resume_from, stage.optimizer)
+            row.append(stage)
         stages.append(row)
 
     results: list[list[list[StepResult]]] = [[[] for _ in range(p)] for _ in range(replicas)]
