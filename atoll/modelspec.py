@@ -9,7 +9,17 @@ Two styles share the description:
 - ``llama``: rotary positions (no position embedding), RMSNorm (weight only), no biases, SwiGLU MLP.
 
 Units: parameters are counts, FLOPs are per token (a multiply-add is 2 FLOPs), memory is in bytes.
-Attention FLOPs count the full (non-causal) score matrix, as `torch.utils.flop_counter` does.
+
+FLOP convention (the one `torch.utils.flop_counter.FlopCounterMode` uses, and tested against it):
+only matrix multiplications count: the linear layers, and attention's two products (QK^T and AV)
+over the full score matrix even though it is causal, so a block costs 4 * seq_len * d_model per token
+for attention. Element-wise work (norms, activations, softmax, RoPE, residual adds) and the embedding
+lookup count as 0. Backward is twice the forward (gradients of both inputs and weights), including
+the first block (its input gradient feeds the embedding). Note that FlopCounterMode sees the attention
+products only under the math or CUDA kernels, not the CPU flash kernel.
+
+Activation memory counts what autograd saves for backward (checked against saved-tensor hooks):
+for the head, the final norm's input and output and the fp32 log-probabilities of the loss.
 """
 
 from __future__ import annotations
@@ -136,7 +146,7 @@ class LayerSpec:
     saved_elems_per_token: int
     """Elements saved for backward per token without recomputation."""
     saved_fp32_elems_per_token: int = 0
-    """Extra fp32 elements saved per token (the head's logits for the loss)."""
+    """Extra fp32 elements saved per token (the head's log-probabilities for the loss)."""
 
     def out_bytes_per_token(self, dtype: str = "fp32") -> int:
         return self.out_elems_per_token * dtype_bytes(dtype)
@@ -177,6 +187,9 @@ class ModelSpec:
         fwd = 2.0 * (attn_w + mlp_w) + attn_scores
         # saved for backward: norm inputs, qkv, attention output, MLP input/hidden/activated
         saved = 2 * d + (d + 2 * kv) + 2 * d + (2 if gpt else 3) * f + d
+        if not gpt:
+            # q and k before and after RoPE, k and v repeated to every head (GQA), SiLU's output
+            saved += (d + kv) + (2 * d if kv != d else 0) + f
         for i in range(1, c.n_layers + 1):
             layers.append(LayerSpec(i, "block", block_params, fwd, 2.0 * fwd, d, saved_elems_per_token=saved))
 
@@ -184,7 +197,7 @@ class ModelSpec:
         head_fwd = 2.0 * d * v
         layers.append(
             LayerSpec(c.n_layers + 1, "head", head_params, head_fwd, 2.0 * head_fwd, 1,
-                      saved_elems_per_token=2 * d, saved_fp32_elems_per_token=2 * v)
+                      saved_elems_per_token=2 * d, saved_fp32_elems_per_token=v)
         )
         return cls(config=c, layers=tuple(layers))
 

@@ -137,7 +137,7 @@ class StepResult:
         return max(0.0, 1.0 - self.compute_seconds / self.pipeline_seconds) if self.pipeline_seconds > 0 else 0.0
 
 
-class _SavedBytes:
+class SavedBytesCounter:
     """Bytes of non-parameter tensors autograd saves for backward, counted once per storage."""
 
     def __init__(self, params: set[int]):
@@ -217,7 +217,7 @@ class PipelineStage:
                     x.requires_grad_(True)
                     h_in = x
                 c0 = time.perf_counter()
-                counter = _SavedBytes(param_ptrs)
+                counter = SavedBytesCounter(param_ptrs)
                 hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if cfg.track_memory \
                     else contextlib.nullcontext()
                 with hooks, self._autocast():
