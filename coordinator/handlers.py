@@ -84,9 +84,8 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState) -> pb.JoinReply:
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
     _known(req.node_id, state)
     now = state.clock()
-    if req.plan_epoch > state.epoch:
-        raise FailedPrecondition(f"node {req.node_id} claims plan epoch {req.plan_epoch}, but the newest is "
-                                 f"{state.epoch}")
+    # an epoch above ours is recorded, not refused: a node that outlived a coordinator's lost state
+    # still runs its old plan until the new one arrives
     state.store.heartbeat(req.node_id, now, req.plan_epoch, req.step)
     probe_bytes = state.options.probes.probe_bytes
     return pb.HeartbeatReply(

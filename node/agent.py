@@ -147,6 +147,9 @@ class NodeAgent:
         self.peer: PeerServer | None = None
         self.heartbeat_interval = 1.0
         self.plan: Plan | None = None
+        self.plan_serial = 0
+        """Counts the plans accepted; a plan callback runs once per serial."""
+        self._after_rejoin = False
         self.epoch = 0
         self.step = 0
         self.joins = 0
@@ -249,6 +252,9 @@ class NodeAgent:
     def _rejoin(self, why: str) -> None:
         log.warning("the coordinator does not know this node (%s); joining again as %s", why, self.node_id)
         self.join()
+        with self._cond:
+            # a coordinator that lost its state numbers its epochs afresh: take its current plan whatever it is
+            self._after_rejoin = True
 
     # --- loops --------------------------------------------------------------------------------------
 
@@ -308,7 +314,7 @@ class NodeAgent:
         wait = self.config.backoff[0].total_seconds()
         while not self._stop.is_set():
             with self._cond:
-                known = self.plan.epoch if self.plan is not None else 0
+                known = self.plan.epoch if self.plan is not None and not self._after_rejoin else 0
             stream = self._stub.WatchPlan(pb.WatchPlanRequest(node_id=self.node_id, known_epoch=known),
                                           timeout=self.config.watch_timeout.total_seconds())
             self._stream = stream
@@ -334,21 +340,24 @@ class NodeAgent:
 
     def _new_plan(self, plan: Plan) -> None:
         with self._cond:
-            if self.plan is not None and plan.epoch <= self.plan.epoch:
+            if self.plan is not None and (plan == self.plan or (plan.epoch <= self.plan.epoch
+                                                                 and not self._after_rejoin)):
                 return
+            self._after_rejoin = False
             self.plan = plan
+            self.plan_serial += 1
             self._cond.notify_all()
         log.info("%s", describe_plan(plan, self.node_id))
 
     # --- the caller's thread ------------------------------------------------------------------------
 
-    def wait_for_plan(self, newer_than: int, timeout: float | None = None) -> Plan | None:
-        """The latest plan once its epoch exceeds `newer_than`; None on timeout or stop."""
+    def wait_for_plan(self, after_serial: int, timeout: float | None = None) -> tuple[int, Plan] | None:
+        """(serial, plan) of the latest plan once its serial exceeds `after_serial`; None on timeout or stop."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while not self._stop.is_set():
-                if self.plan is not None and self.plan.epoch > newer_than:
-                    return self.plan
+                if self.plan is not None and self.plan_serial > after_serial:
+                    return self.plan_serial, self.plan
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -366,16 +375,16 @@ class NodeAgent:
             self.start()
         done = 0
         while not self._stop.is_set():
-            plan = self.wait_for_plan(done)
-            if plan is None:
+            latest = self.wait_for_plan(done)
+            if latest is None:
                 continue
-            done = plan.epoch
+            done, plan = latest
             self.set_progress(plan.epoch, self.step)
             if on_plan is None:
                 continue
             assert self.job is not None and self.peer is not None
             superseded = threading.Event()
-            watcher = threading.Thread(target=self._supersede_when_newer, args=(plan.epoch, superseded),
+            watcher = threading.Thread(target=self._supersede_when_newer, args=(done, superseded),
                                        daemon=True, name="atoll-node-supersede")
             watcher.start()
             try:
@@ -385,9 +394,9 @@ class NodeAgent:
                 superseded.set()
                 watcher.join(timeout=5)
 
-    def _supersede_when_newer(self, epoch: int, superseded: threading.Event) -> None:
+    def _supersede_when_newer(self, serial: int, superseded: threading.Event) -> None:
         while not superseded.is_set():
-            if self.wait_for_plan(epoch, timeout=0.5) is not None or self._stop.is_set():
+            if self.wait_for_plan(serial, timeout=0.5) is not None or self._stop.is_set():
                 superseded.set()
 
     def stop(self, leave: bool = True) -> None:

@@ -114,8 +114,9 @@ def test_heartbeat_needs_membership(state: CoordinatorState) -> None:
     with pytest.raises(NotFound, match="join first"):
         h.handle_heartbeat(pb.HeartbeatRequest(node_id="ghost"), state)
     r = join(state)
-    with pytest.raises(FailedPrecondition, match="epoch 5"):
-        h.handle_heartbeat(pb.HeartbeatRequest(node_id=r.node_id, plan_epoch=5), state)
+    assert h.handle_heartbeat(pb.HeartbeatRequest(node_id=r.node_id, plan_epoch=5, step=3), state).plan_epoch == 0
+    m = state.store.get_member(r.node_id)
+    assert m is not None and (m.plan_epoch, m.step) == (5, 3)
 
 
 def test_three_nodes_probe_form_one_island_and_get_a_plan(state: CoordinatorState, clock: Clock) -> None:

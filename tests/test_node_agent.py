@@ -161,6 +161,9 @@ def test_agents_rejoin_by_themselves_when_the_coordinator_forgot_them(tmp_path: 
             status = fetch_status(address, token=TOKEN)
             assert sorted(m.node_id for m in status.members) == ids  # the same stable ids
             wait_until(lambda: second.state.epoch == 1, what="a plan from the new coordinator")
+            # its epoch 1 is not the old epoch 1: every agent takes it
+            wait_until(lambda: all(a.plan_serial == 2 for a in agents), what="agents to take the new plan")
+            assert all(a.plan == second.state.current_plan() for a in agents)
         finally:
             second.stop()
     finally:
