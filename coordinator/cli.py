@@ -11,7 +11,8 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p = sub.add_parser(
         "coordinator", help="run the coordinator of a job",
         description="Run the coordinator of one job: nodes join it, it forms islands, plans and publishes the "
-        "plan. Its state lives in SQLite under --state-dir; restarted on the same folder it resumes the job.")
+        "plan. Its state lives in SQLite under --state-dir; restarted on the same folder it resumes the job. "
+        "SIGUSR1 has every link probed again.")
     p.add_argument("--job", required=True, help="job spec (TOML), e.g. examples/tiny.toml")
     p.add_argument("--listen", default="0.0.0.0:7070", help="HOST:PORT of the gRPC server (port 0 picks one)")
     p.add_argument("--state-dir", default="runs/coordinator", help="folder for the coordinator's SQLite state")

@@ -169,6 +169,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # `kill -USR1 <pid>`: measure every link again (after a network change, say)
+    signal.signal(signal.SIGUSR1, lambda *_: service.state.request_reprobe(service.state.clock()))
     try:
         if args.address_file:
             atomic_write_text(Path(args.address_file), service.address + "\n")

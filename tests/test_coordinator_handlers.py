@@ -246,3 +246,17 @@ def test_state_refuses_a_store_of_another_job(job: JobSpec) -> None:
         CoordinatorState(store=store, job=other, token=TOKEN)
     with pytest.raises(ValueError, match="token"):
         CoordinatorState(store=MemoryStore(), job=job, token="")
+
+
+def test_reprobe_on_request_and_when_stale(state: CoordinatorState, clock: Clock) -> None:
+    ids = [join(state, host=f"h{i}", port=5000 + i).node_id for i in range(2)]
+    probe_all(state, ids)
+    assert not any(h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state).probe for n in ids)
+    clock.t += 1
+    state.request_reprobe(clock.t)
+    assert sum(len(h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state).probe) for n in ids) == 1
+    probe_all(state, ids)
+    clock.t += 601  # older than reprobe_after (10 min)
+    for n in ids:
+        state.store.heartbeat(n, clock.t, 0, 0)
+    assert sum(len(h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state).probe) for n in ids) == 1

@@ -130,3 +130,36 @@ def test_unknown_nodes_duplicates_and_the_path_to_a_plan(service: CoordinatorSer
     assert f"atoll_plan_epoch {float(plan.epoch)}" in metrics
     assert 'atoll_members{state="alive"} 4.0' in metrics and "atoll_islands 1.0" in metrics
     assert "atoll_link_bandwidth_bytes_per_second{" in metrics
+
+
+def test_an_unexpected_handler_failure_is_internal_and_not_fatal(service: CoordinatorService,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from atoll.coordinator import handlers
+
+    def broken(request, state):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(handlers, "handle_leave", broken)
+    err = None
+    try:
+        stub(service).Leave(pb.LeaveRequest(node_id="x"), timeout=5)
+    except grpc.RpcError as e:
+        err = e
+    assert err is not None and err.code() == grpc.StatusCode.INTERNAL and "disk on fire" in err.details()
+    assert fetch_status(service.address, token=TOKEN).job.name == "tiny"
+
+
+def test_status_command_prints_a_table_and_json(service: CoordinatorService,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from atoll.cli import main
+
+    assert main(["status", "--coordinator", service.address, "--token", TOKEN]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("job tiny (") and "members:" in out and "islands:" in out
+    assert main(["status", "--coordinator", service.address, "--token", TOKEN, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["job"]["name"] == "tiny"
+    assert main(["status", "--coordinator", service.address, "--token", "wrong"]) == 2
+    assert "token" in capsys.readouterr().err
