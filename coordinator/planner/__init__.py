@@ -1,1 +1,54 @@
-"""atoll.coordinator.planner: islands, slices and balanced pipelines (the Tangram decomposition)."""
+"""atoll.coordinator.planner: islands, slices and balanced pipelines (the Tangram decomposition).
+
+The planner is a pure function of the model, the cluster (islands, links, devices), the training spec and
+optional measured profiles; it never imports grpc.
+
+Entry point::
+
+    plan_job(model: ModelSpec, cluster: Cluster, train: TrainSpec,
+             profiles: ProfileSet | None = None, options: PlannerOptions | None = None) -> Plan
+
+raising `NoFeasiblePlan` (a ValueError naming the memory needed against the memory available) when the
+model fits nowhere. `search_plan(...)` takes the same arguments and also returns the chosen candidate (its
+per-stage times for the simulator and the picture) and search statistics.
+
+Building a cluster:
+- from a cluster file: `load_cluster("examples/clusters/mixed-a100-v100.toml")` (format in
+  `atoll.coordinator.planner.cluster`); every [[group]] is an island;
+- from live measurements (the coordinator): `Cluster.from_nodes(islands={"isl-0": ["n1", "n2"], ...},
+  profiles={node_id: NodeProfile}, links=[LinkMeasurement, ...])`, with one device per node, and
+  `ProfileSet.from_node_profiles(islands, profiles)` so each island's measured layer timings (its slowest
+  node's) override the catalog estimate.
+
+What the plan means:
+- one pipeline per stage chain; every stage of a pipeline has the same data-parallel degree `dp`, and
+  replica r of a stage sends to replica r of the next (so a stage's `nodes` line up rank by rank);
+- `micro_batch` is the sequences each replica processes per micro-batch; a pipeline takes
+  dp x micro_batch x num_micro_batches sequences per step;
+- a stage's replicas form its data-parallel (and ZeRO) group; `send` is the activation link to the next
+  stage: the codec the link would get, the raw bytes of one replica's micro-batch and the predicted seconds.
+
+Parts: `catalog` (device peak FLOPS and memory), `cluster` (islands, links, TOML), `profiles` (measured
+timings), `costmodel` (compute, transfer, all-reduce, memory), `parallelizer` (the narrow API
+cost(slice, island) -> IslandCost | None), `composer` (the search), `simulator` (event-driven 1F1B),
+`report` (text), `picture` (PNG), `cli` (`atoll plan`).
+"""
+
+from atoll.coordinator.planner.catalog import CATALOG, DeviceSpec, device
+from atoll.coordinator.planner.cluster import Cluster, ClusterFileError, Island, Link, load_cluster, parse_cluster
+from atoll.coordinator.planner.composer import NoFeasiblePlan
+from atoll.coordinator.planner.costmodel import CostModel, ExpectedRatioCodecModel, LinkCodecModel
+from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
+from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
+from atoll.coordinator.planner.planjob import PlanResult, plan_job, search_plan
+from atoll.coordinator.planner.profiles import ProfileSet
+from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
+
+plan = plan_job
+
+__all__ = [
+    "CATALOG", "Cluster", "ClusterFileError", "CostModel", "DefaultParallelizer", "DeviceSpec",
+    "ExpectedRatioCodecModel", "Island", "IslandCost", "IslandParallelizer", "Link", "LinkCodecModel", "LinkTimes",
+    "NoFeasiblePlan", "PipelineTimes", "PlanResult", "PlannerOptions", "ProfileSet", "SliceQuery", "StageTimes",
+    "TrainSpec", "device", "load_cluster", "parse_cluster", "plan", "plan_job", "search_plan", "simulate",
+]

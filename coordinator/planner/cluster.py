@@ -1,0 +1,397 @@
+"""The cluster as the planner sees it: islands of identical devices and the links between them.
+
+Built either from a cluster file (TOML, `load_cluster` / `parse_cluster`):
+
+    [[group]]
+    name = "a100-east"         # unique
+    device = "A100-80GB"       # a catalog name, or give tflops and memory_gb
+    count = 32                 # GPUs in the group
+    gpus_per_node = 8          # default 8
+    region = "us-east"         # default "default"
+    intra_node_gbps = 600      # between GPUs of one node (default 600)
+    inter_node_gbps = 100      # between nodes of the group (default 100)
+    [[link]]
+    between = ["us-east", "eu-west"]   # two regions or two group names
+    gbps = 1.0
+    latency_ms = 80
+
+where every group is one island, or from live measurements (`Cluster.from_nodes`): groups of node ids
+(one device each), their profiles and the measured link matrix.
+
+Bandwidths are stored in bytes/s. Between two groups of one region without a [[link]] entry the link is the
+smaller of their inter-node bandwidths, per node; a [[link]] between regions is a shared capacity that all
+streams crossing it divide. Groups of different regions with no [[link]] are not connected.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from atoll.coordinator.planner.catalog import DeviceSpec, device
+from atoll.types import LinkMeasurement, NodeProfile
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GBPS = 1e9 / 8  # bytes/s in one Gbit/s
+INTRA_NODE_LATENCY_S = 5e-6
+INTER_NODE_LATENCY_S = 2e-5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link between two islands (or inside one)."""
+
+    bandwidth: float
+    """Bytes/s: per node when `shared` is False, the whole capacity when True."""
+    latency_s: float
+    """One-way latency, seconds."""
+    shared: bool = False
+    """True for a region-to-region link whose capacity every stream crossing it shares."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Island:
+    """Devices of one class with fast links among them; never spans a slow link."""
+
+    id: str
+    """Unique id (the group name for a cluster file)."""
+    group: str
+    """Cluster-file group (or the coordinator's island label)."""
+    device: DeviceSpec
+    """Device model (catalog entry, or one made from a node's profile)."""
+    gpus: int
+    """Devices in the island."""
+    gpus_per_node: int = 1
+    """Devices sharing one host (and its network interface)."""
+    region: str = "default"
+    """Region; links between regions come from [[link]] entries."""
+    intra_node_bandwidth: float = 600 * GBPS
+    """Bytes/s between devices of one host."""
+    inter_node_bandwidth: float = 100 * GBPS
+    """Bytes/s between hosts of the island (per host)."""
+    latency_s: float = INTER_NODE_LATENCY_S
+    """One-way latency between hosts of the island."""
+    nodes: tuple[str, ...] = ()
+    """Host ids: measured node ids (live), or `group-k` names for a cluster file."""
+    profile_key: str = ""
+    """Key of this island's timings in a ProfileSet (the device name by default)."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"island {self.id!r}: gpus must be >= 1, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"island {self.id!r}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.intra_node_bandwidth <= 0 or self.inter_node_bandwidth <= 0:
+            raise ValueError(f"island {self.id!r}: bandwidths must be positive")
+
+    @property
+    def timing_key(self) -> str:
+        return self.profile_key or self.device.name
+
+    def bandwidth_within(self, width: int) -> float:
+        """Bytes/s available to one of `width` devices exchanging with devices of this island."""
+        if width <= self.gpus_per_node and self.gpus <= self.gpus_per_node:
+            return self.intra_node_bandwidth
+        return self.inter_node_bandwidth / min(width, self.gpus_per_node)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Islands and the links between them."""
+
+    islands: tuple[Island, ...]
+    """The islands, in the order they were given."""
+    links: Mapping[frozenset[str], Link] = field(default_factory=dict)
+    """Link between two island ids (either order); see `link`."""
+    source: str = ""
+    """Where the cluster came from (a file name, or "live")."""
+
+    def __post_init__(self) -> None:
+        if not self.islands:
+            raise ValueError(f"{self.source or 'cluster'}: no islands (a cluster file needs at least one [[group]])")
+        ids = [i.id for i in self.islands]
+        dup = {x for x in ids if ids.count(x) > 1}
+        if dup:
+            raise ValueError(f"{self.source or 'cluster'}: island ids must be unique, repeated: {sorted(dup)}")
+
+    def island(self, island_id: str) -> Island:
+        for i in self.islands:
+            if i.id == island_id:
+                return i
+        raise KeyError(f"no island {island_id!r}; islands: {[i.id for i in self.islands]}")
+
+    def link(self, a: str, b: str) -> Link | None:
+        """The link between islands a and b (inside a when a == b), or None when they are not connected."""
+        if a == b:
+            i = self.island(a)
+            return Link(bandwidth=i.inter_node_bandwidth, latency_s=i.latency_s)
+        return self.links.get(frozenset((a, b)))
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(i.gpus for i in self.islands)
+
+    @property
+    def regions(self) -> list[str]:
+        return list(dict.fromkeys(i.region for i in self.islands))
+
+    def subset(self, island_ids: Iterable[str]) -> "Cluster":
+        """The cluster restricted to some islands (for baselines and per-region plans)."""
+        keep = set(island_ids)
+        islands = tuple(i for i in self.islands if i.id in keep)
+        links = {k: v for k, v in self.links.items() if k <= keep}
+        return replace(self, islands=islands, links=links)
+
+    @classmethod
+    def from_nodes(cls, islands: Mapping[str, Sequence[str]], profiles: Mapping[str, NodeProfile],
+                   links: Iterable[LinkMeasurement] | Mapping[tuple[str, str], tuple[float, float]],
+                   *, regions: Mapping[str, str] | None = None) -> "Cluster":
+        """A cluster from live measurements.
+
+        `islands` maps an island id to its node ids (one device per node); `profiles` maps node id to the
+        profile it joined with (device name, memory, layer timings; timings are looked up under the island
+        id, see `ProfileSet.from_node_profiles`); `links` are measurements, or (src, dst) ->
+        (bandwidth bytes/s, latency seconds). Inside an island the slowest measured link counts; between
+        islands the median of the measured pairs. Unmeasured pairs fall back to the slowest measured link.
+        """
+        pairs: dict[frozenset[str], list[tuple[float, float]]] = {}
+        if isinstance(links, Mapping):
+            items = [(s, d, bw, lat) for (s, d), (bw, lat) in links.items()]
+        else:
+            items = [(m.src, m.dst, m.bandwidth_bytes_per_s, m.rtt_seconds / 2) for m in links]
+        for s, d, bw, lat in items:
+            if bw <= 0:
+                raise ValueError(f"link {s} -> {d}: bandwidth must be positive, got {bw}")
+            pairs.setdefault(frozenset((s, d)), []).append((bw, lat))
+        if not pairs:
+            raise ValueError("no link measurements: probe at least one pair of nodes before planning")
+        floor_bw = min(bw for v in pairs.values() for bw, _ in v)
+        floor_lat = max(lat for v in pairs.values() for _, lat in v)
+
+        def measured(a: Iterable[str], b: Iterable[str]) -> list[tuple[float, float]]:
+            out: list[tuple[float, float]] = []
+            for x in a:
+                for y in b:
+                    if x != y:
+                        out.extend(pairs.get(frozenset((x, y)), []))
+            return out
+
+        built: list[Island] = []
+        for iid, node_ids in islands.items():
+            if not node_ids:
+                raise ValueError(f"island {iid!r} has no nodes")
+            missing = [n for n in node_ids if n not in profiles]
+            if missing:
+                raise ValueError(f"island {iid!r}: no profile for node(s) {missing}")
+            profs = [profiles[n] for n in node_ids]
+            mem_gb = min((p.memory_free_bytes or p.memory_total_bytes) for p in profs) / 1e9
+            if mem_gb <= 0:
+                raise ValueError(f"island {iid!r}: the nodes' profiles report no memory")
+            name = profs[0].device_name or profs[0].device_kind
+            try:
+                base = device(name)
+                dev = replace(base, memory_gb=mem_gb)
+            except ValueError:
+                dev = DeviceSpec(name=name, tflops_16=0.0, tflops_32=0.0, memory_gb=mem_gb, source="node profile")
+            inner = measured(node_ids, node_ids)
+            bw = min((b for b, _ in inner), default=floor_bw)
+            lat = max((t for _, t in inner), default=floor_lat)
+            built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=1,
+                                region=(regions or {}).get(iid, "default"), intra_node_bandwidth=bw,
+                                inter_node_bandwidth=bw, latency_s=lat, nodes=tuple(node_ids), profile_key=iid))
+        between: dict[frozenset[str], Link] = {}
+        for a in built:
+            for b in built:
+                if a.id >= b.id:
+                    continue
+                got = sorted(measured(a.nodes, b.nodes))
+                if got:
+                    bw, lat = got[len(got) // 2]
+                else:
+                    bw, lat = floor_bw, floor_lat
+                between[frozenset((a.id, b.id))] = Link(bandwidth=bw, latency_s=lat)
+        return cls(islands=tuple(built), links=between, source="live")
+
+
+# --- cluster files -------------------------------------------------------------------------------------
+
+GROUP_FIELDS = {"name", "device", "count", "gpus_per_node", "region", "intra_node_gbps", "inter_node_gbps",
+                "tflops", "tflops_fp32", "memory_gb", "latency_ms"}
+LINK_FIELDS = {"between", "gbps", "latency_ms"}
+
+
+class ClusterFileError(ValueError):
+    """A cluster file that cannot be used; the message names the file, line and field."""
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file (TOML)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"cluster file {path}: no such file")
+    return parse_cluster(p.read_text(encoding="utf-8"), source=str(path))
+
+
+def _table_lines(text: str, header: str) -> list[int]:
+    """1-based line numbers of each `[[header]]` table, in order."""
+    pat = re.compile(r"^\s*\[\[\s*" + re.escape(header) + r"\s*\]\]")
+    return [n for n, line in enumerate(text.splitlines(), 1) if pat.match(line)]
+
+
+def _field_line(text: str, start: int, key: str) -> int:
+    """Line of `key = ...` in the table starting at line `start` (the header's line when absent)."""
+    lines = text.splitlines()
+    pat = re.compile(r"^\s*" + re.escape(key) + r"\s*=")
+    for n in range(start, len(lines)):
+        line = lines[n]
+        if re.match(r"^\s*\[", line):
+            break
+        if pat.match(line):
+            return n + 1
+    return start
+
+
+def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
+    """Parse a cluster file's text; errors name the line, the [[group]] / [[link]] and the field."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ClusterFileError(f"{source}: not valid TOML: {e}") from None
+    unknown_top = set(doc) - {"group", "link"}
+    if unknown_top:
+        raise ClusterFileError(f"{source}: unknown table(s) {sorted(unknown_top)}; a cluster file has [[group]] "
+                               "and [[link]] tables")
+    groups = doc.get("group", [])
+    if not isinstance(groups, list) or not groups:
+        raise ClusterFileError(f"{source}: no [[group]] tables; add at least one group of GPUs")
+    group_lines = _table_lines(text, "group")
+    islands: list[Island] = []
+    for gi, g in enumerate(groups):
+        start = group_lines[gi] if gi < len(group_lines) else 1
+        label = f"[[group]] #{gi + 1}" + (f" {g.get('name')!r}" if isinstance(g.get("name"), str) else "")
+
+        def err(key: str, msg: str) -> ClusterFileError:
+            return ClusterFileError(f"{source}:{_field_line(text, start, key)}: {label}: field {key!r} {msg}")
+
+        unknown = set(g) - GROUP_FIELDS
+        if unknown:
+            key = sorted(unknown)[0]
+            raise err(key, f"is unknown; known fields: {', '.join(sorted(GROUP_FIELDS))}")
+        islands.append(_parse_group(g, err, start, source, gi))
+    names = [i.id for i in islands]
+    for gi, n in enumerate(names):
+        if names.index(n) != gi:
+            raise ClusterFileError(f"{source}:{_field_line(text, group_lines[gi], 'name')}: [[group]] #{gi + 1}: "
+                                   f"field 'name' {n!r} repeats [[group]] #{names.index(n) + 1}; names must be unique")
+
+    link_lines = _table_lines(text, "link")
+    by_region: dict[str, list[Island]] = {}
+    for i in islands:
+        by_region.setdefault(i.region, []).append(i)
+    explicit: dict[frozenset[str], Link] = {}
+    for li, raw in enumerate(doc.get("link", [])):
+        start = link_lines[li] if li < len(link_lines) else 1
+
+        def lerr(key: str, msg: str) -> ClusterFileError:
+            return ClusterFileError(f"{source}:{_field_line(text, start, key)}: [[link]] #{li + 1}: field {key!r} {msg}")
+
+        unknown = set(raw) - LINK_FIELDS
+        if unknown:
+            raise lerr(sorted(unknown)[0], f"is unknown; known fields: {', '.join(sorted(LINK_FIELDS))}")
+        between = raw.get("between")
+        if (not isinstance(between, list) or len(between) != 2
+                or not all(isinstance(x, str) for x in between)):
+            raise lerr("between", f"must be a list of two region or group names, got {between!r}")
+        ends = []
+        for name in between:
+            if name in names:
+                ends.append([islands[names.index(name)]])
+            elif name in by_region:
+                ends.append(by_region[name])
+            else:
+                raise lerr("between", f"names {name!r}, which is neither a region ({', '.join(by_region)}) "
+                           f"nor a group ({', '.join(names)})")
+        gbps = _positive(raw, "gbps", None, lerr)
+        lat = _nonneg(raw, "latency_ms", 1.0, lerr) / 1e3
+        shared = ends[0][0].region != ends[1][0].region or len(ends[0]) > 1
+        for a in ends[0]:
+            for b in ends[1]:
+                if a.id != b.id:
+                    explicit[frozenset((a.id, b.id))] = Link(bandwidth=gbps * GBPS, latency_s=lat, shared=shared)
+
+    links: dict[frozenset[str], Link] = {}
+    for a in islands:
+        for b in islands:
+            if a.id >= b.id:
+                continue
+            key = frozenset((a.id, b.id))
+            if key in explicit:
+                links[key] = explicit[key]
+            elif a.region == b.region:
+                links[key] = Link(bandwidth=min(a.inter_node_bandwidth, b.inter_node_bandwidth),
+                                  latency_s=max(a.latency_s, b.latency_s))
+    return Cluster(islands=tuple(islands), links=links, source=source)
+
+
+def _positive(d: dict[str, Any], key: str, default: float | None, err: Any) -> float:
+    v = d.get(key, default)
+    if v is None:
+        raise err(key, "is missing")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise err(key, f"must be a positive number, got {v!r}")
+    return float(v)
+
+
+def _nonneg(d: dict[str, Any], key: str, default: float, err: Any) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise err(key, f"must be a number >= 0, got {v!r}")
+    return float(v)
+
+
+def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) -> Island:
+    name = g.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise err("name", f"must be a non-empty string, got {name!r}")
+    count = g.get("count")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise err("count", f"must be a positive integer (GPUs in the group), got {count!r}")
+    gpn = g.get("gpus_per_node", min(8, count))
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise err("gpus_per_node", f"must be a positive integer, got {gpn!r}")
+    region = g.get("region", "default")
+    if not isinstance(region, str) or not region:
+        raise err("region", f"must be a non-empty string, got {region!r}")
+    dev_name = g.get("device")
+    if dev_name is not None and not isinstance(dev_name, str):
+        raise err("device", f"must be a string (a catalog name), got {dev_name!r}")
+    custom = {k: g[k] for k in ("tflops", "tflops_fp32", "memory_gb") if k in g}
+    if dev_name is None and not {"tflops", "memory_gb"} <= set(custom):
+        raise err("device", "is missing: give a catalog device name, or tflops and memory_gb")
+    base: DeviceSpec | None = None
+    if dev_name is not None:
+        try:
+            base = device(dev_name)
+        except ValueError as e:
+            if not {"tflops", "memory_gb"} <= set(custom):
+                raise err("device", f"is not in the catalog: {e}") from None
+    t16 = _positive(g, "tflops", base.tflops_16 if base else None, err)
+    t32 = _positive(g, "tflops_fp32", base.tflops_32 if base else t16 / 8, err)
+    mem = _positive(g, "memory_gb", base.memory_gb if base else None, err)
+    dev = DeviceSpec(name=base.name if base else str(dev_name or name), tflops_16=t16, tflops_32=t32,
+                     memory_gb=mem, source=base.source if base and not custom else f"{source} [[group]] #{gi + 1}")
+    intra = _positive(g, "intra_node_gbps", 600.0, err) * GBPS
+    inter = _positive(g, "inter_node_gbps", 100.0, err) * GBPS
+    lat = _nonneg(g, "latency_ms", INTER_NODE_LATENCY_S * 1e3, err) / 1e3
+    hosts = -(-count // gpn)
+    return Island(id=name, group=name, device=dev, gpus=count, gpus_per_node=gpn, region=region,
+                  intra_node_bandwidth=intra, inter_node_bandwidth=inter, latency_s=lat,
+                  nodes=tuple(f"{name}-{k}" for k in range(hosts)))

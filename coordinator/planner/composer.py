@@ -1,0 +1,348 @@
+"""The composer: slice boundaries and islands for each stage, minimising the bottleneck stage time.
+
+A candidate fixes an ordered chain of islands, the stage width W (data-parallel replicas per stage, the
+same for every stage so replica r of one stage feeds replica r of the next) and the per-replica
+micro-batch b; island i can then host up to floor(gpus_i / W) stages, and the step has
+m = global_batch / (W b) micro-batches. For a candidate the composer finds the smallest bottleneck T (the
+largest of every stage's compute time per micro-batch and every boundary's transfer time under its codec)
+by a parametric search: for a given T a greedy pass from the last layer backwards gives each stage as many
+layers as fit within T and its memory (the stage's position from the end fixes its 1F1B in-flight
+micro-batches), which decides feasibility exactly because every stage's time and memory grow with its
+slice. Bisection on T then converges on the minimum; a few relaxed T are tried too, since fewer, fuller
+stages shorten fill and drain.
+
+Pruning keeps thousands of GPUs fast: per-island layer tables are memoised; chains only order regions and,
+within a region, islands by memory (the front of a 1F1B pipeline holds the most activations), dropping
+the slowest device classes as variants; and candidates are visited in order of a lower bound from their
+total compute capacity, stopping as soon as the bound cannot beat the best step found.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from atoll.coordinator.planner.cluster import Cluster, Island
+from atoll.coordinator.planner.costmodel import CostModel, ExpectedRatioCodecModel
+from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
+from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate
+
+
+class NoFeasiblePlan(ValueError):
+    """No arrangement of the model fits the cluster; the message names the shortfall."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageChoice:
+    island: Island
+    start: int
+    end: int
+    cost: IslandCost
+    sync_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkChoice:
+    codec: str
+    raw_bytes: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One composed pipeline: its stages, links and predicted times."""
+
+    order: tuple[str, ...]
+    width: int
+    micro_batch: int
+    num_micro_batches: int
+    stages: list[StageChoice]
+    links: list[LinkChoice]
+    times: PipelineTimes
+    estimate_s: float
+    step_s: float = 0.0
+    """Simulated step time (0 until simulated)."""
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max([s.cost.time_s for s in self.stages] + [max(x.forward_s, x.backward_s) for x in self.links])
+
+    @property
+    def gpus(self) -> int:
+        return self.width * len(self.stages)
+
+
+@dataclass(kw_only=True)
+class SearchStats:
+    candidates: int = 0
+    evaluated: int = 0
+    pruned: int = 0
+    infeasible: int = 0
+
+
+@dataclass(kw_only=True)
+class _Setup:
+    order: tuple[Island, ...]
+    width: int
+    micro_batch: int
+    m: int
+    caps: tuple[int, ...]
+    bound: float
+
+
+@dataclass(kw_only=True)
+class Composer:
+    cost_model: CostModel
+    cluster: Cluster
+    parallelizer: IslandParallelizer | None = None
+    stats: SearchStats = field(default_factory=SearchStats)
+
+    def __post_init__(self) -> None:
+        if self.parallelizer is None:
+            self.parallelizer = DefaultParallelizer(self.cost_model)
+        self._fast = isinstance(self.parallelizer, DefaultParallelizer)
+
+    # --- search space ---------------------------------------------------------------------------------
+
+    def orders(self) -> list[tuple[Island, ...]]:
+        """Island chains: regions in every order, islands by memory within a region, slow classes dropped."""
+        by_region: dict[str, list[Island]] = {}
+        for isl in self.cluster.islands:
+            by_region.setdefault(isl.region, []).append(isl)
+        speed = {i.id: self._speed(i) for i in self.cluster.islands}
+        variants: dict[str, list[tuple[Island, ...]]] = {}
+        for r, isls in by_region.items():
+            ordered = sorted(isls, key=lambda i: (-i.device.memory_gb, -speed[i.id], i.id))
+            classes = sorted({speed[i.id] for i in isls}, reverse=True)
+            vs = [tuple(ordered)]
+            for keep in classes[:-1]:
+                vs.append(tuple(i for i in ordered if speed[i.id] >= keep))
+            variants[r] = list(dict.fromkeys(vs))
+        out: list[tuple[Island, ...]] = []
+        regions = list(by_region)
+        for r in regions:  # one region alone, with its variants
+            out.extend(variants[r])
+        for k in range(2, len(regions) + 1):
+            for perm in itertools.permutations(regions, k):
+                if all(self._connected(variants[a][0], variants[b][0]) for a, b in zip(perm, perm[1:])):
+                    out.append(tuple(i for r in perm for i in variants[r][0]))
+        return list(dict.fromkeys(out))
+
+    def _connected(self, a: tuple[Island, ...], b: tuple[Island, ...]) -> bool:
+        return self.cluster.link(a[-1].id, b[0].id) is not None
+
+    def _speed(self, island: Island) -> float:
+        """Whole-model micro-batches per second of one device at micro-batch 1 (a ranking key)."""
+        t = self.cost_model.table(island, 1)
+        return 1.0 / max(1e-12, t.pf[-1] + t.pb[-1])
+
+    def widths(self, order: tuple[Island, ...]) -> list[int]:
+        g = self.cost_model.train.global_batch
+        biggest = max(i.gpus for i in order)
+        ws = {1 << k for k in range(int(math.log2(biggest)) + 1)} | {i.gpus for i in order}
+        return sorted(w for w in ws if w <= biggest and g % w == 0)
+
+    def setups(self) -> list[_Setup]:
+        cm = self.cost_model
+        g = cm.train.global_batch
+        L = cm.num_layers
+        max_units = min(L, cm.options.max_stages)
+        out: list[_Setup] = []
+        for order in self.orders():
+            for w in self.widths(order):
+                caps = tuple(min(i.gpus // w, max_units) for i in order)
+                if sum(caps) == 0:
+                    continue
+                for b in cm.options.micro_batches:
+                    if g % (w * b):
+                        continue
+                    m = g // (w * b)
+                    out.append(_Setup(order=order, width=w, micro_batch=b, m=m, caps=caps,
+                                      bound=self._lower_bound(order, caps, b, m, max_units)))
+        return out
+
+    def _lower_bound(self, order: tuple[Island, ...], caps: tuple[int, ...], b: int, m: int, max_units: int) -> float:
+        """Step time no arrangement of this setup can beat: all work spread over its fastest stages."""
+        full = []
+        for isl, c in zip(order, caps):
+            t = self.cost_model.table(isl, b)
+            full.extend([t.pf[-1] + t.pb[-1]] * c)
+        full.sort()
+        speed = sum(1.0 / x for x in full[:max_units])
+        return max(m / speed, full[0])
+
+    # --- one setup ------------------------------------------------------------------------------------
+
+    def _link(self, src: Island, dst: Island, width: int, boundary: int, b: int):
+        cm = self.cost_model
+        link = self.cluster.link(src.id, dst.id)
+        if link is None:
+            return None
+        bw = cm.stream_bandwidth(src, dst, link, width, streams=width)
+        raw = cm.model.boundary_bytes(boundary, b, cm.train.seq_len, cm.train.dtype)
+        return raw, bw, link.latency_s
+
+    def _fastest_link(self, src: Island, dst: Island, width: int, boundary: int, b: int) -> float:
+        got = self._link(src, dst, width, boundary, b)
+        if got is None:
+            return math.inf
+        raw, bw, lat = got
+        codecs = self.cost_model.codecs
+        if isinstance(codecs, ExpectedRatioCodecModel):
+            return codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat)
+        return codecs.choose(raw, self.cost_model.elem_bytes, bw, lat, 0.0)[1]
+
+    def _reach(self, isl: Island, s: _Setup, k: int, end: int, limit: float) -> int:
+        if self._fast:
+            assert isinstance(self.parallelizer, DefaultParallelizer)
+            return self.parallelizer.reach(isl, s.micro_batch, s.width, k, end, limit)
+        lo, hi = 0, end
+        assert self.parallelizer is not None
+
+        def ok(a: int) -> bool:
+            c = self.parallelizer.cost(SliceQuery(start=a, end=end, micro_batch=s.micro_batch, dp=s.width,
+                                                  in_flight=k), isl)
+            return c is not None and c.time_s <= limit
+
+        if not ok(end - 1):
+            return end
+        hi = end - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def greedy(self, s: _Setup, limit: float) -> list[tuple[Island, int, int, int]] | None:
+        """Stages (island, start, end, in_flight) placing every layer within `limit`, or None."""
+        max_stages = self.cost_model.options.max_stages
+        e = self.cost_model.num_layers
+        placed: list[tuple[Island, int, int, int]] = []
+        later: Island | None = None
+        for isl, cap in zip(reversed(s.order), reversed(s.caps)):
+            if e == 0:
+                break
+            if later is not None and self._fastest_link(isl, later, s.width, e, s.micro_batch) > limit:
+                continue
+            for _ in range(cap):
+                if e == 0 or len(placed) >= max_stages:
+                    break
+                k = min(len(placed) + 1, s.m)
+                a = self._reach(isl, s, k, e, limit)
+                if a == e:
+                    break
+                placed.append((isl, a, e, k))
+                e = a
+                later = isl
+        if e != 0:
+            return None
+        placed.reverse()
+        return placed
+
+    def prefixes(self, s: _Setup) -> list[_Setup]:
+        """The setup's chain cut after each island: the greedy fills from the back, so the chain's last
+        island is always used; shorter chains let a later island be left out."""
+        out = []
+        for j in range(len(s.order), 0, -1):
+            if s.caps[j - 1] > 0:
+                out.append(_Setup(order=s.order[:j], width=s.width, micro_batch=s.micro_batch, m=s.m,
+                                  caps=s.caps[:j], bound=s.bound))
+        return out
+
+    def min_bottleneck(self, s: _Setup, rel_tol: float = 1e-3) -> float | None:
+        """The smallest bottleneck T of any chain of the setup's islands in its order (None: nothing fits)."""
+        ts = [t for p in self.prefixes(s) if (t := self._chain_bottleneck(p, rel_tol)) is not None]
+        return min(ts, default=None)
+
+    def _chain_bottleneck(self, s: _Setup, rel_tol: float = 1e-3) -> float | None:
+        """The smallest T for which `greedy` places every layer, using the chain's last island."""
+        first = self.greedy(s, math.inf)
+        if first is None:
+            return None
+        hi = self._evaluate(s, first).bottleneck_s
+        units = min(sum(s.caps), self.cost_model.options.max_stages)
+        lo = hi / (2 * units)
+        for _ in range(60):  # make lo infeasible: a true lower end for the bisection
+            if self.greedy(s, lo) is None:
+                break
+            hi, lo = lo, lo / 2
+        while hi - lo > rel_tol * hi:
+            mid = (lo + hi) / 2
+            if self.greedy(s, mid) is not None:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def _evaluate(self, s: _Setup, placed: list[tuple[Island, int, int, int]]) -> Candidate:
+        cm = self.cost_model
+        stages: list[StageChoice] = []
+        for isl, a, e, k in placed:
+            c = self.parallelizer.cost(SliceQuery(start=a, end=e, micro_batch=s.micro_batch, dp=s.width,
+                                                  in_flight=k), isl)  # type: ignore[union-attr]
+            assert c is not None, "greedy placed a stage that does not fit"
+            params = cm.model.slice_params(a, e)
+            sync = cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.width, isl)
+            opt = cm.optimizer_seconds(isl, params, c.zero, s.width)
+            stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt))
+        cycle = max(st.cost.time_s for st in stages)
+        links: list[LinkChoice] = []
+        for st, nx in zip(stages, stages[1:]):
+            got = self._link(st.island, nx.island, s.width, st.end, s.micro_batch)
+            assert got is not None
+            raw, bw, lat = got
+            codec, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, lat, cycle)
+            links.append(LinkChoice(codec=codec, raw_bytes=raw, forward_s=sec, backward_s=sec))
+        times = PipelineTimes(
+            stages=tuple(StageTimes(forward_s=st.cost.forward_s, backward_s=st.cost.backward_s, sync_s=st.sync_s,
+                                    optimizer_s=st.optimizer_s) for st in stages),
+            links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s) for x in links),
+            num_micro_batches=s.m)
+        return Candidate(order=tuple(i.id for i in s.order), width=s.width, micro_batch=s.micro_batch,
+                         num_micro_batches=s.m, stages=stages, links=links, times=times,
+                         estimate_s=closed_form_step(times))
+
+    def best_for(self, s: _Setup) -> Candidate | None:
+        best: Candidate | None = None
+        for p in self.prefixes(s):
+            t = self._chain_bottleneck(p)
+            if t is None:
+                continue
+            for f in self.cost_model.options.refine_factors:
+                placed = self.greedy(p, t * f)
+                if placed is None:
+                    continue
+                cand = self._evaluate(p, placed)
+                if best is None or cand.estimate_s < best.estimate_s:
+                    best = cand
+        return best
+
+    # --- the whole search -----------------------------------------------------------------------------
+
+    def search(self) -> list[Candidate]:
+        """The best candidates, simulated, best first (empty when nothing fits)."""
+        setups = sorted(self.setups(), key=lambda s: s.bound)
+        self.stats.candidates = len(setups)
+        top: list[Candidate] = []
+        keep = self.cost_model.options.simulate_top
+        for s in setups:
+            if len(top) >= keep and s.bound >= top[-1].estimate_s:
+                self.stats.pruned += 1
+                continue
+            self.stats.evaluated += 1
+            cand = self.best_for(s)
+            if cand is None:
+                self.stats.infeasible += 1
+                continue
+            top.append(cand)
+            top.sort(key=lambda c: c.estimate_s)
+            del top[keep:]
+        for c in top:
+            c.step_s = simulate(c.times).step_time_s
+        top.sort(key=lambda c: c.step_s)
+        return top

@@ -1,0 +1,132 @@
+"""`plan_job`: from a model, a cluster and a training spec to a `Plan` (the planner's entry point)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from atoll.coordinator.planner.cluster import Cluster
+from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats
+from atoll.coordinator.planner.costmodel import CostModel, LinkCodecModel
+from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
+from atoll.coordinator.planner.parallelizer import IslandParallelizer
+from atoll.coordinator.planner.profiles import ProfileSet
+from atoll.coordinator.planner.simulator import simulate
+from atoll.modelspec import ModelSpec
+from atoll.plan import GB, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    """A plan with what produced it (for the CLI, the picture and the benchmark)."""
+
+    plan: Plan
+    candidate: Candidate
+    stats: SearchStats
+    seconds: float
+    """Wall time of the search."""
+
+
+def plan_job(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
+             options: PlannerOptions | None = None, *, codec_model: LinkCodecModel | None = None,
+             parallelizer: IslandParallelizer | None = None) -> Plan:
+    """The best plan found for `model` on `cluster`; raises NoFeasiblePlan (a ValueError) naming the shortfall."""
+    return search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
+                       parallelizer=parallelizer).plan
+
+
+def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
+                options: PlannerOptions | None = None, *, codec_model: LinkCodecModel | None = None,
+                parallelizer: IslandParallelizer | None = None) -> PlanResult:
+    """Like `plan_job`, also returning the chosen candidate and search statistics."""
+    t0 = time.perf_counter()
+    if train.seq_len != model.config.seq_len:
+        model = model.with_seq_len(train.seq_len)
+    cm = CostModel(model, train, profiles, options, codec_model)
+    composer = Composer(cost_model=cm, cluster=cluster, parallelizer=parallelizer)
+    top = composer.search()
+    if not top:
+        raise NoFeasiblePlan(explain_infeasible(cm, cluster))
+    best = top[0]
+    plan = to_plan(best, cm, cluster)
+    return PlanResult(plan=plan, candidate=best, stats=composer.stats, seconds=time.perf_counter() - t0)
+
+
+def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
+    """Why nothing fits: the memory the model needs against what the cluster offers, or the batch shape."""
+    model, train = cm.model, cm.train
+    states = sum(model.model_state_bytes(0, model.num_layers, train.dtype, train.optimizer).values())
+    act = model.activation_bytes(0, model.num_layers, 1, train.seq_len, train.dtype, recompute=True)
+    need = states + act
+    usable = sum(cm.memory_capacity(i) * i.gpus for i in cluster.islands)
+    head = f"model {model.name} cannot be placed on {cluster.source or 'the cluster'}"
+    if need > usable:
+        return (f"{head}: it needs {need / GB:.1f} GB (weights, gradients and {train.optimizer} states "
+                f"{states / GB:.1f} GB plus activations of one sequence {act / GB:.1f} GB) but the "
+                f"{cluster.total_gpus} GPUs offer {usable / GB:.1f} GB usable "
+                f"({1 - cm.options.memory_reserve_fraction:.0%} of their memory); add GPUs or train in 16-bit")
+    biggest = max(model.layers, key=lambda x: x.params)
+    one = cm.state_bytes(biggest.params, 3, max(i.gpus for i in cluster.islands))
+    best_dev = max(cm.memory_capacity(i) for i in cluster.islands)
+    if one > best_dev:
+        return (f"{head}: its largest layer ({biggest.kind} {biggest.index}) needs {one / GB:.1f} GB per device "
+                f"even under ZeRO-3, more than the {best_dev / GB:.1f} GB usable on the largest device")
+    return (f"{head}: the model needs {need / GB:.1f} GB and the cluster offers {usable / GB:.1f} GB, but no "
+            f"pipeline of at most {cm.options.max_stages} stages whose width divides global batch "
+            f"{train.global_batch} fits; try a global batch divisible by the islands' sizes, or more stages")
+
+
+def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> str:
+    worst_stage = max(range(len(c.stages)), key=lambda i: c.stages[i].cost.time_s)
+    st = c.stages[worst_stage]
+    what = (f"compute of stage {worst_stage} on {st.island.id} (layers [{st.start}, {st.end}), "
+            f"{st.cost.time_s * 1e3:.1f} ms per micro-batch)")
+    if c.links:
+        worst_link = max(range(len(c.links)), key=lambda i: c.links[i].forward_s)
+        x = c.links[worst_link]
+        if x.forward_s > st.cost.time_s:
+            what = (f"link {c.stages[worst_link].island.id} -> {c.stages[worst_link + 1].island.id} "
+                    f"({x.codec}, {x.forward_s * 1e3:.1f} ms per micro-batch)")
+    tail = step_s - pipeline_s
+    bubble = 1 - busy / pipeline_s if pipeline_s > 0 else 0.0
+    return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {tail:.2f} s"
+
+
+def to_plan(c: Candidate, cm: CostModel, cluster: Cluster) -> Plan:
+    sim = simulate(c.times)
+    train = cm.train
+    step = sim.step_time_s
+    gpus_used = c.gpus
+    peak = sum(s.island.device.peak_flops(train.dtype) * c.width for s in c.stages)
+    mfu = cm.model_flops_per_step() / (step * peak) if peak > 0 and step > 0 else 0.0
+    islands = []
+    for isl in cluster.islands:
+        outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
+        islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
+                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
+    # live islands list one node per device: hand each stage its own W of them, in order
+    used: dict[str, int] = {}
+    stages: list[StagePlan] = []
+    for k, st in enumerate(c.stages):
+        nodes: list[str] = []
+        if cluster.source == "live":
+            off = used.get(st.island.id, 0)
+            nodes = list(st.island.nodes[off:off + c.width])
+            used[st.island.id] = off + c.width
+        send = None
+        if k < len(c.links):
+            x = c.links[k]
+            send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
+                            block_size=128 if x.codec in ("int8", "int4") else 0)
+        stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=c.width, tp=1, zero=st.cost.zero,
+                                recompute=st.cost.recompute, compute_s=st.cost.time_s,
+                                memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
+    plan = Plan(model=cm.model.name, global_batch=train.global_batch, seq_len=train.seq_len,
+                predicted=Prediction(step_time_s=step, tokens_per_s=train.tokens_per_step / step, mfu=mfu,
+                                     bottleneck=_bottleneck(c, sim.pipeline_time_s, step, max(sim.busy_s))),
+                islands=islands,
+                pipelines=[PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
+                                        stages=stages)])
+    plan.validate(cm.num_layers)
+    assert gpus_used <= cluster.total_gpus
+    return plan

@@ -1,0 +1,145 @@
+"""Measured layer timings that override the catalog's analytic estimate.
+
+A profile file (JSON) holds, per device name (or island id), per layer kind, forward and backward seconds
+at given micro-batch sizes and sequence length, and optionally the optimizer step time:
+
+    {"devices": {
+       "A100-80GB": {
+         "layers": {"block": [{"micro_batch": 1, "seq_len": 2048, "forward_s": 0.011, "backward_s": 0.022}],
+                    "embedding": [...], "head": [...]},
+         "optimizer_s_per_gparam": 0.03}}}
+
+A query at another size is interpolated linearly in tokens (micro_batch x seq_len) between the nearest
+measured points, or scaled from the nearest one outside their range.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atoll.types import LayerTiming, NodeProfile
+
+LAYER_KINDS = ("embedding", "block", "head")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingPoint:
+    """One measurement of one layer kind."""
+
+    tokens: int
+    """micro_batch x seq_len of the measurement."""
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """Measured timings of one device (or island)."""
+
+    layers: Mapping[str, tuple[TimingPoint, ...]] = field(default_factory=dict)
+    """Layer kind -> measurements sorted by tokens."""
+    optimizer_s_per_gparam: float = 0.0
+    """Optimizer step seconds per 1e9 parameters held on the device (0: use the analytic estimate)."""
+
+    def layer_seconds(self, kind: str, tokens: int) -> tuple[float, float] | None:
+        """(forward, backward) seconds of one layer of `kind` over `tokens` tokens, or None if unmeasured."""
+        pts = self.layers.get(kind)
+        if not pts:
+            return None
+        if len(pts) == 1 or tokens <= pts[0].tokens:
+            p = pts[0]
+            return p.forward_s * tokens / p.tokens, p.backward_s * tokens / p.tokens
+        if tokens >= pts[-1].tokens:
+            p = pts[-1]
+            return p.forward_s * tokens / p.tokens, p.backward_s * tokens / p.tokens
+        for lo, hi in zip(pts, pts[1:]):
+            if lo.tokens <= tokens <= hi.tokens:
+                w = (tokens - lo.tokens) / (hi.tokens - lo.tokens)
+                return (lo.forward_s + w * (hi.forward_s - lo.forward_s),
+                        lo.backward_s + w * (hi.backward_s - lo.backward_s))
+        raise AssertionError("unreachable: points are sorted")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSet:
+    """Timings by device name (cluster files) or island id (live nodes); keys are case-insensitive."""
+
+    devices: Mapping[str, DeviceProfile] = field(default_factory=dict)
+
+    def get(self, key: str) -> DeviceProfile | None:
+        return self.devices.get(key.lower())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ProfileSet":
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"profile file {path}: no such file")
+        try:
+            doc = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"profile file {path}: not valid JSON: {e}") from None
+        return cls.from_dict(doc, source=str(path))
+
+    @classmethod
+    def from_dict(cls, doc: Any, source: str = "<profiles>") -> "ProfileSet":
+        if not isinstance(doc, dict) or not isinstance(doc.get("devices"), dict):
+            raise ValueError(f"{source}: expected an object {{\"devices\": {{NAME: {{\"layers\": ...}}}}}}")
+        out: dict[str, DeviceProfile] = {}
+        for name, entry in doc["devices"].items():
+            where = f"{source}: devices.{name}"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where}: expected an object with 'layers'")
+            layers: dict[str, list[TimingPoint]] = {}
+            for kind, pts in entry.get("layers", {}).items():
+                if kind not in LAYER_KINDS:
+                    raise ValueError(f"{where}.layers: unknown layer kind {kind!r}; kinds: {', '.join(LAYER_KINDS)}")
+                if not isinstance(pts, list):
+                    raise ValueError(f"{where}.layers.{kind}: expected a list of measurements")
+                for k, pt in enumerate(pts):
+                    try:
+                        mb, sl = int(pt["micro_batch"]), int(pt["seq_len"])
+                        f, b = float(pt["forward_s"]), float(pt["backward_s"])
+                    except (KeyError, TypeError, ValueError) as e:
+                        raise ValueError(f"{where}.layers.{kind}[{k}]: needs micro_batch, seq_len, forward_s, "
+                                         f"backward_s ({e})") from None
+                    if mb < 1 or sl < 1 or f < 0 or b < 0:
+                        raise ValueError(f"{where}.layers.{kind}[{k}]: sizes must be >= 1 and times >= 0")
+                    layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b))
+            opt = float(entry.get("optimizer_s_per_gparam", 0.0))
+            out[name.lower()] = DeviceProfile(
+                layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
+                optimizer_s_per_gparam=opt)
+        return cls(devices=out)
+
+    @classmethod
+    def from_timings(cls, by_key: Mapping[str, Sequence[LayerTiming]]) -> "ProfileSet":
+        out: dict[str, DeviceProfile] = {}
+        for key, timings in by_key.items():
+            layers: dict[str, list[TimingPoint]] = {}
+            for t in timings:
+                layers.setdefault(t.layer_kind, []).append(
+                    TimingPoint(tokens=t.micro_batch * t.seq_len, forward_s=t.forward_seconds,
+                                backward_s=t.backward_seconds))
+            out[key.lower()] = DeviceProfile(layers={k: tuple(sorted(v, key=lambda p: p.tokens))
+                                                     for k, v in layers.items()})
+        return cls(devices=out)
+
+    @classmethod
+    def from_node_profiles(cls, islands: Mapping[str, Sequence[str]],
+                           profiles: Mapping[str, NodeProfile]) -> "ProfileSet":
+        """Timings per island id: for each layer kind and size, the slowest node of the island counts."""
+        by_island: dict[str, list[LayerTiming]] = {}
+        for iid, nodes in islands.items():
+            slowest: dict[tuple[str, int, int], LayerTiming] = {}
+            for n in nodes:
+                for t in profiles[n].layer_timings:
+                    k = (t.layer_kind, t.micro_batch, t.seq_len)
+                    cur = slowest.get(k)
+                    if cur is None or t.forward_seconds + t.backward_seconds > cur.forward_seconds + cur.backward_seconds:
+                        slowest[k] = t
+            by_island[iid] = list(slowest.values())
+        return cls.from_timings(by_island)

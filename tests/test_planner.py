@@ -1,0 +1,170 @@
+"""The planner: optimality against brute force, feasibility, errors, live clusters, the plan's shape."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from atoll.coordinator.planner import (Cluster, NoFeasiblePlan, PlannerOptions, TrainSpec, parse_cluster, plan_job,
+                                       search_plan)
+from atoll.coordinator.planner.composer import Composer
+from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.parallelizer import SliceQuery
+from atoll.modelspec import ModelConfig, ModelSpec
+from atoll.plan import Plan
+from atoll.serde import plan_from_proto, plan_to_proto
+from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
+
+# 6 blocks + embedding + head; big enough that a few GB of device memory binds
+SMALL = ModelSpec.from_config(ModelConfig(name="t8", vocab_size=8000, d_model=1024, n_layers=6, n_heads=8,
+                                          seq_len=512))
+
+
+def _two_islands(mem_fast: float, mem_slow: float, fast: int = 4, slow: int = 8, link_gbps: float = 10) -> Cluster:
+    return parse_cluster(f"""
+[[group]]
+name = "fast"
+tflops = 100
+memory_gb = {mem_fast}
+count = {fast}
+gpus_per_node = 4
+[[group]]
+name = "slow"
+tflops = 30
+memory_gb = {mem_slow}
+count = {slow}
+gpus_per_node = 4
+inter_node_gbps = {link_gbps}
+""")
+
+
+def _brute_bottleneck(comp: Composer, s) -> float:
+    """Min over every choice of stages per island (0..cap) and every contiguous split of the layers."""
+    cm = comp.cost_model
+    L = cm.num_layers
+    best = math.inf
+    for counts in itertools.product(*[range(c + 1) for c in s.caps]):
+        seq = [isl for isl, c in zip(s.order, counts) for _ in range(c)]
+        p = len(seq)
+        if p == 0 or p > L:
+            continue
+        for cuts in itertools.combinations(range(1, L), p - 1):
+            bounds = (0, *cuts, L)
+            worst = 0.0
+            for i, isl in enumerate(seq):
+                c = comp.parallelizer.cost(SliceQuery(start=bounds[i], end=bounds[i + 1], micro_batch=s.micro_batch,
+                                                      dp=s.width, in_flight=min(p - i, s.m)), isl)
+                if c is None:
+                    worst = math.inf
+                    break
+                worst = max(worst, c.time_s)
+                if i + 1 < p:
+                    worst = max(worst, comp._fastest_link(isl, seq[i + 1], s.width, bounds[i + 1], s.micro_batch))
+            best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("mem_fast,mem_slow,link", [(40, 40, 10), (1.2, 0.9, 10), (0.9, 0.7, 10), (2, 2, 0.05)])
+def test_min_bottleneck_equals_brute_force(mem_fast: float, mem_slow: float, link: float) -> None:
+    cluster = _two_islands(mem_fast, mem_slow, link_gbps=link)
+    cm = CostModel(SMALL, TrainSpec(global_batch=32, seq_len=512))
+    comp = Composer(cost_model=cm, cluster=cluster)
+    checked = 0
+    for s in comp.setups():
+        if s.width not in (2, 4) or s.micro_batch > 2:
+            continue
+        got = comp.min_bottleneck(s, rel_tol=1e-6)
+        want = _brute_bottleneck(comp, s)
+        if math.isinf(want):
+            assert got is None
+        else:
+            assert got is not None and got == pytest.approx(want, rel=1e-4), (s.order, s.width, s.micro_batch)
+            checked += 1
+    assert checked >= 4
+
+
+def test_mixed_cluster_beats_either_class_alone() -> None:
+    cluster = _two_islands(40, 40, fast=8, slow=16, link_gbps=100)
+    train = TrainSpec(global_batch=256, seq_len=512)
+    both = plan_job(SMALL, cluster, train)
+    alone = [plan_job(SMALL, cluster.subset([i]), train) for i in ("fast", "slow")]
+    assert both.predicted.tokens_per_s > max(p.predicted.tokens_per_s for p in alone)
+    assert {s.island for s in both.pipelines[0].stages} == {"fast", "slow"}
+
+
+def test_plan_covers_layers_fits_memory_and_round_trips() -> None:
+    cluster = _two_islands(1.2, 0.9)
+    result = search_plan(SMALL, cluster, TrainSpec(global_batch=32, seq_len=512))
+    plan = result.plan
+    plan.validate(SMALL.num_layers)
+    usable = {"fast": 1.2 * 0.9, "slow": 0.9 * 0.9}
+    for s in plan.pipelines[0].stages:
+        assert s.memory_gb_per_device <= usable[s.island] + 1e-9
+    pl = plan.pipelines[0]
+    assert sum(s.dp for s in pl.stages[:1]) * pl.micro_batch * pl.num_micro_batches == plan.global_batch
+    assert plan.predicted.step_time_s > 0 and plan.predicted.tokens_per_s == pytest.approx(
+        32 * 512 / plan.predicted.step_time_s)
+    assert plan.predicted.bottleneck
+    assert Plan.from_json(plan.to_json()).to_json_dict() == plan.to_json_dict()
+    assert plan_from_proto(plan_to_proto(plan)).pipelines[0].stages[0].layers == pl.stages[0].layers
+
+
+def test_fits_nowhere_names_the_shortfall() -> None:
+    tiny = parse_cluster('[[group]]\nname = "t4"\ndevice = "T4"\ncount = 2\n', source="two-t4.toml")
+    with pytest.raises(NoFeasiblePlan, match=r"needs [\d.]+ GB .* offer [\d.]+ GB") as e:
+        plan_job(ModelSpec.from_preset("70b"), tiny, TrainSpec(global_batch=8, seq_len=4096))
+    assert "two-t4.toml" in str(e.value)
+
+
+def test_compression_kicks_in_on_a_slow_link() -> None:
+    fast = search_plan(SMALL, _two_islands(0.5, 0.5, fast=2, slow=2, link_gbps=100), TrainSpec(global_batch=32, seq_len=512)).plan
+    slow = search_plan(SMALL, _two_islands(0.5, 0.5, fast=2, slow=2, link_gbps=0.2), TrainSpec(global_batch=32, seq_len=512)).plan
+    codecs = lambda p: {s.send.codec for s in p.pipelines[0].stages if s.send}  # noqa: E731
+    assert codecs(slow) and codecs(slow) <= {"int8"}
+    assert "int8" not in codecs(fast)
+    only_identity = PlannerOptions(activation_codecs=("identity",))
+    plain = search_plan(SMALL, _two_islands(0.5, 0.5, fast=2, slow=2, link_gbps=0.2), TrainSpec(global_batch=32, seq_len=512),
+                        options=only_identity).plan
+    assert plain.predicted.step_time_s > slow.predicted.step_time_s
+
+
+def test_live_cluster_from_nodes_and_profiles() -> None:
+    from atoll.coordinator.planner import ProfileSet
+
+    tiny = ModelSpec.from_preset("tiny")
+    nodes = {"a": ["n1", "n2"], "b": ["n3"]}
+    timings = lambda scale: [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01 * scale,  # noqa: E731
+                                         backward_seconds=0.02 * scale) for k in ("embedding", "block", "head")]
+    profiles = {n: NodeProfile(device_kind="cpu", device_name="cpu", memory_total_bytes=8 * 10**9,
+                               layer_timings=timings(1.0 if n != "n3" else 3.0)) for n in ("n1", "n2", "n3")}
+    links = [LinkMeasurement(src="n1", dst="n2", bandwidth_bytes_per_s=1e9, rtt_seconds=1e-4),
+             LinkMeasurement(src="n1", dst="n3", bandwidth_bytes_per_s=1e8, rtt_seconds=1e-3),
+             LinkMeasurement(src="n2", dst="n3", bandwidth_bytes_per_s=1e8, rtt_seconds=1e-3)]
+    cluster = Cluster.from_nodes(nodes, profiles, links)
+    assert cluster.link("a", "b").bandwidth == 1e8
+    ps = ProfileSet.from_node_profiles(nodes, profiles)
+    plan = plan_job(tiny, cluster, TrainSpec(global_batch=8, seq_len=64), ps)
+    plan.validate(tiny.num_layers)
+    for s in plan.pipelines[0].stages:
+        assert len(s.nodes) == s.dp and set(s.nodes) <= set(nodes[s.island])
+    used = [n for s in plan.pipelines[0].stages for n in s.nodes]
+    assert len(used) == len(set(used))
+
+
+def test_live_cluster_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="no profile for node"):
+        Cluster.from_nodes({"a": ["x"]}, {}, [LinkMeasurement(src="x", dst="y", bandwidth_bytes_per_s=1,
+                                                              rtt_seconds=0)])
+    with pytest.raises(ValueError, match="no link measurements"):
+        Cluster.from_nodes({"a": ["x"]}, {"x": NodeProfile(memory_total_bytes=1)}, [])
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="achievable_fraction"):
+        PlannerOptions(achievable_fraction=0)
+    with pytest.raises(ValueError, match="activation_codecs"):
+        PlannerOptions(activation_codecs=("zip",))
+    with pytest.raises(ValueError, match="global_batch"):
+        TrainSpec(global_batch=0, seq_len=8)

@@ -1,0 +1,70 @@
+"""The event-driven 1F1B simulator against closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step,
+                                                 one_f_one_b_order, simulate)
+
+
+def _uniform(p: int, m: int, f: float, b: float, link: float = 0.0, sync: float = 0.0) -> PipelineTimes:
+    return PipelineTimes(stages=tuple(StageTimes(forward_s=f, backward_s=b, sync_s=sync) for _ in range(p)),
+                         links=tuple(LinkTimes(forward_s=link, backward_s=link) for _ in range(p - 1)),
+                         num_micro_batches=m)
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (1, 7), (2, 1), (2, 4), (4, 4), (4, 16), (8, 3), (5, 32)])
+def test_homogeneous_matches_closed_form(p: int, m: int) -> None:
+    f, b = 0.3, 0.6
+    r = simulate(_uniform(p, m, f, b))
+    assert r.step_time_s == pytest.approx((m + p - 1) * (f + b))
+    assert closed_form_step(_uniform(p, m, f, b)) == pytest.approx((m + p - 1) * (f + b))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_all_reduce_and_optimizer_follow_the_last_backward() -> None:
+    t = PipelineTimes(stages=(StageTimes(forward_s=1, backward_s=2, sync_s=5, optimizer_s=1),
+                              StageTimes(forward_s=1, backward_s=2, sync_s=0.5)),
+                      links=(LinkTimes(forward_s=0, backward_s=0),), num_micro_batches=2)
+    r = simulate(t)
+    assert r.pipeline_time_s == pytest.approx(3 * 3)
+    assert r.step_time_s == pytest.approx(9 + 5 + 1)  # stage 0 finishes last and syncs longest
+
+
+def test_links_add_to_fill_and_a_slow_link_becomes_the_cycle() -> None:
+    # one micro-batch: F0, send, F1, B1, send back, B0
+    r = simulate(_uniform(2, 1, 1.0, 2.0, link=0.5))
+    assert r.step_time_s == pytest.approx(1 + 0.5 + 1 + 2 + 0.5 + 2)
+    # a link slower than compute paces the steady state: m transfers back to back
+    slow = simulate(_uniform(2, 20, 0.1, 0.2, link=1.0))
+    assert slow.step_time_s >= 20 * 1.0
+    # the closed form ranks candidates; with links pacing, 1F1B's coupling of directions costs more
+    assert slow.step_time_s >= closed_form_step(_uniform(2, 20, 0.1, 0.2, link=1.0)) - 1e-9
+
+
+def test_slowest_stage_sets_the_pace() -> None:
+    t = PipelineTimes(stages=(StageTimes(forward_s=0.1, backward_s=0.2), StageTimes(forward_s=1, backward_s=2),
+                              StageTimes(forward_s=0.1, backward_s=0.2)),
+                      links=(LinkTimes(forward_s=0, backward_s=0),) * 2, num_micro_batches=10)
+    r = simulate(t, record=True)
+    assert r.step_time_s >= 10 * 3.0
+    assert r.step_time_s == pytest.approx(closed_form_step(t), rel=0.05)
+    fb = [e for e in r.events if e.kind in "FB"]
+    assert len(fb) == 2 * 3 * 10
+    for s in range(3):  # a stage never runs two operations at once
+        mine = sorted((e.start, e.end) for e in fb if e.stage == s)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
+
+
+def test_order_is_one_f_one_b() -> None:
+    assert one_f_one_b_order(0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2),
+                                          ("B", 3)]
+    assert one_f_one_b_order(2, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="links"):
+        PipelineTimes(stages=(StageTimes(forward_s=1, backward_s=1),) * 2, links=(), num_micro_batches=1)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        _uniform(1, 0, 1, 1)
