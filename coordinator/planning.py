@@ -11,12 +11,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atoll.coordinator.linkmatrix import LinkEstimate
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, StagePlan
+from atoll.types import LinkMeasurement
 
 log = logging.getLogger("atoll.coordinator.planning")
 
@@ -34,6 +35,9 @@ class PlanInputs:
     """Alive members by node id."""
     islands: list[IslandInfo]
     matrix: Mapping[tuple[str, str], LinkEstimate]
+    """The completed link matrix (for the fallback and for reports)."""
+    links: list[LinkMeasurement] = field(default_factory=list)
+    """The measured links, as probed."""
     epoch: int
     """Epoch of the plan to make."""
     resume_step: int = 0
@@ -44,10 +48,36 @@ def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
     """The plan for `inputs` and a line saying how it was made. Raises ValueError when no node is alive."""
     if not inputs.members or not inputs.islands:
         raise ValueError("cannot plan without alive members")
-    plan, how = fallback_plan(inputs), "fallback: layers split evenly over the islands (planner unavailable)"
-    plan = finish_plan(plan, inputs)
-    plan.validate(inputs.job.model_spec.num_layers)
+    try:
+        plan, how = planner_plan(inputs), "planner"
+        plan = finish_plan(plan, inputs)
+        plan.validate(inputs.job.model_spec.num_layers)
+    except (ImportError, ValueError) as e:  # NoFeasiblePlan is a ValueError; so are unusable measurements
+        log.warning("the planner could not place the job (%s); using the fallback plan", e)
+        plan, how = fallback_plan(inputs), f"fallback plan: layers split evenly over the islands ({e})"
+        plan = finish_plan(plan, inputs)
+        plan.validate(inputs.job.model_spec.num_layers)
     return plan, how
+
+
+def planner_plan(inputs: PlanInputs) -> Plan:
+    """The planner's plan for the live cluster: islands as formed, profiles as joined, links as probed.
+
+    The job's micro-batch size and a fixed compression mode are passed on as constraints; with
+    "adaptive" the planner picks each link's codec.
+    """
+    from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, plan_job
+
+    job = inputs.job
+    islands = {i.id: list(i.nodes) for i in inputs.islands}
+    profiles = {n: m.profile for n, m in inputs.members.items()}
+    # an unreachable pair (a failed probe, bandwidth 0) is left to the planner's fallback for unmeasured pairs
+    links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
+    cluster = Cluster.from_nodes(islands, profiles, links)
+    codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
+    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs)
+    train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
+    return plan_job(job.model_spec, cluster, train, ProfileSet.from_node_profiles(islands, profiles), options)
 
 
 def fallback_plan(inputs: PlanInputs) -> Plan:

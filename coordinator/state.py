@@ -209,9 +209,10 @@ class CoordinatorState:
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str) -> str:
         islands = self.islands_now(alive)
         self.store.put_islands(islands)
-        matrix = complete_matrix(sorted(alive), self.store.list_links())
+        links = self.store.list_links()
+        matrix = complete_matrix(sorted(alive), links)
         done = self.complete_checkpoint_steps()
-        inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix,
+        inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links,
                             epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0)
         plan, how = self.planner(inputs)
         self.publish(plan, reason)

@@ -1,0 +1,90 @@
+"""The coordinator's adapter to the planner: the fallback plan, node ids and rendezvous addresses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from atoll.coordinator.islands import form_islands
+from atoll.coordinator.linkmatrix import complete_matrix
+from atoll.coordinator.planning import RENDEZVOUS_PORTS, PlanInputs, fallback_plan, finish_plan, make_plan
+from atoll.coordinator.store import MemberRecord
+from atoll.job import JobSpec
+from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inputs(groups: dict[str, list[str]], timings: bool = True, epoch: int = 4) -> PlanInputs:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    lt = [LayerTiming(layer_kind=k, micro_batch=b, seq_len=64, forward_seconds=1e-3 * b, backward_seconds=2e-3 * b)
+          for k in ("embedding", "block", "head") for b in (2, 4, 8)] if timings else []
+    members, links = {}, []
+    for device, nodes in groups.items():
+        for i, n in enumerate(nodes):
+            members[n] = MemberRecord(node_id=n, peer_address=f"10.0.{len(members)}.1:5000", profile=NodeProfile(
+                hostname=n, device_kind="cpu", device_name=device, memory_total_bytes=8 << 30,
+                memory_free_bytes=8 << 30, layer_timings=lt))
+    ids = sorted(members)
+    for a in ids:
+        for b in ids:
+            if a < b:
+                fast = members[a].profile.device_name == members[b].profile.device_name
+                links.append(LinkMeasurement(src=a, dst=b, bandwidth_bytes_per_s=1e9 if fast else 1e7,
+                                             rtt_seconds=1e-4))
+    matrix = complete_matrix(ids, links)
+    islands = form_islands({n: m.profile for n, m in members.items()}, matrix)
+    return PlanInputs(job=job, members=members, islands=islands, matrix=matrix, links=links, epoch=epoch,
+                      resume_step=25)
+
+
+def test_fallback_splits_layers_evenly_over_islands_with_one_dp_degree() -> None:
+    inputs = _inputs({"x": ["a1", "a2", "a3"], "y": ["b1", "b2"], "z": ["c1", "c2", "c3", "c4"]})
+    plan = finish_plan(fallback_plan(inputs), inputs)
+    plan.validate(6)
+    (pipeline,) = plan.pipelines
+    assert [s.layers for s in pipeline.stages] == [(0, 2), (2, 4), (4, 6)]
+    assert [s.island for s in pipeline.stages] == [i.id for i in inputs.islands]
+    assert {s.dp for s in pipeline.stages} == {2}  # the smallest island has 2 nodes; 2 divides 4 micro-batches
+    assert pipeline.num_micro_batches * pipeline.micro_batch * 2 == 16
+    assert [s.nodes for s in pipeline.stages] == [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]
+    assert (plan.epoch, plan.resume_step, plan.job_id) == (4, 25, inputs.job.id)
+    for s in pipeline.stages:
+        host, port = s.dp_rendezvous.removeprefix("tcp://").rsplit(":", 1)
+        assert host == inputs.members[s.nodes[0]].peer_address.split(":")[0]
+        assert RENDEZVOUS_PORTS[0] <= int(port) < RENDEZVOUS_PORTS[1]
+
+
+def test_rendezvous_ports_differ_by_epoch_and_on_a_shared_host() -> None:
+    one, two = _inputs({"x": ["a1"], "y": ["b1"]}, epoch=1), _inputs({"x": ["a1"], "y": ["b1"]}, epoch=2)
+    a = finish_plan(fallback_plan(one), one)
+    b = finish_plan(fallback_plan(two), two)
+    assert a.pipelines[0].stages[0].dp_rendezvous != b.pipelines[0].stages[0].dp_rendezvous
+    shared = _inputs({"x": ["a1"], "y": ["b1"], "z": ["c1"]})
+    for m in shared.members.values():
+        m.peer_address = "127.0.0.1:" + m.peer_address.rsplit(":", 1)[1]
+    plan = finish_plan(fallback_plan(shared), shared)
+    addresses = [s.dp_rendezvous for s in plan.pipelines[0].stages]
+    assert len(set(addresses)) == len(addresses)
+
+
+def test_make_plan_uses_the_planner_when_it_can_place_the_job() -> None:
+    inputs = _inputs({"x": ["a1", "a2"], "y": ["b1", "b2"]})
+    plan, how = make_plan(inputs)
+    assert how == "planner"
+    plan.validate(6)
+    assert plan.epoch == 4 and plan.predicted.step_time_s > 0
+    alive = set(inputs.members)
+    for p in plan.pipelines:
+        for s in p.stages:
+            assert s.nodes and set(s.nodes) <= alive and len(s.nodes) == s.dp
+            assert s.dp_rendezvous.startswith("tcp://10.0.")
+
+
+def test_make_plan_falls_back_and_says_why() -> None:
+    plan, how = make_plan(_inputs({"x": ["a1", "a2"]}, timings=False))
+    assert how.startswith("fallback plan") and "(" in how
+    plan.validate(6)
+    with pytest.raises(ValueError, match="without alive members"):
+        make_plan(PlanInputs(job=_inputs({"x": ["a"]}).job, members={}, islands=[], matrix={}, epoch=1))
