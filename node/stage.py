@@ -105,6 +105,10 @@ class OpTiming:
     end: float
     wait: float
     """Of [start, end), the seconds spent blocked on the transport for this action's input."""
+    compute: float
+    """Of [start, end), the seconds of forward or backward compute (wall clock)."""
+    cpu: float
+    """CPU seconds of the compute on the stage's own thread (all of it when torch runs one thread)."""
 
 
 @dataclass(kw_only=True)
@@ -216,7 +220,7 @@ class PipelineStage:
                     a_wait = time.perf_counter() - w0
                     x.requires_grad_(True)
                     h_in = x
-                c0 = time.perf_counter()
+                c0, cpu0 = time.perf_counter(), time.thread_time()
                 counter = SavedBytesCounter(param_ptrs)
                 hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if cfg.track_memory \
                     else contextlib.nullcontext()
@@ -227,7 +231,9 @@ class PipelineStage:
                         loss = lm_loss(out, tgt)
                         tokens += tgt.numel()
                         out = loss / m
-                compute += time.perf_counter() - c0
+                self._sync()
+                a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
+                compute += a_compute
                 if self.is_last:
                     losses.append(float(loss.detach()))
                 else:
@@ -246,9 +252,11 @@ class PipelineStage:
                     w0 = time.perf_counter()
                     grad = self.transport.recv(TensorKey(step, i, "backward"), cfg.recv_timeout).to(self.device)
                     a_wait = time.perf_counter() - w0
-                c0 = time.perf_counter()
+                c0, cpu0 = time.perf_counter(), time.thread_time()
                 out.backward(grad)
-                compute += time.perf_counter() - c0
+                self._sync()
+                a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
+                compute += a_compute
                 if x is not None:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {i}")
@@ -256,7 +264,8 @@ class PipelineStage:
                 if cfg.track_memory:
                     live_bytes -= mb_bytes.pop(i)
             wait += a_wait
-            timeline.append(OpTiming(action.op, i, a_start - t0, time.perf_counter() - t0, a_wait))
+            timeline.append(OpTiming(action.op, i, a_start - t0, time.perf_counter() - t0, a_wait,
+                                     a_compute, a_cpu))
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         s0 = time.perf_counter()
@@ -300,6 +309,10 @@ class PipelineStage:
             raise ValueError(f"batch.{name} has {t.shape[1]} tokens per sequence; the model allows "
                              f"{self.module.config.seq_len}")
         return list(t.chunk(m, dim=0))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":  # kernels run asynchronously; time them to completion
+            torch.cuda.synchronize(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
         if not self.config.bf16_autocast:
