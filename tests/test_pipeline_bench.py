@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from atoll.modelspec import ModelSpec, preset
 from atoll.node.schedule import schedule, theoretical_bubble
 from atoll.node.stage import OpTiming, StepResult
-from bench.pipeline import balanced_cuts, replay_bubble
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench tree is not installed
+from bench.pipeline import balanced_cuts, replay_bubble  # noqa: E402
 
 
 def _result(stage: int, p: int, m: int, fwd: float, bwd: float) -> StepResult:
