@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from atoll.node.dataparallel import GradientAverager
-from atoll.node.model import StageModule, lm_loss
+from atoll.modelspec import ModelConfig
+from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
@@ -180,6 +181,16 @@ class PipelineStage:
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches)
         self.device = next(module.parameters()).device
+
+    @classmethod
+    def create(cls, model: ModelConfig, *, start: int, end: int, stage: int, num_stages: int,
+               transport: Transport, config: StageConfig, norm_exchange: NormExchange | None = None,
+               grad_averager: GradientAverager | None = None, seed: int = 0,
+               device: torch.device | str | None = None) -> "PipelineStage":
+        """Build layers [start, end) of `model` (seeded by layer) and the stage that trains them."""
+        module = build_slice(model, start, end, seed=seed, device=device)
+        return cls(module, stage=stage, num_stages=num_stages, transport=transport, config=config,
+                   norm_exchange=norm_exchange, grad_averager=grad_averager)
 
     @property
     def is_first(self) -> bool:

@@ -133,8 +133,8 @@ def test_stage_needs_its_data_and_a_norm_exchange():
 def test_a_missing_neighbour_fails_the_step_within_the_receive_timeout():
     cfg = StageConfig(micro_batches=2, recv_timeout=timedelta(milliseconds=200))
     links = InProcessLinks(2)
-    last = PipelineStage(build_slice(TINY, 3, 6), stage=1, num_stages=2, transport=links.transport(1), config=cfg,
-                         norm_exchange=InProcessNormGroup(2).member(1))
+    last = PipelineStage.create(TINY, start=3, end=6, stage=1, num_stages=2, transport=links.transport(1), config=cfg,
+                                norm_exchange=InProcessNormGroup(2).member(1))
     with pytest.raises(TransportError, match="did not arrive"):
         last.train_step(0, BATCHES[0])
 
