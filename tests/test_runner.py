@@ -102,7 +102,7 @@ def test_resume_from_checkpoint_under_another_cut(tmp_path: Path) -> None:
     first = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
                                     stages=[_stage((0, 2), ["a"]), _stage((2, 6), ["b"])])], tmp_path, stop_after=3)
     assert sorted(first) == [0, 1, 2]
-    assert (tmp_path / "ckpt" / "step-00000003" / "layer-0005.pt").is_file()
+    assert (tmp_path / "ckpt" / "step-00000003" / "layers-0002-0006.pt").is_file()
     second = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
                                      stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])], tmp_path,
                   resume_step=3)
