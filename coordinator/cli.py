@@ -20,7 +20,7 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "and kept in the state dir)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint binds")
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS with --tls-key")
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")

@@ -44,6 +44,10 @@ class AgentError(RuntimeError):
     """The coordinator refused the node for good (wrong token, another job, invalid profile)."""
 
 
+class AgentStopped(Exception):
+    """`stop()` was called while the agent was still starting or re-joining."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """How a node reaches its coordinator and serves its peers."""
@@ -166,8 +170,14 @@ class NodeAgent:
         deadline = time.monotonic() + self.config.connect_timeout.total_seconds()
         wait = self.config.backoff[0].total_seconds()
         while True:
+            if self._stop.is_set():
+                raise AgentStopped(f"stopped while {what}")
             try:
                 return fn()
+            except ValueError:
+                if self._stop.is_set():  # stop() closed the channel under this call
+                    raise AgentStopped(f"stopped while {what}") from None
+                raise
             except grpc.RpcError as e:
                 if e.code() not in _RETRYABLE or time.monotonic() + wait > deadline or self._stop.is_set():
                     if e.code() in _RETRYABLE:
@@ -241,6 +251,8 @@ class NodeAgent:
         def run() -> None:
             try:
                 loop()
+            except AgentStopped:
+                pass
             except AgentError as e:
                 log.error("%s", e)
                 self.stop(leave=False)
@@ -372,7 +384,12 @@ class NodeAgent:
         nothing).
         """
         if self.peer is None:
-            self.start()
+            try:
+                self.start()
+            except AgentStopped:
+                if self.peer is not None:  # started after stop() looked for it
+                    self.peer.stop()
+                return
         done = 0
         while not self._stop.is_set():
             latest = self.wait_for_plan(done)
@@ -430,6 +447,12 @@ def run_node_cli(args: argparse.Namespace) -> int:
     """`atoll node`: run until SIGINT/SIGTERM, then leave the job."""
     import signal
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")

@@ -22,6 +22,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id")
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
     p.add_argument("--profile-seconds", type=float, default=3.0, help="time budget of the start-up profile")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads torch may use (default: torch's choice, one per core). With several nodes on "
+                   "one machine give each cores / nodes, or they slow each other down many times over")
     p.set_defaults(func=_run_node)
 
 

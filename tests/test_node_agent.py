@@ -178,3 +178,27 @@ def test_a_wrong_token_stops_the_agent_with_a_clear_error(coordinator: Coordinat
     with pytest.raises(AgentError, match="UNAUTHENTICATED: missing or wrong job token"):
         agent.start()
     agent.stop()
+
+
+@pytest.mark.timeout(30)
+def test_stop_while_waiting_for_a_coordinator_ends_run_quietly(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port with nothing behind it
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    agent = make_agent(address, tmp_path, "h")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    agent.stop()
+    t.join(5)
+    assert not t.is_alive() and errors == [] and agent.peer is None
