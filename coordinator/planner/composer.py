@@ -1,9 +1,11 @@
 """The composer: slice boundaries and islands for each stage, minimising the bottleneck stage time.
 
-A candidate fixes an ordered chain of islands, the stage width W (data-parallel replicas per stage, the
-same for every stage so replica r of one stage feeds replica r of the next) and the per-replica
-micro-batch b; island i can then host up to floor(gpus_i / W) stages, and the step has
-m = global_batch / (W b) micro-batches. For a candidate the composer finds the smallest bottleneck T (the
+A candidate (a *setup*) fixes an ordered chain of islands, the width w_i of a stage on each island (its
+data-parallel replicas) and the pipeline's micro-batch B, which every stage shares evenly among its replicas
+(B / w_i sequences each, FlashFlex's asymmetric shares); island i can then host up to floor(gpus_i / w_i)
+stages, and the step has m = global_batch / B micro-batches. Two families of setups are tried: one width
+for every stage (replica r feeds replica r), and every island cut into the same number d of stages, as wide
+as the island allows. For a candidate the composer finds the smallest bottleneck T (the
 largest of every stage's compute time per micro-batch and every boundary's transfer time under its codec)
 by a parametric search: for a given T a greedy pass from the last layer backwards gives each stage as many
 layers as fit within T and its memory (the stage's position from the end fixes its 1F1B in-flight
@@ -56,8 +58,8 @@ class Candidate:
     """One composed pipeline: its stages, links and predicted times."""
 
     order: tuple[str, ...]
-    width: int
     micro_batch: int
+    """Sequences per micro-batch of the pipeline, shared evenly by each stage's replicas."""
     num_micro_batches: int
     stages: list[StageChoice]
     links: list[LinkChoice]
@@ -72,7 +74,7 @@ class Candidate:
 
     @property
     def gpus(self) -> int:
-        return self.width * len(self.stages)
+        return sum(s.cost.dp for s in self.stages)
 
 
 @dataclass(kw_only=True)
@@ -81,16 +83,27 @@ class SearchStats:
     evaluated: int = 0
     pruned: int = 0
     infeasible: int = 0
+    simulated: int = 0
 
 
 @dataclass(kw_only=True)
 class _Setup:
     order: tuple[Island, ...]
-    width: int
-    micro_batch: int
+    widths: tuple[int, ...]
+    """Replicas of a stage on each island of the chain."""
+    batch: int
+    """Sequences per pipeline micro-batch (B)."""
     m: int
     caps: tuple[int, ...]
+    """Most stages each island can host."""
     bound: float
+
+    def per_replica(self, i: int) -> int:
+        return self.batch // self.widths[i]
+
+    def cut(self, j: int) -> "_Setup":
+        return _Setup(order=self.order[:j], widths=self.widths[:j], batch=self.batch, m=self.m,
+                      caps=self.caps[:j], bound=self.bound)
 
 
 @dataclass(kw_only=True)
@@ -139,36 +152,49 @@ class Composer:
         t = self.cost_model.table(island, 1)
         return 1.0 / max(1e-12, t.pf[-1] + t.pb[-1])
 
-    def widths(self, order: tuple[Island, ...]) -> list[int]:
-        g = self.cost_model.train.global_batch
+    def _shapes(self, order: tuple[Island, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """(widths, caps, batch B) of the setups of a chain."""
+        cm = self.cost_model
+        g = cm.train.global_batch
+        max_units = min(cm.num_layers, cm.options.max_stages)
+        out = []
         biggest = max(i.gpus for i in order)
+        # one width for every stage
         ws = {1 << k for k in range(int(math.log2(biggest)) + 1)} | {i.gpus for i in order}
-        return sorted(w for w in ws if w <= biggest and g % w == 0)
+        for w in sorted(ws):
+            caps = tuple(min(i.gpus // w, max_units) for i in order)
+            for b in cm.options.micro_batches:
+                out.append(((w,) * len(order), caps, w * b))
+        # every island cut into d stages
+        d = 1
+        while d <= max_units:
+            widths = tuple(max(1, i.gpus // d) for i in order)
+            caps = tuple(min(d, i.gpus) for i in order)
+            base = math.lcm(*widths)
+            if base <= g:
+                for j in cm.options.micro_batches:
+                    out.append((widths, caps, base * j))
+            d *= 2
+        return [(w, c, b) for w, c, b in dict.fromkeys(out) if c[-1] > 0 and g % b == 0]
 
     def setups(self) -> list[_Setup]:
         cm = self.cost_model
         g = cm.train.global_batch
-        L = cm.num_layers
-        max_units = min(L, cm.options.max_stages)
+        max_units = min(cm.num_layers, cm.options.max_stages)
         out: list[_Setup] = []
-        for order in self.orders():
-            for w in self.widths(order):
-                caps = tuple(min(i.gpus // w, max_units) for i in order)
-                if sum(caps) == 0:
-                    continue
-                for b in cm.options.micro_batches:
-                    if g % (w * b):
-                        continue
-                    m = g // (w * b)
-                    out.append(_Setup(order=order, width=w, micro_batch=b, m=m, caps=caps,
-                                      bound=self._lower_bound(order, caps, b, m, max_units)))
+        chains = dict.fromkeys(order[:j] for order in self.orders() for j in range(len(order), 0, -1))
+        for order in chains:
+            for widths, caps, batch in self._shapes(order):
+                s = _Setup(order=order, widths=widths, batch=batch, m=g // batch, caps=caps, bound=0.0)
+                s.bound = self._lower_bound(s, s.m, max_units)
+                out.append(s)
         return out
 
-    def _lower_bound(self, order: tuple[Island, ...], caps: tuple[int, ...], b: int, m: int, max_units: int) -> float:
+    def _lower_bound(self, s: _Setup, m: int, max_units: int) -> float:
         """Step time no arrangement of this setup can beat: all work spread over its fastest stages."""
         full = []
-        for isl, c in zip(order, caps):
-            t = self.cost_model.table(isl, b)
+        for i, (isl, c) in enumerate(zip(s.order, s.caps)):
+            t = self.cost_model.table(isl, s.per_replica(i))
             full.extend([t.pf[-1] + t.pb[-1]] * c)
         full.sort()
         speed = sum(1.0 / x for x in full[:max_units])
@@ -176,17 +202,20 @@ class Composer:
 
     # --- one setup ------------------------------------------------------------------------------------
 
-    def _link(self, src: Island, dst: Island, width: int, boundary: int, b: int):
+    def _link(self, s: _Setup, i: int, j: int, boundary: int) -> tuple[int, float, float] | None:
+        """(raw bytes per stream, stream bandwidth, latency) from a stage on island i to one on island j."""
         cm = self.cost_model
+        src, dst = s.order[i], s.order[j]
         link = self.cluster.link(src.id, dst.id)
         if link is None:
             return None
-        bw = cm.stream_bandwidth(src, dst, link, width, streams=width)
-        raw = cm.model.boundary_bytes(boundary, b, cm.train.seq_len, cm.train.dtype)
+        streams = min(s.widths[i], s.widths[j])
+        bw = cm.stream_bandwidth(src, dst, link, streams, streams=streams)
+        raw = cm.model.boundary_bytes(boundary, s.batch // streams, cm.train.seq_len, cm.train.dtype)
         return raw, bw, link.latency_s
 
-    def _fastest_link(self, src: Island, dst: Island, width: int, boundary: int, b: int) -> float:
-        got = self._link(src, dst, width, boundary, b)
+    def _fastest_link(self, s: _Setup, i: int, j: int, boundary: int) -> float:
+        got = self._link(s, i, j, boundary)
         if got is None:
             return math.inf
         raw, bw, lat = got
@@ -195,21 +224,24 @@ class Composer:
             return codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat)
         return codecs.choose(raw, self.cost_model.elem_bytes, bw, lat, 0.0)[1]
 
-    def _reach(self, isl: Island, s: _Setup, k: int, end: int, limit: float) -> int:
+    def _query(self, s: _Setup, i: int, a: int, e: int, k: int) -> SliceQuery:
+        return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k)
+
+    def _reach(self, s: _Setup, i: int, k: int, end: int, limit: float) -> int:
+        isl = s.order[i]
         if self._fast:
             assert isinstance(self.parallelizer, DefaultParallelizer)
-            return self.parallelizer.reach(isl, s.micro_batch, s.width, k, end, limit)
-        lo, hi = 0, end
+            return self.parallelizer.reach(isl, s.per_replica(i), s.widths[i], k, end, limit)
         assert self.parallelizer is not None
+        par = self.parallelizer
 
         def ok(a: int) -> bool:
-            c = self.parallelizer.cost(SliceQuery(start=a, end=end, micro_batch=s.micro_batch, dp=s.width,
-                                                  in_flight=k), isl)
+            c = par.cost(self._query(s, i, a, end, k), isl)
             return c is not None and c.time_s <= limit
 
         if not ok(end - 1):
             return end
-        hi = end - 1
+        lo, hi = 0, end - 1
         while lo < hi:
             mid = (lo + hi) // 2
             if ok(mid):
@@ -218,27 +250,27 @@ class Composer:
                 lo = mid + 1
         return lo
 
-    def greedy(self, s: _Setup, limit: float) -> list[tuple[Island, int, int, int]] | None:
-        """Stages (island, start, end, in_flight) placing every layer within `limit`, or None."""
+    def greedy(self, s: _Setup, limit: float) -> list[tuple[int, int, int, int]] | None:
+        """Stages (chain index of the island, start, end, in_flight) placing every layer within `limit`."""
         max_stages = self.cost_model.options.max_stages
         e = self.cost_model.num_layers
-        placed: list[tuple[Island, int, int, int]] = []
-        later: Island | None = None
-        for isl, cap in zip(reversed(s.order), reversed(s.caps)):
+        placed: list[tuple[int, int, int, int]] = []
+        later: int | None = None
+        for i in range(len(s.order) - 1, -1, -1):
             if e == 0:
                 break
-            if later is not None and self._fastest_link(isl, later, s.width, e, s.micro_batch) > limit:
+            if later is not None and self._fastest_link(s, i, later, e) > limit:
                 continue
-            for _ in range(cap):
+            for _ in range(s.caps[i]):
                 if e == 0 or len(placed) >= max_stages:
                     break
                 k = min(len(placed) + 1, s.m)
-                a = self._reach(isl, s, k, e, limit)
+                a = self._reach(s, i, k, e, limit)
                 if a == e:
                     break
-                placed.append((isl, a, e, k))
+                placed.append((i, a, e, k))
                 e = a
-                later = isl
+                later = i
         if e != 0:
             return None
         placed.reverse()
@@ -247,12 +279,7 @@ class Composer:
     def prefixes(self, s: _Setup) -> list[_Setup]:
         """The setup's chain cut after each island: the greedy fills from the back, so the chain's last
         island is always used; shorter chains let a later island be left out."""
-        out = []
-        for j in range(len(s.order), 0, -1):
-            if s.caps[j - 1] > 0:
-                out.append(_Setup(order=s.order[:j], width=s.width, micro_batch=s.micro_batch, m=s.m,
-                                  caps=s.caps[:j], bound=s.bound))
-        return out
+        return [s.cut(j) for j in range(len(s.order), 0, -1) if s.caps[j - 1] > 0]
 
     def min_bottleneck(self, s: _Setup, rel_tol: float = 1e-3) -> float | None:
         """The smallest bottleneck T of any chain of the setup's islands in its order (None: nothing fits)."""
@@ -266,7 +293,8 @@ class Composer:
             return None
         hi = self._evaluate(s, first).bottleneck_s
         units = min(sum(s.caps), self.cost_model.options.max_stages)
-        lo = hi / (2 * units)
+        # no stage can be faster than all the work spread over every unit
+        lo = max(hi / (2 * units), 0.999 * self._lower_bound(s, 1, units))
         for _ in range(60):  # make lo infeasible: a true lower end for the bisection
             if self.greedy(s, lo) is None:
                 break
@@ -279,21 +307,21 @@ class Composer:
                 lo = mid
         return hi
 
-    def _evaluate(self, s: _Setup, placed: list[tuple[Island, int, int, int]]) -> Candidate:
+    def _evaluate(self, s: _Setup, placed: list[tuple[int, int, int, int]]) -> Candidate:
         cm = self.cost_model
         stages: list[StageChoice] = []
-        for isl, a, e, k in placed:
-            c = self.parallelizer.cost(SliceQuery(start=a, end=e, micro_batch=s.micro_batch, dp=s.width,
-                                                  in_flight=k), isl)  # type: ignore[union-attr]
+        for i, a, e, k in placed:
+            isl = s.order[i]
+            c = self.parallelizer.cost(self._query(s, i, a, e, k), isl)  # type: ignore[union-attr]
             assert c is not None, "greedy placed a stage that does not fit"
             params = cm.model.slice_params(a, e)
-            sync = cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.width, isl)
-            opt = cm.optimizer_seconds(isl, params, c.zero, s.width)
+            sync = cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.widths[i], isl)
+            opt = cm.optimizer_seconds(isl, params, c.zero, s.widths[i])
             stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt))
         cycle = max(st.cost.time_s for st in stages)
         links: list[LinkChoice] = []
-        for st, nx in zip(stages, stages[1:]):
-            got = self._link(st.island, nx.island, s.width, st.end, s.micro_batch)
+        for (i, _, e, _), (j, _, _, _) in zip(placed, placed[1:]):
+            got = self._link(s, i, j, e)
             assert got is not None
             raw, bw, lat = got
             codec, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, lat, cycle)
@@ -303,46 +331,60 @@ class Composer:
                                     optimizer_s=st.optimizer_s) for st in stages),
             links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s) for x in links),
             num_micro_batches=s.m)
-        return Candidate(order=tuple(i.id for i in s.order), width=s.width, micro_batch=s.micro_batch,
-                         num_micro_batches=s.m, stages=stages, links=links, times=times,
-                         estimate_s=closed_form_step(times))
+        return Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
+                         stages=stages, links=links, times=times, estimate_s=closed_form_step(times))
 
     def best_for(self, s: _Setup) -> Candidate | None:
+        """The best candidate of any chain of the setup's islands in its order."""
+        got = [c for p in self.prefixes(s) if (c := self.chain_best(p)) is not None]
+        return min(got, key=lambda c: c.estimate_s, default=None)
+
+    def chain_best(self, s: _Setup) -> Candidate | None:
+        """The best candidate whose last stage is on the chain's last island."""
+        t = self._chain_bottleneck(s)
+        if t is None:
+            return None
         best: Candidate | None = None
-        for p in self.prefixes(s):
-            t = self._chain_bottleneck(p)
-            if t is None:
+        seen: set[tuple] = set()
+        for f in self.cost_model.options.refine_factors:
+            placed = self.greedy(s, t * f)
+            if placed is None:
                 continue
-            for f in self.cost_model.options.refine_factors:
-                placed = self.greedy(p, t * f)
-                if placed is None:
-                    continue
-                cand = self._evaluate(p, placed)
-                if best is None or cand.estimate_s < best.estimate_s:
-                    best = cand
+            key = tuple(placed)
+            if key in seen:
+                continue
+            seen.add(key)
+            cand = self._evaluate(s, placed)
+            if best is None or cand.estimate_s < best.estimate_s:
+                best = cand
         return best
 
     # --- the whole search -----------------------------------------------------------------------------
 
     def search(self) -> list[Candidate]:
-        """The best candidates, simulated, best first (empty when nothing fits)."""
+        """The best candidates, simulated, best first (empty when nothing fits).
+
+        Setups are visited by their lower bound; a candidate whose closed-form estimate could beat the best
+        simulated step is simulated; the search stops once the bound reaches the best simulated step.
+        """
         setups = sorted(self.setups(), key=lambda s: s.bound)
         self.stats.candidates = len(setups)
         top: list[Candidate] = []
-        keep = self.cost_model.options.simulate_top
-        for s in setups:
-            if len(top) >= keep and s.bound >= top[-1].estimate_s:
-                self.stats.pruned += 1
-                continue
+        best = math.inf
+        for n, s in enumerate(setups):
+            if s.bound >= best:
+                self.stats.pruned += len(setups) - n
+                break
             self.stats.evaluated += 1
-            cand = self.best_for(s)
+            cand = self.chain_best(s)
             if cand is None:
                 self.stats.infeasible += 1
                 continue
+            if cand.estimate_s >= best:
+                continue
+            cand.step_s = simulate(cand.times).step_time_s
+            self.stats.simulated += 1
             top.append(cand)
-            top.sort(key=lambda c: c.estimate_s)
-            del top[keep:]
-        for c in top:
-            c.step_s = simulate(c.times).step_time_s
+            best = min(best, cand.step_s)
         top.sort(key=lambda c: c.step_s)
-        return top
+        return top[:self.cost_model.options.simulate_top]

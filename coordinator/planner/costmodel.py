@@ -181,31 +181,46 @@ class CostModel:
         """Usable bytes per device of the island."""
         return island.device.memory_gb * 1e9 * (1 - self.options.memory_reserve_fraction)
 
-    def state_bytes(self, params: int, zero: int, group: int) -> float:
-        """Weights + gradients + optimizer states per device under a ZeRO stage over `group` replicas."""
-        w, g, o = (params * self.weight_bytes_per_param, params * self.grad_bytes_per_param,
-                   params * self.opt_bytes_per_param)
+    def state_linear(self, zero: int, group: int) -> tuple[float, float]:
+        """(bytes per parameter, constant bytes) of weights + gradients + optimizer states per device under
+        a ZeRO stage over `group` replicas: ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients,
+        ZeRO-3 also the weights, holding the gathered weights of one layer (and its gradient) while it runs."""
+        w, g, o = self.weight_bytes_per_param, self.grad_bytes_per_param, self.opt_bytes_per_param
         if zero >= 1:
             o /= group
         if zero >= 2:
             g /= group
+        const = 0.0
         if zero >= 3:
-            # the gathered weights of one layer (and its gradient) are held while it runs
-            w = w / group + 2 * self.max_layer_params * self.weight_bytes_per_param
-        return w + g + o
+            w /= group
+            const = 2 * self.max_layer_params * self.weight_bytes_per_param
+        return w + g + o, const
+
+    def state_bytes(self, params: int, zero: int, group: int) -> float:
+        per, const = self.state_linear(zero, group)
+        return params * per + const
 
     # --- communication -------------------------------------------------------------------------------
 
+    def allreduce_linear(self, replicas: int, island: Island) -> tuple[float, float]:
+        """(seconds per byte, constant seconds) of a ring all-reduce over `replicas` devices of one island:
+        2 (N-1)/N x bytes / bandwidth plus 2 log2(N) latencies."""
+        if replicas <= 1:
+            return 0.0, 0.0
+        within = replicas <= island.gpus_per_node
+        bw = island.intra_node_bandwidth if within else island.inter_node_bandwidth
+        lat = 5e-6 if within else island.latency_s
+        return 2 * (replicas - 1) / replicas / bw, 2 * math.ceil(math.log2(replicas)) * lat
+
     def allreduce_seconds(self, nbytes: float, replicas: int, island: Island) -> float:
         """Ring all-reduce of `nbytes` over `replicas` devices of one island."""
-        if replicas <= 1 or nbytes <= 0:
+        if nbytes <= 0:
             return 0.0
-        bw = island.intra_node_bandwidth if replicas <= island.gpus_per_node else island.inter_node_bandwidth
-        lat = island.latency_s if replicas > island.gpus_per_node else 5e-6
-        return 2 * (replicas - 1) / replicas * nbytes / bw + 2 * math.ceil(math.log2(replicas)) * lat
+        per, const = self.allreduce_linear(replicas, island)
+        return nbytes * per + const
 
     def gather_seconds(self, nbytes: float, replicas: int, island: Island) -> float:
-        """All-gather of `nbytes` (ZeRO-3 weights) over `replicas` devices of one island."""
+        """All-gather of `nbytes` (ZeRO-3 weights) over `replicas` devices of one island: half an all-reduce."""
         return self.allreduce_seconds(nbytes, replicas, island) / 2
 
     def stream_bandwidth(self, src: Island, dst: Island, link: Link, width: int, streams: int) -> float:

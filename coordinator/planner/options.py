@@ -62,7 +62,7 @@ class PlannerOptions:
     refine_factors: tuple[float, ...] = (1.0, 1.1, 1.25, 1.5)
     """Bottleneck relaxations tried after the minimum (fewer stages may shorten fill and drain)."""
     simulate_top: int = 4
-    """Best candidates (by the closed form) checked with the event-driven simulator."""
+    """Candidates `search` returns, best first by their simulated step time."""
 
     def __post_init__(self) -> None:
         if not 0 < self.achievable_fraction <= 1:

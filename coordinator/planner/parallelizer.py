@@ -9,6 +9,7 @@ with tensor parallelism, say) can replace it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,8 @@ class DefaultParallelizer:
         o = cost_model.options
         self.zeros = sorted(set(o.zero_stages))
         self.recompute = (False, True) if o.allow_recompute else (False,)
+        self._time_cache: dict[tuple, tuple[list[float], float]] = {}
+        self._mem_cache: dict[tuple, tuple[list[float], float]] = {}
 
     def _configs(self, dp: int) -> list[tuple[int, bool]]:
         zeros = [0] if dp == 1 else self.zeros
@@ -110,10 +113,9 @@ class DefaultParallelizer:
               limit_s: float) -> int:
         """Smallest start a such that [a, end) runs within `limit_s` per micro-batch and fits (end if none).
 
-        Equivalent to the smallest a with `cost(...)` not None and `time_s <= limit_s`; both time and memory
-        shrink as a grows, so each configuration is a binary search.
+        Equivalent to the smallest a with `cost(...)` not None and `time_s <= limit_s`. Time and memory are
+        linear in prefix sums over the layers, so each configuration is one binary search.
         """
-        t = self.cm.table(island, micro_batch)
         cap = self.cm.memory_capacity(island)
         best = end
         # ZeRO 0-2 cost the same time; the highest allowed one needs the least memory
@@ -122,20 +124,36 @@ class DefaultParallelizer:
         zs = ([max(cheap)] if cheap else []) + ([3] if 3 in zeros and dp > 1 else [])
         for rc in self.recompute:
             for zero in zs:
-                lo, hi = 0, end  # find the smallest a in [lo, hi) that is ok; hi means none
-                if not self._ok(t, island, end - 1, end, dp, in_flight, zero, rc, cap, limit_s):
-                    continue
-                hi = end - 1
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if self._ok(t, island, mid, end, dp, in_flight, zero, rc, cap, limit_s):
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                best = min(best, lo)
+                time_prefix, time_const = self._time_prefix(island, micro_batch, dp, zero, rc)
+                mem_prefix, mem_const = self._memory_prefix(island, micro_batch, dp, zero, rc, in_flight)
+                a_time = bisect_left(time_prefix, time_prefix[end] + time_const - limit_s, 0, end)
+                a_mem = bisect_left(mem_prefix, mem_prefix[end] + mem_const - cap, 0, end)
+                best = min(best, max(a_time, a_mem))
         return best
 
-    def _ok(self, t: LayerTable, island: Island, a: int, b: int, dp: int, k: int, zero: int, rc: bool,
-            cap: float, limit_s: float) -> bool:
-        f, bw, mem = self._eval(t, island, a, b, dp, k, zero, rc)
-        return mem <= cap and f + bw <= limit_s
+    def _time_prefix(self, island: Island, b: int, dp: int, zero: int, rc: bool) -> tuple[list[float], float]:
+        key = (island.id, b, dp, zero, rc)
+        got = self._time_cache.get(key)
+        if got is None:
+            t = self.cm.table(island, b)
+            per_param, const = 0.0, 0.0
+            if zero >= 3 and dp > 1:
+                per_byte, lat = self.cm.allreduce_linear(dp, island)
+                # a gather before forward and one before backward, each half an all-reduce
+                per_param, const = per_byte * self.cm.weight_bytes_per_param, lat
+            got = ([(2 if rc else 1) * f + bw + per_param * p for f, bw, p in zip(t.pf, t.pb, t.pparams)], const)
+            self._time_cache[key] = got
+        return got
+
+    def _memory_prefix(self, island: Island, b: int, dp: int, zero: int, rc: bool,
+                       k: int) -> tuple[list[float], float]:
+        key = (island.id, b, dp, zero, rc, k)
+        got = self._mem_cache.get(key)
+        if got is None:
+            t = self.cm.table(island, b)
+            per_param, const = self.cm.state_linear(zero, dp)
+            acts = t.pact_rc if rc else t.pact
+            got = ([per_param * p + k * a for p, a in zip(t.pparams, acts)],
+                   const + (t.max_layer_act if rc else 0.0))
+            self._mem_cache[key] = got
+        return got

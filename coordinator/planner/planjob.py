@@ -97,7 +97,7 @@ def to_plan(c: Candidate, cm: CostModel, cluster: Cluster) -> Plan:
     train = cm.train
     step = sim.step_time_s
     gpus_used = c.gpus
-    peak = sum(s.island.device.peak_flops(train.dtype) * c.width for s in c.stages)
+    peak = sum(s.island.device.peak_flops(train.dtype) * s.cost.dp for s in c.stages)
     mfu = cm.model_flops_per_step() / (step * peak) if peak > 0 and step > 0 else 0.0
     islands = []
     for isl in cluster.islands:
@@ -111,14 +111,14 @@ def to_plan(c: Candidate, cm: CostModel, cluster: Cluster) -> Plan:
         nodes: list[str] = []
         if cluster.source == "live":
             off = used.get(st.island.id, 0)
-            nodes = list(st.island.nodes[off:off + c.width])
-            used[st.island.id] = off + c.width
+            nodes = list(st.island.nodes[off:off + st.cost.dp])
+            used[st.island.id] = off + st.cost.dp
         send = None
         if k < len(c.links):
             x = c.links[k]
             send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
                             block_size=128 if x.codec in ("int8", "int4") else 0)
-        stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=c.width, tp=1, zero=st.cost.zero,
+        stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1, zero=st.cost.zero,
                                 recompute=st.cost.recompute, compute_s=st.cost.time_s,
                                 memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
     plan = Plan(model=cm.model.name, global_batch=train.global_batch, seq_len=train.seq_len,

@@ -1,0 +1,167 @@
+"""Planner benchmark: simulated tokens/s of the plan against three baselines on a dozen clusters.
+
+    python bench/planner.py [--only NAME]
+
+For each scenario: the simulated tokens/s of every baseline (bench/baselines.py) and of the plan, all
+through the planner's cost model and 1F1B simulator; the plan's ratio to the best baseline; the planning
+time. Cross-region scenarios also show the best plan confined to one region and what the plan spanning
+regions gains over it.
+
+Targets: the plan is never below a baseline; >= 1.3x the best baseline where a region mixes device
+classes; 4,096 GPUs planned in <= 10 s on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.baselines import BASELINES, Result  # noqa: E402
+
+from atoll.coordinator.planner import Cluster, NoFeasiblePlan, TrainSpec, parse_cluster, search_plan  # noqa: E402
+from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
+from atoll.modelspec import ModelSpec  # noqa: E402
+
+
+def group(name: str, device: str, count: int, region: str = "r1", inter: float = 100, gpn: int = 8,
+          intra: float = 600) -> str:
+    return (f'[[group]]\nname = "{name}"\ndevice = "{device}"\ncount = {count}\ngpus_per_node = {min(gpn, count)}\n'
+            f'region = "{region}"\nintra_node_gbps = {intra}\ninter_node_gbps = {inter}\n')
+
+
+def link(a: str, b: str, gbps: float, ms: float) -> str:
+    return f'[[link]]\nbetween = ["{a}", "{b}"]\ngbps = {gbps}\nlatency_ms = {ms}\n'
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    model: str
+    cluster: str
+    global_batch: int
+    seq_len: int | None = None
+
+    def load(self) -> Cluster:
+        return parse_cluster(self.cluster, source=self.name)
+
+    @property
+    def mixed_in_region(self) -> bool:
+        c = self.load()
+        return any(len({i.device.name for i in c.islands if i.region == r}) > 1 for r in c.regions)
+
+    @property
+    def regions(self) -> int:
+        return len(self.load().regions)
+
+
+SCENARIOS = [
+    Scenario("8 gpu: 4 A100-40 + 4 V100-16, 350m", "350m",
+             group("a100", "A100-40GB", 4, inter=25, gpn=4) + group("v100", "V100-16GB", 4, inter=25, gpn=4), 64),
+    Scenario("96 gpu: 32 A100 + 64 V100, 7b", "7b",
+             group("a100", "A100-80GB", 32) + group("v100", "V100-32GB", 64, inter=50, intra=300), 512),
+    Scenario("64 gpu: 4090/3090/L4/T4 lab, 1.3b", "1.3b",
+             group("rtx4090", "RTX4090", 16, inter=25, gpn=4, intra=64)
+             + group("rtx3090", "RTX3090", 16, inter=25, gpn=4, intra=64)
+             + group("l4", "L4", 16, inter=25, intra=64) + group("t4", "T4", 16, inter=10, intra=32), 256),
+    Scenario("48 gpu: 16 H100 + 32 T4, 1.3b", "1.3b",
+             group("h100", "H100", 16, inter=400, intra=900) + group("t4", "T4", 32, inter=25, intra=32), 256),
+    Scenario("256 gpu: H100 + A100 + L4, 13b", "13b",
+             group("h100", "H100", 64, inter=400, intra=900) + group("a100", "A100-80GB", 128, inter=200)
+             + group("l4", "L4", 64, inter=50, intra=64), 1024),
+    Scenario("128 gpu: 64 A100-40 + 64 V100-32, 13b", "13b",
+             group("a100", "A100-40GB", 64, inter=200) + group("v100", "V100-32GB", 64, inter=100, intra=300), 512),
+    Scenario("64 gpu: H100 only (control), 7b", "7b", group("h100", "H100", 64, inter=400, intra=900), 512),
+    Scenario("2 regions @1G: 16 H100 | 32 A100, 7b", "7b",
+             group("h100", "H100", 16, "east", inter=400, intra=900) + group("a100", "A100-80GB", 32, "west")
+             + link("east", "west", 1.0, 80), 512),
+    Scenario("2 regions @100M: 16 A100 | 16 V100, 350m", "350m",
+             group("a100", "A100-80GB", 16, "east") + group("v100", "V100-32GB", 16, "west", inter=50)
+             + link("east", "west", 0.1, 60), 256),
+    Scenario("3 regions @10-100G: A100 | A100+V100 | H100, 70b", "70b",
+             group("a100-e", "A100-80GB", 128, "east", inter=200)
+             + group("a100-c", "A100-80GB", 64, "central", inter=200)
+             + group("v100-c", "V100-32GB", 128, "central", inter=100, intra=300)
+             + group("h100-w", "H100", 64, "west", inter=400, intra=900)
+             + link("east", "central", 100, 20) + link("central", "west", 10, 40) + link("east", "west", 10, 60),
+             1024),
+    Scenario("4 regions @2.5-10G: H100 | A100 | L40S | V100, 13b", "13b",
+             group("h100", "H100", 64, "us-east", inter=400, intra=900) + group("a100", "A100-80GB", 64, "us-west")
+             + group("l40s", "L40S", 64, "eu", intra=64) + group("v100", "V100-32GB", 64, "ap", intra=300)
+             + link("us-east", "us-west", 10, 60) + link("us-east", "eu", 10, 90) + link("us-west", "ap", 2.5, 150)
+             + link("eu", "ap", 2.5, 160), 1024),
+    Scenario("4096 gpu, 2 regions @100G: H100/A100/V100 | H100/A100-40/L4, 70b", "70b",
+             group("h100-a", "H100", 1024, "east", inter=400, intra=900)
+             + group("a100-a", "A100-80GB", 1024, "east", inter=200)
+             + group("v100-a", "V100-32GB", 512, "east", inter=100, intra=300)
+             + group("h100-b", "H100", 512, "west", inter=400, intra=900)
+             + group("a100-b", "A100-40GB", 512, "west", inter=200)
+             + group("l4-b", "L4", 512, "west", inter=50, intra=64)
+             + link("east", "west", 100, 40), 8192, 2048),
+]
+
+
+def run(s: Scenario) -> dict:
+    model = ModelSpec.from_preset(s.model)
+    cluster = s.load()
+    train = TrainSpec(global_batch=s.global_batch, seq_len=s.seq_len or model.config.seq_len)
+    model = model.with_seq_len(train.seq_len)
+    tokens = train.tokens_per_step
+    cm = CostModel(model, train)
+    base: list[Result] = [b(cm, cluster) for b in BASELINES]
+    t0 = time.perf_counter()
+    try:
+        res = search_plan(model, cluster, train)
+        plan_tps, secs = res.plan.predicted.tokens_per_s, time.perf_counter() - t0
+    except NoFeasiblePlan:
+        plan_tps, secs = 0.0, time.perf_counter() - t0
+    region_best = None
+    if len(cluster.regions) > 1:
+        region_best = 0.0
+        for r in cluster.regions:
+            sub = cluster.subset([i.id for i in cluster.islands if i.region == r])
+            try:
+                region_best = max(region_best, search_plan(model, sub, train).plan.predicted.tokens_per_s)
+            except NoFeasiblePlan:
+                pass
+    return {"base": base, "tokens": tokens, "plan": plan_tps, "secs": secs, "region_best": region_best,
+            "gpus": cluster.total_gpus, "used": res.candidate.gpus if plan_tps else 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help="run only scenarios whose name contains this")
+    args = ap.parse_args(argv)
+    scenarios = [s for s in SCENARIOS if not args.only or args.only in s.name]
+    names = [b.__name__.replace("_", "-") for b in BASELINES]
+    print(f"{'scenario':<62} {'GPUs':>5} " + " ".join(f"{n:>18}" for n in names)
+          + f" {'plan':>10} {'x best':>7} {'plan s':>7}  cross-region gain")
+    targets: list[tuple[str, bool]] = []
+    for s in scenarios:
+        r = run(s)
+        tps = [b.tokens_per_s(r["tokens"]) for b in r["base"]]
+        best = max(tps)
+        ratio = r["plan"] / best if best > 0 else float("inf")
+        cross = ""
+        if r["region_best"] is not None:
+            gain = r["plan"] / r["region_best"] if r["region_best"] else float("inf")
+            cross = f"{gain:.2f}x over best single region ({r['region_best']:,.0f} tok/s)"
+        cells = " ".join(f"{t:>18,.0f}" if t else f"{'does not fit':>18}" for t in tps)
+        print(f"{s.name:<62} {r['gpus']:>5} {cells} {r['plan']:>10,.0f} {ratio:>6.2f}x {r['secs']:>6.2f}s  {cross}",
+              flush=True)
+        targets.append((f"{s.name}: plan >= every baseline", r["plan"] >= best * (1 - 1e-9) and r["plan"] > 0))
+        if s.mixed_in_region:
+            targets.append((f"{s.name}: >= 1.3x best baseline", ratio >= 1.3))
+        if r["gpus"] >= 4096:
+            targets.append((f"{s.name}: planned in <= 10 s", r["secs"] <= 10.0))
+    missed = [n for n, ok in targets if not ok]
+    print(f"targets met: {len(targets) - len(missed)}/{len(targets)}" + (f" (missed: {'; '.join(missed)})" if missed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
