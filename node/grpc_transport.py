@@ -99,8 +99,9 @@ class GrpcTransportConfig:
     policy starts with the least lossy codec."""
     latency: timedelta = timedelta(0)
     """One-way latency of the links (from the probe), for the policy's predictions."""
-    overlap: timedelta = timedelta(0)
-    """Compute time a transfer should hide under (the stage's time per micro-batch), for the policy."""
+    overlap: timedelta | None = None
+    """Compute time a transfer should hide under (the stage's time per micro-batch, from the plan): the
+    policy picks the least lossy codec that fits in it. Required when a direction has no fixed codec."""
     chunk_bytes: int = 1024 * 1024
     """Payload bytes per chunk message."""
     parallel_calls: int = 2
@@ -135,6 +136,12 @@ class GrpcTransportConfig:
         if self.chunk_bytes < 1024 or self.chunk_bytes > self.rpc.max_message_bytes - 4096:
             raise ValueError(f"chunk_bytes must be in [1024, rpc.max_message_bytes - 4096 = "
                              f"{self.rpc.max_message_bytes - 4096}], got {self.chunk_bytes}")
+        if (self.forward_codec is None or self.backward_codec is None) and self.overlap is None:
+            raise ValueError("a direction without a fixed codec is chosen by the link policy, which needs `overlap` "
+                             "(the stage's compute time per micro-batch); set it, or fix forward_codec and "
+                             "backward_codec")
+        if self.overlap is not None and self.overlap < timedelta(0):
+            raise ValueError(f"overlap must be >= 0, got {self.overlap}")
         if self.parallel_calls < 1:
             raise ValueError(f"parallel_calls must be at least 1, got {self.parallel_calls}")
         if self.max_in_flight_bytes < 1:
@@ -295,7 +302,8 @@ class _Link:
             return self.fixed
         role = "activation" if self.direction == "forward" else "activation_grad"
         with self.policy_lock:
-            return self.policy.choose(item.raw_bytes, role, self.cfg.overlap.total_seconds(),
+            overlap = self.cfg.overlap.total_seconds() if self.cfg.overlap is not None else 0.0
+            return self.policy.choose(item.raw_bytes, role, overlap,
                                       dtype=item.tensor.dtype).spec
 
     def _send(self, item: _Outgoing) -> None:

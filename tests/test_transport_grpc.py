@@ -22,12 +22,14 @@ from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 SHAPE = (2, 16, 32)
 T = timedelta(seconds=10)
+IDENTITY = CodecSpec("identity")
 FAST = dict(retry_initial=timedelta(milliseconds=20), retry_max=timedelta(milliseconds=200))
 
 
 def _cfg(stage: int, peers: dict[int, PeerRef], **kw) -> GrpcTransportConfig:
     base = dict(job_id="job", node_id=f"n{stage}", plan_epoch=1, stage=stage, upstream=peers.get(stage - 1),
-                downstream=peers.get(stage + 1), token="tok", shape=SHAPE, micro_batches=4, **FAST)
+                downstream=peers.get(stage + 1), token="tok", shape=SHAPE, micro_batches=4,
+                forward_codec=IDENTITY, backward_codec=IDENTITY, **FAST)
     base.update(kw)
     return GrpcTransportConfig(**base)
 
@@ -86,7 +88,8 @@ def test_int8_link_carries_a_quarter_of_the_bytes(pair) -> None:
 def test_policy_picks_the_codec_and_learns_the_bandwidth(pair) -> None:
     make, _, _ = pair
     big = (64, 64, 64)  # 1 MiB, above the policy's smallest measured transfer
-    t0, t1 = make(shape=big, initial_bandwidth_bytes_per_s=1e3, overlap=timedelta(milliseconds=50))
+    t0, t1 = make(shape=big, initial_bandwidth_bytes_per_s=1e3, overlap=timedelta(milliseconds=50),
+                  forward_codec=None)
     t0.send(TensorKey(0, 0, "forward"), torch.randn(big))
     t1.recv(TensorKey(0, 0, "forward"), T)
     t0.flush(T)
@@ -287,9 +290,12 @@ def test_peer_vanishing_mid_stream_releases_its_room(pair) -> None:
 def test_config_is_validated() -> None:
     p = PeerRef(node_id="x", address="127.0.0.1:1")
     with pytest.raises(ValueError, match="only stage 0 has no upstream"):
-        GrpcTransportConfig(job_id="j", node_id="n", plan_epoch=0, stage=1, upstream=None, downstream=p, shape=None)
+        GrpcTransportConfig(job_id="j", node_id="n", plan_epoch=0, stage=1, upstream=None, downstream=p, shape=None,
+                            overlap=timedelta(0))
     with pytest.raises(ValueError, match="chunk_bytes"):
         GrpcTransportConfig(job_id="j", node_id="n", plan_epoch=0, stage=0, upstream=None, downstream=p, shape=None,
-                            chunk_bytes=64 << 20)
+                            overlap=timedelta(0), chunk_bytes=64 << 20)
+    with pytest.raises(ValueError, match="needs `overlap`"):
+        GrpcTransportConfig(job_id="j", node_id="n", plan_epoch=0, stage=0, upstream=None, downstream=p, shape=None)
     with pytest.raises(ValueError, match="HOST:PORT"):
         PeerRef(node_id="x", address="nowhere")
