@@ -263,10 +263,14 @@ class NodeAgent:
 
     def _rejoin(self, why: str) -> None:
         log.warning("the coordinator does not know this node (%s); joining again as %s", why, self.node_id)
-        self.join()
         with self._cond:
-            # a coordinator that lost its state numbers its epochs afresh: take its current plan whatever it is
+            # a coordinator that lost its state numbers its epochs afresh: take its current plan whatever it
+            # is. Set before joining, so no plan watch opened after the join asks only for newer epochs.
             self._after_rejoin = True
+        self.join()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()  # a watch opened before the join reconnects, asking for the current plan
 
     # --- loops --------------------------------------------------------------------------------------
 
@@ -337,8 +341,10 @@ class NodeAgent:
                 continue
             except grpc.RpcError as e:
                 code = e.code()
-                if self._stop.is_set() or code == grpc.StatusCode.CANCELLED:
+                if self._stop.is_set():
                     return
+                if code == grpc.StatusCode.CANCELLED:
+                    continue  # cancelled by a re-join: reopen at once
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     continue  # the stream's own deadline: reopen at once
                 if code == grpc.StatusCode.NOT_FOUND:
