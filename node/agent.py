@@ -158,6 +158,8 @@ class NodeAgent:
         self.step = 0
         self.joins = 0
         self._stream: grpc.Future | None = None
+        self.error: Exception | None = None
+        """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
     # --- calls --------------------------------------------------------------------------------------
 
@@ -254,10 +256,11 @@ class NodeAgent:
             except AgentStopped:
                 pass
             except AgentError as e:
-                log.error("%s", e)
+                self.error = e
                 self.stop(leave=False)
-            except Exception:  # noqa: BLE001 - a dead loop must stop the agent visibly, not silently
+            except Exception as e:  # noqa: BLE001 - a dead loop must stop the agent visibly, not silently
                 log.exception("node loop failed")
+                self.error = e
                 self.stop(leave=False)
         return run
 
@@ -387,7 +390,7 @@ class NodeAgent:
 
         `on_plan` runs on this thread; when a newer plan arrives its `PlanRun.superseded` is set, and the
         next call gets the newest plan. Without a callback, plans are only logged (and the node runs
-        nothing).
+        nothing). Raises what stopped the agent from inside: AgentError when the coordinator refused it.
         """
         if self.peer is None:
             try:
@@ -416,6 +419,8 @@ class NodeAgent:
             finally:
                 superseded.set()
                 watcher.join(timeout=5)
+        if self.error is not None:
+            raise self.error
 
     def _supersede_when_newer(self, serial: int, superseded: threading.Event) -> None:
         while not superseded.is_set():

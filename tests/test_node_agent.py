@@ -202,3 +202,25 @@ def test_stop_while_waiting_for_a_coordinator_ends_run_quietly(tmp_path: Path) -
     agent.stop()
     t.join(5)
     assert not t.is_alive() and errors == [] and agent.peer is None
+
+
+@pytest.mark.timeout(30)
+def test_run_raises_when_the_coordinator_later_refuses_the_node(coordinator: CoordinatorService,
+                                                               tmp_path: Path) -> None:
+    agent = make_agent(coordinator.address, tmp_path, "h")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: agent.joins == 1, what="the join")
+    coordinator.state.token = "rotated"  # every later call is refused
+    t.join(15)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], AgentError) and "token" in str(errors[0])
+    coordinator.state.token = TOKEN
