@@ -59,29 +59,31 @@ class Scenario:
         return len(self.load().regions)
 
 
+# Global batches are the tokens per step published for these sizes: GPT-3 350M 0.5M and 1.3B 1M tokens,
+# LLaMA 7B-70B 4M tokens; the 4,096-GPU run takes 16M tokens, as runs of that size do.
 SCENARIOS = [
     Scenario("8 gpu: 4 A100-40 + 4 V100-16, 350m", "350m",
-             group("a100", "A100-40GB", 4, inter=25, gpn=4) + group("v100", "V100-16GB", 4, inter=25, gpn=4), 64),
+             group("a100", "A100-40GB", 4, inter=25, gpn=4) + group("v100", "V100-16GB", 4, inter=25, gpn=4), 512),
     Scenario("96 gpu: 32 A100 + 64 V100, 7b", "7b",
-             group("a100", "A100-80GB", 32) + group("v100", "V100-32GB", 64, inter=50, intra=300), 512),
+             group("a100", "A100-80GB", 32) + group("v100", "V100-32GB", 64, inter=50, intra=300), 1024),
     Scenario("64 gpu: 4090/3090/L4/T4 lab, 1.3b", "1.3b",
              group("rtx4090", "RTX4090", 16, inter=25, gpn=4, intra=64)
              + group("rtx3090", "RTX3090", 16, inter=25, gpn=4, intra=64)
-             + group("l4", "L4", 16, inter=25, intra=64) + group("t4", "T4", 16, inter=10, intra=32), 256),
+             + group("l4", "L4", 16, inter=25, intra=64) + group("t4", "T4", 16, inter=10, intra=32), 512),
     Scenario("48 gpu: 16 H100 + 32 T4, 1.3b", "1.3b",
-             group("h100", "H100", 16, inter=400, intra=900) + group("t4", "T4", 32, inter=25, intra=32), 256),
+             group("h100", "H100", 16, inter=400, intra=900) + group("t4", "T4", 32, inter=25, intra=32), 512),
     Scenario("256 gpu: H100 + A100 + L4, 13b", "13b",
              group("h100", "H100", 64, inter=400, intra=900) + group("a100", "A100-80GB", 128, inter=200)
              + group("l4", "L4", 64, inter=50, intra=64), 1024),
     Scenario("128 gpu: 64 A100-40 + 64 V100-32, 13b", "13b",
-             group("a100", "A100-40GB", 64, inter=200) + group("v100", "V100-32GB", 64, inter=100, intra=300), 512),
-    Scenario("64 gpu: H100 only (control), 7b", "7b", group("h100", "H100", 64, inter=400, intra=900), 512),
+             group("a100", "A100-40GB", 64, inter=200) + group("v100", "V100-32GB", 64, inter=100, intra=300), 1024),
+    Scenario("64 gpu: H100 only (control), 7b", "7b", group("h100", "H100", 64, inter=400, intra=900), 1024),
     Scenario("2 regions @1G: 16 H100 | 32 A100, 7b", "7b",
              group("h100", "H100", 16, "east", inter=400, intra=900) + group("a100", "A100-80GB", 32, "west")
-             + link("east", "west", 1.0, 80), 512),
+             + link("east", "west", 1.0, 80), 1024),
     Scenario("2 regions @100M: 16 A100 | 16 V100, 350m", "350m",
              group("a100", "A100-80GB", 16, "east") + group("v100", "V100-32GB", 16, "west", inter=50)
-             + link("east", "west", 0.1, 60), 256),
+             + link("east", "west", 0.1, 60), 512),
     Scenario("3 regions @10-100G: A100 | A100+V100 | H100, 70b", "70b",
              group("a100-e", "A100-80GB", 128, "east", inter=200)
              + group("a100-c", "A100-80GB", 64, "central", inter=200)
@@ -129,7 +131,7 @@ def run(s: Scenario) -> dict:
             except NoFeasiblePlan:
                 pass
     return {"base": base, "tokens": tokens, "plan": plan_tps, "secs": secs, "region_best": region_best,
-            "gpus": cluster.total_gpus, "used": res.candidate.gpus if plan_tps else 0}
+            "gpus": cluster.total_gpus, "used": res.gpus if plan_tps else 0}
 
 
 def main(argv: list[str] | None = None) -> int:

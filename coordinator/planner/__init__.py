@@ -21,16 +21,20 @@ Building a cluster:
   node's) override the catalog estimate.
 
 What the plan means:
-- one pipeline per stage chain; every stage of a pipeline has the same data-parallel degree `dp`, and
-  replica r of a stage sends to replica r of the next (so a stage's `nodes` line up rank by rank);
-- `micro_batch` is the sequences each replica processes per micro-batch; a pipeline takes
-  dp x micro_batch x num_micro_batches sequences per step;
-- a stage's replicas form its data-parallel (and ZeRO) group; `send` is the activation link to the next
-  stage: the codec the link would get, the raw bytes of one replica's micro-batch and the predicted seconds.
+- pipelines run data-parallel with each other, each on its own share of the global batch
+  (micro_batch x num_micro_batches sequences); the replicas of the same layers in every pipeline
+  all-reduce their gradients together;
+- `micro_batch` is the sequences of one micro-batch of a pipeline; each stage shares it evenly among its
+  `dp` replicas (micro_batch / dp each; the planner keeps it divisible), so stages of one pipeline may
+  have different widths (FlashFlex's asymmetric shares); when widths are equal, replica r of a stage feeds
+  replica r of the next;
+- a stage's replicas form its data-parallel (and ZeRO) group; for live clusters `nodes` lists them in rank
+  order; `send` is the activation link to the next stage: the codec the link would get, the raw bytes of
+  one stream's share of a micro-batch and the predicted seconds.
 
 Parts: `catalog` (device peak FLOPS and memory), `cluster` (islands, links, TOML), `profiles` (measured
 timings), `costmodel` (compute, transfer, all-reduce, memory), `parallelizer` (the narrow API
-cost(slice, island) -> IslandCost | None), `composer` (the search), `simulator` (event-driven 1F1B),
+cost(slice, island) -> IslandCost | None), `composer` (the search), `multipipe` (several pipelines), `simulator` (event-driven 1F1B),
 `report` (text), `picture` (PNG), `cli` (`atoll plan`).
 """
 

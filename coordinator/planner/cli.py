@@ -59,6 +59,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.picture:
         from atoll.coordinator.planner.picture import draw_plan
 
-        draw_plan(result.plan, result.candidate.times, args.picture)
+        draw_plan(result.plan, result.times[0], args.picture)
         print(f"picture written to {args.picture}")
     return 0

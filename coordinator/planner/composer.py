@@ -190,15 +190,21 @@ class Composer:
                 out.append(s)
         return out
 
-    def _lower_bound(self, s: _Setup, m: int, max_units: int) -> float:
-        """Step time no arrangement of this setup can beat: all work spread over its fastest stages."""
+    def _rate(self, s: _Setup, max_units: int) -> tuple[float, float]:
+        """(micro-batches per second of all work spread over the setup's fastest stages, the least time one
+        micro-batch needs through the whole model on one stage)."""
         full = []
         for i, (isl, c) in enumerate(zip(s.order, s.caps)):
             t = self.cost_model.table(isl, s.per_replica(i))
             full.extend([t.pf[-1] + t.pb[-1]] * c)
         full.sort()
-        speed = sum(1.0 / x for x in full[:max_units])
-        return max(m / speed, full[0])
+        return sum(1.0 / x for x in full[:max_units]), full[0]
+
+    def _lower_bound(self, s: _Setup, m: int, max_units: int) -> float:
+        """Step time no arrangement of this setup can beat: m - 1 micro-batches at the best rate, plus one
+        that must pass every layer."""
+        speed, fastest = self._rate(s, max_units)
+        return (m - 1) / speed + fastest
 
     # --- one setup ------------------------------------------------------------------------------------
 
@@ -281,12 +287,12 @@ class Composer:
         island is always used; shorter chains let a later island be left out."""
         return [s.cut(j) for j in range(len(s.order), 0, -1) if s.caps[j - 1] > 0]
 
-    def min_bottleneck(self, s: _Setup, rel_tol: float = 1e-3) -> float | None:
+    def min_bottleneck(self, s: _Setup, rel_tol: float = 3e-3) -> float | None:
         """The smallest bottleneck T of any chain of the setup's islands in its order (None: nothing fits)."""
         ts = [t for p in self.prefixes(s) if (t := self._chain_bottleneck(p, rel_tol)) is not None]
         return min(ts, default=None)
 
-    def _chain_bottleneck(self, s: _Setup, rel_tol: float = 1e-3) -> float | None:
+    def _chain_bottleneck(self, s: _Setup, rel_tol: float = 3e-3) -> float | None:
         """The smallest T for which `greedy` places every layer, using the chain's last island."""
         first = self.greedy(s, math.inf)
         if first is None:
@@ -294,7 +300,7 @@ class Composer:
         hi = self._evaluate(s, first).bottleneck_s
         units = min(sum(s.caps), self.cost_model.options.max_stages)
         # no stage can be faster than all the work spread over every unit
-        lo = max(hi / (2 * units), 0.999 * self._lower_bound(s, 1, units))
+        lo = max(hi / (2 * units), 0.999 / self._rate(s, units)[0])
         for _ in range(60):  # make lo infeasible: a true lower end for the bisection
             if self.greedy(s, lo) is None:
                 break

@@ -59,8 +59,11 @@ class PlannerOptions:
     """Let the island parallelizer recompute activations in backward to save memory."""
     optimizer_bytes_per_s: float = 1.0e12
     """Memory bandwidth of the optimizer step's state updates when no profile gives its time."""
-    refine_factors: tuple[float, ...] = (1.0, 1.1, 1.25, 1.5)
+    refine_factors: tuple[float, ...] = (1.0, 1.15, 1.4)
     """Bottleneck relaxations tried after the minimum (fewer stages may shorten fill and drain)."""
+    several_pipelines: bool = True
+    """Also try one pipeline per region (up to 4 regions) and one per island (up to 4 islands), data-parallel
+    with each other."""
     simulate_top: int = 4
     """Candidates `search` returns, best first by their simulated step time."""
 

@@ -11,7 +11,8 @@ from atoll.coordinator.planner.costmodel import CostModel, LinkCodecModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
 from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
-from atoll.coordinator.planner.simulator import simulate
+from atoll.coordinator.planner.multipipe import MultiCandidate, several_pipelines
+from atoll.coordinator.planner.simulator import PipelineTimes, simulate
 from atoll.modelspec import ModelSpec
 from atoll.plan import GB, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
 
@@ -22,9 +23,16 @@ class PlanResult:
 
     plan: Plan
     candidate: Candidate
+    """The first pipeline's candidate."""
+    times: list[PipelineTimes]
+    """Stage and link times of every pipeline, as simulated (with the cross-pipeline all-reduce)."""
     stats: SearchStats
     seconds: float
     """Wall time of the search."""
+
+    @property
+    def gpus(self) -> int:
+        return sum(s.dp for p in self.plan.pipelines for s in p.stages)
 
 
 def plan_job(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
@@ -45,11 +53,31 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     cm = CostModel(model, train, profiles, options, codec_model)
     composer = Composer(cost_model=cm, cluster=cluster, parallelizer=parallelizer)
     top = composer.search()
-    if not top:
+    groups: list[list[list[str]]] = []
+    if cm.options.several_pipelines:
+        if 1 < len(cluster.regions) <= 4:
+            groups.append([[i.id for i in cluster.islands if i.region == r] for r in cluster.regions])
+        if 1 < len(cluster.islands) <= 4:
+            groups.append([[i.id] for i in cluster.islands])
+    multi: MultiCandidate | None = None
+    for gr in groups:
+        got = several_pipelines(cm, cluster, gr, parallelizer)
+        if got is not None and (multi is None or got.step_s < multi.step_s):
+            multi = got
+    if multi is not None and (not top or multi.step_s < top[0].step_s):
+        pipes = list(zip(multi.pipelines, multi.times, multi.shares))
+        cross = max(max(x) for x in multi.cross_sync_s)
+        plan = to_plan(pipes, cm, cluster, note=f"; all-reduce across the {len(pipes)} pipelines {cross:.2f} s")
+        first = multi.pipelines[0]
+    elif top:
+        first = top[0]
+        plan = to_plan([(first, first.times, train.global_batch)], cm, cluster)
+    else:
         raise NoFeasiblePlan(explain_infeasible(cm, cluster))
-    best = top[0]
-    plan = to_plan(best, cm, cluster)
-    return PlanResult(plan=plan, candidate=best, stats=composer.stats, seconds=time.perf_counter() - t0)
+    times = [t for _, t, _ in pipes] if multi is not None and plan.pipelines and len(plan.pipelines) > 1 \
+        else [first.times]
+    return PlanResult(plan=plan, candidate=first, times=times, stats=composer.stats,
+                      seconds=time.perf_counter() - t0)
 
 
 def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
@@ -92,41 +120,50 @@ def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> 
     return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {tail:.2f} s"
 
 
-def to_plan(c: Candidate, cm: CostModel, cluster: Cluster) -> Plan:
-    sim = simulate(c.times)
+def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cluster: Cluster,
+            note: str = "") -> Plan:
+    """A Plan from (candidate, its simulated times, its share of the global batch) per pipeline."""
     train = cm.train
-    step = sim.step_time_s
-    gpus_used = c.gpus
-    peak = sum(s.island.device.peak_flops(train.dtype) * s.cost.dp for s in c.stages)
+    sims = [simulate(t) for _, t, _ in pipes]
+    step = max(s.step_time_s for s in sims)
+    slowest = max(range(len(pipes)), key=lambda k: sims[k].step_time_s)
+    peak = sum(st.island.device.peak_flops(train.dtype) * st.cost.dp for c, _, _ in pipes for st in c.stages)
     mfu = cm.model_flops_per_step() / (step * peak) if peak > 0 and step > 0 else 0.0
     islands = []
     for isl in cluster.islands:
         outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
         islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
                                   gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
-    # live islands list one node per device: hand each stage its own W of them, in order
+    # live islands list one node per device: hand each stage its own dp of them, in order
     used: dict[str, int] = {}
-    stages: list[StagePlan] = []
-    for k, st in enumerate(c.stages):
-        nodes: list[str] = []
-        if cluster.source == "live":
-            off = used.get(st.island.id, 0)
-            nodes = list(st.island.nodes[off:off + st.cost.dp])
-            used[st.island.id] = off + st.cost.dp
-        send = None
-        if k < len(c.links):
-            x = c.links[k]
-            send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
-                            block_size=128 if x.codec in ("int8", "int4") else 0)
-        stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1, zero=st.cost.zero,
-                                recompute=st.cost.recompute, compute_s=st.cost.time_s,
-                                memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
+    pipelines: list[PipelinePlan] = []
+    for c, _, share in pipes:
+        stages: list[StagePlan] = []
+        for k, st in enumerate(c.stages):
+            nodes: list[str] = []
+            if cluster.source == "live":
+                off = used.get(st.island.id, 0)
+                nodes = list(st.island.nodes[off:off + st.cost.dp])
+                used[st.island.id] = off + st.cost.dp
+            send = None
+            if k < len(c.links):
+                x = c.links[k]
+                send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
+                                block_size=128 if x.codec in ("int8", "int4") else 0)
+            stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1,
+                                    zero=st.cost.zero, recompute=st.cost.recompute, compute_s=st.cost.time_s,
+                                    memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
+        assert c.micro_batch * c.num_micro_batches == share
+        pipelines.append(PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
+                                      stages=stages))
+    worst = pipes[slowest][0]
+    sim = sims[slowest]
+    bottleneck = _bottleneck(worst, sim.pipeline_time_s, sim.step_time_s, max(sim.busy_s))
+    if len(pipes) > 1:
+        bottleneck = f"pipeline {slowest}: {bottleneck}{note}"
     plan = Plan(model=cm.model.name, global_batch=train.global_batch, seq_len=train.seq_len,
                 predicted=Prediction(step_time_s=step, tokens_per_s=train.tokens_per_step / step, mfu=mfu,
-                                     bottleneck=_bottleneck(c, sim.pipeline_time_s, step, max(sim.busy_s))),
-                islands=islands,
-                pipelines=[PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
-                                        stages=stages)])
+                                     bottleneck=bottleneck),
+                islands=islands, pipelines=pipelines)
     plan.validate(cm.num_layers)
-    assert gpus_used <= cluster.total_gpus
     return plan

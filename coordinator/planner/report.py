@@ -21,8 +21,8 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
         region = f" region {cluster.island(i.id).region}" if cluster is not None else ""
         lines.append(f"  {i.id:<16} {i.gpus:>5} x {i.device:<10}{region}  inner {i.inner_bandwidth / GBPS:.0f} Gbit/s")
     for k, pl in enumerate(plan.pipelines):
-        lines.append(f"pipeline {k}: {len(pl.stages)} stages, micro-batch {pl.micro_batch} per replica, "
-                     f"{pl.num_micro_batches} micro-batches")
+        lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
+                     f"{pl.micro_batch} sequences (each stage shares one among its dp replicas)")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp':>4} {'zero':>4} {'recomp':>6} "
                      f"{'compute':>9} {'mem/dev':>8}  send")
         for j, s in enumerate(pl.stages):

@@ -1,0 +1,138 @@
+"""Several pipelines side by side: islands split into groups, each group running its own pipeline on its
+share of the global batch, data-parallel with the others.
+
+Groups tried: one per region, and one per island. Each group's pipeline comes from the composer on that
+group alone; the batch is shared in proportion to the groups' throughput (in multiples of a granule, so
+every share still divides into micro-batches), and rebalanced once on the shares' measured step times.
+Every stage then also all-reduces its gradients with the other pipelines: a ring over the P pipelines on
+the slowest link between their islands, 2 (P-1)/P x the stage's gradient bytes, carried by all the
+stage's hosts at once on per-host links, or by the whole shared capacity of a region link.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from atoll.coordinator.planner.cluster import Cluster, Link
+from atoll.coordinator.planner.composer import Candidate, Composer
+from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.options import TrainSpec
+from atoll.coordinator.planner.parallelizer import IslandParallelizer
+from atoll.coordinator.planner.simulator import PipelineTimes, simulate
+
+
+@dataclass(kw_only=True)
+class MultiCandidate:
+    """Pipelines on disjoint groups of islands, with their batch shares and cross-pipeline all-reduce."""
+
+    pipelines: list[Candidate]
+    shares: list[int]
+    """Sequences per step of each pipeline."""
+    cross_sync_s: list[list[float]]
+    """Per pipeline, per stage: the all-reduce with the other pipelines."""
+    times: list[PipelineTimes]
+    """Per pipeline, the stage times with that all-reduce included."""
+    step_s: float
+
+    @property
+    def gpus(self) -> int:
+        return sum(c.gpus for c in self.pipelines)
+
+
+def _slowest_link(cluster: Cluster, groups: list[list[str]]) -> Link | None:
+    worst: Link | None = None
+    for gi, a_ids in enumerate(groups):
+        for b_ids in groups[gi + 1:]:
+            for a in a_ids:
+                for b in b_ids:
+                    lk = cluster.link(a, b)
+                    if lk is None:
+                        return None
+                    if worst is None or lk.bandwidth < worst.bandwidth:
+                        worst = lk
+    return worst
+
+
+def _with_cross_sync(cm: CostModel, cands: list[Candidate], link: Link) -> tuple[list[PipelineTimes], list[list[float]]]:
+    p = len(cands)
+    total_grad = cm.model.total_params * cm.grad_bytes_per_param
+    times, cross = [], []
+    for c in cands:
+        extra = []
+        for st in c.stages:
+            nbytes = cm.model.slice_params(st.start, st.end) * cm.grad_bytes_per_param
+            if link.shared:  # every stage of every pipeline crosses the same capacity at once
+                sec = 2 * (p - 1) / p * total_grad / link.bandwidth
+            else:
+                hosts = max(1, math.ceil(st.cost.dp / st.island.gpus_per_node))
+                sec = 2 * (p - 1) / p * nbytes / (link.bandwidth * hosts)
+            extra.append(sec + 2 * math.ceil(math.log2(p)) * link.latency_s)
+        stages = tuple(replace(s, sync_s=s.sync_s + x) for s, x in zip(c.times.stages, extra))
+        times.append(replace(c.times, stages=stages))
+        cross.append(extra)
+    return times, cross
+
+
+def _granule(g: int, parts: int) -> int:
+    """Largest power of two dividing g that still leaves at least 4 granules per part."""
+    q = g & -g
+    while q > 1 and g // q < 4 * parts:
+        q //= 2
+    return q
+
+
+def _round_shares(g: int, weights: list[float], q: int) -> list[int]:
+    units = g // q
+    raw = [w / sum(weights) * units for w in weights]
+    got = [max(1, int(r)) for r in raw]
+    while sum(got) > units:
+        got[max(range(len(got)), key=lambda i: got[i])] -= 1
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    k = 0
+    while sum(got) < units:
+        got[order[k % len(order)]] += 1
+        k += 1
+    return [x * q for x in got]
+
+
+def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
+                      parallelizer: IslandParallelizer | None = None) -> MultiCandidate | None:
+    """The best split of the global batch over one pipeline per group (None when a group cannot hold the
+    model or the groups are not all connected)."""
+    if len(groups) < 2:
+        return None
+    link = _slowest_link(cluster, groups)
+    if link is None:
+        return None
+    g = cm.train.global_batch
+    q = _granule(g, len(groups))
+    if g // q < len(groups):
+        return None
+
+    def best(group: list[str], share: int) -> Candidate | None:
+        sub_cm = CostModel(cm.model, TrainSpec(global_batch=share, seq_len=cm.train.seq_len, dtype=cm.train.dtype,
+                                                optimizer=cm.train.optimizer), cm.profiles, cm.options, cm.codecs)
+        top = Composer(cost_model=sub_cm, cluster=cluster.subset(group), parallelizer=parallelizer).search()
+        return top[0] if top else None
+
+    # first shares: each group's throughput on an equal share
+    probe = [best(gr, g) for gr in groups]
+    if any(c is None for c in probe):
+        return None
+    weights = [1.0 / c.step_s for c in probe]  # type: ignore[union-attr]
+    result: MultiCandidate | None = None
+    for _ in range(2):
+        shares = _round_shares(g, weights, q)
+        cands = [best(gr, s) for gr, s in zip(groups, shares)]
+        if any(c is None for c in cands):
+            break
+        ok = [c for c in cands if c is not None]
+        times, cross = _with_cross_sync(cm, ok, link)
+        steps = [simulate(t).step_time_s for t in times]
+        step = max(steps)
+        if result is None or step < result.step_s:
+            result = MultiCandidate(pipelines=ok, shares=shares, cross_sync_s=cross, times=times, step_s=step)
+        # rebalance on what each share took
+        weights = [s / t for s, t in zip(shares, steps)]
+    return result
