@@ -42,7 +42,6 @@ def _transport(role: str, server, peer: str, epoch: int, codec: str, shape: tupl
     from atoll.compression import CodecSpec
     from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
 
-    me = PeerRef(node_id=server.node_id, address=server.address)
     other = PeerRef(node_id="recv" if role == "send" else "send", address=peer)
     return GrpcTransport(GrpcTransportConfig(
         job_id="bench", node_id=server.node_id, plan_epoch=epoch, stage=0 if role == "send" else 1,
