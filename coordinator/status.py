@@ -31,7 +31,7 @@ def fetch_status(address: str, *, token: str | None, timeout: timedelta = timede
             raise PermissionError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}); check --coordinator") from None
+                                  f"({code.name}); check --coordinator (and --tls-ca if it serves TLS)") from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()

@@ -65,7 +65,9 @@ class AgentConfig:
     advertise: str | None = None
     """HOST:PORT peers dial; None: the listen address, a wildcard host replaced by this machine's hostname."""
     rpc: RpcOptions = field(default_factory=RpcOptions)
-    """Message limits, keepalive and TLS of every channel and the peer server."""
+    """Message limits, keepalive and TLS of the channel to the coordinator."""
+    peer_rpc: RpcOptions = field(default_factory=RpcOptions)
+    """Message limits, keepalive and TLS of the peer server and of probes to other nodes' peer servers."""
     call_timeout: timedelta = timedelta(seconds=10)
     """Deadline of each unary call to the coordinator."""
     connect_timeout: timedelta = timedelta(minutes=2)
@@ -240,7 +242,7 @@ class NodeAgent:
                      ", ".join(f"{(t.forward_seconds + t.backward_seconds) * 1e3:.1f} ms @ {t.micro_batch}"
                                for t in block))
         self.peer = PeerServer(node_id=self.node_id, listen=self.config.listen, token=self.config.token,
-                               rpc=self.config.rpc)
+                               rpc=self.config.peer_rpc)
         self.join()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._probe_loop, "probe"),
                              (self._watch_loop, "watch")):
@@ -313,7 +315,8 @@ class NodeAgent:
                 continue
             try:
                 result = probe_peer(target.address, nbytes=target.probe_bytes, token=self.config.token,
-                                    rpc=self.config.rpc, timeout=self.config.probe_timeout, sender=self.node_id)
+                                    rpc=self.config.peer_rpc, timeout=self.config.probe_timeout,
+                                    sender=self.node_id)
                 link = result.measurement(src=self.node_id, dst=target.node_id)
                 log.info("probed %s: %.1f MB/s, rtt %.2f ms", target.node_id, link.bandwidth_bytes_per_s / 1e6,
                          link.rtt_seconds * 1e3)

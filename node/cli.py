@@ -20,7 +20,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--advertise", help="HOST:PORT peers should dial (default: the listen address, with a "
                    "wildcard host replaced by this machine's hostname)")
     p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id")
-    p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
+    p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator (peer links stay plaintext)")
     p.add_argument("--profile-seconds", type=float, default=3.0, help="time budget of the start-up profile")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads torch may use (default: torch's choice, one per core). With several nodes on "
