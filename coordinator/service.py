@@ -11,6 +11,7 @@ import secrets
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ log = logging.getLogger("atoll.coordinator")
 SERVICE_NAME = "atoll.v1.Coordinator"
 DB_NAME = "coordinator.db"
 TOKEN_NAME = "token"
+METRICS_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +114,14 @@ class CoordinatorService:
         return self
 
     def _run_loop(self) -> None:
+        last_metrics = 0.0
         while not self._stop.wait(self.config.tick.total_seconds()):
             try:
-                self.state.tick()
-                self.metrics.update(self.state)
+                events = self.state.tick()
+                now = time.monotonic()
+                if events or now - last_metrics >= METRICS_PERIOD_S:  # scrapes are rarer than ticks
+                    self.metrics.update(self.state)
+                    last_metrics = now
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the log says what failed
                 log.exception("coordinator loop round failed")
 
