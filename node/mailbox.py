@@ -158,12 +158,12 @@ class Mailbox:
                 elif meta is None:
                     raise InvalidTransfer(f"a data chunk from {peer} came before any meta chunk; "
                                           "each tensor starts with its TensorMeta")
-                wire += len(chunk.data)
                 try:
                     done = assembler.feed(chunk)
                 except CodecError as e:
                     raise InvalidTransfer(f"{_describe(meta)}: {e}") from None
                 if done is not None and key is not None:
+                    wire += done.wire_bytes  # (reading chunk.data again would copy every chunk once more)
                     self._check_decoded(meta, done.tensor)
                     self._deposit(key, done.tensor, held, meta)
                     held, tensors, meta, key = 0, tensors + 1, None, None
