@@ -21,6 +21,7 @@ from atoll.node.peer import PeerServer
 from atoll.node.peer_link import PeerLink
 from atoll.node.transport import Direction, TensorKey, Transport, TransportError
 from atoll.rpc import RpcOptions
+from atoll.serde import codec_id
 from atoll.types import LinkStats
 
 
@@ -105,6 +106,8 @@ class GrpcTransportConfig:
     """Largest tensor accepted from a neighbour (decoded, and on the wire)."""
     max_buffered_bytes: int = 1024 * 1024 * 1024
     """Bytes the mailbox may hold (waiting tensors and tensors being received)."""
+    accept_codecs: frozenset[str] | None = None
+    """Codec names accepted from the neighbours (e.g. the job's fixed codec); None accepts every codec."""
 
     def __post_init__(self) -> None:
         if self.upstream is None and self.downstream is None:
@@ -122,6 +125,8 @@ class GrpcTransportConfig:
                              "backward_codec")
         if self.overlap is not None and self.overlap < timedelta(0):
             raise ValueError(f"overlap must be >= 0, got {self.overlap}")
+        for name in self.accept_codecs or ():
+            codec_id(name)  # raises on an unknown name
         if self.parallel_calls < 1:
             raise ValueError(f"parallel_calls must be at least 1, got {self.parallel_calls}")
         if self.max_in_flight_bytes < 1:
@@ -139,7 +144,8 @@ class GrpcTransportConfig:
             upstream=self.upstream.node_id if self.upstream else None,
             downstream=self.downstream.node_id if self.downstream else None,
             shape=self.shape, dtype=self.dtype, micro_batches=self.micro_batches, step_window=self.step_window,
-            max_tensor_bytes=self.max_tensor_bytes, max_buffered_bytes=self.max_buffered_bytes)
+            max_tensor_bytes=self.max_tensor_bytes, max_buffered_bytes=self.max_buffered_bytes,
+            codecs=None if self.accept_codecs is None else frozenset(codec_id(c) for c in self.accept_codecs))
 
 
 class GrpcTransport(Transport):

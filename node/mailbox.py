@@ -23,7 +23,7 @@ import torch
 from atoll.compression import ChunkAssembler, CodecError, WireLimits
 from atoll.compression.dtypes import TORCH_DTYPES
 from atoll.node.transport import Direction, TensorKey
-from atoll.serde import codec_name
+from atoll.serde import CODEC_NAME, codec_name
 from atoll.v1 import atoll_pb2 as pb
 
 _DIRECTION_OF: dict[int, Direction] = {pb.DIRECTION_FORWARD: "forward", pb.DIRECTION_BACKWARD: "backward"}
@@ -216,7 +216,8 @@ class Mailbox:
             raise InvalidTransfer(f"{what} has shape {list(shape)}; stage {s.stage} expects {list(s.shape)}")
         if s.codecs is not None and meta.codec not in s.codecs:
             accepted = ", ".join(sorted(codec_name(c) for c in s.codecs))
-            raise InvalidTransfer(f"{what} uses codec {meta.codec}, not accepted on this link ({accepted})")
+            raise InvalidTransfer(f"{what} uses codec {CODEC_NAME.get(meta.codec, meta.codec)}, not accepted on "
+                                  f"this link ({accepted})")
         raw = math.prod(shape) * dtype.itemsize
         if raw > s.max_tensor_bytes or meta.total_bytes > s.max_tensor_bytes:
             raise InvalidTransfer(f"{what} is too large: {raw} bytes decoded, {meta.total_bytes} on the wire; "

@@ -166,6 +166,15 @@ def test_refusal_is_final_and_names_the_reason(pair) -> None:
         t0.close()
 
 
+def test_codec_outside_the_accepted_set_is_refused(pair) -> None:
+    make, servers, peers = pair
+    t0, t1 = make(accept_codecs=frozenset({"identity"}))
+    code, details = _status(servers[1].address, _chunks(codec="int8"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "codec int8, not accepted on this link (identity)" in details
+    with pytest.raises(ValueError, match="unknown codec 'zip'"):
+        _cfg(1, peers, accept_codecs=frozenset({"zip"}))
+
+
 def test_recv_times_out_with_a_clear_error(pair) -> None:
     make, _, _ = pair
     _, t1 = make()
