@@ -46,7 +46,7 @@ def _transport(role: str, server, peer: str, epoch: int, codec: str, shape: tupl
     return GrpcTransport(GrpcTransportConfig(
         job_id="bench", node_id=server.node_id, plan_epoch=epoch, stage=0 if role == "send" else 1,
         upstream=None if role == "send" else other, downstream=other if role == "send" else None,
-        token="bench", shape=shape, forward_codec=CodecSpec(codec),
+        token="bench", shape=shape, forward_codec=CodecSpec(codec), backward_codec=CodecSpec(codec),
         max_in_flight_bytes=128 * MiB, max_tensor_bytes=64 * MiB, max_buffered_bytes=512 * MiB,
         call_timeout=timedelta(seconds=120), delivery_timeout=timedelta(seconds=120)), server)
 
