@@ -182,8 +182,7 @@ class PeerLink:
         role = "activation" if self.direction == "forward" else "activation_grad"
         with self.policy_lock:
             overlap = self.cfg.overlap.total_seconds() if self.cfg.overlap is not None else 0.0
-            return self.policy.choose(item.raw_bytes, role, overlap,
-                                      dtype=item.tensor.dtype).spec
+            return self.policy.choose(item.raw_bytes, role, overlap, dtype=item.tensor.dtype).spec
 
     def _send(self, item: _Outgoing) -> None:
         cfg, key = self.cfg, item.key
@@ -219,8 +218,9 @@ class PeerLink:
         with self.cond:
             # from the later of this tensor's turn on the wire and the previous acknowledgement: the time the
             # link spent on these bytes, as the receiver's checking of the previous tensor overlaps them
-            seconds = end - max(start, self.last_ack)
-            self.last_ack = end
+            since = max(start, self.last_ack)
+            seconds = max(end - since if since < end else end - start, 1e-9)
+            self.last_ack = max(self.last_ack, end)
         with self.policy_lock:
             self.policy.observe(wire, seconds)
         with self.cond:
@@ -229,7 +229,6 @@ class PeerLink:
             t.bytes_wire += wire
             t.seconds += seconds
             t.codec = spec.codec
-
 
     def _transfer(self, chunks: list[pb.TensorChunk]) -> tuple[float, float]:
         """One Transfer call; returns when its turn on the wire began and when it was acknowledged."""
