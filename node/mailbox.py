@@ -110,7 +110,6 @@ class ReceivedStats:
     tensors: int = 0
     bytes_wire: int = 0
     bytes_raw: int = 0
-    seconds: float = 0.0
 
 
 def _describe(meta: pb.TensorMeta) -> str:
@@ -152,7 +151,7 @@ class Mailbox:
                         raise InvalidTransfer(f"{_describe(chunk.meta)} began before the {meta.total_bytes} "
                                               f"payload bytes of {_describe(meta)} had arrived")
                     meta = chunk.meta
-                    key, need = self._check(meta, peer)
+                    key, need = self._check(meta)
                     self._reserve(need, key, deadline)
                     held = need
                 elif meta is None:
@@ -176,7 +175,7 @@ class Mailbox:
         return pb.TransferAck(tensors=tensors, bytes=wire,
                               receive_seconds=0.0 if first is None else (last or first) - first)
 
-    def _check(self, meta: pb.TensorMeta, peer: str) -> tuple[TensorKey, int]:
+    def _check(self, meta: pb.TensorMeta) -> tuple[TensorKey, int]:
         """Validate a tensor's meta against the spec; return its key and the bytes it will hold."""
         s, what = self.spec, _describe(meta)
         if meta.job_id != s.job_id:
