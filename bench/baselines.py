@@ -4,8 +4,12 @@
   uniformly per GPU (a group's share of layers is its share of the GPUs), heterogeneity ignored;
 - ``largest-class``: only the largest island of the device class with the most aggregate peak FLOPS, run
   homogeneously (Megatron style: p equal stages of uniform layers, the best p, width and micro-batch);
-- ``flops-proportional``: like ``uniform`` but each group's share of layers is its share of the peak FLOPS,
-  without islands (stages straddle no device classes, but links and memory do not shape the split).
+- ``flops-proportional``: without islands: every GPU in the file's order in one flat pool cut into p
+  equal-width stages, each stage's share of the layers its share of the peak FLOPS; a stage that mixes
+  device classes runs at its slowest device's pace and all-reduces over its slowest link.
+
+And a reference beside them (``islands-flops``): one stage per island, layers in proportion to the
+island's FLOPS, the simplest heterogeneity-aware split, to show what the planner's search adds to it.
 
 Every baseline is evaluated by the planner's own cost model (the same compute, transfer, codec, all-reduce
 and memory rules) and the same 1F1B simulator. When a stage does not fit in memory every group is cut into 2,
@@ -15,9 +19,9 @@ and memory rules) and the same 1F1B simulator. When a stage does not fit in memo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from atoll.coordinator.planner.cluster import Cluster, Island
+from atoll.coordinator.planner.cluster import Cluster, Island, Link
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
@@ -29,6 +33,12 @@ class Stage:
     start: int
     end: int
     dp: int
+    members: tuple[str, ...] = ()
+    """Islands the stage's devices come from (empty: just `island`)."""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.members or (self.island.id,)
 
 
 @dataclass(frozen=True)
@@ -44,11 +54,9 @@ class Result:
 
 def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batch: int) -> PipelineTimes | None:
     """Times of one pipeline whose micro-batch of `pipeline_batch` sequences is shared by each stage's replicas
-    (the first ceil(B / dp) sequences on the busiest replica); None when a stage does not fit."""
-    g = cm.train.global_batch
-    if g % pipeline_batch:
-        return None
-    m = g // pipeline_batch
+    (ceil(B / dp) sequences on the busiest replica; ceil(global batch / B) micro-batches, the last one
+    counted whole when it is not); None when a stage does not fit."""
+    m = math.ceil(cm.train.global_batch / pipeline_batch)
     par = DefaultParallelizer(cm)
     p = len(stages)
     out: list[StageTimes] = []
@@ -64,7 +72,7 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
     links: list[LinkTimes] = []
     cycle = max(x.forward_s + x.backward_s for x in out)
     for s, nx in zip(stages, stages[1:]):
-        link = cluster.link(s.island.id, nx.island.id)
+        link = _slowest(cluster, s.sources, nx.sources)
         if link is None:
             return None
         streams = min(s.dp, nx.dp)
@@ -73,6 +81,36 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
         _, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, link.latency_s, cycle)
         links.append(LinkTimes(forward_s=sec, backward_s=sec))
     return PipelineTimes(stages=tuple(out), links=tuple(links), num_micro_batches=m)
+
+
+def _slowest(cluster: Cluster, a: tuple[str, ...], b: tuple[str, ...]) -> Link | None:
+    """The slowest link between any island of `a` and any of `b` (None when one pair is not connected)."""
+    worst: Link | None = None
+    for x in a:
+        for y in b:
+            lk = cluster.link(x, y)
+            if lk is None:
+                return None
+            if worst is None or lk.bandwidth < worst.bandwidth:
+                worst = lk
+    return worst
+
+
+def _flat_chunk(cluster: Cluster, parts: list[tuple[Island, int]]) -> tuple[Island, tuple[str, ...]]:
+    """A stage made of devices from several islands, as one island that runs at its slowest member's pace,
+    holds what its smallest member holds, and all-reduces over its slowest link."""
+    if len(parts) == 1:
+        return parts[0][0], ()
+    isls = [i for i, _ in parts]
+    ids = tuple(i.id for i in isls)
+    slow = min(isls, key=lambda i: i.device.tflops_16)
+    inner = min([i.inter_node_bandwidth for i in isls]
+                + [lk.bandwidth for a in ids for b in ids if a < b and (lk := cluster.link(a, b)) is not None])
+    dev = replace(slow.device, tflops_16=min(i.device.tflops_16 for i in isls),
+                  tflops_32=min(i.device.tflops_32 for i in isls), memory_gb=min(i.device.memory_gb for i in isls))
+    return replace(slow, id="+".join(ids), device=dev, gpus=sum(n for _, n in parts),
+                   gpus_per_node=min(i.gpus_per_node for i in isls), inter_node_bandwidth=inner,
+                   intra_node_bandwidth=min(i.intra_node_bandwidth for i in isls), latency_s=max(i.latency_s for i in isls)), ids
 
 
 def _split(total: int, weights: list[float]) -> list[int] | None:
@@ -137,9 +175,55 @@ def uniform(cm: CostModel, cluster: Cluster) -> Result:
     return _proportional(cm, cluster, {i.id: float(i.gpus) for i in cluster.islands}, "uniform")
 
 
-def flops_proportional(cm: CostModel, cluster: Cluster) -> Result:
+def island_proportional(cm: CostModel, cluster: Cluster) -> Result:
+    """Reference, not one of the three baselines: one stage per island, layers in proportion to its FLOPS."""
     w = {i.id: i.gpus * i.device.peak_flops(cm.train.dtype) for i in cluster.islands}
-    return _proportional(cm, cluster, w, "flops-proportional")
+    return _proportional(cm, cluster, w, "islands-flops")
+
+
+def flops_proportional(cm: CostModel, cluster: Cluster) -> Result:
+    """All GPUs in the cluster file's order as one flat pool, cut into p stages of equal width; each stage's
+    share of the layers is its share of the peak FLOPS (no islands: a stage may mix device classes and then
+    runs at its slowest device's pace). The best p, micro-batch and memory options are kept."""
+    flat: list[tuple[Island, int]] = [(i, i.gpus) for i in cluster.islands]
+    n = cluster.total_gpus
+    L = cm.num_layers
+    best: tuple[float, str] | None = None
+    p = 1
+    while p <= min(L, n):
+        width = n // p
+        chunks: list[list[tuple[Island, int]]] = []
+        queue = [list(x) for x in flat]
+        for _ in range(p):
+            need, parts = width, []
+            while need:
+                isl, left = queue[0]
+                take = min(need, left)
+                parts.append((isl, take))
+                need -= take
+                queue[0][1] -= take
+                if queue[0][1] == 0:
+                    queue.pop(0)
+            chunks.append(parts)
+        made = [_flat_chunk(cluster, c) for c in chunks]
+        weights = [sum(k * i.device.peak_flops(cm.train.dtype) for i, k in c) for c in chunks]
+        counts = _split(L, weights)
+        if counts is not None:
+            stages, a = [], 0
+            for (isl, members), k in zip(made, counts):
+                stages.append(Stage(isl, a, a + k, width, members))
+                a += k
+            for b in cm.options.micro_batches:
+                times = evaluate(cm, cluster, stages, width * b)
+                if times is None:
+                    continue
+                step = simulate(times).step_time_s
+                if best is None or step < best[0]:
+                    best = (step, f"{p} stages x dp {width}, micro-batch {b}")
+        p *= 2
+    if best is None:
+        return Result("flops-proportional", None, "does not fit")
+    return Result("flops-proportional", best[0], best[1])
 
 
 def largest_class(cm: CostModel, cluster: Cluster) -> Result:
@@ -176,3 +260,4 @@ def largest_class(cm: CostModel, cluster: Cluster) -> Result:
 
 
 BASELINES = (uniform, largest_class, flops_proportional)
+REFERENCE = island_proportional

@@ -169,3 +169,16 @@ def test_options_are_validated() -> None:
         PlannerOptions(activation_codecs=("zip",))
     with pytest.raises(ValueError, match="global_batch"):
         TrainSpec(global_batch=0, seq_len=8)
+
+
+@pytest.mark.parametrize("raw,bw,overlap", [(2_000_000, 1e8, 0.005), (2_000_000, 1e8, 0.03), (64 << 20, 1e10, 1e-3),
+                                            (10_000, 1e6, 1.0)])
+def test_default_codecs_agree_with_the_compression_policy(raw: int, bw: float, overlap: float) -> None:
+    import torch
+
+    from atoll.coordinator.planner.codecpolicy import PolicyCodecModel
+
+    model = PolicyCodecModel()
+    codec, sec = model.choose(raw, 2, bw, 1e-3, overlap)
+    d = model.policy(bw, 1e-3).choose(raw, "activation", overlap, dtype=torch.bfloat16)
+    assert (codec, sec) == (d.spec.codec, pytest.approx(d.predicted_seconds))

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from atoll.coordinator.planner.cluster import Cluster, Island
-from atoll.coordinator.planner.costmodel import CostModel, ExpectedRatioCodecModel
+from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate
 
@@ -225,10 +225,7 @@ class Composer:
         if got is None:
             return math.inf
         raw, bw, lat = got
-        codecs = self.cost_model.codecs
-        if isinstance(codecs, ExpectedRatioCodecModel):
-            return codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat)
-        return codecs.choose(raw, self.cost_model.elem_bytes, bw, lat, 0.0)[1]
+        return self.cost_model.codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat)
 
     def _query(self, s: _Setup, i: int, a: int, e: int, k: int) -> SliceQuery:
         return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k)

@@ -7,7 +7,9 @@ per-replica micro-batches are counted in sequences.
   FLOPs / (peak x achievable_fraction x tokens / (tokens + half_efficiency_tokens)).
 - Transfer of a boundary: wire bytes / bandwidth + latency, with the codec the link would get
   (`LinkCodecModel`): the least lossy codec of the activations' budget that keeps the transfer within the
-  time it can hide under, else the fastest one the budget allows.
+  time it can hide under, else the fastest one the budget allows. The default asks atoll.compression's
+  `LinkPolicy` and `predict_transfer_seconds`; `ExpectedRatioCodecModel` is a dependency-free stand-in
+  with each codec's expected size on the wire.
 - Gradient all-reduce of N replicas: ring, 2 (N-1)/N x bytes / bandwidth, plus 2 log2(N) latencies.
 - Memory per device: weights, gradients and optimizer states (ZeRO-1 shards the optimizer states, ZeRO-2
   also the gradients, ZeRO-3 also the weights, over the stage's data-parallel group) plus the activations of
@@ -38,6 +40,10 @@ class LinkCodecModel(Protocol):
     def choose(self, raw_bytes: int, elem_bytes: int, bandwidth: float, latency_s: float,
                overlap_s: float) -> tuple[str, float]:
         """(codec name, predicted seconds) for a tensor of `raw_bytes` (elements of `elem_bytes` each)."""
+        ...
+
+    def fastest(self, raw_bytes: int, elem_bytes: int, bandwidth: float, latency_s: float) -> float:
+        """Seconds of the quickest transfer any allowed codec gives (the least a link can cost)."""
         ...
 
 
@@ -78,7 +84,10 @@ class ExpectedRatioCodecModel:
 
 
 def default_codec_model(options: PlannerOptions) -> LinkCodecModel:
-    return ExpectedRatioCodecModel(allowed=options.activation_codecs)
+    """atoll.compression's link policy (what the nodes' links will choose), restricted to the options' codecs."""
+    from atoll.coordinator.planner.codecpolicy import PolicyCodecModel
+
+    return PolicyCodecModel(names=options.activation_codecs)
 
 
 @dataclass(frozen=True)

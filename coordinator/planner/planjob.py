@@ -148,8 +148,9 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
             send = None
             if k < len(c.links):
                 x = c.links[k]
+                block = getattr(cm.codecs, "block_size", None)
                 send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
-                                block_size=128 if x.codec in ("int8", "int4") else 0)
+                                block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0))
             stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1,
                                     zero=st.cost.zero, recompute=st.cost.recompute, compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
