@@ -89,7 +89,8 @@ class TrainSpec:
     seq_len: int
     """Tokens per sequence; at most the model's seq_len."""
     micro_batch: int
-    """Sequences per micro-batch; must divide global_batch."""
+    """Sequences one stage replica runs per micro-batch (a pipeline micro-batch is this times the stage's
+    data-parallel degree); must divide global_batch."""
     steps: int
     """Optimizer steps to train."""
     lr: float = 3e-4

@@ -83,7 +83,11 @@ def planner_plan(inputs: PlanInputs) -> Plan:
 def fallback_plan(inputs: PlanInputs) -> Plan:
     """FALLBACK, used only when the planner cannot place the job: one pipeline over the islands in order,
     the layers split evenly (the first stages take the remainder), every stage with the same
-    data-parallel degree: the largest that fits the smallest island used and divides the micro-batches."""
+    data-parallel degree: the largest that fits the smallest island used and divides the micro-batches.
+
+    As in the planner's plans, a pipeline micro-batch is shared evenly by a stage's replicas: each replica
+    runs the job's micro_batch sequences, so the pipeline micro-batch is micro_batch x dp.
+    """
     job = inputs.job
     num_layers = job.model_spec.num_layers
     islands = inputs.islands[:num_layers]
@@ -98,7 +102,7 @@ def fallback_plan(inputs: PlanInputs) -> Plan:
         start = end
     return Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
                 predicted=Prediction(bottleneck="not predicted (fallback plan)"), islands=list(inputs.islands),
-                pipelines=[PipelinePlan(micro_batch=job.train.micro_batch, num_micro_batches=micro // dp,
+                pipelines=[PipelinePlan(micro_batch=job.train.micro_batch * dp, num_micro_batches=micro // dp,
                                         stages=stages)])
 
 

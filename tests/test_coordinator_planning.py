@@ -47,7 +47,8 @@ def test_fallback_splits_layers_evenly_over_islands_with_one_dp_degree() -> None
     assert [s.layers for s in pipeline.stages] == [(0, 2), (2, 4), (4, 6)]
     assert [s.island for s in pipeline.stages] == [i.id for i in inputs.islands]
     assert {s.dp for s in pipeline.stages} == {2}  # the smallest island has 2 nodes; 2 divides 4 micro-batches
-    assert pipeline.num_micro_batches * pipeline.micro_batch * 2 == 16
+    assert pipeline.micro_batch == 4 * 2  # the job's micro_batch on each of the 2 replicas
+    assert pipeline.num_micro_batches * pipeline.micro_batch == 16  # the global batch
     assert [s.nodes for s in pipeline.stages] == [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]
     assert (plan.epoch, plan.resume_step, plan.job_id) == (4, 25, inputs.job.id)
     for s in pipeline.stages:
@@ -75,6 +76,7 @@ def test_make_plan_uses_the_planner_when_it_can_place_the_job() -> None:
     assert how == "planner"
     plan.validate(6)
     assert plan.epoch == 4 and plan.predicted.step_time_s > 0
+    assert sum(p.micro_batch * p.num_micro_batches for p in plan.pipelines) == 16
     alive = set(inputs.members)
     for p in plan.pipelines:
         for s in p.stages:
