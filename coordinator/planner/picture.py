@@ -12,7 +12,7 @@ KIND_COLOR = {"F": "#4c9be8", "B": "#f28e2b", "sync": "#59a14f", "opt": "#9c755f
 
 
 def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
-    """Write the picture of `plan` (with `times`, the first pipeline's stage times) to `path`."""
+    """Write the picture of `plan` (with `times`, its first pipeline's simulated stage times) to `path`."""
     import io
 
     import matplotlib
@@ -27,41 +27,46 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
     fig.suptitle(f"{plan.model}: {plan.predicted.tokens_per_s:,.0f} tokens/s, step {plan.predicted.step_time_s:.2f} s, "
                  f"MFU {plan.predicted.mfu:.0%}", fontsize=11)
 
-    # islands as boxes, width by GPUs; the stages each island hosts drawn inside it
+    # islands as boxes, width by GPUs; the stages each island hosts drawn inside it, for every pipeline
     palette = plt.get_cmap("tab10")
     devices = list(dict.fromkeys(i.device for i in plan.islands))
     total = sum(i.gpus for i in plan.islands)
+    hosted: dict[str, list[tuple[int, int]]] = {}
+    for pk, pipe in enumerate(plan.pipelines):
+        for sk, s in enumerate(pipe.stages):
+            hosted.setdefault(s.island, []).append((pk, sk))
     x = 0.0
-    centers: dict[int, tuple[float, float]] = {}
+    centers: dict[tuple[int, int], tuple[float, float]] = {}
     for isl in plan.islands:
-        w = max(isl.gpus / total, 0.06)
-        top.add_patch(Rectangle((x, 0.05), w * 0.95, 0.9, facecolor=palette(devices.index(isl.device)), alpha=0.25,
+        w = max(isl.gpus / total, 0.08)
+        top.add_patch(Rectangle((x, 0.02), w * 0.95, 0.96, facecolor=palette(devices.index(isl.device)), alpha=0.25,
                                 edgecolor="black"))
-        top.text(x + 0.01, 0.88, f"{isl.id}\n{isl.gpus} x {isl.device}", va="top", fontsize=8)
-        mine = [k for k, s in enumerate(pl.stages) if s.island == isl.id]
-        for n, k in enumerate(mine):
-            s = pl.stages[k]
-            cy = 0.55 - 0.4 * n / max(1, len(mine))
-            cx = x + w * 0.45
-            top.text(cx, cy, f"stage {k}: layers [{s.layers[0]}, {s.layers[1]})\ndp {s.dp}, zero {s.zero}"
+        top.text(x + 0.01, 0.95, f"{isl.id}\n{isl.gpus} x {isl.device}", va="top", fontsize=8)
+        mine = hosted.get(isl.id, [])
+        for n, (pk, sk) in enumerate(mine):
+            s = plan.pipelines[pk].stages[sk]
+            cy = 0.68 - 0.6 * n / max(1, len(mine))
+            cx = x + w * 0.47
+            name = f"stage {sk}" if len(plan.pipelines) == 1 else f"pipeline {pk} stage {sk}"
+            top.text(cx, cy, f"{name}: layers [{s.layers[0]}, {s.layers[1]})\ndp {s.dp}, zero {s.zero}"
                      + (", recompute" if s.recompute else ""), ha="center", va="center", fontsize=7,
                      bbox={"boxstyle": "round", "facecolor": "white"})
-            centers[k] = (cx, cy)
+            centers[(pk, sk)] = (cx, cy)
         x += w
-    for k in range(len(pl.stages) - 1):
-        if k in centers and k + 1 in centers:
-            send = pl.stages[k].send
-            top.add_patch(FancyArrowPatch(centers[k], centers[k + 1], arrowstyle="->", mutation_scale=12,
-                                          color="black", connectionstyle="arc3,rad=0.25"))
+    for pk, pipe in enumerate(plan.pipelines):
+        for sk in range(len(pipe.stages) - 1):
+            a, b = centers[(pk, sk)], centers[(pk, sk + 1)]
+            top.add_patch(FancyArrowPatch(a, b, arrowstyle="->", mutation_scale=12, color="black",
+                                          connectionstyle="arc3,rad=0.3"))
+            send = pipe.stages[sk].send
             if send is not None:
-                mx = (centers[k][0] + centers[k + 1][0]) / 2
-                my = (centers[k][1] + centers[k + 1][1]) / 2 + 0.12
-                top.text(mx, my, f"{send.codec}", fontsize=7, ha="center")
+                top.text((a[0] + b[0]) / 2, min(a[1], b[1]) - 0.08, send.codec, fontsize=7, ha="center",
+                         color="darkred")
     top.set_xlim(0, max(1.0, x))
     top.set_ylim(0, 1)
     top.axis("off")
-    top.set_title(f"islands and pipeline 0 ({len(pl.stages)} stages, {pl.num_micro_batches} micro-batches)",
-                  fontsize=9)
+    top.set_title(f"islands and {len(plan.pipelines)} pipeline(s); timeline of pipeline 0 "
+                  f"({len(pl.stages)} stages, {pl.num_micro_batches} micro-batches)", fontsize=9)
 
     for e in sim.events:
         if e.end <= e.start:
