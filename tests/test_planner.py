@@ -182,3 +182,43 @@ def test_default_codecs_agree_with_the_compression_policy(raw: int, bw: float, o
     codec, sec = model.choose(raw, 2, bw, 1e-3, overlap)
     d = model.policy(bw, 1e-3).choose(raw, "activation", overlap, dtype=torch.bfloat16)
     assert (codec, sec) == (d.spec.codec, pytest.approx(d.predicted_seconds))
+
+
+def test_measured_profiles_override_the_catalog(tmp_path) -> None:
+    from atoll.coordinator.planner import ProfileSet
+
+    cluster = _two_islands(40, 40, fast=4, slow=4, link_gbps=100)
+    train = TrainSpec(global_batch=32, seq_len=512)
+    # "slow" measured: every layer takes 1 ms forward and 2 ms backward per 512 tokens
+    doc = {"devices": {"slow": {"layers": {k: [{"micro_batch": 1, "seq_len": 512, "forward_s": 0.001,
+                                                "backward_s": 0.002}] for k in ("embedding", "block", "head")}}}}
+    path = tmp_path / "profiles.json"
+    path.write_text(__import__("json").dumps(doc))
+    ps = ProfileSet.load(path)
+    cm = CostModel(SMALL, train, ps)
+    slow = cluster.island("slow")
+    t = cm.table(slow, 2)  # 1024 tokens: twice the measured time
+    assert t.fwd == pytest.approx([0.002] * SMALL.num_layers) and t.bwd == pytest.approx([0.004] * SMALL.num_layers)
+    plan = plan_job(SMALL, cluster.subset(["slow"]), train, ps)
+    st = plan.pipelines[0].stages[0]
+    per_replica = plan.pipelines[0].micro_batch // st.dp
+    layers = st.layers[1] - st.layers[0]
+    assert st.compute_s == pytest.approx(layers * 0.003 * per_replica, rel=1e-6)
+    with pytest.raises(ValueError, match="unknown layer kind"):
+        ProfileSet.from_dict({"devices": {"x": {"layers": {"mlp": []}}}})
+    with pytest.raises(ValueError, match="needs micro_batch"):
+        ProfileSet.from_dict({"devices": {"x": {"layers": {"block": [{"micro_batch": 1}]}}}})
+
+
+def test_several_pipelines_split_the_batch_and_count_the_cross_all_reduce() -> None:
+    from atoll.coordinator.planner.multipipe import several_pipelines
+
+    cluster = _two_islands(40, 40, fast=8, slow=16, link_gbps=100)
+    cm = CostModel(SMALL, TrainSpec(global_batch=256, seq_len=512))
+    multi = several_pipelines(cm, cluster, [["fast"], ["slow"]])
+    assert multi is not None and sum(multi.shares) == 256
+    assert all(c.micro_batch * c.num_micro_batches == s for c, s in zip(multi.pipelines, multi.shares))
+    assert all(x > 0 for per in multi.cross_sync_s for x in per)
+    # a slower link between the islands makes the same split dearer
+    slow_link = several_pipelines(cm, _two_islands(40, 40, fast=8, slow=16, link_gbps=1), [["fast"], ["slow"]])
+    assert slow_link is not None and slow_link.step_s > multi.step_s
