@@ -4,7 +4,8 @@
 
 For each scenario: the simulated tokens/s of every baseline (bench/baselines.py) and of the plan, all
 through the planner's cost model and 1F1B simulator; the plan's ratio to the best baseline; the same for
-the islands-flops reference (one stage per island, layers by FLOPS); the planning time. Cross-region scenarios also show the best plan confined to one region and what the plan spanning
+the islands-flops reference (one stage per island, layers by FLOPS); the planning time. A baseline is
+"infeasible" when a stage does not fit in memory at any depth tried or two consecutive stages have no link. Cross-region scenarios also show the best plan confined to one region and what the plan spanning
 regions gains over it.
 
 Targets: the plan is never below a baseline (nor the reference); >= 1.3x the best baseline where a region mixes device
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         if r["region_best"] is not None:
             gain = r["plan"] / r["region_best"] if r["region_best"] else float("inf")
             cross = f"{gain:.2f}x the best single region ({r['region_best']:,.0f} tok/s)"
-        cells = " ".join(f"{t:>18,.0f}" if t else f"{'does not fit':>18}" for t in tps)
-        refc = f"{ref:>17,.0f}" if ref else f"{'does not fit':>17}"
+        cells = " ".join(f"{t:>18,.0f}" if t else f"{'infeasible':>18}" for t in tps)
+        refc = f"{ref:>17,.0f}" if ref else f"{'infeasible':>17}"
         print(f"{s.name:<62} {r['gpus']:>5} {cells} {r['plan']:>10,.0f} {ratio:>6.2f}x {refc} {ref_ratio:>5.2f}x "
               f"{r['secs']:>6.2f}s  {cross}", flush=True)
         targets.append((f"{s.name}: plan >= every baseline", r["plan"] > 0 and r["plan"] >= max(best, ref) * (1 - 1e-9)))

@@ -175,7 +175,10 @@ class Composer:
                 for j in cm.options.micro_batches:
                     out.append((widths, caps, base * j))
             d *= 2
-        return [(w, c, b) for w, c, b in dict.fromkeys(out) if c[-1] > 0 and g % b == 0]
+        sizes = set(cm.options.micro_batches)
+        # every replica's share of a micro-batch must be one of the allowed per-replica sizes
+        return [(w, c, b) for w, c, b in dict.fromkeys(out)
+                if c[-1] > 0 and g % b == 0 and all(b % x == 0 and b // x in sizes for x in w)]
 
     def setups(self) -> list[_Setup]:
         cm = self.cost_model

@@ -48,7 +48,8 @@ class PlannerOptions:
     memory_reserve_fraction: float = 0.1
     """Share of device memory kept free for the framework, allocator fragmentation and buffers."""
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    """Per-replica micro-batch sizes (sequences) to consider."""
+    """Sequences one replica may process per micro-batch; every stage's share of a pipeline micro-batch is
+    one of these."""
     max_stages: int = 128
     """Most pipeline stages in one pipeline."""
     activation_codecs: tuple[str, ...] = ("identity", "bf16", "fp16", "int8")
