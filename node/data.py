@@ -72,6 +72,13 @@ class TokenDataset:
         windows = self.tokens[idx]
         return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
+    def rows(self, step: int, global_batch: int, first: int, last: int) -> Batch:
+        """Rows [first, last) of the step's global batch."""
+        if not 0 <= first < last <= global_batch:
+            raise ValueError(f"rows [{first}, {last}) are outside a global batch of {global_batch}")
+        b = self.global_batch(step, global_batch)
+        return Batch(b.inputs[first:last], b.targets[first:last])
+
     def replica_batch(self, step: int, global_batch: int, replica: int, replicas: int) -> Batch:
         """Data-parallel replica `replica`'s contiguous share of the step's global batch."""
         if global_batch % replicas:

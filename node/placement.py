@@ -1,12 +1,14 @@
 """Where a node sits in a plan: its pipeline, stage, replica, neighbours and gradient groups.
 
 Runtime rules (checked here, with errors that name the pipeline and stage):
-- within one pipeline every stage has the same data-parallel degree; replica r of stage s exchanges
-  activations with replica r of stages s - 1 and s + 1 (a "pipeline replica");
-- the global batch is split evenly over all pipeline replicas of all pipelines;
+- a pipeline's micro-batch is shared by the replicas of each of its stages, and within one pipeline every
+  stage has the same data-parallel degree d: replica r of stage s exchanges activations with replica r
+  of stages s - 1 and s + 1 (a "pipeline replica" that runs micro_batch / d sequences per micro-batch);
+- pipelines take consecutive rows of the global batch (micro_batch x num_micro_batches each), and the
+  replicas of a pipeline consecutive equal parts of its rows;
 - gradients are averaged per *layer segment*: the layer ranges of all pipelines cut the model into
-  segments, and every node holding a segment averages that segment's gradients with the other holders
-  (with one pipeline these are simply the replicas of a stage).
+  segments, and every node holding a segment averages that segment's gradients with the other holders,
+  weighted by the rows each trained (with one pipeline these are simply the replicas of a stage).
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ class Placement:
     num_micro_batches: int
     upstream: str | None
     downstream: str | None
-    data_rank: int
-    """Index of this node's pipeline replica among all pipeline replicas of the plan."""
-    data_ranks: int
-    """Pipeline replicas in the plan: the global batch is split into this many equal shares."""
+    rows: tuple[int, int]
+    """Rows [first, last) of the global batch this pipeline replica trains on."""
+    replica_micro_batch: int
+    """Sequences per micro-batch on this replica (the pipeline micro-batch / dp)."""
     chain: tuple[str, ...]
     """The node ids of this pipeline replica, stage by stage (the norm-exchange group)."""
     loss_group: tuple[str, ...]
-    """Last-stage node of every pipeline replica (the group that averages the reported loss)."""
+    """Last-stage node of every pipeline replica (the group that sums the reported loss)."""
     segments: tuple[Segment, ...]
     """Segments of this node's layers held by more than one node."""
 
@@ -65,7 +67,7 @@ class Placement:
 def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
     """This node's place in `plan`, or None when the plan gives it no work."""
     plan.validate(num_layers)
-    data_ranks = 0
+    row = 0
     found: Placement | None = None
     holders: list[tuple[tuple[int, int], str]] = []
     loss_group: list[str] = []
@@ -79,6 +81,10 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
             if st.dp != dp:
                 raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} but {dp} nodes are listed")
             holders.extend((st.layers, n) for n in st.nodes)
+        if pipe.micro_batch % dp:
+            raise PlacementError(f"pipeline {p}: its micro-batch of {pipe.micro_batch} does not split over "
+                                 f"{dp} replicas")
+        share = pipe.micro_batch // dp * pipe.num_micro_batches
         for r in range(dp):
             chain = tuple(st.nodes[r] for st in pipe.stages)
             loss_group.append(chain[-1])
@@ -90,18 +96,14 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
                     layers=st.layers, micro_batch=pipe.micro_batch, num_micro_batches=pipe.num_micro_batches,
                     upstream=chain[s - 1] if s > 0 else None,
                     downstream=chain[s + 1] if s + 1 < len(chain) else None,
-                    data_rank=data_ranks, data_ranks=0, chain=chain, loss_group=(), segments=(),
+                    rows=(row, row + share), replica_micro_batch=pipe.micro_batch // dp,
+                    chain=chain, loss_group=(), segments=(),
                 )
-            data_ranks += 1
+            row += share
+    if row != plan.global_batch:
+        raise PlacementError(f"the pipelines train {row} sequences per step, the global batch is {plan.global_batch}")
     if found is None:
         return None
-    share, rem = divmod(plan.global_batch, data_ranks)
-    if rem:
-        raise PlacementError(f"global batch {plan.global_batch} does not split over {data_ranks} pipeline replicas")
-    pipe = plan.pipelines[found.pipeline]
-    if pipe.micro_batch * pipe.num_micro_batches != share:
-        raise PlacementError(f"pipeline {found.pipeline}: {pipe.num_micro_batches} micro-batches of {pipe.micro_batch} "
-                             f"do not make its share of the batch ({share} = {plan.global_batch} / {data_ranks})")
     bounds = sorted({b for (a, e), _ in holders for b in (a, e)})
     a, b = found.layers
     segments = []
@@ -110,5 +112,4 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
             seg_holders = tuple(n for (x, y), n in holders if x <= lo and hi <= y)
             if len(seg_holders) > 1:
                 segments.append(Segment(lo, hi, seg_holders))
-    return Placement(**{**found.__dict__, "data_ranks": data_ranks, "loss_group": tuple(loss_group),
-                        "segments": tuple(segments)})
+    return Placement(**{**found.__dict__, "loss_group": tuple(loss_group), "segments": tuple(segments)})

@@ -111,15 +111,25 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
 
 
 class _SegmentAverager:
-    """Averages each shared layer segment's gradients over the nodes that hold it."""
+    """Averages each shared layer segment's gradients over the nodes that hold it, weighted by rows.
 
-    def __init__(self, parts: list[tuple[set[int], GradientAverager]]):
-        self.parts = parts
+    Each holder's gradient is of the mean loss over its own rows; scaling it by rows x holders / batch
+    before the plain average gives the gradient of the mean loss over the whole batch.
+    """
+
+    def __init__(self, parts: list[tuple[set[int], GradientAverager]], weight: float):
+        self.parts, self.weight = parts, weight
 
     def average_(self, params, timeout: timedelta) -> None:
         params = list(params)
         for ids, averager in self.parts:
-            averager.average_([p for p in params if id(p) in ids], timeout)
+            mine = [p for p in params if id(p) in ids]
+            scale = self.weight * averager.world_size
+            if scale != 1.0:
+                for p in mine:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            averager.average_(mine, timeout)
 
 
 class PlanRun:
@@ -159,8 +169,7 @@ class PlanRun:
             while step < job.train.steps and not stop.is_set():
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, step)
-                batch = data.replica_batch(step, job.train.global_batch, pl.data_rank, pl.data_ranks) \
-                    if data is not None else None
+                batch = data.rows(step, job.train.global_batch, *pl.rows) if data is not None else None
                 try:
                     result = stage.train_step(step, batch)
                     loss = self._mean_loss(result, loss_group, pl)
@@ -204,12 +213,17 @@ class PlanRun:
                            len(seg.holders), ctx.timeout, ctx.device)
                 ids = {id(p) for i in range(seg.start, seg.end) for p in module.layers[str(i)].parameters()}
                 parts.append((ids, GradientAverager(g)))
-            averager = _SegmentAverager(parts)
+            averager = _SegmentAverager(parts, weight=self._row_weight())
         loss_group = None
         if store is not None and pl.is_last and len(pl.loss_group) > 1:
             loss_group = _group(store, f"{base}/loss/", pl.loss_group.index(ctx.node_id), len(pl.loss_group),
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
+
+    def _row_weight(self) -> float:
+        pl = self.placement
+        assert pl is not None
+        return (pl.rows[1] - pl.rows[0]) / self.plan.global_batch
 
     def _transport(self, pl: Placement):
         if pl.num_stages == 1:
@@ -232,7 +246,7 @@ class PlanRun:
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch,
             pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
             upstream=ref(pl.upstream), downstream=ref(pl.downstream),
-            shape=(pl.micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
+            shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
@@ -245,9 +259,10 @@ class PlanRun:
             return None
         if group is None:
             return result.loss
-        t = torch.tensor([result.loss], dtype=torch.float64, device=self.ctx.device)
+        # the batch's mean loss: each last stage's mean over its rows, weighted by its rows
+        t = torch.tensor([result.loss * self._row_weight()], dtype=torch.float64, device=self.ctx.device)
         group.allreduce([t]).wait(self.ctx.timeout)
-        return float(t.item()) / len(pl.loss_group)
+        return float(t.item())
 
     def _metrics(self, step: int, result: StepResult, loss: float | None, transport) -> StepMetrics:
         pl = self.placement
@@ -257,7 +272,7 @@ class PlanRun:
         return StepMetrics(
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch, step=step,
             pipeline=pl.pipeline, stage=pl.stage, loss=loss if reports_loss else None,
-            tokens=pl.micro_batch * pl.num_micro_batches * self.job.train.seq_len,
+            tokens=(pl.rows[1] - pl.rows[0]) * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
         )

@@ -83,12 +83,12 @@ def test_two_stage_pipeline_matches_one_process(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(150)
 def test_two_pipelines_cut_differently_match_one_process(tmp_path: Path) -> None:
-    """Pipelines with different cuts average gradients per shared layer segment."""
+    """Pipelines with different cuts and shares average gradients per shared layer segment, by rows."""
     job = _job(steps=4)
     expected, _ = train_local(job)
     got = _run(job, [
-        PipelinePlan(micro_batch=4, num_micro_batches=2, stages=[_stage((0, 3), ["a"]), _stage((3, 6), ["b"])]),
-        PipelinePlan(micro_batch=4, num_micro_batches=2, stages=[_stage((0, 2), ["c"]), _stage((2, 6), ["d"])]),
+        PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[_stage((0, 3), ["a"]), _stage((3, 6), ["b"])]),
+        PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[_stage((0, 2), ["c"]), _stage((2, 6), ["d"])]),
     ], tmp_path)
     for s in range(4):
         assert abs(got[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
@@ -117,8 +117,8 @@ def test_placement_rejects_uneven_replicas() -> None:
     with pytest.raises(PlacementError, match="same number"):
         place(plan, "a", 6)
     ok = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
-        micro_batch=4, num_micro_batches=2, stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c", "d"])])])
+        micro_batch=8, num_micro_batches=2, stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c", "d"])])])
     p = place(ok, "d", 6)
-    assert (p.stage, p.replica, p.upstream, p.data_rank, p.data_ranks) == (1, 1, "b", 1, 2)
+    assert (p.stage, p.replica, p.upstream, p.rows, p.replica_micro_batch) == (1, 1, "b", (8, 16), 4)
     assert [s.holders for s in p.segments] == [("c", "d")]
     assert place(ok, "zz", 6) is None
