@@ -222,3 +222,11 @@ def test_several_pipelines_split_the_batch_and_count_the_cross_all_reduce() -> N
     # a slower link between the islands makes the same split dearer
     slow_link = several_pipelines(cm, _two_islands(40, 40, fast=8, slow=16, link_gbps=1), [["fast"], ["slow"]])
     assert slow_link is not None and slow_link.step_s > multi.step_s
+
+
+def test_equal_widths_and_single_pipeline_options() -> None:
+    cluster = _two_islands(40, 40, fast=8, slow=16, link_gbps=100)
+    opts = PlannerOptions(equal_widths=True, several_pipelines=False)
+    plan = plan_job(SMALL, cluster, TrainSpec(global_batch=256, seq_len=512), options=opts)
+    assert len(plan.pipelines) == 1
+    assert len({s.dp for s in plan.pipelines[0].stages}) == 1

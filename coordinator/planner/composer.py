@@ -167,7 +167,7 @@ class Composer:
                 out.append(((w,) * len(order), caps, w * b))
         # every island cut into d stages
         d = 1
-        while d <= max_units:
+        while d <= max_units and not cm.options.equal_widths:
             widths = tuple(max(1, i.gpus // d) for i in order)
             caps = tuple(min(d, i.gpus) for i in order)
             base = math.lcm(*widths)

@@ -62,6 +62,9 @@ class PlannerOptions:
     """Memory bandwidth of the optimizer step's state updates when no profile gives its time."""
     refine_factors: tuple[float, ...] = (1.0, 1.15, 1.4)
     """Bottleneck relaxations tried after the minimum (fewer stages may shorten fill and drain)."""
+    equal_widths: bool = False
+    """Only pipelines whose stages all have the same data-parallel degree (replica r of a stage feeds
+    replica r of the next), for runtimes that cannot regroup a micro-batch between stages."""
     several_pipelines: bool = True
     """Also try one pipeline per region (up to 4 regions) and one per island (up to 4 islands), data-parallel
     with each other."""
