@@ -92,11 +92,13 @@ def run_demo(args: argparse.Namespace) -> int:
     last = None
     try:
         address = _wait_file(addr_file, coordinator, 60)
+        # nodes sharing this machine split its cores; more threads than cores slows everyone many times over
+        threads = max(1, (os.cpu_count() or 1) // args.nodes)
         print(f"coordinator on {address}; starting {args.nodes} nodes (logs in {out}/)")
         for i in range(args.nodes):
             procs.append(_spawn(["node", "--coordinator", address, "--token-file", str(token_file), "--listen",
                                  "127.0.0.1:0", "--state-dir", str(out / f"node{i + 1}"), "--checkpoint-dir",
-                                 str(ckpt)], out / f"node{i + 1}.log"))
+                                 str(ckpt), "--threads", str(threads)], out / f"node{i + 1}.log"))
         token = token_file.read_text().strip()
         deadline = time.monotonic() + args.timeout
         bar = tqdm(total=job.train.steps, desc="training", unit="step", dynamic_ncols=True)
@@ -136,7 +138,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"{last.tokens_per_second:,.0f} tokens/s at the end")
     print(f"loss curve: {curve}")
     if last is not None and last.HasField("plan"):
-        picture = draw_plan_picture(plan_from_proto(last.plan), job.model_spec(), out / "plan.png")
+        picture = draw_plan_picture(plan_from_proto(last.plan), job.model_spec, out / "plan.png")
         print(f"plan picture: {picture}")
     return 0
 

@@ -106,12 +106,14 @@ class PlanDecision:
 
 
 def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
-                  last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions) -> PlanDecision:
+                  last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions,
+                  stale: bool = False) -> PlanDecision:
     """Whether to publish a new plan now.
 
     alive: ids of alive members; planned: ids in the current plan (None: no plan yet); unprobed: alive
     members whose links to the others are not measured yet; last_change_unix: the latest join or
-    departure.
+    departure; stale: the current plan was made by an earlier coordinator process (its rendezvous store
+    is gone), so once its members are back it is replaced by a new epoch.
     """
     if planned is None:
         if len(alive) < cluster.expected_nodes:
@@ -120,6 +122,9 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
             return PlanDecision(False, f"waiting for link probes of {', '.join(sorted(unprobed))}")
         return PlanDecision(True, f"{len(alive)} nodes joined and probed (expected {cluster.expected_nodes})")
     if set(alive) == set(planned):
+        if stale:
+            return PlanDecision(True, "the coordinator restarted and the plan's members are back: a new epoch with "
+                                      "a fresh rendezvous, from the last complete checkpoint")
         return PlanDecision(False, "membership matches the current plan")
     if len(alive) < cluster.min_nodes:
         return PlanDecision(False, f"only {len(alive)} alive, fewer than cluster.min_nodes = {cluster.min_nodes}; "

@@ -2,13 +2,13 @@
 
 `make_plan` asks the planner (`atoll.coordinator.planner`) for slices and islands, then fills in what
 only the coordinator knows: the plan epoch, the job id, the node ids of each stage in rank order, the
-data-parallel rendezvous address of each stage and the step to resume from. When the planner cannot
+nodes' peer addresses, the rendezvous store of the epoch (hosted by the coordinator; every process group
+of the epoch meets there under its own prefix) and the step to resume from. When the planner cannot
 place the job, `fallback_plan` gives a plain valid plan so a job never waits on the planner.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,11 +20,6 @@ from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, StagePlan
 from atoll.types import LinkMeasurement
 
 log = logging.getLogger("atoll.coordinator.planning")
-
-RENDEZVOUS_PORTS = (20000, 30000)
-"""dp_rendezvous ports are drawn from this range, below Linux's ephemeral ports (32768-60999), so a
-stage's rank 0 can bind its port while the node's other sockets hold ephemeral ones."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class PlanInputs:
@@ -42,6 +37,8 @@ class PlanInputs:
     """Epoch of the plan to make."""
     resume_step: int = 0
     """The last complete checkpoint step."""
+    rendezvous: str = ""
+    """HOST:PORT of the coordinator's torch.distributed store ("" host: the host nodes dial the coordinator at)."""
 
 
 def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
@@ -75,7 +72,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
     cluster = Cluster.from_nodes(islands, profiles, links)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
-    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs)
+    # the runtime runs stages of one width per pipeline (replica r of a stage feeds replica r of the next)
+    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=True)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     return plan_job(job.model_spec, cluster, train, ProfileSet.from_node_profiles(islands, profiles), options)
 
@@ -107,10 +105,10 @@ def fallback_plan(inputs: PlanInputs) -> Plan:
 
 
 def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
-    """Fill in epoch, job id, resume step, stage node ids and rendezvous addresses."""
+    """Fill in epoch, job id, resume step, stage node ids, peer addresses and the rendezvous store."""
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
+    plan.rendezvous = inputs.rendezvous
     islands = {i.id: i for i in inputs.islands}
-    taken: set[tuple[str, int]] = set()
     for p_index, pipeline in enumerate(plan.pipelines):
         for s_index, stage in enumerate(pipeline.stages):
             if not stage.nodes:
@@ -121,22 +119,7 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
             missing = [n for n in stage.nodes if n not in inputs.members]
             if missing:
                 raise ValueError(f"stage {s_index} of pipeline {p_index} names nodes that are not alive: {missing}")
-            host = _host(inputs.members[stage.nodes[0]].peer_address)
-            port = rendezvous_port(inputs.job.id, inputs.epoch, p_index, s_index)
-            while (host, port) in taken:  # two stages whose rank 0 shares a host need distinct ports
-                port = RENDEZVOUS_PORTS[0] + (port + 1 - RENDEZVOUS_PORTS[0]) % (RENDEZVOUS_PORTS[1] - RENDEZVOUS_PORTS[0])
-            taken.add((host, port))
-            stage.dp_rendezvous = f"tcp://{host}:{port}"
+            stage.dp_rendezvous = f"tcp://{inputs.rendezvous}" if inputs.rendezvous else ""
+            for n in stage.nodes:
+                plan.node_addresses[n] = inputs.members[n].peer_address
     return plan
-
-
-def rendezvous_port(job_id: str, epoch: int, pipeline: int, stage: int) -> int:
-    """A port in RENDEZVOUS_PORTS that differs between epochs, so a new epoch's group never meets the
-    lingering socket of the old one."""
-    digest = hashlib.sha256(f"{job_id}/{epoch}/{pipeline}/{stage}".encode()).digest()
-    lo, hi = RENDEZVOUS_PORTS
-    return lo + int.from_bytes(digest[:4], "big") % (hi - lo)
-
-
-def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0]

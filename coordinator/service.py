@@ -63,6 +63,24 @@ class ServiceConfig:
             raise ValueError(f"max_workers must be at least 4, got {self.max_workers}")
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def _rendezvous_store(listen: str):
+    """The torch.distributed store the nodes of each plan epoch meet at, and its address for the plan.
+
+    A listen address on all interfaces gives an empty host: nodes then use the host they dial the
+    coordinator at. The store lives as long as this process; a restarted coordinator has a new one, and
+    plans naming the old one are replaced by a new epoch.
+    """
+    import torch.distributed as dist
+
+    host = listen.rsplit(":", 1)[0]
+    bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
+    store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    return store, f"{'' if host in WILDCARD_HOSTS else host}:{store.port}"
+
+
 class CoordinatorService:
     """A running coordinator. `start()` binds and starts the loop; `stop()` shuts everything down."""
 
@@ -72,7 +90,8 @@ class CoordinatorService:
         if store is None:
             store = SqliteStore(self.config.state_dir / DB_NAME) if self.config.state_dir else MemoryStore()
         self.store = store
-        self.state = CoordinatorState(store=store, job=job, token=token, options=options)
+        self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen)
+        self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous)
         self.metrics = CoordinatorMetrics()
         self.health = health.HealthServicer()
         self._server: ServerHandle | None = None

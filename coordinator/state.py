@@ -17,7 +17,7 @@ from datetime import timedelta
 from atoll.coordinator.checkpoints import complete_steps
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
 from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fresh_pairs, needs_probes, probe_targets
-from atoll.coordinator.membership import MembershipOptions, expire_leases, plan_decision
+from atoll.coordinator.membership import MembershipOptions, PlanDecision, expire_leases, plan_decision
 from atoll.coordinator.planning import PlanInputs, make_plan
 from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
@@ -57,12 +57,14 @@ class CoordinatorState:
     """Everything the handlers read and change. Thread-safe."""
 
     def __init__(self, *, store: Store, job: JobSpec, token: str, options: CoordinatorOptions | None = None,
-                 clock: Callable[[], float] = time.time, planner: Planner = make_plan):
+                 clock: Callable[[], float] = time.time, planner: Planner = make_plan, rendezvous: str = ""):
         if not token:
             raise ValueError("the coordinator needs a job token: pass --token-file or set ATOLL_TOKEN")
         self.store, self.job, self.token = store, job, token
         self.options = options or CoordinatorOptions()
         self.clock, self.planner = clock, planner
+        self.rendezvous = rendezvous
+        """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
         stored = store.get_job()
         if stored is not None and stored.job_id != job.id:
             raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id} (the spec changed?); start with "
@@ -102,13 +104,17 @@ class CoordinatorState:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._closed:
-                if self._plan is not None and self._plan.epoch > known_epoch:
+                if self._plan is not None and self._plan.epoch > known_epoch and not self._stale(self._plan):
                     return self._plan
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
             return None
+
+    def _stale(self, plan: Plan) -> bool:
+        """A plan from before a coordinator restart: its rendezvous store is gone, so nodes cannot run it."""
+        return bool(self.rendezvous) and plan.rendezvous != self.rendezvous
 
     @property
     def closed(self) -> bool:
@@ -172,6 +178,11 @@ class CoordinatorState:
         plans = {h.plan.epoch: h.plan for h in self.store.plan_history()}
         return complete_steps(self.store.list_checkpoints(), plans)
 
+    def job_complete(self) -> bool:
+        """The last step has been trained (a stage reported it): no more plans are made."""
+        last = self.job.train.steps - 1
+        return any(s.step >= last for s in self.store.recent_steps(16))
+
     # --- the loop -------------------------------------------------------------------------------------
 
     def islands_now(self, alive: dict[str, MemberRecord]) -> list[IslandInfo]:
@@ -194,9 +205,12 @@ class CoordinatorState:
             self.store.put_islands(self.islands_now(alive))
         plan = self.current_plan()
         planned = None if plan is None else {n for i in plan.islands for n in i.nodes}
-        decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
-                                 last_change_unix=last_change, cluster=self.job.cluster,
-                                 options=self.options.membership)
+        if self.job_complete():
+            decision = PlanDecision(False, f"the job has completed its {self.job.train.steps} steps")
+        else:
+            decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
+                                     last_change_unix=last_change, cluster=self.job.cluster,
+                                     options=self.options.membership, stale=plan is not None and self._stale(plan))
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason))
         elif decision.reason != self._last_reason:
@@ -213,7 +227,8 @@ class CoordinatorState:
         matrix = complete_matrix(sorted(alive), links)
         done = self.complete_checkpoint_steps()
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links,
-                            epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0)
+                            epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0,
+                            rendezvous=self.rendezvous)
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)

@@ -477,8 +477,21 @@ def run_node_cli(args: argparse.Namespace) -> int:
     agent = NodeAgent(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: threading.Thread(target=agent.stop, daemon=True).start())
+    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
+
+    def on_plan(run: PlanRun) -> None:
+        import torch
+
+        from atoll.node.runner import follow_plan
+
+        finished = follow_plan(run, checkpoint_dir=checkpoint_dir, device=torch.device(args.device),
+                               coordinator_host=args.coordinator.rsplit(":", 1)[0], token=token,
+                               rpc=config.peer_rpc)
+        if finished and args.exit_when_done:
+            threading.Thread(target=agent.stop, daemon=True).start()
+
     try:
-        agent.run()
+        agent.run(on_plan=on_plan)
     except AgentError as e:
         raise PermissionError(str(e)) from None
     finally:

@@ -21,6 +21,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "wildcard host replaced by this machine's hostname)")
     p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id")
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator (peer links stay plaintext)")
+    p.add_argument("--checkpoint-dir", help="where checkpoints are written and read (default: STATE_DIR/checkpoints); "
+                   "nodes that may take over each other's layers need one shared folder")
+    p.add_argument("--exit-when-done", action="store_true", help="leave and exit once the job has finished its steps")
     p.add_argument("--profile-seconds", type=float, default=3.0, help="time budget of the start-up profile")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads torch may use (default: torch's choice, one per core). With several nodes on "

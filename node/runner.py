@@ -1,6 +1,6 @@
 """Runs this node's part of a plan: build the stage, connect, train, checkpoint, report.
 
-`PlanRun(context, plan).run(stop)` trains from the plan's resume step until the job's last step, until
+`PlanRunner(context, plan).run(stop)` trains from the plan's resume step until the job's last step, until
 `stop` is set (a new plan arrived) or the coordinator says stop. It:
 1. finds the node's place in the plan (`atoll.node.placement`);
 2. builds layers [a, b) only, and loads them (and their optimizer state) from the checkpoint of the
@@ -100,6 +100,8 @@ class RunContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     timeout: timedelta = timedelta(seconds=120)
     """Bound of every wait on a neighbour, a collective or the rendezvous."""
+    coordinator_host: str = "127.0.0.1"
+    """Host the node dials the coordinator at: the rendezvous store's host when the plan names none."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -132,7 +134,7 @@ class _SegmentAverager:
             averager.average_(mine, timeout)
 
 
-class PlanRun:
+class PlanRunner:
     """This node's share of one plan epoch."""
 
     def __init__(self, ctx: RunContext, plan: Plan):
@@ -193,7 +195,7 @@ class PlanRun:
         if not self.plan.rendezvous:
             raise RunFailed("the plan names no rendezvous store; the coordinator must publish one")
         host, port = self.plan.rendezvous.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, timeout=self.ctx.timeout)
+        return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False, timeout=self.ctx.timeout)
 
     def _groups(self, store: dist.Store | None, module: torch.nn.Module
                 ) -> tuple[NormExchange | None, _SegmentAverager | None, dist.ProcessGroup | None]:
@@ -288,3 +290,35 @@ class PlanRun:
         self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
                                                      data_position=position))
         log.info("checkpoint of step %d: layers [%d, %d) -> %s", step, *pl.layers, path)
+
+
+def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_host: str, token: str | None,
+                rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=120)) -> bool:
+    """The node agent's plan callback: run this node's share of `run.plan` until done or superseded.
+
+    `run` is the agent's `PlanRun` (plan, job, node_id, peer, superseded, report_step, report_checkpoint).
+    Returns True when the job has finished its steps. A failed run (a neighbour died) waits for the next
+    plan, which the coordinator makes once it notices the departure.
+    """
+    from atoll.v1 import atoll_pb2 as pb
+
+    def report_checkpoint(c: CheckpointWritten) -> None:
+        run.report_checkpoint(pb.CheckpointReport(
+            job_id=run.plan.job_id, node_id=run.node_id, plan_epoch=run.plan.epoch, step=c.step,
+            layer_start=c.layers[0], layer_end=c.layers[1], path=str(c.path), bytes=c.bytes,
+            data_position=c.data_position))
+
+    ctx = RunContext(node_id=run.node_id, job=run.job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
+                     report_step=lambda m: bool(run.report_step(m).stop), report_checkpoint=report_checkpoint,
+                     token=token, rpc=rpc or RpcOptions(), device=device, timeout=timeout,
+                     coordinator_host=coordinator_host)
+    try:
+        next_step = PlanRunner(ctx, run.plan).run(run.superseded)
+    except RunFailed as e:
+        log.error("%s; waiting for a new plan", e)
+        run.superseded.wait()
+        return False
+    if next_step >= run.job.train.steps:
+        log.info("the job has finished its %d steps", run.job.train.steps)
+        return True
+    return False

@@ -1,4 +1,4 @@
-"""The coordinator's adapter to the planner: the fallback plan, node ids and rendezvous addresses."""
+"""The coordinator's adapter to the planner: the fallback plan, node ids, peer addresses and the rendezvous."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from atoll.coordinator.islands import form_islands
 from atoll.coordinator.linkmatrix import complete_matrix
-from atoll.coordinator.planning import RENDEZVOUS_PORTS, PlanInputs, fallback_plan, finish_plan, make_plan
+from atoll.coordinator.planning import PlanInputs, fallback_plan, finish_plan, make_plan
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
@@ -36,7 +36,7 @@ def _inputs(groups: dict[str, list[str]], timings: bool = True, epoch: int = 4) 
     matrix = complete_matrix(ids, links)
     islands = form_islands({n: m.profile for n, m in members.items()}, matrix)
     return PlanInputs(job=job, members=members, islands=islands, matrix=matrix, links=links, epoch=epoch,
-                      resume_step=25)
+                      resume_step=25, rendezvous="10.0.9.9:29400")
 
 
 def test_fallback_splits_layers_evenly_over_islands_with_one_dp_degree() -> None:
@@ -51,23 +51,15 @@ def test_fallback_splits_layers_evenly_over_islands_with_one_dp_degree() -> None
     assert pipeline.num_micro_batches * pipeline.micro_batch == 16  # the global batch
     assert [s.nodes for s in pipeline.stages] == [["a1", "a2"], ["b1", "b2"], ["c1", "c2"]]
     assert (plan.epoch, plan.resume_step, plan.job_id) == (4, 25, inputs.job.id)
-    for s in pipeline.stages:
-        host, port = s.dp_rendezvous.removeprefix("tcp://").rsplit(":", 1)
-        assert host == inputs.members[s.nodes[0]].peer_address.split(":")[0]
-        assert RENDEZVOUS_PORTS[0] <= int(port) < RENDEZVOUS_PORTS[1]
+    assert plan.rendezvous == "10.0.9.9:29400"
+    assert {s.dp_rendezvous for s in pipeline.stages} == {"tcp://10.0.9.9:29400"}
 
 
-def test_rendezvous_ports_differ_by_epoch_and_on_a_shared_host() -> None:
-    one, two = _inputs({"x": ["a1"], "y": ["b1"]}, epoch=1), _inputs({"x": ["a1"], "y": ["b1"]}, epoch=2)
-    a = finish_plan(fallback_plan(one), one)
-    b = finish_plan(fallback_plan(two), two)
-    assert a.pipelines[0].stages[0].dp_rendezvous != b.pipelines[0].stages[0].dp_rendezvous
-    shared = _inputs({"x": ["a1"], "y": ["b1"], "z": ["c1"]})
-    for m in shared.members.values():
-        m.peer_address = "127.0.0.1:" + m.peer_address.rsplit(":", 1)[1]
-    plan = finish_plan(fallback_plan(shared), shared)
-    addresses = [s.dp_rendezvous for s in plan.pipelines[0].stages]
-    assert len(set(addresses)) == len(addresses)
+def test_plan_names_every_node_address() -> None:
+    inputs = _inputs({"x": ["a1", "a2"], "y": ["b1"]})
+    plan = finish_plan(fallback_plan(inputs), inputs)
+    used = {n for p in plan.pipelines for s in p.stages for n in s.nodes}
+    assert plan.node_addresses == {n: inputs.members[n].peer_address for n in used}
 
 
 def test_make_plan_uses_the_planner_when_it_can_place_the_job() -> None:
@@ -81,7 +73,8 @@ def test_make_plan_uses_the_planner_when_it_can_place_the_job() -> None:
     for p in plan.pipelines:
         for s in p.stages:
             assert s.nodes and set(s.nodes) <= alive and len(s.nodes) == s.dp
-            assert s.dp_rendezvous.startswith("tcp://10.0.")
+            assert s.dp_rendezvous == "tcp://10.0.9.9:29400"
+            assert plan.node_addresses[s.nodes[0]] == inputs.members[s.nodes[0]].peer_address
 
 
 def test_make_plan_falls_back_and_says_why() -> None:

@@ -90,3 +90,14 @@ def test_options_are_validated() -> None:
         MembershipOptions(lease=timedelta(0))
     with pytest.raises(ValueError, match="settle"):
         MembershipOptions(settle=timedelta(seconds=-1))
+
+
+def test_a_stale_plan_is_replaced_once_its_members_are_back() -> None:
+    from atoll.coordinator.membership import MembershipOptions, plan_decision
+    from atoll.job import ClusterSpec
+
+    kw = dict(unprobed=set(), last_change_unix=0.0, cluster=ClusterSpec(expected_nodes=2),
+              options=MembershipOptions())
+    assert not plan_decision(10.0, alive={"a", "b"}, planned={"a", "b"}, **kw).plan
+    d = plan_decision(10.0, alive={"a", "b"}, planned={"a", "b"}, stale=True, **kw)
+    assert d.plan and "restarted" in d.reason

@@ -14,7 +14,7 @@ from atoll.job import JobSpec
 from atoll.node.local import train_local
 from atoll.node.peer import PeerServer
 from atoll.node.placement import PlacementError, place
-from atoll.node.runner import PlanRun, RunContext
+from atoll.node.runner import PlanRunner, RunContext
 from atoll.plan import PipelinePlan, Plan, StagePlan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def _run(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, resume_ste
                          report_step=report, report_checkpoint=lambda c: None, token="t",
                          timeout=timedelta(seconds=30))
         try:
-            PlanRun(ctx, plan).run(threading.Event())
+            PlanRunner(ctx, plan).run(threading.Event())
         except BaseException as e:  # surfaced below
             errors.append(e)
 
