@@ -56,7 +56,7 @@ def profile_to_proto(p: NodeProfile) -> pb.NodeProfile:
         memory_total_bytes=p.memory_total_bytes, memory_free_bytes=p.memory_free_bytes, cpu_count=p.cpu_count,
         layer_timings=[layer_timing_to_proto(t) for t in p.layer_timings],
         optimizer_step_seconds=p.optimizer_step_seconds, torch_version=p.torch_version,
-        atoll_version=p.atoll_version,
+        atoll_version=p.atoll_version, region=p.region,
     )
 
 
@@ -66,7 +66,7 @@ def profile_from_proto(m: pb.NodeProfile) -> NodeProfile:
         memory_total_bytes=m.memory_total_bytes, memory_free_bytes=m.memory_free_bytes, cpu_count=m.cpu_count,
         layer_timings=[layer_timing_from_proto(t) for t in m.layer_timings],
         optimizer_step_seconds=m.optimizer_step_seconds, torch_version=m.torch_version,
-        atoll_version=m.atoll_version,
+        atoll_version=m.atoll_version, region=m.region,
     )
 
 

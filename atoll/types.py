@@ -34,6 +34,8 @@ class NodeProfile:
     optimizer_step_seconds: float = 0.0
     torch_version: str = ""
     atoll_version: str = ""
+    region: str = ""
+    """Site label the operator gives (a lab, a datacenter, a cloud region); islands never span two."""
 
 
 @dataclass(kw_only=True)

@@ -41,7 +41,9 @@ class IslandOptions:
 
 
 def device_class(profile: NodeProfile) -> str:
-    return f"{profile.device_kind}:{profile.device_name}"
+    """Nodes of one class may share an island: same device kind and name, and the same region label."""
+    base = f"{profile.device_kind}:{profile.device_name}"
+    return f"{base}@{profile.region}" if profile.region else base
 
 
 def fast_threshold(matrix: Mapping[tuple[str, str], LinkEstimate], options: IslandOptions) -> float:
@@ -91,7 +93,7 @@ def form_islands(profiles: Mapping[str, NodeProfile], matrix: Mapping[tuple[str,
         inner = min((bw(a, b) for a in group for b in group if a < b), default=0.0)
         outside = [n for n in everyone if n not in group]
         outer = max((bw(a, b) for a in group for b in outside), default=0.0)
-        islands.append(IslandInfo(id=f"{kind}{k}", device=first.device_name, nodes=list(group),
+        islands.append(IslandInfo(id=f"{kind}{k}", group=first.region, device=first.device_name, nodes=list(group),
                                   gpus=sum(max(1, profiles[n].device_count) for n in group),
                                   inner_bandwidth=inner, outer_bandwidth=outer))
     return islands

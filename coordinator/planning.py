@@ -70,7 +70,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     profiles = {n: m.profile for n, m in inputs.members.items()}
     # an unreachable pair (a failed probe, bandwidth 0) is left to the planner's fallback for unmeasured pairs
     links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
-    cluster = Cluster.from_nodes(islands, profiles, links)
+    regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
+    cluster = Cluster.from_nodes(islands, profiles, links, regions=regions)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
     # the runtime runs stages of one width per pipeline (replica r of a stage feeds replica r of the next)
     options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=True)

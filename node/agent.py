@@ -80,6 +80,8 @@ class AgentConfig:
     """Bound of one link probe."""
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     """How long the start-up profile measures."""
+    region: str = ""
+    """Site label (a lab, a datacenter, a cloud region): islands never span two."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -236,6 +238,7 @@ class NodeAgent:
         else:
             t0 = time.perf_counter()
             self.profile = profile_node(self.job, self.config.device, self.config.profile)
+            self.profile.region = self.config.region
             block = [t for t in self.profile.layer_timings if t.layer_kind == "block"]
             log.info("profiled %s %s in %.1fs: block fwd+bwd %s", self.profile.device_kind, self.profile.device_name,
                      time.perf_counter() - t0,
@@ -473,7 +476,8 @@ def run_node_cli(args: argparse.Namespace) -> int:
     rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else RpcOptions()
     config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
                          device=args.device, listen=args.listen, advertise=args.advertise, rpc=rpc,
-                         profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)))
+                         profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
+                         region=args.region or "")
     agent = NodeAgent(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: threading.Thread(target=agent.stop, daemon=True).start())

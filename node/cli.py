@@ -21,6 +21,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "wildcard host replaced by this machine's hostname)")
     p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id")
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator (peer links stay plaintext)")
+    p.add_argument("--region", help="site label of this machine (a lab, a datacenter, a cloud region); islands never "
+                   "span two regions")
     p.add_argument("--checkpoint-dir", help="where checkpoints are written and read (default: STATE_DIR/checkpoints); "
                    "nodes that may take over each other's layers need one shared folder")
     p.add_argument("--exit-when-done", action="store_true", help="leave and exit once the job has finished its steps")

@@ -124,3 +124,13 @@ def test_options_validated() -> None:
         IslandOptions(relative_threshold=0)
     with pytest.raises(ValueError, match="probe_bytes"):
         ProbeOptions(probe_bytes=1)
+
+
+def test_islands_never_span_regions() -> None:
+    from atoll.coordinator.islands import device_class
+    from atoll.types import NodeProfile
+
+    a = NodeProfile(device_kind="cuda", device_name="H100", region="us-east")
+    b = NodeProfile(device_kind="cuda", device_name="H100", region="eu-west")
+    assert device_class(a) != device_class(b)
+    assert device_class(a) == device_class(NodeProfile(device_kind="cuda", device_name="H100", region="us-east"))

@@ -125,7 +125,7 @@ class LayerTiming(_message.Message):
     def __init__(self, layer_kind: _Optional[str] = ..., micro_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeProfile(_message.Message):
-    __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version")
+    __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version", "region")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class NodeProfile(_message.Message):
     OPTIMIZER_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     ATOLL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     device_kind: str
     device_name: str
@@ -148,7 +149,8 @@ class NodeProfile(_message.Message):
     optimizer_step_seconds: float
     torch_version: str
     atoll_version: str
-    def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ...) -> None: ...
+    region: str
+    def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("src", "dst", "bandwidth_bytes_per_s", "rtt_seconds", "probe_bytes", "measured_unix")

@@ -1,0 +1,133 @@
+"""A coordinator and nodes as local processes: what `atoll demo`, the end-to-end tests and the benchmark run.
+
+Each process is the real command (`python -m atoll coordinator|node ...`) a person would start on its
+own machine; here they share this one, talk gRPC over loopback and write their logs into one folder.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+
+@dataclass
+class LocalCluster:
+    """Processes of one job under `out`: coordinator state, node state dirs, shared checkpoints, logs."""
+
+    job_path: Path
+    out: Path
+    threads_per_node: int = 1
+    """torch threads per node: nodes sharing a machine must split its cores."""
+    profile_seconds: float = 1.0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.out / "token"
+        if not self.token_file.exists():
+            self.token_file.write_text(secrets.token_hex(16))
+            self.token_file.chmod(0o600)
+        self.checkpoints = self.out / "checkpoints"
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    @property
+    def state_db(self) -> Path:
+        return self.out / "coordinator" / "coordinator.db"
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.out / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
+        proc = subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_coordinator(self, listen: str = "127.0.0.1:0", timeout: float = 60.0) -> str:
+        addr_file = self.out / "coordinator.address"
+        addr_file.unlink(missing_ok=True)
+        proc = self._spawn("coordinator", ["coordinator", "--job", str(self.job_path), "--listen", listen,
+                                           "--state-dir", str(self.out / "coordinator"), "--token-file",
+                                           str(self.token_file), "--address-file", str(addr_file)])
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if addr_file.is_file() and addr_file.read_text().strip():
+                self.address = addr_file.read_text().strip()
+                return self.address
+            if proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with code {proc.returncode}: see {self.out}/coordinator.log")
+            time.sleep(0.1)
+        raise TimeoutError(f"the coordinator did not start listening within {timeout:.0f}s")
+
+    def start_node(self, name: str, *, region: str | None = None, extra: list[str] | None = None) -> None:
+        if not self.address:
+            raise RuntimeError("start the coordinator first")
+        args = ["node", "--coordinator", self.address, "--token-file", str(self.token_file), "--listen",
+                "127.0.0.1:0", "--state-dir", str(self.out / name), "--checkpoint-dir", str(self.checkpoints),
+                "--threads", str(self.threads_per_node), "--profile-seconds", str(self.profile_seconds)]
+        if region:
+            args += ["--region", region]
+        self._spawn(name, args + list(extra or []))
+
+    def status(self, timeout: float = 5.0):
+        from atoll.coordinator.status import fetch_status
+
+        return fetch_status(self.address, token=self.token, timeout=timedelta(seconds=timeout))
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}: see {self.out}/{name}.log")
+
+    def losses(self) -> dict[int, float]:
+        """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store."""
+        from atoll.coordinator.store import SqliteStore
+
+        store = SqliteStore(self.state_db)
+        try:
+            steps = store.recent_steps(limit=1_000_000)
+        finally:
+            store.close()
+        return {s.step: s.loss for s in sorted(steps, key=lambda s: s.unix_time) if s.loss is not None}
+
+    def kill(self) -> None:
+        """SIGKILL every process (a crash of all machines at once)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait(10)
+        self.procs.clear()
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM nodes first, then the coordinator; SIGKILL what is still running after `grace`."""
+        order = [n for n in self.procs if n != "coordinator"] + (["coordinator"] if "coordinator" in self.procs else [])
+        for name in order:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace
+        for name in order:
+            try:
+                self.procs[name].wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.procs[name].kill()
+                self.procs[name].wait(5)
+        self.procs.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

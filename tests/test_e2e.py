@@ -1,0 +1,105 @@
+"""End to end: a coordinator and four nodes in two islands, as processes talking gRPC over loopback.
+
+The distributed losses are compared with the same job trained in one process (`train_local`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from atoll.job import JobSpec
+from atoll.localcluster import LocalCluster
+from atoll.node.local import train_local
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 30
+
+pytestmark = pytest.mark.integration
+
+
+def _job(tmp: Path, *, mode: str, interval: int = 0) -> Path:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=STEPS, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=interval),
+                  compression=replace(job.compression, mode=mode),
+                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4))
+    path = tmp / f"job-{mode}.toml"
+    path.write_text(job.to_toml())
+    return path
+
+
+def _start(cluster: LocalCluster) -> None:
+    cluster.start_coordinator()
+    for i, region in enumerate(["lab-a", "lab-a", "lab-b", "lab-b"]):
+        cluster.start_node(f"node{i + 1}", region=region)
+
+
+def _wait(cluster: LocalCluster, until, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        cluster.check_alive()
+        try:
+            status = cluster.status()
+        except Exception:  # noqa: BLE001 - busy or restarting: ask again
+            time.sleep(0.3)
+            continue
+        if until(status):
+            return status
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {cluster.out}")
+
+
+def _run(tmp: Path, mode: str) -> tuple[dict[int, float], object]:
+    with LocalCluster(job_path=_job(tmp, mode=mode), out=tmp / mode) as cluster:
+        _start(cluster)
+        status = _wait(cluster, lambda s: len(cluster.losses()) >= STEPS, 150, f"{STEPS} steps")
+        return cluster.losses(), status
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=STEPS, warmup=5))
+    losses, _ = train_local(job)
+    return losses
+
+
+def _close(got: dict[int, float], expected: list[float], steps, rel: float) -> None:
+    for s in steps:
+        assert abs(got[s] - expected[s]) <= rel * abs(expected[s]), (s, got[s], expected[s])
+
+
+@pytest.mark.timeout(240)
+def test_four_nodes_in_two_islands_match_one_process(tmp_path: Path, reference: list[float]) -> None:
+    identity, status = _run(tmp_path, "identity")
+    assert len(status.islands) == 2, [list(i.node_ids) for i in status.islands]
+    assert {i.group for i in status.islands} == {"lab-a", "lab-b"}
+    assert sorted(identity) == list(range(STEPS))
+    _close(identity, reference, range(STEPS), 1e-4)
+
+    adaptive, _ = _run(tmp_path, "adaptive")
+    last = STEPS - 1
+    assert abs(adaptive[last] - reference[last]) <= 0.02 * reference[last], (adaptive[last], reference[last])
+
+
+@pytest.mark.timeout(240)
+def test_kill_everything_after_a_checkpoint_and_resume(tmp_path: Path, reference: list[float]) -> None:
+    """SIGKILL the coordinator and all nodes after a complete checkpoint; restarted on the same folders, the
+    job resumes from that checkpoint and the losses after it equal those of an uninterrupted run."""
+    cluster = LocalCluster(job_path=_job(tmp_path, mode="identity", interval=10), out=tmp_path / "crash")
+    try:
+        _start(cluster)
+        _wait(cluster, lambda s: s.last_checkpoint_step >= 10, 150, "the checkpoint of step 10")
+        cluster.kill()
+        _start(cluster)
+        status = _wait(cluster, lambda s: s.plan.resume_step >= 10 and len(cluster.losses()) >= STEPS
+                       and max(cluster.losses()) >= STEPS - 1, 150, "the resumed job to finish")
+        resumed = status.plan.resume_step
+        after = cluster.losses()
+        _close(after, reference, range(resumed, STEPS), 1e-4)
+    finally:
+        cluster.stop()
