@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -134,6 +135,45 @@ class _SegmentAverager:
             averager.average_(mine, timeout)
 
 
+class _Reporter:
+    """Sends step metrics from a thread of its own, so a round trip to the coordinator never delays a step.
+
+    Bounded: when the coordinator is slower than the steps, the oldest unsent metrics are dropped (the
+    next ones carry the progress). `stop_requested` is set once the coordinator answers stop.
+    """
+
+    def __init__(self, send: Callable[[StepMetrics], bool], capacity: int = 64):
+        self._send = send
+        self._queue: queue.Queue[StepMetrics | None] = queue.Queue(maxsize=capacity)
+        self.stop_requested = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="atoll-step-reporter", daemon=True)
+        self._thread.start()
+
+    def put(self, metrics: StepMetrics) -> None:
+        while True:
+            try:
+                self._queue.put_nowait(metrics)
+                return
+            except queue.Full:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+
+    def _run(self) -> None:
+        while (m := self._queue.get()) is not None:
+            try:
+                if self._send(m):
+                    self.stop_requested.set()
+            except Exception as e:  # noqa: BLE001 - a lost report must not stop training; the log says why
+                log.warning("step %d report failed: %s", m.step, e)
+
+    def close(self, timeout: timedelta) -> None:
+        """Send what is queued (bounded by `timeout`), then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout.total_seconds())
+
+
 class PlanRunner:
     """This node's share of one plan epoch."""
 
@@ -142,8 +182,8 @@ class PlanRunner:
         self.job = ctx.job
         self.placement: Placement | None = place(plan, ctx.node_id, self.job.model.n_layers + 2)
 
-    def run(self, stop: threading.Event) -> int:
-        """Train; return the next step to run (the job's steps when it finished)."""
+    def run(self, stop: threading.Event, until_step: int | None = None) -> int:
+        """Train until the job's last step (or `until_step`); return the next step to run."""
         pl = self.placement
         if pl is None:
             log.info("plan epoch %d gives this node no stage; standing by", self.plan.epoch)
@@ -167,8 +207,10 @@ class PlanRunner:
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
                  self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
                  pl.num_micro_batches, pl.micro_batch, step)
+        reporter = _Reporter(ctx.report_step)
+        last = job.train.steps if until_step is None else min(until_step, job.train.steps)
         try:
-            while step < job.train.steps and not stop.is_set():
+            while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, step)
                 batch = data.rows(step, job.train.global_batch, *pl.rows) if data is not None else None
@@ -178,15 +220,15 @@ class PlanRunner:
                 except Exception as e:  # a neighbour or a collective failed: this epoch cannot go on
                     raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
                 step += 1
-                should_stop = ctx.report_step(self._metrics(step - 1, result, loss, transport))
+                reporter.put(self._metrics(step - 1, result, loss, transport))
                 interval = job.checkpoint.interval
                 if interval and (step % interval == 0 or step == job.train.steps):
                     self._checkpoint(module, optimizer, step)
-                if should_stop:
-                    log.info("the coordinator stopped the job after step %d", step - 1)
-                    break
         finally:
             transport.close()
+            reporter.close(timedelta(seconds=10))
+        if reporter.stop_requested.is_set() and step < job.train.steps:
+            log.info("the coordinator stopped the job after step %d", step - 1)
         return step
 
     # --- set-up -----------------------------------------------------------------------------------

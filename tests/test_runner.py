@@ -48,14 +48,14 @@ def _run(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, resume_ste
         if m.loss is not None:
             with lock:
                 losses[m.step] = m.loss
-        return stop_after is not None and m.step + 1 >= stop_after
+        return False
 
     def node(n: str) -> None:
         ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
                          report_step=report, report_checkpoint=lambda c: None, token="t",
                          timeout=timedelta(seconds=30))
         try:
-            PlanRunner(ctx, plan).run(threading.Event())
+            PlanRunner(ctx, plan).run(threading.Event(), until_step=stop_after)
         except BaseException as e:  # surfaced below
             errors.append(e)
 
