@@ -36,13 +36,17 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p = sub.add_parser(
-        "status", help="show a coordinator's job, members, islands and plan",
-        description="Ask a coordinator for its job, members, islands, plan epoch, step and throughput.")
+        "status", help="show a coordinator's job live: progress, stages, links, members, islands and plan",
+        description="Ask a coordinator for its job: step, loss, tokens/s, measured vs predicted step time, each "
+        "node's compute and wait time, each link's codec and bandwidth, members, islands and the plan.")
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
     p.add_argument("--token-file", help="file holding the job token")
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (one line per update with "
+                   "--watch)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="ask again every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     p.set_defaults(func=_run_status)
 

@@ -14,16 +14,17 @@ from atoll.coordinator import validation as v
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated)
 from atoll.coordinator.membership import join_decision
-from atoll.coordinator.progress import throughput
+from atoll.coordinator.progress import summarize
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
 from atoll.rpc import token_matches
-from atoll.serde import (island_to_proto, link_to_proto, plan_to_proto, profile_from_proto, profile_to_proto,
-                         step_metrics_from_proto, step_metrics_to_proto)
+from atoll.serde import (DIRECTION_BY_NAME, codec_id, island_to_proto, link_to_proto, plan_to_proto,
+                         profile_from_proto, profile_to_proto, step_metrics_from_proto, step_metrics_to_proto)
 from atoll.types import LinkMeasurement
 from atoll.v1 import atoll_pb2 as pb
 
 RECENT_STEPS_IN_STATUS = 32
+STATUS_WINDOW_STEPS = 8
 
 
 def check_token(given: str | None, state: CoordinatorState) -> None:
@@ -169,18 +170,33 @@ def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callab
 
 def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusReply:
     plan = state.current_plan()
-    recent = state.store.recent_steps(RECENT_STEPS_IN_STATUS * 8)
-    step, tps = throughput(recent, plan.epoch if plan is not None else 0)
+    members = state.store.list_members()
+    # enough reports for the summary's steps from every node, however many there are
+    recent = state.store.recent_steps(max(RECENT_STEPS_IN_STATUS * 8, len(members) * (STATUS_WINDOW_STEPS + 1)))
+    progress = summarize(recent, plan.epoch if plan is not None else 0, window=STATUS_WINDOW_STEPS)
     done = state.complete_checkpoint_steps()
     reply = pb.StatusReply(
         job=_job_info(state),
         members=[pb.Member(node_id=m.node_id, peer_address=m.peer_address, profile=profile_to_proto(m.profile),
                            state=m.state, last_heartbeat_unix=m.last_heartbeat_unix, joined_unix=m.joined_unix)
-                 for m in state.store.list_members()],
+                 for m in members],
         islands=[island_to_proto(i) for i in state.store.get_islands()],
         links=[link_to_proto(x) for x in state.store.list_links()],
         recent_steps=[step_metrics_to_proto(s) for s in recent[-RECENT_STEPS_IN_STATUS:]],
-        step=step, tokens_per_second=tps, last_checkpoint_step=done[-1] if done else 0)
+        step=progress.step, tokens_per_second=progress.tokens_per_second,
+        last_checkpoint_step=done[-1] if done else 0,
+        has_loss=progress.loss is not None, loss=progress.loss or 0.0, loss_step=progress.loss_step,
+        measured_step_seconds=progress.measured_step_seconds, measured_steps=progress.measured_steps,
+        stage_usage=[pb.StageUsage(node_id=u.node_id, pipeline=u.pipeline, stage=u.stage, steps=u.steps,
+                                   step_seconds=u.step_seconds, compute_seconds=u.compute_seconds,
+                                   wait_seconds=u.wait_seconds, utilisation=u.utilisation)
+                     for u in progress.stages],
+        link_usage=[pb.LinkUsage(src=x.src, dst=x.dst, direction=DIRECTION_BY_NAME.get(x.direction, 0),
+                                 pipeline=x.pipeline, stage=x.stage, steps=x.steps, codec=codec_id(x.codec),
+                                 bytes_raw=x.bytes_raw, bytes_wire=x.bytes_wire, seconds=x.seconds,
+                                 achieved_bytes_per_s=x.achieved_bytes_per_s,
+                                 estimate_bytes_per_s=x.estimate_bytes_per_s)
+                    for x in progress.links])
     if plan is not None:
         reply.plan.CopyFrom(plan_to_proto(plan))
     return reply

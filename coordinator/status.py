@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -47,7 +50,7 @@ def _rate(bps: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n:.0f} B"
@@ -58,11 +61,56 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _seconds(x: float) -> str:
+    if x <= 0:
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _codec(codec: int) -> str:
+    return pb.Codec.Name(codec).removeprefix("CODEC_").lower()
+
+
+def _progress_lines(s: pb.StatusReply) -> list[str]:
+    predicted = s.plan.predicted.step_time_seconds if s.HasField("plan") else 0.0
+    measured = s.measured_step_seconds
+    line = (f"step time: measured {_seconds(measured)}"
+            + (f" (median of {s.measured_steps} steps)" if measured > 0 else "")
+            + f", predicted {_seconds(predicted)}")
+    if measured > 0 and predicted > 0:
+        line += f"; measured / predicted {measured / predicted:.2f}"
+    out = [line]
+    if s.stage_usage:
+        out.append("\nstages (means per step over the recent steps; OTHER: all-reduce, optimizer, checkpoints):")
+        rows = [["PIPELINE", "STAGE", "NODE", "STEPS", "STEP", "COMPUTE", "WAIT", "OTHER", "UTILISATION"]]
+        for u in s.stage_usage:
+            other = u.step_seconds - u.compute_seconds - u.wait_seconds
+            rows.append([str(u.pipeline), str(u.stage), u.node_id, str(u.steps), _seconds(u.step_seconds),
+                         _seconds(u.compute_seconds), _seconds(u.wait_seconds), _seconds(other),
+                         f"{100 * u.utilisation:.0f}%"])
+        out += _table(rows)
+    if s.link_usage:
+        out.append("\nlinks (means per step over the recent steps; ESTIMATE: the sender's bandwidth estimate):")
+        rows = [["PIPELINE", "STAGE", "FROM", "TO", "DIRECTION", "CODEC", "RAW", "WIRE", "RATIO", "ON WIRE",
+                 "ACHIEVED", "ESTIMATE"]]
+        for x in s.link_usage:
+            ratio = f"{x.bytes_raw / x.bytes_wire:.2f}x" if x.bytes_wire > 0 else "-"
+            rows.append([str(x.pipeline), str(x.stage), x.src, x.dst,
+                         pb.Direction.Name(x.direction).removeprefix("DIRECTION_").lower(), _codec(x.codec),
+                         _bytes(x.bytes_raw), _bytes(x.bytes_wire), ratio, _seconds(x.seconds),
+                         _rate(x.achieved_bytes_per_s), _rate(x.estimate_bytes_per_s)])
+        out += _table(rows)
+    return out
+
+
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:
+    """The reply as tables: the job's progress first, then members, islands and the plan."""
     now = time.time() if now is None else now
+    loss = f"loss {s.loss:.4f} (step {s.loss_step})   " if s.has_loss else ""
     out = [f"job {s.job.name} ({s.job.job_id})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
-           f"step {s.step}   {s.tokens_per_second:.0f} tokens/s   last checkpoint "
+           f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            f"{s.last_checkpoint_step if s.last_checkpoint_step else '-'}"]
+    out += _progress_lines(s)
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:
@@ -91,7 +139,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
             out.append(f"  pipeline {pl.index}: micro-batch {pl.micro_batch} x {pl.num_micro_batches}")
             rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODES", "SEND", "RENDEZVOUS"]]
             for st in pl.stages:
-                send = pb.Codec.Name(st.send.codec).removeprefix("CODEC_").lower() if st.HasField("send") else "-"
+                send = _codec(st.send.codec) if st.HasField("send") else "-"
                 rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})", str(st.dp),
                              ", ".join(st.node_ids), send, st.dp_rendezvous])
             out += _table(rows, "    ")
@@ -100,14 +148,57 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     return "\n".join(out)
 
 
-def status_json(s: pb.StatusReply) -> str:
-    return json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=2, sort_keys=True)
+def status_json(s: pb.StatusReply, indent: int | None = 2) -> str:
+    return json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=indent, sort_keys=True)
+
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen
+
+
+def watch(fetch: Callable[[], pb.StatusReply], render: Callable[[pb.StatusReply], str], *, interval: float,
+          out: TextIO, clear: bool, title: Callable[[], str] | None = None,
+          unanswered: Callable[[str], str] = lambda why: f"no answer: {why}",
+          sleep: Callable[[float], None] = time.sleep) -> None:
+    """Print `render(fetch())` every `interval` seconds until Ctrl-C (KeyboardInterrupt propagates).
+
+    With `clear` each one replaces the last on the screen; else they follow one another. A coordinator that
+    does not answer is said so (`unanswered`) and asked again at the next interval.
+    """
+    while True:
+        started = time.monotonic()
+        try:
+            text = render(fetch())
+        except ConnectionError as e:
+            text = unanswered(str(e))
+        out.write((CLEAR_SCREEN if clear else "") + (f"{title()}\n" if title else "") + text + "\n")
+        out.flush()
+        sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
 def run_status_cli(args: argparse.Namespace) -> int:
-
     token = resolve_token(args.token, args.token_file)
     rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else None
-    reply = fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc)
-    print(status_json(reply) if args.json else format_status(reply))
+
+    def fetch() -> pb.StatusReply:
+        return fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc)
+
+    if args.watch is None:
+        reply = fetch()
+        print(status_json(reply) if args.json else format_status(reply))
+        return 0
+    if args.watch <= 0:
+        raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
+
+    def title() -> str:
+        return (f"atoll status {args.coordinator} at {time.strftime('%H:%M:%S')}, every {args.watch:g} s "
+                f"(Ctrl-C stops)\n")
+
+    try:
+        if args.json:  # one JSON document per line
+            watch(fetch, lambda s: status_json(s, indent=None), interval=args.watch, out=sys.stdout,
+                  clear=sys.stdout.isatty(), unanswered=lambda why: json.dumps({"error": why}))
+        else:
+            watch(fetch, format_status, interval=args.watch, out=sys.stdout, clear=sys.stdout.isatty(), title=title)
+    except KeyboardInterrupt:  # the way a watch ends
+        print()
     return 0

@@ -483,8 +483,56 @@ class Member(_message.Message):
     joined_unix: float
     def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., state: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., joined_unix: _Optional[float] = ...) -> None: ...
 
+class StageUsage(_message.Message):
+    __slots__ = ("node_id", "pipeline", "stage", "steps", "step_seconds", "compute_seconds", "wait_seconds", "utilisation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    pipeline: int
+    stage: int
+    steps: int
+    step_seconds: float
+    compute_seconds: float
+    wait_seconds: float
+    utilisation: float
+    def __init__(self, node_id: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
+
+class LinkUsage(_message.Message):
+    __slots__ = ("src", "dst", "direction", "pipeline", "stage", "steps", "codec", "bytes_raw", "bytes_wire", "seconds", "achieved_bytes_per_s", "estimate_bytes_per_s")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RAW_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WIRE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACHIEVED_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    direction: Direction
+    pipeline: int
+    stage: int
+    steps: int
+    codec: Codec
+    bytes_raw: float
+    bytes_wire: float
+    seconds: float
+    achieved_bytes_per_s: float
+    estimate_bytes_per_s: float
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +542,13 @@ class StatusReply(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    LINK_USAGE_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -503,7 +558,14 @@ class StatusReply(_message.Message):
     step: int
     tokens_per_second: float
     last_checkpoint_step: int
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+    has_loss: bool
+    loss: float
+    loss_step: int
+    measured_step_seconds: float
+    measured_steps: int
+    stage_usage: _containers.RepeatedCompositeFieldContainer[StageUsage]
+    link_usage: _containers.RepeatedCompositeFieldContainer[LinkUsage]
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
     __slots__ = ("sender", "payload")
