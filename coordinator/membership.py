@@ -107,13 +107,14 @@ class PlanDecision:
 
 def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
                   last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions,
-                  stale: bool = False) -> PlanDecision:
+                  stale: bool = False, moved: Set[str] = frozenset()) -> PlanDecision:
     """Whether to publish a new plan now.
 
     alive: ids of alive members; planned: ids in the current plan (None: no plan yet); unprobed: alive
     members whose links to the others are not measured yet; last_change_unix: the latest join or
     departure; stale: the current plan was made by an earlier coordinator process (its rendezvous store
-    is gone), so once its members are back it is replaced by a new epoch.
+    is gone) and its members have all been heard from since, so it is replaced by a new epoch; moved:
+    planned members that came back at another peer address than the plan names.
     """
     if planned is None:
         if len(alive) < cluster.expected_nodes:
@@ -125,6 +126,11 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
         if stale:
             return PlanDecision(True, "the coordinator restarted and the plan's members are back: a new epoch with "
                                       "a fresh rendezvous, from the last complete checkpoint")
+        if moved:
+            wait = last_change_unix + options.settle.total_seconds() - now
+            if wait > 0:
+                return PlanDecision(False, f"members came back at new addresses; settling for {wait:.1f}s more")
+            return PlanDecision(True, f"members came back at new peer addresses: {', '.join(sorted(moved))}")
         return PlanDecision(False, "membership matches the current plan")
     if len(alive) < cluster.min_nodes:
         return PlanDecision(False, f"only {len(alive)} alive, fewer than cluster.min_nodes = {cluster.min_nodes}; "

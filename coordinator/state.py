@@ -208,9 +208,15 @@ class CoordinatorState:
         if self.job_complete():
             decision = PlanDecision(False, f"the job has completed its {self.job.train.steps} steps")
         else:
+            # a plan from before a restart is replaced once all its members have been heard from since, and
+            # a plan naming a member's old peer address once that member is back at its new one
+            heard = {n for n, m in alive.items() if m.last_heartbeat_unix >= self.started_unix}
+            stale = plan is not None and self._stale(plan) and planned is not None and planned <= heard
+            moved = set() if plan is None else {
+                n for n, addr in plan.node_addresses.items() if n in alive and alive[n].peer_address != addr}
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
                                      last_change_unix=last_change, cluster=self.job.cluster,
-                                     options=self.options.membership, stale=plan is not None and self._stale(plan))
+                                     options=self.options.membership, stale=stale, moved=moved)
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason))
         elif decision.reason != self._last_reason:

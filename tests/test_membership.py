@@ -101,3 +101,14 @@ def test_a_stale_plan_is_replaced_once_its_members_are_back() -> None:
     assert not plan_decision(10.0, alive={"a", "b"}, planned={"a", "b"}, **kw).plan
     d = plan_decision(10.0, alive={"a", "b"}, planned={"a", "b"}, stale=True, **kw)
     assert d.plan and "restarted" in d.reason
+
+
+def test_members_back_at_new_addresses_get_a_new_plan_after_settling() -> None:
+    from atoll.coordinator.membership import MembershipOptions, plan_decision
+    from atoll.job import ClusterSpec
+
+    kw = dict(alive={"a", "b"}, planned={"a", "b"}, unprobed=set(), cluster=ClusterSpec(expected_nodes=2),
+              options=MembershipOptions(), moved={"b"})
+    assert not plan_decision(10.5, last_change_unix=10.0, **kw).plan  # settling
+    d = plan_decision(12.0, last_change_unix=10.0, **kw)
+    assert d.plan and "new peer addresses: b" in d.reason
