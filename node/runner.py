@@ -209,6 +209,17 @@ class PlanRunner:
                  pl.num_micro_batches, pl.micro_batch, step)
         reporter = _Reporter(ctx.report_step)
         last = job.train.steps if until_step is None else min(until_step, job.train.steps)
+        finished = threading.Event()
+
+        def close_when_superseded() -> None:
+            # a newer plan ends this one at once: closing the transport wakes a stage blocked on a neighbour
+            while not finished.is_set():
+                if stop.wait(0.2):
+                    transport.close()
+                    return
+
+        watcher = threading.Thread(target=close_when_superseded, name="atoll-plan-watch", daemon=True)
+        watcher.start()
         try:
             while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
                 for group in optimizer.param_groups:
@@ -218,6 +229,9 @@ class PlanRunner:
                     result = stage.train_step(step, batch)
                     loss = self._mean_loss(result, loss_group, pl)
                 except Exception as e:  # a neighbour or a collective failed: this epoch cannot go on
+                    if stop.is_set():
+                        log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
+                        break
                     raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
                 step += 1
                 reporter.put(self._metrics(step - 1, result, loss, transport))
@@ -225,8 +239,10 @@ class PlanRunner:
                 if interval and (step % interval == 0 or step == job.train.steps):
                     self._checkpoint(module, optimizer, step)
         finally:
+            finished.set()
             transport.close()
             reporter.close(timedelta(seconds=10))
+            watcher.join(1.0)
         if reporter.stop_requested.is_set() and step < job.train.steps:
             log.info("the coordinator stopped the job after step %d", step - 1)
         return step

@@ -103,3 +103,26 @@ def test_kill_everything_after_a_checkpoint_and_resume(tmp_path: Path, reference
         _close(after, reference, range(resumed, STEPS), 1e-4)
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_node_dies_and_the_rest_finish_the_job(tmp_path: Path, reference: list[float]) -> None:
+    """SIGKILL one node mid-run: its lease lapses, the coordinator replans the survivors from the last
+    complete checkpoint, and the job finishes with the same losses as one process."""
+    job = JobSpec.load(_job(tmp_path, mode="identity", interval=5))
+    path = tmp_path / "job-survivors.toml"
+    path.write_text(replace(job, cluster=replace(job.cluster, min_nodes=2)).to_toml())
+    with LocalCluster(job_path=path, out=tmp_path / "survivors") as cluster:
+        _start(cluster)
+        first = _wait(cluster, lambda s: s.last_checkpoint_step >= 5 and s.plan.epoch >= 1, 150, "a checkpoint")
+        victim = first.plan.pipelines[0].stages[0].node_ids[0]
+        name = next(n for n in cluster.procs if n != "coordinator"
+                    and (cluster.out / n / "node_id").is_file()
+                    and (cluster.out / n / "node_id").read_text().strip() == victim)
+        cluster.procs.pop(name).kill()
+        status = _wait(cluster, lambda s: s.plan.epoch > first.plan.epoch and max(cluster.losses(), default=0)
+                       >= STEPS - 1, 180, "the survivors to finish")
+        assert victim not in status.plan.node_addresses
+        resumed = status.plan.resume_step
+        assert resumed >= 5
+        _close(cluster.losses(), reference, range(resumed, STEPS), 1e-4)
