@@ -230,3 +230,30 @@ def test_equal_widths_and_single_pipeline_options() -> None:
     plan = plan_job(SMALL, cluster, TrainSpec(global_batch=256, seq_len=512), options=opts)
     assert len(plan.pipelines) == 1
     assert len({s.dp for s in plan.pipelines[0].stages}) == 1
+
+
+
+def test_several_pipelines_refine_a_coarse_batch_split() -> None:
+    from atoll.coordinator.planner.multipipe import several_pipelines
+
+    cluster = parse_cluster("""
+[[group]]
+name = "a100"
+device = "A100-40GB"
+count = 4
+inter_node_gbps = 25
+[[group]]
+name = "v100"
+device = "V100-16GB"
+count = 4
+inter_node_gbps = 25
+""")
+    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024))
+    coarse = several_pipelines(cm, cluster, [["a100"], ["v100"]], refine_below_s=0.0)
+    fine = several_pipelines(cm, cluster, [["a100"], ["v100"]])
+    assert coarse is not None and fine is not None
+    assert coarse.shares == [384, 128]  # granules of 64 sequences
+    # the A100s are about 2.5x as fast: a finer granule moves sequences to the V100s and shortens the step
+    assert fine.shares[1] > 128 and sum(fine.shares) == 512
+    assert fine.step_s < coarse.step_s
+    assert all(c.micro_batch * c.num_micro_batches == s for c, s in zip(fine.pipelines, fine.shares))

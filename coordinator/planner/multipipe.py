@@ -4,6 +4,9 @@ share of the global batch, data-parallel with the others.
 Groups tried: one per region, and one per island. Each group's pipeline comes from the composer on that
 group alone; the batch is shared in proportion to the groups' throughput (in multiples of a granule, so
 every share still divides into micro-batches), and rebalanced once on the shares' measured step times.
+A coarse granule can leave a fast group idle (8 A100 and 8 V100 sharing 512 sequences in granules of 64
+get 384 and 128, where their speeds ask for about 366 and 146), so when the split is close enough to the
+best single pipeline to matter, granules a quarter and a sixteenth as large are tried too.
 Every stage then also all-reduces its gradients with the other pipelines: a ring over the P pipelines on
 the slowest link between their islands, 2 (P-1)/P x the stage's gradient bytes, carried by all the
 stage's hosts at once on per-host links, or by the whole shared capacity of a region link.
@@ -97,9 +100,11 @@ def _round_shares(g: int, weights: list[float], q: int) -> list[int]:
 
 
 def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
-                      parallelizer: IslandParallelizer | None = None) -> MultiCandidate | None:
+                      parallelizer: IslandParallelizer | None = None, *,
+                      refine_below_s: float = math.inf) -> MultiCandidate | None:
     """The best split of the global batch over one pipeline per group (None when a group cannot hold the
-    model or the groups are not all connected)."""
+    model or the groups are not all connected). Finer granules are tried only when the coarse split's step
+    is below `refine_below_s` (a split far behind the best single pipeline is not worth the search)."""
     if len(groups) < 2:
         return None
     link = _slowest_link(cluster, groups)
@@ -109,30 +114,37 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     q = _granule(g, len(groups))
     if g // q < len(groups):
         return None
+    found: dict[tuple[int, int], Candidate | None] = {}
 
-    def best(group: list[str], share: int) -> Candidate | None:
-        sub_cm = CostModel(cm.model, TrainSpec(global_batch=share, seq_len=cm.train.seq_len, dtype=cm.train.dtype,
-                                                optimizer=cm.train.optimizer), cm.profiles, cm.options, cm.codecs)
-        top = Composer(cost_model=sub_cm, cluster=cluster.subset(group), parallelizer=parallelizer).search()
-        return top[0] if top else None
+    def best(k: int, share: int) -> Candidate | None:
+        if (k, share) not in found:
+            sub_cm = CostModel(cm.model, TrainSpec(global_batch=share, seq_len=cm.train.seq_len, dtype=cm.train.dtype,
+                                                    optimizer=cm.train.optimizer), cm.profiles, cm.options, cm.codecs)
+            top = Composer(cost_model=sub_cm, cluster=cluster.subset(groups[k]), parallelizer=parallelizer).search()
+            found[k, share] = top[0] if top else None
+        return found[k, share]
 
     # first shares: each group's throughput on an equal share
-    probe = [best(gr, g) for gr in groups]
+    probe = [best(k, g) for k in range(len(groups))]
     if any(c is None for c in probe):
         return None
-    weights = [1.0 / c.step_s for c in probe]  # type: ignore[union-attr]
+    first = [1.0 / c.step_s for c in probe]  # type: ignore[union-attr]
     result: MultiCandidate | None = None
-    for _ in range(2):
-        shares = _round_shares(g, weights, q)
-        cands = [best(gr, s) for gr, s in zip(groups, shares)]
-        if any(c is None for c in cands):
+    for granule in (q, q // 4, q // 16):
+        if granule < 1 or (granule < q and (result is None or result.step_s >= refine_below_s)):
             break
-        ok = [c for c in cands if c is not None]
-        times, cross = _with_cross_sync(cm, ok, link)
-        steps = [simulate(t).step_time_s for t in times]
-        step = max(steps)
-        if result is None or step < result.step_s:
-            result = MultiCandidate(pipelines=ok, shares=shares, cross_sync_s=cross, times=times, step_s=step)
-        # rebalance on what each share took
-        weights = [s / t for s, t in zip(shares, steps)]
+        weights = first
+        for _ in range(2):
+            shares = _round_shares(g, weights, granule)
+            cands = [best(k, s) for k, s in enumerate(shares)]
+            if any(c is None for c in cands):
+                break
+            ok = [c for c in cands if c is not None]
+            times, cross = _with_cross_sync(cm, ok, link)
+            steps = [simulate(t).step_time_s for t in times]
+            step = max(steps)
+            if result is None or step < result.step_s:
+                result = MultiCandidate(pipelines=ok, shares=shares, cross_sync_s=cross, times=times, step_s=step)
+            # rebalance on what each share took
+            weights = [s / t for s, t in zip(shares, steps)]
     return result
