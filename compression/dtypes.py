@@ -40,7 +40,7 @@ def dtype_from_proto(value: int) -> torch.dtype:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

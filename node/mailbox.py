@@ -22,6 +22,7 @@ import torch
 
 from atoll.compression import ChunkAssembler, CodecError, WireLimits
 from atoll.compression.dtypes import TORCH_DTYPES
+from atoll.compression.wire import Chunk
 from atoll.node.transport import Direction, TensorKey
 from atoll.serde import CODEC_NAME, codec_name
 from atoll.v1 import atoll_pb2 as pb
@@ -52,7 +53,7 @@ class MailboxClosed(RuntimeError):
 class TransferReceiver(Protocol):
     """Takes the chunks of one Transfer call and answers with its acknowledgement."""
 
-    def receive(self, chunks: Iterator[pb.TensorChunk], *, peer: str,
+    def receive(self, chunks: Iterator[Chunk], *, peer: str,
                 deadline_seconds: float) -> pb.TransferAck: ...
 
 
@@ -133,7 +134,7 @@ class Mailbox:
 
     # --- the server side ------------------------------------------------------------------------------
 
-    def receive(self, chunks: Iterator[pb.TensorChunk], *, peer: str, deadline_seconds: float) -> pb.TransferAck:
+    def receive(self, chunks: Iterator[Chunk], *, peer: str, deadline_seconds: float) -> pb.TransferAck:
         """Take one Transfer stream: one or more tensors, each a meta chunk then data chunks."""
         deadline = time.monotonic() + deadline_seconds
         tensors = wire = 0

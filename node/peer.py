@@ -15,9 +15,11 @@ from datetime import timedelta
 
 import grpc
 
+from atoll.compression.wire import parse_chunk
 from atoll.node.mailbox import InvalidTransfer, NotReady, ReceiverBusy, TransferReceiver, UnexpectedTransfer
 from atoll.node.probe import ProbeError, ProbeResult, ProbeTooLarge, probe_peer, receive_probe
 from atoll.rpc import RpcOptions, ServerHandle, make_server, token_from_metadata, token_matches
+from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 __all__ = ["PeerLimits", "PeerServer", "ProbeError", "ProbeResult", "probe_peer"]
@@ -97,6 +99,25 @@ class _PeerServicer(pb_grpc.PeerServicer):
             context.abort(grpc.StatusCode.CANCELLED, "Probe: the caller went away mid-stream")
 
 
+def _add_peer_servicer(servicer: pb_grpc.PeerServicer, server: grpc.Server) -> None:
+    """The generated `add_PeerServicer_to_server`, except that Transfer's chunks are read by `parse_chunk`,
+    which hands their payload on without copying it."""
+    handlers = {
+        "Transfer": grpc.stream_unary_rpc_method_handler(
+            servicer.Transfer, request_deserializer=parse_chunk,
+            response_serializer=pb.TransferAck.SerializeToString),
+        "Probe": grpc.stream_unary_rpc_method_handler(
+            servicer.Probe, request_deserializer=pb.ProbeChunk.FromString,
+            response_serializer=pb.ProbeReply.SerializeToString),
+    }
+    methods = set(pb.DESCRIPTOR.services_by_name["Peer"].methods_by_name)
+    if methods != set(handlers):
+        raise RuntimeError(f"the Peer service has methods {sorted(methods)}; handlers are registered for "
+                           f"{sorted(handlers)}: update _add_peer_servicer")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("atoll.v1.Peer", handlers),))
+    server.add_registered_method_handlers("atoll.v1.Peer", handlers)
+
+
 class PeerServer:
     """A started Peer server. `address` is the real HOST:PORT (port 0 is resolved)."""
 
@@ -112,7 +133,7 @@ class PeerServer:
         self._receiver: TransferReceiver | None = None
         servicer = _PeerServicer(self)
         self._handle: ServerHandle = make_server(
-            listen, [lambda s: pb_grpc.add_PeerServicer_to_server(servicer, s)], self.rpc,
+            listen, [lambda s: _add_peer_servicer(servicer, s)], self.rpc,
             max_workers=limits.max_concurrent_calls)
         log.info("peer server of %s listening on %s", node_id, self._handle.address)
 

@@ -14,19 +14,20 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
-from atoll.compression import CodecSpec, LinkPolicy, tensor_to_chunks
+from atoll.compression import CodecSpec, LinkPolicy, encode_tensor
+from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.node.transport import Direction, TensorKey, TransportError
 from atoll.rpc import make_channel
 from atoll.serde import DIRECTION_BY_NAME
 from atoll.types import LinkStats
 from atoll.v1 import atoll_pb2 as pb
-from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from atoll.node.grpc_transport import GrpcTransportConfig, PeerRef
@@ -76,7 +77,9 @@ class PeerLink:
         self.policy = LinkPolicy(cfg.policy, initial_bandwidth_bytes_per_s=cfg.initial_bandwidth_bytes_per_s,
                                  latency_s=cfg.latency.total_seconds())
         self.channel = make_channel(peer.address, cfg.rpc, token=cfg.token)
-        self.stub = pb_grpc.PeerStub(self.channel)
+        # Peer.Transfer, fed the chunks already serialized (`chunk_frames`) to spare protobuf's copies
+        self.transfer = self.channel.stream_unary("/atoll.v1.Peer/Transfer",
+                                                  response_deserializer=pb.TransferAck.FromString)
         self.queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.in_flight = 0  # raw bytes queued or being sent
@@ -190,15 +193,15 @@ class PeerLink:
         meta = dict(job_id=cfg.job_id, plan_epoch=cfg.plan_epoch, step=key.step, micro_batch=key.micro_batch,
                     direction=DIRECTION_BY_NAME[key.direction], name="act" if key.direction == "forward" else "grad",
                     sender=cfg.node_id, pipeline=cfg.pipeline, stage=cfg.stage, replica=cfg.replica)
-        chunks = list(tensor_to_chunks(item.tensor, spec, meta, cfg.chunk_bytes))
-        wire = sum(len(c.data) for c in chunks)
+        enc = encode_tensor(item.tensor, spec)
+        first, wire = tensor_meta(enc, meta), enc.wire_bytes
         deadline = time.monotonic() + cfg.delivery_timeout.total_seconds()
         backoff = cfg.retry_initial.total_seconds()
         attempt = 0
         while True:
             attempt += 1
             try:
-                start, end = self._transfer(chunks)
+                start, end = self._transfer(chunk_frames(first, enc.payload, cfg.chunk_bytes))
                 break
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
@@ -230,8 +233,9 @@ class PeerLink:
             t.seconds += seconds
             t.codec = spec.codec
 
-    def _transfer(self, chunks: list[pb.TensorChunk]) -> tuple[float, float]:
-        """One Transfer call; returns when its turn on the wire began and when it was acknowledged."""
+    def _transfer(self, frames: Iterator[bytes]) -> tuple[float, float]:
+        """One Transfer call of serialized chunks, made as gRPC asks for them; returns when its turn on the
+        wire began and when it was acknowledged."""
         while not self.wire.acquire(timeout=0.1):
             if self.closing.is_set():
                 raise TransportError("the transport closed while waiting to send")
@@ -239,13 +243,13 @@ class PeerLink:
 
         def stream():
             try:
-                yield from chunks
+                yield from frames
             finally:  # gRPC took the last chunk: the next tensor may start streaming
                 turn.release()
 
         start = time.perf_counter()
         try:
-            call = self.stub.Transfer.future(stream(), timeout=self.cfg.call_timeout.total_seconds())
+            call = self.transfer.future(stream(), timeout=self.cfg.call_timeout.total_seconds())
             with self.cond:
                 self.calls.add(call)
             try:
