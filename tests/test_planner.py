@@ -257,3 +257,12 @@ inter_node_gbps = 25
     assert fine.shares[1] > 128 and sum(fine.shares) == 512
     assert fine.step_s < coarse.step_s
     assert all(c.micro_batch * c.num_micro_batches == s for c, s in zip(fine.pipelines, fine.shares))
+
+
+def test_island_chains_also_run_from_the_slowest_class_to_the_fastest() -> None:
+    # the fast island has more memory, so the memory order puts it first; the other order puts it last
+    cluster = _two_islands(40, 20, fast=4, slow=8)
+    comp = Composer(cost_model=CostModel(SMALL, TrainSpec(global_batch=32, seq_len=512)), cluster=cluster)
+    chains = [tuple(i.id for i in o) for o in comp.orders()]
+    assert ("fast", "slow") in chains and ("slow", "fast") in chains
+    assert len(chains) == len(set(chains))

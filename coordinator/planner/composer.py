@@ -14,8 +14,8 @@ slice. Bisection on T then converges on the minimum; a few relaxed T are tried t
 stages shorten fill and drain.
 
 Pruning keeps thousands of GPUs fast: per-island layer tables are memoised; chains only order regions and,
-within a region, islands by memory (the front of a 1F1B pipeline holds the most activations), dropping
-the slowest device classes as variants; and candidates are visited in order of a lower bound from their
+within a region, islands by memory (the front of a 1F1B pipeline holds the most activations) or from the
+slowest class to the fastest, dropping the slowest device classes as variants; and candidates are visited in order of a lower bound from their
 total compute capacity, stopping as soon as the bound cannot beat the best step found.
 """
 
@@ -121,18 +121,26 @@ class Composer:
     # --- search space ---------------------------------------------------------------------------------
 
     def orders(self) -> list[tuple[Island, ...]]:
-        """Island chains: regions in every order, islands by memory within a region, slow classes dropped."""
+        """Island chains: regions in every order; within a region islands by memory (the front of a 1F1B
+        pipeline holds the most activations) and, as well, from the slowest class to the fastest (a fast
+        island runs more layers per micro-batch, so it holds more activations per micro-batch in flight and
+        is best where fewest are in flight); slow classes dropped as variants."""
         by_region: dict[str, list[Island]] = {}
         for isl in self.cluster.islands:
             by_region.setdefault(isl.region, []).append(isl)
         speed = {i.id: self._speed(i) for i in self.cluster.islands}
+        bases: dict[str, list[tuple[Island, ...]]] = {}
         variants: dict[str, list[tuple[Island, ...]]] = {}
         for r, isls in by_region.items():
-            ordered = sorted(isls, key=lambda i: (-i.device.memory_gb, -speed[i.id], i.id))
+            by_memory = tuple(sorted(isls, key=lambda i: (-i.device.memory_gb, -speed[i.id], i.id)))
+            by_speed = tuple(sorted(isls, key=lambda i: (speed[i.id], -i.device.memory_gb, i.id)))
+            bases[r] = list(dict.fromkeys((by_memory, by_speed)))
             classes = sorted({speed[i.id] for i in isls}, reverse=True)
-            vs = [tuple(ordered)]
-            for keep in classes[:-1]:
-                vs.append(tuple(i for i in ordered if speed[i.id] >= keep))
+            vs = []
+            for ordered in bases[r]:
+                vs.append(ordered)
+                for keep in classes[:-1]:
+                    vs.append(tuple(i for i in ordered if speed[i.id] >= keep))
             variants[r] = list(dict.fromkeys(vs))
         out: list[tuple[Island, ...]] = []
         regions = list(by_region)
@@ -140,8 +148,10 @@ class Composer:
             out.extend(variants[r])
         for k in range(2, len(regions) + 1):
             for perm in itertools.permutations(regions, k):
-                if all(self._connected(variants[a][0], variants[b][0]) for a, b in zip(perm, perm[1:])):
-                    out.append(tuple(i for r in perm for i in variants[r][0]))
+                for b in range(2):  # every region by memory, or every region from slow to fast
+                    chain = [bases[r][min(b, len(bases[r]) - 1)] for r in perm]
+                    if all(self._connected(x, y) for x, y in zip(chain, chain[1:])):
+                        out.append(tuple(i for part in chain for i in part))
         return list(dict.fromkeys(out))
 
     def _connected(self, a: tuple[Island, ...], b: tuple[Island, ...]) -> bool:
@@ -269,6 +279,9 @@ class Composer:
                 continue
             for _ in range(s.caps[i]):
                 if e == 0 or len(placed) >= max_stages:
+                    break
+                # two stages on one island still pass activations over the island's own links
+                if later == i and self._fastest_link(s, i, i, e) > limit:
                     break
                 k = min(len(placed) + 1, s.m)
                 a = self._reach(s, i, k, e, limit)
