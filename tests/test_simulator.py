@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step,
-                                                 one_f_one_b_order, simulate)
+                                                 one_f_one_b_order, simulate, step_lower_bound)
 
 
 def _uniform(p: int, m: int, f: float, b: float, link: float = 0.0, sync: float = 0.0) -> PipelineTimes:
@@ -68,3 +68,19 @@ def test_bad_shapes_are_refused() -> None:
         PipelineTimes(stages=(StageTimes(forward_s=1, backward_s=1),) * 2, links=(), num_micro_batches=1)
     with pytest.raises(ValueError, match="num_micro_batches"):
         _uniform(1, 0, 1, 1)
+
+
+def test_lower_bound_never_exceeds_the_simulation() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        p, m = rng.randint(1, 6), rng.randint(1, 12)
+        t = PipelineTimes(
+            stages=tuple(StageTimes(forward_s=rng.uniform(0.01, 1), backward_s=rng.uniform(0.01, 2),
+                                    sync_s=rng.uniform(0, 2), optimizer_s=rng.uniform(0, 0.5)) for _ in range(p)),
+            links=tuple(LinkTimes(forward_s=rng.uniform(0, 0.5), backward_s=rng.uniform(0, 0.5)) for _ in range(p - 1)),
+            num_micro_batches=m)
+        assert step_lower_bound(t) <= simulate(t).step_time_s + 1e-9
+    # exact on equal stages with free links
+    assert step_lower_bound(_uniform(4, 16, 0.3, 0.6)) == pytest.approx((16 + 4 - 1) * 0.9)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from atoll.coordinator.planner.cluster import Cluster, Island
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
-from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate
+from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
+                                                 step_lower_bound)
 
 
 class NoFeasiblePlan(ValueError):
@@ -383,8 +384,9 @@ class Composer:
     def search(self) -> list[Candidate]:
         """The best candidates, simulated, best first (empty when nothing fits).
 
-        Setups are visited by their lower bound; a candidate whose closed-form estimate could beat the best
-        simulated step is simulated; the search stops once the bound reaches the best simulated step.
+        Setups are visited by their lower bound; a candidate is simulated unless its own lower bound
+        (`step_lower_bound`) already reaches the best simulated step; the search stops once a setup's bound
+        reaches it.
         """
         setups = sorted(self.setups(), key=lambda s: s.bound)
         self.stats.candidates = len(setups)
@@ -399,7 +401,7 @@ class Composer:
             if cand is None:
                 self.stats.infeasible += 1
                 continue
-            if cand.estimate_s >= best:
+            if step_lower_bound(cand.times) >= best:
                 continue
             cand.step_s = simulate(cand.times).step_time_s
             self.stats.simulated += 1

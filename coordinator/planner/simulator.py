@@ -177,3 +177,21 @@ def closed_form_step(p: PipelineTimes) -> float:
     fill = sum(s.forward_s + s.backward_s for s in p.stages) + sum(x.forward_s + x.backward_s for x in p.links)
     tail = max(s.sync_s + s.optimizer_s for s in p.stages)
     return fill + (m - 1) * cycle + tail
+
+
+def step_lower_bound(p: PipelineTimes) -> float:
+    """A step time `simulate` never beats: stage i cannot start before micro-batch 0 reaches it, then runs
+    m forwards and m backwards one at a time; its last gradient must still pass back through every earlier
+    stage before stage 0 all-reduces and steps. Equal to the closed form on equal stages with free links."""
+    m = p.num_micro_batches
+    reach = back = 0.0
+    through_first = after_own = 0.0
+    for i, s in enumerate(p.stages):
+        done = reach + m * (s.forward_s + s.backward_s)
+        through_first = max(through_first, done + back)
+        after_own = max(after_own, done + s.sync_s + s.optimizer_s)
+        if i < len(p.links):
+            reach += s.forward_s + p.links[i].forward_s
+            back += s.backward_s + p.links[i].backward_s
+    first = p.stages[0]
+    return max(through_first + first.sync_s + first.optimizer_s, after_own)
