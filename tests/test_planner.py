@@ -257,6 +257,8 @@ inter_node_gbps = 25
     assert fine.shares[1] > 128 and sum(fine.shares) == 512
     assert fine.step_s < coarse.step_s
     assert all(c.micro_batch * c.num_micro_batches == s for c, s in zip(fine.pipelines, fine.shares))
+    # a split that even perfectly shared work could not bring under the single pipeline is given up early
+    assert several_pipelines(cm, cluster, [["a100"], ["v100"]], beat_s=0.5 * fine.step_s) is None
 
 
 def test_island_chains_also_run_from_the_slowest_class_to_the_fastest() -> None:
@@ -266,3 +268,25 @@ def test_island_chains_also_run_from_the_slowest_class_to_the_fastest() -> None:
     chains = [tuple(i.id for i in o) for o in comp.orders()]
     assert ("fast", "slow") in chains and ("slow", "fast") in chains
     assert len(chains) == len(set(chains))
+
+    # a small cluster tries every order of a region's islands
+    three = parse_cluster("""
+[[group]]
+name = "a"
+tflops = 100
+memory_gb = 40
+count = 4
+[[group]]
+name = "b"
+tflops = 50
+memory_gb = 20
+count = 4
+[[group]]
+name = "c"
+tflops = 25
+memory_gb = 30
+count = 4
+""")
+    comp = Composer(cost_model=CostModel(SMALL, TrainSpec(global_batch=32, seq_len=512)), cluster=three)
+    full = {tuple(i.id for i in o) for o in comp.orders() if len(o) == 3}
+    assert full == set(itertools.permutations("abc"))

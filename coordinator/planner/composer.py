@@ -14,9 +14,11 @@ slice. Bisection on T then converges on the minimum; a few relaxed T are tried t
 stages shorten fill and drain.
 
 Pruning keeps thousands of GPUs fast: per-island layer tables are memoised; chains only order regions and,
-within a region, islands by memory (the front of a 1F1B pipeline holds the most activations) or from the
-slowest class to the fastest, dropping the slowest device classes as variants; and candidates are visited in order of a lower bound from their
-total compute capacity, stopping as soon as the bound cannot beat the best step found.
+within a region, islands by memory (the front of a 1F1B pipeline holds the most activations), a region
+alone also from the slowest class to the fastest (every order when the cluster has at most 4 islands),
+dropping the slowest device classes as variants; candidates are visited in order of a lower bound from
+their total compute capacity, stopping as soon as the bound cannot beat the best step found, and one is
+simulated only when its own lower bound could beat the best simulated step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
                                                  step_lower_bound)
+
+
+ALL_ORDERS_UP_TO = 4
+"""Clusters of at most this many islands have every order of each region's islands tried (the two orders
+above first): the first stage finishes its backward last, so which island runs it decides how much of its
+all-reduce stays exposed, which the bottleneck alone does not see."""
 
 
 class NoFeasiblePlan(ValueError):
@@ -122,10 +130,11 @@ class Composer:
     # --- search space ---------------------------------------------------------------------------------
 
     def orders(self) -> list[tuple[Island, ...]]:
-        """Island chains: regions in every order; within a region islands by memory (the front of a 1F1B
-        pipeline holds the most activations) and, as well, from the slowest class to the fastest (a fast
-        island runs more layers per micro-batch, so it holds more activations per micro-batch in flight and
-        is best where fewest are in flight); slow classes dropped as variants."""
+        """Island chains: regions in every order, islands by memory within each (the front of a 1F1B
+        pipeline holds the most activations); one region alone also from the slowest class to the fastest
+        (a fast island runs more layers per micro-batch, so it holds more activations per micro-batch in
+        flight and is best where fewest are in flight) and, in small clusters, in every order; slow classes
+        dropped as variants."""
         by_region: dict[str, list[Island]] = {}
         for isl in self.cluster.islands:
             by_region.setdefault(isl.region, []).append(isl)
@@ -136,6 +145,8 @@ class Composer:
             by_memory = tuple(sorted(isls, key=lambda i: (-i.device.memory_gb, -speed[i.id], i.id)))
             by_speed = tuple(sorted(isls, key=lambda i: (speed[i.id], -i.device.memory_gb, i.id)))
             bases[r] = list(dict.fromkeys((by_memory, by_speed)))
+            if len(self.cluster.islands) <= ALL_ORDERS_UP_TO:
+                bases[r].extend(o for o in itertools.permutations(by_memory) if o not in bases[r])
             classes = sorted({speed[i.id] for i in isls}, reverse=True)
             vs = []
             for ordered in bases[r]:
@@ -148,11 +159,10 @@ class Composer:
         for r in regions:  # one region alone, with its variants
             out.extend(variants[r])
         for k in range(2, len(regions) + 1):
-            for perm in itertools.permutations(regions, k):
-                for b in range(2):  # every region by memory, or every region from slow to fast
-                    chain = [bases[r][min(b, len(bases[r]) - 1)] for r in perm]
-                    if all(self._connected(x, y) for x, y in zip(chain, chain[1:])):
-                        out.append(tuple(i for part in chain for i in part))
+            for perm in itertools.permutations(regions, k):  # every region by memory
+                chain = [bases[r][0] for r in perm]
+                if all(self._connected(x, y) for x, y in zip(chain, chain[1:])):
+                    out.append(tuple(i for part in chain for i in part))
         return list(dict.fromkeys(out))
 
     def _connected(self, a: tuple[Island, ...], b: tuple[Island, ...]) -> bool:

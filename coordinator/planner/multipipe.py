@@ -101,10 +101,11 @@ def _round_shares(g: int, weights: list[float], q: int) -> list[int]:
 
 def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
                       parallelizer: IslandParallelizer | None = None, *,
-                      refine_below_s: float = math.inf) -> MultiCandidate | None:
+                      beat_s: float = math.inf, refine_below_s: float = math.inf) -> MultiCandidate | None:
     """The best split of the global batch over one pipeline per group (None when a group cannot hold the
-    model or the groups are not all connected). Finer granules are tried only when the coarse split's step
-    is below `refine_below_s` (a split far behind the best single pipeline is not worth the search)."""
+    model or the groups are not all connected, or when even perfectly shared work could not beat `beat_s`).
+    Finer granules are tried only when the coarse split's step is below `refine_below_s` (a split far
+    behind the best single pipeline is not worth the search)."""
     if len(groups) < 2:
         return None
     link = _slowest_link(cluster, groups)
@@ -129,6 +130,11 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     if any(c is None for c in probe):
         return None
     first = [1.0 / c.step_s for c in probe]  # type: ignore[union-attr]
+    # the groups' speeds on the whole batch added up, plus the least all-reduce across pipelines any
+    # stage pays: an optimistic step for any split, to give up early on splits that cannot pay off
+    _, cross = _with_cross_sync(cm, [c for c in probe if c is not None], link)
+    if 1.0 / sum(first) + min(min(x) for x in cross) >= beat_s:
+        return None
     result: MultiCandidate | None = None
     for granule in (q, q // 4, q // 16):
         if granule < 1 or (granule < q and (result is None or result.step_s >= refine_below_s)):

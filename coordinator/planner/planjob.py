@@ -62,9 +62,9 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
             groups.append([[i.id] for i in cluster.islands])
     multi: MultiCandidate | None = None
     # splits more than 10% behind the best single pipeline are not refined
-    refine_below = 1.1 * top[0].step_s if top else math.inf
+    single = top[0].step_s if top else math.inf
     for gr in groups:
-        got = several_pipelines(cm, cluster, gr, parallelizer, refine_below_s=refine_below)
+        got = several_pipelines(cm, cluster, gr, parallelizer, beat_s=single, refine_below_s=1.1 * single)
         if got is not None and (multi is None or got.step_s < multi.step_s):
             multi = got
     if multi is not None and (not top or multi.step_s < top[0].step_s):
