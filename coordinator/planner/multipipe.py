@@ -4,8 +4,8 @@ share of the global batch, data-parallel with the others.
 Groups tried: one per region, and one per island. Each group's pipeline comes from the composer on that
 group alone; the batch is shared in proportion to the groups' throughput (in multiples of a granule, so
 every share still divides into micro-batches), and rebalanced once on the shares' measured step times.
-A coarse granule can leave a fast group idle (8 A100 and 8 V100 sharing 512 sequences in granules of 64
-get 384 and 128, where their speeds ask for about 366 and 146), so when the split is close enough to the
+A coarse granule can leave a fast group idle (4 A100 and 4 V100 sharing 512 sequences in granules of 64
+get 384 and 128, where their speeds ask for about 364 and 148), so when the split is close enough to the
 best single pipeline to matter, granules a quarter and a sixteenth as large are tried too.
 Every stage then also all-reduces its gradients with the other pipelines: a ring over the P pipelines on
 the slowest link between their islands, 2 (P-1)/P x the stage's gradient bytes, carried by all the
@@ -131,7 +131,8 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
         return None
     first = [1.0 / c.step_s for c in probe]  # type: ignore[union-attr]
     # the groups' speeds on the whole batch added up, plus the least all-reduce across pipelines any
-    # stage pays: an optimistic step for any split, to give up early on splits that cannot pay off
+    # stage of those pipelines pays: a rough, optimistic step for any split (pipelines composed for other
+    # shares may differ), to give up early on splits that cannot pay off
     _, cross = _with_cross_sync(cm, [c for c in probe if c is not None], link)
     if 1.0 / sum(first) + min(min(x) for x in cross) >= beat_s:
         return None
