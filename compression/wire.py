@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from zlib_ng.zlib_ng import crc32  # the same CRC-32 as zlib's, several times faster (folded with PCLMULQDQ)
 
@@ -186,7 +187,7 @@ class ChunkAssembler:
         self._meta: pb.TensorMeta | None = None
         self._spec: CodecSpec | None = None
         self._dtype: torch.dtype | None = None
-        self._buf: memoryview | None = None
+        self._buf: np.ndarray | None = None
         self._filled = 0
         self._crc = 0
 
@@ -223,7 +224,7 @@ class ChunkAssembler:
             total = len(self._buf)
             self._reset()
             raise CodecError(f"chunks overflow the tensor: {end} payload bytes received, metadata says {total}")
-        self._buf[self._filled:end] = data
+        self._buf[self._filled:end] = np.frombuffer(data, dtype=np.uint8)  # numpy copies without the GIL
         self._crc = crc32(data, self._crc)
         self._filled = end
         if end < len(self._buf):
@@ -236,7 +237,7 @@ class ChunkAssembler:
         check_tensor_meta(list(meta.shape), dtype, spec, meta.total_bytes, self.limits)
         self._meta, self._spec, self._dtype = meta, spec, dtype
         # not zero-filled: `feed` writes every byte before `_complete` reads any
-        self._buf = memoryview(torch.empty(meta.total_bytes, dtype=torch.uint8).numpy())
+        self._buf = torch.empty(meta.total_bytes, dtype=torch.uint8).numpy()
         self._filled = 0
         self._crc = 0
 
@@ -248,7 +249,7 @@ class ChunkAssembler:
             raise CodecError(f"checksum mismatch for tensor {meta.name!r} (step {meta.step}, micro-batch "
                              f"{meta.micro_batch}): payload CRC-32 {crc:#010x}, metadata says {meta.checksum:#010x}; "
                              f"the payload was corrupted in transit")
-        tensor = get_codec(spec).decode(buf, list(meta.shape), dtype)
+        tensor = get_codec(spec).decode(memoryview(buf), list(meta.shape), dtype)
         return AssembledTensor(meta=meta, tensor=tensor, wire_bytes=len(buf))
 
     def _reset(self) -> None:
