@@ -8,8 +8,8 @@ decodes in place.
 
 The transport's hot path skips protobuf's copies of the payload: the sender builds each chunk's wire form
 itself (`chunk_frames`, byte for byte what `SerializeToString` gives) and the receiver's `parse_chunk`
-hands a chunk's payload on as a view of the received message. Both fall back to, or are checked against,
-protobuf for anything but the plain layout of a chunk.
+hands a chunk's payload on as a view of the received message, leaving any message not in that plain layout
+to protobuf.
 """
 
 from __future__ import annotations
