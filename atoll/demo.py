@@ -33,6 +33,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
 def run_demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from atoll.coordinator.planner.report import format_plan
     from atoll.job import JobSpec
     from atoll.localcluster import LocalCluster
     from atoll.serde import plan_from_proto
@@ -63,7 +64,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 continue
             if last.HasField("plan") and last.plan.epoch != announced:
                 announced = last.plan.epoch
-                tqdm.write(_describe(plan_from_proto(last.plan)))
+                plan = plan_from_proto(last.plan)
+                tqdm.write(f"plan epoch {plan.epoch}, nodes {', '.join(sorted(plan.node_addresses))}:\n"
+                           + format_plan(plan))
             for m in last.recent_steps:
                 if m.has_loss:
                     losses[m.step] = m.loss
@@ -89,14 +92,3 @@ def run_demo(args: argparse.Namespace) -> int:
         picture = draw_plan_picture(plan_from_proto(last.plan), job.model_spec, cluster.out / "plan.png")
         print(f"plan picture: {picture}")
     return 0
-
-
-def _describe(plan) -> str:
-    lines = [f"plan epoch {plan.epoch}: {len(plan.pipelines)} pipeline(s), predicted "
-             f"{plan.predicted.step_time_s:.3f} s/step ({plan.predicted.bottleneck or 'no bottleneck named'})"]
-    for p, pipe in enumerate(plan.pipelines):
-        for s, st in enumerate(pipe.stages):
-            codec = st.send.codec if st.send else "-"
-            lines.append(f"  pipeline {p} stage {s}: layers [{st.layers[0]}, {st.layers[1]}) on {', '.join(st.nodes)}"
-                         f" (island {st.island}), link codec {codec}")
-    return "\n".join(lines)

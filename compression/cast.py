@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from atoll.compression.codec import Codec, Payload, as_uint8, is_readonly, register, tensor_bytes
+from atoll.compression.codec import Codec, Payload, is_readonly, register, tensor_bytes
 from atoll.compression.dtypes import WIRE_DTYPES, element_size, unit_roundoff
 from atoll.v1 import atoll_pb2 as pb
 

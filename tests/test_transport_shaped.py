@@ -13,7 +13,6 @@ import json
 import select
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
