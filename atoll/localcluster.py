@@ -25,7 +25,8 @@ class LocalCluster:
     out: Path
     threads_per_node: int = 1
     """torch threads per node: nodes sharing a machine must split its cores."""
-    profile_seconds: float = 1.0
+    profile_seconds: float = 3.0
+    """Time budget of each node's start-up profile (more repeats, steadier medians)."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
 

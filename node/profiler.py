@@ -28,7 +28,7 @@ class ProfileOptions:
 
     micro_batches: tuple[int, ...] | None = None
     """Micro-batch sizes to time; None: half, one and two times the job's micro_batch (distinct, >= 1)."""
-    repeats: int = 3
+    repeats: int = 7
     """Timed runs per (layer, micro-batch); the median counts. One untimed warm-up run precedes them."""
     budget: timedelta = timedelta(seconds=3)
     """Stop repeating once the profile has taken this long (every size is still timed at least once)."""
