@@ -21,8 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from atoll.coordinator.planner.cluster import Cluster, Island, Link
+from atoll.coordinator.planner.cluster import Cluster, Island
 from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.multipipe import slowest_link
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
 
@@ -72,7 +73,7 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
     links: list[LinkTimes] = []
     cycle = max(x.forward_s + x.backward_s for x in out)
     for s, nx in zip(stages, stages[1:]):
-        link = _slowest(cluster, s.sources, nx.sources)
+        link = slowest_link(cluster, [s.sources, nx.sources])
         if link is None:
             return None
         streams = min(s.dp, nx.dp)
@@ -81,19 +82,6 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
         _, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, link.latency_s, cycle)
         links.append(LinkTimes(forward_s=sec, backward_s=sec))
     return PipelineTimes(stages=tuple(out), links=tuple(links), num_micro_batches=m)
-
-
-def _slowest(cluster: Cluster, a: tuple[str, ...], b: tuple[str, ...]) -> Link | None:
-    """The slowest link between any island of `a` and any of `b` (None when one pair is not connected)."""
-    worst: Link | None = None
-    for x in a:
-        for y in b:
-            lk = cluster.link(x, y)
-            if lk is None:
-                return None
-            if worst is None or lk.bandwidth < worst.bandwidth:
-                worst = lk
-    return worst
 
 
 def _flat_chunk(cluster: Cluster, parts: list[tuple[Island, int]]) -> tuple[Island, tuple[str, ...]]:

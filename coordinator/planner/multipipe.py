@@ -15,6 +15,7 @@ stage's hosts at once on per-host links, or by the whole shared capacity of a re
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from atoll.coordinator.planner.cluster import Cluster, Link
@@ -43,7 +44,8 @@ class MultiCandidate:
         return sum(c.gpus for c in self.pipelines)
 
 
-def _slowest_link(cluster: Cluster, groups: list[list[str]]) -> Link | None:
+def slowest_link(cluster: Cluster, groups: Sequence[Sequence[str]]) -> Link | None:
+    """The slowest link between islands of different groups (None when one such pair is not connected)."""
     worst: Link | None = None
     for gi, a_ids in enumerate(groups):
         for b_ids in groups[gi + 1:]:
@@ -108,7 +110,7 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     behind the best single pipeline is not worth the search)."""
     if len(groups) < 2:
         return None
-    link = _slowest_link(cluster, groups)
+    link = slowest_link(cluster, groups)
     if link is None:
         return None
     g = cm.train.global_batch
