@@ -194,12 +194,16 @@ class PlanRunner:
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device)
         optimizer = build_optimizer(module, cfg)
         step = self.plan.resume_step
-        if step > 0:
-            load_layers(module, optimizer, ctx.checkpoint_dir, step)
-            log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
-        store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
-        norm, averager, loss_group = self._groups(store, module)
-        transport = self._transport(pl)
+        try:
+            if step > 0:
+                load_layers(module, optimizer, ctx.checkpoint_dir, step)
+                log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
+            store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
+            norm, averager, loss_group = self._groups(store, module)
+            transport = self._transport(pl)
+        except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
+            raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
+                            f"failed: {e}") from e
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
                               norm_exchange=norm, grad_averager=averager, optimizer=optimizer)
         data = TokenDataset.from_source(job.data.source, job.train.seq_len, seed=job.train.seed) \

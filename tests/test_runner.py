@@ -122,3 +122,19 @@ def test_placement_rejects_uneven_replicas() -> None:
     assert (p.stage, p.replica, p.upstream, p.rows, p.replica_micro_batch) == (1, 1, "b", (8, 16), 4)
     assert [s.holders for s in p.segments] == [("c", "d")]
     assert place(ok, "zz", 6) is None
+
+
+def test_a_missing_checkpoint_fails_the_run_and_says_where(tmp_path: Path) -> None:
+    from atoll.node.runner import RunFailed
+
+    job = _job()
+    server = PeerServer(node_id="a", listen="127.0.0.1:0", token="t")
+    try:
+        plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=2, job_id="job", resume_step=5,
+                    pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["a"])])])
+        ctx = RunContext(node_id="a", job=job, peer_server=server, checkpoint_dir=tmp_path / "none",
+                         report_step=lambda m: False, report_checkpoint=lambda c: None)
+        with pytest.raises(RunFailed, match="no checkpoint of step 5"):
+            PlanRunner(ctx, plan).run(threading.Event())
+    finally:
+        server.stop()
