@@ -56,12 +56,14 @@ class LocalCluster:
         self.procs[name] = proc
         return proc
 
-    def start_coordinator(self, listen: str = "127.0.0.1:0", timeout: float = 60.0) -> str:
+    def start_coordinator(self, listen: str = "127.0.0.1:0", timeout: float = 60.0,
+                          extra: list[str] | None = None) -> str:
         addr_file = self.out / "coordinator.address"
         addr_file.unlink(missing_ok=True)
         proc = self._spawn("coordinator", ["coordinator", "--job", str(self.job_path), "--listen", listen,
                                            "--state-dir", str(self.out / "coordinator"), "--token-file",
-                                           str(self.token_file), "--address-file", str(addr_file)])
+                                           str(self.token_file), "--address-file", str(addr_file),
+                                           *(extra or [])])
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if addr_file.is_file() and addr_file.read_text().strip():

@@ -24,6 +24,9 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS with --tls-key")
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
+    p.add_argument("--island-threshold", type=float, default=0.1,
+                   help="a link joins two nodes in one island when at least this fraction of the fastest link "
+                   "measured (default 0.1: islands part at order-of-magnitude gaps)")
     p.add_argument("--address-file", help="write the real HOST:PORT here once listening (for scripts and tests)")
     p.set_defaults(func=_run_coordinator)
 

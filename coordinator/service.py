@@ -18,6 +18,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
@@ -187,7 +188,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
                      tls_key=Path(args.tls_key) if args.tls_key else None)
-    options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)))
+    options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)),
+                                 islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc)
     service = CoordinatorService(job=job, token=token, config=config, options=options).start()
