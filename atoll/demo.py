@@ -43,7 +43,6 @@ def run_demo(args: argparse.Namespace) -> int:
     # nodes sharing this machine split its cores; more threads than cores slows everyone many times over
     threads = max(1, (os.cpu_count() or 1) // args.nodes)
     cluster = LocalCluster(job_path=Path(args.job), out=Path(args.out), threads_per_node=threads)
-    losses: dict[int, float] = {}
     last = None
     with cluster:
         address = cluster.start_coordinator()
@@ -67,18 +66,16 @@ def run_demo(args: argparse.Namespace) -> int:
                 plan = plan_from_proto(last.plan)
                 tqdm.write(f"plan epoch {plan.epoch}, nodes {', '.join(sorted(plan.node_addresses))}:\n"
                            + format_plan(plan))
-            for m in last.recent_steps:
-                if m.has_loss:
-                    losses[m.step] = m.loss
-            done = max(losses) + 1 if losses else 0
+            # the coordinator's own summary: the latest loss and the step it belongs to
+            done = last.loss_step + 1 if last.has_loss else 0
             bar.update(done - bar.n)
-            if losses:
-                bar.set_postfix(loss=f"{losses[max(losses)]:.3f}", tok_s=f"{last.tokens_per_second:,.0f}")
+            if last.has_loss:
+                bar.set_postfix(loss=f"{last.loss:.3f}", tok_s=f"{last.tokens_per_second:,.0f}")
             if done >= job.train.steps:
                 break
             time.sleep(0.25)
         bar.close()
-        losses.update(cluster.losses())  # every step, from the coordinator's store
+        losses = cluster.losses()  # every step, from the coordinator's store
         if len(losses) < job.train.steps:
             raise TimeoutError(f"the job reached step {len(losses)} of {job.train.steps} in {args.timeout:.0f}s; "
                                f"see the logs in {cluster.out}/")
