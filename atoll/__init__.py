@@ -1,7 +1,8 @@
 """Atoll: train large models across heterogeneous, geo-distributed GPUs.
 
-The shared core: CLI, configuration, model and plan types, wire conversion and gRPC factories.
-Components live in `atoll.coordinator`, `atoll.node` and `atoll.compression`.
+The shared core: configuration, model and plan types, wire conversion and gRPC factories; it imports no
+component. Components live in `atoll.coordinator`, `atoll.node` and `atoll.compression`; the command line,
+the local cluster launcher, the demo and its pictures in `atoll.launch`, above them all.
 """
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from atoll.job import JobSpec
-from atoll.localcluster import LocalCluster
+from atoll.launch.localcluster import LocalCluster
 from atoll.node.local import train_local
 from atoll.serde import plan_from_proto
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from atoll import __version__
-from atoll.cli import build_parser, main
+from atoll.launch.cli import build_parser, main
 
 
 def _subcommands() -> list[str]:

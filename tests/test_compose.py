@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from atoll.cli import build_parser
+from atoll.launch.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -153,7 +153,7 @@ def test_status_command_prints_a_table_and_json(service: CoordinatorService,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from atoll.cli import main
+    from atoll.launch.cli import main
 
     assert main(["status", "--coordinator", service.address, "--token", TOKEN]) == 0
     out = capsys.readouterr().out

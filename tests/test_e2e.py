@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from atoll.job import JobSpec
-from atoll.localcluster import LocalCluster
+from atoll.launch.localcluster import LocalCluster
 from atoll.node.local import train_local
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.cli import main
+from atoll.launch.cli import main
 from atoll.plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent

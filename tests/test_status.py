@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from atoll.cli import build_parser
+from atoll.launch.cli import build_parser
 from atoll.coordinator import handlers as h
 from atoll.coordinator.progress import step_times, summarize, throughput
 from atoll.coordinator.state import CoordinatorState

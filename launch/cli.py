@@ -46,7 +46,7 @@ def _run_version(args: argparse.Namespace) -> int:
 def _commands() -> list[Register]:
     from atoll.coordinator.cli import register_coordinator, register_status
     from atoll.coordinator.planner.cli import register as register_plan
-    from atoll.demo import register as register_demo
+    from atoll.launch.demo import register as register_demo
     from atoll.node.cli import register as register_node
 
     return [_register_version, register_coordinator, register_status, register_node, register_plan, register_demo]

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-log = logging.getLogger("atoll.demo")
+log = logging.getLogger("atoll.launch.demo")
 
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -35,9 +35,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from atoll.coordinator.planner.report import format_plan
     from atoll.job import JobSpec
-    from atoll.localcluster import LocalCluster
+    from atoll.launch.localcluster import LocalCluster
     from atoll.serde import plan_from_proto
-    from atoll.viz import draw_loss_curve, draw_plan_picture
+    from atoll.launch.viz import draw_loss_curve, draw_plan_picture
 
     job = JobSpec.load(args.job)
     # nodes sharing this machine split its cores; more threads than cores slows everyone many times over
