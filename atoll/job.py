@@ -150,6 +150,53 @@ class CompressionSpec:
                f"compression.mode must be one of {', '.join(COMPRESSION_MODES)}, got {self.mode!r}")
 
 
+OUTER_MODES = ("auto", "sync", "outer")
+OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterSpec:
+    """Training across regions: replica groups that train apart and sync every round (the DiLoCo family).
+
+    Each replica group (normally a region) trains a whole model replica on its own data shard; every round
+    of `inner_steps` steps the groups exchange compressed pseudo-gradients (parameters at the round's start
+    minus now), average them weighted by the tokens each trained, and apply the outer optimizer.
+    """
+
+    mode: str = "auto"
+    """"auto": the planner compares a synchronous plan with replica groups and picks the faster; "sync":
+    one synchronous plan over every region; "outer": replica groups whenever the cluster spans regions."""
+    inner_steps: int = 0
+    """Inner steps per outer round (H) of the fastest group; 0: the smallest H whose sync hides behind a round."""
+    lr: float = 1.0
+    """Outer learning rate (1.0 with momentum 0: plain averaging of the groups' parameters)."""
+    momentum: float = 0.0
+    """Outer momentum (DiLoCo: 0.9 with Nesterov and lr 0.7)."""
+    nesterov: bool = True
+    """Nesterov momentum (when momentum > 0)."""
+    codec: str = "auto"
+    """Codec of the pseudo-gradients: "auto" picks from the measured WAN bandwidth; or one of int8, int4, topk,
+    fp16, bf16, identity. Lossy codecs keep an error-feedback residual."""
+    topk_fraction: float = 0.02
+    """Fraction of elements kept by the top-k codec."""
+    overlap: bool = True
+    """Exchange round r while round r + 1 trains, applying it at the end of round r + 1 (one round of delay);
+    False blocks at each round's end until the exchange lands."""
+    deadline_seconds: float = 0.0
+    """How long a round waits for late groups after the first arrives (0: as long as a round lasts, at least
+    30 s); a group that misses it is left out of the round."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in OUTER_MODES, f"outer.mode must be one of {', '.join(OUTER_MODES)}, got {self.mode!r}")
+        _check(self.inner_steps >= 0, f"outer.inner_steps must be >= 0 (0: chosen by the planner), got "
+                                      f"{self.inner_steps}")
+        _check(0 < self.lr <= 2, f"outer.lr must be in (0, 2], got {self.lr}")
+        _check(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
+        _check(self.codec in OUTER_CODECS, f"outer.codec must be one of {', '.join(OUTER_CODECS)}, got {self.codec!r}")
+        _check(0 < self.topk_fraction <= 1, f"outer.topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        _check(self.deadline_seconds >= 0, f"outer.deadline_seconds must be >= 0, got {self.deadline_seconds}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """When the coordinator plans."""
@@ -184,6 +231,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    outer: OuterSpec = field(default_factory=OuterSpec)
 
     def __post_init__(self) -> None:
         _check(bool(_NAME_RE.match(self.name)),
@@ -223,7 +271,7 @@ class JobSpec:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise JobSpecError(f"not valid TOML: {e}") from None
-        known = {"job", "model", "data", "train", "checkpoint", "compression", "cluster"}
+        known = {"job", "model", "data", "train", "checkpoint", "compression", "cluster", "outer"}
         unknown = sorted(set(doc) - known)
         _check(not unknown, f"unknown section(s) {unknown}; sections: {sorted(known)}")
         for sec, value in doc.items():
@@ -244,9 +292,10 @@ class JobSpec:
         checkpoint = _build(CheckpointSpec, "checkpoint", doc.get("checkpoint", {}))
         compression = _build(CompressionSpec, "compression", doc.get("compression", {}))
         cluster = _build(ClusterSpec, "cluster", doc.get("cluster", {}))
+        outer = _build(OuterSpec, "outer", doc.get("outer", {}))
         try:
             return cls(name=name, id=job_id, model=model, model_preset=model_preset, data=data, train=train,
-                       checkpoint=checkpoint, compression=compression, cluster=cluster)
+                       checkpoint=checkpoint, compression=compression, cluster=cluster, outer=outer)
         except JobSpecError:
             raise
         except ValueError as e:  # ModelConfig's own checks name model.* fields
@@ -270,6 +319,9 @@ class JobSpec:
             obj = getattr(self, sec)
             out.append(f"\n[{sec}]")
             out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj))
+        if self.outer != OuterSpec():  # written only when set, so jobs without it keep their ids
+            out.append("\n[outer]")
+            out.extend(f"{f.name} = {_toml_value(getattr(self.outer, f.name))}" for f in fields(self.outer))
         return "\n".join(out) + "\n"
 
     def with_id(self, job_id: str) -> "JobSpec":

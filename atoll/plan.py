@@ -13,6 +13,11 @@ and what `atoll plan --json` writes. Its JSON shape:
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
 `nodes` and `dp_rendezvous`.
+
+A plan across regions may train in *outer* mode (`"mode": "outer"`): its pipelines are split into replica
+groups (`"groups": [{"name", "pipelines": [indices], "inner_steps", ...}]`), each a whole model replica whose
+pipelines share the global batch as a synchronous plan's do; every round the groups exchange compressed
+pseudo-gradients as `"outer"` says (codec, H, outer lr and momentum, overlap, predicted sync time).
 Layers count the embedding as layer 0 and the head as the last.
 """
 
@@ -96,6 +101,55 @@ class IslandInfo:
 
 
 @dataclass(kw_only=True)
+class ReplicaGroup:
+    """A whole model replica trained apart from the others (normally one region), synced every round."""
+
+    name: str
+    """Readable name: the region it runs in."""
+    pipelines: list[int]
+    """Indices into `Plan.pipelines`; together they train the global batch every inner step."""
+    inner_steps: int = 1
+    """Inner steps this group trains per outer round (a slower group trains fewer, so rounds take about the
+    same wall time everywhere; the average weights each group by the tokens it trained)."""
+    step_time_s: float = 0.0
+    """Predicted time of one inner step."""
+    tokens_per_s: float = 0.0
+    """Predicted tokens per second of the group."""
+    since_epoch: int = 0
+    """Plan epoch from which this group has run as it is: a replan that keeps it leaves it running (its
+    process groups and transfers are named by this epoch, not the plan's)."""
+    round: int = 0
+    """Outer round the group starts at (live plans: the newest round the coordinator has decided)."""
+
+
+@dataclass(kw_only=True)
+class OuterPlan:
+    """How the replica groups sync: every round, pseudo-gradients through a codec, averaged by tokens."""
+
+    inner_steps: int
+    """H: inner steps per round of the fastest group."""
+    codec: str = "int8"
+    """Codec of the pseudo-gradients on the wide-area links (error feedback keeps what lossy codecs drop)."""
+    topk_fraction: float = 0.0
+    block_size: int = 0
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = True
+    overlap: bool = True
+    """Round r's exchange runs while round r + 1 trains and is applied at its end (one round of delay)."""
+    deadline_s: float = 30.0
+    """How long a round waits for late groups after the first arrives; later groups are left out of it."""
+    sync_s: float = 0.0
+    """Predicted wall time of one round's exchange over the slowest wide-area link."""
+    round_s: float = 0.0
+    """Predicted compute time of one round (what the exchange hides behind)."""
+    bytes_per_round: int = 0
+    """Predicted wide-area bytes one group sends per round."""
+    reason: str = ""
+    """Why the planner chose outer mode and this H (against the synchronous plan)."""
+
+
+@dataclass(kw_only=True)
 class Plan:
     model: str
     global_batch: int
@@ -111,6 +165,19 @@ class Plan:
     """Node id -> HOST:PORT of its Peer server (live plans)."""
     rendezvous: str = ""
     """HOST:PORT of the torch.distributed store the nodes of this epoch meet at (live plans)."""
+    mode: str = "sync"
+    """"sync": one synchronous step over every pipeline; "outer": replica groups with an outer sync."""
+    groups: list[ReplicaGroup] = field(default_factory=list)
+    """Outer mode: the replica groups (every pipeline in exactly one)."""
+    outer: OuterPlan | None = None
+    """Outer mode: how the groups sync."""
+
+    def group_of(self, pipeline: int) -> int:
+        """Index of the replica group that runs `pipeline` (0 in a synchronous plan)."""
+        for g, group in enumerate(self.groups):
+            if pipeline in group.pipelines:
+                return g
+        return 0
 
     def validate(self, num_layers: int | None = None) -> None:
         """Check that every pipeline covers the layers contiguously, once."""
@@ -126,6 +193,16 @@ class Plan:
                 expect = s.layers[1]
             if num_layers is not None and expect != num_layers:
                 raise ValueError(f"pipeline {pi} ends at layer {expect}, the model has {num_layers}")
+        if self.mode not in ("sync", "outer"):
+            raise ValueError(f"plan mode must be sync or outer, got {self.mode!r}")
+        if self.mode == "outer":
+            if self.outer is None or not self.groups:
+                raise ValueError("an outer-mode plan needs replica groups and outer settings")
+            owned = sorted(p for g in self.groups for p in g.pipelines)
+            if owned != list(range(len(self.pipelines))):
+                raise ValueError(f"every pipeline must be in exactly one replica group; the groups hold {owned}")
+            if any(g.inner_steps < 1 for g in self.groups):
+                raise ValueError("every replica group needs inner_steps >= 1")
 
     def to_json_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -153,6 +230,8 @@ class Plan:
             pipelines=pipelines,
             epoch=d.get("epoch", 0), job_id=d.get("job_id", ""), resume_step=d.get("resume_step", 0),
             node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
+            mode=d.get("mode", "sync"), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
+            outer=OuterPlan(**d["outer"]) if d.get("outer") else None,
         )
 
     def to_json(self, indent: int | None = 2) -> str:

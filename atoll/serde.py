@@ -5,7 +5,7 @@ Every pair round-trips (tests/test_serde.py). Nothing else in the project builds
 
 from __future__ import annotations
 
-from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.plan import IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan, StagePlan
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
@@ -20,7 +20,8 @@ CODEC_BY_NAME: dict[str, int] = {
 }
 CODEC_NAME: dict[int, str] = {v: k for k, v in CODEC_BY_NAME.items()}
 
-DIRECTION_BY_NAME: dict[str, int] = {"forward": pb.DIRECTION_FORWARD, "backward": pb.DIRECTION_BACKWARD}
+DIRECTION_BY_NAME: dict[str, int] = {"forward": pb.DIRECTION_FORWARD, "backward": pb.DIRECTION_BACKWARD,
+                                     "outer": pb.DIRECTION_OUTER}
 DIRECTION_NAME: dict[int, str] = {v: k for k, v in DIRECTION_BY_NAME.items()}
 
 
@@ -135,7 +136,43 @@ def stage_from_proto(m: pb.Stage) -> StagePlan:
                      nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous)
 
 
+def group_to_proto(g: ReplicaGroup) -> pb.ReplicaGroup:
+    return pb.ReplicaGroup(name=g.name, pipelines=g.pipelines, inner_steps=g.inner_steps,
+                           step_time_seconds=g.step_time_s, tokens_per_second=g.tokens_per_s,
+                           since_epoch=g.since_epoch, round=g.round)
+
+
+def group_from_proto(m: pb.ReplicaGroup) -> ReplicaGroup:
+    return ReplicaGroup(name=m.name, pipelines=list(m.pipelines), inner_steps=m.inner_steps,
+                        step_time_s=m.step_time_seconds, tokens_per_s=m.tokens_per_second,
+                        since_epoch=m.since_epoch, round=m.round)
+
+
+def outer_to_proto(o: OuterPlan) -> pb.OuterPlan:
+    return pb.OuterPlan(inner_steps=o.inner_steps, codec=codec_id(o.codec),
+                        codec_params=pb.CodecParams(block_size=o.block_size, topk_fraction=o.topk_fraction),
+                        lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, overlap=o.overlap,
+                        deadline_seconds=o.deadline_s, sync_seconds=o.sync_s, round_seconds=o.round_s,
+                        bytes_per_round=o.bytes_per_round, reason=o.reason)
+
+
+def outer_from_proto(m: pb.OuterPlan) -> OuterPlan:
+    return OuterPlan(inner_steps=m.inner_steps, codec=codec_name(m.codec), block_size=m.codec_params.block_size,
+                     topk_fraction=m.codec_params.topk_fraction, lr=m.lr, momentum=m.momentum, nesterov=m.nesterov,
+                     overlap=m.overlap, deadline_s=m.deadline_seconds, sync_s=m.sync_seconds,
+                     round_s=m.round_seconds, bytes_per_round=m.bytes_per_round, reason=m.reason)
+
+
 def plan_to_proto(p: Plan) -> pb.Plan:
+    m = _plan_to_proto(p)
+    m.mode = p.mode
+    m.groups.extend(group_to_proto(g) for g in p.groups)
+    if p.outer is not None:
+        m.outer.CopyFrom(outer_to_proto(p.outer))
+    return m
+
+
+def _plan_to_proto(p: Plan) -> pb.Plan:
     return pb.Plan(
         epoch=p.epoch, job_id=p.job_id, model=p.model, global_batch=p.global_batch, seq_len=p.seq_len,
         predicted=pb.PlanPrediction(step_time_seconds=p.predicted.step_time_s,
@@ -158,7 +195,8 @@ def plan_from_proto(m: pb.Plan) -> Plan:
         pipelines=[PipelinePlan(micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
                                 stages=[stage_from_proto(s) for s in pl.stages]) for pl in m.pipelines],
         epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step, node_addresses=dict(m.node_addresses),
-        rendezvous=m.rendezvous,
+        rendezvous=m.rendezvous, mode=m.mode or "sync", groups=[group_from_proto(g) for g in m.groups],
+        outer=outer_from_proto(m.outer) if m.HasField("outer") else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from atoll import serde
-from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.plan import IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan, StagePlan
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
@@ -59,6 +59,39 @@ def test_plan_json_round_trip() -> None:
     p = _plan()
     assert Plan.from_json(p.to_json()) == p
     p.validate(num_layers=6)
+
+
+def _outer_plan() -> Plan:
+    p = _plan()
+    p.pipelines.append(PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        StagePlan(island="i2", layers=(0, 6), nodes=["n4"])]))
+    p.global_batch = 16
+    p.mode = "outer"
+    p.groups = [ReplicaGroup(name="eu", pipelines=[0], inner_steps=10, step_time_s=0.5, tokens_per_s=2048.0,
+                             since_epoch=2, round=4),
+                ReplicaGroup(name="us", pipelines=[1], inner_steps=7, step_time_s=0.7, tokens_per_s=1400.0,
+                             since_epoch=3)]
+    p.outer = OuterPlan(inner_steps=10, codec="topk", topk_fraction=0.25, lr=0.7, momentum=0.9, nesterov=True,
+                        overlap=True, deadline_s=12.0, sync_s=3.5, round_s=5.0, bytes_per_round=123456,
+                        reason="outer: 1.9x the synchronous plan")
+    return p
+
+
+def test_outer_plan_round_trip() -> None:
+    p = _outer_plan()
+    p.validate(num_layers=6)
+    assert serde.plan_from_proto(_wire(serde.plan_to_proto(p))) == p
+    assert Plan.from_json(p.to_json()) == p
+    assert p.group_of(1) == 1 and p.group_of(0) == 0
+
+
+def test_outer_plan_needs_every_pipeline_in_one_group() -> None:
+    import pytest
+
+    p = _outer_plan()
+    p.groups[1].pipelines = []
+    with pytest.raises(ValueError, match="exactly one replica group"):
+        p.validate(num_layers=6)
 
 
 def test_step_metrics_round_trip() -> None:

@@ -30,6 +30,7 @@ class Direction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DIRECTION_UNSPECIFIED: _ClassVar[Direction]
     DIRECTION_FORWARD: _ClassVar[Direction]
     DIRECTION_BACKWARD: _ClassVar[Direction]
+    DIRECTION_OUTER: _ClassVar[Direction]
 CODEC_IDENTITY: Codec
 CODEC_FP16: Codec
 CODEC_BF16: Codec
@@ -45,6 +46,7 @@ DTYPE_INT32: DType
 DIRECTION_UNSPECIFIED: Direction
 DIRECTION_FORWARD: Direction
 DIRECTION_BACKWARD: Direction
+DIRECTION_OUTER: Direction
 
 class CodecParams(_message.Message):
     __slots__ = ("block_size", "topk_fraction", "zstd_level")
@@ -252,8 +254,54 @@ class PlanPrediction(_message.Message):
     bottleneck: str
     def __init__(self, step_time_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., mfu: _Optional[float] = ..., bottleneck: _Optional[str] = ...) -> None: ...
 
+class ReplicaGroup(_message.Message):
+    __slots__ = ("name", "pipelines", "inner_steps", "step_time_seconds", "tokens_per_second", "since_epoch", "round")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PIPELINES_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    pipelines: _containers.RepeatedScalarFieldContainer[int]
+    inner_steps: int
+    step_time_seconds: float
+    tokens_per_second: float
+    since_epoch: int
+    round: int
+    def __init__(self, name: _Optional[str] = ..., pipelines: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., step_time_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., since_epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class OuterPlan(_message.Message):
+    __slots__ = ("inner_steps", "codec", "codec_params", "lr", "momentum", "nesterov", "overlap", "deadline_seconds", "sync_seconds", "round_seconds", "bytes_per_round", "reason")
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    inner_steps: int
+    codec: Codec
+    codec_params: CodecParams
+    lr: float
+    momentum: float
+    nesterov: bool
+    overlap: bool
+    deadline_seconds: float
+    sync_seconds: float
+    round_seconds: float
+    bytes_per_round: int
+    reason: str
+    def __init__(self, inner_steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., overlap: _Optional[bool] = ..., deadline_seconds: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., bytes_per_round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Plan(_message.Message):
-    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous")
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer")
     class NodeAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +321,9 @@ class Plan(_message.Message):
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     NODE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     job_id: str
     model: str
@@ -285,7 +336,10 @@ class Plan(_message.Message):
     resume_step: int
     node_addresses: _containers.ScalarMap[str, str]
     rendezvous: str
-    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ...) -> None: ...
+    mode: str
+    groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
+    outer: OuterPlan
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s")
@@ -463,6 +517,70 @@ class LeaveRequest(_message.Message):
     reason: str
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class RunFailure(_message.Message):
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    plan_epoch: int
+    step: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class OuterSyncRequest(_message.Message):
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_id: str
+    plan_epoch: int
+    round: int
+    group: int
+    arrived: bool
+    tokens: int
+    inner_step: int
+    sync_bytes: int
+    sync_seconds: float
+    late_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ...) -> None: ...
+
+class OuterParticipant(_message.Message):
+    __slots__ = ("group", "tokens", "since_epoch", "node_ids")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    tokens: int
+    since_epoch: int
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group: _Optional[int] = ..., tokens: _Optional[int] = ..., since_epoch: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class OuterSyncReply(_message.Message):
+    __slots__ = ("decided", "participants", "wait_seconds", "latest_round")
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    decided: bool
+    participants: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
+    wait_seconds: float
+    latest_round: int
+    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -532,7 +650,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -549,6 +667,7 @@ class StatusReply(_message.Message):
     MEASURED_STEPS_FIELD_NUMBER: _ClassVar[int]
     STAGE_USAGE_FIELD_NUMBER: _ClassVar[int]
     LINK_USAGE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_USAGE_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -565,7 +684,32 @@ class StatusReply(_message.Message):
     measured_steps: int
     stage_usage: _containers.RepeatedCompositeFieldContainer[StageUsage]
     link_usage: _containers.RepeatedCompositeFieldContainer[LinkUsage]
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ...) -> None: ...
+    group_usage: _containers.RepeatedCompositeFieldContainer[GroupUsage]
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ...) -> None: ...
+
+class GroupUsage(_message.Message):
+    __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_IN_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_MISSED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    name: str
+    inner_step: int
+    tokens: int
+    round: int
+    rounds_in: int
+    rounds_missed: int
+    sync_bytes: float
+    sync_seconds: float
+    late_seconds: float
+    def __init__(self, group: _Optional[int] = ..., name: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., round: _Optional[int] = ..., rounds_in: _Optional[int] = ..., rounds_missed: _Optional[int] = ..., sync_bytes: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
     __slots__ = ("sender", "payload")
@@ -584,3 +728,19 @@ class ProbeReply(_message.Message):
     receive_seconds: float
     node_id: str
     def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class OuterFetchRequest(_message.Message):
+    __slots__ = ("job_id", "plan_epoch", "round", "kind", "names", "sender")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    plan_epoch: int
+    round: int
+    kind: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    sender: str
+    def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ...) -> None: ...

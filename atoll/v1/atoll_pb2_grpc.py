@@ -74,6 +74,16 @@ class CoordinatorStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.StatusRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/atoll.v1.Coordinator/ReportFailure',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.RunFailure.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.Ack.FromString,
+                _registered_method=True)
+        self.OuterSync = channel.unary_unary(
+                '/atoll.v1.Coordinator/OuterSync',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -127,6 +137,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OuterSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +191,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.StatusRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.StatusReply.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.RunFailure.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.Ack.SerializeToString,
+            ),
+            'OuterSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.OuterSync,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +429,60 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Coordinator/ReportFailure',
+            atoll_dot_v1_dot_atoll__pb2.RunFailure.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OuterSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Coordinator/OuterSync',
+            atoll_dot_v1_dot_atoll__pb2.OuterSyncRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.OuterSyncReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PeerStub:
     """Missing associated documentation comment in .proto file."""
@@ -417,6 +503,11 @@ class PeerStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.ProbeChunk.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.FetchOuter = channel.unary_stream(
+                '/atoll.v1.Peer/FetchOuter',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -435,6 +526,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchOuter(self, request, context):
+        """The named tensors, each a meta chunk (direction OUTER, step = round) followed by data chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -447,6 +545,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.ProbeChunk.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.ProbeReply.SerializeToString,
+            ),
+            'FetchOuter': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchOuter,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -503,6 +606,33 @@ class Peer:
             '/atoll.v1.Peer/Probe',
             atoll_dot_v1_dot_atoll__pb2.ProbeChunk.SerializeToString,
             atoll_dot_v1_dot_atoll__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchOuter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Peer/FetchOuter',
+            atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,
