@@ -172,6 +172,13 @@ class Plan:
     outer: OuterPlan | None = None
     """Outer mode: how the groups sync."""
 
+    def region_of(self, node_id: str) -> str:
+        """The region (site label) of a node in a live plan: its island's group; "" when not known."""
+        for island in self.islands:
+            if node_id in island.nodes:
+                return island.group
+        return ""
+
     def group_of(self, pipeline: int) -> int:
         """Index of the replica group that runs `pipeline` (0 in a synchronous plan)."""
         for g, group in enumerate(self.groups):
