@@ -8,7 +8,7 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
     [data]        source = "builtin" | a text file path (read by each node), tokenizer = "bytes"
     [train]       global_batch, seq_len, micro_batch, steps, lr, weight_decay, warmup, grad_clip,
                   dtype ("fp32" | "bf16"), seed, schedule ("1f1b" | "gpipe")
-    [checkpoint]  interval (steps between checkpoints; 0: none)
+    [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all)
     [compression] mode ("adaptive" | "identity" | a codec name)
     [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training)
 
@@ -133,9 +133,13 @@ class CheckpointSpec:
 
     interval: int = 0
     """Steps between checkpoints (0: no checkpoints)."""
+    keep: int = 3
+    """Newest complete checkpoints a node keeps; older step folders are deleted once the coordinator has
+    the newer ones (0: keep all). Written to the spec only when not 3, so older jobs keep their ids."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0: none), got {self.interval}")
+        _check(self.keep >= 0, f"checkpoint.keep must be >= 0 (0: keep all), got {self.keep}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,7 +322,8 @@ class JobSpec:
         for sec in ("data", "train", "checkpoint", "compression", "cluster"):
             obj = getattr(self, sec)
             out.append(f"\n[{sec}]")
-            out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj))
+            out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
+                       if not (sec == "checkpoint" and f.name == "keep" and obj.keep == CheckpointSpec.keep))
         if self.outer != OuterSpec():  # written only when set, so jobs without it keep their ids
             out.append("\n[outer]")
             out.extend(f"{f.name} = {_toml_value(getattr(self.outer, f.name))}" for f in fields(self.outer))

@@ -3,6 +3,7 @@
 - heartbeats (renew the lease, report the epoch and step, receive probe requests),
 - probes (measure the links the coordinator asks for and report them),
 - the plan watch (a WatchPlan stream, reconnected with backoff),
+- the outbox (checkpoint and failure reports, kept and retried with backoff through a coordinator outage),
 
 while `run(on_plan=...)` hands each new plan to a callback on the calling thread. A coordinator that
 restarts on its state dir still knows the node, so heartbeats simply resume; one that answers NOT_FOUND
@@ -15,9 +16,11 @@ import argparse
 import logging
 import queue
 import socket
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +41,25 @@ from atoll.v1 import atoll_pb2_grpc as pb_grpc
 log = logging.getLogger("atoll.node")
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+_REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNIMPLEMENTED,
+            grpc.StatusCode.OUT_OF_RANGE)
+"""Answers that a report will never be accepted: the outbox logs and drops it. Any other is retried."""
+MAX_FAILURE_REASON = 1000
+"""Longest failure reason sent; the coordinator refuses longer ones."""
+
+
+def step_wait_timeout(step_seconds: Sequence[float], default: timedelta, *,
+                      floor: timedelta = timedelta(seconds=10), factor: float = 10.0) -> timedelta:
+    """The bound of each wait on a neighbour, a collective or the rendezvous in the next plan.
+
+    `default` until a step has been measured; then `factor` x the median measured step time, at least
+    `floor`, so a stalled neighbour is noticed in a few step times rather than after a fixed two minutes,
+    and a slow model still gets waits long enough for its steps.
+    """
+    if not step_seconds:
+        return default
+    return max(floor, timedelta(seconds=factor * statistics.median(step_seconds)))
 
 
 class AgentError(RuntimeError):
@@ -107,14 +129,41 @@ class PlanRun:
     agent: NodeAgent
 
     def report_step(self, metrics: StepMetrics) -> pb.StepAck:
+        """Send step metrics now (the caller runs it off the step's path); raises grpc.RpcError on failure."""
         self.agent.set_progress(metrics.plan_epoch, metrics.step)
+        self.agent.record_step_seconds(metrics.step_seconds)
         return self.agent.call("ReportStep", step_metrics_to_proto(metrics))
 
-    def report_checkpoint(self, report: pb.CheckpointReport) -> pb.Ack:
-        return self.agent.call("ReportCheckpoint", report)
+    def report_checkpoint(self, report: pb.CheckpointReport, on_delivered: Callable[[], None] | None = None) -> None:
+        """Queue a checkpoint report; the agent delivers it, retrying until the coordinator takes it, the
+        plan is superseded or the coordinator refuses it for good. `on_delivered` runs once it is taken."""
+        self.agent.send_later("ReportCheckpoint", report, epoch=self.plan.epoch,
+                              what=f"checkpoint of step {report.step}", on_delivered=on_delivered)
+
+    def report_failure(self, *, step: int, reason: str) -> None:
+        """Queue a report that this node's run of the plan failed at `step`, so the coordinator replans."""
+        self.agent.send_later("ReportFailure", pb.RunFailure(
+            job_id=self.plan.job_id, node_id=self.node_id, plan_epoch=self.plan.epoch, step=step,
+            reason=reason[:MAX_FAILURE_REASON]), epoch=self.plan.epoch, what=f"failure of plan epoch {self.plan.epoch}")
+
+    def wait_timeout(self, default: timedelta) -> timedelta:
+        """The bound of each wait in this plan: `step_wait_timeout` of the step times this node measured."""
+        return step_wait_timeout(self.agent.step_seconds(), default)
 
 
 OnPlan = Callable[[PlanRun], None]
+
+
+@dataclass
+class _Outgoing:
+    """A report waiting in the outbox."""
+
+    method: str
+    request: object
+    epoch: int
+    """Plan epoch it belongs to: dropped once a newer plan has arrived."""
+    what: str
+    on_delivered: Callable[[], None] | None = None
 
 
 def describe_plan(plan: Plan, node_id: str) -> str:
@@ -162,6 +211,9 @@ class NodeAgent:
         self.step = 0
         self.joins = 0
         self._stream: grpc.Future | None = None
+        self._outbox: deque[_Outgoing] = deque()
+        self._outbox_cond = threading.Condition()
+        self._step_seconds: deque[float] = deque(maxlen=64)
         self.error: Exception | None = None
         """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
@@ -248,7 +300,7 @@ class NodeAgent:
                                rpc=self.config.peer_rpc)
         self.join()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._probe_loop, "probe"),
-                             (self._watch_loop, "watch")):
+                             (self._watch_loop, "watch"), (self._outbox_loop, "outbox")):
             t = threading.Thread(target=self._guard(target), name=f"atoll-node-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -286,13 +338,26 @@ class NodeAgent:
         with self._cond:
             self.epoch, self.step = epoch, step
 
+    def record_step_seconds(self, seconds: float) -> None:
+        if seconds > 0:
+            with self._cond:
+                self._step_seconds.append(seconds)
+
+    def step_seconds(self) -> list[float]:
+        """The latest measured step times of this node (any plan)."""
+        with self._cond:
+            return list(self._step_seconds)
+
     def _heartbeat_loop(self) -> None:
         unavailable_since: float | None = None
         while not self._stop.wait(self.heartbeat_interval):
             with self._cond:
                 req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
+            # a heartbeat stuck on a reconnecting channel is not worth more than the next one: bound its
+            # deadline by two intervals, so an outage is retried well within the lease
+            deadline = min(self.config.call_timeout, timedelta(seconds=max(1.0, 2 * self.heartbeat_interval)))
             try:
-                reply = self.call("Heartbeat", req)
+                reply = self.call("Heartbeat", req, timeout=deadline)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._rejoin(e.details() or "")
@@ -305,6 +370,8 @@ class NodeAgent:
             if unavailable_since is not None:
                 log.info("coordinator reachable again after %.1fs", time.monotonic() - unavailable_since)
                 unavailable_since = None
+                with self._outbox_cond:
+                    self._outbox_cond.notify_all()  # deliver what waited for the coordinator now
             for target in reply.probe:
                 if target.node_id not in self._queued:
                     self._queued.add(target.node_id)
@@ -334,6 +401,82 @@ class NodeAgent:
                 log.warning("could not report the probe of %s: %s: %s", target.node_id, e.code().name, e.details())
             finally:
                 self._queued.discard(target.node_id)
+
+    def send_later(self, method: str, request, *, epoch: int, what: str,
+                   on_delivered: Callable[[], None] | None = None) -> None:
+        """Queue a unary report for the outbox thread; returns at once."""
+        with self._outbox_cond:
+            self._outbox.append(_Outgoing(method, request, epoch, what, on_delivered))
+            self._outbox_cond.notify_all()
+
+    def _outbox_loop(self) -> None:
+        """Deliver queued reports in order, retrying with backoff (reset by a heartbeat that gets through)
+        until delivered, superseded by a newer plan, or refused for good."""
+        wait = self.config.backoff[0].total_seconds()
+        failing_since: float | None = None
+        while True:
+            with self._outbox_cond:
+                while not self._outbox and not self._stop.is_set():
+                    self._outbox_cond.wait()
+                if not self._outbox:
+                    return
+                item = self._outbox[0]
+            with self._cond:
+                newest = self.plan.epoch if self.plan is not None else 0
+            if item.epoch < newest:
+                log.info("dropping the unsent report of the %s: plan epoch %d is superseded by %d", item.what,
+                         item.epoch, newest)
+                self._outbox_done(item)
+                continue
+            try:
+                reply = self.call(item.method, item.request)
+            except ValueError:  # the channel was closed by stop()
+                return
+            except grpc.RpcError as e:
+                if e.code() in _REFUSED:
+                    log.error("the coordinator refused the report of the %s (%s: %s); dropping it", item.what,
+                              e.code().name, e.details())
+                    self._outbox_done(item)
+                    continue
+                if self._stop.is_set():
+                    return
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("report of the %s not delivered (%s); retrying with backoff", item.what,
+                                e.code().name)
+                with self._outbox_cond:
+                    if self._outbox_cond.wait(wait):
+                        wait = self.config.backoff[0].total_seconds()  # woken: the coordinator is back
+                    else:
+                        wait = min(2 * wait, self.config.backoff[1].total_seconds())
+                continue
+            if failing_since is not None:
+                log.info("report of the %s delivered after %.1fs", item.what, time.monotonic() - failing_since)
+            failing_since, wait = None, self.config.backoff[0].total_seconds()
+            log.debug("%s reported: %s", item.what, getattr(reply, "message", ""))
+            self._outbox_done(item)
+            if item.on_delivered is not None:
+                try:
+                    item.on_delivered()
+                except Exception:  # noqa: BLE001 - e.g. pruning old checkpoints failed: say so, keep going
+                    log.exception("after delivering the report of the %s", item.what)
+
+    def _outbox_done(self, item: _Outgoing) -> None:
+        with self._outbox_cond:
+            if self._outbox and self._outbox[0] is item:
+                self._outbox.popleft()
+            self._outbox_cond.notify_all()
+
+    def flush_outbox(self, timeout: timedelta) -> bool:
+        """Wait until every queued report is delivered or dropped; False when `timeout` passed first."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._outbox_cond:
+            while self._outbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._outbox_cond.wait(min(left, 0.5))
+            return True
 
     def _watch_loop(self) -> None:
         wait = self.config.backoff[0].total_seconds()
@@ -437,9 +580,13 @@ class NodeAgent:
         """Stop the loops and the peer server; with `leave`, tell the coordinator (best effort)."""
         if self._stop.is_set():
             return
+        if leave and self.joins and not self.flush_outbox(timedelta(seconds=5)):
+            log.warning("stopping with %d report(s) undelivered", len(self._outbox))
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        with self._outbox_cond:
+            self._outbox_cond.notify_all()
         if self._stream is not None:
             self._stream.cancel()
         if leave and self.joins:

@@ -3,11 +3,16 @@
 `<dir>/step-00000025/layers-0000-0003.pt` holds layers [0, 3) with their AdamW state after 25 steps
 (`atoll.node.slice_state` format, written atomically). A stage of any later cut reads only the files
 whose layer ranges overlap its own and picks its layers out of them.
+
+A step folder is complete when its files hold every layer of the model once, end to end (the files of one
+cut: each stage of a pipeline wrote its range). `prune_checkpoints` keeps the newest complete ones.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -16,6 +21,7 @@ from atoll.node.model import StageModule
 from atoll.node.slice_state import load_slice, save_slice
 
 _FILE = re.compile(r"^layers-(\d{4})-(\d{4})\.pt$")
+_STEP = re.compile(r"^step-(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
@@ -60,3 +66,53 @@ def load_layers(module: StageModule, optimizer: torch.optim.Optimizer, root: Pat
     except ValueError as e:
         raise CheckpointError(f"checkpoint of step {step} under {folder}: {e}") from e
     return int(extra.get("data_position", 0))
+
+
+def complete_steps_on_disk(root: Path, total_layers: int) -> list[int]:
+    """Steps, ascending, whose folder under `root` holds layers [0, total_layers) in files that chain end to end."""
+    done = []
+    for folder in Path(root).iterdir() if Path(root).is_dir() else []:
+        m = _STEP.match(folder.name)
+        if m is None or not folder.is_dir():
+            continue
+        ranges = {(int(f.group(1)), int(f.group(2))) for f in map(_FILE.match, (p.name for p in folder.iterdir()))
+                  if f is not None}
+        reach, ends = 0, {}
+        for start, end in ranges:
+            ends.setdefault(start, set()).add(end)
+        frontier = {0}
+        while frontier:  # the layers reachable from 0 by chaining ranges
+            reach = max(reach, *frontier)
+            frontier = {e for s in frontier for e in ends.pop(s, ())}
+        if reach >= total_layers:
+            done.append(int(m.group(1)))
+    return sorted(done)
+
+
+def prune_checkpoints(root: Path, *, total_layers: int, keep: int, upto: int | None = None,
+                      protect: Iterable[int] = ()) -> list[int]:
+    """Delete step folders older than the `keep`-th newest complete one; return the steps deleted.
+
+    Only complete steps at or before `upto` count (None: all), so a step whose report the coordinator
+    has not acknowledged yet never makes an older one it may resume from go away. Steps in `protect` (the
+    resume step of the running plan) and every step at or after the oldest kept one stay, complete or not.
+    `keep` < 1 keeps everything. Folders are removed whole; a folder another node removes at the same
+    time is not an error.
+    """
+    if keep < 1:
+        return []
+    complete = [s for s in complete_steps_on_disk(root, total_layers) if upto is None or s <= upto]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    protected = set(protect)
+    removed = []
+    for folder in sorted(Path(root).iterdir()):
+        m = _STEP.match(folder.name)
+        if m is None or not folder.is_dir():
+            continue
+        step = int(m.group(1))
+        if step < oldest_kept and step not in protected:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(step)
+    return removed

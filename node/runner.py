@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
-from atoll.node.checkpoint import load_layers, save_layers
+from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
 from atoll.node.data import TokenDataset
 from atoll.node.dataparallel import GradientAverager
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
@@ -138,40 +138,66 @@ class _SegmentAverager:
 class _Reporter:
     """Sends step metrics from a thread of its own, so a round trip to the coordinator never delays a step.
 
-    Bounded: when the coordinator is slower than the steps, the oldest unsent metrics are dropped (the
-    next ones carry the progress). `stop_requested` is set once the coordinator answers stop.
+    Bounded: when the coordinator is slower than the steps (or away), the oldest unsent metrics are dropped
+    (the next ones carry the progress). A failed send is retried with backoff (doubling from `backoff[0]`
+    up to `backoff[1]`), so an outage of the coordinator costs some metrics, never a step or the node.
+    `stop_requested` is set once the coordinator answers stop.
     """
 
-    def __init__(self, send: Callable[[StepMetrics], bool], capacity: int = 64):
+    def __init__(self, send: Callable[[StepMetrics], bool], capacity: int = 64,
+                 backoff: tuple[float, float] = (0.2, 5.0)):
         self._send = send
-        self._queue: queue.Queue[StepMetrics | None] = queue.Queue(maxsize=capacity)
+        self._backoff = backoff
+        self._pending: deque[StepMetrics] = deque(maxlen=capacity)
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        """Monotonic time by which a closing reporter gives up on what is still unsent."""
         self.stop_requested = threading.Event()
         self._thread = threading.Thread(target=self._run, name="atoll-step-reporter", daemon=True)
         self._thread.start()
 
     def put(self, metrics: StepMetrics) -> None:
-        while True:
-            try:
-                self._queue.put_nowait(metrics)
-                return
-            except queue.Full:
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    pass
+        with self._cond:
+            self._pending.append(metrics)  # a full deque drops its oldest
+            self._cond.notify()
 
     def _run(self) -> None:
-        while (m := self._queue.get()) is not None:
+        wait, failing_since = self._backoff[0], None
+        while True:
+            with self._cond:
+                while not self._pending and self._deadline is None:
+                    self._cond.wait()
+                if not self._pending or (self._deadline is not None and time.monotonic() > self._deadline):
+                    if self._pending:
+                        log.warning("%d step report(s) unsent when the run ended", len(self._pending))
+                    return
+                m = self._pending[0]
             try:
-                if self._send(m):
-                    self.stop_requested.set()
+                stop = self._send(m)
             except Exception as e:  # noqa: BLE001 - a lost report must not stop training; the log says why
-                log.warning("step %d report failed: %s", m.step, e)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("step %d report failed (%s); retrying with backoff, training goes on", m.step, e)
+                with self._cond:
+                    left = None if self._deadline is None else self._deadline - time.monotonic()
+                    self._cond.wait(wait if left is None else max(0.0, min(wait, left)))
+                wait = min(2 * wait, self._backoff[1])
+                continue
+            if failing_since is not None:
+                log.info("step reports delivered again after %.1fs", time.monotonic() - failing_since)
+                wait, failing_since = self._backoff[0], None
+            if stop:
+                self.stop_requested.set()
+            with self._cond:
+                if self._pending and self._pending[0] is m:
+                    self._pending.popleft()
 
     def close(self, timeout: timedelta) -> None:
         """Send what is queued (bounded by `timeout`), then end the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout.total_seconds())
+        with self._cond:
+            self._deadline = time.monotonic() + timeout.total_seconds()
+            self._cond.notify_all()
+        self._thread.join(timeout.total_seconds() + 1.0)
 
 
 class PlanRunner:
@@ -342,15 +368,29 @@ class PlanRunner:
         )
 
     def _checkpoint(self, module, optimizer, step: int) -> None:
+        """Write this stage's checkpoint of `step` and queue its report.
+
+        A checkpoint that cannot be written (a full disk, no permission) fails alone: the log says why and
+        training goes on; the coordinator resumes from the last complete checkpoint it knows. The report
+        never blocks: `ctx.report_checkpoint` only queues it.
+        """
         pl = self.placement
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
         if pl.pipeline != 0 or pl.replica != 0:
             return
         position = step * self.job.train.global_batch
-        path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position)
-        self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
-                                                     data_position=position))
+        try:
+            path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position)
+        except OSError as e:
+            log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes "
+                      "on without it", step, *pl.layers, self.ctx.checkpoint_dir, e)
+            return
+        try:
+            self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
+                                                         data_position=position))
+        except Exception as e:  # noqa: BLE001 - the checkpoint is on disk; a lost report must not stop training
+            log.error("checkpoint of step %d written to %s but not reported: %s", step, path, e)
         log.info("checkpoint of step %d: layers [%d, %d) -> %s", step, *pl.layers, path)
 
 
@@ -358,29 +398,55 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                 rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=120)) -> bool:
     """The node agent's plan callback: run this node's share of `run.plan` until done or superseded.
 
-    `run` is the agent's `PlanRun` (plan, job, node_id, peer, superseded, report_step, report_checkpoint).
-    Returns True when the job has finished its steps. A failed run (a neighbour died) waits for the next
-    plan, which the coordinator makes once it notices the departure.
+    `run` is the agent's `PlanRun` (plan, job, node_id, peer, superseded, report_step, report_checkpoint,
+    report_failure, wait_timeout). Returns True when the job has finished its steps.
+
+    Nothing sent to the coordinator is on a step's critical path: step metrics go through `_Reporter`,
+    checkpoint and failure reports through the agent's outbox, which keeps them and retries them through a
+    coordinator outage. Once the coordinator has acknowledged a checkpoint, older checkpoint folders are
+    pruned (`prune_checkpoints`: the newest `checkpoint.keep` complete ones and this plan's resume step stay).
+
+    A failed run (a neighbour or a collective failed) is reported to the coordinator, which makes a new
+    plan even when every node is alive; the node waits for it. `timeout` bounds every wait on a neighbour
+    until steps have been measured; then the bound follows the measured step time (`run.wait_timeout`).
     """
     from atoll.v1 import atoll_pb2 as pb
 
+    plan, job = run.plan, run.job
+    last_step = [plan.resume_step - 1]
+
+    def report_step(m: StepMetrics) -> bool:
+        last_step[0] = max(last_step[0], m.step)
+        return bool(run.report_step(m).stop)
+
+    def prune(step: int) -> None:
+        removed = prune_checkpoints(Path(checkpoint_dir), total_layers=job.model.n_layers + 2,
+                                    keep=job.checkpoint.keep, upto=step, protect={plan.resume_step})
+        if removed:
+            log.info("pruned the checkpoints of steps %s (keeping the newest %d complete)",
+                     ", ".join(map(str, removed)), job.checkpoint.keep)
+
     def report_checkpoint(c: CheckpointWritten) -> None:
         run.report_checkpoint(pb.CheckpointReport(
-            job_id=run.plan.job_id, node_id=run.node_id, plan_epoch=run.plan.epoch, step=c.step,
+            job_id=plan.job_id, node_id=run.node_id, plan_epoch=plan.epoch, step=c.step,
             layer_start=c.layers[0], layer_end=c.layers[1], path=str(c.path), bytes=c.bytes,
-            data_position=c.data_position))
+            data_position=c.data_position), on_delivered=lambda: prune(c.step))
 
-    ctx = RunContext(node_id=run.node_id, job=run.job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
-                     report_step=lambda m: bool(run.report_step(m).stop), report_checkpoint=report_checkpoint,
-                     token=token, rpc=rpc or RpcOptions(), device=device, timeout=timeout,
+    ctx = RunContext(node_id=run.node_id, job=job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
+                     report_step=report_step, report_checkpoint=report_checkpoint,
+                     token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
                      coordinator_host=coordinator_host)
     try:
-        next_step = PlanRunner(ctx, run.plan).run(run.superseded)
+        next_step = PlanRunner(ctx, plan).run(run.superseded)
     except RunFailed as e:
-        log.error("%s; waiting for a new plan", e)
+        if run.superseded.is_set():
+            log.info("plan epoch %d ended (%s); a newer plan has arrived", plan.epoch, e)
+            return False
+        log.error("%s; reporting it and waiting for a new plan", e)
+        run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
         run.superseded.wait()
         return False
-    if next_step >= run.job.train.steps:
-        log.info("the job has finished its %d steps", run.job.train.steps)
+    if next_step >= job.train.steps:
+        log.info("the job has finished its %d steps", job.train.steps)
         return True
     return False
