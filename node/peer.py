@@ -1,4 +1,5 @@
-"""The node's Peer gRPC server: Transfer (tensors from pipeline neighbours) and Probe (link measurements).
+"""The node's Peer gRPC server: Transfer (tensors from pipeline neighbours), Probe (link measurements) and
+FetchOuter (pseudo-gradients and outer state for the other replica groups).
 
 The servicer is thin: it checks the job token and the call's deadline, hands the stream to a plain
 function (`receive_probe`) or to the receiver the running stage attached (`attach`), and maps their
@@ -88,6 +89,22 @@ class _PeerServicer(pb_grpc.PeerServicer):
             # the caller cancelled or its deadline passed while we read; nobody is left to answer
             context.abort(grpc.StatusCode.CANCELLED, "Transfer: the caller went away mid-stream")
 
+    def FetchOuter(self, request, context):
+        remaining = self._admit(context, "FetchOuter")
+        outbox = self._owner.outbox
+        if outbox is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"node {self._owner.node_id} runs no outer sync yet; retry once it has the plan")
+        try:
+            frames = outbox.frames(request, wait=max(0.0, min(5.0, remaining - 1.0)))
+        except LookupError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else "not found")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        yield from frames
+
     def Probe(self, request_iterator, context):
         self._admit(context, "Probe")
         try:
@@ -109,6 +126,9 @@ def _add_peer_servicer(servicer: pb_grpc.PeerServicer, server: grpc.Server) -> N
         "Probe": grpc.stream_unary_rpc_method_handler(
             servicer.Probe, request_deserializer=pb.ProbeChunk.FromString,
             response_serializer=pb.ProbeReply.SerializeToString),
+        # the outbox yields each chunk already in its wire form (`chunk_frames`)
+        "FetchOuter": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchOuter, request_deserializer=pb.OuterFetchRequest.FromString, response_serializer=None),
     }
     methods = set(pb.DESCRIPTOR.services_by_name["Peer"].methods_by_name)
     if methods != set(handlers):
@@ -131,6 +151,7 @@ class PeerServer:
         self.rpc = rpc or RpcOptions()
         self._lock = threading.Lock()
         self._receiver: TransferReceiver | None = None
+        self._outbox = None
         servicer = _PeerServicer(self)
         self._handle: ServerHandle = make_server(
             listen, [lambda s: _add_peer_servicer(servicer, s)], self.rpc,
@@ -154,6 +175,20 @@ class PeerServer:
         with self._lock:
             self._receiver = receiver
 
+    @property
+    def outbox(self):
+        """What FetchOuter serves (`atoll.node.outer.OuterOutbox`), or None."""
+        return self._outbox
+
+    def attach_outbox(self, outbox) -> None:
+        with self._lock:
+            self._outbox = outbox
+
+    def detach_outbox(self, outbox=None) -> None:
+        with self._lock:
+            if outbox is None or self._outbox is outbox:
+                self._outbox = None
+
     def detach(self, receiver: TransferReceiver | None = None) -> None:
         """Stop routing Transfer calls; with `receiver`, only if it is still the attached one."""
         with self._lock:
@@ -163,6 +198,7 @@ class PeerServer:
     def stop(self, grace: timedelta = timedelta(seconds=1)) -> None:
         """Stop serving: open calls get `grace` to finish, then are cancelled. Idempotent."""
         self.detach()
+        self.detach_outbox()
         self._handle.stop(grace)
 
     def __enter__(self) -> PeerServer:

@@ -37,6 +37,9 @@ from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRe
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange
+from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, RoundDecision, RoundStats, group_index,
+                              layer_of, load_outer_state, save_outer_state)
+from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
@@ -103,6 +106,14 @@ class RunContext:
     """Bound of every wait on a neighbour, a collective or the rendezvous."""
     coordinator_host: str = "127.0.0.1"
     """Host the node dials the coordinator at: the rendezvous store's host when the plan names none."""
+    outer_sync: Callable[[object], object] | None = None
+    """Outer mode: sends an `OuterSyncRequest` to the coordinator and returns its `OuterSyncReply` (raises
+    grpc.RpcError); None where the node cannot reach a coordinator (outer-mode plans then fail to set up)."""
+    latest_plan: Callable[[], Plan] | None = None
+    """The newest plan this run has adopted without restarting (outer mode: a replan that keeps this node's
+    replica group as it was); None: the run's own plan."""
+    wan_latency: Callable[[Plan, str], timedelta] = lambda plan, peer: timedelta(0)
+    """One-way latency added to what is sent to or fetched from `peer` (a testbed knob; 0 in production)."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -133,6 +144,34 @@ class _SegmentAverager:
                     if p.grad is not None:
                         p.grad.mul_(scale)
             averager.average_(mine, timeout)
+
+
+def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
+    """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided or the
+    coordinator is away (the caller retries); an error the coordinator refuses for good propagates."""
+    import grpc
+
+    from atoll.v1 import atoll_pb2 as pb
+
+    def arrive(round_: int, tokens: int, arrived: bool, previous: RoundStats) -> RoundDecision | None:
+        plan = plan_source()  # the newest adopted plan: group indices are the coordinator's current ones
+        group = group_index(plan, node_id)
+        req = pb.OuterSyncRequest(job_id=plan.job_id, node_id=node_id, plan_epoch=plan.epoch, round=round_,
+                                  group=group, arrived=arrived, tokens=tokens,
+                                  inner_step=previous.inner_step, sync_bytes=previous.wire_bytes,
+                                  sync_seconds=max(0.0, previous.seconds), late_seconds=max(0.0, previous.late_seconds))
+        try:
+            reply = call(req)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            raise
+        if not reply.decided:
+            return None
+        return RoundDecision(round=round_, participants=tuple(
+            OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, nodes=tuple(p.node_ids))
+            for p in reply.participants))
+    return arrive
 
 
 class _Reporter:
@@ -207,6 +246,15 @@ class PlanRunner:
         self.ctx, self.plan = ctx, plan
         self.job = ctx.job
         self.placement: Placement | None = place(plan, ctx.node_id, self.job.model.n_layers + 2)
+        self.outer: OuterSync | None = None
+        # the epoch that names this run's process groups and transfers: in outer mode the epoch from which
+        # its replica group has run unchanged (a replan that keeps the group leaves it running)
+        self.run_epoch = plan.epoch
+        if plan.mode == "outer" and self.placement is not None:
+            self.run_epoch = plan.groups[self.placement.group].since_epoch or plan.epoch
+
+    def current_plan(self) -> Plan:
+        return self.ctx.latest_plan() if self.ctx.latest_plan is not None else self.plan
 
     def run(self, stop: threading.Event, until_step: int | None = None) -> int:
         """Train until the job's last step (or `until_step`); return the next step to run."""
@@ -226,6 +274,8 @@ class PlanRunner:
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
             norm, averager, loss_group = self._groups(store, module)
+            if self.plan.mode == "outer":
+                step = self._start_outer(store, module, step)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
             raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
@@ -239,6 +289,10 @@ class PlanRunner:
                  pl.num_micro_batches, pl.micro_batch, step)
         reporter = _Reporter(ctx.report_step)
         last = job.train.steps if until_step is None else min(until_step, job.train.steps)
+        outer = self.outer
+        # outer mode: each replica group reads its own shard (steps interleaved by group), so no sample is
+        # trained twice
+        groups = len(self.plan.groups) if outer is not None else 1
         finished = threading.Event()
 
         def close_when_superseded() -> None:
@@ -254,7 +308,8 @@ class PlanRunner:
             while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, step)
-                batch = data.rows(step, job.train.global_batch, *pl.rows) if data is not None else None
+                index = step * groups + pl.group
+                batch = data.rows(index, job.train.global_batch, *pl.rows) if data is not None else None
                 try:
                     result = stage.train_step(step, batch)
                     loss = self._mean_loss(result, loss_group, pl)
@@ -266,10 +321,27 @@ class PlanRunner:
                 step += 1
                 reporter.put(self._metrics(step - 1, result, loss, transport))
                 interval = job.checkpoint.interval
-                if interval and (step % interval == 0 or step == job.train.steps):
+                due = bool(interval) and (step % interval == 0 or step == job.train.steps)
+                if outer is not None:
+                    try:
+                        outer.refresh(self.current_plan())
+                        ended = outer.after_step(job.train.global_batch * job.train.seq_len)
+                        if step >= last:
+                            outer.finish()  # the last round lands before the final checkpoint
+                    except Exception as e:  # the exchange failed or came too late: this run cannot go on
+                        if stop.is_set():
+                            break
+                        raise RunFailed(f"outer sync after step {step - 1} failed: {e}") from e
+                    # checkpoints of an outer-mode run are taken at round ends, holding the outer state
+                    due = (ended and bool(interval) and (step % interval < outer.cfg.inner_steps
+                                                         or step == job.train.steps)) or step == job.train.steps
+                if due:
                     self._checkpoint(module, optimizer, step)
         finally:
             finished.set()
+            if outer is not None:
+                outer.close()
+                ctx.peer_server.detach_outbox(outer.outbox)
             transport.close()
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
@@ -278,6 +350,51 @@ class PlanRunner:
         return step
 
     # --- set-up -----------------------------------------------------------------------------------
+
+    def _start_outer(self, store: dist.Store | None, module: torch.nn.Module, step: int) -> int:
+        """Set up the outer sync of this node's layers; return the step to train from.
+
+        Its outer state comes from the checkpoint of `step` (a whole-job resume), or, for a group that
+        (re)joins while older groups train on, from one of those groups; otherwise the start parameters.
+        """
+        plan, pl, ctx = self.plan, self.placement, self.ctx
+        assert pl is not None and plan.outer is not None
+        if ctx.outer_sync is None:
+            raise RunFailed("an outer-mode plan needs the coordinator's OuterSync; this node has none")
+        group = plan.groups[pl.group]
+        o = plan.outer
+        codec = CodecSpec(o.codec, **({"block_size": o.block_size} if o.block_size else {}),
+                          **({"topk_fraction": o.topk_fraction} if o.topk_fraction else {}))
+        deadline = timedelta(seconds=max(o.deadline_s, 30.0))
+        cfg = OuterConfig(job_id=plan.job_id, node_id=ctx.node_id, group=pl.group, inner_steps=group.inner_steps,
+                          codec=codec, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, overlap=o.overlap,
+                          deadline=deadline, token=ctx.token, rpc=ctx.rpc,
+                          latency_to=lambda peer: ctx.wan_latency(self.current_plan(), peer))
+        segment_groups = []
+        if store is not None:
+            base = f"atoll/{plan.job_id}/epoch-{self.run_epoch}"
+            for seg in pl.segments:
+                g = _group(store, f"{base}/outer-segment-{seg.start}-{seg.end}/", seg.holders.index(ctx.node_id),
+                           len(seg.holders), ctx.timeout, ctx.device)
+                names = [n for n, _ in module.named_parameters() if seg.start <= layer_of(n) < seg.end]
+                segment_groups.append((names, g))
+        outbox = OuterOutbox(job_id=plan.job_id, epoch=self.run_epoch, node_id=ctx.node_id)
+        ctx.peer_server.attach_outbox(outbox)
+        arrive = _arrive_via(ctx.outer_sync, self.current_plan, ctx.node_id)
+        self.outer = outer = OuterSync(cfg, plan, dict(module.named_parameters()), outbox=outbox, arrive=arrive,
+                                       segment_groups=segment_groups, timeout=ctx.timeout)
+        older = [g for g, grp in enumerate(plan.groups) if g != pl.group and 0 < grp.since_epoch < self.run_epoch]
+        if older:
+            epochs = {g: plan.groups[g].since_epoch for g in older}
+            round_ = outer.fetch_state(older, epochs)
+            return max(step, round_ * group.inner_steps)
+        state = load_outer_state(ctx.checkpoint_dir, step, pl.layers) if step > 0 else None
+        if state is not None:
+            outer.load_state_dict(state)
+            log.info("outer state of round %d loaded from the checkpoint of step %d", outer.round, step)
+        else:
+            outer.round = step // group.inner_steps
+        return step
 
     def _store(self) -> dist.Store:
         if not self.plan.rendezvous:
@@ -289,7 +406,7 @@ class PlanRunner:
                 ) -> tuple[NormExchange | None, _SegmentAverager | None, dist.ProcessGroup | None]:
         pl, ctx = self.placement, self.ctx
         assert pl is not None
-        base = f"atoll/{self.plan.job_id}/epoch-{self.plan.epoch}"
+        base = f"atoll/{self.plan.job_id}/epoch-{self.run_epoch}"
         norm = None
         if store is not None and pl.num_stages > 1:
             g = _group(store, f"{base}/chain-{pl.pipeline}-{pl.replica}/", pl.stage, pl.num_stages, ctx.timeout,
@@ -333,7 +450,7 @@ class PlanRunner:
         codec = fixed_codec(self.job)
         m = self.job.model
         return GrpcTransport(GrpcTransportConfig(
-            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch,
+            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.run_epoch,
             pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
             upstream=ref(pl.upstream), downstream=ref(pl.downstream),
             shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
@@ -360,7 +477,7 @@ class PlanRunner:
         reports_loss = loss is not None and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
         links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
         return StepMetrics(
-            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.plan.epoch, step=step,
+            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.current_plan().epoch, step=step,
             pipeline=pl.pipeline, stage=pl.stage, loss=loss if reports_loss else None,
             tokens=(pl.rows[1] - pl.rows[0]) * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
@@ -377,11 +494,15 @@ class PlanRunner:
         pl = self.placement
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
-        if pl.pipeline != 0 or pl.replica != 0:
+        # (outer mode: the first pipeline of group 0; a whole-job resume starts every group from its state)
+        first = self.plan.groups[0].pipelines[0] if self.plan.mode == "outer" else 0
+        if pl.pipeline != first or pl.replica != 0 or pl.group != 0:
             return
         position = step * self.job.train.global_batch
         try:
             path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position)
+            if self.outer is not None:
+                save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
         except OSError as e:
             log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes "
                       "on without it", step, *pl.layers, self.ctx.checkpoint_dir, e)
@@ -395,7 +516,8 @@ class PlanRunner:
 
 
 def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_host: str, token: str | None,
-                rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=120)) -> bool:
+                rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=120),
+                wan_latency: Callable[[Plan, str], timedelta] | None = None) -> bool:
     """The node agent's plan callback: run this node's share of `run.plan` until done or superseded.
 
     `run` is the agent's `PlanRun` (plan, job, node_id, peer, superseded, report_step, report_checkpoint,
@@ -428,14 +550,15 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
 
     def report_checkpoint(c: CheckpointWritten) -> None:
         run.report_checkpoint(pb.CheckpointReport(
-            job_id=plan.job_id, node_id=run.node_id, plan_epoch=plan.epoch, step=c.step,
+            job_id=plan.job_id, node_id=run.node_id, plan_epoch=run.current.epoch, step=c.step,
             layer_start=c.layers[0], layer_end=c.layers[1], path=str(c.path), bytes=c.bytes,
             data_position=c.data_position), on_delivered=lambda: prune(c.step))
 
     ctx = RunContext(node_id=run.node_id, job=job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
-                     coordinator_host=coordinator_host)
+                     coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
+                     wan_latency=wan_latency or (lambda plan, peer: timedelta(0)))
     try:
         next_step = PlanRunner(ctx, plan).run(run.superseded)
     except RunFailed as e:

@@ -1,0 +1,571 @@
+"""The outer sync of replica groups (the DiLoCo family, overlapped as Streaming DiLoCo does).
+
+Each replica group trains a whole model replica with ordinary synchronous steps. Every node keeps, for
+the parameters of its own layers:
+- `anchor`: the outer parameters A, the same in every group;
+- `snapshot`: its parameters S at the end of the last round.
+
+At the end of round r (a fixed inner step of its group, the same for every node of the group):
+1. with overlap, wait for the exchange of round r - 1 (the only wait on the wide area: a full round late)
+   and *rebase*: P <- P + (A' - S), A <- A' (the progress made since the snapshot is kept);
+2. snapshot S = P and the pseudo-gradient D = A - S;
+3. start the exchange of round r in the background: each parameter has one *responsible* node per group
+   (spread over the holders of its layer, so every data-parallel replica carries a share of the bytes);
+   it encodes D under the plan's codec (error feedback keeps what a lossy codec drops) into its outbox,
+   tells the coordinator it arrived, and once the coordinator decides the round's participants (every
+   group, or those in time by the deadline) fetches the same parameters' payloads from the responsible
+   nodes of the other participants over gRPC (`Peer.FetchOuter`), averages them weighted by the tokens each
+   group trained, and applies the outer optimizer (Nesterov momentum, or plain averaging with lr 1 and no
+   momentum). The new values reach the other holders in the group through an all-reduce over the group's
+   own (in-island) process group of the layer segment;
+4. without overlap, wait for it at once and rebase.
+
+Every node applies the same decision to the same anchor, so the groups' outer parameters never drift,
+including a group that was left out of a round (it still fetches the participants' payloads).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from atoll.compression import ChunkAssembler, CodecSpec, EncodedTensor, ErrorFeedback, encode_tensor
+from atoll.compression.wire import chunk_frames, tensor_meta
+from atoll.plan import Plan
+from atoll.rpc import RpcOptions, make_channel
+from atoll.v1 import atoll_pb2 as pb
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+log = logging.getLogger("atoll.node.outer")
+
+KEEP_ROUNDS = 4
+"""Rounds of payloads a node keeps to serve: a group up to a few rounds late can still fetch them."""
+MAX_NAMES_PER_FETCH = 4096
+
+
+class OuterSyncError(RuntimeError):
+    """An outer exchange could not complete; the message says which round, which peer and why."""
+
+
+def layer_of(name: str) -> int:
+    """The model layer a parameter belongs to: names look like "layers.<i>.<...>"."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
+        raise ValueError(f"parameter {name!r} is not named layers.<index>.<...>")
+    return int(parts[1])
+
+
+def group_index(plan: Plan, node_id: str) -> int:
+    """The replica group of `plan` that `node_id` trains in."""
+    for g, grp in enumerate(plan.groups):
+        if any(node_id in st.nodes for p in grp.pipelines for st in plan.pipelines[p].stages):
+            return g
+    raise OuterSyncError(f"node {node_id} is in no replica group of plan epoch {plan.epoch}")
+
+
+def group_holders(plan: Plan, group: int) -> dict[int, list[str]]:
+    """Layer -> the nodes of replica group `group` that hold it, sorted."""
+    holders: dict[int, set[str]] = {}
+    for p in plan.groups[group].pipelines:
+        for st in plan.pipelines[p].stages:
+            for layer in range(*st.layers):
+                holders.setdefault(layer, set()).update(st.nodes)
+    return {layer: sorted(nodes) for layer, nodes in holders.items()}
+
+
+def responsible(name: str, holders: Mapping[int, Sequence[str]]) -> str:
+    """The node of a group that exchanges parameter `name` (a stable spread over its layer's holders)."""
+    nodes = holders[layer_of(name)]
+    return nodes[zlib.crc32(name.encode("utf-8")) % len(nodes)]
+
+
+# --- the serving side -----------------------------------------------------------------------------------
+
+class OuterOutbox:
+    """Encoded payloads this node serves to other groups: per round its pseudo-gradients ("delta"), and its
+    latest outer state ("state": anchor and momentum) for a group that rejoins. Thread-safe."""
+
+    def __init__(self, *, job_id: str, epoch: int, node_id: str):
+        self.job_id, self.epoch, self.node_id = job_id, epoch, node_id
+        self._cond = threading.Condition()
+        self._rounds: dict[int, dict[str, EncodedTensor]] = {}
+        self._state: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._closed = False
+
+    def put_round(self, round_: int, payloads: dict[str, EncodedTensor]) -> None:
+        with self._cond:
+            self._rounds[round_] = payloads
+            for old in [r for r in self._rounds if r <= round_ - KEEP_ROUNDS]:
+                del self._rounds[old]
+            self._cond.notify_all()
+
+    def put_state(self, round_: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The outer state as of the start of `round_` (tensors are kept by reference: pass copies)."""
+        with self._cond:
+            self._state = (round_, tensors)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def frames(self, request: pb.OuterFetchRequest, wait: float) -> Iterator[bytes]:
+        """The chunks of the requested tensors. Raises LookupError (not here yet: retry), KeyError (never
+        here: a wrong name or a round long gone) or ValueError (a malformed request)."""
+        if request.job_id != self.job_id:
+            raise ValueError(f"this node trains job {self.job_id}, not {request.job_id[:80]!r}")
+        if request.plan_epoch != self.epoch:
+            raise LookupError(f"node {self.node_id} runs epoch {self.epoch} of its group, asked for "
+                              f"{request.plan_epoch}; retry after the plan settles")
+        if not 0 < len(request.names) <= MAX_NAMES_PER_FETCH:
+            raise ValueError(f"ask for 1-{MAX_NAMES_PER_FETCH} parameters, got {len(request.names)}")
+        if request.kind == "delta":
+            deadline = time.monotonic() + wait
+            with self._cond:
+                while request.round not in self._rounds and not self._closed:
+                    if request.round < min(self._rounds, default=request.round + 1):
+                        raise KeyError(f"round {request.round} is no longer kept by {self.node_id}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise LookupError(f"round {request.round} is not ready on {self.node_id} yet")
+                    self._cond.wait(min(left, 1.0))
+                payloads = self._rounds.get(request.round)
+            if payloads is None:
+                raise LookupError(f"node {self.node_id} is closing")
+            encoded = []
+            for name in request.names:
+                if name not in payloads:
+                    raise KeyError(f"node {self.node_id} does not exchange {name!r} in round {request.round}")
+                encoded.append((name, payloads[name]))
+        elif request.kind == "state":
+            with self._cond:
+                state = self._state
+            if state is None:
+                raise LookupError(f"node {self.node_id} holds no outer state yet")
+            round_, tensors = state
+            encoded = []
+            for name in request.names:
+                if name not in tensors:
+                    raise KeyError(f"node {self.node_id} holds no outer state for {name!r}")
+                encoded.append((name, encode_tensor(tensors[name], CodecSpec("identity"))))
+            request = pb.OuterFetchRequest(round=round_)
+        else:
+            raise ValueError(f"kind must be 'delta' or 'state', got {request.kind[:40]!r}")
+
+        def gen() -> Iterator[bytes]:
+            for name, enc in encoded:
+                meta = tensor_meta(enc, {"job_id": self.job_id, "plan_epoch": self.epoch, "step": request.round,
+                                         "direction": "outer", "name": name, "sender": self.node_id})
+                yield from chunk_frames(meta, enc.payload)
+        return gen()
+
+
+def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | None, rpc: RpcOptions,
+                timeout: timedelta, latency: timedelta = timedelta(0)) -> tuple[dict[str, torch.Tensor], int, int]:
+    """The tensors a peer serves for `request`: ({name: tensor}, the round they belong to, wire bytes)."""
+    channel = make_channel(address, rpc, token=token)
+    try:
+        stream = pb_grpc.PeerStub(channel).FetchOuter(request, timeout=timeout.total_seconds())
+        if latency > timedelta(0):
+            time.sleep(latency.total_seconds())  # emulated wide-area latency (a testbed knob; 0 in production)
+        assembler = ChunkAssembler()
+        out: dict[str, torch.Tensor] = {}
+        round_, nbytes = request.round, 0
+        for chunk in stream:
+            done = assembler.feed(chunk)
+            if done is not None:
+                out[done.meta.name] = done.tensor
+                round_ = done.meta.step
+                nbytes += done.wire_bytes
+        assembler.finish()
+    finally:
+        channel.close()
+    missing = set(request.names) - set(out)
+    if missing:
+        raise OuterSyncError(f"{address} answered without {len(missing)} of the parameters asked for "
+                             f"(e.g. {sorted(missing)[0]!r})")
+    return out, round_, nbytes
+
+
+# --- the training side ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Participant:
+    group: int
+    tokens: int
+    since_epoch: int
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundDecision:
+    round: int
+    participants: tuple[Participant, ...]
+
+
+Arrive = Callable[[int, int, bool, "RoundStats"], RoundDecision | None]
+"""(round, tokens, arrived, stats of the previous exchange) -> the decision, or None while undecided."""
+
+
+@dataclass
+class RoundStats:
+    """What one exchange cost (reported with the next arrival, shown by `atoll status`)."""
+
+    round: int = -1
+    inner_step: int = 0
+    """Inner steps the group had trained when the round began."""
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    late_seconds: float = 0.0
+    participants: int = 0
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    """How this node syncs its layers with the other replica groups."""
+
+    job_id: str
+    node_id: str
+    group: int
+    """This node's replica group (index into plan.groups)."""
+    inner_steps: int
+    """Inner steps per round of this group."""
+    codec: CodecSpec
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = True
+    overlap: bool = True
+    deadline: timedelta = timedelta(seconds=60)
+    """Bound of one exchange: the coordinator's decision plus the fetches."""
+    token: str | None = None
+    rpc: RpcOptions = field(default_factory=RpcOptions)
+    latency_to: Callable[[str], timedelta] = lambda node: timedelta(0)
+    """One-way latency added before fetching from a node (an emulation knob for testbeds)."""
+
+
+@dataclass
+class _Result:
+    round: int
+    anchor: dict[str, torch.Tensor]
+    stats: RoundStats
+
+
+class OuterSync:
+    """The outer state of this node's layers and the exchange of each round (see the module docstring)."""
+
+    def __init__(self, config: OuterConfig, plan: Plan, params: Mapping[str, torch.nn.Parameter], *,
+                 outbox: OuterOutbox, arrive: Arrive, segment_groups: Sequence[tuple[list[str], dist.ProcessGroup]] = (),
+                 timeout: timedelta = timedelta(seconds=120)):
+        self.cfg, self.plan = config, plan
+        self.params = dict(params)
+        self.outbox, self.arrive = outbox, arrive
+        self.segment_groups = list(segment_groups)
+        """(parameter names, process group of the other holders in this group) per shared layer segment."""
+        self.timeout = timeout
+        self.holders = {g: group_holders(plan, g) for g in range(len(plan.groups))}
+        mine = self.holders[config.group]
+        self.mine = sorted(n for n in self.params if responsible(n, mine) == config.node_id)
+        """The parameters this node exchanges for its group."""
+        self.anchor = {n: p.detach().clone() for n, p in self.params.items()}
+        self.snapshot: dict[str, torch.Tensor] = {}
+        self.momentum: dict[str, torch.Tensor] = {}
+        self.feedback = ErrorFeedback(config.codec) if config.codec.codec != "identity" else None
+        self.round = 0
+        """The next round to end."""
+        self.tokens_in_round = 0
+        self.steps_in_round = 0
+        self.inner_steps_done = 0
+        self.last = RoundStats()
+        self._pending: Future[_Result] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-outer")
+        self._fetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atoll-outer-fetch")
+        self.outbox.put_state(self.round, self._state_tensors())
+
+    # --- called by the runner between steps ----------------------------------------------------------
+
+    def after_step(self, tokens: int) -> bool:
+        """Count one inner step; at the round's end run the round-end procedure. True when a round ended."""
+        self.tokens_in_round += tokens
+        self.steps_in_round += 1
+        self.inner_steps_done += 1
+        if self.steps_in_round < self.cfg.inner_steps:
+            return False
+        self.end_round()
+        return True
+
+    def end_round(self) -> None:
+        if self.cfg.overlap and self._pending is not None:
+            self._land()
+        with torch.no_grad():
+            self.snapshot = {n: p.detach().clone() for n, p in self.params.items()}
+        deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine}
+        round_, tokens = self.round, self.tokens_in_round
+        self.last.inner_step = self.inner_steps_done
+        self.round += 1
+        self.tokens_in_round = self.steps_in_round = 0
+        self._pending = self._pool.submit(self._exchange, round_, tokens, deltas, self.last)
+        if not self.cfg.overlap:
+            self._land()
+
+    def refresh(self, plan: Plan) -> None:
+        """Follow a newer plan this run adopted (other groups may have been replanned): their holders and
+        addresses. This node's own group, layers and holders are unchanged by construction."""
+        if plan is self.plan:
+            return
+        self.plan = plan
+        self.cfg.group = group_index(plan, self.cfg.node_id)
+        self.holders = {g: group_holders(plan, g) for g in range(len(plan.groups))}
+
+    def finish(self) -> None:
+        """Land an exchange still in flight (at the end of training or before a checkpoint)."""
+        if self._pending is not None:
+            self._land()
+
+    def close(self) -> None:
+        self.outbox.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _land(self) -> None:
+        assert self._pending is not None
+        t0 = time.perf_counter()
+        try:
+            result = self._pending.result(timeout=self.timeout.total_seconds() + self.cfg.deadline.total_seconds())
+        finally:
+            self._pending = None
+        result.stats.late_seconds = time.perf_counter() - t0
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.add_(result.anchor[n] - self.snapshot[n])
+        self.anchor = result.anchor
+        self.last = result.stats
+        self.outbox.put_state(self.round, self._state_tensors())
+        if result.stats.late_seconds > 0.05:
+            log.info("outer round %d landed %.2fs late (the exchange outlasted a round)", result.round,
+                     result.stats.late_seconds)
+
+    # --- the exchange (background thread) ------------------------------------------------------------
+
+    def _exchange(self, round_: int, tokens: int, deltas: dict[str, torch.Tensor], previous: RoundStats) -> _Result:
+        t0 = time.perf_counter()
+        encoded: dict[str, EncodedTensor] = {}
+        own: dict[str, torch.Tensor] = {}
+        from atoll.compression import get_codec
+
+        for n, d in deltas.items():
+            if self.feedback is not None:
+                enc = self.feedback.encode(n, d)
+            else:
+                enc = encode_tensor(d, self.cfg.codec)
+            encoded[n] = enc
+            own[n] = get_codec(enc.spec).decode(enc.payload, enc.shape, enc.dtype)  # what the others will see
+        self.outbox.put_round(round_, encoded)
+        decision = self._decide(round_, tokens, previous)
+        stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
+        contributions: list[tuple[float, dict[str, torch.Tensor]]] = []
+        futures = []
+        for part in decision.participants:
+            if part.group == self.cfg.group:
+                contributions.append((float(part.tokens), own))
+                continue
+            futures.append((part, self._fetch_pool.submit(self._fetch_group, part, round_)))
+        for part, fut in futures:
+            tensors, nbytes = fut.result(timeout=self.cfg.deadline.total_seconds() + self.timeout.total_seconds())
+            stats.wire_bytes += nbytes
+            contributions.append((float(part.tokens), tensors))
+        stats.wire_bytes += sum(memoryview(e.payload).nbytes for e in encoded.values()) * (len(futures))
+        total = sum(w for w, _ in contributions)
+        new_values: dict[str, torch.Tensor] = {}
+        if total > 0:
+            for n in self.mine:
+                mean = sum(w * c[n].float() for w, c in contributions) / total
+                update = mean
+                if self.cfg.momentum > 0:
+                    m = self.momentum.get(n)
+                    m = mean.clone() if m is None else m.mul_(self.cfg.momentum).add_(mean)
+                    self.momentum[n] = m
+                    update = mean + self.cfg.momentum * m if self.cfg.nesterov else m
+                new_values[n] = self.anchor[n] - self.cfg.lr * update.to(self.anchor[n].dtype)
+        anchor = self._share(new_values)
+        stats.seconds = time.perf_counter() - t0
+        return _Result(round=round_, anchor=anchor, stats=stats)
+
+    def _decide(self, round_: int, tokens: int, previous: RoundStats) -> RoundDecision:
+        deadline = time.monotonic() + self.timeout.total_seconds() + self.cfg.deadline.total_seconds()
+        arrived = False
+        wait = 0.05
+        while True:
+            decision = self.arrive(round_, tokens, not arrived, previous)
+            arrived = True
+            if decision is not None:
+                return decision
+            if time.monotonic() > deadline:
+                raise OuterSyncError(f"the coordinator did not decide outer round {round_} in time")
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
+
+    def _fetch_group(self, part: Participant, round_: int) -> tuple[dict[str, torch.Tensor], int]:
+        holders = self.holders.get(part.group)
+        if holders is None:
+            raise OuterSyncError(f"outer round {round_}: group {part.group} is not in this node's plan")
+        by_node: dict[str, list[str]] = {}
+        for n in self.mine:
+            by_node.setdefault(responsible(n, holders), []).append(n)
+        out: dict[str, torch.Tensor] = {}
+        nbytes = 0
+        for node, names in by_node.items():
+            tensors, got = self._fetch(node, pb.OuterFetchRequest(
+                job_id=self.cfg.job_id, plan_epoch=part.since_epoch, round=round_, kind="delta", names=names,
+                sender=self.cfg.node_id))
+            out.update(tensors)
+            nbytes += got
+        return out, nbytes
+
+    def _fetch(self, node: str, request: pb.OuterFetchRequest) -> tuple[dict[str, torch.Tensor], int]:
+        address = self.plan.node_addresses.get(node)
+        if address is None:
+            raise OuterSyncError(f"the plan has no address for node {node}")
+        deadline = time.monotonic() + self.cfg.deadline.total_seconds() + self.timeout.total_seconds()
+        wait = 0.1
+        while True:
+            try:
+                tensors, _, nbytes = fetch_outer(address, request, token=self.cfg.token, rpc=self.cfg.rpc,
+                                                 timeout=self.cfg.deadline, latency=self.cfg.latency_to(node))
+                return tensors, nbytes
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() + wait > deadline:
+                    raise OuterSyncError(f"fetching outer {request.kind} of round {request.round} from {node} "
+                                         f"({address}) failed: {e.code().name}: {e.details()}") from None
+                time.sleep(wait)
+                wait = min(2 * wait, 2.0)
+
+    def _share(self, new_values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The new anchor of every parameter: this node's own results, and the other holders' through an
+        all-reduce per shared layer segment (each value has one non-zero contributor)."""
+        anchor = {n: t.clone() for n, t in self.anchor.items()}
+        anchor.update(new_values)
+        for names, group in self.segment_groups:
+            flat = torch.cat([(new_values[n] - self.anchor[n]).reshape(-1) if n in new_values
+                              else torch.zeros_like(self.anchor[n]).reshape(-1) for n in names])
+            group.allreduce([flat]).wait(self.timeout)
+            offset = 0
+            for n in names:
+                k = self.anchor[n].numel()
+                if n not in new_values:
+                    anchor[n] = self.anchor[n] + flat[offset:offset + k].view_as(self.anchor[n])
+                offset += k
+        return anchor
+
+    # --- state -----------------------------------------------------------------------------------------
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"anchor/{n}": t.clone() for n, t in self.anchor.items()}
+        out.update({f"momentum/{n}": t.clone() for n, t in self.momentum.items()})
+        return out
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the round, the anchor and this node's momentum (call after `finish`)."""
+        return {"round": self.round, "anchor": {n: t.clone() for n, t in self.anchor.items()},
+                "momentum": {n: t.clone() for n, t in self.momentum.items()}}
+
+    def load_state_dict(self, state: Mapping, *, params_too: bool = False) -> None:
+        """Restore the outer state (of a checkpoint, or fetched from a live group); with `params_too` the
+        parameters start from the anchor (a group that rejoins)."""
+        self.round = int(state["round"])
+        for n, t in state["anchor"].items():
+            if n in self.anchor:
+                self.anchor[n] = t.clone().to(self.anchor[n].dtype)
+        self.momentum = {n: t.clone() for n, t in state.get("momentum", {}).items() if n in self.mine}
+        if params_too:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(self.anchor[n])
+        self.outbox.put_state(self.round, self._state_tensors())
+
+    def fetch_state(self, groups: Sequence[int], epochs: Mapping[int, int]) -> int:
+        """Take the outer state (anchor and momentum of this node's parameters) from a live group; start the
+        parameters from it; return the round it belongs to. Tries the groups in order."""
+        last: Exception | None = None
+        for g in groups:
+            holders = self.holders[g]
+            by_node: dict[str, list[str]] = {}
+            for n in self.params:
+                by_node.setdefault(responsible(n, holders), []).append(n)
+            try:
+                anchor: dict[str, torch.Tensor] = {}
+                momentum: dict[str, torch.Tensor] = {}
+                round_ = None
+                for node, names in by_node.items():
+                    wanted = [f"anchor/{n}" for n in names]
+                    tensors, r, _ = fetch_outer(self.plan.node_addresses[node], pb.OuterFetchRequest(
+                        job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state", names=wanted,
+                        sender=self.cfg.node_id), token=self.cfg.token, rpc=self.cfg.rpc, timeout=self.cfg.deadline)
+                    if round_ is not None and r != round_:
+                        raise OuterSyncError(f"group {g}'s nodes hold outer state of rounds {round_} and {r}; "
+                                             f"retry once it lands")
+                    round_ = r
+                    anchor.update({k[len("anchor/"):]: t for k, t in tensors.items()})
+                assert round_ is not None
+                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": momentum}, params_too=True)
+                log.info("took the outer state of round %d from group %d", round_, g)
+                return round_
+            except (grpc.RpcError, OuterSyncError, KeyError) as e:
+                last = e
+                log.warning("could not take the outer state from group %d: %s", g, e)
+        raise OuterSyncError(f"no live group gave its outer state: {last}")
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------
+
+def _outer_file(root, step: int, layers: tuple[int, int]):
+    from atoll.node.checkpoint import step_dir
+
+    return step_dir(root, step) / f"outer-{layers[0]:04d}-{layers[1]:04d}.pt"
+
+
+def save_outer_state(state: Mapping, root, step: int, layers: tuple[int, int]) -> None:
+    """Write the outer state of a slice beside its checkpoint of `step` (atomically)."""
+    import os
+    import tempfile
+
+    path = _outer_file(root, step, layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".outer-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp) if os.path.exists(tmp) else None
+        raise
+
+
+def load_outer_state(root, step: int, layers: tuple[int, int]) -> dict | None:
+    """The outer state saved with the checkpoint of `step` for parameters of `layers` (merged over the files
+    of whatever cut wrote it), or None when that checkpoint has none."""
+    from atoll.node.checkpoint import step_dir
+
+    folder = step_dir(root, step)
+    found = None
+    for f in sorted(folder.glob("outer-*.pt")) if folder.is_dir() else []:
+        a, b = (int(x) for x in f.stem.split("-")[1:3])
+        if a < layers[1] and layers[0] < b:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+            if found is None:
+                found = {"round": state["round"], "anchor": {}, "momentum": {}}
+            found["anchor"].update(state["anchor"])
+            found["momentum"].update(state.get("momentum", {}))
+    return found
