@@ -340,8 +340,9 @@ class PlanRunner:
         finally:
             finished.set()
             if outer is not None:
+                # the outbox stays attached: the other groups may still fetch the last rounds from it (the
+                # next plan's run replaces it)
                 outer.close()
-                ctx.peer_server.detach_outbox(outer.outbox)
             transport.close()
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
