@@ -269,7 +269,7 @@ class PlanRunner:
         optimizer = build_optimizer(module, cfg)
         step = self.plan.resume_step
         try:
-            if step > 0:
+            if step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
                 load_layers(module, optimizer, ctx.checkpoint_dir, step)
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
@@ -352,6 +352,13 @@ class PlanRunner:
 
     # --- set-up -----------------------------------------------------------------------------------
 
+    def _older_groups(self) -> list[int]:
+        """Outer mode: the other replica groups that have trained since before this node's group formed."""
+        plan, pl = self.plan, self.placement
+        if plan.mode != "outer" or pl is None:
+            return []
+        return [g for g, grp in enumerate(plan.groups) if g != pl.group and 0 < grp.since_epoch < self.run_epoch]
+
     def _start_outer(self, store: dist.Store | None, module: torch.nn.Module, step: int) -> int:
         """Set up the outer sync of this node's layers; return the step to train from.
 
@@ -384,7 +391,7 @@ class PlanRunner:
         arrive = _arrive_via(ctx.outer_sync, self.current_plan, ctx.node_id)
         self.outer = outer = OuterSync(cfg, plan, dict(module.named_parameters()), outbox=outbox, arrive=arrive,
                                        segment_groups=segment_groups, timeout=ctx.timeout)
-        older = [g for g, grp in enumerate(plan.groups) if g != pl.group and 0 < grp.since_epoch < self.run_epoch]
+        older = self._older_groups()
         if older:
             epochs = {g: plan.groups[g].since_epoch for g in older}
             round_ = outer.fetch_state(older, epochs)
