@@ -199,4 +199,18 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                     for x in progress.links])
     if plan is not None:
         reply.plan.CopyFrom(plan_to_proto(plan))
+    if plan is not None and plan.mode == "outer":
+        from atoll.coordinator.outer import GroupProgress
+
+        # every planned group, also one that has not arrived at a round yet; copies, as nodes' arrivals change
+        # the progress while this reads it
+        outer = dict(state.outer.progress)
+        for i in sorted(set(range(len(plan.groups))) | set(outer)):
+            g = outer.get(i) or GroupProgress()
+            reply.group_usage.add(
+                group=i, name=plan.groups[i].name if i < len(plan.groups) else g.name, inner_step=g.inner_step,
+                tokens=g.tokens, round=g.round, rounds_in=g.rounds_in, rounds_missed=g.rounds_missed,
+                sync_bytes=float(sum(list(g.sync_bytes.values()))),  # summed over the group's nodes
+                sync_seconds=max(list(g.sync_seconds.values()), default=0.0),  # its slowest node
+                late_seconds=max(list(g.late_seconds.values()), default=0.0))
     return reply

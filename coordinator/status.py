@@ -103,6 +103,29 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
     return out
 
 
+def _outer_lines(s: pb.StatusReply) -> list[str]:
+    """Outer mode: how the replica groups sync, and each group's rounds."""
+    p = s.plan
+    o = p.outer
+    codec = _codec(o.codec).removesuffix("_block")
+    if o.codec == pb.CODEC_TOPK:
+        codec += f" {o.codec_params.topk_fraction:.3g}"
+    optimizer = f"lr {o.lr:g}" + (f" momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}" if o.momentum
+                                  else "")
+    out = [f"\nouter mode: {len(p.groups)} replica groups, H={o.inner_steps}, {codec} pseudo-gradients, {optimizer}, "
+           f"{'overlapped' if o.overlap else 'blocking'}, deadline {o.deadline_seconds:g} s; predicted sync "
+           f"{o.sync_seconds:.1f} s per round vs {o.round_seconds:.1f} s of compute"]
+    if s.group_usage:
+        out.append("groups (SYNC: the newest exchange, bytes summed over the group's nodes, seconds of its slowest):")
+        rows = [["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]]
+        for g in s.group_usage:
+            rows.append([str(g.group), g.name, str(g.inner_step), f"{g.tokens:,}", str(g.round),
+                         f"{g.rounds_in}/{g.rounds_missed}", _bytes(g.sync_bytes) if g.sync_bytes > 0 else "-",
+                         _seconds(g.sync_seconds), _seconds(g.late_seconds)])
+        out += _table(rows)
+    return out
+
+
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     """The reply as tables: the job's progress first, then members, islands and the plan."""
     now = time.time() if now is None else now
@@ -111,6 +134,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
            f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            f"{s.last_checkpoint_step if s.last_checkpoint_step else '-'}"]
     out += _progress_lines(s)
+    if s.HasField("plan") and s.plan.mode == "outer":
+        out += _outer_lines(s)
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:
@@ -135,8 +160,10 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
                    f"step {p.resume_step}; predicted {pred.step_time_seconds:.3f} s/step, "
                    f"{pred.tokens_per_second:.0f} tokens/s" + (f", bottleneck: {pred.bottleneck}" if pred.bottleneck
                                                                else ""))
+        group_of = {k: g.name for g in p.groups for k in g.pipelines} if p.mode == "outer" else {}
         for pl in p.pipelines:
-            out.append(f"  pipeline {pl.index}: micro-batch {pl.micro_batch} x {pl.num_micro_batches}")
+            owner = f", replica group {group_of[pl.index]}" if pl.index in group_of else ""
+            out.append(f"  pipeline {pl.index}: micro-batch {pl.micro_batch} x {pl.num_micro_batches}{owner}")
             rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODES", "SEND", "RENDEZVOUS"]]
             for st in pl.stages:
                 send = _codec(st.send.codec) if st.HasField("send") else "-"

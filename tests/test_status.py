@@ -14,7 +14,10 @@ from atoll.coordinator.progress import step_times, summarize, throughput
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.status import CLEAR_SCREEN, format_status, run_status_cli, status_json, watch
 from atoll.coordinator.store import MemoryStore
+from atoll.coordinator.outer import GroupInfo
 from atoll.job import JobSpec
+from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup, StagePlan
+from atoll.serde import plan_to_proto
 from atoll.types import LinkStats, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
@@ -112,6 +115,58 @@ def test_handle_status_carries_the_summary() -> None:
     x = s.link_usage[0]
     assert (x.src, x.dst, x.direction, x.codec) == ("a", "b", pb.DIRECTION_FORWARD, pb.CODEC_INT8_BLOCK)
     assert x.achieved_bytes_per_s == pytest.approx(1e5)
+    assert not s.group_usage  # no outer-mode plan
+
+
+def outer_plan() -> Plan:
+    """Three replica groups: lab-a (node a), lab-b (nodes b and c, one pipeline of two stages), lab-c (node d)."""
+    def stage(node: str, layers: tuple[int, int] = (0, 4)) -> StagePlan:
+        return StagePlan(island=f"i-{node}", layers=layers, nodes=[node])
+
+    return Plan(model="tiny", global_batch=8, seq_len=64, epoch=1, mode="outer", pipelines=[
+        PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[stage("a")]),
+        PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[stage("b", layers=(0, 2)), stage("c", layers=(2, 4))]),
+        PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[stage("d")])],
+        groups=[ReplicaGroup(name="lab-a", pipelines=[0], inner_steps=50),
+                ReplicaGroup(name="lab-b", pipelines=[1], inner_steps=40),
+                ReplicaGroup(name="lab-c", pipelines=[2], inner_steps=50)],
+        outer=OuterPlan(inner_steps=50, codec="int4", lr=0.7, momentum=0.9, nesterov=True, overlap=True,
+                        deadline_s=30.0, sync_s=11.2, round_s=14.0, bytes_per_round=1 << 30))
+
+
+def test_handle_status_carries_the_groups_in_outer_mode() -> None:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
+    plan = outer_plan()
+    state.publish(plan, "test")
+    # before any round every planned group is there, at zero
+    s = h.handle_status(pb.StatusRequest(), state)
+    assert [(g.group, g.name, g.round, g.rounds_in, g.sync_bytes) for g in s.group_usage] == [
+        (0, "lab-a", 0, 0, 0.0), (1, "lab-b", 0, 0, 0.0), (2, "lab-c", 0, 0, 0.0)]
+    groups = [GroupInfo(index=i, name=g.name, since_epoch=1,
+                        nodes=frozenset(n for k in g.pipelines for st in plan.pipelines[k].stages for n in st.nodes))
+              for i, g in enumerate(plan.groups)]
+
+    def arrive(now: float, round_: int, node: str, group: int, step: int, sync: tuple[int, float, float]) -> None:
+        state.outer.arrive(now, round_=round_, node=node, group=group, tokens=1000 * (group + 1), inner_step=step,
+                           groups=groups, deadline_s=30.0,
+                           stats={"bytes": sync[0], "seconds": sync[1], "late": sync[2]})
+
+    # round 0: lab-a and lab-b arrive, lab-c never does and is left out at the deadline; round 1: only lab-a
+    arrive(0.0, 0, "a", 0, 50, (1000, 2.0, 0.5))
+    arrive(1.0, 0, "b", 1, 40, (600, 3.0, 0.1))
+    arrive(2.0, 0, "c", 1, 40, (400, 1.0, 0.7))
+    state.outer.arrive(31.0, round_=0, node="", group=0, tokens=0, inner_step=0, groups=groups, deadline_s=30.0)
+    arrive(40.0, 1, "a", 0, 100, (1100, 2.5, 0.0))
+    state.outer.arrive(71.0, round_=1, node="", group=0, tokens=0, inner_step=0, groups=groups, deadline_s=30.0)
+    s = h.handle_status(pb.StatusRequest(), state)
+    a, b, c = s.group_usage
+    assert (a.name, a.inner_step, a.tokens, a.round, a.rounds_in, a.rounds_missed) == ("lab-a", 100, 2000, 1, 2, 0)
+    assert (a.sync_bytes, a.sync_seconds, a.late_seconds) == (1100.0, 2.5, 0.0)  # the newest exchange
+    assert (b.name, b.inner_step, b.tokens, b.round, b.rounds_in, b.rounds_missed) == ("lab-b", 40, 2000, 0, 1, 1)
+    # bytes summed over the group's nodes; seconds of its slowest node
+    assert (b.sync_bytes, b.sync_seconds, b.late_seconds) == (1000.0, 3.0, 0.7)
+    assert (c.name, c.tokens, c.rounds_in, c.rounds_missed, c.sync_bytes) == ("lab-c", 0, 0, 2, 0.0)
 
 
 def status_reply() -> pb.StatusReply:
@@ -142,6 +197,44 @@ def test_the_table_shows_progress_stages_and_links() -> None:
     assert data["measured_step_seconds"] == 0.5
     bare = format_status(pb.StatusReply(job=pb.JobInfo(name="tiny")))
     assert "step time: measured -, predicted -" in bare and "no plan yet" in bare
+    assert "outer mode" not in text and "replica group" not in text and "group_usage" not in data
+
+
+def outer_status_reply() -> pb.StatusReply:
+    s = status_reply()
+    s.plan.CopyFrom(plan_to_proto(outer_plan()))
+    s.group_usage.add(group=0, name="lab-a", inner_step=100, tokens=2_048_000, round=1, rounds_in=2, rounds_missed=0,
+                      sync_bytes=float(3 << 29), sync_seconds=12.5, late_seconds=0.25)
+    s.group_usage.add(group=1, name="lab-b", inner_step=80, tokens=1_024_000, round=1, rounds_in=1, rounds_missed=1,
+                      sync_bytes=float(3 << 29), sync_seconds=13.0, late_seconds=4.0)
+    s.group_usage.add(group=2, name="lab-c")
+    return s
+
+
+def test_the_table_shows_outer_mode_and_its_groups() -> None:
+    text = format_status(outer_status_reply(), now=0.0)
+    assert ("outer mode: 3 replica groups, H=50, int4 pseudo-gradients, lr 0.7 momentum 0.9 nesterov, overlapped, "
+            "deadline 30 s; predicted sync 11.2 s per round vs 14.0 s of compute") in text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
+    assert header.split() == ["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S",
+                              "LATE-S"]
+    rows = [line.split() for line in lines[lines.index(header) + 1:lines.index(header) + 4]]
+    assert rows[0] == ["0", "lab-a", "100", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50", "s", "250.0", "ms"]
+    assert rows[1][:6] == ["1", "lab-b", "80", "1,024,000", "1", "1/1"] and rows[1][-2:] == ["4.00", "s"]
+    assert rows[2] == ["2", "lab-c", "0", "0", "0", "0/0", "-", "-", "-"]
+    assert "pipeline 1: micro-batch 2 x 4, replica group lab-b" in text
+    data = json.loads(status_json(outer_status_reply()))
+    assert data["plan"]["mode"] == "outer"
+    assert [(g.get("name"), g.get("rounds_missed", "0")) for g in data["group_usage"]] == [
+        ("lab-a", "0"), ("lab-b", "1"), ("lab-c", "0")]
+    assert data["group_usage"][0]["sync_seconds"] == 12.5
+    blocking = outer_status_reply()
+    blocking.plan.outer.overlap = False
+    blocking.plan.outer.momentum = 0.0
+    blocking.plan.outer.codec = pb.CODEC_TOPK
+    blocking.plan.outer.codec_params.topk_fraction = 0.02
+    assert "topk 0.02 pseudo-gradients, lr 0.7, blocking, deadline 30 s" in format_status(blocking)
 
 
 class Stop(Exception):
