@@ -61,7 +61,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     """The planner's plan for the live cluster: islands as formed, profiles as joined, links as probed.
 
     The job's micro-batch size and a fixed compression mode are passed on as constraints; with
-    "adaptive" the planner picks each link's codec.
+    "adaptive" the planner picks each link's codec. The job's [outer] section says whether a cluster spanning
+    regions may train as replica groups with an outer sync, and how.
     """
     from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, plan_job
 
@@ -74,7 +75,12 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
     # the runtime runs stages of one width per pipeline (replica r of a stage feeds replica r of the next)
-    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=True)
+    outer = job.outer
+    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=True,
+                             outer_mode=outer.mode, outer_inner_steps=outer.inner_steps, outer_codec=outer.codec,
+                             outer_topk_fraction=outer.topk_fraction, outer_overlap=outer.overlap, outer_lr=outer.lr,
+                             outer_momentum=outer.momentum, outer_nesterov=outer.nesterov,
+                             outer_deadline_s=outer.deadline_seconds)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     return plan_job(job.model_spec, cluster, train, ProfileSet.from_node_profiles(islands, profiles), options)
 

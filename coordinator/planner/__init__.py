@@ -12,6 +12,11 @@ raising `NoFeasiblePlan` (a ValueError naming the memory needed against the memo
 model fits nowhere. `search_plan(...)` takes the same arguments and also returns the chosen candidate (its
 per-stage times for the simulator and the picture) and search statistics.
 
+Across regions joined by wide-area links the plan may train in outer mode (`plan.mode == "outer"`): each
+region a replica group planned alone, training the whole global batch every inner step, the groups syncing
+compressed pseudo-gradients every H inner steps (`outer`; the options' `outer_*` settings; `plan.outer.reason`
+says why). `search_sync(...)` is the synchronous search alone.
+
 Building a cluster:
 - from a cluster file: `load_cluster("examples/clusters/mixed-a100-v100.toml")` (format in
   `atoll.coordinator.planner.cluster`); every [[group]] is an island;
@@ -34,7 +39,8 @@ What the plan means:
 
 Parts: `catalog` (device peak FLOPS and memory), `cluster` (islands, links, TOML), `profiles` (measured
 timings), `costmodel` (compute, transfer, all-reduce, memory), `parallelizer` (the narrow API
-cost(slice, island) -> IslandCost | None), `composer` (the search), `multipipe` (several pipelines), `simulator` (event-driven 1F1B),
+cost(slice, island) -> IslandCost | None), `composer` (the search), `multipipe` (several pipelines), `outer`
+(replica groups and their outer sync), `simulator` (event-driven 1F1B, and rounds of outer mode),
 `report` (text), `picture` (PNG), `cli` (`atoll plan`).
 """
 
@@ -44,9 +50,9 @@ from atoll.coordinator.planner.composer import NoFeasiblePlan
 from atoll.coordinator.planner.costmodel import CostModel, ExpectedRatioCodecModel, LinkCodecModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
-from atoll.coordinator.planner.planjob import PlanResult, plan_job, search_plan
+from atoll.coordinator.planner.planjob import PlanResult, plan_job, search_plan, search_sync
 from atoll.coordinator.planner.profiles import ProfileSet
-from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
+from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate, simulate_outer
 
 plan = plan_job
 
@@ -54,5 +60,6 @@ __all__ = [
     "CATALOG", "Cluster", "ClusterFileError", "CostModel", "DefaultParallelizer", "DeviceSpec",
     "ExpectedRatioCodecModel", "Island", "IslandCost", "IslandParallelizer", "Link", "LinkCodecModel", "LinkTimes",
     "NoFeasiblePlan", "PipelineTimes", "PlanResult", "PlannerOptions", "ProfileSet", "SliceQuery", "StageTimes",
-    "TrainSpec", "device", "load_cluster", "parse_cluster", "plan", "plan_job", "search_plan", "simulate",
+    "TrainSpec", "device", "load_cluster", "parse_cluster", "plan", "plan_job", "search_plan", "search_sync",
+    "simulate", "simulate_outer",
 ]

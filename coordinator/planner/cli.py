@@ -21,6 +21,19 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training dtype")
+    p.add_argument("--outer", default="auto", choices=["auto", "sync", "outer"],
+                   help="across regions: auto compares one synchronous plan with replica groups per region synced "
+                   "every H steps (outer mode) and keeps the faster; sync or outer force one (default auto)")
+    p.add_argument("--inner-steps", type=int, default=0, metavar="H",
+                   help="outer mode: inner steps per round of the fastest group (default 0: the smallest H whose "
+                   "sync hides behind a round)")
+    p.add_argument("--outer-codec", default="auto", choices=["auto", "int8", "int4", "topk", "bf16", "fp16", "identity"],
+                   help="outer mode: codec of the pseudo-gradients (default auto: from the wide-area bandwidth)")
+    p.add_argument("--topk-fraction", type=float, default=0.02,
+                   help="outer mode: fraction of the pseudo-gradients top-k keeps (default 0.02)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="outer mode: block at each round's end until the exchange lands (default: overlap it with "
+                   "the next round)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     p.add_argument("--picture", metavar="FILE.png", help="also draw the plan and a 1F1B timeline to FILE.png")
     p.set_defaults(func=_run_plan)
@@ -42,7 +55,7 @@ def load_model(name: str):
 
 def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.cluster import load_cluster
-    from atoll.coordinator.planner.options import TrainSpec
+    from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
     from atoll.coordinator.planner.planjob import search_plan
     from atoll.coordinator.planner.profiles import ProfileSet
     from atoll.coordinator.planner.report import format_plan
@@ -51,8 +64,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     profiles = ProfileSet.load(args.profiles) if args.profiles else None
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len or model.config.seq_len, dtype=args.dtype)
-    result = search_plan(model, cluster, train, profiles)
+    options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
+                             outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap)
+    result = search_plan(model, cluster, train, profiles, options)
     print(format_plan(result.plan, cluster, search_seconds=result.seconds))
+    if result.note and result.plan.mode == "sync":
+        print(f"mode {result.note}")
     if args.json:
         result.plan.save(args.json)
         print(f"plan written to {args.json}")

@@ -8,6 +8,8 @@ from atoll.modelspec import dtype_bytes
 
 CODEC_ORDER = ("identity", "bf16", "fp16", "int8", "int4")
 """Activation codecs from the least to the most lossy."""
+OUTER_MODES = ("auto", "sync", "outer")
+OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,38 @@ class PlannerOptions:
     with each other."""
     simulate_top: int = 4
     """Candidates `search` returns, best first by their simulated step time."""
+    outer_mode: str = "auto"
+    """Across regions: "auto" plans each region as a replica group with an outer sync and keeps it when it
+    predicts at least `outer_min_gain` x the synchronous plan's tokens/s; "sync": one synchronous plan only;
+    "outer": replica groups whenever two or more regions can each hold the model."""
+    outer_min_gain: float = 1.25
+    """Least tokens/s ratio of outer mode over the synchronous plan for "auto" to choose it: an outer-mode
+    token is taken as worth about 0.8 of a synchronous one (the groups see each other's progress once a
+    round), so outer mode must pay for that first."""
+    outer_wan_gap: float = 10.0
+    """"auto" considers outer mode only where the slowest link between two regions is at least this many times
+    slower than the slowest link inside them (an order of magnitude, as islands part): over links that fast
+    a synchronous step crosses regions well, and outer mode's gain would come from each group training the
+    whole batch, not from the link."""
+    outer_inner_steps: int = 0
+    """H, inner steps per round of the fastest group; 0: the smallest of 1, 2, 5, ..., 500 whose sync hides
+    behind a round."""
+    outer_codec: str = "auto"
+    """Codec of the pseudo-gradients: "auto" (from the wide-area bandwidth, see `outer`), or one of identity,
+    fp16, bf16, int8, int4, topk."""
+    outer_topk_fraction: float = 0.02
+    """Fraction of the pseudo-gradients' elements the top-k codec keeps."""
+    outer_overlap: bool = True
+    """Exchange round r while round r + 1 trains (the sync must land within one round to hide); False: each
+    round blocks until its exchange lands."""
+    outer_lr: float = 1.0
+    """Outer learning rate, copied into the plan (1.0 with momentum 0: plain averaging)."""
+    outer_momentum: float = 0.0
+    """Outer momentum, copied into the plan."""
+    outer_nesterov: bool = True
+    """Nesterov outer momentum, copied into the plan."""
+    outer_deadline_s: float = 0.0
+    """How long a round waits for late groups after the first arrives (0: a round's length, at least 30 s)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.achievable_fraction <= 1:
@@ -93,3 +127,21 @@ class PlannerOptions:
             raise ValueError("refine_factors must be >= 1")
         if self.simulate_top < 1:
             raise ValueError("simulate_top must be >= 1")
+        if self.outer_mode not in OUTER_MODES:
+            raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
+        if not self.outer_min_gain > 0:
+            raise ValueError(f"outer_min_gain must be positive, got {self.outer_min_gain}")
+        if not self.outer_wan_gap >= 1:
+            raise ValueError(f"outer_wan_gap must be >= 1, got {self.outer_wan_gap}")
+        if self.outer_inner_steps < 0:
+            raise ValueError(f"outer_inner_steps must be >= 0 (0: chosen by the planner), got {self.outer_inner_steps}")
+        if self.outer_codec not in OUTER_CODECS:
+            raise ValueError(f"outer_codec must be one of {', '.join(OUTER_CODECS)}, got {self.outer_codec!r}")
+        if not 0 < self.outer_topk_fraction <= 1:
+            raise ValueError(f"outer_topk_fraction must be in (0, 1], got {self.outer_topk_fraction}")
+        if not 0 < self.outer_lr <= 2:
+            raise ValueError(f"outer_lr must be in (0, 2], got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_deadline_s < 0:
+            raise ValueError(f"outer_deadline_s must be >= 0, got {self.outer_deadline_s}")

@@ -6,10 +6,11 @@ import math
 import time
 from dataclasses import dataclass
 
-from atoll.coordinator.planner.cluster import Cluster
+from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats
 from atoll.coordinator.planner.costmodel import CostModel, LinkCodecModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
+from atoll.coordinator.planner.outer import choose_outer, outer_plan, wan_gap
 from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.coordinator.planner.multipipe import MultiCandidate, several_pipelines
@@ -30,6 +31,8 @@ class PlanResult:
     stats: SearchStats
     seconds: float
     """Wall time of the search."""
+    note: str = ""
+    """Why the plan trains in its mode when the cluster spans regions (outer mode: `plan.outer.reason`)."""
 
     @property
     def gpus(self) -> int:
@@ -47,7 +50,50 @@ def plan_job(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: Pro
 def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
                 options: PlannerOptions | None = None, *, codec_model: LinkCodecModel | None = None,
                 parallelizer: IslandParallelizer | None = None) -> PlanResult:
-    """Like `plan_job`, also returning the chosen candidate and search statistics."""
+    """Like `plan_job`, also returning the chosen candidate and search statistics.
+
+    On a cluster spanning regions the synchronous plan is compared with replica groups, one per region,
+    synced every round (`outer`), as `options.outer_mode` says.
+    """
+    t0 = time.perf_counter()
+    options = options or PlannerOptions()
+    if train.seq_len != model.config.seq_len:
+        model = model.with_seq_len(train.seq_len)
+    sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
+    if options.outer_mode == "sync" or len(cluster.regions) < 2:
+        return sync
+    gap = wan_gap(cluster)
+    if options.outer_mode == "auto" and gap is not None and gap[0] * options.outer_wan_gap > gap[1]:
+        sync.note = (f"sync: the slowest link between regions ({gap[0] / GBPS:.3g} Gbit/s) is within "
+                     f"{options.outer_wan_gap:g}x of the slowest inside them ({gap[1] / GBPS:.3g} Gbit/s); replica "
+                     "groups with an outer sync are for wide-area links")
+        sync.seconds = time.perf_counter() - t0
+        return sync
+
+    def plan_region(sub: Cluster) -> PlanResult:
+        return search_sync(model, sub, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
+
+    choice, why = choose_outer(cluster, model, train, options, plan_region)
+    sync_tps = sync.plan.predicted.tokens_per_s
+    if choice is None:
+        sync.note, sync.seconds = f"sync: {why}", time.perf_counter() - t0
+        return sync
+    gain = choice.tokens_per_s / sync_tps if sync_tps > 0 else math.inf
+    if options.outer_mode == "auto" and gain < options.outer_min_gain:
+        sync.note = (f"sync: replica groups per region would give {gain:.2f}x the synchronous plan's tokens/s, "
+                     f"below the {options.outer_min_gain:g}x auto mode asks of them")
+        sync.seconds = time.perf_counter() - t0
+        return sync
+    plan = outer_plan(choice, sync.plan, cluster, model, train, options)
+    first = choice.groups[0].result
+    return PlanResult(plan=plan, candidate=first.candidate, times=[t for g in choice.groups for t in g.result.times],
+                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "")
+
+
+def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
+                options: PlannerOptions | None = None, *, codec_model: LinkCodecModel | None = None,
+                parallelizer: IslandParallelizer | None = None) -> PlanResult:
+    """The best synchronous plan: one step over every pipeline (what each replica group runs in outer mode)."""
     t0 = time.perf_counter()
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)

@@ -1,8 +1,10 @@
-"""A plan as readable text: islands, pipelines and stages, predicted throughput and the bottleneck."""
+"""A plan as readable text: islands, pipelines and stages, predicted throughput and the bottleneck; in outer
+mode also the replica groups and the outer sync between them."""
 
 from __future__ import annotations
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster
+from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
 from atoll.plan import Plan
 
 
@@ -16,13 +18,32 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     lines.append(f"  bottleneck: {p.bottleneck}")
     if search_seconds is not None:
         lines.append(f"  planned in {search_seconds:.2f} s")
+    group_of: dict[int, str] = {}
+    if plan.mode == "outer" and plan.outer is not None:
+        o = plan.outer
+        codec = o.codec + (f" {o.topk_fraction:.3g}" if o.codec == "topk" else "")
+        lines.append(f"  mode outer: {len(plan.groups)} replica groups, each training the whole global batch every "
+                     f"inner step; tokens/s is their sum, and {OUTER_TOKEN_NOTE}")
+        lines.append(f"  outer sync every H={o.inner_steps} inner steps: {codec} pseudo-gradients, "
+                     f"{format_bytes(o.bytes_per_round)} per group per round in {o.sync_s:.1f} s against rounds of "
+                     f"{o.round_s:.1f} s ({'overlapped' if o.overlap else 'blocking'}); outer lr {o.lr:g}, "
+                     f"momentum {o.momentum:g}{' nesterov' if o.nesterov and o.momentum else ''}, "
+                     f"deadline {o.deadline_s:.0f} s")
+        lines.append(f"  reason: {o.reason}")
+        lines.append("replica groups:")
+        for g in plan.groups:
+            lines.append(f"  {g.name:<16} pipelines {', '.join(map(str, g.pipelines)):<8} {g.inner_steps:>4} inner "
+                         f"steps of {g.step_time_s:.2f} s per round   {g.tokens_per_s:,.0f} tokens/s")
+            for k in g.pipelines:
+                group_of[k] = g.name
     lines.append("islands:")
     for i in plan.islands:
         region = f" region {cluster.island(i.id).region}" if cluster is not None else ""
         lines.append(f"  {i.id:<16} {i.gpus:>5} x {i.device:<10}{region}  inner {i.inner_bandwidth / GBPS:.0f} Gbit/s")
     for k, pl in enumerate(plan.pipelines):
+        owner = f", replica group {group_of[k]}" if k in group_of else ""
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
-                     f"{pl.micro_batch} sequences (each stage shares one among its dp replicas)")
+                     f"{pl.micro_batch} sequences (each stage shares one among its dp replicas{owner})")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp':>4} {'zero':>4} {'recomp':>6} "
                      f"{'compute':>9} {'mem/dev':>8}  send")
         for j, s in enumerate(pl.stages):

@@ -8,11 +8,15 @@ replicas, then steps its optimizer; the step ends when the last stage is done.
 
 With equal stages and free links the step takes (m + p - 1) x (forward + backward) before all-reduce, the
 closed form the tests check.
+
+`simulate_outer` predicts outer mode over rounds: replica groups of given step times and inner steps, and
+an exchange of pseudo-gradients every round, overlapped with the next round or not.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -56,7 +60,7 @@ class PipelineTimes:
 class Event:
     stage: int
     kind: str
-    """F, B, sync or opt."""
+    """F, B, sync or opt; in outer mode (`simulate_outer`) inner or outer."""
     micro_batch: int
     start: float
     end: float
@@ -195,3 +199,69 @@ def step_lower_bound(p: PipelineTimes) -> float:
             back += s.backward_s + p.links[i].backward_s
     first = p.stages[0]
     return max(through_first + first.sync_s + first.optimizer_s, after_own)
+
+
+# --- outer mode: replica groups syncing every round ------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterSimResult:
+    round_s: float
+    """Steady-state wall time of one round (compute plus any exposed sync or waiting)."""
+    compute_s: float
+    """Compute of one round: the slowest group's inner steps."""
+    exposed_s: float
+    """Wall time per round the sync adds beyond the compute (0 when it hides)."""
+    steps_per_s: list[float]
+    """Per group, inner steps per second of wall time (each inner step trains the global batch)."""
+    events: list[Event] = field(default_factory=list)
+    """With `record`: per round, each group's inner steps (stage = the group, kind "inner") and the exchange
+    (stage = the number of groups, kind "outer"), `micro_batch` holding the round."""
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        """Tokens per second over every group (outer-mode tokens, not synchronous ones)."""
+        return sum(self.steps_per_s) * tokens_per_step
+
+
+def simulate_outer(step_s: Sequence[float], inner_steps: Sequence[int], sync_s: float, *, overlap: bool = True,
+                   rounds: int = 24, record: bool = False) -> OuterSimResult:
+    """Rounds of replica groups: group g runs `inner_steps[g]` steps of `step_s[g]` seconds, then sends its
+    pseudo-gradients; round r's exchange lands `sync_s` after the last group has sent.
+
+    Without overlap a group starts round r + 1 only once round r's exchange has landed (the sync is always
+    exposed). With overlap it starts round r + 1 at once and applies round r's average at the end of round
+    r + 1, waiting there only if that exchange has not landed (so the sync hides when it takes at most a
+    round). Rates are measured over the second half of `rounds` on the group that starts last (a faster
+    group may run up to a round ahead for a while, but in the long run keeps the laggard's pace).
+    """
+    if not step_s or len(step_s) != len(inner_steps):
+        raise ValueError(f"need one step time per group and one inner_steps per group, got {len(step_s)} and "
+                         f"{len(inner_steps)}")
+    if min(step_s) <= 0 or min(inner_steps) < 1 or sync_s < 0 or rounds < 2:
+        raise ValueError("step times must be positive, inner_steps >= 1, sync_s >= 0 and rounds >= 2")
+    g = len(step_s)
+    work = [h * t for h, t in zip(inner_steps, step_s)]
+    start = [0.0] * g
+    landed_prev = 0.0  # when round r - 1's exchange landed (overlap: awaited at the end of round r)
+    mark = rounds // 2
+    t_mark = 0.0
+    events: list[Event] = []
+    for r in range(rounds):
+        if r == mark:
+            t_mark = max(start)
+        end = [s + w for s, w in zip(start, work)]
+        landed = max(end) + sync_s
+        if record:
+            events.extend(Event(k, "inner", r, s, e) for k, (s, e) in enumerate(zip(start, end)))
+            events.append(Event(g, "outer", r, max(end), landed))
+        if overlap:
+            start = [max(e, landed_prev) for e in end]
+        else:
+            start = [landed] * g
+        landed_prev = landed
+    span = max(start) - t_mark
+    round_s = span / (rounds - mark)
+    compute = max(work)
+    exposed = round_s - compute
+    return OuterSimResult(round_s=round_s, compute_s=compute, exposed_s=exposed if exposed > 1e-9 * round_s else 0.0,
+                          steps_per_s=[h / round_s for h in inner_steps], events=events)
