@@ -26,7 +26,9 @@ def _job(tmp: Path, *, mode: str, interval: int = 0) -> Path:
     job = replace(job, train=replace(job.train, steps=STEPS, warmup=5),
                   checkpoint=replace(job.checkpoint, interval=interval),
                   compression=replace(job.compression, mode=mode),
-                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4))
+                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4),
+                  # these runs compare synchronous training with one process (outer mode has its own tests)
+                  outer=replace(job.outer, mode="sync"))
     path = tmp / f"job-{mode}.toml"
     path.write_text(job.to_toml())
     return path
