@@ -6,17 +6,20 @@ Servers bind port 0 when asked and report the real address back.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 TOKEN_METADATA_KEY = "authorization"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,18 +113,110 @@ def make_server(
     )
     for reg in register:
         reg(server)
-    if options.tls_cert is not None and options.tls_key is not None:
-        creds = grpc.ssl_server_credentials(
-            [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())]
-        )
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not listen on {listen}: the address is in use or invalid")
+    port = _bind(server, listen, options)
     server.start()
     host = listen.rsplit(":", 1)[0]
     return ServerHandle(server=server, address=f"{host}:{port}", port=port)
+
+
+def _bind(server: grpc.Server | grpc.aio.Server, listen: str, options: RpcOptions) -> int:
+    """Add the listening port (TLS when the options say so); the port really bound."""
+    try:
+        if options.tls_cert is not None and options.tls_key is not None:
+            creds = grpc.ssl_server_credentials(
+                [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())])
+            port = server.add_secure_port(listen, creds)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"could not listen on {listen}: the address is in use or invalid")
+    return port
+
+
+@dataclass
+class AioServerHandle:
+    """A started `grpc.aio` server, the event loop thread it runs on, and the address it really listens on."""
+
+    server: grpc.aio.Server
+    loop: asyncio.AbstractEventLoop
+    address: str
+    port: int
+    _thread: threading.Thread = field(repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the server's loop from another thread and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace: timedelta = timedelta(seconds=2)) -> None:
+        """Stop the server (calls still open after `grace` are cancelled), then its loop and thread."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.run(self.server.stop(grace.total_seconds()), timeout=grace.total_seconds() + 5)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+        # calls the server's stop left behind (one waiting on a pool thread, say) end as asyncio.run ends them
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()  # also shuts the default executor, the server's thread pool, down
+
+
+def make_aio_server(
+    listen: str,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    options: RpcOptions | None = None,
+    *,
+    max_workers: int = 16,
+    maximum_concurrent_rpcs: int | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> AioServerHandle:
+    """Start a `grpc.aio` server on `listen` (HOST:PORT; port 0 picks a free one) on an event loop thread of its own.
+
+    `async def` handlers run on the loop, so a call that mostly waits (a long server stream) holds no thread;
+    plain `def` handlers run unchanged on a pool of `max_workers` threads, which is also the loop's default
+    executor (`loop.run_in_executor(None, ...)`) for the blocking work of async handlers. Calls beyond
+    `maximum_concurrent_rpcs` (None: no bound) are refused with RESOURCE_EXHAUSTED.
+    """
+    options = options or RpcOptions()
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="atoll-rpc")
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(pool)
+    thread = threading.Thread(target=_run_loop, args=(loop,), name="atoll-rpc-loop", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        # the server belongs to the loop it is made on, so it is made there
+        server = grpc.aio.server(migration_thread_pool=pool, options=options.server_options(),
+                                 interceptors=list(interceptors), maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+        for reg in register:
+            reg(server)
+        port = _bind(server, listen, options)
+        await server.start()
+        return server, port
+
+    try:
+        server, port = asyncio.run_coroutine_threadsafe(start(), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        raise
+    host = listen.rsplit(":", 1)[0]
+    return AioServerHandle(server=server, loop=loop, address=f"{host}:{port}", port=port, _thread=thread)
 
 
 class _ClientDefaults(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,

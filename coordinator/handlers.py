@@ -155,12 +155,20 @@ def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
     return pb.Ack(message=f"node {req.node_id} left")
 
 
-def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callable[[], bool],
-               poll_seconds: float = 1.0) -> Iterator[pb.Plan]:
-    """Plans newer than `known_epoch`, as they are published, while `active()` holds."""
+def open_watch(req: pb.WatchPlanRequest, state: CoordinatorState) -> int:
+    """Check a plan watch; the epoch the watcher already has. An empty node id (a status tool) needs no membership."""
     if req.node_id:
         _known(req.node_id, state)
-    known = req.known_epoch
+    return req.known_epoch
+
+
+def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callable[[], bool],
+               poll_seconds: float = 1.0) -> Iterator[pb.Plan]:
+    """Plans newer than `known_epoch`, as they are published, while `active()` holds, blocking this thread.
+
+    The server serves watches with `atoll.coordinator.watches`, on its event loop; this is the threaded form.
+    """
+    known = open_watch(req, state)
     while active() and not state.closed:
         plan = state.wait_for_plan(known, poll_seconds)
         if plan is not None:

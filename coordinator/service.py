@@ -1,5 +1,8 @@
 """The coordinator process: gRPC server (Coordinator + standard health service), Prometheus endpoint, and
 the background loop that expires leases, forms islands and publishes plans.
+
+The gRPC server is a `grpc.aio` one on an event loop thread of its own: plan watches wait there as coroutines,
+holding no thread, and the unary calls run on its bounded thread pool.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
@@ -25,7 +29,8 @@ from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store
 from atoll.fsutil import atomic_write_text
 from atoll.job import JobSpec, resolve_token
-from atoll.rpc import RpcOptions, ServerHandle, make_server
+from atoll.coordinator.watches import PlanWatches
+from atoll.rpc import AioServerHandle, RpcOptions, make_aio_server
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 log = logging.getLogger("atoll.coordinator")
@@ -53,7 +58,13 @@ class ServiceConfig:
     tick: timedelta = timedelta(milliseconds=250)
     """Period of the background loop (leases, islands, planning, metrics)."""
     max_workers: int = 64
-    """Server threads. Each node's plan watch holds one, so this bounds the nodes one coordinator serves."""
+    """Server threads, which run the unary calls (join, heartbeat, reports, status). Plan watches hold none: they
+    wait on the server's event loop."""
+    max_watches: int = 20_000
+    """Plan watches open at once (each node holds one, two while it reconnects); more are refused with
+    RESOURCE_EXHAUSTED."""
+    max_watch_life: timedelta = timedelta(minutes=10)
+    """Longest life of one plan watch; it then ends and the node opens the next. Nodes' own deadline is shorter."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -62,6 +73,10 @@ class ServiceConfig:
             raise ValueError(f"tick must be positive, got {self.tick}")
         if self.max_workers < 4:
             raise ValueError(f"max_workers must be at least 4, got {self.max_workers}")
+        if self.max_watches < 1:
+            raise ValueError(f"max_watches must be at least 1, got {self.max_watches}")
+        if self.max_watch_life <= timedelta(0):
+            raise ValueError(f"max_watch_life must be positive, got {self.max_watch_life}")
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -94,8 +109,10 @@ class CoordinatorService:
         self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen)
         self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous)
         self.metrics = CoordinatorMetrics()
-        self.health = health.HealthServicer()
-        self._server: ServerHandle | None = None
+        self.health = health_aio.HealthServicer()
+        self.watches = PlanWatches(self.state, max_watches=self.config.max_watches,
+                                   max_life=self.config.max_watch_life)
+        self._server: AioServerHandle | None = None
         self._metrics_server = None
         self.metrics_address: str | None = None
         self._stop = threading.Event()
@@ -110,14 +127,16 @@ class CoordinatorService:
     def start(self) -> CoordinatorService:
         from atoll.coordinator.servicer import CoordinatorServicer
 
-        servicer = CoordinatorServicer(self.state)
-        self._server = make_server(
+        servicer = CoordinatorServicer(self.state, self.watches)
+        # past the watches, room for a queue of unary calls a few times the threads deep
+        self._server = make_aio_server(
             self.config.listen,
             [lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s),
              lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
-            self.config.rpc, max_workers=self.config.max_workers)
+            self.config.rpc, max_workers=self.config.max_workers,
+            maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers)
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._server.run(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         if self.config.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -147,10 +166,12 @@ class CoordinatorService:
 
     def stop(self) -> None:
         self._stop.set()
-        self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.run(self.health.enter_graceful_shutdown())
         self.state.close()  # ends plan watches, so the server's grace period is not spent waiting on them
         if self._server is not None:
             self._server.stop()
+        self.watches.close()
         if self._loop.is_alive():
             self._loop.join(timeout=5)
         if self._metrics_server is not None:

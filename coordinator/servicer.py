@@ -2,12 +2,15 @@
 
 This is the only place where coordinator errors become gRPC status codes. An unexpected exception is
 logged with its traceback and answered INTERNAL, so a bad request never takes the coordinator down.
+The servicer runs on a `grpc.aio` server: the unary methods are plain functions on its thread pool, and
+WatchPlan is a coroutine on its event loop, so an open watch holds no thread.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -16,6 +19,7 @@ from atoll.coordinator import handlers
 from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
 from atoll.rpc import token_from_metadata
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
@@ -29,25 +33,31 @@ STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    TooManyWatches: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WatchReplaced: grpc.StatusCode.ABORTED,
 }
 
 Req = TypeVar("Req")
 Rep = TypeVar("Rep")
 
 
-def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+def _status(method: str, e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, CoordinatorError):
         code = STATUS_CODES.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
         log.debug("%s refused (%s): %s", method, code.name, e)
-        context.abort(code, str(e))
+        return code, str(e)
     log.exception("%s failed", method)
-    context.abort(grpc.StatusCode.INTERNAL, f"{method}: the coordinator failed ({type(e).__name__}: {e}); "
-                                            f"see its log")
+    return grpc.StatusCode.INTERNAL, f"{method}: the coordinator failed ({type(e).__name__}: {e}); see its log"
+
+
+def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+    context.abort(*_status(method, e))
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState):
+    def __init__(self, state: CoordinatorState, watches: PlanWatches):
         self.state = state
+        self.watches = watches
 
     def _unary(self, method: str, handler: Callable[[Req, CoordinatorState], Rep], request: Req,
                context: grpc.ServicerContext) -> Rep:
@@ -80,9 +90,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self._unary("GetStatus", handlers.handle_status, request, context)
 
-    def WatchPlan(self, request: pb.WatchPlanRequest, context: grpc.ServicerContext) -> Iterator[pb.Plan]:
+    async def WatchPlan(self, request: pb.WatchPlanRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Plan]:
         try:
+            if self.state.closed:
+                raise Unavailable("the coordinator is shutting down; retry shortly")
             handlers.check_token(token_from_metadata(context), self.state)
-            yield from handlers.watch_plan(request, self.state, context.is_active)
+            async with aclosing(self.watches.watch(request)) as plans:
+                async for plan in plans:
+                    yield plan
         except Exception as e:  # noqa: BLE001
-            _abort(context, "WatchPlan", e)
+            await context.abort(*_status("WatchPlan", e))

@@ -81,6 +81,7 @@ class CoordinatorState:
         self._islands_dirty = True
         self._last_reason = ""
         self._closed = False
+        self._plan_listeners: list[Callable[[], None]] = []
 
     # --- plan ---------------------------------------------------------------------------------------
 
@@ -98,19 +99,48 @@ class CoordinatorState:
             self.store.add_plan(plan, created_unix=self.clock(), reason=reason)
             self._plan = plan
             self._cond.notify_all()
+        self._tell_plan_listeners()
+
+    def newer_plan(self, known_epoch: int) -> Plan | None:
+        """The current plan if its epoch exceeds `known_epoch` (and it is not stale), else None; never blocks."""
+        plan = self._plan  # one reference read, atomic: no lock, so an event loop may call this
+        if plan is not None and plan.epoch > known_epoch and not self._stale(plan):
+            return plan
+        return None
 
     def wait_for_plan(self, known_epoch: int, timeout: float) -> Plan | None:
         """The current plan once its epoch exceeds `known_epoch`, or None after `timeout` seconds or on close."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._closed:
-                if self._plan is not None and self._plan.epoch > known_epoch and not self._stale(self._plan):
-                    return self._plan
+                plan = self.newer_plan(known_epoch)
+                if plan is not None:
+                    return plan
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self._cond.wait(left)
             return None
+
+    def add_plan_listener(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call `listener()` after every publish and on close, on the thread that did it; returns its remover.
+
+        A listener must be quick and must not raise: it hands the news on (to an event loop, say) and returns.
+        """
+        with self._cond:
+            self._plan_listeners.append(listener)
+
+        def remove() -> None:
+            with self._cond:
+                if listener in self._plan_listeners:
+                    self._plan_listeners.remove(listener)
+        return remove
+
+    def _tell_plan_listeners(self) -> None:
+        with self._cond:
+            listeners = list(self._plan_listeners)
+        for listener in listeners:  # outside the lock: handlers that need it are not held up by a listener
+            listener()
 
     def _stale(self, plan: Plan) -> bool:
         """A plan from before a coordinator restart: its rendezvous store is gone, so nodes cannot run it."""
@@ -124,6 +154,7 @@ class CoordinatorState:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._tell_plan_listeners()
 
     # --- membership -----------------------------------------------------------------------------------
 

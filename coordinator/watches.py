@@ -1,0 +1,131 @@
+"""Plan watches on the coordinator server's event loop.
+
+An open WatchPlan stream is a coroutine waiting on an `asyncio.Event`, not a thread: the state's publish and
+close wake every watch through `loop.call_soon_threadsafe`, so thousands of nodes can watch while the unary
+calls keep the server's thread pool to themselves. Watches are bounded in number, in life, and per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from atoll.coordinator import handlers
+from atoll.coordinator.errors import CoordinatorError
+from atoll.coordinator.state import CoordinatorState
+from atoll.plan import Plan
+from atoll.serde import plan_to_proto
+from atoll.v1 import atoll_pb2 as pb
+
+WATCHES_PER_NODE = 2
+"""A node's watch plus the one it opens when it reconnects before the server has noticed the first one gone."""
+
+
+class TooManyWatches(CoordinatorError):
+    """The coordinator already holds as many plan watches as it allows."""
+
+
+class WatchReplaced(CoordinatorError):
+    """A newer watch of the same node ended this one."""
+
+
+@dataclass(eq=False)
+class _Watch:
+    node_id: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    replaced: bool = False
+
+
+class PlanWatches:
+    """The open plan watches of one coordinator. `watch()` runs on the server's event loop, and so does
+    everything that reads or changes the open watches; only the state's listener comes from other threads."""
+
+    def __init__(self, state: CoordinatorState, *, max_watches: int, max_life: timedelta):
+        self.state = state
+        self.max_watches, self.max_life = max_watches, max_life
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: set[_Watch] = set()
+        self._by_node: dict[str, list[_Watch]] = {}
+        self._message: tuple[Plan, pb.Plan] | None = None
+        self._remove_listener = state.add_plan_listener(self._wake_threadsafe)
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        self._remove_listener()
+
+    async def watch(self, req: pb.WatchPlanRequest) -> AsyncIterator[pb.Plan]:
+        """Plans newer than `req.known_epoch` as they are published, until the watch's life ends, a newer watch
+        of the same node replaces it, or the state closes."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        w = self._admit(req.node_id)
+        try:
+            # the membership check reads the store, so it runs on the server's thread pool, not on the loop
+            known = await loop.run_in_executor(None, handlers.open_watch, req, self.state)
+            end = loop.time() + self.max_life.total_seconds()
+            while not self.state.closed:
+                w.wake.clear()  # before looking, so that a publish from here on ends the wait below at once
+                if w.replaced:
+                    raise WatchReplaced(f"a newer plan watch of node {w.node_id} replaced this one; a node keeps at "
+                                        f"most {WATCHES_PER_NODE}")
+                plan = self.state.newer_plan(known)
+                if plan is not None:
+                    known = plan.epoch
+                    yield self._to_message(plan)
+                    continue
+                left = end - loop.time()
+                if left <= 0:
+                    return  # the node opens its next watch at once
+                try:
+                    await asyncio.wait_for(w.wake.wait(), left)
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            self._release(w)
+
+    def _admit(self, node_id: str) -> _Watch:
+        if len(self._open) >= self.max_watches:
+            raise TooManyWatches(f"the coordinator holds {len(self._open)} plan watches, its limit (max_watches); "
+                                 f"retry later, or raise the limit if this many nodes are expected")
+        w = _Watch(node_id)
+        self._open.add(w)
+        if node_id:  # an anonymous watch (a status tool) counts only against the total
+            mine = self._by_node.setdefault(node_id, [])
+            while len(mine) >= WATCHES_PER_NODE:
+                old = mine.pop(0)
+                old.replaced = True
+                old.wake.set()
+            mine.append(w)
+        return w
+
+    def _release(self, w: _Watch) -> None:
+        self._open.discard(w)
+        mine = self._by_node.get(w.node_id)
+        if mine is not None and w in mine:
+            mine.remove(w)
+            if not mine:
+                del self._by_node[w.node_id]
+
+    def _to_message(self, plan: Plan) -> pb.Plan:
+        # every watch sends the same new plan: convert it once
+        if self._message is None or self._message[0] is not plan:
+            self._message = (plan, plan_to_proto(plan))
+        return self._message[1]
+
+    def _wake_threadsafe(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return  # no watch has started yet, so none waits
+        try:
+            loop.call_soon_threadsafe(self._wake_all)
+        except RuntimeError:
+            pass  # the loop has closed with the server: no watch is left to wake
+
+    def _wake_all(self) -> None:
+        for w in self._open:
+            w.wake.set()
