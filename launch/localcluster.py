@@ -2,6 +2,8 @@
 
 Each process is the real command (`python -m atoll coordinator|node ...`) a person would start on its
 own machine; here they share this one, talk gRPC over loopback and write their logs into one folder.
+Given a `Host` (a `bench/geo.py` testbed host), a process runs there instead: in the host's network
+namespace and CPU quota, listening on its address, in its region.
 """
 
 from __future__ import annotations
@@ -12,9 +14,30 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
+
+
+class Host(Protocol):
+    """Somewhere other than this machine's loopback to run a process: a testbed host (`bench.geo.GeoHost`)."""
+
+    region: str
+    """Region of the nodes started here (`--region`)."""
+    ip: str
+    """Address processes here listen on and advertise."""
+    wan_latency_ms: float
+    """One-way latency to other regions that nodes started here emulate (`--wan-latency-ms`)."""
+
+    def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
+        """Start `argv` on the host."""
+        ...
+
+    def reach(self, address: str) -> str:
+        """An address this process can dial for `address` as seen from the host."""
+        ...
 
 
 @dataclass
@@ -29,6 +52,8 @@ class LocalCluster:
     """Time budget of each node's start-up profile (more repeats, steadier medians)."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
+    status_address: str = ""
+    """Where this process asks the coordinator for its status: `address`, or a relay into its host."""
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -47,47 +72,58 @@ class LocalCluster:
     def state_db(self) -> Path:
         return self.out / "coordinator" / "coordinator.db"
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], host: Host | None = None) -> subprocess.Popen:
         log = open(self.out / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
-        proc = subprocess.Popen([sys.executable, "-m", "atoll", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        popen = host.popen if host is not None else subprocess.Popen
+        proc = popen([sys.executable, "-m", "atoll", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                     start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
 
-    def start_coordinator(self, listen: str = "127.0.0.1:0", timeout: float = 60.0,
-                          extra: list[str] | None = None) -> str:
+    def start_coordinator(self, listen: str | None = None, timeout: float = 60.0,
+                          extra: list[str] | None = None, *, host: Host | None = None) -> str:
+        """Start the coordinator (on `host` when given) and return the address nodes dial."""
         addr_file = self.out / "coordinator.address"
         addr_file.unlink(missing_ok=True)
+        listen = listen or (f"{host.ip}:0" if host is not None else "127.0.0.1:0")
         proc = self._spawn("coordinator", ["coordinator", "--job", str(self.job_path), "--listen", listen,
                                            "--state-dir", str(self.out / "coordinator"), "--token-file",
                                            str(self.token_file), "--address-file", str(addr_file),
-                                           *(extra or [])])
+                                           *(extra or [])], host)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if addr_file.is_file() and addr_file.read_text().strip():
                 self.address = addr_file.read_text().strip()
+                self.status_address = host.reach(self.address) if host is not None else self.address
                 return self.address
             if proc.poll() is not None:
                 raise RuntimeError(f"the coordinator exited with code {proc.returncode}: see {self.out}/coordinator.log")
             time.sleep(0.1)
         raise TimeoutError(f"the coordinator did not start listening within {timeout:.0f}s")
 
-    def start_node(self, name: str, *, region: str | None = None, extra: list[str] | None = None) -> None:
+    def start_node(self, name: str, *, region: str | None = None, extra: list[str] | None = None,
+                   host: Host | None = None) -> None:
+        """Start a node; on `host` it listens on the host's address, in its region (unless `region` says
+        otherwise), emulating the host's latency to other regions."""
         if not self.address:
             raise RuntimeError("start the coordinator first")
+        listen = f"{host.ip}:0" if host is not None else "127.0.0.1:0"
         args = ["node", "--coordinator", self.address, "--token-file", str(self.token_file), "--listen",
-                "127.0.0.1:0", "--state-dir", str(self.out / name), "--checkpoint-dir", str(self.checkpoints),
+                listen, "--state-dir", str(self.out / name), "--checkpoint-dir", str(self.checkpoints),
                 "--threads", str(self.threads_per_node), "--profile-seconds", str(self.profile_seconds)]
+        region = region or (host.region if host is not None else None)
         if region:
             args += ["--region", region]
-        self._spawn(name, args + list(extra or []))
+        if host is not None and host.wan_latency_ms > 0:
+            args += ["--wan-latency-ms", str(host.wan_latency_ms)]
+        self._spawn(name, args + list(extra or []), host)
 
     def status(self, timeout: float = 5.0):
         from atoll.coordinator.status import fetch_status
 
-        return fetch_status(self.address, token=self.token, timeout=timedelta(seconds=timeout))
+        return fetch_status(self.status_address or self.address, token=self.token, timeout=timedelta(seconds=timeout))
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():

@@ -104,6 +104,9 @@ class AgentConfig:
     """How long the start-up profile measures."""
     region: str = ""
     """Site label (a lab, a datacenter, a cloud region): islands never span two."""
+    wan_latency: timedelta = timedelta(0)
+    """Testbeds only: one-way latency added to each tensor sent to a peer of another region
+    (`atoll.node.wan.wan_delay`); zero: off."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -111,6 +114,8 @@ class AgentConfig:
         for name in ("call_timeout", "connect_timeout", "watch_timeout", "probe_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
+        if self.wan_latency < timedelta(0):
+            raise ValueError(f"wan_latency must be >= 0 (--wan-latency-ms), got {self.wan_latency}")
         if not timedelta(0) < self.backoff[0] <= self.backoff[1]:
             raise ValueError(f"backoff must be (first, largest) with 0 < first <= largest, got {self.backoff}")
 
@@ -624,7 +629,7 @@ def run_node_cli(args: argparse.Namespace) -> int:
     config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
                          device=args.device, listen=args.listen, advertise=args.advertise, rpc=rpc,
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
-                         region=args.region or "")
+                         region=args.region or "", wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: threading.Thread(target=agent.stop, daemon=True).start())

@@ -23,6 +23,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator (peer links stay plaintext)")
     p.add_argument("--region", help="site label of this machine (a lab, a datacenter, a cloud region); islands never "
                    "span two regions")
+    p.add_argument("--wan-latency-ms", type=float, default=0.0,
+                   help="testbeds only: hold each tensor sent to a peer of another region this many ms, to emulate a "
+                   "wide-area link's one-way latency where the kernel cannot delay packets (default 0: off)")
     p.add_argument("--checkpoint-dir", help="where checkpoints are written and read (default: STATE_DIR/checkpoints); "
                    "nodes that may take over each other's layers need one shared folder")
     p.add_argument("--exit-when-done", action="store_true", help="leave and exit once the job has finished its steps")

@@ -27,16 +27,22 @@ from atoll.types import LinkStats
 
 @dataclass(frozen=True, kw_only=True)
 class PeerRef:
-    """A neighbour: its node id and the address of its Peer server."""
+    """A neighbour: its node id, the address of its Peer server and any emulated latency to it."""
 
     node_id: str
     address: str
+    added_latency: timedelta = timedelta(0)
+    """Emulation knob for testbeds (`atoll.node.wan`): each tensor sent to this peer is held this long
+    before it goes on the wire, as a wide-area link's one-way latency would delay it; other tensors and
+    links go on meanwhile. Zero (the default) outside testbeds."""
 
     def __post_init__(self) -> None:
         if not self.node_id:
             raise ValueError("PeerRef.node_id must not be empty")
         if ":" not in self.address:
             raise ValueError(f"PeerRef.address must be HOST:PORT, got {self.address!r}")
+        if self.added_latency < timedelta(0):
+            raise ValueError(f"PeerRef.added_latency must be >= 0, got {self.added_latency}")
 
 
 @dataclass(frozen=True, kw_only=True)

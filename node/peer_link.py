@@ -5,7 +5,8 @@ from the measured bandwidth), encode and stream it in one Transfer call with a d
 streams at a time, so each transfer measures the link; the others encode meanwhile, or wait for the
 receiver to check and decode what they sent. Queued and in-flight tensors are bounded in bytes.
 Transient failures are retried with exponential backoff; a refusal is final and raised by the next
-call on the link.
+call on the link. A testbed may add latency to a peer (`PeerRef.added_latency`): each tensor waits it
+out in its sender thread before its turn on the wire.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class _Outgoing:
     key: TensorKey
     tensor: torch.Tensor
     raw_bytes: int
+    ready: float
+    """time.monotonic() from which it may go on the wire (the peer's emulated latency after `send`)"""
 
 
 @dataclass
@@ -102,7 +105,8 @@ class PeerLink:
         tensor = tensor.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu", non_blocking=False)
-        item = _Outgoing(key=key, tensor=tensor, raw_bytes=tensor.numel() * tensor.element_size())
+        item = _Outgoing(key=key, tensor=tensor, raw_bytes=tensor.numel() * tensor.element_size(),
+                         ready=time.monotonic() + self.peer.added_latency.total_seconds())
         limit, deadline = self.cfg.max_in_flight_bytes, time.monotonic() + self.cfg.send_timeout.total_seconds()
         with self.cond:
             # a tensor larger than the limit is let through alone, so it cannot wait forever
@@ -189,6 +193,11 @@ class PeerLink:
 
     def _send(self, item: _Outgoing) -> None:
         cfg, key = self.cfg, item.key
+        # emulated latency: this thread waits out the tensor's own delay; the other sender threads and
+        # the wire go on meanwhile, so tensors queued together arrive together, not one delay apart
+        hold = item.ready - time.monotonic()
+        if hold > 0 and self.closing.wait(hold):
+            raise TransportError(f"{key}: the transport closed while sending to {self.peer.node_id}")
         spec = self._choose(item)
         meta = dict(job_id=cfg.job_id, plan_epoch=cfg.plan_epoch, step=key.step, micro_batch=key.micro_batch,
                     direction=DIRECTION_BY_NAME[key.direction], name="act" if key.direction == "forward" else "grad",
