@@ -60,6 +60,11 @@ class RpcOptions:
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout.total_seconds() * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # a lost server is redialled at most 2 s apart (gRPC's default backoff grows past 2 minutes), so
+            # nodes find a restarted coordinator, or a peer, well within a lease (10 s by default)
+            ("grpc.initial_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 250),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if self.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.tls_server_name))

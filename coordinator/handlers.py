@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from atoll.coordinator import validation as v
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated)
-from atoll.coordinator.membership import join_decision
+from atoll.coordinator.membership import RunFailureRecord, join_decision
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
@@ -24,6 +24,8 @@ from atoll.types import LinkMeasurement
 from atoll.v1 import atoll_pb2 as pb
 
 RECENT_STEPS_IN_STATUS = 32
+MAX_FAILURE_REASON = 1000
+"""Longest reason a failure report may carry."""
 STATUS_WINDOW_STEPS = 8
 
 
@@ -145,6 +147,26 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
     done = state.complete_checkpoint_steps()
     complete = bool(done) and done[-1] == req.step
     return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}")
+
+
+def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack:
+    """A node's run of a plan failed while the node lives: recorded, and the coordinator's loop replans.
+
+    A failure of an older epoch is acknowledged and ignored (a newer plan already replaced it).
+    """
+    _check_job(req.job_id, state)
+    _known(req.node_id, state)
+    v.check_string("reason", req.reason, required=True, limit=MAX_FAILURE_REASON)
+    epoch = state.epoch
+    if req.plan_epoch == 0 or req.plan_epoch > epoch:
+        raise FailedPrecondition(f"failure of plan epoch {req.plan_epoch}; the plans run so far are 1-{epoch}")
+    if req.step > state.job.train.steps:
+        raise InvalidArgument(f"failure at step {req.step}, past the job's {state.job.train.steps} steps")
+    if req.plan_epoch < epoch:
+        return pb.Ack(message=f"plan epoch {req.plan_epoch} is already replaced by epoch {epoch}; ignored")
+    recorded = state.record_failure(RunFailureRecord(epoch=req.plan_epoch, node_id=req.node_id, step=req.step,
+                                                     reason=req.reason, reported_unix=state.clock()))
+    return pb.Ack(message=f"failure of plan epoch {req.plan_epoch} {'recorded' if recorded else 'already known'}")
 
 
 def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:

@@ -3,13 +3,15 @@
 - `expire_leases`: which alive members missed their lease and are now gone.
 - `join_decision`: whether a join is a new member, an update of the same node, or a conflicting claim.
 - `plan_decision`: whether the coordinator should (re)plan now.
+- `failure_decision`: whether a failed run of the current plan (reported by a node that is still alive)
+  calls for a new epoch now, backing off when consecutive epochs keep failing.
 
 The clock is a parameter, so tests step time by hand; nothing here reads the wall clock or does I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -30,6 +32,11 @@ class MembershipOptions:
     settle: timedelta = timedelta(seconds=1)
     """After a membership change, wait this long for further changes before replanning, so a burst of
     joins or departures yields one new epoch rather than several."""
+    failure_backoff: timedelta = timedelta(seconds=1)
+    """A failed plan epoch is replanned at once; when the epoch before it failed too, after this long, doubled
+    for each further failed epoch in a row, so a plan that keeps failing cannot replan in a tight loop."""
+    failure_backoff_max: timedelta = timedelta(seconds=60)
+    """The longest wait before replanning a failed epoch."""
 
     def __post_init__(self) -> None:
         if self.lease <= timedelta(0):
@@ -38,6 +45,9 @@ class MembershipOptions:
             raise ValueError(f"restart_grace must be >= 0, got {self.restart_grace}")
         if self.settle < timedelta(0):
             raise ValueError(f"settle must be >= 0, got {self.settle}")
+        if not timedelta(0) <= self.failure_backoff <= self.failure_backoff_max:
+            raise ValueError(f"failure_backoff ({self.failure_backoff}) must be >= 0 and at most failure_backoff_max "
+                             f"({self.failure_backoff_max})")
 
     @property
     def grace(self) -> timedelta:
@@ -143,3 +153,54 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
         return PlanDecision(False, f"membership changed; settling for {wait:.1f}s more")
     parts = ([f"joined: {', '.join(joined)}"] if joined else []) + ([f"gone: {', '.join(gone)}"] if gone else [])
     return PlanDecision(True, "; ".join(parts))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFailureRecord:
+    """A node's report that its run of a plan epoch failed (a transfer, a collective, the set-up)."""
+
+    epoch: int
+    node_id: str
+    step: int
+    reason: str
+    reported_unix: float
+
+
+def failure_backoff(failed_in_a_row: int, options: MembershipOptions) -> float:
+    """Seconds to wait before replanning the latest of `failed_in_a_row` consecutive failed epochs:
+    0 for the first, then `failure_backoff` doubled per further failure, at most `failure_backoff_max`."""
+    if failed_in_a_row <= 1:
+        return 0.0
+    first, most = options.failure_backoff.total_seconds(), options.failure_backoff_max.total_seconds()
+    return min(most, first * 2.0 ** min(failed_in_a_row - 2, 64))
+
+
+def failure_decision(now: float, *, epoch: int, failures: Mapping[int, RunFailureRecord], alive: Set[str],
+                     planned: Set[str], last_heard: Mapping[str, float], options: MembershipOptions) -> PlanDecision:
+    """Whether the failure of the current plan `epoch` calls for a new epoch (same members) now.
+
+    failures: the first failure reported for each epoch; a failure of an older epoch is no reason (a newer
+    plan already replaced it). The plan's members must all be alive and all heard from (`last_heard`: unix
+    time of each member's latest heartbeat) since the failure was reported: a member that went silent is
+    probably gone, and its lapsing lease makes the next plan without it. When epochs before this one failed
+    too, the new plan waits `failure_backoff` of how many failed in a row.
+    """
+    failure = failures.get(epoch)
+    if failure is None:
+        return PlanDecision(False, f"no failure reported for plan epoch {epoch}")
+    what = f"plan epoch {epoch} failed on node {failure.node_id} at step {failure.step}: {failure.reason}"
+    if set(alive) != set(planned):
+        return PlanDecision(False, f"{what}; membership differs from the plan, so its change replans")
+    silent = sorted(n for n in planned if last_heard.get(n, float("-inf")) < failure.reported_unix)
+    if silent:
+        return PlanDecision(False, f"{what}; waiting to hear from {', '.join(silent)} before replanning")
+    in_a_row = 1
+    while epoch - in_a_row in failures:
+        in_a_row += 1
+    delay = failure_backoff(in_a_row, options)
+    if now < failure.reported_unix + delay:
+        return PlanDecision(False, f"{what}; {in_a_row} epochs failed in a row, replanning {delay:g}s after the "
+                                   f"failure")
+    if in_a_row > 1:
+        return PlanDecision(True, f"{what} ({in_a_row} epochs failed in a row; waited {delay:g}s)")
+    return PlanDecision(True, what)

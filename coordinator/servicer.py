@@ -84,6 +84,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportCheckpoint(self, request: pb.CheckpointReport, context: grpc.ServicerContext) -> pb.Ack:
         return self._unary("ReportCheckpoint", handlers.handle_report_checkpoint, request, context)
 
+    def ReportFailure(self, request: pb.RunFailure, context: grpc.ServicerContext) -> pb.Ack:
+        return self._unary("ReportFailure", handlers.handle_report_failure, request, context)
+
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.Ack:
         return self._unary("Leave", handlers.handle_leave, request, context)
 

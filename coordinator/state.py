@@ -17,7 +17,8 @@ from datetime import timedelta
 from atoll.coordinator.checkpoints import complete_steps
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
 from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fresh_pairs, needs_probes, probe_targets
-from atoll.coordinator.membership import MembershipOptions, PlanDecision, expire_leases, plan_decision
+from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
+                                          failure_decision, plan_decision)
 from atoll.coordinator.planning import PlanInputs, make_plan
 from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
@@ -80,6 +81,8 @@ class CoordinatorState:
         self._stale_before = 0.0
         self._islands_dirty = True
         self._last_reason = ""
+        self._failures: dict[int, RunFailureRecord] = {}
+        """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
         self._plan_listeners: list[Callable[[], None]] = []
 
@@ -203,6 +206,26 @@ class CoordinatorState:
         fresh = self._fresh(now)
         return {n for n in alive if needs_probes(n, classes, fresh, self.options.probes)}
 
+    # --- failures -------------------------------------------------------------------------------------
+
+    def record_failure(self, failure: RunFailureRecord) -> bool:
+        """Record that a node's run of the current plan failed; the next `tick` decides on a new epoch.
+
+        Returns False (and records nothing) for another epoch than the current one, or when this epoch's
+        failure is already recorded (the first report of an epoch is the one that counts).
+        """
+        with self._cond:
+            if failure.epoch != self.epoch or failure.epoch in self._failures:
+                return False
+            self._failures[failure.epoch] = failure
+            for old in [e for e in self._failures if e < failure.epoch - 64]:
+                del self._failures[old]
+            return True
+
+    def failures(self) -> dict[int, RunFailureRecord]:
+        with self._cond:
+            return dict(self._failures)
+
     # --- checkpoints ----------------------------------------------------------------------------------
 
     def complete_checkpoint_steps(self) -> list[int]:
@@ -248,6 +271,13 @@ class CoordinatorState:
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
                                      last_change_unix=last_change, cluster=self.job.cluster,
                                      options=self.options.membership, stale=stale, moved=moved)
+            failures = self.failures()
+            if not decision.plan and plan is not None and plan.epoch in failures:
+                # every member alive, yet a run failed: only a new epoch (fresh groups, from the last
+                # complete checkpoint) gets the job going again
+                decision = failure_decision(
+                    now, epoch=plan.epoch, failures=failures, alive=set(alive), planned=planned or set(),
+                    last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=self.options.membership)
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason))
         elif decision.reason != self._last_reason:

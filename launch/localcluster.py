@@ -141,6 +141,35 @@ class LocalCluster:
             store.close()
         return {s.step: s.loss for s in sorted(steps, key=lambda s: s.unix_time) if s.loss is not None}
 
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator only (its machine crashed); `restart_coordinator` brings it back."""
+        proc = self.procs.pop("coordinator", None)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def restart_coordinator(self, timeout: float = 60.0, extra: list[str] | None = None) -> str:
+        """Start the coordinator again on the same state dir and address, so running nodes find it again."""
+        if not self.address:
+            raise RuntimeError("the coordinator never started")
+        return self.start_coordinator(listen=self.address, timeout=timeout, extra=extra)
+
+    def node_name(self, node_id: str) -> str:
+        """The process name (node1, ...) of the node with the stable id `node_id`."""
+        for name in self.procs:
+            id_file = self.out / name / "node_id"
+            if name != "coordinator" and id_file.is_file() and id_file.read_text().strip() == node_id:
+                return name
+        raise KeyError(f"no running node has id {node_id}")
+
+    def pause(self, name: str) -> None:
+        """SIGSTOP a process: alive, holding its sockets, but answering nothing (a machine that hangs)."""
+        self.procs[name].send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        """SIGCONT a paused process."""
+        self.procs[name].send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL every process (a crash of all machines at once)."""
         for p in self.procs.values():

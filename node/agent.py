@@ -47,6 +47,8 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 """Answers that a report will never be accepted: the outbox logs and drops it. Any other is retried."""
 MAX_FAILURE_REASON = 1000
 """Longest failure reason sent; the coordinator refuses longer ones."""
+STEP_BACKLOG = 4096
+"""Step reports kept while the coordinator is away; beyond it the oldest are dropped."""
 
 
 def step_wait_timeout(step_seconds: Sequence[float], default: timedelta, *,
@@ -134,10 +136,10 @@ class PlanRun:
     agent: NodeAgent
 
     def report_step(self, metrics: StepMetrics) -> pb.StepAck:
-        """Send step metrics now (the caller runs it off the step's path); raises grpc.RpcError on failure."""
+        """Send step metrics now (the caller runs it off the step's path); see `NodeAgent.report_step`."""
         self.agent.set_progress(metrics.plan_epoch, metrics.step)
         self.agent.record_step_seconds(metrics.step_seconds)
-        return self.agent.call("ReportStep", step_metrics_to_proto(metrics))
+        return self.agent.report_step(metrics)
 
     def report_checkpoint(self, report: pb.CheckpointReport, on_delivered: Callable[[], None] | None = None) -> None:
         """Queue a checkpoint report; the agent delivers it, retrying until the coordinator takes it, the
@@ -217,6 +219,9 @@ class NodeAgent:
         self.joins = 0
         self._stream: grpc.Future | None = None
         self._outbox: deque[_Outgoing] = deque()
+        self._step_backlog: deque[_Outgoing] = deque(maxlen=STEP_BACKLOG)
+        """Step reports that met an outage; the outbox sends them after its other reports."""
+        self._refused_steps = 0
         self._outbox_cond = threading.Condition()
         self._step_seconds: deque[float] = deque(maxlen=64)
         self.error: Exception | None = None
@@ -407,6 +412,32 @@ class NodeAgent:
             finally:
                 self._queued.discard(target.node_id)
 
+    def report_step(self, metrics: StepMetrics) -> pb.StepAck:
+        """Send step metrics; never raises. While the coordinator is away (or steps wait in the backlog) they
+        join the backlog, which the outbox delivers in order once it is back, and the answer is "go on"."""
+        req = step_metrics_to_proto(metrics)
+        go_on = pb.StepAck(plan_epoch=metrics.plan_epoch, stop=False)
+        with self._outbox_cond:
+            if self._step_backlog:  # keep the order: behind what waits already
+                self._step_backlog.append(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
+                self._outbox_cond.notify_all()
+                return go_on
+        try:
+            return self.call("ReportStep", req)
+        except ValueError:  # the channel was closed by stop()
+            return go_on
+        except grpc.RpcError as e:
+            if e.code() in _REFUSED:
+                self._refused_steps += 1
+                if self._refused_steps == 1 or self._refused_steps % 100 == 0:
+                    log.warning("the coordinator refused step %d's report (%s: %s; %d refused so far)", metrics.step,
+                                e.code().name, e.details(), self._refused_steps)
+                return go_on
+            with self._outbox_cond:
+                self._step_backlog.append(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
+                self._outbox_cond.notify_all()
+            return go_on
+
     def send_later(self, method: str, request, *, epoch: int, what: str,
                    on_delivered: Callable[[], None] | None = None) -> None:
         """Queue a unary report for the outbox thread; returns at once."""
@@ -421,14 +452,14 @@ class NodeAgent:
         failing_since: float | None = None
         while True:
             with self._outbox_cond:
-                while not self._outbox and not self._stop.is_set():
+                while not self._outbox and not self._step_backlog and not self._stop.is_set():
                     self._outbox_cond.wait()
-                if not self._outbox:
+                if not self._outbox and not self._step_backlog:
                     return
-                item = self._outbox[0]
+                item = self._outbox[0] if self._outbox else self._step_backlog[0]
             with self._cond:
                 newest = self.plan.epoch if self.plan is not None else 0
-            if item.epoch < newest:
+            if item.epoch < newest and item.method != "ReportStep":  # old steps still tell the loss history
                 log.info("dropping the unsent report of the %s: plan epoch %d is superseded by %d", item.what,
                          item.epoch, newest)
                 self._outbox_done(item)
@@ -439,8 +470,9 @@ class NodeAgent:
                 return
             except grpc.RpcError as e:
                 if e.code() in _REFUSED:
-                    log.error("the coordinator refused the report of the %s (%s: %s); dropping it", item.what,
-                              e.code().name, e.details())
+                    (log.debug if item.method == "ReportStep" else log.error)(
+                        "the coordinator refused the report of the %s (%s: %s); dropping it", item.what,
+                        e.code().name, e.details())
                     self._outbox_done(item)
                     continue
                 if self._stop.is_set():
@@ -468,15 +500,16 @@ class NodeAgent:
 
     def _outbox_done(self, item: _Outgoing) -> None:
         with self._outbox_cond:
-            if self._outbox and self._outbox[0] is item:
-                self._outbox.popleft()
+            for queue_ in (self._outbox, self._step_backlog):
+                if queue_ and queue_[0] is item:
+                    queue_.popleft()
             self._outbox_cond.notify_all()
 
     def flush_outbox(self, timeout: timedelta) -> bool:
         """Wait until every queued report is delivered or dropped; False when `timeout` passed first."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._outbox_cond:
-            while self._outbox:
+            while self._outbox or self._step_backlog:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -586,7 +619,7 @@ class NodeAgent:
         if self._stop.is_set():
             return
         if leave and self.joins and not self.flush_outbox(timedelta(seconds=5)):
-            log.warning("stopping with %d report(s) undelivered", len(self._outbox))
+            log.warning("stopping with %d report(s) undelivered", len(self._outbox) + len(self._step_backlog))
         self._stop.set()
         with self._cond:
             self._cond.notify_all()

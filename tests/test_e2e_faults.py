@@ -1,0 +1,150 @@
+"""End to end, with real faults: the coordinator dies across a checkpoint step, and a node hangs while alive.
+
+A coordinator and four nodes in two islands, as processes (`LocalCluster`). Each test prints what it
+measured (`pytest -s` shows it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from atoll.coordinator.store import SqliteStore
+from atoll.job import JobSpec
+from atoll.launch.localcluster import LocalCluster
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.integration
+
+
+def _job(tmp: Path, name: str, *, steps: int, interval: int) -> Path:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps, warmup=5, global_batch=64, micro_batch=8),
+                  checkpoint=replace(job.checkpoint, interval=interval),
+                  compression=replace(job.compression, mode="identity"),
+                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4),
+                  outer=replace(job.outer, mode="sync"))  # one synchronous pipeline across both regions
+    path = tmp / f"job-{name}.toml"
+    path.write_text(job.to_toml())
+    return path
+
+
+def _start(cluster: LocalCluster, coordinator: list[str]) -> None:
+    cluster.start_coordinator(extra=coordinator)
+    for i, region in enumerate(["lab-a", "lab-a", "lab-b", "lab-b"]):
+        cluster.start_node(f"node{i + 1}", region=region)
+
+
+def _wait(cluster: LocalCluster, until, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        cluster.check_alive()
+        try:
+            status = cluster.status()
+        except Exception:  # noqa: BLE001 - busy or restarting: ask again
+            time.sleep(0.2)
+            continue
+        if until(status):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {cluster.out}")
+
+
+def _steps(cluster: LocalCluster):
+    store = SqliteStore(cluster.state_db)
+    try:
+        return store.recent_steps(limit=1_000_000), store.plan_history()
+    finally:
+        store.close()
+
+
+def _exited(cluster: LocalCluster) -> list[str]:
+    return [f"{n} (code {p.returncode})" for n, p in cluster.procs.items() if p.poll() is not None]
+
+
+@pytest.mark.timeout(300)
+def test_a_coordinator_outage_across_a_checkpoint_step_kills_no_node(tmp_path: Path) -> None:
+    """SIGKILL the coordinator just before a checkpoint step and restart it on its state dir 4 s later: every
+    node lives on, trains through the outage, delivers its queued reports, and the job finishes."""
+    args = ["--island-threshold", "0.001"]
+    steps, interval = 300, 100
+    cluster = LocalCluster(job_path=_job(tmp_path, "outage", steps=steps, interval=interval), out=tmp_path / "outage")
+    try:
+        _start(cluster, args)
+        before = _wait(cluster, lambda s: s.plan.epoch >= 1 and s.step < steps - 2 * interval
+                       and s.step % interval >= interval // 2, 150, "a step just before a checkpoint")
+        cluster.kill_coordinator()
+        killed = time.time()
+        time.sleep(4.0)
+        nodes_exited_in_outage = _exited(cluster)
+        cluster.restart_coordinator(extra=args)
+        restarted = time.time()
+        final = _wait(cluster, lambda s: len(cluster.losses()) >= steps, 200, "the job to finish")
+        assert _exited(cluster) == [] and nodes_exited_in_outage == []
+        reports, plans = _steps(cluster)
+        during = [s.step for s in reports if killed < s.unix_time < restarted]
+        assert final.last_checkpoint_step >= interval
+        print(f"\ncoordinator killed at step {before.step}, down {restarted - killed:.1f}s; node processes exited: 0; "
+              f"steps trained during the outage: {min(during, default=-1)}..{max(during, default=-1)}; "
+              f"plans: {[(p.plan.epoch, p.plan.resume_step, p.reason[:60]) for p in plans]}")
+        assert during, "training between neighbours went on while the coordinator was away"
+        assert sorted(cluster.losses()) == list(range(steps))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> None:
+    """SIGSTOP a node for longer than its neighbours' wait bound but shorter than its lease: their steps fail
+    while every node is alive; they report it, the coordinator makes a new epoch, and the job finishes.
+
+    The first epoch waits the default two minutes on a neighbour (no step measured yet), so the test first
+    restarts the coordinator: the epoch it makes bounds each wait by the measured step time (10 s here).
+    """
+    lease = 30.0
+    args = ["--island-threshold", "0.001", "--lease", str(lease)]
+    steps = 400
+    cluster = LocalCluster(job_path=_job(tmp_path, "stall", steps=steps, interval=50), out=tmp_path / "stall")
+    victim = ""
+    try:
+        _start(cluster, args)
+        _wait(cluster, lambda s: s.plan.epoch >= 1 and s.step >= 3, 150, "the first steps")
+        cluster.kill_coordinator()
+        cluster.restart_coordinator(extra=args)
+        second = _wait(cluster, lambda s: s.plan.epoch >= 2 and s.measured_steps > 0
+                       and any(x.plan_epoch == s.plan.epoch for x in s.recent_steps), 120, "a second epoch training")
+        bound = max(10.0, 10 * second.measured_step_seconds)
+        pause = bound + 5.0
+        assert pause < lease - lease / 4, f"steps too slow for this test ({second.measured_step_seconds:.2f}s)"
+        stages = second.plan.pipelines[0].stages
+        victim = cluster.node_name(stages[len(stages) - 1].node_ids[0])
+        cluster.pause(victim)
+        paused = time.time()
+        time.sleep(pause)
+        cluster.resume(victim)
+        resumed = time.time()
+        victim = ""
+        final = _wait(cluster, lambda s: len(cluster.losses()) >= steps, 200, "the job to finish")
+        assert _exited(cluster) == []
+        reports, plans = _steps(cluster)
+        failed = [p for p in plans if "failed on node" in p.reason]
+        assert failed, [p.reason for p in plans]
+        replan = failed[0]
+        assert replan.plan.epoch > second.plan.epoch
+        members = {n for i in replan.plan.islands for n in i.nodes}
+        assert members == set(second.plan.node_addresses)  # the same alive members
+        first_new = min(s.unix_time for s in reports if s.plan_epoch == replan.plan.epoch)
+        print(f"\nstalled node paused {pause:.1f}s (wait bound {bound:.1f}s, lease {lease:g}s); replan: "
+              f"{replan.reason[:160]!r}; from the failure (pause + bound) to the next trained step: "
+              f"{first_new - (paused + bound):.1f}s; from the node's resumption: {first_new - resumed:.1f}s; "
+              f"plan published {replan.created_unix - resumed:.1f}s after the resumption; final epoch "
+              f"{final.plan.epoch}")
+        assert sorted(cluster.losses()) == list(range(steps))
+    finally:
+        if victim:
+            cluster.resume(victim)
+        cluster.stop()
