@@ -57,6 +57,11 @@ class OuterSyncError(RuntimeError):
     """An outer exchange could not complete; the message says which round, which peer and why."""
 
 
+class ParticipantGone(OuterSyncError):
+    """A participant of a decided round is in no plan any more (its group was replanned, e.g. after one of its
+    nodes died) and its payloads cannot be fetched: it is left out of this node's average of the round."""
+
+
 def layer_of(name: str) -> int:
     """The model layer a parameter belongs to: names look like "layers.<i>.<...>"."""
     parts = name.split(".")
@@ -87,6 +92,15 @@ def responsible(name: str, holders: Mapping[int, Sequence[str]]) -> str:
     """The node of a group that exchanges parameter `name` (a stable spread over its layer's holders)."""
     nodes = holders[layer_of(name)]
     return nodes[zlib.crc32(name.encode("utf-8")) % len(nodes)]
+
+
+def _group_in(plan: Plan, part: Participant) -> int | None:
+    """The index in `plan` of participant `part`'s replica group (the same since-epoch and nodes), or None."""
+    for g, grp in enumerate(plan.groups):
+        nodes = {n for p in grp.pipelines for st in plan.pipelines[p].stages for n in st.nodes}
+        if (grp.since_epoch or plan.epoch) == part.since_epoch and nodes == set(part.nodes):
+            return g
+    return None
 
 
 # --- the serving side -----------------------------------------------------------------------------------
@@ -265,8 +279,11 @@ class OuterSync:
 
     def __init__(self, config: OuterConfig, plan: Plan, params: Mapping[str, torch.nn.Parameter], *,
                  outbox: OuterOutbox, arrive: Arrive, segment_groups: Sequence[tuple[list[str], dist.ProcessGroup]] = (),
-                 timeout: timedelta = timedelta(seconds=120)):
+                 timeout: timedelta = timedelta(seconds=120), plan_source: Callable[[], Plan] | None = None):
         self.cfg, self.plan = config, plan
+        self.plan_source = plan_source
+        """The newest plan this node has adopted (read from the exchange thread): a round may be decided under a
+        plan newer than `self.plan`, whose groups are then found there."""
         self.params = dict(params)
         self.outbox, self.arrive = outbox, arrive
         self.segment_groups = list(segment_groups)
@@ -374,13 +391,20 @@ class OuterSync:
         stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
         contributions: list[tuple[float, dict[str, torch.Tensor]]] = []
         futures = []
+        plan = self.plan  # one snapshot: the runner may swap in a newer plan meanwhile
+        own_since = plan.groups[group_index(plan, self.cfg.node_id)].since_epoch or plan.epoch
         for part in decision.participants:
-            if part.group == self.cfg.group:
+            # this node's group by identity, not index: the round may have been decided under another plan
+            if self.cfg.node_id in part.nodes and part.since_epoch == own_since:
                 contributions.append((float(part.tokens), own))
                 continue
             futures.append((part, self._fetch_pool.submit(self._fetch_group, part, round_)))
         for part, fut in futures:
-            tensors, nbytes = fut.result(timeout=self.cfg.deadline.total_seconds() + self.timeout.total_seconds())
+            try:
+                tensors, nbytes = fut.result(timeout=self.cfg.deadline.total_seconds() + self.timeout.total_seconds())
+            except ParticipantGone as e:
+                log.warning("outer round %d: %s; left out of this node's average", round_, e)
+                continue
             stats.wire_bytes += nbytes
             contributions.append((float(part.tokens), tensors))
         stats.wire_bytes += sum(memoryview(e.payload).nbytes for e in encoded.values()) * (len(futures))
@@ -414,10 +438,36 @@ class OuterSync:
             time.sleep(wait)
             wait = min(wait * 2, 0.5)
 
+    def _participant_plan(self, part: Participant, round_: int) -> tuple[dict[int, list[str]], Mapping[str, str]]:
+        """The layer holders and peer addresses of participant `part`, from the plan that has its group (the
+        same since-epoch and nodes). The coordinator decides with its newest plan; when a group was replanned
+        meanwhile, this node's run plan names the old group (its group index may even name another), so the
+        newest adopted plan is looked at, waiting a little for a plan this node has not adopted yet."""
+        deadline = time.monotonic() + self.cfg.deadline.total_seconds()
+        while True:
+            plans = [self.plan_source(), self.plan] if self.plan_source is not None else [self.plan]
+            for plan in plans:
+                g = _group_in(plan, part)
+                if g is not None:
+                    return group_holders(plan, g), plan.node_addresses
+            self._check_gone(part, round_)
+            if time.monotonic() > deadline:
+                raise OuterSyncError(f"outer round {round_}: no plan of this node has group {part.group} "
+                                     f"(since epoch {part.since_epoch}, nodes {', '.join(part.nodes)})")
+            time.sleep(0.1)
+
+    def _check_gone(self, part: Participant, round_: int) -> None:
+        """Raise ParticipantGone when the newest adopted plan is at least as new as `part`'s group, yet has it no
+        more: the group was replanned away and will serve nothing again."""
+        if self.plan_source is None:
+            return
+        newest = self.plan_source()
+        if newest.epoch >= part.since_epoch and _group_in(newest, part) is None:
+            raise ParticipantGone(f"group {part.group} (since epoch {part.since_epoch}, nodes "
+                                  f"{', '.join(part.nodes)}) is not in plan epoch {newest.epoch}")
+
     def _fetch_group(self, part: Participant, round_: int) -> tuple[dict[str, torch.Tensor], int]:
-        holders = self.holders.get(part.group)
-        if holders is None:
-            raise OuterSyncError(f"outer round {round_}: group {part.group} is not in this node's plan")
+        holders, addresses = self._participant_plan(part, round_)
         by_node: dict[str, list[str]] = {}
         for n in self.mine:
             by_node.setdefault(responsible(n, holders), []).append(n)
@@ -426,13 +476,14 @@ class OuterSync:
         for node, names in by_node.items():
             tensors, got = self._fetch(node, pb.OuterFetchRequest(
                 job_id=self.cfg.job_id, plan_epoch=part.since_epoch, round=round_, kind="delta", names=names,
-                sender=self.cfg.node_id))
+                sender=self.cfg.node_id), addresses, part)
             out.update(tensors)
             nbytes += got
         return out, nbytes
 
-    def _fetch(self, node: str, request: pb.OuterFetchRequest) -> tuple[dict[str, torch.Tensor], int]:
-        address = self.plan.node_addresses.get(node)
+    def _fetch(self, node: str, request: pb.OuterFetchRequest, addresses: Mapping[str, str] | None = None,
+               part: Participant | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        address = (self.plan.node_addresses if addresses is None else addresses).get(node)
         if address is None:
             raise OuterSyncError(f"the plan has no address for node {node}")
         deadline = time.monotonic() + self.cfg.deadline.total_seconds() + self.timeout.total_seconds()
@@ -447,6 +498,8 @@ class OuterSync:
                         or time.monotonic() + wait > deadline:
                     raise OuterSyncError(f"fetching outer {request.kind} of round {request.round} from {node} "
                                          f"({address}) failed: {e.code().name}: {e.details()}") from None
+                if part is not None:  # a participant whose group was replanned away (a node died) serves no more
+                    self._check_gone(part, request.round)
                 time.sleep(wait)
                 wait = min(2 * wait, 2.0)
 

@@ -380,7 +380,7 @@ class PlanRunner:
                           latency_to=lambda peer: ctx.wan_latency(self.current_plan(), peer))
         segment_groups = []
         if store is not None:
-            base = f"atoll/{plan.job_id}/epoch-{self.run_epoch}"
+            base = self._group_prefix()
             for seg in pl.segments:
                 g = _group(store, f"{base}/outer-segment-{seg.start}-{seg.end}/", seg.holders.index(ctx.node_id),
                            len(seg.holders), ctx.timeout, ctx.device)
@@ -390,7 +390,8 @@ class PlanRunner:
         ctx.peer_server.attach_outbox(outbox)
         arrive = _arrive_via(ctx.outer_sync, self.current_plan, ctx.node_id)
         self.outer = outer = OuterSync(cfg, plan, dict(module.named_parameters()), outbox=outbox, arrive=arrive,
-                                       segment_groups=segment_groups, timeout=ctx.timeout)
+                                       segment_groups=segment_groups, timeout=ctx.timeout,
+                                       plan_source=self.current_plan)
         older = self._older_groups()
         if older:
             epochs = {g: plan.groups[g].since_epoch for g in older}
@@ -410,11 +411,20 @@ class PlanRunner:
         host, port = self.plan.rendezvous.rsplit(":", 1)
         return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False, timeout=self.ctx.timeout)
 
+    def _group_prefix(self) -> str:
+        """Where this run's process groups meet in the rendezvous store. In outer mode the replica groups of
+        one epoch each have their own loss and segment groups (same names, different members), so the
+        group's index in the plan keeps them apart."""
+        base = f"atoll/{self.plan.job_id}/epoch-{self.run_epoch}"
+        if self.plan.mode == "outer" and self.placement is not None:
+            base += f"/group-{self.placement.group}"
+        return base
+
     def _groups(self, store: dist.Store | None, module: torch.nn.Module
                 ) -> tuple[NormExchange | None, _SegmentAverager | None, dist.ProcessGroup | None]:
         pl, ctx = self.placement, self.ctx
         assert pl is not None
-        base = f"atoll/{self.plan.job_id}/epoch-{self.run_epoch}"
+        base = self._group_prefix()
         norm = None
         if store is not None and pl.num_stages > 1:
             g = _group(store, f"{base}/chain-{pl.pipeline}-{pl.replica}/", pl.stage, pl.num_stages, ctx.timeout,
