@@ -149,6 +149,40 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
     return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}")
 
 
+def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.OuterSyncReply:
+    """A node's arrival at (or question about) an outer round; the reply says whether it is decided."""
+    from atoll.coordinator.outer import GroupInfo
+
+    _check_job(req.job_id, state)
+    _known(req.node_id, state)
+    plan = state.current_plan()
+    if plan is None or plan.mode != "outer" or plan.outer is None:
+        raise FailedPrecondition("the current plan has no replica groups; wait for the next plan")
+    if req.plan_epoch > plan.epoch:
+        raise FailedPrecondition(f"outer sync for plan epoch {req.plan_epoch}, but the newest is {plan.epoch}")
+    if req.group >= len(plan.groups):
+        raise InvalidArgument(f"group {req.group} does not exist; the plan has {len(plan.groups)}")
+    groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
+                        nodes=frozenset(n for p in g.pipelines for st in plan.pipelines[p].stages for n in st.nodes))
+              for i, g in enumerate(plan.groups)]
+    if req.node_id not in groups[req.group].nodes:
+        raise FailedPrecondition(f"node {req.node_id} is not in group {req.group} ({plan.groups[req.group].name}) "
+                                 f"of plan epoch {plan.epoch}; wait for the next plan")
+    if req.round > 1 << 40 or req.tokens > 1 << 62 or req.inner_step > 1 << 40:
+        raise InvalidArgument("round, tokens or inner_step out of range")
+    for name in ("sync_seconds", "late_seconds"):
+        v.check_seconds(name, getattr(req, name))
+    deadline = plan.outer.deadline_s or 60.0
+    stats = {"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
+    d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
+                           group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
+                           deadline_s=deadline, stats=stats if req.arrived else None)
+    return pb.OuterSyncReply(
+        decided=d.decided, wait_seconds=d.wait_seconds, latest_round=max(state.outer.latest_decided, 0),
+        participants=[pb.OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
+                                          node_ids=list(x.nodes)) for x in d.participants])
+
+
 def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack:
     """A node's run of a plan failed while the node lives: recorded, and the coordinator's loop replans.
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.linkmatrix import LinkEstimate
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
-from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, StagePlan
+from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
 from atoll.types import LinkMeasurement
 
 log = logging.getLogger("atoll.coordinator.planning")
@@ -39,12 +40,95 @@ class PlanInputs:
     """The last complete checkpoint step."""
     rendezvous: str = ""
     """HOST:PORT of the coordinator's torch.distributed store ("" host: the host nodes dial the coordinator at)."""
+    previous: Plan | None = None
+    """The plan being replaced (from this coordinator process): an outer-mode plan's replica groups that are
+    intact are kept as they run, so a change in one region does not stop the others."""
+    failed: frozenset[str] = frozenset()
+    """Nodes that reported their run of the previous plan failed: their groups are replanned."""
 
 
 def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
     """The plan for `inputs` and a line saying how it was made. Raises ValueError when no node is alive."""
     if not inputs.members or not inputs.islands:
         raise ValueError("cannot plan without alive members")
+    kept = kept_groups(inputs)
+    if kept:
+        return _plan_around(inputs, kept)
+    return _make_plan(inputs)
+
+
+def kept_groups(inputs: PlanInputs) -> list[int]:
+    """Replica groups of the previous outer-mode plan that run on unchanged: every node alive at the same
+    peer address, none reported a failure, and no other alive node in their region (a node joining a region
+    replans that region's group)."""
+    prev = inputs.previous
+    if prev is None or prev.mode != "outer" or inputs.job.outer.mode == "sync":
+        return []
+    region = {n: m.profile.region for n, m in inputs.members.items()}
+    kept = []
+    for g, group in enumerate(prev.groups):
+        nodes = {n for p in group.pipelines for st in prev.pipelines[p].stages for n in st.nodes}
+        if not nodes or any(n not in inputs.members or inputs.members[n].peer_address != prev.node_addresses.get(n)
+                            or n in inputs.failed for n in nodes):
+            continue
+        regions = {region[n] for n in nodes}
+        others = {n for n in inputs.members if n not in nodes and region[n] in regions}
+        if not others:
+            kept.append(g)
+    return kept
+
+
+def _plan_around(inputs: PlanInputs, kept: list[int]) -> tuple[Plan, str]:
+    """Keep the `kept` groups of the previous plan as they run; plan the other alive nodes as new groups."""
+    prev = inputs.previous
+    assert prev is not None and prev.outer is not None
+    plan = Plan(model=prev.model, global_batch=prev.global_batch, seq_len=prev.seq_len, mode="outer",
+                outer=replace(prev.outer), predicted=replace(prev.predicted))
+    kept_nodes: set[str] = set()
+    island_ids: set[str] = set()
+    # island ids are not stable across re-forming (a departure renumbers them): a kept stage names the island
+    # that holds its nodes now, so the plan's islands list every node it runs
+    island_of = {n: i.id for i in inputs.islands for n in i.nodes}
+    for g in kept:
+        group = prev.groups[g]
+        first = len(plan.pipelines)
+        for p in group.pipelines:
+            plan.pipelines.append(copy.deepcopy(prev.pipelines[p]))
+            for st in plan.pipelines[-1].stages:
+                kept_nodes.update(st.nodes)
+                st.island = island_of.get(st.nodes[0], st.island) if st.nodes else st.island
+                island_ids.add(st.island)
+        plan.groups.append(replace(group, pipelines=list(range(first, len(plan.pipelines))),
+                                   since_epoch=group.since_epoch or prev.epoch))
+    rest = {n: m for n, m in inputs.members.items() if n not in kept_nodes}
+    how = f"kept {len(kept)} replica group(s) running ({', '.join(prev.groups[g].name for g in kept)})"
+    if rest:
+        islands = [replace(i, nodes=[n for n in i.nodes if n in rest]) for i in inputs.islands]
+        islands = [i for i in islands if i.nodes]
+        sub_inputs = replace(inputs, members=rest, islands=islands, previous=None)
+        sub, sub_how = _make_plan(sub_inputs)
+        sub_groups = sub.groups if sub.mode == "outer" else [ReplicaGroup(
+            name=",".join(sorted({i.group or i.id for i in sub.islands})) or "group",
+            pipelines=list(range(len(sub.pipelines))), step_time_s=sub.predicted.step_time_s,
+            tokens_per_s=sub.predicted.tokens_per_s)]
+        kept_step = max((prev.groups[g].step_time_s for g in kept), default=0.0)
+        offset = len(plan.pipelines)
+        plan.pipelines.extend(sub.pipelines)
+        for grp in sub_groups:
+            h = plan.outer.inner_steps
+            if kept_step > 0 and grp.step_time_s > 0:  # rounds of about the same wall time everywhere
+                h = max(1, round(h * kept_step / grp.step_time_s)) if grp.step_time_s > kept_step else h
+            plan.groups.append(replace(grp, pipelines=[p + offset for p in grp.pipelines], since_epoch=inputs.epoch,
+                                       inner_steps=h if sub.mode != "outer" else grp.inner_steps))
+        how += f"; planned the rest: {sub_how}"
+    plan.islands = [i for i in inputs.islands if i.id in island_ids or any(n in rest for n in i.nodes)]
+    plan.predicted.tokens_per_s = sum(g.tokens_per_s for g in plan.groups)
+    plan = finish_plan(plan, inputs)
+    plan.validate(inputs.job.model_spec.num_layers)
+    return plan, how
+
+
+def _make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
     try:
         plan, how = planner_plan(inputs), "planner"
         plan = finish_plan(plan, inputs)
@@ -115,6 +199,8 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
     """Fill in epoch, job id, resume step, stage node ids, peer addresses and the rendezvous store."""
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
     plan.rendezvous = inputs.rendezvous
+    for g in plan.groups:
+        g.since_epoch = g.since_epoch or inputs.epoch
     islands = {i.id: i for i in inputs.islands}
     for p_index, pipeline in enumerate(plan.pipelines):
         for s_index, stage in enumerate(pipeline.stages):

@@ -90,6 +90,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.Ack:
         return self._unary("Leave", handlers.handle_leave, request, context)
 
+    def OuterSync(self, request: pb.OuterSyncRequest, context: grpc.ServicerContext) -> pb.OuterSyncReply:
+        return self._unary("OuterSync", handlers.handle_outer_sync, request, context)
+
     def GetStatus(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self._unary("GetStatus", handlers.handle_status, request, context)
 

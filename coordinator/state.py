@@ -19,6 +19,7 @@ from atoll.coordinator.islands import IslandOptions, device_class, form_islands
 from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fresh_pairs, needs_probes, probe_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
+from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, make_plan
 from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
@@ -84,6 +85,8 @@ class CoordinatorState:
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
+        self.outer = OuterRounds()
+        """Outer-sync rounds of the replica groups (outer-mode plans)."""
         self._plan_listeners: list[Callable[[], None]] = []
 
     # --- plan ---------------------------------------------------------------------------------------
@@ -293,9 +296,13 @@ class CoordinatorState:
         links = self.store.list_links()
         matrix = complete_matrix(sorted(alive), links)
         done = self.complete_checkpoint_steps()
+        previous = self.current_plan()
+        failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links,
                             epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0,
-                            rendezvous=self.rendezvous)
+                            rendezvous=self.rendezvous,
+                            previous=previous if previous is not None and not self._stale(previous) else None,
+                            failed=frozenset(failed))
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)

@@ -134,6 +134,17 @@ class PlanRun:
     superseded: threading.Event
     """Set when a newer plan arrives (or the agent stops): the callback should wind down and return."""
     agent: NodeAgent
+    latest: Plan | None = None
+    """The newest plan adopted without a restart (outer mode: a replan that keeps this node's replica
+    group as it runs); None: `plan`."""
+
+    @property
+    def current(self) -> Plan:
+        return self.latest or self.plan
+
+    def outer_sync(self, request: pb.OuterSyncRequest) -> pb.OuterSyncReply:
+        """One OuterSync call (the outer-sync thread retries on UNAVAILABLE)."""
+        return self.agent.call("OuterSync", request)
 
     def report_step(self, metrics: StepMetrics) -> pb.StepAck:
         """Send step metrics now (the caller runs it off the step's path); see `NodeAgent.report_step`."""
@@ -144,14 +155,15 @@ class PlanRun:
     def report_checkpoint(self, report: pb.CheckpointReport, on_delivered: Callable[[], None] | None = None) -> None:
         """Queue a checkpoint report; the agent delivers it, retrying until the coordinator takes it, the
         plan is superseded or the coordinator refuses it for good. `on_delivered` runs once it is taken."""
-        self.agent.send_later("ReportCheckpoint", report, epoch=self.plan.epoch,
+        self.agent.send_later("ReportCheckpoint", report, epoch=self.current.epoch,
                               what=f"checkpoint of step {report.step}", on_delivered=on_delivered)
 
     def report_failure(self, *, step: int, reason: str) -> None:
         """Queue a report that this node's run of the plan failed at `step`, so the coordinator replans."""
         self.agent.send_later("ReportFailure", pb.RunFailure(
-            job_id=self.plan.job_id, node_id=self.node_id, plan_epoch=self.plan.epoch, step=step,
-            reason=reason[:MAX_FAILURE_REASON]), epoch=self.plan.epoch, what=f"failure of plan epoch {self.plan.epoch}")
+            job_id=self.plan.job_id, node_id=self.node_id, plan_epoch=self.current.epoch, step=step,
+            reason=reason[:MAX_FAILURE_REASON]), epoch=self.current.epoch,
+            what=f"failure of plan epoch {self.current.epoch}")
 
     def wait_timeout(self, default: timedelta) -> timedelta:
         """The bound of each wait in this plan: `step_wait_timeout` of the step times this node measured."""
@@ -597,21 +609,40 @@ class NodeAgent:
                 continue
             assert self.job is not None and self.peer is not None
             superseded = threading.Event()
-            watcher = threading.Thread(target=self._supersede_when_newer, args=(done, superseded),
+            run = PlanRun(plan=plan, job=self.job, node_id=self.node_id, peer=self.peer, superseded=superseded,
+                          agent=self)
+            adopted = [done]
+            watcher = threading.Thread(target=self._supersede_when_newer, args=(adopted, superseded, run),
                                        daemon=True, name="atoll-node-supersede")
             watcher.start()
             try:
-                on_plan(PlanRun(plan=plan, job=self.job, node_id=self.node_id, peer=self.peer,
-                                superseded=superseded, agent=self))
+                on_plan(run)
             finally:
                 superseded.set()
                 watcher.join(timeout=5)
+                done = max(done, adopted[0])
         if self.error is not None:
             raise self.error
 
-    def _supersede_when_newer(self, serial: int, superseded: threading.Event) -> None:
+    def _supersede_when_newer(self, adopted: list[int], superseded: threading.Event, run: PlanRun) -> None:
+        """Set `superseded` once a newer plan arrives, unless the run can adopt it as it goes (outer mode:
+        this node's replica group is kept as it runs); `adopted[0]` is the serial of the newest adopted."""
+        from atoll.node.placement import group_continues
+
         while not superseded.is_set():
-            if self.wait_for_plan(serial, timeout=0.5) is not None or self._stop.is_set():
+            if self._stop.is_set():
+                superseded.set()
+                return
+            newer = self.wait_for_plan(adopted[0], timeout=0.5)
+            if newer is None:
+                continue
+            serial, plan = newer
+            if group_continues(run.current, plan, self.node_id):
+                log.info("plan epoch %d keeps this node's replica group as it runs; training goes on", plan.epoch)
+                run.latest = plan
+                adopted[0] = serial
+                self.set_progress(plan.epoch, self.step)
+            else:
                 superseded.set()
 
     def stop(self, leave: bool = True) -> None:
@@ -673,9 +704,13 @@ def run_node_cli(args: argparse.Namespace) -> int:
 
         from atoll.node.runner import follow_plan
 
+        from atoll.node.wan import wan_delay
+
         finished = follow_plan(run, checkpoint_dir=checkpoint_dir, device=torch.device(args.device),
                                coordinator_host=args.coordinator.rsplit(":", 1)[0], token=token,
-                               rpc=config.peer_rpc)
+                               rpc=config.peer_rpc,
+                               wan_latency=lambda plan, peer: wan_delay(plan, agent.node_id, peer, config.region,
+                                                                        config.wan_latency))
         if finished and args.exit_when_done:
             threading.Thread(target=agent.stop, daemon=True).start()
 

@@ -460,7 +460,7 @@ class PlanRunner:
                 return None
             if node not in addr:
                 raise RunFailed(f"the plan has no peer address for node {node}")
-            return PeerRef(node_id=node, address=addr[node])
+            return PeerRef(node_id=node, address=addr[node], added_latency=self.ctx.wan_latency(self.plan, node))
 
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         send = stage_plan.send

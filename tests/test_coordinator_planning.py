@@ -83,3 +83,59 @@ def test_make_plan_falls_back_and_says_why() -> None:
     plan.validate(6)
     with pytest.raises(ValueError, match="without alive members"):
         make_plan(PlanInputs(job=_inputs({"x": ["a"]}).job, members={}, islands=[], matrix={}, epoch=1))
+
+
+def _outer_previous(inputs: PlanInputs):
+    from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup, StagePlan
+
+    def pipe(nodes):
+        return PipelinePlan(micro_batch=4, num_micro_batches=4,
+                            stages=[StagePlan(island="i", layers=(0, 3), nodes=[nodes[0]]),
+                                    StagePlan(island="i", layers=(3, 6), nodes=[nodes[1]])])
+    prev = Plan(model="tiny", global_batch=16, seq_len=64, epoch=3, job_id=inputs.job.id, mode="outer",
+                rendezvous=inputs.rendezvous, pipelines=[pipe(["a1", "a2"]), pipe(["b1", "b2"])],
+                groups=[ReplicaGroup(name="lab-a", pipelines=[0], inner_steps=5, since_epoch=1, step_time_s=0.1,
+                                     tokens_per_s=100.0),
+                        ReplicaGroup(name="lab-b", pipelines=[1], inner_steps=5, since_epoch=2, step_time_s=0.1,
+                                     tokens_per_s=100.0)],
+                outer=OuterPlan(inner_steps=5, codec="int8"),
+                node_addresses={n: m.peer_address for n, m in inputs.members.items()})
+    return prev
+
+
+def _regions(inputs: PlanInputs, regions: dict[str, str]) -> None:
+    for n, m in inputs.members.items():
+        m.profile.region = regions[n]
+
+
+def test_a_replan_keeps_intact_replica_groups_running() -> None:
+    """A node of lab-b dies: lab-a's group is kept as it runs (same since-epoch, nodes, cuts), lab-b's
+    survivor is planned afresh as a new group of the new epoch."""
+    from dataclasses import replace
+
+    from atoll.coordinator.planning import kept_groups
+
+    full = _inputs({"x": ["a1", "a2", "b1", "b2"]})
+    _regions(full, {"a1": "lab-a", "a2": "lab-a", "b1": "lab-b", "b2": "lab-b"})
+    prev = _outer_previous(full)
+    members = {n: m for n, m in full.members.items() if n != "b2"}
+    islands = [replace(i, nodes=[n for n in i.nodes if n != "b2"]) for i in full.islands]
+    inputs = replace(full, members=members, islands=islands, previous=prev)
+    assert kept_groups(inputs) == [0]
+    plan, how = make_plan(inputs)
+    plan.validate(6)
+    assert plan.mode == "outer" and "kept 1 replica group" in how
+    assert plan.groups[0].since_epoch == 1 and plan.groups[0].name == "lab-a"
+    assert [s.nodes for s in plan.pipelines[0].stages] == [["a1"], ["a2"]]
+    assert plan.groups[1].since_epoch == inputs.epoch
+    assert {n for p in plan.groups[1].pipelines for s in plan.pipelines[p].stages for n in s.nodes} == {"b1"}
+    # a failure reported by a node, or a node back at another address, replans its group too
+    assert kept_groups(replace(inputs, failed=frozenset({"a2"}))) == []
+    moved = dict(members)
+    moved["a1"] = replace(members["a1"], peer_address="10.9.9.9:1")
+    assert kept_groups(replace(inputs, members=moved)) == []
+    # with every node alive both groups are kept; a node joining lab-a replans lab-a's group
+    assert kept_groups(replace(full, previous=prev)) == [0, 1]
+    joined = dict(full.members)
+    joined["a3"] = replace(full.members["a1"], node_id="a3", peer_address="10.0.7.1:5000")
+    assert kept_groups(replace(full, members=joined, previous=prev)) == [1]
