@@ -176,7 +176,7 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     stats = {"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
     d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
                            group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
-                           deadline_s=deadline, stats=stats if req.arrived else None)
+                           deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch)
     return pb.OuterSyncReply(
         decided=d.decided, wait_seconds=d.wait_seconds, latest_round=max(state.outer.latest_decided, 0),
         participants=[pb.OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,

@@ -1,7 +1,9 @@
 """Outer-sync rounds of replica groups: who arrived, and when a round is decided.
 
 A node *arrives* at round r once its pseudo-gradients of r are ready to fetch. A group has arrived when all
-its nodes have. `round_decision` is a pure function of (now, the round's arrivals, the plan's groups,
+its nodes have. A round waits only for the groups that existed when it began (the plan epoch of its first
+arrival): a group formed later (a region replanned after a node died) is not waited for, so its start-up
+never stalls the others; it may still take part if it arrives before the decision. `round_decision` is a pure function of (now, the round's arrivals, the plan's groups,
 the deadline): the round is decided once every group has arrived, or `deadline` after the first group
 did; its participants are the groups that arrived by then. A decision never changes: every node applies
 the same average, and a group left out (late, crashed, cut off) still fetches the participants' payloads.
@@ -31,6 +33,8 @@ class RoundArrivals:
 
     nodes: dict[str, tuple[int, int]] = field(default_factory=dict)
     completed: dict[int, float] = field(default_factory=dict)
+    epoch: int = 0
+    """The plan epoch when the round's first node arrived: groups formed after it are not waited for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +57,8 @@ def complete_groups(arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> dic
     """Group index -> tokens it trained, for the groups all of whose nodes arrived."""
     out = {}
     for g in groups:
-        got = [arrivals.nodes[n] for n in g.nodes if n in arrivals.nodes and arrivals.nodes[n][0] == g.index]
+        # by node identity: a node's group index may come from an older plan than the coordinator's newest
+        got = [arrivals.nodes[n] for n in g.nodes if n in arrivals.nodes]
         if g.nodes and len(got) == len(g.nodes):
             out[g.index] = max(t for _, t in got)  # every node of a group reports the group's tokens
     return out
@@ -66,9 +71,10 @@ def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupIn
         return Decision(decided=False, wait_seconds=deadline_s, reason="no group has arrived yet")
     by_index = {g.index: g for g in groups}
     first = min(arrivals.completed.get(i, now) for i in done)
-    everyone = len(done) == len(groups)
+    expected = [g for g in groups if not arrivals.epoch or g.since_epoch <= arrivals.epoch]
+    everyone = all(g.index in done for g in expected)
     if not everyone and now < first + deadline_s:
-        missing = sorted(g.name for g in groups if g.index not in done)
+        missing = sorted(g.name for g in expected if g.index not in done)
         return Decision(decided=False, wait_seconds=first + deadline_s - now,
                         reason=f"waiting for {', '.join(missing)} until the deadline")
     parts = tuple(Participant(group=i, tokens=t, since_epoch=by_index[i].since_epoch,
@@ -105,19 +111,19 @@ class OuterRounds:
         self.latest_decided = -1
 
     def arrive(self, now: float, *, round_: int, node: str, group: int, tokens: int, inner_step: int,
-               groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None) -> Decision:
+               groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
+               epoch: int = 0) -> Decision:
         with self._lock:
             if round_ in self._decided:
                 return self._decided[round_]
             if round_ <= self.latest_decided - KEEP_DECIDED:
                 return Decision(decided=False, reason=f"round {round_} is too old; take the outer state afresh")
-            arrivals = self._arrivals.setdefault(round_, RoundArrivals())
+            arrivals = self._arrivals.setdefault(round_, RoundArrivals(epoch=epoch))
             if node:
                 first_time = node not in arrivals.nodes
                 arrivals.nodes[node] = (group, tokens)
                 for g in groups:
-                    if g.index == group and g.index not in arrivals.completed and g.index in complete_groups(
-                            arrivals, [g]):
+                    if g.index not in arrivals.completed and node in g.nodes and complete_groups(arrivals, [g]):
                         arrivals.completed[g.index] = now
                 if first_time:
                     p = self.progress.setdefault(group, GroupProgress())

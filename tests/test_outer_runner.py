@@ -169,3 +169,25 @@ def test_groups_cut_differently_sync_compressed_and_overlapped(tmp_path: Path) -
         assert torch.allclose(params["a"][n], other[n], atol=1e-5), n
     assert losses[(0, steps - 1)] < losses[(0, 0)] and losses[(1, steps - 1)] < losses[(1, 0)]
     assert rounds.latest_decided == steps // 2 - 1
+
+
+def test_round_decision_waits_for_every_group_then_the_deadline() -> None:
+    from atoll.coordinator.outer import GroupInfo, RoundArrivals, round_decision
+
+    groups = [GroupInfo(index=0, name="lab-a", nodes=frozenset({"a1", "a2"}), since_epoch=1),
+              GroupInfo(index=1, name="lab-b", nodes=frozenset({"b1"}), since_epoch=1),
+              GroupInfo(index=2, name="lab-c", nodes=frozenset({"c1"}), since_epoch=5)]
+    arr = RoundArrivals(epoch=4)
+    assert not round_decision(0.0, arr, groups, 10.0).decided
+    arr.nodes["a1"] = (0, 100)
+    assert not round_decision(0.0, arr, groups, 10.0).decided  # a group arrives when all its nodes have
+    arr.nodes["a2"] = (0, 100)
+    arr.completed[0] = 1.0
+    d = round_decision(2.0, arr, groups, 10.0)
+    assert not d.decided and "lab-b" in d.reason and "lab-c" not in d.reason  # lab-c formed after the round began
+    arr.nodes["b1"] = (7, 60)  # an index from an older plan: the node counts by identity
+    d = round_decision(3.0, arr, groups, 10.0)
+    assert d.decided and [(p.group, p.tokens) for p in d.participants] == [(0, 100), (1, 60)]
+    late = RoundArrivals(epoch=4, nodes={"a1": (0, 1), "a2": (0, 1)}, completed={0: 1.0})
+    d = round_decision(11.5, late, groups, 10.0)
+    assert d.decided and [p.group for p in d.participants] == [0] and "lab-b" in d.reason
