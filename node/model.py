@@ -72,7 +72,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h = self.norm1(x)
-        q, k, v = self.qkv(h).split([d, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
+        # q width from the head count: d, or its tp shard's heads (atoll.node.tp lowers n_heads/kv_heads)
+        qd = self.n_heads * self.head_dim
+        q, k, v = self.qkv(h).split([qd, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
         q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -83,7 +85,7 @@ class Block(nn.Module):
             rep = self.n_heads // self.kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, qd))
         h = self.norm2(x)
         if self.gpt:
             h = F.gelu(self.fc(h))
