@@ -8,7 +8,7 @@ and what `atoll plan --json` writes. Its JSON shape:
      "islands": [{"id": str, "group": str, "device": str, "nodes": [str], "gpus": int}],
      "pipelines": [{"micro_batch": int, "num_micro_batches": int,
        "stages": [{"island": str, "layers": [first, last_exclusive], "dp": int, "tp": int, "zero": int,
-                   "recompute": bool, "compute_s": float, "memory_gb_per_device": float,
+                   "recompute": bool, "recompute_layers": [int], "compute_s": float, "memory_gb_per_device": float,
                    "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
@@ -55,7 +55,11 @@ class StagePlan:
     dp: int = 1
     tp: int = 1
     zero: int = 0
+    """ZeRO stage over the stage's data-parallel replicas: 1 shards the optimizer states, 2 also the gradients."""
     recompute: bool = False
+    """Recompute every block of the stage in backward (`recompute_layers` names some of them instead)."""
+    recompute_layers: list[int] = field(default_factory=list)
+    """Global indices of the blocks whose activations are recomputed in backward (empty: as `recompute` says)."""
     compute_s: float = 0.0
     """Predicted forward+backward time of one micro-batch."""
     memory_gb_per_device: float = 0.0
@@ -70,6 +74,19 @@ class StagePlan:
         if not 0 <= a < b:
             raise ValueError(f"stage layers must be [first, last_exclusive) with first < last, got {self.layers}")
         self.layers = (int(a), int(b))
+        outside = [i for i in self.recompute_layers if not a <= i < b]
+        if outside:
+            raise ValueError(f"recompute_layers {outside} are outside the stage's layers [{a}, {b})")
+        self.recompute_layers = sorted({int(i) for i in self.recompute_layers})
+
+    def recomputed(self, num_layers: int) -> list[int]:
+        """The blocks this stage recomputes: `recompute_layers`, or every block of it when `recompute` is set
+        (the embedding, layer 0, and the head, layer num_layers - 1, are never recomputed)."""
+        if self.recompute_layers:
+            return list(self.recompute_layers)
+        if not self.recompute:
+            return []
+        return [i for i in range(*self.layers) if 0 < i < num_layers - 1]
 
 
 @dataclass(kw_only=True)

@@ -122,7 +122,8 @@ def _send_from_proto(m: pb.LinkPlan) -> SendPlan:
 def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
     m = pb.Stage(index=index, island=s.island, node_ids=s.nodes, layer_start=s.layers[0], layer_end=s.layers[1],
                  dp=s.dp, tp=s.tp, zero=s.zero, recompute=s.recompute, compute_seconds=s.compute_s,
-                 memory_bytes_per_device=s.memory_gb_per_device * 1e9, dp_rendezvous=s.dp_rendezvous)
+                 memory_bytes_per_device=s.memory_gb_per_device * 1e9, dp_rendezvous=s.dp_rendezvous,
+                 recompute_layers=s.recompute_layers)
     if s.send is not None:
         m.send.CopyFrom(_send_to_proto(s.send))
     return m
@@ -130,7 +131,7 @@ def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
 
 def stage_from_proto(m: pb.Stage) -> StagePlan:
     return StagePlan(island=m.island, layers=(m.layer_start, m.layer_end), dp=m.dp, tp=m.tp, zero=m.zero,
-                     recompute=m.recompute, compute_s=m.compute_seconds,
+                     recompute=m.recompute, recompute_layers=list(m.recompute_layers), compute_s=m.compute_seconds,
                      memory_gb_per_device=m.memory_bytes_per_device / 1e9,
                      send=_send_from_proto(m.send) if m.HasField("send") else None,
                      nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous)
@@ -208,6 +209,7 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         stage=s.stage, has_loss=s.loss is not None, loss=s.loss if s.loss is not None else 0.0, tokens=s.tokens,
         step_seconds=s.step_seconds, compute_seconds=s.compute_seconds, wait_seconds=s.wait_seconds,
         links=[link_stats_to_proto(x) for x in s.links], unix_time=s.unix_time,
+        peak_memory_bytes=s.peak_memory_bytes,
     )
 
 
@@ -217,4 +219,5 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         stage=m.stage, loss=m.loss if m.has_loss else None, tokens=m.tokens, step_seconds=m.step_seconds,
         compute_seconds=m.compute_seconds, wait_seconds=m.wait_seconds,
         links=[link_stats_from_proto(x) for x in m.links], unix_time=m.unix_time,
+        peak_memory_bytes=m.peak_memory_bytes,
     )

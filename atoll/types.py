@@ -80,3 +80,7 @@ class StepMetrics:
     wait_seconds: float = 0.0
     links: list[LinkStats] = field(default_factory=list)
     unix_time: float = 0.0
+    peak_memory_bytes: int = 0
+    """The step's peak memory of the stage: the CUDA allocator's peak on a GPU; on a CPU the bytes of its
+    parameters, gradients and optimizer states plus the most activation bytes saved for backward at once
+    (0: not measured)."""

@@ -201,7 +201,7 @@ class LinkPlan(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous")
+    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous", "recompute_layers")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class Stage(_message.Message):
     MEMORY_BYTES_PER_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SEND_FIELD_NUMBER: _ClassVar[int]
     DP_RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     index: int
     island: str
     node_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -228,7 +229,8 @@ class Stage(_message.Message):
     memory_bytes_per_device: float
     send: LinkPlan
     dp_rendezvous: str
-    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ...) -> None: ...
+    recompute_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ..., recompute_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("index", "micro_batch", "num_micro_batches", "stages")
@@ -360,7 +362,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +377,7 @@ class StepMetrics(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -389,7 +392,8 @@ class StepMetrics(_message.Message):
     wait_seconds: float
     links: _containers.RepeatedCompositeFieldContainer[LinkStats]
     unix_time: float
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ...) -> None: ...
+    peak_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
     __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position")
@@ -602,7 +606,7 @@ class Member(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., state: _Optional[str] = ..., last_heartbeat_unix: _Optional[float] = ..., joined_unix: _Optional[float] = ...) -> None: ...
 
 class StageUsage(_message.Message):
-    __slots__ = ("node_id", "pipeline", "stage", "steps", "step_seconds", "compute_seconds", "wait_seconds", "utilisation")
+    __slots__ = ("node_id", "pipeline", "stage", "steps", "step_seconds", "compute_seconds", "wait_seconds", "utilisation", "peak_memory_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -611,6 +615,7 @@ class StageUsage(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     pipeline: int
     stage: int
@@ -619,7 +624,8 @@ class StageUsage(_message.Message):
     compute_seconds: float
     wait_seconds: float
     utilisation: float
-    def __init__(self, node_id: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., utilisation: _Optional[float] = ...) -> None: ...
+    peak_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., utilisation: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class LinkUsage(_message.Message):
     __slots__ = ("src", "dst", "direction", "pipeline", "stage", "steps", "codec", "bytes_raw", "bytes_wire", "seconds", "achieved_bytes_per_s", "estimate_bytes_per_s")
