@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import os
 import re
 import signal
@@ -247,6 +248,19 @@ class GeoTestbed:
     def popen(self, host: GeoHost | str, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start `argv` on `host` (a GeoHost or its name); see `GeoHost.popen`."""
         return (self.host(host) if isinstance(host, str) else host).popen(argv, **kwargs)
+
+    def wan_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes sent so far over each link between regions, per direction: (from, to) -> the transmit counter of
+        the `from` switch's WAN veth toward `to` (what its tbf let through, as the kernel counts it: IP packets,
+        their headers included). Take it before and after a run; the difference is the run's wide-area traffic."""
+        names = self.regions
+        out = {}
+        for i, a in enumerate(names):
+            for k, b in enumerate(names):
+                if i != k:  # switch a's end of the a-b link is named w<k>
+                    stats = json.loads(_run(["ip", "-n", self.switches[a], "-s", "-j", "link", "show", "dev", f"w{k}"]))
+                    out[(a, b)] = int(stats[0]["stats64"]["tx"]["bytes"])
+        return out
 
 
 def _sysctl(ns: str, values: Mapping[str, str]) -> None:
