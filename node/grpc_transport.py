@@ -4,6 +4,14 @@ Sending goes through a `PeerLink` per neighbour (codec choice, chunked Transfer 
 retries, measurement; see `atoll.node.peer_link`). Receiving: a `Mailbox` attached to the node's
 `PeerServer` validates and buffers what the neighbours send; `recv` waits on it.
 
+Next to a stage of another width a replica has several neighbours on that side (`RowPeer`s), each
+training a range of rows of every micro-batch: `send` splits a tensor by row ranges, one slice per
+neighbour, and `recv` assembles the micro-batch's tensor from every neighbour's slice in row order, so the
+stage sees one (rows, seq, d) tensor either way. Every replica trains the mean loss over its own rows, so
+an activation-gradient from a downstream replica of n' rows is scaled by n' / n on its way into a replica
+of n rows: the gradients upstream of the boundary are then those of the receiver's own mean, as with
+equal widths (where the scale is 1 and nothing is copied).
+
 The caller must not modify a tensor in place after `send` until `flush` (as with isend).
 """
 
@@ -46,6 +54,39 @@ class PeerRef:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RowPeer:
+    """A neighbour replica that trains rows [first, last) of every micro-batch: this replica exchanges with
+    it the overlap of their rows (a neighbour stage of another width)."""
+
+    peer: PeerRef
+    rows: tuple[int, int]
+    """The neighbour's whole share: rows [first, last) of every pipeline micro-batch."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rows[0] < self.rows[1]:
+            raise ValueError(f"RowPeer {self.peer.node_id}: rows must be [first, last) with 0 <= first < last, "
+                             f"got {self.rows}")
+
+
+Neighbours = PeerRef | tuple[RowPeer, ...] | None
+"""One side of a replica: one peer that carries all its rows, the row peers that share them, or none."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    """What one neighbour carries of this replica's tensors."""
+
+    peer: PeerRef
+    lo: int
+    hi: int
+    """Rows [lo, hi) of this replica's tensor (from its own first row)."""
+    whole: bool
+    """The neighbour carries the whole tensor: nothing is sliced or assembled."""
+    grad_scale: float
+    """Factor on activation-gradients received from this neighbour: its rows / this replica's rows."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class GrpcTransportConfig:
     """One stage replica's place in the plan and how its links behave."""
 
@@ -61,12 +102,18 @@ class GrpcTransportConfig:
     """Stage index in the pipeline."""
     replica: int = 0
     """Data-parallel rank of this node within its stage."""
-    upstream: PeerRef | None
-    """The previous stage's replica this one exchanges with; None on the first stage."""
-    downstream: PeerRef | None
-    """The next stage's replica; None on the last stage."""
+    upstream: Neighbours
+    """The previous stage's replica(s) this one exchanges with: a `PeerRef` that carries all of this
+    replica's rows, or the `RowPeer`s whose rows overlap this replica's, in row order; None on the first
+    stage."""
+    downstream: Neighbours
+    """The next stage's replica(s), as `upstream`; None on the last stage."""
     shape: tuple[int, ...] | None
-    """Shape of the activations (and gradients) crossing the stage boundaries; None: not checked."""
+    """Shape of this replica's activations (and gradients) crossing the stage boundaries; None: not checked
+    (only with `PeerRef` neighbours)."""
+    rows: tuple[int, int] | None = None
+    """This replica's rows [first, last) of every micro-batch; needed with `RowPeer` neighbours, whose rows
+    must together cover it (and then `shape[0]` is last - first)."""
     dtype: torch.dtype = torch.float32
     """Dtype of activations and gradients."""
     micro_batches: int | None = None
@@ -116,8 +163,15 @@ class GrpcTransportConfig:
     """Codec names accepted from the neighbours (e.g. the job's fixed codec); None accepts every codec."""
 
     def __post_init__(self) -> None:
+        if self.upstream == () or self.downstream == ():
+            raise ValueError("give None, not an empty tuple, for a side without neighbours")
         if self.upstream is None and self.downstream is None:
             raise ValueError("a transport needs an upstream or a downstream peer; a one-stage pipeline needs none")
+        for side in ("upstream", "downstream"):
+            self._check_side(side, getattr(self, side))
+        ids = [r.peer.node_id for side in ("upstream", "downstream") for r in self.routes(side)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a neighbour appears twice among this replica's peers: {ids}")
         if self.stage < 0 or self.pipeline < 0 or self.replica < 0 or self.plan_epoch < 0:
             raise ValueError("stage, pipeline, replica and plan_epoch must be >= 0")
         if (self.stage == 0) != (self.upstream is None):
@@ -144,11 +198,49 @@ class GrpcTransportConfig:
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
+    def _check_side(self, side: str, peers: Neighbours) -> None:
+        if peers is None or isinstance(peers, PeerRef):
+            return
+        if not isinstance(peers, tuple) or not all(isinstance(p, RowPeer) for p in peers):
+            raise ValueError(f"{side} must be a PeerRef, a tuple of RowPeer or None, got {peers!r}")
+        if self.rows is None or self.shape is None or not self.shape:
+            raise ValueError(f"{side} neighbours given as RowPeer need this replica's `rows` and `shape`")
+        a, b = self.rows
+        if not 0 <= a < b or self.shape[0] != b - a:
+            raise ValueError(f"rows must be [first, last) with 0 <= first < last and shape[0] = last - first; "
+                             f"got rows {self.rows} and shape {self.shape}")
+        spans = [p.rows for p in peers]
+        adjacent = all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+        if not adjacent or spans[0][0] > a or spans[-1][1] < b or spans[0][1] <= a or spans[-1][0] >= b:
+            raise ValueError(f"the {side} neighbours' rows {spans} must be consecutive, in row order, and "
+                             f"overlap and together cover this replica's rows {self.rows}")
+
+    def routes(self, side: str) -> tuple[_Route, ...]:
+        """What each neighbour on `side` ("upstream" or "downstream") carries of this replica's tensors."""
+        peers: Neighbours = getattr(self, side)
+        if peers is None:
+            return ()
+        if isinstance(peers, PeerRef):
+            n = self.shape[0] if self.shape else 0
+            return (_Route(peer=peers, lo=0, hi=n, whole=True, grad_scale=1.0),)
+        assert self.rows is not None
+        a, b = self.rows
+        return tuple(_Route(peer=p.peer, lo=max(a, p.rows[0]) - a, hi=min(b, p.rows[1]) - a,
+                            whole=len(peers) == 1 and p.rows == self.rows,
+                            grad_scale=(p.rows[1] - p.rows[0]) / (b - a)) for p in peers)
+
     def receive_spec(self) -> ReceiveSpec:
+        up, down = self.routes("upstream"), self.routes("downstream")
+
+        def senders(routes: tuple[_Route, ...]) -> str | tuple[str, ...] | None:
+            if not routes:
+                return None
+            return routes[0].peer.node_id if len(routes) == 1 else tuple(r.peer.node_id for r in routes)
+
         return ReceiveSpec(
             job_id=self.job_id, plan_epoch=self.plan_epoch, pipeline=self.pipeline, stage=self.stage,
-            upstream=self.upstream.node_id if self.upstream else None,
-            downstream=self.downstream.node_id if self.downstream else None,
+            upstream=senders(up), downstream=senders(down),
+            sender_rows=tuple((r.peer.node_id, r.hi - r.lo) for r in up + down if not r.whole),
             shape=self.shape, dtype=self.dtype, micro_batches=self.micro_batches, step_window=self.step_window,
             max_tensor_bytes=self.max_tensor_bytes, max_buffered_bytes=self.max_buffered_bytes,
             codecs=None if self.accept_codecs is None else frozenset(codec_id(c) for c in self.accept_codecs))
@@ -161,47 +253,77 @@ class GrpcTransport(Transport):
         self.config = config
         self._server = server
         self.mailbox = Mailbox(config.receive_spec(), max_chunk_bytes=config.rpc.max_message_bytes)
-        self._links: dict[Direction, PeerLink] = {}
-        if config.downstream is not None:
-            self._links["forward"] = PeerLink(config, config.downstream, "forward")
-        if config.upstream is not None:
-            self._links["backward"] = PeerLink(config, config.upstream, "backward")
+        # each neighbour's route and the link that sends to it: activations go downstream, gradients upstream
+        self._sides: dict[str, list[tuple[_Route, PeerLink]]] = {
+            "downstream": [(r, PeerLink(config, r.peer, "forward")) for r in config.routes("downstream")],
+            "upstream": [(r, PeerLink(config, r.peer, "backward")) for r in config.routes("upstream")],
+        }
         self._closed = False
         server.attach(self.mailbox)
 
-    def _link(self, direction: Direction, verb: str) -> PeerLink:
-        link = self._links.get(direction)
-        if link is None:
-            where = "downstream" if direction == "forward" else "upstream"
+    @property
+    def _links(self) -> list[PeerLink]:
+        return [link for side in self._sides.values() for _, link in side]
+
+    def _side(self, direction: Direction, verb: str) -> list[tuple[_Route, PeerLink]]:
+        # forward tensors are sent downstream and received from upstream; backward ones the other way
+        where = ("downstream" if direction == "forward" else "upstream") if verb == "send" else \
+            ("upstream" if direction == "forward" else "downstream")
+        side = self._sides[where]
+        if not side:
             raise TransportError(f"stage {self.config.stage} has no {where} peer to {verb} {direction} tensors")
-        return link
+        return side
 
     def send(self, key: TensorKey, tensor: torch.Tensor) -> None:
         if self._closed:
             raise TransportError(f"{key}: the transport is closed")
+        side = self._side(key.direction, "send")
+        rows = self.config.shape[0] if self.config.shape else None
+        if rows is not None and not side[0][0].whole and tensor.shape[0] != rows:
+            raise TransportError(f"{key}: the tensor has {tensor.shape[0]} rows; this replica trains {rows}")
         self.mailbox.advance(key.step)
-        self._link(key.direction, "send").enqueue(key, tensor)
+        for route, link in side:
+            link.enqueue(key, tensor if route.whole else tensor[route.lo:route.hi])
 
     def recv(self, key: TensorKey, timeout: timedelta) -> torch.Tensor:
-        # forward tensors come from upstream, where this stage's backward link points, and vice versa
-        sender = self._link("backward" if key.direction == "forward" else "forward", "receive")
-        sender.raise_error()
+        side = self._side(key.direction, "receive")
+        for _, link in side:  # a failed send to a neighbour means it is gone: fail now rather than time out
+            link.raise_error()
         self.mailbox.advance(key.step)
+        deadline = time.monotonic() + timeout.total_seconds()
+        if len(side) == 1:  # one neighbour carries every row of this replica: its tensor is the whole
+            route = side[0][0]
+            part = self._take(key, route, deadline)
+            if key.direction == "backward" and route.grad_scale != 1.0:
+                part.mul_(route.grad_scale)  # the mailbox holds no reference to a taken tensor
+            return part
+        assert self.config.shape is not None  # RowPeer neighbours need it (checked by the config)
+        out = torch.empty(self.config.shape, dtype=self.config.dtype)
+        for route, _ in side:  # in row order; each slice was checked for its shape on arrival
+            part = self._take(key, route, deadline)
+            if key.direction == "backward" and route.grad_scale != 1.0:
+                torch.mul(part, route.grad_scale, out=out[route.lo:route.hi])
+            else:
+                out[route.lo:route.hi].copy_(part)
+        return out
+
+    def _take(self, key: TensorKey, route: _Route, deadline: float) -> torch.Tensor:
+        peer = route.peer.node_id
         try:
-            return self.mailbox.take(key, timeout.total_seconds())
+            return self.mailbox.take(key, max(0.0, deadline - time.monotonic()), sender=peer)
         except TimeoutError as e:
-            raise TransportError(f"from {sender.peer.node_id}: {e}") from None
+            raise TransportError(f"from {peer}: {e}") from None
         except MailboxClosed as e:
             raise TransportError(str(e)) from None
 
     def flush(self, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
-        for link in self._links.values():
+        for link in self._links:
             link.flush(deadline)
 
     def link_stats(self) -> list[LinkStats]:
         """Traffic sent on each link since the last call (for the step's metrics)."""
-        return [link.take_stats() for link in self._links.values()]
+        return [link.take_stats() for link in self._links]
 
     def close(self, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Stop receiving and sending; tensors not yet delivered are dropped. Idempotent."""
@@ -210,7 +332,7 @@ class GrpcTransport(Transport):
         self._closed = True
         self._server.detach(self.mailbox)
         self.mailbox.close()
-        for link in self._links.values():
+        for link in self._links:
             link.close(timeout.total_seconds())
 
     def __enter__(self) -> GrpcTransport:

@@ -1,7 +1,8 @@
 """The receive side of the peer transport: what a stage accepts from its neighbours, and where it waits.
 
 A `Mailbox` holds the tensors of one stage replica in one plan epoch, keyed by (step, micro-batch,
-direction). Each Transfer stream is checked against the stage's `ReceiveSpec` from its first chunk
+direction) and sender: a replica next to a stage of another width receives each micro-batch as row slices
+from several senders, each checked against the rows it is expected to send. Each Transfer stream is checked against the stage's `ReceiveSpec` from its first chunk
 (job, epoch, sender, step window, shape, dtype, codec, size) before a byte of payload is buffered, and
 the bytes it will need are reserved up front, so a peer can never make the node allocate past
 `max_buffered_bytes`. The codec layer checks the payload (length, checksum, decoding).
@@ -69,12 +70,17 @@ class ReceiveSpec:
     """Pipeline index of this stage."""
     stage: int
     """Stage index; activations come from `stage - 1`, gradients from `stage + 1`."""
-    upstream: str | None
-    """Node id that sends activations; None on the first stage (no activations accepted)."""
-    downstream: str | None
-    """Node id that sends activation-gradients; None on the last stage (no gradients accepted)."""
+    upstream: str | tuple[str, ...] | None
+    """Node id(s) that send activations, in row order; None on the first stage (no activations accepted).
+    Several senders each send their rows of every micro-batch (a previous stage of another width)."""
+    downstream: str | tuple[str, ...] | None
+    """Node id(s) that send activation-gradients, in row order; None on the last stage (no gradients
+    accepted)."""
     shape: tuple[int, ...] | None
     """Shape of activations and their gradients; None accepts any shape within `max_tensor_bytes`."""
+    sender_rows: tuple[tuple[str, int], ...] = ()
+    """(node id, rows) for senders whose tensors have `rows` in their first dimension instead of
+    `shape[0]`: the row slices of a neighbour stage of another width. Needs `shape`."""
     dtype: torch.dtype = torch.float32
     """Dtype of decoded activations and gradients."""
     micro_batches: int | None = None
@@ -102,6 +108,30 @@ class ReceiveSpec:
             raise ValueError(f"dtype {self.dtype} has no wire form; use one of {sorted(map(str, TORCH_DTYPES.values()))}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        senders = self.senders("forward") + self.senders("backward")
+        if len(set(senders)) != len(senders) or not all(senders):
+            raise ValueError(f"senders must be distinct, non-empty node ids; got upstream {self.upstream!r}, "
+                             f"downstream {self.downstream!r}")
+        for node, rows in self.sender_rows:
+            if node not in senders:
+                raise ValueError(f"sender_rows names {node!r}, which is neither an upstream nor a downstream sender")
+            if rows < 1 or self.shape is None or not self.shape:
+                raise ValueError(f"sender_rows needs a shape to check and rows >= 1; got {rows} rows from {node!r} "
+                                 f"and shape {self.shape}")
+
+    def senders(self, direction: Direction) -> tuple[str, ...]:
+        """Node ids that send `direction` tensors to this stage, in row order (empty: none accepted)."""
+        who = self.upstream if direction == "forward" else self.downstream
+        if who is None:
+            return ()
+        return (who,) if isinstance(who, str) else tuple(who)
+
+    def expected_shape(self, sender: str) -> tuple[int, ...] | None:
+        """The shape of a tensor from `sender` (None: not checked)."""
+        if self.shape is None:
+            return None
+        rows = dict(self.sender_rows).get(sender)
+        return self.shape if rows is None else (rows, *self.shape[1:])
 
 
 @dataclass
@@ -125,8 +155,9 @@ class Mailbox:
         self.spec = spec
         self._limits = WireLimits(max_tensor_bytes=spec.max_tensor_bytes, max_chunk_bytes=max_chunk_bytes)
         self._cond = threading.Condition()
-        self._ready: dict[TensorKey, tuple[torch.Tensor, int]] = {}  # key -> (tensor, bytes held)
-        self._delivered: set[TensorKey] = set()  # taken already; a retried copy is dropped
+        # (key, sender) -> (tensor, bytes held)
+        self._ready: dict[tuple[TensorKey, str], tuple[torch.Tensor, int]] = {}
+        self._delivered: set[tuple[TensorKey, str]] = set()  # taken already; a retried copy is dropped
         self._reserved = 0
         self._low_step = 0
         self._closed = False
@@ -139,7 +170,7 @@ class Mailbox:
         deadline = time.monotonic() + deadline_seconds
         tensors = wire = 0
         first = last = None
-        key: TensorKey | None = None
+        key: tuple[TensorKey, str] | None = None
         held = 0
         assembler = ChunkAssembler(self._limits)
         meta: pb.TensorMeta | None = None
@@ -153,7 +184,7 @@ class Mailbox:
                                               f"payload bytes of {_describe(meta)} had arrived")
                     meta = chunk.meta
                     key, need = self._check(meta)
-                    self._reserve(need, key, deadline)
+                    self._reserve(need, key[0], deadline)
                     held = need
                 elif meta is None:
                     raise InvalidTransfer(f"a data chunk from {peer} came before any meta chunk; "
@@ -176,8 +207,8 @@ class Mailbox:
         return pb.TransferAck(tensors=tensors, bytes=wire,
                               receive_seconds=0.0 if first is None else (last or first) - first)
 
-    def _check(self, meta: pb.TensorMeta) -> tuple[TensorKey, int]:
-        """Validate a tensor's meta against the spec; return its key and the bytes it will hold."""
+    def _check(self, meta: pb.TensorMeta) -> tuple[tuple[TensorKey, str], int]:
+        """Validate a tensor's meta against the spec; return its (key, sender) and the bytes it will hold."""
         s, what = self.spec, _describe(meta)
         if meta.job_id != s.job_id:
             raise UnexpectedTransfer(f"{what} belongs to job {meta.job_id!r}; this node runs job {s.job_id!r}")
@@ -190,14 +221,14 @@ class Mailbox:
         direction = _DIRECTION_OF.get(meta.direction)
         if direction is None:
             raise InvalidTransfer(f"{what} names no direction; set DIRECTION_FORWARD or DIRECTION_BACKWARD")
-        sender, sender_stage = ((s.upstream, s.stage - 1) if direction == "forward"
-                                else (s.downstream, s.stage + 1))
-        if sender is None:
+        senders = s.senders(direction)
+        sender_stage = s.stage - 1 if direction == "forward" else s.stage + 1
+        if not senders:
             raise UnexpectedTransfer(f"{what}: stage {s.stage} takes no {direction} tensors "
                                      f"(it is the {'first' if direction == 'forward' else 'last'} stage)")
-        if meta.pipeline != s.pipeline or meta.stage != sender_stage or meta.sender != sender:
+        if meta.pipeline != s.pipeline or meta.stage != sender_stage or meta.sender not in senders:
             raise UnexpectedTransfer(f"{what} claims pipeline {meta.pipeline} stage {meta.stage}; {direction} "
-                                     f"tensors of stage {s.stage} come from {sender} "
+                                     f"tensors of stage {s.stage} come from {', '.join(senders)} "
                                      f"(pipeline {s.pipeline} stage {sender_stage})")
         if meta.step < self._low_step:
             raise UnexpectedTransfer(f"{what} is for step {meta.step}, which this stage has finished "
@@ -212,8 +243,10 @@ class Mailbox:
         shape = tuple(meta.shape)
         if any(d < 0 for d in shape):
             raise InvalidTransfer(f"{what} has a negative dimension in shape {list(shape)}")
-        if s.shape is not None and shape != s.shape:
-            raise InvalidTransfer(f"{what} has shape {list(shape)}; stage {s.stage} expects {list(s.shape)}")
+        expected = s.expected_shape(meta.sender)
+        if expected is not None and shape != expected:
+            raise InvalidTransfer(f"{what} has shape {list(shape)}; stage {s.stage} expects {list(expected)} "
+                                  f"from {meta.sender}")
         if s.codecs is not None and meta.codec not in s.codecs:
             accepted = ", ".join(sorted(codec_name(c) for c in s.codecs))
             raise InvalidTransfer(f"{what} uses codec {CODEC_NAME.get(meta.codec, meta.codec)}, not accepted on "
@@ -222,7 +255,7 @@ class Mailbox:
         if raw > s.max_tensor_bytes or meta.total_bytes > s.max_tensor_bytes:
             raise InvalidTransfer(f"{what} is too large: {raw} bytes decoded, {meta.total_bytes} on the wire; "
                                   f"the limit is {s.max_tensor_bytes} bytes")
-        return TensorKey(meta.step, meta.micro_batch, direction), raw + meta.total_bytes
+        return (TensorKey(meta.step, meta.micro_batch, direction), meta.sender), raw + meta.total_bytes
 
     def _check_decoded(self, meta: pb.TensorMeta, tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != TORCH_DTYPES[meta.dtype]:
@@ -254,15 +287,15 @@ class Mailbox:
             self._reserved -= nbytes
             self._cond.notify_all()
 
-    def _deposit(self, key: TensorKey, tensor: torch.Tensor, held: int, meta: pb.TensorMeta) -> None:
+    def _deposit(self, key: tuple[TensorKey, str], tensor: torch.Tensor, held: int, meta: pb.TensorMeta) -> None:
         keep = tensor.numel() * tensor.element_size()
         with self._cond:
-            if key in self._ready or key in self._delivered or key.step < self._low_step:
+            if key in self._ready or key in self._delivered or key[0].step < self._low_step:
                 self._reserved -= held  # a retried copy of a tensor we have, or one nobody will take
             else:
                 self._ready[key] = (tensor, keep)
                 self._reserved -= held - keep  # the payload is gone; the decoded tensor stays until taken
-                st = self.stats[key.direction]
+                st = self.stats[key[0].direction]
                 st.tensors += 1
                 st.bytes_wire += meta.total_bytes
                 st.bytes_raw += keep
@@ -270,22 +303,35 @@ class Mailbox:
 
     # --- the stage side -------------------------------------------------------------------------------
 
-    def take(self, key: TensorKey, timeout: float) -> torch.Tensor:
-        """The tensor under `key`, waiting up to `timeout` seconds; TimeoutError or MailboxClosed otherwise."""
+    def take(self, key: TensorKey, timeout: float, sender: str | None = None) -> torch.Tensor:
+        """The tensor under `key` from `sender` (None: the direction's only sender), waiting up to `timeout`
+        seconds; TimeoutError or MailboxClosed otherwise."""
+        senders = self.spec.senders(key.direction)
+        if sender is None:
+            if len(senders) != 1:
+                raise ValueError(f"{key.direction} tensors come from {len(senders)} senders here "
+                                 f"({', '.join(senders) or 'none'}); name the sender to take from")
+            sender = senders[0]
+        elif sender not in senders:
+            raise ValueError(f"{sender} sends no {key.direction} tensors here; the senders are "
+                             f"{', '.join(senders) or 'none'}")
+        slot = (key, sender)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while key not in self._ready:
+            while slot not in self._ready:
                 if self._closed:
-                    raise MailboxClosed(f"the mailbox closed while waiting for {key}")
+                    raise MailboxClosed(f"the mailbox closed while waiting for {key} from {sender}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    waiting = ", ".join(f"{k.step}/{k.micro_batch}/{k.direction}" for k in sorted(self._ready))
+                    waiting = ", ".join(f"{k.step}/{k.micro_batch}/{k.direction}"
+                                        + (f" from {n}" if len(self.spec.senders(k.direction)) > 1 else "")
+                                        for k, n in sorted(self._ready))
                     raise TimeoutError(f"no tensor for step {key.step} micro-batch {key.micro_batch} "
-                                       f"({key.direction}) arrived within {timeout:.1f}s; "
+                                       f"({key.direction}) arrived from {sender} within {timeout:.1f}s; "
                                        f"waiting here: [{waiting}]")
                 self._cond.wait(left)
-            tensor, held = self._ready.pop(key)
-            self._delivered.add(key)
+            tensor, held = self._ready.pop(slot)
+            self._delivered.add(slot)
             self._reserved -= held
             self._cond.notify_all()
             return tensor
@@ -296,9 +342,9 @@ class Mailbox:
             if step <= self._low_step:
                 return
             self._low_step = step
-            for key in [k for k in self._ready if k.step < step]:
-                self._reserved -= self._ready.pop(key)[1]
-            self._delivered = {k for k in self._delivered if k.step >= step}
+            for slot in [k for k in self._ready if k[0].step < step]:
+                self._reserved -= self._ready.pop(slot)[1]
+            self._delivered = {k for k in self._delivered if k[0].step >= step}
             self._cond.notify_all()
 
     @property
@@ -307,8 +353,9 @@ class Mailbox:
             return self._reserved
 
     def pending(self) -> list[TensorKey]:
+        """Keys of the tensors waiting to be taken (a key once per sender)."""
         with self._cond:
-            return sorted(self._ready)
+            return sorted(k for k, _ in self._ready)
 
     def close(self) -> None:
         """Wake every waiter: receivers answer that the stage is shutting down, takers get MailboxClosed."""

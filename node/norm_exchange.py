@@ -7,6 +7,8 @@ its own slice; the stages exchange one scalar each (their squared norm), never t
 - `InProcessNormGroup(n).member(i)`: stages running as threads of one process.
 - `DistNormExchange(group)`: stages in separate processes, an all-reduce of one float64 over a
   torch.distributed process group spanning the stages of one pipeline (gloo or NCCL).
+- `OncePerStage(exchange, counts=...)`: a group over every replica of every stage of a pipeline (stages
+  may differ in width): one replica per stage adds its value, the others add 0, so each stage counts once.
 """
 
 from __future__ import annotations
@@ -104,3 +106,18 @@ class DistNormExchange(NormExchange):
         except RuntimeError as e:
             raise NormExchangeError(f"norm exchange all-reduce failed or timed out after {timeout}: {e}") from e
         return float(t.item())
+
+
+class OncePerStage(NormExchange):
+    """Sums one value per stage over a group holding every replica of every stage of a pipeline.
+
+    After gradient averaging the replicas of a stage hold the same gradients, hence the same squared norm;
+    the replica with `counts` adds it and the others add exactly 0, so the sum counts each stage once and
+    is exact whatever the stages' widths.
+    """
+
+    def __init__(self, exchange: NormExchange, *, counts: bool):
+        self.exchange, self.counts = exchange, counts
+
+    def all_sum(self, value: float, timeout: timedelta) -> float:
+        return self.exchange.all_sum(float(value) if self.counts else 0.0, timeout)

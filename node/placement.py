@@ -1,23 +1,33 @@
-"""Where a node sits in a plan: its pipeline, stage, replica, neighbours and gradient groups.
+"""Where a node sits in a plan: its pipeline, stage, rows, neighbours and gradient groups.
 
 Runtime rules (checked here, with errors that name the pipeline and stage):
-- a pipeline's micro-batch is shared by the replicas of each of its stages, and within one pipeline every
-  stage has the same data-parallel degree d: replica r of stage s exchanges activations with replica r
-  of stages s - 1 and s + 1 (a "pipeline replica" that runs micro_batch / d sequences per micro-batch);
-- pipelines take consecutive rows of the global batch (micro_batch x num_micro_batches each), and the
-  replicas of a pipeline consecutive equal parts of its rows;
+- a pipeline's micro-batch is shared by the replicas of each of its stages, and stages of one pipeline may
+  have different widths (FlashFlex's asymmetric shares). A stage's replicas take consecutive row ranges
+  of every micro-batch, as even as possible (counts differ by at most one; the first replicas take the
+  extra rows): `shares`. A replica exchanges activations and activation-gradients with every replica of
+  the neighbouring stages whose rows overlap its own, each carrying the overlap (with equal widths:
+  replica r of stage s with replica r of stages s - 1 and s + 1, all rows);
+- pipelines take consecutive rows of the global batch (micro_batch x num_micro_batches each). Inside a
+  pipeline the boundaries of every stage's shares cut a micro-batch into *blocks*; row a + t of
+  block [a, b) in micro-batch i is row P + m*a + i*(b - a) + t of the global batch (P: the pipeline's first
+  row, m: its micro-batches), so every replica trains one contiguous range of rows, [P + m*first,
+  P + m*last) (with equal widths, one block per replica: consecutive equal parts of the pipeline's rows);
+  `Placement.batch_order` puts a replica's rows in micro-batch order when it spans several blocks;
 - in an outer-mode plan all of this holds within the node's replica group: its pipelines share the global
   batch, and gradients are averaged among its own holders only (the groups meet in the outer sync);
 - gradients are averaged per *layer segment*: the layer ranges of all pipelines cut the model into
   segments, and every node holding a segment averages that segment's gradients with the other holders,
-  weighted by the rows each trained (with one pipeline these are simply the replicas of a stage).
+  weighted by the rows each trained (with one pipeline these are simply the replicas of a stage);
+- the squared gradient norms for global clipping are summed over every node of the pipeline, where replica
+  0 of each stage adds its stage's norm and the other replicas add 0: after averaging, the replicas of a
+  stage hold the same gradients, so each stage counts exactly once whatever the widths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atoll.plan import Plan
+from atoll.plan import PipelinePlan, Plan
 
 
 class PlacementError(ValueError):
@@ -33,6 +43,30 @@ class Segment:
     holders: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Neighbour:
+    """A replica of the previous or next stage whose rows overlap this node's."""
+
+    node_id: str
+    rows: tuple[int, int]
+    """The rows [first, last) of every pipeline micro-batch that replica trains (its whole share; what it
+    exchanges with this node is the overlap with this node's rows)."""
+
+
+def shares(micro_batch: int, dp: int) -> list[tuple[int, int]]:
+    """Rows [first, last) of a micro-batch of `micro_batch` rows for each of `dp` replicas: consecutive, as
+    even as possible (the first `micro_batch % dp` replicas take one row more)."""
+    if dp < 1 or micro_batch < dp:
+        raise ValueError(f"{dp} replicas cannot share a micro-batch of {micro_batch} rows")
+    base, extra = divmod(micro_batch, dp)
+    out, row = [], 0
+    for r in range(dp):
+        n = base + (1 if r < extra else 0)
+        out.append((row, row + n))
+        row += n
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class Placement:
     node_id: str
@@ -41,19 +75,25 @@ class Placement:
     replica: int
     num_stages: int
     dp: int
+    """Replicas of this node's stage."""
     layers: tuple[int, int]
     micro_batch: int
+    """Rows of one pipeline micro-batch (all replicas of a stage together)."""
     num_micro_batches: int
-    upstream: str | None
-    downstream: str | None
+    micro_rows: tuple[int, int]
+    """Rows [first, last) of every pipeline micro-batch this replica trains."""
+    upstream: tuple[Neighbour, ...]
+    """Replicas of the previous stage whose rows overlap this node's, in row order (empty on the first stage)."""
+    downstream: tuple[Neighbour, ...]
+    """Replicas of the next stage whose rows overlap this node's, in row order (empty on the last stage)."""
     rows: tuple[int, int]
-    """Rows [first, last) of the global batch this pipeline replica trains on."""
-    replica_micro_batch: int
-    """Sequences per micro-batch on this replica (the pipeline micro-batch / dp)."""
-    chain: tuple[str, ...]
-    """The node ids of this pipeline replica, stage by stage (the norm-exchange group)."""
+    """Rows [first, last) of the global batch this replica trains (micro_rows' share of every micro-batch)."""
+    blocks: tuple[tuple[int, int], ...]
+    """The pipeline's row blocks inside `micro_rows` (see the module docstring): one with equal widths."""
+    pipeline_nodes: tuple[str, ...]
+    """Every node of this pipeline, stage by stage, in rank order (the norm-exchange group)."""
     loss_group: tuple[str, ...]
-    """Last-stage node of every pipeline replica (the group that sums the reported loss)."""
+    """Last-stage nodes of every pipeline (the group that sums the reported loss)."""
     segments: tuple[Segment, ...]
     """Segments of this node's layers held by more than one node."""
     group: int = 0
@@ -67,10 +107,53 @@ class Placement:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
+    @property
+    def replica_micro_batch(self) -> int:
+        """Sequences per micro-batch on this replica."""
+        return self.micro_rows[1] - self.micro_rows[0]
+
+    @property
+    def counts_norm(self) -> bool:
+        """Whether this node adds its stage's squared gradient norm to the pipeline's sum (replica 0 does)."""
+        return self.replica == 0
+
+    def batch_order(self) -> list[int] | None:
+        """The order in which to take this replica's rows (indices into global rows `rows`) so that its
+        batch splits into micro-batches as consecutive equal parts; None when they are in order already."""
+        if len(self.blocks) <= 1:
+            return None
+        m, first = self.num_micro_batches, self.micro_rows[0]
+        return [m * (a - first) + i * (b - a) + t for i in range(m) for a, b in self.blocks for t in range(b - a)]
+
+
+def _stage_shares(p: int, s: int, pipe: PipelinePlan) -> list[tuple[int, int]]:
+    st = pipe.stages[s]
+    if not st.nodes:
+        raise PlacementError(f"pipeline {p} stage {s} lists no nodes; a runnable plan names each stage's nodes")
+    if st.dp != len(st.nodes):
+        raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} but {len(st.nodes)} nodes are listed")
+    if pipe.micro_batch < st.dp:
+        raise PlacementError(f"pipeline {p} stage {s}: its {st.dp} replicas cannot share a micro-batch of "
+                             f"{pipe.micro_batch} sequences; give the pipeline a micro-batch of at least {st.dp} "
+                             f"or the stage fewer nodes")
+    return shares(pipe.micro_batch, st.dp)
+
+
+def _check_distinct(plan: Plan) -> None:
+    seen: dict[str, tuple[int, int]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for s, st in enumerate(pipe.stages):
+            for n in st.nodes:
+                if n in seen:
+                    raise PlacementError(f"node {n} is listed in pipeline {seen[n][0]} stage {seen[n][1]} and again in "
+                                         f"pipeline {p} stage {s}; each node runs one stage")
+                seen[n] = (p, s)
+
 
 def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
     """This node's place in `plan`, or None when the plan gives it no work."""
     plan.validate(num_layers)
+    _check_distinct(plan)
     group, pipelines = 0, list(range(len(plan.pipelines)))
     if plan.mode == "outer":
         for g, grp in enumerate(plan.groups):
@@ -85,34 +168,34 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
     loss_group: list[str] = []
     for p in pipelines:
         pipe = plan.pipelines[p]
-        dps = {len(s.nodes) for s in pipe.stages}
-        if len(dps) != 1 or 0 in dps:
-            raise PlacementError(f"pipeline {p}: every stage needs the same number (> 0) of nodes, got "
-                                 f"{[len(s.nodes) for s in pipe.stages]}")
-        dp = dps.pop()
-        for s, st in enumerate(pipe.stages):
-            if st.dp != dp:
-                raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} but {dp} nodes are listed")
+        splits = [_stage_shares(p, s, pipe) for s in range(len(pipe.stages))]
+        bounds = sorted({b for split in splits for r in split for b in r})
+        m = pipe.num_micro_batches
+        for st in pipe.stages:
             holders.extend((st.layers, n) for n in st.nodes)
-        if pipe.micro_batch % dp:
-            raise PlacementError(f"pipeline {p}: its micro-batch of {pipe.micro_batch} does not split over "
-                                 f"{dp} replicas")
-        share = pipe.micro_batch // dp * pipe.num_micro_batches
-        for r in range(dp):
-            chain = tuple(st.nodes[r] for st in pipe.stages)
-            loss_group.append(chain[-1])
-            if node_id in chain:
-                s = chain.index(node_id)
-                st = pipe.stages[s]
-                found = Placement(
-                    node_id=node_id, pipeline=p, stage=s, replica=r, num_stages=len(pipe.stages), dp=dp,
-                    layers=st.layers, micro_batch=pipe.micro_batch, num_micro_batches=pipe.num_micro_batches,
-                    upstream=chain[s - 1] if s > 0 else None,
-                    downstream=chain[s + 1] if s + 1 < len(chain) else None,
-                    rows=(row, row + share), replica_micro_batch=pipe.micro_batch // dp,
-                    chain=chain, loss_group=(), segments=(), group=group,
-                )
-            row += share
+        loss_group.extend(pipe.stages[-1].nodes)
+        for s, st in enumerate(pipe.stages):
+            if node_id not in st.nodes:
+                continue
+            r = st.nodes.index(node_id)
+            a, b = splits[s][r]
+
+            def overlapping(k: int) -> tuple[Neighbour, ...]:
+                if not 0 <= k < len(pipe.stages):
+                    return ()
+                return tuple(Neighbour(n, rr) for n, rr in zip(pipe.stages[k].nodes, splits[k])
+                             if rr[0] < b and a < rr[1])
+
+            found = Placement(
+                node_id=node_id, pipeline=p, stage=s, replica=r, num_stages=len(pipe.stages), dp=st.dp,
+                layers=st.layers, micro_batch=pipe.micro_batch, num_micro_batches=m, micro_rows=(a, b),
+                upstream=overlapping(s - 1), downstream=overlapping(s + 1),
+                rows=(row + m * a, row + m * b),
+                blocks=tuple((x, y) for x, y in zip(bounds, bounds[1:]) if a <= x and y <= b),
+                pipeline_nodes=tuple(n for stage in pipe.stages for n in stage.nodes),
+                loss_group=(), segments=(), group=group,
+            )
+        row += pipe.micro_batch * m
     if row != plan.global_batch:
         where = f"replica group {group}'s pipelines" if plan.mode == "outer" else "the pipelines"
         raise PlacementError(f"{where} train {row} sequences per step, the global batch is {plan.global_batch}")

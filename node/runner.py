@@ -6,10 +6,11 @@
 2. builds layers [a, b) only, and loads them (and their optimizer state) from the checkpoint of the
    resume step, whatever cut wrote it;
 3. joins its process groups through the epoch's rendezvous store: the norm-exchange group of its
-   pipeline replica, one group per shared layer segment (gradient averaging), and the loss group
-   of the last stages (gloo on CPU, NCCL on CUDA);
-4. connects to its neighbours with the gRPC transport, the codec of each link chosen by the job's
-   compression mode (a fixed codec, or the link policy when adaptive);
+   pipeline (every node of it; each stage's norm counted once), one group per shared layer segment
+   (gradient averaging), and the loss group of the last stages (gloo on CPU, NCCL on CUDA);
+4. connects to its neighbours with the gRPC transport (next to a stage of another width, to every
+   neighbour replica that shares its rows), the codec of each link chosen by the job's compression mode
+   (a fixed codec, or the link policy when adaptive);
 5. runs 1F1B steps, reports step metrics, writes checkpoints every `checkpoint.interval` steps.
 """
 
@@ -31,12 +32,12 @@ import torch.distributed as dist
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
-from atoll.node.data import TokenDataset
+from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import GradientAverager
-from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
+from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef, RowPeer
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
-from atoll.node.norm_exchange import DistNormExchange, NormExchange
+from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
 from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, RoundDecision, RoundStats, group_index,
                               layer_of, load_outer_state, save_outer_state)
 from atoll.node.outer import Participant as OuterParticipant
@@ -309,7 +310,7 @@ class PlanRunner:
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, step)
                 index = step * groups + pl.group
-                batch = data.rows(index, job.train.global_batch, *pl.rows) if data is not None else None
+                batch = self._batch(data, index) if data is not None else None
                 try:
                     result = stage.train_step(step, batch)
                     loss = self._mean_loss(result, loss_group, pl)
@@ -427,9 +428,9 @@ class PlanRunner:
         base = self._group_prefix()
         norm = None
         if store is not None and pl.num_stages > 1:
-            g = _group(store, f"{base}/chain-{pl.pipeline}-{pl.replica}/", pl.stage, pl.num_stages, ctx.timeout,
-                       ctx.device)
-            norm = DistNormExchange(g, device=ctx.device)
+            g = _group(store, f"{base}/norm-{pl.pipeline}/", pl.pipeline_nodes.index(ctx.node_id),
+                       len(pl.pipeline_nodes), ctx.timeout, ctx.device)
+            norm = OncePerStage(DistNormExchange(g, device=ctx.device), counts=pl.counts_norm)
         averager = None
         if store is not None and pl.segments:
             parts = []
@@ -445,6 +446,17 @@ class PlanRunner:
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
 
+    def _batch(self, data: TokenDataset, index: int) -> Batch:
+        """This replica's rows of the batch of step `index`, in micro-batch order (see `Placement.batch_order`)."""
+        pl = self.placement
+        assert pl is not None
+        batch = data.rows(index, self.job.train.global_batch, *pl.rows)
+        order = pl.batch_order()
+        if order is None:
+            return batch
+        idx = torch.tensor(order)
+        return Batch(batch.inputs[idx], batch.targets[idx])
+
     def _row_weight(self) -> float:
         pl = self.placement
         assert pl is not None
@@ -455,12 +467,13 @@ class PlanRunner:
             return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing
         addr = self.plan.node_addresses
 
-        def ref(node: str | None) -> PeerRef | None:
-            if node is None:
-                return None
-            if node not in addr:
-                raise RunFailed(f"the plan has no peer address for node {node}")
-            return PeerRef(node_id=node, address=addr[node], added_latency=self.ctx.wan_latency(self.plan, node))
+        def refs(neighbours) -> tuple[RowPeer, ...] | None:
+            for n in neighbours:
+                if n.node_id not in addr:
+                    raise RunFailed(f"the plan has no peer address for node {n.node_id}")
+            return tuple(RowPeer(peer=PeerRef(node_id=n.node_id, address=addr[n.node_id],
+                                              added_latency=self.ctx.wan_latency(self.plan, n.node_id)),
+                                 rows=n.rows) for n in neighbours) or None
 
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         send = stage_plan.send
@@ -470,7 +483,7 @@ class PlanRunner:
         return GrpcTransport(GrpcTransportConfig(
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.run_epoch,
             pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
-            upstream=ref(pl.upstream), downstream=ref(pl.downstream),
+            upstream=refs(pl.upstream), downstream=refs(pl.downstream), rows=pl.micro_rows,
             shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from atoll.job import JobSpec
 from atoll.node.local import train_local
 from atoll.node.peer import PeerServer
-from atoll.node.placement import PlacementError, place
 from atoll.node.runner import PlanRunner, RunContext
 from atoll.plan import PipelinePlan, Plan, StagePlan
 
@@ -109,19 +108,6 @@ def test_resume_from_checkpoint_under_another_cut(tmp_path: Path) -> None:
     got = {**first, **second}
     for s in range(6):
         assert abs(got[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
-
-
-def test_placement_rejects_uneven_replicas() -> None:
-    plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
-        micro_batch=4, num_micro_batches=4, stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c"])])])
-    with pytest.raises(PlacementError, match="same number"):
-        place(plan, "a", 6)
-    ok = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
-        micro_batch=8, num_micro_batches=2, stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c", "d"])])])
-    p = place(ok, "d", 6)
-    assert (p.stage, p.replica, p.upstream, p.rows, p.replica_micro_batch) == (1, 1, "b", (8, 16), 4)
-    assert [s.holders for s in p.segments] == [("c", "d")]
-    assert place(ok, "zz", 6) is None
 
 
 def test_a_missing_checkpoint_fails_the_run_and_says_where(tmp_path: Path) -> None:
