@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 # folder -> package; nothing is installed as a top-level `node`, `coordinator` or `compression`
 COMPONENTS = {"atoll": "atoll", "coordinator": "atoll.coordinator", "node": "atoll.node", "compression": "atoll.compression",
-              "launch": "atoll.launch"}
+              "launch": "atoll.launch", "examples": "atoll.examples"}
 
 packages: list[str] = []
 package_dir: dict[str, str] = {}

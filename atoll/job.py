@@ -49,7 +49,9 @@ def resolve_token(token: str | None = None, token_file: str | Path | None = None
     if token_file:
         path = Path(token_file)
         if not path.is_file():
-            raise FileNotFoundError(f"token file {path}: no such file")
+            raise FileNotFoundError(f"token file {path}: no such file. A coordinator started without --token-file "
+                                    f"writes its token into its state dir (runs/coordinator/token by default): copy "
+                                    f"that file here, or put a secret of your own on its first line")
         text = path.read_text(encoding="utf-8").strip()
         if not text:
             raise ValueError(f"token file {path} is empty; put the job token on its first line")

@@ -13,14 +13,16 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
         description="Run the coordinator of one job: nodes join it, it forms islands, plans and publishes the "
         "plan. Its state lives in SQLite under --state-dir; restarted on the same folder it resumes the job. "
         "SIGUSR1 has every link probed again.")
-    p.add_argument("--job", required=True, help="job spec (TOML), e.g. examples/tiny.toml")
+    p.add_argument("--job", required=True, help="job spec (TOML), e.g. examples/tiny.toml (the examples are "
+                   "installed with atoll, so that one is found from any folder)")
     p.add_argument("--listen", default="0.0.0.0:7070", help="HOST:PORT of the gRPC server (port 0 picks one)")
     p.add_argument("--state-dir", default="runs/coordinator", help="folder for the coordinator's SQLite state")
     p.add_argument("--token-file", help="file holding the job token (else $ATOLL_TOKEN, else one is generated "
-                   "and kept in the state dir)")
+                   "into STATE_DIR/token: copy that file to the nodes)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address the metrics endpoint binds")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint binds (default: loopback only; 0.0.0.0 for every interface)")
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS with --tls-key")
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
@@ -46,8 +48,9 @@ def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
     p.add_argument("--token-file", help="file holding the job token")
     p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table (one line per update with "
-                   "--watch)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables (one line per update with "
+                   "--watch): the tables' headers are its field names in capitals; a failure is printed as "
+                   "{\"error\": ...} with exit code 2")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                    help="ask again every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")

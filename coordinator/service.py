@@ -26,8 +26,9 @@ from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
-from atoll.coordinator.store import MemoryStore, SqliteStore, Store
+from atoll.coordinator.store import MemoryStore, SqliteStore, Store, StoreError
 from atoll.fsutil import atomic_write_text
+from atoll.inputs import input_path
 from atoll.job import JobSpec, resolve_token
 from atoll.coordinator.watches import PlanWatches
 from atoll.rpc import AioServerHandle, RpcOptions, make_aio_server
@@ -204,7 +205,7 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
 
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     """`atoll coordinator`: serve until SIGINT/SIGTERM."""
-    job = JobSpec.load(args.job)
+    job = JobSpec.load(input_path(args.job))
     state_dir = Path(args.state_dir)
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
@@ -213,7 +214,11 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                                  islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc)
-    service = CoordinatorService(job=job, token=token, config=config, options=options).start()
+    try:
+        service = CoordinatorService(job=job, token=token, config=config, options=options).start()
+    except StoreError as e:  # a state dir of another job or version: one line saying what to do
+        log.error("%s: %s", state_dir, e)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

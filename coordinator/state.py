@@ -69,8 +69,9 @@ class CoordinatorState:
         """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
         stored = store.get_job()
         if stored is not None and stored.job_id != job.id:
-            raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id} (the spec changed?); start with "
-                             f"the job's original spec or a new --state-dir")
+            raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id}: the job spec changed since "
+                             f"that state was written; restart with the original spec to resume that job, or give a "
+                             f"new --state-dir (or empty this one) to start this job afresh")
         if stored is None:
             store.put_job(JobRecord(job_id=job.id, name=job.name, spec_toml=job.to_toml(), created_unix=clock()))
         self.spec_toml = job.to_toml()
