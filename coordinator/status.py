@@ -81,8 +81,8 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
         line += f"; measured / predicted {measured / predicted:.2f}"
     out = [line]
     if s.stage_usage:
-        out.append("\nstages (means per step over the recent steps; OTHER: all-reduce, optimizer, checkpoints):")
-        rows = [["PIPELINE", "STAGE", "NODE", "STEPS", "STEP", "COMPUTE", "WAIT", "OTHER", "UTILISATION"]]
+        out.append("\nstages (means per step over the recent steps; OTHER-S: all-reduce, optimizer, checkpoints):")
+        rows = [["PIPELINE", "STAGE", "NODE-ID", "STEPS", "STEP-S", "COMPUTE-S", "WAIT-S", "OTHER-S", "UTILISATION"]]
         for u in s.stage_usage:
             other = u.step_seconds - u.compute_seconds - u.wait_seconds
             rows.append([str(u.pipeline), str(u.stage), u.node_id, str(u.steps), _seconds(u.step_seconds),
@@ -90,9 +90,10 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
                          f"{100 * u.utilisation:.0f}%"])
         out += _table(rows)
     if s.link_usage:
-        out.append("\nlinks (means per step over the recent steps; ESTIMATE: the sender's bandwidth estimate):")
-        rows = [["PIPELINE", "STAGE", "FROM", "TO", "DIRECTION", "CODEC", "RAW", "WIRE", "RATIO", "ON WIRE",
-                 "ACHIEVED", "ESTIMATE"]]
+        out.append("\nlinks (means per step over the recent steps; SECONDS: time on the wire; ESTIMATE: the sender's "
+                   "bandwidth estimate):")
+        rows = [["PIPELINE", "STAGE", "SRC", "DST", "DIRECTION", "CODEC", "BYTES-RAW", "BYTES-WIRE", "RATIO",
+                 "SECONDS", "ACHIEVED", "ESTIMATE"]]
         for x in s.link_usage:
             ratio = f"{x.bytes_raw / x.bytes_wire:.2f}x" if x.bytes_wire > 0 else "-"
             rows.append([str(x.pipeline), str(x.stage), x.src, x.dst,
@@ -127,7 +128,14 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
 
 
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:
-    """The reply as tables: the job's progress first, then members, islands and the plan."""
+    """The reply as tables: the job's progress first, then members, islands and the plan.
+
+    A column's header is its field's name in the JSON (`status_json`) in capitals, `-` for `_`, with the unit
+    left off where the cell shows one (`_bytes_per_s`, `_bytes`, `_unix`) and `_seconds` written `-S`:
+    PEER-ADDRESS is `peer_address`, INNER-BANDWIDTH `inner_bandwidth_bytes_per_s`, STEP-S `step_seconds`.
+    Exceptions: DEVICES is an island's `gpus` (its devices, GPUs or CPUs), PROFILE the member's
+    `profile.device_kind`, `device_count` and `device_name`; RATIO and OTHER-S are derived.
+    """
     now = time.time() if now is None else now
     loss = f"loss {s.loss:.4f} (step {s.loss_step})   " if s.has_loss else ""
     out = [f"job {s.job.name} ({s.job.job_id})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
@@ -139,7 +147,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:
-        rows = [["NODE", "STATE", "DEVICE", "MEMORY", "ADDRESS", "HEARTBEAT"]]
+        rows = [["NODE-ID", "STATE", "PROFILE", "MEMORY-TOTAL", "PEER-ADDRESS", "LAST-HEARTBEAT"]]
         for m in s.members:
             p = m.profile
             rows.append([m.node_id, m.state, f"{p.device_kind} x{p.device_count} {p.device_name}"[:48],
@@ -148,7 +156,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         out += _table(rows)
     out.append(f"\nislands: {len(s.islands)}")
     if s.islands:
-        rows = [["ISLAND", "DEVICE", "GPUS", "INNER", "OUTER", "NODES"]]
+        rows = [["ID", "DEVICE-NAME", "DEVICES", "INNER-BANDWIDTH", "OUTER-BANDWIDTH", "NODE-IDS"]]
         for i in s.islands:
             rows.append([i.id, i.device_name[:32], str(i.gpus), _rate(i.inner_bandwidth_bytes_per_s),
                          _rate(i.outer_bandwidth_bytes_per_s), ", ".join(i.node_ids)])
@@ -164,7 +172,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         for pl in p.pipelines:
             owner = f", replica group {group_of[pl.index]}" if pl.index in group_of else ""
             out.append(f"  pipeline {pl.index}: micro-batch {pl.micro_batch} x {pl.num_micro_batches}{owner}")
-            rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODES", "SEND", "RENDEZVOUS"]]
+            rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODE-IDS", "SEND", "DP-RENDEZVOUS"]]
             for st in pl.stages:
                 send = _codec(st.send.codec) if st.HasField("send") else "-"
                 rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})", str(st.dp),
@@ -203,6 +211,19 @@ def watch(fetch: Callable[[], pb.StatusReply], render: Callable[[pb.StatusReply]
 
 
 def run_status_cli(args: argparse.Namespace) -> int:
+    """`atoll status`. With --json every outcome is JSON on stdout, a failure as {"error": ...} with exit code 2."""
+    if not args.json:
+        return _run_status(args)
+    try:
+        return _run_status(args)
+    except (ValueError, FileNotFoundError, PermissionError, ConnectionError) as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        return 2
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
     token = resolve_token(args.token, args.token_file)
     rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else None
 
@@ -213,8 +234,6 @@ def run_status_cli(args: argparse.Namespace) -> int:
         reply = fetch()
         print(status_json(reply) if args.json else format_status(reply))
         return 0
-    if args.watch <= 0:
-        raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
 
     def title() -> str:
         return (f"atoll status {args.coordinator} at {time.strftime('%H:%M:%S')}, every {args.watch:g} s "
@@ -223,7 +242,7 @@ def run_status_cli(args: argparse.Namespace) -> int:
     try:
         if args.json:  # one JSON document per line
             watch(fetch, lambda s: status_json(s, indent=None), interval=args.watch, out=sys.stdout,
-                  clear=sys.stdout.isatty(), unanswered=lambda why: json.dumps({"error": why}))
+                  clear=False, unanswered=lambda why: json.dumps({"error": why}))
         else:
             watch(fetch, format_status, interval=args.watch, out=sys.stdout, clear=sys.stdout.isatty(), title=title)
     except KeyboardInterrupt:  # the way a watch ends

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from google.protobuf.json_format import MessageToDict
 
 from atoll.launch.cli import build_parser
 from atoll.coordinator import handlers as h
@@ -283,3 +284,57 @@ def test_watch_option() -> None:
     assert parse(["status", "--coordinator", "h:1", "--watch", "0.5", "--json"]).watch == 0.5
     with pytest.raises(ValueError, match="positive number of seconds"):
         run_status_cli(parse(["status", "--coordinator", "h:1", "--token", "t", "--watch", "0"]))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_json_without_a_coordinator_is_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    from atoll.launch.cli import main
+
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    assert main(["status", "--coordinator", address, "--token", "t", "--json", "--timeout", "0.5"]) == 2
+    out, err = capsys.readouterr()
+    assert "no coordinator answered" in json.loads(out)["error"] and err == ""
+    assert main(["status", "--coordinator", address, "--token-file", "/nonexistent/token", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "runs/coordinator/token" in json.loads(out)["error"] and err == ""
+    assert main(["status", "--coordinator", address, "--token", "t", "--json", "--watch", "0"]) == 2
+    assert "positive number of seconds" in json.loads(capsys.readouterr().out)["error"]
+
+
+def _keys(d: object) -> set[str]:
+    if isinstance(d, dict):
+        return set(d) | {k for v in d.values() for k in _keys(v)}
+    if isinstance(d, list):
+        return {k for v in d for k in _keys(v)}
+    return set()
+
+
+def test_table_headers_are_the_json_field_names() -> None:
+    s = status_reply()
+    s.members.add(node_id="a", peer_address="127.0.0.1:7171", state="alive", last_heartbeat_unix=1.0,
+                  profile=pb.NodeProfile(device_kind="cpu", device_count=1, device_name="EPYC",
+                                         memory_total_bytes=1 << 30))
+    s.islands.add(id="cpu0", device_name="EPYC", node_ids=["a"], gpus=1, inner_bandwidth_bytes_per_s=1e9,
+                  outer_bandwidth_bytes_per_s=0.0)
+    stage = s.plan.pipelines.add(index=0, micro_batch=2, num_micro_batches=2).stages.add(
+        index=0, island="cpu0", layer_start=0, layer_end=6, dp=1, node_ids=["a"], dp_rendezvous="tcp://h:1")
+    assert stage.island == "cpu0"
+    text = format_status(s, now=2.0)
+    # every field of the schema, zeros included (the JSON leaves out fields at their zero value)
+    keys = _keys(MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    derived = {"RATIO", "OTHER-S", "LAYERS", "SEND", "DEVICES", "PROFILE"}  # documented in format_status
+    headers = [line.split() for line in text.splitlines() if line.strip().split()[:1] and line.strip().isupper()]
+    assert len(headers) == 5  # stages, links, members, islands, the plan's stages
+    for header in (x for row in headers for x in row if x not in derived):
+        name = header.lower().replace("-", "_")
+        candidates = {name, name.removesuffix("_s") + "_seconds", name + "_bytes_per_s", name + "_bytes",
+                      name + "_unix"}
+        assert candidates & keys, f"header {header} names no JSON field"
+    assert "GPUS" not in text and "DEVICES" in text

@@ -59,15 +59,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.planjob import search_plan
     from atoll.coordinator.planner.profiles import ProfileSet
     from atoll.coordinator.planner.report import format_plan
+    from atoll.coordinator.planner.unused import explain_unused
+    from atoll.inputs import input_path
 
     model = load_model(args.model)
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster(input_path(args.cluster))
     profiles = ProfileSet.load(args.profiles) if args.profiles else None
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len or model.config.seq_len, dtype=args.dtype)
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap)
     result = search_plan(model, cluster, train, profiles, options)
-    print(format_plan(result.plan, cluster, search_seconds=result.seconds))
+    unused = explain_unused(result.plan, cluster, model, train, profiles, options)
+    print(format_plan(result.plan, cluster, search_seconds=result.seconds, unused=unused))
     if result.note and result.plan.mode == "sync":
         print(f"mode {result.note}")
     if args.json:

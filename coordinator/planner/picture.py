@@ -19,49 +19,87 @@ KIND_COLOR = {"F": "#4c9be8", "B": "#f28e2b", "sync": "#59a14f", "opt": "#9c755f
 ROUND_COLOR = {"inner": "#4c9be8", "outer": "#e15759"}
 
 
+def pipeline_order(plan: Plan, islands: list | None = None) -> list:
+    """`islands` (default: the plan's) in the order the pipelines run through them: pipeline 0's stages first,
+    then each further pipeline's new islands, then those no stage uses. Drawn in this order, every link of a
+    pipeline points right (or down, inside one island), so no arrow crosses another."""
+    islands = list(plan.islands) if islands is None else islands
+    by_id = {i.id: i for i in islands}
+    order = list(dict.fromkeys(s.island for pipe in plan.pipelines for s in pipe.stages if s.island in by_id))
+    return [by_id[i] for i in order] + [i for i in islands if i.id not in order]
+
+
 def _islands_row(ax: Any, plan: Plan, islands: list, x0: float, width: float, y0: float, height: float,
-                 palette: Any, devices: list[str], centers: dict[tuple[int, int], tuple[float, float]]) -> None:
-    """Island boxes side by side in [x0, x0 + width], each holding the stages it hosts."""
+                 palette: Any, devices: list[str], boxes: dict[tuple[int, int], Any]) -> None:
+    """Island boxes side by side in [x0, x0 + width], in pipeline order, each holding the stages it hosts
+    (their text boxes go into `boxes`)."""
     from matplotlib.patches import Rectangle
 
     hosted: dict[str, list[tuple[int, int]]] = {}
     for pk, pipe in enumerate(plan.pipelines):
         for sk, s in enumerate(pipe.stages):
             hosted.setdefault(s.island, []).append((pk, sk))
+    islands = pipeline_order(plan, islands)
     total = sum(i.gpus for i in islands) or 1
     shares = [max(i.gpus / total, 0.08) for i in islands]
     scale = width / sum(shares)
     x = x0
     for isl, share in zip(islands, shares):
         w = share * scale
-        ax.add_patch(Rectangle((x, y0), w * 0.95, height, facecolor=palette(devices.index(isl.device)), alpha=0.25,
-                               edgecolor="black"))
-        ax.text(x + 0.01, y0 + height - 0.02, f"{isl.id}\n{isl.gpus} x {isl.device}", va="top", fontsize=8)
         mine = hosted.get(isl.id, [])
+        ax.add_patch(Rectangle((x, y0), w * 0.95, height, facecolor=palette(devices.index(isl.device)),
+                               alpha=0.25 if mine else 0.08, edgecolor="black" if mine else "#999999",
+                               hatch=None if mine else "//"))
+        ax.text(x + 0.01, y0 + height - 0.02, f"{isl.id}\n{isl.gpus} x {isl.device}" + ("" if mine else "\nunused"),
+                va="top", fontsize=8, color="black" if mine else "#666666")
+        # stages stacked below the island's label, one slot each; crowded islands get one-line labels
+        top, bottom = y0 + height * 0.78, y0 + height * 0.04
+        slot = (top - bottom) / max(1, len(mine))
         for n, (pk, sk) in enumerate(mine):
             s = plan.pipelines[pk].stages[sk]
-            cy = y0 + height * (0.66 - 0.6 * n / max(1, len(mine)))
-            cx = x + w * 0.47
             name = f"stage {sk}" if len(plan.pipelines) == 1 else f"pipeline {pk} stage {sk}"
-            ax.text(cx, cy, f"{name}: layers [{s.layers[0]}, {s.layers[1]})\ndp {s.dp}, zero {s.zero}"
-                    + (", recompute" if s.recompute else ""), ha="center", va="center", fontsize=7,
-                    bbox={"boxstyle": "round", "facecolor": "white"})
-            centers[(pk, sk)] = (cx, cy)
+            sep = "\n" if len(mine) <= 2 else ", "
+            label = (f"{name}: layers [{s.layers[0]}, {s.layers[1]}){sep}dp {s.dp}, zero {s.zero}"
+                     + (", recompute" if s.recompute else ""))
+            boxes[(pk, sk)] = ax.text(x + w * 0.47, top - slot * (n + 0.5), label, ha="center", va="center",
+                                      fontsize=7 if len(mine) <= 2 else 6.5,
+                                      bbox={"boxstyle": "round,pad=0.3", "facecolor": "white"})
         x += w
 
 
-def _stage_arrows(ax: Any, plan: Plan, centers: dict[tuple[int, int], tuple[float, float]]) -> None:
+def _stage_arrows(ax: Any, plan: Plan, boxes: dict[tuple[int, int], Any]) -> None:
+    """An arrow from each stage to the next, its codec written beside it: straight when the next stage is to
+    the right or below (islands are drawn in pipeline order), an arc otherwise. Called once the layout is
+    final: arrows are clipped to the stages' boxes, and an arc's label sits at its drawn midpoint."""
+    import numpy as np
     from matplotlib.patches import FancyArrowPatch
 
+    ax.figure.canvas.draw()  # places the text boxes the arrows are clipped to
+    to_data = ax.transData.inverted()
     for pk, pipe in enumerate(plan.pipelines):
         for sk in range(len(pipe.stages) - 1):
-            a, b = centers[(pk, sk)], centers[(pk, sk + 1)]
-            ax.add_patch(FancyArrowPatch(a, b, arrowstyle="->", mutation_scale=12, color="black",
-                                         connectionstyle="arc3,rad=0.3"))
+            ta, tb = boxes[(pk, sk)], boxes[(pk, sk + 1)]
+            a, b = ta.get_position(), tb.get_position()
+            forward = b[0] > a[0] + 1e-6 or (abs(b[0] - a[0]) <= 1e-6 and b[1] < a[1])
+            rad = 0.0 if forward else 0.35
+            ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=12, color="black", linewidth=1.2,
+                                         connectionstyle=f"arc3,rad={rad}", patchA=ta.get_bbox_patch(),
+                                         patchB=tb.get_bbox_patch(), zorder=4))
             send = pipe.stages[sk].send
-            if send is not None:
-                ax.text((a[0] + b[0]) / 2, min(a[1], b[1]) - 0.08, send.codec, fontsize=7, ha="center",
-                        color="darkred")
+            if send is None:
+                continue
+            label = f"{send.codec}, {send.seconds * 1e3:.0f} ms" if send.seconds > 0 else send.codec
+            da, db = ax.transData.transform(a), ax.transData.transform(b)
+            dx, dy = db - da
+            mid = (da + db) / 2
+            if rad:  # arc3's control point is mid + rad (dy, -dx); the curve passes halfway to it
+                mid = mid + rad / 2 * np.array([dy, -dx])
+            vertical = abs(dx) < abs(dy)
+            ax.annotate(label, to_data.transform(mid), xytext=(5, 0) if vertical else (0, 4),
+                        textcoords="offset points", ha="left" if vertical else "center",
+                        va="center" if vertical else "bottom", fontsize=7, color="darkred", zorder=5,
+                        bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                              "alpha": 0.8})
 
 
 def _outer_label(plan: Plan) -> str:
@@ -73,8 +111,7 @@ def _outer_label(plan: Plan) -> str:
             + (" (overlapped)" if o.overlap else " (blocking)"))
 
 
-def _groups_row(ax: Any, plan: Plan, palette: Any, devices: list[str],
-                centers: dict[tuple[int, int], tuple[float, float]]) -> None:
+def _groups_row(ax: Any, plan: Plan, palette: Any, devices: list[str], boxes: dict[tuple[int, int], Any]) -> None:
     """A box per replica group holding its islands, and the outer sync between the groups."""
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
@@ -88,25 +125,24 @@ def _groups_row(ax: Any, plan: Plan, palette: Any, devices: list[str],
     gap = 0.06
     scale = (1 - gap * (len(shares) - 1)) / sum(shares)
     x = 0.0
-    boxes: list[tuple[float, float]] = []
+    centers: list[float] = []
     for g, m, share in zip(plan.groups, members, shares):
         w = share * scale
-        ax.add_patch(Rectangle((x, 0.01), w, 0.74, facecolor="none", edgecolor="#333333", linewidth=1.6,
+        ax.add_patch(Rectangle((x, 0.01), w, 0.72, facecolor="none", edgecolor="#333333", linewidth=1.6,
                                linestyle="--"))
-        ax.text(x + w / 2, 0.74, f"group {g.name}\n{g.inner_steps} steps of {g.step_time_s:.1f} s per round, "
-                f"{g.tokens_per_s:,.0f} tok/s", ha="center", va="top", fontsize=7.5, fontweight="bold")
-        _islands_row(ax, plan, m, x + 0.01, w - 0.02, 0.03, 0.57, palette, devices, centers)
-        boxes.append((x, w))
+        ax.text(x + w / 2, 0.71, f"group {g.name}\n{g.inner_steps} steps of {g.step_time_s:.1f} s per round\n"
+                f"{g.tokens_per_s:,.0f} tok/s", ha="center", va="top", fontsize=7, fontweight="bold")
+        _islands_row(ax, plan, m, x + 0.01, w - 0.02, 0.03, 0.56, palette, devices, boxes)
+        centers.append(x + w / 2)
         x += w + gap
-    # the exchange runs between every pair of groups: arcs above the boxes, the settings written once
-    for a in range(len(boxes)):
-        for b in range(a + 1, len(boxes)):
-            xa = boxes[a][0] + boxes[a][1] * 0.5
-            xb = boxes[b][0] + boxes[b][1] * 0.5
-            rad = -0.08 - 0.03 * (b - a - 1)
-            ax.add_patch(FancyArrowPatch((xa, 0.755), (xb, 0.755), arrowstyle="<|-|>", mutation_scale=14,
-                                         color="#e15759", linewidth=1.8, connectionstyle=f"arc3,rad={rad}"))
-    ax.text(0.5, 1.0, _outer_label(plan), ha="center", va="top", fontsize=8.5, color="#b2182b",
+    # every group exchanges with every other: a bus above the boxes, one two-headed arrow per group, the
+    # settings written once above the bus (inside the axes, clear of the titles)
+    bus = 0.83
+    ax.plot([centers[0], centers[-1]], [bus, bus], color="#e15759", linewidth=2.2, solid_capstyle="round")
+    for c in centers:
+        ax.add_patch(FancyArrowPatch((c, 0.735), (c, bus), arrowstyle="<|-|>", mutation_scale=12, color="#e15759",
+                                     linewidth=1.8, shrinkA=0, shrinkB=0))
+    ax.text(0.5, bus + 0.025, _outer_label(plan), ha="center", va="bottom", fontsize=8.5, color="#b2182b",
             bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "#e15759"})
 
 
@@ -154,27 +190,26 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
                                                   gridspec_kw={"height_ratios": [1.6, 0.7, 1.0]})
     else:
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7.5), gridspec_kw={"height_ratios": [1, 1.4]})
-    title = (f"{plan.model}: {plan.predicted.tokens_per_s:,.0f} tokens/s, step {plan.predicted.step_time_s:.2f} s, "
-             f"MFU {plan.predicted.mfu:.0%}")
+    # MFU needs the devices' peak FLOP/s, which CPUs and devices known only by their profile lack
+    mfu = f", MFU {plan.predicted.mfu:.0%}" if plan.predicted.mfu > 0 else ""
+    title = f"{plan.model}: {plan.predicted.tokens_per_s:,.0f} tokens/s, step {plan.predicted.step_time_s:.2f} s{mfu}"
     if outer:
         title = (f"{plan.model}, outer mode: {len(plan.groups)} replica groups, {plan.predicted.tokens_per_s:,.0f} "
-                 f"tokens/s in all (outer-mode tokens), MFU {plan.predicted.mfu:.0%}")
+                 f"tokens/s in all (outer-mode tokens){mfu}")
     fig.suptitle(title, fontsize=11)
 
     palette = plt.get_cmap("tab10")
     devices = list(dict.fromkeys(i.device for i in plan.islands))
-    centers: dict[tuple[int, int], tuple[float, float]] = {}
+    boxes: dict[tuple[int, int], Any] = {}
     if outer:
-        _groups_row(top, plan, palette, devices, centers)
+        _groups_row(top, plan, palette, devices, boxes)
         top.set_title(f"replica groups (one per region) and {len(plan.pipelines)} pipeline(s)", fontsize=9)
-        top.set_xlim(0, 1)
         _rounds(middle, plan)
     else:
-        _islands_row(top, plan, list(plan.islands), 0.0, 1.0, 0.02, 0.96, palette, devices, centers)
-        top.set_title(f"islands and {len(plan.pipelines)} pipeline(s); timeline of pipeline 0 "
+        _islands_row(top, plan, list(plan.islands), 0.0, 1.0, 0.02, 0.96, palette, devices, boxes)
+        top.set_title(f"islands in pipeline order and {len(plan.pipelines)} pipeline(s); timeline of pipeline 0 "
                       f"({len(pl.stages)} stages, {pl.num_micro_batches} micro-batches)", fontsize=9)
-        top.set_xlim(0, 1)
-    _stage_arrows(top, plan, centers)
+    top.set_xlim(0, 1)
     top.set_ylim(0, 1)
     top.axis("off")
 
@@ -191,6 +226,7 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
     handles = [Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOR.values()]
     bottom.legend(handles, ["forward", "backward", "all-reduce", "optimizer"], loc="lower right", fontsize=7)
     fig.tight_layout()
+    _stage_arrows(top, plan, boxes)  # after the layout: it measures the drawn boxes
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)

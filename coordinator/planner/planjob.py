@@ -141,7 +141,7 @@ def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
         return (f"{head}: it needs {need / GB:.1f} GB (weights, gradients and {train.optimizer} states "
                 f"{states / GB:.1f} GB plus activations of one sequence {act / GB:.1f} GB) but the "
                 f"{cluster.total_gpus} GPUs offer {usable / GB:.1f} GB usable "
-                f"({1 - cm.options.memory_reserve_fraction:.0%} of their memory); add GPUs or train in 16-bit")
+                f"({1 - cm.options.memory_reserve_fraction:.0%} of their memory); {_memory_hint(cm, cluster, need)}")
     biggest = max(model.layers, key=lambda x: x.params)
     one = cm.state_bytes(biggest.params, 3, max(i.gpus for i in cluster.islands))
     best_dev = max(cm.memory_capacity(i) for i in cluster.islands)
@@ -151,6 +151,23 @@ def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
     return (f"{head}: the model needs {need / GB:.1f} GB and the cluster offers {usable / GB:.1f} GB, but no "
             f"pipeline of at most {cm.options.max_stages} stages whose width divides global batch "
             f"{train.global_batch} fits; try a global batch divisible by the islands' sizes, or more stages")
+
+
+def _memory_hint(cm: CostModel, cluster: Cluster, need: float) -> str:
+    """What would make a model that needs `need` bytes fit, for the job's own dtype and optimizer."""
+    model, train = cm.model, cm.train
+    usable = sum(cm.memory_capacity(i) * i.gpus for i in cluster.islands)
+    biggest = max(cluster.islands, key=cm.memory_capacity)
+    more = math.ceil((need - usable) / cm.memory_capacity(biggest))
+    hint = f"add {'devices' if cluster.source == 'live' else 'GPUs'} (about {more} more {biggest.device.name})"
+    if train.dtype == "fp32":
+        # mixed precision keeps fp32 masters: the states stay as they are and only the activations halve
+        half = model.activation_bytes(0, model.num_layers, 1, train.seq_len, "bf16", recompute=True)
+        states = sum(model.model_state_bytes(0, model.num_layers, "bf16", train.optimizer).values())
+        if states + half <= usable:
+            return f"train in bf16 (it halves the activations; {states / GB + half / GB:.1f} GB would fit) or {hint}"
+        return f"{hint}; training in bf16 instead of fp32 would not fit either (it keeps fp32 master weights)"
+    return f"{hint}; the job already trains in {train.dtype}"
 
 
 def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> str:

@@ -3,18 +3,40 @@ mode also the replica groups and the outer sync between them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
+from atoll.coordinator.planner.unused import UnusedIsland
 from atoll.plan import Plan
 
 
-def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: float | None = None) -> str:
+def device_word(kinds: Iterable[str]) -> str:
+    """What to call devices of these kinds ("cpu", "cuda", ...): CPUs, GPUs, or devices when mixed or unknown."""
+    kinds = set(kinds)
+    if kinds == {"cpu"}:
+        return "CPUs"
+    if kinds == {"cuda"}:
+        return "GPUs"
+    return "devices"
+
+
+def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: float | None = None,
+                device_kinds: Iterable[str] | None = None, unused: Sequence[UnusedIsland] = ()) -> str:
+    """The plan as text. `device_kinds` names the kinds of the devices planned on (a cluster file's are GPUs);
+    `unused` says why islands are left out (`explain_unused`)."""
     p = plan.predicted
+    if device_kinds is not None:
+        devices = device_word(device_kinds)
+    else:
+        devices = "GPUs" if cluster is not None and cluster.source != "live" else "devices"
     gpus_used = sum(s.dp for pl in plan.pipelines for s in pl.stages)
     total = sum(i.gpus for i in plan.islands)
     lines = [f"plan for {plan.model}: global batch {plan.global_batch} x {plan.seq_len} tokens, "
-             f"{gpus_used} of {total} GPUs"]
-    lines.append(f"  step {p.step_time_s:.3f} s   {p.tokens_per_s:,.0f} tokens/s   MFU {p.mfu:.1%}")
+             f"{gpus_used} of {total} {devices}"]
+    # MFU needs the devices' peak FLOP/s, which CPUs and devices known only by their profile lack
+    mfu = f"   MFU {p.mfu:.1%}" if p.mfu > 0 else ""
+    lines.append(f"  step {p.step_time_s:.3f} s   {p.tokens_per_s:,.0f} tokens/s{mfu}")
     lines.append(f"  bottleneck: {p.bottleneck}")
     if search_seconds is not None:
         lines.append(f"  planned in {search_seconds:.2f} s")
@@ -40,6 +62,7 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     for i in plan.islands:
         region = f" region {cluster.island(i.id).region}" if cluster is not None else ""
         lines.append(f"  {i.id:<16} {i.gpus:>5} x {i.device:<10}{region}  inner {i.inner_bandwidth / GBPS:.0f} Gbit/s")
+    lines += _unused_lines(plan, unused, devices)
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
@@ -54,3 +77,23 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
                          + f" {s.dp:>4} {s.zero:>4} {'yes' if s.recompute else 'no':>6} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
+
+
+def _unused_lines(plan: Plan, unused: Sequence[UnusedIsland], devices: str) -> list[str]:
+    """Islands no stage runs on, with the reason; islands only partly used, with how much."""
+    why = {u.island: u.reason for u in unused}
+    on: dict[str, int] = {}
+    for pl in plan.pipelines:
+        for s in pl.stages:
+            on[s.island] = on.get(s.island, 0) + s.dp
+    lines = []
+    for i in plan.islands:
+        n = on.get(i.id, 0)
+        if n == 0:
+            lines.append(f"  {i.id}: unused, {why.get(i.id, 'the plan found is faster without it')}")
+        elif n < i.gpus:
+            reason = (f"{i.gpus} do not divide the global batch of {plan.global_batch}, and a stage's replicas "
+                      "share each micro-batch evenly" if plan.global_batch % i.gpus else
+                      "the plan found is faster with fewer")
+            lines.append(f"  {i.id}: {n} of its {i.gpus} {devices} used; {reason}")
+    return (["unused:"] + lines) if lines else []
