@@ -9,7 +9,7 @@ and what `atoll plan --json` writes. Its JSON shape:
      "pipelines": [{"micro_batch": int, "num_micro_batches": int,
        "stages": [{"island": str, "layers": [first, last_exclusive], "dp": int, "tp": int, "zero": int,
                    "recompute": bool, "recompute_layers": [int], "compute_s": float, "memory_gb_per_device": float,
-                   "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
+                   "in_flight": int, "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
 `nodes` and `dp_rendezvous`.
@@ -68,12 +68,18 @@ class StagePlan:
     """Node ids of the data-parallel replicas, in rank order (empty when planned from a cluster file)."""
     dp_rendezvous: str = ""
     """torch.distributed init address (tcp://HOST:PORT) of this stage's replicas."""
+    in_flight: int = 0
+    """Extra micro-batches this stage keeps in flight beyond strict 1F1B (a deep window: that many more
+    warm-up forwards) so a slow or distant link downstream does not stall it; never more than one above
+    the previous stage's (`Plan.validate`)."""
 
     def __post_init__(self) -> None:
         a, b = self.layers
         if not 0 <= a < b:
             raise ValueError(f"stage layers must be [first, last_exclusive) with first < last, got {self.layers}")
         self.layers = (int(a), int(b))
+        if self.in_flight < 0:
+            raise ValueError(f"stage in_flight (extra micro-batches in flight) must be >= 0, got {self.in_flight}")
         outside = [i for i in self.recompute_layers if not a <= i < b]
         if outside:
             raise ValueError(f"recompute_layers {outside} are outside the stage's layers [{a}, {b})")
@@ -215,6 +221,11 @@ class Plan:
                 if s.layers[0] != expect:
                     raise ValueError(f"pipeline {pi} stage {si} starts at layer {s.layers[0]}, expected {expect}")
                 expect = s.layers[1]
+            for si, (a, b) in enumerate(zip(p.stages, p.stages[1:])):
+                if b.in_flight > a.in_flight + 1:  # the downstream's warm-up would outgrow the upstream's
+                    raise ValueError(f"pipeline {pi} stage {si + 1} keeps {b.in_flight} extra micro-batches in "
+                                     f"flight but stage {si} only {a.in_flight}, which deadlocks 1F1B; a stage may "
+                                     f"keep at most one more than the stage before it")
             if num_layers is not None and expect != num_layers:
                 raise ValueError(f"pipeline {pi} ends at layer {expect}, the model has {num_layers}")
         if self.mode not in ("sync", "outer"):
