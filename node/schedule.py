@@ -1,18 +1,48 @@
 """The order in which one pipeline stage runs the forward and backward passes of its micro-batches.
 
-A schedule is a pure function of (kind, stage, number of stages, micro-batches): a list of actions the
-stage runtime executes in order, blocking on its transport for inputs. Both kinds below are
-deadlock-free with blocking receives as long as sends do not wait for the receiver.
+A schedule is a pure function of (kind, stage, number of stages, micro-batches, extra in-flight depth): a
+list of actions the stage runtime executes in order, blocking on its transport for inputs. Sends never
+wait for the receiver (the transport buffers them).
 
 - ``gpipe``: every forward, then every backward (in reverse). Holds all micro-batches in flight.
-- ``1f1b``: ``p - s - 1`` warm-up forwards, then alternate one forward and one backward, then drain
-  the remaining backwards. Stage ``s`` holds at most ``p - s`` micro-batches in flight.
+- ``1f1b``: ``w`` warm-up forwards, then alternate one forward and one backward, then drain the remaining
+  backwards; stage ``s`` holds at most ``w + 1`` micro-batches in flight. Strict 1F1B has
+  ``w = p - s - 1``; a *deep window* adds ``extra_in_flight = e_s`` to it (``w = min(p - s - 1 + e_s, m)``).
 
-With uniform stage times both have the bubble (idle) fraction ``(p - 1) / (m + p - 1)``.
+Deep windows, for slow or distant links. Across the boundary from stage ``s`` to ``s + 1`` strict 1F1B keeps
+one micro-batch more in flight upstream than downstream, so stage ``s`` can run one forward and one backward
+while a micro-batch crosses the link, is processed downstream and its gradient comes back: a round trip
+longer than that stalls every micro-batch. With ``d`` micro-batches of extra depth at the boundary stage
+``s`` runs ``d`` more cycles of its own work in that time, so a boundary whose round trip (latency both ways
+plus transfers) is ``RTT`` needs ``d = ceil(RTT / cycle)``. The extra forwards' activations wait in the
+downstream's receive buffer until it takes them, so the upstream's extra warm-up is what the downstream
+absorbs; the upstream holds ``d`` more micro-batches' activations for backward. Depths accumulate upstream:
+``stage_depths`` turns per-boundary depths ``d_t`` into per-stage extras ``e_s = sum(d_t for t >= s)``, which
+keeps every boundary's window at ``1 + d_s``.
+
+Deadlock freedom (with blocking receives and non-blocking sends). Write ``F_k < B_j`` at a stage when it runs
+the forward of micro-batch ``k`` before the backward of ``j``; for ``1f1b`` with warm-up ``w`` that holds
+iff ``k <= w + j``, for ``gpipe`` always. *Claim*: if for every pair of neighbours every ``F_k < B_j`` of the
+downstream also holds upstream (for ``1f1b``: warm-ups never grow downstream, ``w_s >= w_{s+1}``, which
+``check_depths`` checks), the stages' schedules run to completion. *Proof*: suppose instead every unfinished
+stage waits on a receive. (a) Let stage ``s`` wait for the gradient of ``B_j`` from ``s + 1``, so stage
+``s + 1`` has not run ``B_j``. If ``s + 1`` were waiting on a forward ``F_k``, then ``F_k < B_j`` at
+``s + 1`` while stage ``s``, which reached ``B_j``, has not run ``F_k``: ``B_j < F_k`` at ``s``, against the
+hypothesis. So ``s + 1`` also waits on a backward; by induction so does the last stage, which never receives
+a gradient: a contradiction. (b) Let stage ``s`` wait for the activation of ``F_j`` from ``s - 1``, so
+``s - 1`` has not run ``F_j``. If ``s - 1`` were waiting on a backward ``B_k``, then ``B_k < F_j`` at
+``s - 1`` while ``s``, which reached ``F_j`` without running ``B_k``, has ``F_j < B_k``: again against the
+hypothesis. So ``s - 1`` waits on a forward; by induction so does stage 0, which never receives an
+activation: a contradiction. Hence no stage waits forever. tests/test_pipeline_schedule.py also checks it
+exhaustively for small ``p``, ``m`` and depths with a simulator of blocking receives.
+
+With uniform stage times and free links, strict 1F1B and gpipe both have the bubble (idle) fraction
+``(p - 1) / (m + p - 1)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +57,7 @@ class Action:
     micro_batch: int
 
 
-def _check(kind: str, stage: int, num_stages: int, micro_batches: int) -> None:
+def _check(kind: str, stage: int, num_stages: int, micro_batches: int, extra_in_flight: int = 0) -> None:
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
     if num_stages < 1:
@@ -36,21 +66,67 @@ def _check(kind: str, stage: int, num_stages: int, micro_batches: int) -> None:
         raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+    if extra_in_flight < 0:
+        raise ValueError(f"extra_in_flight must be >= 0 (extra micro-batches in flight), got {extra_in_flight}")
 
 
-def schedule(kind: ScheduleKind, *, stage: int, num_stages: int, micro_batches: int) -> list[Action]:
-    """The actions of `stage` (0-based) for one training step of `micro_batches` micro-batches."""
-    _check(kind, stage, num_stages, micro_batches)
+def warmup_forwards(kind: ScheduleKind, *, stage: int, num_stages: int, micro_batches: int,
+                    extra_in_flight: int = 0) -> int:
+    """Forwards `stage` runs before its first backward: ``min(p - s - 1 + extra_in_flight, m)`` for 1F1B."""
+    _check(kind, stage, num_stages, micro_batches, extra_in_flight)
+    if kind == "gpipe":
+        return micro_batches
+    return min(num_stages - stage - 1 + extra_in_flight, micro_batches)
+
+
+def schedule(kind: ScheduleKind, *, stage: int, num_stages: int, micro_batches: int,
+             extra_in_flight: int = 0) -> list[Action]:
+    """The actions of `stage` (0-based) for one training step of `micro_batches` micro-batches.
+
+    `extra_in_flight` deepens a 1F1B stage's window by that many micro-batches (more warm-up forwards,
+    bounded by `micro_batches`); the stages of one pipeline must pass `check_depths`. gpipe ignores it (it
+    already holds every micro-batch).
+    """
     m = micro_batches
+    warmup = warmup_forwards(kind, stage=stage, num_stages=num_stages, micro_batches=m,
+                             extra_in_flight=extra_in_flight)
     if kind == "gpipe":
         return [Action("forward", i) for i in range(m)] + [Action("backward", i) for i in reversed(range(m))]
-    warmup = min(num_stages - stage - 1, m)
     actions = [Action("forward", i) for i in range(warmup)]
     for i in range(m - warmup):
         actions.append(Action("forward", warmup + i))
         actions.append(Action("backward", i))
     actions.extend(Action("backward", i) for i in range(m - warmup, m))
     return actions
+
+
+def stage_depths(boundary_depths: Sequence[int]) -> list[int]:
+    """Per-stage extra in-flight micro-batches from the extra depth of each boundary.
+
+    `boundary_depths[t]` is the depth the link from stage t to t + 1 needs; stage s gets the sum over the
+    boundaries at and after it (the last stage 0), so every boundary's window is 1 + its depth.
+    """
+    if any(d < 0 for d in boundary_depths):
+        raise ValueError(f"boundary depths must be >= 0, got {list(boundary_depths)}")
+    out = [0]
+    for d in reversed(boundary_depths):
+        out.append(out[-1] + d)
+    return out[::-1]
+
+
+def check_depths(kind: ScheduleKind, extra_in_flight: Sequence[int], micro_batches: int) -> None:
+    """Raise ValueError unless the stages' depths run together without deadlock (the module docstring's
+    condition: no stage's warm-up exceeds its upstream's)."""
+    p = len(extra_in_flight)
+    # m - 1 warm-up forwards give the same order as m (the last forward comes first in the steady phase)
+    w = [min(warmup_forwards(kind, stage=s, num_stages=p, micro_batches=micro_batches, extra_in_flight=e),
+             micro_batches - 1) for s, e in enumerate(extra_in_flight)]
+    for s in range(1, p):
+        if w[s] > w[s - 1]:
+            raise ValueError(
+                f"stage {s} would run {w[s]} warm-up forwards but its upstream stage {s - 1} only {w[s - 1]}, "
+                f"which deadlocks: a stage may keep at most one extra micro-batch in flight more than its "
+                f"upstream (extra_in_flight {list(extra_in_flight)}); raise stage {s - 1}'s or lower stage {s}'s")
 
 
 def max_in_flight(actions: list[Action]) -> int:

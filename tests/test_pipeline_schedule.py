@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from datetime import timedelta
 
@@ -10,7 +11,7 @@ import torch
 
 from atoll.node.inprocess import InProcessLinks, even_cuts
 from atoll.node.norm_exchange import InProcessNormGroup, LocalNormExchange, NormExchangeError
-from atoll.node.schedule import Action, max_in_flight, schedule, theoretical_bubble
+from atoll.node.schedule import Action, check_depths, max_in_flight, schedule, stage_depths, theoretical_bubble
 from atoll.node.transport import TensorKey, TransportError
 
 SHORT = timedelta(milliseconds=100)
@@ -153,3 +154,116 @@ def test_norm_exchange_times_out_naming_the_missing_stage():
     ex = InProcessNormGroup(2).member(0)
     with pytest.raises(NormExchangeError, match=r"stage\(s\) \[1\]"):
         ex.all_sum(1.0, SHORT)
+
+
+# --- deep windows --------------------------------------------------------------------------------------------
+
+
+def _run_blocking(acts: list[list[Action]], tf: float = 1.0, tb: float = 2.0,
+                  latency: list[float] | None = None) -> float | None:
+    """Every stage runs its actions in order, each blocking until its input has arrived (a forward's
+    activation from upstream, a backward's gradient from downstream, `latency[s]` after it left across the
+    boundary s -> s + 1); sends never block. Returns the makespan, or None when the stages deadlock."""
+    p = len(acts)
+    lat = latency or [0.0] * max(0, p - 1)
+    done: dict[tuple[str, int, int], float] = {}
+    pos, clock = [0] * p, [0.0] * p
+    while any(pos[s] < len(acts[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(acts[s]):
+                a = acts[s][pos[s]]
+                if a.op == "forward":
+                    src, ready = ("forward", s - 1, a.micro_batch), (lat[s - 1] if s > 0 else 0.0)
+                    need = s > 0
+                else:
+                    src, ready = ("backward", s + 1, a.micro_batch), (lat[s] if s < p - 1 else 0.0)
+                    need = s < p - 1
+                if need and src not in done:
+                    break
+                start = max(clock[s], done[src] + ready if need else 0.0)
+                clock[s] = start + (tf if a.op == "forward" else tb)
+                done[(a.op, s, a.micro_batch)] = clock[s]
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            return None
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m,e", [(1, 3, 2), (2, 4, 1), (2, 4, 5), (3, 7, 2), (4, 8, 3), (4, 2, 1)])
+def test_a_deep_window_runs_every_micro_batch_once_and_holds_its_depth(p, m, e):
+    for s in range(p):
+        actions = schedule("1f1b", stage=s, num_stages=p, micro_batches=m, extra_in_flight=e)
+        assert sorted(a.micro_batch for a in actions if a.op == "forward") == list(range(m))
+        assert [a.micro_batch for a in actions if a.op == "backward"] == list(range(m))
+        for i in range(m):
+            assert actions.index(Action("forward", i)) < actions.index(Action("backward", i))
+        assert max_in_flight(actions) == min(p - s + e, m)
+    # depth 0 is strict 1F1B
+    assert schedule("1f1b", stage=0, num_stages=p, micro_batches=m, extra_in_flight=0) == \
+        schedule("1f1b", stage=0, num_stages=p, micro_batches=m)
+
+
+def test_deep_window_order_on_the_stage_before_a_slow_link():
+    got = [(a.op[0], a.micro_batch)
+           for a in schedule("1f1b", stage=0, num_stages=2, micro_batches=5, extra_in_flight=2)]
+    assert got == [("f", 0), ("f", 1), ("f", 2), ("f", 3), ("b", 0), ("f", 4), ("b", 1), ("b", 2), ("b", 3), ("b", 4)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_depths_that_check_never_deadlock_and_those_refused_do(p):
+    """Exhaustive over small pipelines: every per-stage depth vector with 0..3 extra per stage and 1..6
+    micro-batches. `check_depths` accepts exactly the vectors whose schedules run to completion against
+    each other with blocking receives."""
+    accepted = 0
+    for m in range(1, 7):
+        for extras in itertools.product(range(4), repeat=p):
+            acts = [schedule("1f1b", stage=s, num_stages=p, micro_batches=m, extra_in_flight=e)
+                    for s, e in enumerate(extras)]
+            completes = _run_blocking(acts) is not None
+            try:
+                check_depths("1f1b", extras, m)
+                ok = True
+            except ValueError as err:
+                assert "deadlocks" in str(err)
+                ok = False
+            assert ok == completes, (p, m, extras)
+            accepted += ok
+    assert accepted > 0
+    if p > 1:  # a downstream stage two deeper than its upstream is refused (and would deadlock)
+        with pytest.raises(ValueError, match="warm-up forwards"):
+            check_depths("1f1b", [0] * (p - 1) + [2], 8)
+
+
+def test_stage_depths_accumulate_boundary_depths_upstream():
+    assert stage_depths([]) == [0]
+    assert stage_depths([2]) == [2, 0]
+    assert stage_depths([2, 0, 1]) == [3, 1, 1, 0]
+    for bd in itertools.product(range(3), repeat=3):
+        check_depths("1f1b", stage_depths(list(bd)), 6)  # never refused
+    with pytest.raises(ValueError, match=">= 0"):
+        stage_depths([1, -1])
+    with pytest.raises(ValueError, match="extra_in_flight"):
+        schedule("1f1b", stage=0, num_stages=2, micro_batches=4, extra_in_flight=-1)
+
+
+def test_gpipe_ignores_the_extra_depth():
+    assert schedule("gpipe", stage=0, num_stages=2, micro_batches=4, extra_in_flight=3) == \
+        schedule("gpipe", stage=0, num_stages=2, micro_batches=4)
+
+
+def test_a_deep_window_hides_a_slow_link_strict_1f1b_stalls_on():
+    """Two stages, forward 1 and backward 2 per micro-batch, a link whose latency is 4.5 (a round trip of 3
+    cycles): strict 1F1B waits out every round trip; a window of ceil(9 / 3) = 3 extra micro-batches keeps
+    the stages busy, and the step takes the latency-free step plus one round trip."""
+    p, m, lat = 2, 16, [4.5]
+    free = _run_blocking([schedule("1f1b", stage=s, num_stages=p, micro_batches=m) for s in range(p)])
+    strict = _run_blocking([schedule("1f1b", stage=s, num_stages=p, micro_batches=m) for s in range(p)], latency=lat)
+    deep = _run_blocking([schedule("1f1b", stage=s, num_stages=p, micro_batches=m, extra_in_flight=e)
+                          for s, e in enumerate(stage_depths([3]))], latency=lat)
+    assert free is not None and strict is not None and deep is not None
+    assert free == pytest.approx((m + p - 1) * 3.0)
+    assert strict == pytest.approx(m * (3.0 + 3.0 + 2 * lat[0]) / 2 + 3.0)  # every loop waits a round trip
+    assert deep == pytest.approx(free + 2 * lat[0])
+    assert strict / deep > 2.0
