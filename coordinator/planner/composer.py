@@ -13,6 +13,10 @@ micro-batches), which decides feasibility exactly because every stage's time and
 slice. Bisection on T then converges on the minimum; a few relaxed T are tried too, since fewer, fuller
 stages shorten fill and drain.
 
+Free order: a chain may visit an island twice. After the island-contiguous chains, the best few are tried
+again with one island of their region cut into two parts (between nodes) placed anywhere with other islands
+between them, so V100 / A100 / V100 can be found where it is better (`split_setups`).
+
 Pruning keeps thousands of GPUs fast: per-island layer tables are memoised; chains only order regions and,
 within a region, islands by memory (the front of a 1F1B pipeline holds the most activations), a region
 alone also from the slowest class to the fastest (every order when the cluster has at most 4 islands),
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.cluster import Cluster, Island
 from atoll.coordinator.planner.costmodel import CostModel
@@ -38,6 +42,26 @@ ALL_ORDERS_UP_TO = 4
 """Clusters of at most this many islands have every order of each region's islands tried (the two orders
 above first): the first stage finishes its backward last, so which island runs it decides how much of its
 all-reduce stays exposed, which the bottleneck alone does not see."""
+
+
+SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
+"""Shares of an island's nodes its front part takes when a chain visits it twice (`Composer.split_setups`)."""
+SPLIT_SEEDS = 4
+"""Best contiguous candidates whose chains are tried again with one island visited twice."""
+
+
+def split_island(island: Island, fraction: float) -> tuple[Island, Island] | None:
+    """Two parts of an island, the first with about `fraction` of it, cut between nodes (between devices
+    when the island is one node); None when it has one device. A part keeps the island's id and node list
+    (the plan hands a stage its devices in order, part after part) with fewer GPUs."""
+    hosts = -(-island.gpus // island.gpus_per_node)
+    if hosts >= 2:
+        front = min(hosts - 1, max(1, round(fraction * hosts))) * island.gpus_per_node
+    elif island.gpus >= 2:
+        front = min(island.gpus - 1, max(1, round(fraction * island.gpus)))
+    else:
+        return None
+    return replace(island, gpus=front), replace(island, gpus=island.gpus - front)
 
 
 class NoFeasiblePlan(ValueError):
@@ -230,6 +254,49 @@ class Composer:
         speed, fastest = self._rate(s, max_units)
         return (m - 1) / speed + fastest
 
+    def split_setups(self, seeds: list[_Setup]) -> list[_Setup]:
+        """Free order around the best chains: each seed's chain with one island of its region visited twice,
+        cut in two parts (`split_island`) placed anywhere with at least one other island between them
+        (V100 / A100 / V100), an island the seed left out included. The seed's micro-batch B is kept and every
+        part keeps its island's width in the seed (the widest that fits the part and still divides B into
+        an allowed per-replica size; for an island the seed did not use, the seed's widest)."""
+        cm = self.cost_model
+        sizes = set(cm.options.micro_batches)
+        max_units = min(cm.num_layers, cm.options.max_stages)
+        out: dict[tuple, _Setup] = {}
+        for seed in seeds:
+            region = seed.order[0].region
+            if any(i.region != region for i in seed.order):
+                continue
+            width_of = {i.id: w for i, w in zip(seed.order, seed.widths)}
+            for x in (i for i in self.cluster.islands if i.region == region):
+                rest = tuple(i for i in seed.order if i.id != x.id)
+                if not rest:
+                    continue
+                for f in SPLIT_FRACTIONS:
+                    parts = split_island(x, f)
+                    if parts is None:
+                        continue
+                    for p in range(len(rest)):
+                        for q in range(p + 1, len(rest) + 1):
+                            order = (*rest[:p], parts[0], *rest[p:q], parts[1], *rest[q:])
+                            widths = []
+                            for isl in order:
+                                want = width_of.get(isl.id, max(seed.widths))
+                                w = next((w for w in range(min(want, isl.gpus), 0, -1)
+                                          if seed.batch % w == 0 and seed.batch // w in sizes), 0)
+                                widths.append(w)
+                            if 0 in widths:
+                                continue
+                            caps = tuple(min(i.gpus // w, max_units) for i, w in zip(order, widths))
+                            key = (tuple((i.id, i.gpus) for i in order), tuple(widths), seed.batch)
+                            if key not in out:
+                                s = _Setup(order=order, widths=tuple(widths), batch=seed.batch, m=seed.m, caps=caps,
+                                           bound=0.0)
+                                s.bound = self._lower_bound(s, s.m, max_units)
+                                out[key] = s
+        return list(out.values())
+
     # --- one setup ------------------------------------------------------------------------------------
 
     def _link(self, s: _Setup, i: int, j: int, boundary: int) -> tuple[int, float, float] | None:
@@ -396,26 +463,31 @@ class Composer:
 
         Setups are visited by their lower bound; a candidate is simulated unless its own lower bound
         (`step_lower_bound`) already reaches the best simulated step; the search stops once a setup's bound
-        reaches it.
+        reaches it. Then the same over `split_setups` of the best chains found (free order).
         """
-        setups = sorted(self.setups(), key=lambda s: s.bound)
-        self.stats.candidates = len(setups)
         top: list[Candidate] = []
+        source: dict[int, _Setup] = {}
         best = math.inf
-        for n, s in enumerate(setups):
-            if s.bound >= best:
-                self.stats.pruned += len(setups) - n
-                break
-            self.stats.evaluated += 1
-            cand = self.chain_best(s)
-            if cand is None:
-                self.stats.infeasible += 1
-                continue
-            if step_lower_bound(cand.times) >= best:
-                continue
-            cand.step_s = simulate(cand.times).step_time_s
-            self.stats.simulated += 1
-            top.append(cand)
-            best = min(best, cand.step_s)
-        top.sort(key=lambda c: c.step_s)
+        seeds: list[_Setup] = []
+        for phase in range(2):
+            setups = sorted(self.setups() if phase == 0 else self.split_setups(seeds), key=lambda s: s.bound)
+            self.stats.candidates += len(setups)
+            for n, s in enumerate(setups):
+                if s.bound >= best:
+                    self.stats.pruned += len(setups) - n
+                    break
+                self.stats.evaluated += 1
+                cand = self.chain_best(s)
+                if cand is None:
+                    self.stats.infeasible += 1
+                    continue
+                if step_lower_bound(cand.times) >= best:
+                    continue
+                cand.step_s = simulate(cand.times).step_time_s
+                self.stats.simulated += 1
+                top.append(cand)
+                source[id(cand)] = s
+                best = min(best, cand.step_s)
+            top.sort(key=lambda c: c.step_s)
+            seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
         return top[:self.cost_model.options.simulate_top]

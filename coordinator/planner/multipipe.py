@@ -10,6 +10,12 @@ best single pipeline to matter, granules a quarter and a sixteenth as large are 
 Every stage then also all-reduces its gradients with the other pipelines: a ring over the P pipelines on
 the slowest link between their islands, 2 (P-1)/P x the stage's gradient bytes, carried by all the
 stage's hosts at once on per-host links, or by the whole shared capacity of a region link.
+
+One pipeline or several (`SEVERAL_PIPELINES_MIN_GAIN`): the plan runs several pipelines only when the cost
+model predicts them at least 5% faster than the best single pipeline (with heterogeneous stages, in any
+island order). One pipeline is simpler to run (one micro-batch count, one gradient group per stage instead
+of averaging per layer segment across pipelines cut differently), and a smaller gain is within what the
+split's own approximations move (the batch's granules, the cross-pipeline all-reduce's estimate).
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.options import TrainSpec
 from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
+
+
+SEVERAL_PIPELINES_MIN_GAIN = 1.05
+"""Several pipelines replace the best single one only when its predicted step is at least this many times
+theirs."""
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,7 @@ from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
 from atoll.coordinator.planner.outer import choose_outer, outer_plan, wan_gap
 from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
-from atoll.coordinator.planner.multipipe import MultiCandidate, several_pipelines
+from atoll.coordinator.planner.multipipe import SEVERAL_PIPELINES_MIN_GAIN, MultiCandidate, several_pipelines
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
 from atoll.modelspec import ModelSpec
 from atoll.plan import GB, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
@@ -110,10 +110,12 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     # splits more than 10% behind the best single pipeline are not refined
     single = top[0].step_s if top else math.inf
     for gr in groups:
-        got = several_pipelines(cm, cluster, gr, parallelizer, beat_s=single, refine_below_s=1.1 * single)
+        got = several_pipelines(cm, cluster, gr, parallelizer, beat_s=single / SEVERAL_PIPELINES_MIN_GAIN,
+                                refine_below_s=1.1 * single)
         if got is not None and (multi is None or got.step_s < multi.step_s):
             multi = got
-    if multi is not None and (not top or multi.step_s < top[0].step_s):
+    # one pipeline unless several are measurably faster (multipipe.SEVERAL_PIPELINES_MIN_GAIN)
+    if multi is not None and (not top or multi.step_s * SEVERAL_PIPELINES_MIN_GAIN <= top[0].step_s):
         pipes = list(zip(multi.pipelines, multi.times, multi.shares))
         cross = max(max(x) for x in multi.cross_sync_s)
         plan = to_plan(pipes, cm, cluster, note=f"; all-reduce across the {len(pipes)} pipelines {cross:.2f} s")
