@@ -9,7 +9,9 @@ namespace and CPU quota, listening on its address, in its region.
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +42,19 @@ class Host(Protocol):
         ...
 
 
+class ProcessExited(RuntimeError):
+    """A process of the cluster exited while it was still needed; the message names it and its log."""
+
+
+def _last_line(log: Path) -> str:
+    """The last line a process logged (its error, when it failed), for a one-line report."""
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return ""
+    return lines[-1].strip() if lines else ""
+
+
 @dataclass
 class LocalCluster:
     """Processes of one job under `out`: coordinator state, node state dirs, shared checkpoints, logs."""
@@ -54,6 +69,8 @@ class LocalCluster:
     address: str = ""
     status_address: str = ""
     """Where this process asks the coordinator for its status: `address`, or a relay into its host."""
+    _losses: dict[int, float] = field(default_factory=dict, repr=False)
+    _newest: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -99,7 +116,8 @@ class LocalCluster:
                 self.status_address = host.reach(self.address) if host is not None else self.address
                 return self.address
             if proc.poll() is not None:
-                raise RuntimeError(f"the coordinator exited with code {proc.returncode}: see {self.out}/coordinator.log")
+                raise ProcessExited(f"the coordinator exited with code {proc.returncode} "
+                                    f"({_last_line(self.out / 'coordinator.log')}); see {self.out}/coordinator.log")
             time.sleep(0.1)
         raise TimeoutError(f"the coordinator did not start listening within {timeout:.0f}s")
 
@@ -128,18 +146,36 @@ class LocalCluster:
     def check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {p.returncode}: see {self.out}/{name}.log")
+                raise ProcessExited(f"{name} exited with code {p.returncode} ({_last_line(self.out / f'{name}.log')}); "
+                                    f"see {self.out}/{name}.log")
 
     def losses(self) -> dict[int, float]:
-        """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store."""
+        """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store.
+
+        The store keeps only its latest `Store.recent_steps_kept` reports; each call adds the reports that
+        arrived since the one before, so a caller asking at least once per that many reports (the demo asks
+        every second) has every step of a job of any length.
+        """
         from atoll.coordinator.store import SqliteStore
 
+        if not self.state_db.is_file():
+            return dict(self._losses)
         store = SqliteStore(self.state_db)
         try:
-            steps = store.recent_steps(limit=1_000_000)
+            # read back until the reports overlap the newest one already merged
+            limit = 256
+            while True:
+                batch = store.recent_steps(limit=limit)
+                if len(batch) < limit or limit >= store.recent_steps_kept or batch[0].unix_time <= self._newest:
+                    break
+                limit *= 4
         finally:
             store.close()
-        return {s.step: s.loss for s in sorted(steps, key=lambda s: s.unix_time) if s.loss is not None}
+        for s in sorted(batch, key=lambda s: s.unix_time):
+            if s.loss is not None:
+                self._losses[s.step] = s.loss
+            self._newest = max(self._newest, s.unix_time)
+        return dict(self._losses)
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator only (its machine crashed); `restart_coordinator` brings it back."""
@@ -171,27 +207,31 @@ class LocalCluster:
         self.procs[name].send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL every process (a crash of all machines at once)."""
+        """SIGKILL every process and what it started (a crash of all machines at once)."""
         for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
+            _signal_group(p, signal.SIGKILL)
         for p in self.procs.values():
             p.wait(10)
         self.procs.clear()
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM nodes first, then the coordinator; SIGKILL what is still running after `grace`."""
+        """SIGTERM nodes first, then the coordinator; SIGKILL what is still running after `grace`.
+
+        Each process leads a session of its own (so a Ctrl-C at the terminal reaches only the launcher, which
+        stops them in order), and the signals go to its whole process group: nothing it started outlives it.
+        """
         order = [n for n in self.procs if n != "coordinator"] + (["coordinator"] if "coordinator" in self.procs else [])
         for name in order:
-            if self.procs[name].poll() is None:
-                self.procs[name].send_signal(signal.SIGTERM)
+            _signal_group(self.procs[name], signal.SIGTERM)
         end = time.monotonic() + grace
         for name in order:
             try:
                 self.procs[name].wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.procs[name].kill()
-                self.procs[name].wait(5)
+                pass
+            # the leader may be gone while a process it started lingers
+            _signal_group(self.procs[name], signal.SIGKILL)
+            self.procs[name].wait(5)
         self.procs.clear()
 
     def __enter__(self) -> "LocalCluster":
@@ -199,3 +239,51 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Send `sig` to the process group `proc` leads (it was started in a session of its own), else to `proc`."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):  # no such group: the leader is reaped and the group empty
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+
+def stored_run(out: Path) -> tuple[str, int] | None:
+    """(job id, steps reported) of the run a LocalCluster left under `out`, or None when there is none."""
+    from atoll.coordinator.store import SqliteStore, StoreError
+
+    db = Path(out) / "coordinator" / "coordinator.db"
+    if not db.is_file():
+        return None
+    try:
+        store = SqliteStore(db)
+    except StoreError:  # written by another version of atoll
+        return ("(unreadable)", 0)
+    try:
+        job = store.get_job()
+        steps = store.recent_steps(limit=store.recent_steps_kept)
+    finally:
+        store.close()
+    if job is None:
+        return None
+    return job.job_id, max((s.step + 1 for s in steps if s.loss is not None), default=0)
+
+
+RUN_ENTRIES = re.compile(r"(coordinator|checkpoints|token|coordinator\.address|loss\.png|plan\.png|node\d+|"
+                         r"(coordinator|node\d+)\.log)")
+"""What a LocalCluster (and the demo) writes under its folder."""
+
+
+def clear_run(out: Path) -> None:
+    """Delete what a LocalCluster wrote under `out` (state, checkpoints, logs, token, pictures); nothing else."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        if RUN_ENTRIES.fullmatch(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
