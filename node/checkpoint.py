@@ -1,7 +1,8 @@
 """Checkpoints per stage: one folder per step, one slice file per stage of the cut that wrote it.
 
 `<dir>/step-00000025/layers-0000-0003.pt` holds layers [0, 3) with their AdamW state after 25 steps
-(`atoll.node.slice_state` format, written atomically). A stage of any later cut reads only the files
+(`atoll.node.slice_state` format, written atomically; under ZeRO the writer saves the state its
+replicas gathered to it, so the file does not depend on the sharding). A stage of any later cut reads only the files
 whose layer ranges overlap its own and picks its layers out of them.
 
 A step folder is complete when its files hold every layer of the model once, end to end (the files of one
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from atoll.node.model import StageModule
-from atoll.node.slice_state import load_slice, save_slice
+from atoll.node.slice_state import ParamStates, load_slice, save_slice
 
 _FILE = re.compile(r"^layers-(\d{4})-(\d{4})\.pt$")
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -32,9 +33,12 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def save_layers(module: StageModule, optimizer: torch.optim.Optimizer, root: Path, step: int, *,
+def save_layers(module: StageModule, optimizer: torch.optim.Optimizer | ParamStates, root: Path, step: int, *,
                 data_position: int) -> tuple[Path, int]:
-    """Write the stage's layers and optimizer state for `step`; return the file and its size."""
+    """Write the stage's layers and optimizer state for `step`; return the file and its size.
+
+    `optimizer` is the stage's AdamW, or the whole per-parameter states a ZeRO optimizer gathered
+    (`ZeroOptimizer.consolidated_state`): the file is the same either way."""
     path = step_dir(root, step) / f"layers-{module.start:04d}-{module.end:04d}.pt"
     save_slice(path, module, optimizer, extra={"step": step, "data_position": data_position})
     # a step reached again under another cut (after a resume) must not keep the old cut's overlapping files

@@ -10,10 +10,12 @@ by layer and loaded into another cut of the same model.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from atoll.modelspec import ModelConfig
 
@@ -146,9 +148,12 @@ class StageModule(nn.Module):
     """Layers [start, end) of the model. Input: token ids (first stage) or hidden states.
 
     Output: hidden states (batch, seq, d_model), or logits (batch, seq, vocab) when it holds the head.
+    Blocks in `recompute` run under `torch.utils.checkpoint` (non-reentrant) while training: their forward
+    keeps only the block's input, and backward runs the block again to rebuild what it needs.
     """
 
-    def __init__(self, config: ModelConfig, start: int, end: int, seed: int = 0):
+    def __init__(self, config: ModelConfig, start: int, end: int, seed: int = 0,
+                 recompute: Iterable[int] = ()):
         super().__init__()
         total = config.n_layers + 2
         if not 0 <= start < end <= total:
@@ -158,6 +163,17 @@ class StageModule(nn.Module):
                              "or keep layers 0 and the last on one stage")
         self.config, self.start, self.end = config, start, end
         self.layers = nn.ModuleDict({str(i): build_layer(config, i, seed) for i in range(start, end)})
+        self.recompute: frozenset[int] = frozenset()
+        self.set_recompute(recompute)
+
+    def set_recompute(self, layers: Iterable[int]) -> None:
+        """Recompute these blocks (global layer indices) in backward from now on; () recomputes none."""
+        chosen = frozenset(int(i) for i in layers)
+        bad = sorted(i for i in chosen if not self.start <= i < self.end or layer_kind(self.config, i) != "block")
+        if bad:
+            raise ValueError(f"only blocks of this slice [{self.start}, {self.end}) can be recomputed; {bad} are not "
+                             f"(layer 0 is the embedding, {self.config.n_layers + 1} the head)")
+        self.recompute = chosen
 
     @property
     def is_first(self) -> bool:
@@ -172,15 +188,21 @@ class StageModule(nn.Module):
             layer = self.layers[str(i)]
             if isinstance(layer, Head) and self.config.tied_head:
                 x = layer(x, tied_weight=self.layers["0"].tok.weight)
+            elif i in self.recompute and torch.is_grad_enabled():
+                # non-reentrant: works with inputs that need no grad, nests under autocast and saved-tensor
+                # hooks (which see the one input it keeps), and restores the RNG state for the rerun
+                x = checkpoint(layer, x, use_reentrant=False)
             else:
                 x = layer(x)
         return x
 
 
 def build_slice(config: ModelConfig, start: int, end: int, *, seed: int = 0,
-                device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> StageModule:
-    """Allocate layers [start, end) only, initialised identically on every node."""
-    module = StageModule(config, start, end, seed)
+                device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                recompute: Iterable[int] = ()) -> StageModule:
+    """Allocate layers [start, end) only, initialised identically on every node; `recompute`: the blocks
+    whose activations are recomputed in backward instead of kept."""
+    module = StageModule(config, start, end, seed, recompute=recompute)
     return module.to(device=device, dtype=dtype)
 
 

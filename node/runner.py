@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from atoll.compression import CodecSpec
 from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import GradientAverager
+from atoll.node.dataparallel import CollectiveError, GradientAverager
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef, RowPeer
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
@@ -44,7 +44,8 @@ from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
-from atoll.plan import Plan
+from atoll.node.zero import ZeroConfig, ZeroOptimizer
+from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions
 from atoll.types import StepMetrics
 
@@ -265,8 +266,11 @@ class PlanRunner:
             stop.wait()
             return self.plan.resume_step
         job, ctx = self.job, self.ctx
-        cfg = stage_config(job, pl.num_micro_batches, ctx.timeout)
-        module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device)
+        stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
+        # off CUDA the reported peak memory counts the bytes saved for backward (one hook per saved tensor)
+        cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda")
+        module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
+                             recompute=stage_plan.recomputed(job.model.n_layers + 2))
         optimizer = build_optimizer(module, cfg)
         step = self.plan.resume_step
         try:
@@ -275,6 +279,7 @@ class PlanRunner:
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
             norm, averager, loss_group = self._groups(store, module)
+            optimizer, averager = self._zero(optimizer, averager, cfg)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
@@ -505,6 +510,7 @@ class PlanRunner:
     def _metrics(self, step: int, result: StepResult, loss: float | None, transport) -> StepMetrics:
         pl = self.placement
         assert pl is not None
+        self._check_memory(step, result.peak_memory_bytes)
         reports_loss = loss is not None and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
         links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
         return StepMetrics(
@@ -513,7 +519,62 @@ class PlanRunner:
             tokens=(pl.rows[1] - pl.rows[0]) * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
+            peak_memory_bytes=result.peak_memory_bytes,
         )
+
+    def _zero(self, optimizer: torch.optim.Optimizer, averager: _SegmentAverager | None, cfg: StageConfig
+              ) -> tuple[torch.optim.Optimizer | ZeroOptimizer, _SegmentAverager | None]:
+        """ZeRO over the stage's replicas when the plan asks for it (`StagePlan.zero` >= 1): (the optimizer, the
+        averager) to train with.
+
+        ZeRO needs the replicas of this stage to be exactly the holders of its layers, one segment over its
+        whole range: then they share one gradient group and step the same layers. Otherwise (no other replica,
+        or other pipelines hold some or all of its layers and average per segment) the stage trains with plain
+        AdamW and the segment averager, and says so. ZeRO-3 runs as ZeRO-2 (weights stay whole).
+        """
+        pl = self.placement
+        assert pl is not None
+        st = self.plan.pipelines[pl.pipeline].stages[pl.stage]
+        if st.zero < 1:
+            return optimizer, averager
+        segs = pl.segments
+        why = None
+        if st.tp > 1:
+            why = "its replicas are tensor parallel (ZeRO shards whole parameters, not tp shards)"
+        elif averager is None or not segs:
+            why = "no other node holds its layers"
+        elif len(segs) != 1 or (segs[0].start, segs[0].end) != pl.layers or set(segs[0].holders) != set(st.nodes):
+            why = ("other pipelines' stages hold some of its layers too, and the holders average per layer segment "
+                   "(ZeRO needs the stage's replicas to be exactly the holders of its layers)")
+        if why is not None:
+            log.info("pipeline %d stage %d: the plan asks for ZeRO-%d but %s; training with plain AdamW", pl.pipeline,
+                     pl.stage, st.zero, why)
+            return optimizer, averager
+        stage = min(st.zero, 2)
+        if st.zero > 2:
+            log.warning("pipeline %d stage %d: the plan asks for ZeRO-%d; this runtime shards optimizer states and "
+                        "gradients (ZeRO-2) and keeps whole weights, so it needs more memory than planned", pl.pipeline,
+                        pl.stage, st.zero)
+        assert averager is not None
+        group = averager.parts[0][1].group
+        zero = ZeroOptimizer.from_adamw(optimizer, group, ZeroConfig(
+            stage=stage, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+            grad_scale=self._row_weight()), timeout=cfg.collective_timeout)
+        log.info("pipeline %d stage %d: ZeRO-%d over its %d replicas (%d buckets)", pl.pipeline, pl.stage, stage,
+                 zero.world, len(zero.buckets))
+        return zero, None
+
+    def _check_memory(self, step: int, measured: int) -> None:
+        """Warn once per run when the stage's measured peak memory exceeds the plan's prediction by over 10%."""
+        pl = self.placement
+        assert pl is not None
+        predicted = self.plan.pipelines[pl.pipeline].stages[pl.stage].memory_gb_per_device * GB
+        if getattr(self, "_memory_warned", False) or predicted <= 0 or measured <= 1.1 * predicted:
+            return
+        self._memory_warned = True
+        log.warning("pipeline %d stage %d, step %d: peak memory %.3f GB is %.0f%% above the plan's %.3f GB per device; "
+                    "the planner's memory model underestimates this stage (a device near its limit may run out)",
+                    pl.pipeline, pl.stage, step, measured / GB, 100 * (measured / predicted - 1), predicted / GB)
 
     def _checkpoint(self, module, optimizer, step: int) -> None:
         """Write this stage's checkpoint of `step` and queue its report.
@@ -527,7 +588,14 @@ class PlanRunner:
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
         # (outer mode: the first pipeline of group 0; a whole-job resume starts every group from its state)
         first = self.plan.groups[0].pipelines[0] if self.plan.mode == "outer" else 0
-        if pl.pipeline != first or pl.replica != 0 or pl.group != 0:
+        if pl.pipeline != first or pl.group != 0:
+            return
+        if isinstance(optimizer, ZeroOptimizer):  # every replica of the stage sends its shard to replica 0
+            try:
+                optimizer = optimizer.consolidated_state(to=0)
+            except CollectiveError as e:
+                raise RunFailed(f"gathering the ZeRO optimizer state for the checkpoint of step {step} failed: {e}") from e
+        if pl.replica != 0:
             return
         position = step * self.job.train.global_batch
         try:

@@ -2,7 +2,8 @@
 
 A saved slice holds, keyed by global parameter name (`layers.<i>.<...>`, the same on every cut):
 the parameters and persistent buffers of layers [start, end), and per parameter its AdamW state
-(`step`, `exp_avg`, `exp_avg_sq`). Loading takes one or more saved slices (the old cut) and picks out
+(`step`, `exp_avg`, `exp_avg_sq`), whole even when the stage's replicas sharded it (ZeRO: the writer
+saves the consolidated state). Loading takes one or more saved slices (the old cut) and picks out
 the layers of the new module; every layer it needs must be present exactly once and the model shape
 must match. Files are written atomically and read with `torch.load(weights_only=True)`.
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from atoll.fsutil import atomic_write
 from atoll.node.model import StageModule
@@ -37,26 +39,36 @@ def layer_of(name: str) -> int:
     return int(parts[1])
 
 
-def slice_state(module: StageModule, optimizer: torch.optim.Optimizer | None = None,
+ParamStates = Mapping[nn.Parameter, Mapping[str, Any]]
+"""Optimizer state per parameter, as `torch.optim.Optimizer.state` holds it (a sharded optimizer's
+consolidated state, `atoll.node.zero.ZeroOptimizer.consolidated_state`, has the same shape)."""
+
+
+def slice_state(module: StageModule, optimizer: torch.optim.Optimizer | ParamStates | None = None,
                 *, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The state of `module` (and its optimizer's per-parameter state) keyed by global name."""
+    """The state of `module` (and its optimizer's per-parameter state) keyed by global name.
+
+    `optimizer` is the stage's optimizer, or its per-parameter states when a sharded optimizer has
+    gathered them; either way the file holds whole per-parameter states, loadable under any cut."""
     tensors = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     opt: dict[str, dict[str, torch.Tensor]] = {}
     if optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise SliceStateError("the optimizer holds a parameter that is not in the module")
-                st = optimizer.state.get(p)
-                if st:
-                    opt[names[id(p)]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else torch.tensor(v))
-                                         for k, v in st.items()}
+        if isinstance(optimizer, torch.optim.Optimizer):
+            states: ParamStates = {p: optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]}
+        else:
+            states = optimizer
+        for p, st in states.items():
+            if id(p) not in names:
+                raise SliceStateError("the optimizer holds a parameter that is not in the module")
+            if st:
+                opt[names[id(p)]] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else torch.tensor(v))
+                                     for k, v in st.items()}
     return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,
             "tensors": tensors, "optimizer": opt, "extra": dict(extra or {})}
 
 
-def save_slice(path: Path, module: StageModule, optimizer: torch.optim.Optimizer | None = None,
+def save_slice(path: Path, module: StageModule, optimizer: torch.optim.Optimizer | ParamStates | None = None,
                *, extra: Mapping[str, Any] | None = None) -> None:
     """Write the slice's state to `path` atomically (readers see the old file or the whole new one)."""
     state = slice_state(module, optimizer, extra=extra)

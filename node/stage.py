@@ -8,7 +8,10 @@ threads or other processes makes no difference to it. The node agent calls `trai
 Per step: forward/backward of every micro-batch in schedule order (the loss of each micro-batch is
 divided by the number of micro-batches, so the accumulated gradient is that of the mean loss over the
 whole batch, as the unsplit model would compute), then average gradients over replicas, then exchange
-squared norms and clip, then step the optimizer.
+squared norms and clip, then step the optimizer. With a `ZeroOptimizer` (`atoll.node.zero`) in place of
+AdamW the optimizer reduces the gradients itself (ZeRO-2: after every micro-batch's backward), the
+squared norm is that of the owned shards summed over the replicas, and its step all-gathers the
+parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
+from atoll.node.zero import ZeroOptimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +138,10 @@ class StepResult:
     optimizer_seconds: float = 0.0
     peak_activation_bytes: int = 0
     """Most bytes saved for backward at once (only with track_memory)."""
+    peak_memory_bytes: int = 0
+    """The step's peak memory: on CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, reset at
+    the step's start); elsewhere, with track_memory, the bytes of the parameters, the gradients (their
+    most at once), the optimizer states and `peak_activation_bytes`; else 0."""
     timeline: list[OpTiming] = field(default_factory=list)
 
     @property
@@ -163,7 +171,8 @@ class PipelineStage:
 
     def __init__(self, module: StageModule, *, stage: int, num_stages: int, transport: Transport,
                  config: StageConfig, norm_exchange: NormExchange | None = None,
-                 grad_averager: GradientAverager | None = None, optimizer: torch.optim.Optimizer | None = None):
+                 grad_averager: GradientAverager | None = None,
+                 optimizer: torch.optim.Optimizer | ZeroOptimizer | None = None):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
         if module.is_first != (stage == 0) or module.is_last != (stage == num_stages - 1):
@@ -178,6 +187,11 @@ class PipelineStage:
         self.transport, self.config = transport, config
         self.norm_exchange, self.grad_averager = norm_exchange, grad_averager
         self.optimizer = optimizer if optimizer is not None else build_optimizer(module, config)
+        self.zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
+        """With ZeRO the optimizer also reduces the gradients over the replicas (no separate averager)."""
+        if self.zero is not None and grad_averager is not None:
+            raise ValueError("a ZeRO optimizer reduces the gradients over the stage's replicas itself; pass no "
+                             "grad_averager with it")
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches)
         self.device = next(module.parameters()).device
@@ -207,7 +221,14 @@ class PipelineStage:
         targets = self._split(batch.targets if batch else None, "targets", self.is_last)
         t0 = time.perf_counter()
         self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        zero = self.zero
+        if zero is not None:
+            zero.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        sync = 0.0
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
         mb_bytes: dict[int, int] = {}
         live_bytes = peak_bytes = 0
@@ -272,6 +293,10 @@ class PipelineStage:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {i}")
                     self.transport.send(TensorKey(step, i, "backward"), x.grad)
+                if zero is not None:  # ZeRO-2 reduce-scatters this micro-batch's gradients (after the send)
+                    s0 = time.perf_counter()
+                    zero.backward_done()
+                    sync += time.perf_counter() - s0
                 if cfg.track_memory:
                     live_bytes -= mb_bytes.pop(i)
             wait += a_wait
@@ -280,13 +305,17 @@ class PipelineStage:
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         s0 = time.perf_counter()
-        if self.grad_averager is not None:
+        if zero is not None:
+            zero.reduce_gradients()
+        elif self.grad_averager is not None:
             self.grad_averager.average_(params, cfg.collective_timeout)
-        sync = time.perf_counter() - s0
+        sync += time.perf_counter() - s0
+        grad_bytes = zero.peak_grad_bytes if zero is not None else _grad_bytes(params)
 
         grad_norm = None
         if cfg.max_grad_norm is not None:
-            local = _squared_norm(params)
+            # with ZeRO: the owned shards' squares summed over the replicas, the stage's whole norm
+            local = zero.squared_norm() if zero is not None else _squared_norm(params)
             w0 = time.perf_counter()
             total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
             wait += time.perf_counter() - w0
@@ -294,17 +323,36 @@ class PipelineStage:
             # same coefficient as torch.nn.utils.clip_grad_norm_
             coef = min(cfg.max_grad_norm / (grad_norm + 1e-6), 1.0)
             if coef < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+                if zero is not None:
+                    zero.scale_gradients(coef)
+                else:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
         pipeline_end = time.perf_counter()
         self.optimizer.step()
         end = time.perf_counter()
+        if self.device.type == "cuda":
+            peak_memory = torch.cuda.max_memory_allocated(self.device)
+        elif cfg.track_memory:
+            peak_memory = self.state_bytes(grad_bytes) + peak_bytes
+        else:
+            peak_memory = 0
         return StepResult(
             step=step, loss=sum(losses) / m if self.is_last else None, grad_norm=grad_norm, tokens=tokens,
             step_seconds=end - t0, pipeline_seconds=pipeline_end - t0,
             compute_seconds=compute, wait_seconds=wait, sync_seconds=sync, optimizer_seconds=end - pipeline_end,
-            peak_activation_bytes=peak_bytes, timeline=timeline)
+            peak_activation_bytes=peak_bytes, peak_memory_bytes=peak_memory, timeline=timeline)
+
+    def state_bytes(self, grad_bytes: int) -> int:
+        """Bytes of the stage's parameters and optimizer states (each storage once) plus `grad_bytes`."""
+        if self.zero is not None:
+            params = self.zero.flat.numel() * self.zero.flat.element_size()
+            return params + grad_bytes + self.zero.optimizer_state_bytes()
+        params = _storage_bytes(self.module.parameters())
+        opt = _storage_bytes(v for st in self.optimizer.state.values() for v in st.values()
+                             if torch.is_tensor(v) and v.ndim > 0)
+        return params + grad_bytes + opt
 
     def _split(self, t: torch.Tensor | None, name: str, needed: bool) -> list[torch.Tensor]:
         if not needed:
@@ -333,6 +381,18 @@ class PipelineStage:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _grad_bytes(params: list[nn.Parameter]) -> int:
+    return _storage_bytes(p.grad for p in params if p.grad is not None)
 
 
 def _squared_norm(params: list[nn.Parameter]) -> float:

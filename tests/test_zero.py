@@ -1,0 +1,292 @@
+"""ZeRO-1/2 over a stage's replicas: the same training as one process, sharded states, whole checkpoints.
+
+Unit level: `ZeroOptimizer` on gloo groups of threads against AdamW on the whole batch. Runtime level:
+nodes as threads with real gRPC peers and gloo groups (`PlanRunner`), per-step losses against the job
+trained in one process (`train_local`). Tolerance: 1e-4 relative on the losses (the reductions sum in
+another order; AdamW is element-wise, so sharding itself changes nothing).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atoll.job import JobSpec
+from atoll.modelspec import preset
+from atoll.node.checkpoint import step_dir
+from atoll.node.dataparallel import gloo_group
+from atoll.node.local import train_local
+from atoll.node.model import build_slice, lm_loss
+from atoll.node.peer import PeerServer
+from atoll.node.runner import PlanRunner, RunContext
+from atoll.node.slice_state import read_slice
+from atoll.node.zero import ZeroConfig, ZeroOptimizer
+from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.types import StepMetrics
+
+REPO = Path(__file__).resolve().parent.parent
+TOL = 1e-4
+
+
+def _threads(n: int, fn) -> list:
+    """Run fn(rank, group) on n threads over one gloo group; return the results in rank order."""
+    store = dist.HashStore()
+    out: list = [None] * n
+    errors: list[BaseException] = []
+
+    def body(r: int) -> None:
+        try:
+            out[r] = fn(r, gloo_group(store, "zero/", rank=r, size=n, timeout=timedelta(seconds=30)))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_adamw_is_adamw_on_the_data_parallel_gradient(stage: int) -> None:
+    """Two replicas, each half the rows with a grad_scale of 1/2, micro-batches accumulated, several buckets
+    (some parameters bigger than one), the gradient clipped: the parameters AdamW gives on the same
+    data-parallel gradient (summed in the same order), and half the optimizer states on each replica."""
+    config = preset("tiny")
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (3, 8, 17))  # steps x rows x (seq + 1)
+    lr, clip, m = 3e-3, 0.5, 2
+
+    ref = build_slice(config, 0, 6, seed=1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=False)
+    params = list(ref.parameters())
+    norms = []
+    for s in range(3):
+        g = {}  # (replica, micro-batch) -> gradients
+        for r in range(2):
+            for k, x in enumerate(ids[s][4 * r:4 * r + 4].chunk(m)):
+                ref_opt.zero_grad(set_to_none=True)
+                (lm_loss(ref(x[:, :-1]), x[:, 1:]) / m).backward()
+                g[r, k] = [p.grad.clone() for p in params]
+        for i, p in enumerate(params):
+            if stage == 1:  # each replica accumulates its micro-batches, then the scaled sum over replicas
+                p.grad = 0.5 * (g[0, 0][i] + g[0, 1][i]) + 0.5 * (g[1, 0][i] + g[1, 1][i])
+            else:  # the scaled sum over replicas of every micro-batch, accumulated
+                p.grad = (0.5 * g[0, 0][i] + 0.5 * g[1, 0][i]) + (0.5 * g[0, 1][i] + 0.5 * g[1, 1][i])
+        sq = float(sum(p.grad.double().pow(2).sum() for p in params))
+        norms.append(sq ** 0.5)
+        coef = min(clip / (norms[-1] + 1e-6), 1.0)
+        for p in params:
+            p.grad.mul_(coef)
+        ref_opt.step()
+    assert max(norms) > clip  # clipping was exercised
+
+    def replica(rank: int, group) -> tuple[dict[str, torch.Tensor], list[float], int]:
+        module = build_slice(config, 0, 6, seed=1)
+        zero = ZeroOptimizer(module.parameters(), group, ZeroConfig(
+            stage=stage, lr=lr, weight_decay=0.1, bucket_bytes=40_000, grad_scale=0.5))
+        assert len(zero.buckets) > 3
+        got = []
+        for s in range(3):
+            zero.zero_grad()
+            for x in ids[s][4 * rank:4 * rank + 4].chunk(m):
+                (lm_loss(module(x[:, :-1]), x[:, 1:]) / m).backward()
+                zero.backward_done()
+            zero.reduce_gradients()
+            got.append(zero.squared_norm() ** 0.5)
+            zero.scale_gradients(min(clip / (got[-1] + 1e-6), 1.0))
+            zero.step()
+        states = sum(v.numel() for st in zero.optimizer.state.values() for v in st.values() if v.ndim > 0)
+        if stage == 2:  # never a whole gradient: the shard accumulators and the few buckets in flight
+            shard = sum(b.chunk for b in zero.buckets) * 4
+            assert zero.peak_grad_bytes <= shard + 3 * max(b.size for b in zero.buckets) * 4
+            assert zero.peak_grad_bytes < 0.8 * zero.flat.numel() * 4
+        return {n: p.detach().clone() for n, p in module.named_parameters()}, got, states
+
+    whole = sum(p.numel() for p in params)
+    for got_params, got_norms, states in _threads(2, replica):
+        assert got_norms == pytest.approx(norms, rel=1e-6)
+        for n, p in ref.named_parameters():
+            # atol: Adam scales noise-level gradients (the key bias's is zero but for rounding) up to about lr
+            torch.testing.assert_close(got_params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+        assert whole <= states <= whole + 2 * 64  # two moments of half the (padded) parameters
+
+
+def test_consolidated_state_is_adamws_and_loads_back_into_other_shards() -> None:
+    """ZeRO-1 gathers the whole AdamW state to one replica; a ZeRO-2 pair started from it (and from the same
+    parameters) takes the next step exactly as AdamW does."""
+    config = preset("tiny")
+    ids = torch.randint(0, config.vocab_size, (2, 4, 17), generator=torch.Generator().manual_seed(3))
+    ref = build_slice(config, 0, 6, seed=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), foreach=False)
+
+    def ref_step(s: int) -> None:
+        ref_opt.zero_grad(set_to_none=True)
+        lm_loss(ref(ids[s, :, :-1]), ids[s, :, 1:]).backward()
+        ref_opt.step()
+
+    def zero_step(module, zero, rank: int, s: int) -> None:
+        zero.zero_grad()
+        rows = ids[s, 2 * rank:2 * rank + 2]
+        lm_loss(module(rows[:, :-1]), rows[:, 1:]).backward()
+        zero.backward_done()
+        zero.reduce_gradients()
+        zero.step()
+
+    def first(rank: int, group):
+        module = build_slice(config, 0, 6, seed=2)
+        zero = ZeroOptimizer(module.parameters(), group, ZeroConfig(stage=1, lr=1e-3, bucket_bytes=30_000,
+                                                                    grad_scale=0.5))
+        assert zero.consolidated_state(to=1) is None  # nothing to gather before the first step
+        zero_step(module, zero, rank, 0)
+        state = zero.consolidated_state(to=1)
+        return None if state is None else {n: state[p] for n, p in module.named_parameters()}
+
+    gathered = _threads(2, first)
+    assert gathered[0] is None
+    ref_step(0)
+    full = gathered[1]
+    ref_names = {id(p): n for n, p in ref.named_parameters()}
+    assert set(full) == set(ref_names.values())
+    for p, st in ref_opt.state.items():
+        got = full[ref_names[id(p)]]
+        assert float(got["step"]) == float(st["step"]) == 1.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[key], st[key], rtol=1e-5, atol=1e-9)
+
+    after_one = {k: v.clone() for k, v in ref.state_dict().items()}
+
+    def second(rank: int, group):
+        module = build_slice(config, 0, 6, seed=2)
+        module.load_state_dict(after_one)
+        zero = ZeroOptimizer(module.parameters(), group, ZeroConfig(stage=2, lr=1e-3, bucket_bytes=50_000,
+                                                                    grad_scale=0.5))
+        zero.load_param_states({p: full[n] for n, p in module.named_parameters()})
+        zero_step(module, zero, rank, 1)
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    results = _threads(2, second)
+    ref_step(1)
+    for params in results:
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _job(steps: int = 6, interval: int = 0) -> JobSpec:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    return replace(job, train=replace(job.train, steps=steps, warmup=2),
+                   checkpoint=replace(job.checkpoint, interval=interval),
+                   compression=replace(job.compression, mode="identity"))
+
+
+def _stage(layers, nodes, zero: int = 0, memory_gb: float = 0.0) -> StagePlan:
+    return StagePlan(island="i", layers=layers, dp=len(nodes), nodes=list(nodes), zero=zero,
+                     memory_gb_per_device=memory_gb)
+
+
+def _run(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, resume_step: int = 0,
+         stop_after: int | None = None) -> tuple[dict[int, float], list[StepMetrics]]:
+    """Nodes as threads (real gRPC peers, gloo groups over one TCPStore): losses by step and every report."""
+    nodes = sorted({n for p in pipelines for s in p.stages for n in s.nodes})
+    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
+                epoch=1, job_id="job", resume_step=resume_step,
+                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
+    reports: list[StepMetrics] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def report(m: StepMetrics) -> bool:
+        with lock:
+            reports.append(m)
+        return False
+
+    def node(n: str) -> None:
+        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
+                         report_step=report, report_checkpoint=lambda c: None, token="t",
+                         timeout=timedelta(seconds=30))
+        try:
+            PlanRunner(ctx, plan).run(threading.Event(), until_step=stop_after)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for s in servers.values():
+        s.stop()
+    assert not errors, errors
+    return {m.step: m.loss for m in reports if m.loss is not None}, reports
+
+
+def _close(got: dict[int, float], expected: list[float], steps) -> None:
+    for s in steps:
+        assert abs(got[s] - expected[s]) <= TOL * abs(expected[s]), (s, got[s], expected[s])
+
+
+def _peaks(reports: list[StepMetrics]) -> dict[str, int]:
+    """node -> its highest reported peak memory."""
+    out: dict[str, int] = {}
+    for m in reports:
+        out[m.node_id] = max(out.get(m.node_id, 0), m.peak_memory_bytes)
+    return out
+
+
+def _two_stages(zero: tuple[int, int], cut: int = 3) -> list[PipelinePlan]:
+    """One pipeline of two stages, two replicas each (micro-batches of 4 rows, 2 per replica)."""
+    return [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        _stage((0, cut), ["a", "b"], zero=zero[0]), _stage((cut, 6), ["c", "d"], zero=zero[1])])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_dp2_pipeline_matches_one_process(tmp_path: Path, zero: int) -> None:
+    """Both stages of a two-stage pipeline shard over their two replicas: the one-process losses, and the
+    optimizer states (ZeRO-1), then the gradients too (ZeRO-2), off each replica's reported peak memory."""
+    job = _job(steps=4)
+    expected, _ = train_local(job)
+    plain_losses, plain = _run(job, _two_stages((0, 0)), tmp_path / "plain")
+    got, reports = _run(job, _two_stages((zero, zero)), tmp_path / "zero")
+    _close(plain_losses, expected, range(4))
+    _close(got, expected, range(4))
+    params = {n: sum(p.numel() for p in build_slice(job.model, *layers).parameters())
+              for layers, nodes in (((0, 3), "ab"), ((3, 6), "cd")) for n in nodes}
+    before, after = _peaks(plain), _peaks(reports)
+    for n, count in params.items():
+        # fp32: AdamW's two moments are 8 bytes a parameter, the gradient 4; each replica keeps half of the
+        # moments, and with ZeRO-2 half of the gradient less the few buckets it stages at a time (here
+        # 64 KiB, or a parameter bigger than that: the embedding's and the MLP's 64 KiB + 4 bytes)
+        saved = before[n] - after[n]
+        assert abs(saved - 4 * count) <= 4096 if zero == 1 else 4 * count < saved, (n, saved, count)
+        if zero == 2:
+            assert 6 * count - 3 * (2**16 + 4096) <= saved <= 6 * count + 4096, (n, saved, count)
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_under_zero_resumes_under_another_cut(tmp_path: Path) -> None:
+    """Checkpoint after 3 steps with ZeRO-2 and ZeRO-1 stages over two replicas each; the files hold whole
+    AdamW states; resume on two single nodes cut elsewhere: the losses of training straight through."""
+    job = _job(steps=6, interval=3)
+    expected, _ = train_local(job)
+    first, _ = _run(job, _two_stages((2, 1), cut=2), tmp_path, stop_after=3)
+    assert sorted(first) == [0, 1, 2]
+    saved = read_slice(step_dir(tmp_path / "ckpt", 3) / "layers-0002-0006.pt")
+    whole = build_slice(job.model, 2, 6)
+    assert set(saved["optimizer"]) == {n for n, _ in whole.named_parameters()}
+    for n, p in whole.named_parameters():
+        assert saved["optimizer"][n]["exp_avg"].shape == p.shape
+    second, _ = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                        stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])],
+                     tmp_path, resume_step=3)
+    _close({**first, **second}, expected, range(6))
