@@ -1,6 +1,7 @@
 """Peer transport benchmark: the gRPC path against a raw TCP socket, then over a shaped link.
 
-    python -m bench.transport            (from the repository root; the shaped part needs root)
+    python -m bench.transport            (or python bench/transport.py, from any folder; the shaped part needs
+                                          root)
 
 1. Loopback, 1/4/16/64 MiB float32 tensors: `GrpcTransport` (identity codec, chunked, checksummed,
    acknowledged per tensor) against a raw TCP socket carrying the same bytes with a one-byte
@@ -28,6 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a path (python bench/transport.py): `bench` imports from the checkout
+    sys.path.insert(0, str(ROOT))
 MiB = 1 << 20
 
 
@@ -279,7 +282,7 @@ class _Pair:
 
 
 def _worker_argv(role: str, host: str) -> list[str]:
-    return [sys.executable, "-m", "bench.transport", "--worker", role, "--host", host]
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", role, "--host", host]
 
 
 def _rate(r: dict) -> float:

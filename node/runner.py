@@ -268,7 +268,8 @@ class PlanRunner:
         job, ctx = self.job, self.ctx
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         # off CUDA the reported peak memory counts the bytes saved for backward (one hook per saved tensor)
-        cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda")
+        cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda",
+                      in_flight=stage_plan.in_flight)
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
                              recompute=stage_plan.recomputed(job.model.n_layers + 2))
         optimizer = build_optimizer(module, cfg)

@@ -43,6 +43,8 @@ class StageConfig:
     """Micro-batches per step; the batch given to `train_step` is split into this many equal parts."""
     schedule: ScheduleKind = "1f1b"
     """``1f1b`` (bounded activation memory) or ``gpipe`` (all forwards, then all backwards)."""
+    in_flight: int = 0
+    """Extra micro-batches in flight beyond strict 1F1B (a deep window behind a slow link; the plan's)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -67,6 +69,8 @@ class StageConfig:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.in_flight < 0:
+            raise ValueError(f"in_flight (extra micro-batches in flight) must be >= 0, got {self.in_flight}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
@@ -193,7 +197,7 @@ class PipelineStage:
             raise ValueError("a ZeRO optimizer reduces the gradients over the stage's replicas itself; pass no "
                              "grad_averager with it")
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
-                                              micro_batches=config.micro_batches)
+                                              micro_batches=config.micro_batches, extra_in_flight=config.in_flight)
         self.device = next(module.parameters()).device
 
     @classmethod

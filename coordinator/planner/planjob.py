@@ -221,7 +221,8 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
                                 block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0))
             stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1,
                                     zero=st.cost.zero, recompute=st.cost.recompute, compute_s=st.cost.time_s,
-                                    memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes))
+                                    memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes,
+                                    in_flight=st.in_flight))
         assert c.micro_batch * c.num_micro_batches == share
         pipelines.append(PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
                                       stages=stages))
