@@ -144,8 +144,10 @@ def _make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
 def planner_plan(inputs: PlanInputs) -> Plan:
     """The planner's plan for the live cluster: islands as formed, profiles as joined, links as probed.
 
-    The job's micro-batch size and a fixed compression mode are passed on as constraints; with
-    "adaptive" the planner picks each link's codec. The job's [outer] section says whether a cluster spanning
+    The job's micro-batch size (the most sequences one replica runs per micro-batch) and a fixed compression
+    mode are passed on as constraints; with "adaptive" the planner picks each link's codec. Stages of one
+    pipeline may have different widths: the runtime shares each micro-batch's rows among a stage's replicas
+    and regroups them between stages (`atoll.node.placement`). The job's [outer] section says whether a cluster spanning
     regions may train as replica groups with an outer sync, and how.
     """
     from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, plan_job
@@ -158,9 +160,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
-    # the runtime runs stages of one width per pipeline (replica r of a stage feeds replica r of the next)
     outer = job.outer
-    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=True,
+    options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=False,
                              outer_mode=outer.mode, outer_inner_steps=outer.inner_steps, outer_codec=outer.codec,
                              outer_topk_fraction=outer.topk_fraction, outer_overlap=outer.overlap, outer_lr=outer.lr,
                              outer_momentum=outer.momentum, outer_nesterov=outer.nesterov,
@@ -196,19 +197,37 @@ def fallback_plan(inputs: PlanInputs) -> Plan:
 
 
 def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
-    """Fill in epoch, job id, resume step, stage node ids, peer addresses and the rendezvous store."""
+    """Fill in epoch, job id, resume step, stage node ids, peer addresses and the rendezvous store.
+
+    A stage without node ids takes the next dp x tp nodes of its island that no stage of the plan runs on
+    yet (an island may host several stages, each on nodes of its own); a node listed twice is refused.
+    """
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
     plan.rendezvous = inputs.rendezvous
     for g in plan.groups:
         g.since_epoch = g.since_epoch or inputs.epoch
     islands = {i.id: i for i in inputs.islands}
+    taken: dict[str, tuple[int, int]] = {}
+    for p_index, pipeline in enumerate(plan.pipelines):
+        for s_index, stage in enumerate(pipeline.stages):
+            for n in stage.nodes:
+                if n in taken:
+                    raise ValueError(f"node {n} is listed in stage {taken[n][1]} of pipeline {taken[n][0]} and again "
+                                     f"in stage {s_index} of pipeline {p_index}; a node runs one stage")
+                taken[n] = (p_index, s_index)
     for p_index, pipeline in enumerate(plan.pipelines):
         for s_index, stage in enumerate(pipeline.stages):
             if not stage.nodes:
                 island = islands.get(stage.island)
                 if island is None:
                     raise ValueError(f"stage {s_index} of pipeline {p_index} names unknown island {stage.island!r}")
-                stage.nodes = list(island.nodes[:stage.dp])
+                need = stage.dp * stage.tp
+                free = [n for n in island.nodes if n not in taken]
+                if len(free) < need:
+                    raise ValueError(f"stage {s_index} of pipeline {p_index} needs {need} nodes of island "
+                                     f"{stage.island!r}; only {len(free)} are not running another stage")
+                stage.nodes = free[:need]
+                taken.update((n, (p_index, s_index)) for n in stage.nodes)
             missing = [n for n in stage.nodes if n not in inputs.members]
             if missing:
                 raise ValueError(f"stage {s_index} of pipeline {p_index} names nodes that are not alive: {missing}")

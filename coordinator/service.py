@@ -25,7 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
-from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
+from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, Planner, load_pinned_plan, pinned_planner
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store, StoreError
 from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
@@ -102,13 +102,15 @@ class CoordinatorService:
     """A running coordinator. `start()` binds and starts the loop; `stop()` shuts everything down."""
 
     def __init__(self, *, job: JobSpec, token: str, config: ServiceConfig | None = None,
-                 options: CoordinatorOptions | None = None, store: Store | None = None):
+                 options: CoordinatorOptions | None = None, store: Store | None = None,
+                 planner: Planner | None = None):
         self.config = config or ServiceConfig()
         if store is None:
             store = SqliteStore(self.config.state_dir / DB_NAME) if self.config.state_dir else MemoryStore()
         self.store = store
         self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen)
-        self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous)
+        self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous,
+                                      **({"planner": planner} if planner is not None else {}))
         self.metrics = CoordinatorMetrics()
         self.health = health_aio.HealthServicer()
         self.watches = PlanWatches(self.state, max_watches=self.config.max_watches,
@@ -214,8 +216,16 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                                  islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc)
+    planner = None
+    if args.plan:
+        try:
+            planner = pinned_planner(load_pinned_plan(Path(args.plan), job))
+        except ValueError as e:
+            log.error("--plan: %s", e)
+            return 2
+        log.info("publishing the pinned plan of %s while every node it names is alive", args.plan)
     try:
-        service = CoordinatorService(job=job, token=token, config=config, options=options).start()
+        service = CoordinatorService(job=job, token=token, config=config, options=options, planner=planner).start()
     except StoreError as e:  # a state dir of another job or version: one line saying what to do
         log.error("%s: %s", state_dir, e)
         return 2

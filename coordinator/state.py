@@ -2,17 +2,20 @@
 
 `tick(now)` is the coordinator's heartbeat: it expires leases, refreshes the islands and, when
 `plan_decision` says so, makes and publishes a new plan epoch. The service calls it from a background
-loop; tests call it with their own clock.
+loop; tests call it with their own clock. An operator may pin the plan (`atoll coordinator --plan`):
+`load_pinned_plan` checks it against the job and `pinned_planner` publishes it in place of the planner's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from atoll.coordinator.checkpoints import complete_steps
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
@@ -20,7 +23,7 @@ from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fr
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
-from atoll.coordinator.planning import PlanInputs, make_plan
+from atoll.coordinator.planning import PlanInputs, finish_plan, make_plan
 from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, Plan
@@ -308,3 +311,73 @@ class CoordinatorState:
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}"
+
+
+# --- an operator's pinned plan -----------------------------------------------------------------------
+
+
+def load_pinned_plan(path: Path, job: JobSpec) -> Plan:
+    """The plan in `path` (JSON, as `atoll plan --json` writes it), checked against `job`: the model's layers,
+    the global batch and sequence length, and every stage naming its nodes (dp x tp node ids, no node twice,
+    at least one row of each micro-batch per replica). Raises ValueError saying what to change."""
+    try:
+        plan = Plan.from_json(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read the plan file {path}: {e}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a plan (the JSON `atoll plan --json` writes): {type(e).__name__}: {e}") from None
+    try:
+        plan.validate(job.model_spec.num_layers)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if (plan.global_batch, plan.seq_len) != (job.train.global_batch, job.train.seq_len):
+        raise ValueError(f"{path} plans a global batch of {plan.global_batch} x {plan.seq_len} tokens; the job trains "
+                         f"{job.train.global_batch} x {job.train.seq_len} (train.global_batch, train.seq_len)")
+    groups = [g.pipelines for g in plan.groups] if plan.mode == "outer" else [range(len(plan.pipelines))]
+    for pipelines in groups:
+        rows = sum(plan.pipelines[p].micro_batch * plan.pipelines[p].num_micro_batches for p in pipelines)
+        if rows != plan.global_batch:
+            raise ValueError(f"{path}: pipelines {list(pipelines)} train {rows} sequences per step (micro_batch x "
+                             f"num_micro_batches summed); the global batch is {plan.global_batch}")
+    seen: set[str] = set()
+    for p, pipe in enumerate(plan.pipelines):
+        for k, st in enumerate(pipe.stages):
+            where = f"{path}: pipeline {p} stage {k}"
+            if st.dp < 1 or st.tp < 1:
+                raise ValueError(f"{where} has dp = {st.dp} and tp = {st.tp}; both must be at least 1")
+            if len(st.nodes) != st.dp * st.tp:
+                raise ValueError(f"{where} lists {len(st.nodes)} node ids; with dp = {st.dp} and tp = {st.tp} it needs "
+                                 f"{st.dp * st.tp} (a pinned plan names every stage's nodes: their `atoll node` ids)")
+            if st.dp > pipe.micro_batch:
+                raise ValueError(f"{where}: {st.dp} replicas cannot share a micro-batch of {pipe.micro_batch} sequences")
+            if seen & set(st.nodes) or len(set(st.nodes)) != len(st.nodes):
+                raise ValueError(f"{where} lists a node that runs another stage too; a node runs one stage")
+            seen.update(st.nodes)
+    return plan
+
+
+def pinned_planner(pinned: Plan, otherwise: Planner = make_plan) -> Planner:
+    """A `Planner` that publishes `pinned`, with this epoch's number, job id, resume step, islands, peer
+    addresses and rendezvous filled in (`finish_plan`), while every node it names is an alive member;
+    otherwise it plans with `otherwise` and its reason says which pinned nodes are missing."""
+    named = {n for pipe in pinned.pipelines for st in pipe.stages for n in st.nodes}
+
+    def plan(inputs: PlanInputs) -> tuple[Plan, str]:
+        missing = sorted(named - set(inputs.members))
+        if missing:
+            log.warning("the pinned plan names nodes that are not alive members (%s); planning instead",
+                        ", ".join(missing))
+            made, how = otherwise(inputs)
+            return made, f"{how}; not the pinned plan: {', '.join(missing)} not alive"
+        made = Plan.from_json_dict(pinned.to_json_dict())  # a copy per epoch
+        made.node_addresses, made.islands = {}, list(inputs.islands)
+        island_of = {n: i.id for i in inputs.islands for n in i.nodes}
+        for pipe in made.pipelines:
+            for st in pipe.stages:
+                st.island = island_of.get(st.nodes[0], st.island)
+        for g in made.groups:
+            g.since_epoch = 0
+        made = finish_plan(made, inputs)
+        made.validate(inputs.job.model_spec.num_layers)
+        return made, "the pinned plan (--plan)"
+    return plan

@@ -210,3 +210,157 @@ def test_row_peers_must_cover_this_replicas_rows() -> None:
         GrpcTransportConfig(upstream=(RowPeer(peer=p["a"], rows=(0, 4)),), **{**base, "shape": None})
     with pytest.raises(ValueError, match="empty tuple"):
         GrpcTransportConfig(upstream=(), **base)
+
+
+# --- the coordinator's side ----------------------------------------------------------------------------
+
+
+def _live_inputs(groups: dict[str, list[str]]):
+    """PlanInputs for a live cluster: one island per device name, measured timings, fast links inside."""
+    from atoll.coordinator.islands import form_islands
+    from atoll.coordinator.linkmatrix import complete_matrix
+    from atoll.coordinator.planning import PlanInputs
+    from atoll.coordinator.store import MemberRecord
+    from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
+
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    lt = [LayerTiming(layer_kind=k, micro_batch=b, seq_len=64, forward_seconds=1e-3 * b, backward_seconds=2e-3 * b)
+          for k in ("embedding", "block", "head") for b in (1, 2, 4, 8)]
+    members = {n: MemberRecord(node_id=n, peer_address=f"10.0.{i}.1:5000", profile=NodeProfile(
+        hostname=n, device_kind="cpu", device_name=device, memory_total_bytes=8 << 30, memory_free_bytes=8 << 30,
+        layer_timings=lt)) for i, (device, n) in enumerate((d, n) for d, ns in groups.items() for n in ns)}
+    ids = sorted(members)
+    links = [LinkMeasurement(src=a, dst=b, rtt_seconds=1e-4, bandwidth_bytes_per_s=1e9 if
+                             members[a].profile.device_name == members[b].profile.device_name else 1e8)
+             for a in ids for b in ids if a < b]
+    matrix = complete_matrix(ids, links)
+    islands = form_islands({n: m.profile for n, m in members.items()}, matrix)
+    return PlanInputs(job=job, members=members, islands=islands, matrix=matrix, links=links, epoch=3,
+                      rendezvous="10.0.9.9:29400")
+
+
+@pytest.mark.parametrize("groups", [
+    {"x": ["a1", "a2"], "y": ["b1"]},
+    {"x": ["a1", "a2", "a3"]},
+    {"x": ["a1", "a2", "a3"], "y": ["b1", "b2"]},
+    {"x": ["a1", "a2", "a3", "a4"], "y": ["b1"], "z": ["c1", "c2"]},
+])
+def test_every_plan_the_coordinator_makes_is_one_the_runtime_places(groups) -> None:
+    """The planner may give stages of one pipeline different widths (and shares that differ by a row); every
+    node of the plan it makes finds its place, with distinct nodes per stage."""
+    from atoll.coordinator.planning import make_plan
+    from atoll.node.placement import place
+
+    inputs = _live_inputs(groups)
+    plan, how = make_plan(inputs)
+    assert how == "planner", how
+    nodes = [n for p in plan.pipelines for s in p.stages for n in s.nodes]
+    assert len(nodes) == len(set(nodes))
+    for n in nodes:
+        assert place(plan, n, inputs.job.model_spec.num_layers) is not None
+
+
+def test_finish_plan_gives_stages_on_one_island_nodes_of_their_own() -> None:
+    from atoll.coordinator.planning import finish_plan
+
+    inputs = _live_inputs({"x": ["a1", "a2", "a3"]})
+    island = inputs.islands[0].id
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[StagePlan(island=island, layers=(0, 3), dp=2),
+                                                    StagePlan(island=island, layers=(3, 6), dp=1)])])
+    plan = finish_plan(plan, inputs)
+    assert [s.nodes for s in plan.pipelines[0].stages] == [["a1", "a2"], ["a3"]]
+    plan.pipelines[0].stages[1].nodes = ["a1"]
+    with pytest.raises(ValueError, match="node a1 is listed in stage 0 of pipeline 0 and again in stage 1"):
+        finish_plan(plan, inputs)
+    plan.pipelines[0].stages[1].nodes, plan.pipelines[0].stages[1].dp = [], 2
+    with pytest.raises(ValueError, match="needs 2 nodes of island"):
+        finish_plan(plan, inputs)
+
+
+def _pinned(nodes: tuple[list[str], list[str]]) -> Plan:
+    return Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="wide", layers=(0, 3), dp=len(nodes[0]),
+                                                              nodes=nodes[0]),
+                                                    StagePlan(island="narrow", layers=(3, 6), dp=len(nodes[1]),
+                                                              nodes=nodes[1])])])
+
+
+def test_a_pinned_plan_is_checked_against_the_job_and_filled_in(tmp_path: Path) -> None:
+    from atoll.coordinator.state import load_pinned_plan, pinned_planner
+
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    path = tmp_path / "plan.json"
+    _pinned((["a1", "a2"], ["b1"])).save(path)
+    pinned = load_pinned_plan(path, job)
+    inputs = _live_inputs({"x": ["a1", "a2"], "y": ["b1"]})
+    plan, how = pinned_planner(pinned)(inputs)
+    assert how == "the pinned plan (--plan)"
+    assert [(s.nodes, s.dp) for s in plan.pipelines[0].stages] == [(["a1", "a2"], 2), (["b1"], 1)]
+    assert (plan.epoch, plan.rendezvous, plan.job_id) == (3, "10.0.9.9:29400", job.id)
+    assert plan.node_addresses == {n: m.peer_address for n, m in inputs.members.items()}
+    assert {s.island for s in plan.pipelines[0].stages} == {i.id for i in inputs.islands}
+    # a pinned node that is not alive: the planner plans, and says why
+    plan, how = pinned_planner(pinned)(_live_inputs({"x": ["a1", "a2"], "y": ["b2"]}))
+    assert "not the pinned plan: b1 not alive" in how
+    assert "b1" not in {n for p in plan.pipelines for s in p.stages for n in s.nodes}
+    # what a pinned plan must get right, each refused with what to change
+    unnamed = _pinned((["a1", "a2"], ["b1"]))
+    unnamed.pipelines[0].stages[1].nodes = []
+    for bad, match in [(unnamed, "lists 0 node ids; with dp = 1 and tp = 1 it needs 1"),
+                       (_pinned((["a1", "a1"], ["b1"])), "runs another stage"),
+                       (_pinned((["a1", "a2", "a3", "a4", "a5"], ["b1"])), "cannot share a micro-batch of 4")]:
+        bad.save(path)
+        with pytest.raises(ValueError, match=match):
+            load_pinned_plan(path, job)
+    wrong_batch = _pinned((["a1"], ["b1"]))
+    wrong_batch.global_batch = 32
+    wrong_batch.save(path)
+    with pytest.raises(ValueError, match="train.global_batch"):
+        load_pinned_plan(path, job)
+    path.write_text('{"model": "tiny"}')
+    with pytest.raises(ValueError, match="is not a plan"):
+        load_pinned_plan(path, job)
+
+
+E2E_STEPS = 8
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Path) -> None:
+    """`atoll coordinator --plan` and three `atoll node` processes: two nodes run the first stage, one the
+    second; the losses match one process."""
+    import time
+
+    from atoll.launch.localcluster import LocalCluster
+
+    base = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(base, train=replace(base.train, steps=E2E_STEPS, warmup=2),
+                  checkpoint=replace(base.checkpoint, interval=0),
+                  compression=replace(base.compression, mode="identity"),
+                  cluster=replace(base.cluster, expected_nodes=3, min_nodes=3),
+                  outer=replace(base.outer, mode="sync"))
+    job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
+    job_path.write_text(job.to_toml())
+    ids = {"node1": "wide-0", "node2": "wide-1", "node3": "narrow-0"}
+    for name, node_id in ids.items():  # the nodes' ids, known before they start, so the plan can name them
+        (out / name).mkdir(parents=True)
+        (out / name / "node_id").write_text(node_id + "\n")
+    _pinned((["wide-0", "wide-1"], ["narrow-0"])).save(plan_path)
+    expected, _ = train_local(job)
+    with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+        cluster.start_coordinator(extra=["--plan", str(plan_path)])
+        for name in ids:
+            cluster.start_node(name)
+        end = time.monotonic() + 120
+        while len(cluster.losses()) < E2E_STEPS:
+            cluster.check_alive()
+            assert time.monotonic() < end, f"timed out waiting for {E2E_STEPS} steps; logs in {out}"
+            time.sleep(0.5)
+        status = cluster.status()
+        losses = cluster.losses()
+    stages = status.plan.pipelines[0].stages
+    assert [(list(s.node_ids), s.dp) for s in stages] == [(["wide-0", "wide-1"], 2), (["narrow-0"], 1)]
+    for s in range(E2E_STEPS):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
