@@ -253,7 +253,8 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
         measured_step_seconds=progress.measured_step_seconds, measured_steps=progress.measured_steps,
         stage_usage=[pb.StageUsage(node_id=u.node_id, pipeline=u.pipeline, stage=u.stage, steps=u.steps,
                                    step_seconds=u.step_seconds, compute_seconds=u.compute_seconds,
-                                   wait_seconds=u.wait_seconds, utilisation=u.utilisation)
+                                   wait_seconds=u.wait_seconds, utilisation=u.utilisation,
+                                   peak_memory_bytes=u.peak_memory_bytes)
                      for u in progress.stages],
         link_usage=[pb.LinkUsage(src=x.src, dst=x.dst, direction=DIRECTION_BY_NAME.get(x.direction, 0),
                                  pipeline=x.pipeline, stage=x.stage, steps=x.steps, codec=codec_id(x.codec),

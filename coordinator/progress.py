@@ -29,6 +29,8 @@ class StageUsage:
     """Forward and backward passes."""
     wait_seconds: float
     """Waiting for neighbours' tensors."""
+    peak_memory_bytes: int = 0
+    """The highest peak memory the node reported over these steps (0: none measured)."""
 
     @property
     def utilisation(self) -> float:
@@ -151,7 +153,8 @@ def _stage_usage(reports: Sequence[StepMetrics]) -> list[StageUsage]:
         out.append(StageUsage(node_id=node, pipeline=pipeline, stage=stage, steps=n,
                               step_seconds=sum(r.step_seconds for r in rs) / n,
                               compute_seconds=sum(r.compute_seconds for r in rs) / n,
-                              wait_seconds=sum(r.wait_seconds for r in rs) / n))
+                              wait_seconds=sum(r.wait_seconds for r in rs) / n,
+                              peak_memory_bytes=max(r.peak_memory_bytes for r in rs)))
     return out
 
 

@@ -81,13 +81,25 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
         line += f"; measured / predicted {measured / predicted:.2f}"
     out = [line]
     if s.stage_usage:
-        out.append("\nstages (means per step over the recent steps; OTHER-S: all-reduce, optimizer, checkpoints):")
-        rows = [["PIPELINE", "STAGE", "NODE-ID", "STEPS", "STEP-S", "COMPUTE-S", "WAIT-S", "OTHER-S", "UTILISATION"]]
+        out.append("\nstages (means per step over the recent steps; OTHER-S: all-reduce, optimizer, checkpoints; "
+                   "PEAK-MEMORY: the highest measured, MEMORY-BYTES-PER-DEVICE: the plan's prediction):")
+        planned = {(p.index, st.index): st.memory_bytes_per_device for p in s.plan.pipelines for st in p.stages}
+        rows = [["PIPELINE", "STAGE", "NODE-ID", "STEPS", "STEP-S", "COMPUTE-S", "WAIT-S", "OTHER-S", "PEAK-MEMORY",
+                 "MEMORY-BYTES-PER-DEVICE", "UTILISATION"]]
+        worst: tuple[float, str] | None = None
         for u in s.stage_usage:
             other = u.step_seconds - u.compute_seconds - u.wait_seconds
+            plan_bytes = planned.get((u.pipeline, u.stage), 0.0)
+            if u.peak_memory_bytes and plan_bytes > 0:
+                ratio = u.peak_memory_bytes / plan_bytes
+                if worst is None or ratio > worst[0]:
+                    worst = (ratio, f"pipeline {u.pipeline} stage {u.stage}, node {u.node_id}")
             rows.append([str(u.pipeline), str(u.stage), u.node_id, str(u.steps), _seconds(u.step_seconds),
                          _seconds(u.compute_seconds), _seconds(u.wait_seconds), _seconds(other),
-                         f"{100 * u.utilisation:.0f}%"])
+                         _bytes(u.peak_memory_bytes) if u.peak_memory_bytes else "-",
+                         _bytes(plan_bytes) if plan_bytes > 0 else "-", f"{100 * u.utilisation:.0f}%"])
+        if worst is not None:
+            out.insert(1, f"peak memory: measured / predicted up to {worst[0]:.2f} ({worst[1]})")
         out += _table(rows)
     if s.link_usage:
         out.append("\nlinks (means per step over the recent steps; SECONDS: time on the wire; ESTIMATE: the sender's "
