@@ -40,3 +40,44 @@ def test_referenced_files_exist() -> None:
         if "--job" in cmd:
             assert (REPO / cmd[cmd.index("--job") + 1]).is_file()
     assert (REPO / "Dockerfile").is_file()
+
+
+def test_nodes_exit_when_the_job_is_done() -> None:
+    for name, service in _services().items():
+        if service["command"][:2] == ["atoll", "node"]:
+            assert "--exit-when-done" in service["command"], name
+
+
+def test_ports_are_published_on_loopback_only() -> None:
+    for name, service in _services().items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    coordinator = build_parser().parse_args(_services()["coordinator"]["command"][1:])
+    # inside its container the endpoint must listen beyond loopback for the published port to reach it
+    assert coordinator.metrics_port is not None and coordinator.metrics_host == "0.0.0.0"
+
+
+def test_no_committed_token() -> None:
+    """The coordinator makes the token in its state volume; the nodes read it from there, mounted read-only."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert "secrets" not in compose and not list(REPO.glob("examples/*token*"))
+    services = compose["services"]
+    coordinator = build_parser().parse_args(services["coordinator"]["command"][1:])
+    assert coordinator.token_file is None  # generated into --state-dir
+    state = next(v.split(":")[0] for v in services["coordinator"]["volumes"] if v.split(":")[1] == coordinator.state_dir)
+    health = services["coordinator"]["healthcheck"]["test"]
+    assert health[0] == "CMD" and callable(build_parser().parse_args(health[2:]).func)
+    assert health[health.index("--token-file") + 1] == f"{coordinator.state_dir}/token"
+    for name, service in services.items():
+        if service["command"][:2] != ["atoll", "node"]:
+            continue
+        node = build_parser().parse_args(service["command"][1:])
+        mount = next(v for v in service["volumes"] if v.startswith(state + ":"))
+        assert mount.endswith(":ro") and node.token_file == mount.split(":")[1] + "/token", name
+        assert service["depends_on"]["coordinator"]["condition"] == "service_healthy", name
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".venv", "runs", ".git", "*.egg-info"} <= ignored
