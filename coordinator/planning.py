@@ -207,6 +207,11 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
     for g in plan.groups:
         g.since_epoch = g.since_epoch or inputs.epoch
     islands = {i.id: i for i in inputs.islands}
+    for info in plan.islands:  # a live plan's islands carry their region (the planner's copies name a cluster group)
+        live = islands.get(info.id)
+        if live is not None:
+            info.group = live.group
+            info.nodes = info.nodes or list(live.nodes)
     taken: dict[str, tuple[int, int]] = {}
     for p_index, pipeline in enumerate(plan.pipelines):
         for s_index, stage in enumerate(pipeline.stages):

@@ -97,10 +97,10 @@ class _PeerServicer(pb_grpc.PeerServicer):
                           f"node {self._owner.node_id} runs no outer sync yet; retry once it has the plan")
         try:
             frames = outbox.frames(request, wait=max(0.0, min(5.0, remaining - 1.0)))
-        except LookupError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except KeyError as e:
+        except KeyError as e:  # before LookupError, its base: never here (a wrong name, a round long gone)
             context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]) if e.args else "not found")
+        except LookupError as e:  # not here yet: the caller retries
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         yield from frames

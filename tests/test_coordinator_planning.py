@@ -139,3 +139,18 @@ def test_a_replan_keeps_intact_replica_groups_running() -> None:
     joined = dict(full.members)
     joined["a3"] = replace(full.members["a1"], node_id="a3", peer_address="10.0.7.1:5000")
     assert kept_groups(replace(full, members=joined, previous=prev)) == [1]
+
+
+def test_a_live_plan_names_each_island_by_its_region() -> None:
+    inputs = _inputs({"x": ["a1", "a2"], "y": ["b1"]})
+    _regions(inputs, {"a1": "lab-a", "a2": "lab-a", "b1": "lab-b"})
+    from atoll.coordinator.islands import form_islands
+
+    islands = form_islands({n: m.profile for n, m in inputs.members.items()}, inputs.matrix)
+    from dataclasses import replace
+
+    plan, _ = make_plan(replace(inputs, islands=islands))
+    assert {i.group for i in plan.islands} <= {"lab-a", "lab-b"}
+    for n in ("a1", "a2", "b1"):
+        if any(n in s.nodes for p in plan.pipelines for s in p.stages):
+            assert plan.region_of(n) == inputs.members[n].profile.region
