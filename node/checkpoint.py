@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from atoll.fsutil import atomic_write
 from atoll.node.model import StageModule
 from atoll.node.slice_state import ParamStates, load_slice, save_slice
 
@@ -34,13 +36,21 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def save_layers(module: StageModule, optimizer: torch.optim.Optimizer | ParamStates, root: Path, step: int, *,
-                data_position: int) -> tuple[Path, int]:
+                data_position: int, state: Mapping[str, Any] | None = None) -> tuple[Path, int]:
     """Write the stage's layers and optimizer state for `step`; return the file and its size.
 
     `optimizer` is the stage's AdamW, or the whole per-parameter states a ZeRO optimizer gathered
-    (`ZeroOptimizer.consolidated_state`): the file is the same either way."""
+    (`ZeroOptimizer.consolidated_state`): the file is the same either way.
+    `state`, when given, is the slice's whole state already in the `atoll.node.slice_state` format and is
+    written instead of `module` and `optimizer` (a tensor-parallel stage, whose parameters are shards:
+    `atoll.node.tp.TensorParallel.full_state` gathers them into whole layers)."""
     path = step_dir(root, step) / f"layers-{module.start:04d}-{module.end:04d}.pt"
-    save_slice(path, module, optimizer, extra={"step": step, "data_position": data_position})
+    extra = {"step": step, "data_position": data_position}
+    if state is None:
+        save_slice(path, module, optimizer, extra=extra)
+    else:
+        whole = {**state, "extra": {**state.get("extra", {}), **extra}}
+        atomic_write(path, lambda f: torch.save(whole, f))
     # a step reached again under another cut (after a resume) must not keep the old cut's overlapping files
     for old in _overlapping(step_dir(root, step), module.start, module.end):
         if old != path:

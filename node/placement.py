@@ -20,7 +20,13 @@ Runtime rules (checked here, with errors that name the pipeline and stage):
   weighted by the rows each trained (with one pipeline these are simply the replicas of a stage);
 - the squared gradient norms for global clipping are summed over every node of the pipeline, where replica
   0 of each stage adds its stage's norm and the other replicas add 0: after averaging, the replicas of a
-  stage hold the same gradients, so each stage counts exactly once whatever the widths.
+  stage hold the same gradients, so each stage counts exactly once whatever the widths;
+- tensor parallelism (`StagePlan.tp = t > 1`, `atoll.node.tp`): the stage lists dp x t nodes, replica-major,
+  `nodes[r * t + k]` being tp rank k of replica r. A replica's tp ranks share its rows; its tp rank 0 is the
+  replica as the rules above see it (it exchanges activations with the neighbouring stages, sits in the loss
+  group) and the other ranks exchange nothing with other stages. Each tp rank of replica 0 adds its shards'
+  norm. Every holder of a layer must shard it alike (same t), and gradients are averaged per tp rank: the
+  segment groups join the holders with the same tp rank.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Segment:
     start: int
     end: int
     holders: tuple[str, ...]
+    tp_rank: int = 0
+    """The tp rank whose shards of these layers the holders average (0 without tensor parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,12 @@ class Placement:
     """Segments of this node's layers held by more than one node."""
     group: int = 0
     """The node's replica group (outer-mode plans; 0 otherwise)."""
+    tp: int = 1
+    """Tensor-parallel degree of this node's stage."""
+    tp_rank: int = 0
+    """This node's rank in its stage replica's tp group (0: the rank that talks to the other stages)."""
+    tp_group: tuple[str, ...] = ()
+    """The node ids of this stage replica's tp ranks, in rank order (this node alone when tp = 1)."""
 
     @property
     def is_first(self) -> bool:
@@ -130,13 +144,21 @@ def _stage_shares(p: int, s: int, pipe: PipelinePlan) -> list[tuple[int, int]]:
     st = pipe.stages[s]
     if not st.nodes:
         raise PlacementError(f"pipeline {p} stage {s} lists no nodes; a runnable plan names each stage's nodes")
-    if st.dp != len(st.nodes):
-        raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} but {len(st.nodes)} nodes are listed")
+    if st.tp < 1:
+        raise PlacementError(f"pipeline {p} stage {s}: tp = {st.tp}; it must be at least 1")
+    if st.dp * st.tp != len(st.nodes):
+        raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} x tp = {st.tp} needs {st.dp * st.tp} nodes "
+                             f"(nodes[r * tp + k] is tp rank k of replica r), but {len(st.nodes)} are listed")
     if pipe.micro_batch < st.dp:
         raise PlacementError(f"pipeline {p} stage {s}: its {st.dp} replicas cannot share a micro-batch of "
                              f"{pipe.micro_batch} sequences; give the pipeline a micro-batch of at least {st.dp} "
                              f"or the stage fewer nodes")
     return shares(pipe.micro_batch, st.dp)
+
+
+def _replicas(st) -> list[str]:
+    """The node standing for each replica of a stage towards the other stages: its tp rank 0."""
+    return list(st.nodes[::max(1, st.tp)])
 
 
 def _check_distinct(plan: Plan) -> None:
@@ -165,6 +187,7 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
     row = 0
     found: Placement | None = None
     holders: list[tuple[tuple[int, int], str]] = []
+    tp_of: dict[str, tuple[int, int]] = {}  # node -> (its stage's tp, its tp rank)
     loss_group: list[str] = []
     for p in pipelines:
         pipe = plan.pipelines[p]
@@ -173,17 +196,20 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
         m = pipe.num_micro_batches
         for st in pipe.stages:
             holders.extend((st.layers, n) for n in st.nodes)
-        loss_group.extend(pipe.stages[-1].nodes)
+            tp_of.update((n, (st.tp, i % st.tp)) for i, n in enumerate(st.nodes))
+        loss_group.extend(_replicas(pipe.stages[-1]))
         for s, st in enumerate(pipe.stages):
             if node_id not in st.nodes:
                 continue
-            r = st.nodes.index(node_id)
+            r, k_tp = divmod(st.nodes.index(node_id), st.tp)
             a, b = splits[s][r]
 
             def overlapping(k: int) -> tuple[Neighbour, ...]:
                 if not 0 <= k < len(pipe.stages):
                     return ()
-                return tuple(Neighbour(n, rr) for n, rr in zip(pipe.stages[k].nodes, splits[k])
+                if k_tp:  # a tp rank other than 0 exchanges nothing with other stages
+                    return ()
+                return tuple(Neighbour(n, rr) for n, rr in zip(_replicas(pipe.stages[k]), splits[k])
                              if rr[0] < b and a < rr[1])
 
             found = Placement(
@@ -194,6 +220,7 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
                 blocks=tuple((x, y) for x, y in zip(bounds, bounds[1:]) if a <= x and y <= b),
                 pipeline_nodes=tuple(n for stage in pipe.stages for n in stage.nodes),
                 loss_group=(), segments=(), group=group,
+                tp=st.tp, tp_rank=k_tp, tp_group=tuple(st.nodes[r * st.tp:(r + 1) * st.tp]),
             )
         row += pipe.micro_batch * m
     if row != plan.global_batch:
@@ -206,9 +233,14 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
     segments = []
     for lo, hi in zip(bounds, bounds[1:]):
         if a <= lo and hi <= b:
-            seg_holders = tuple(n for (x, y), n in holders if x <= lo and hi <= y)
+            every = [n for (x, y), n in holders if x <= lo and hi <= y]
+            degrees = sorted({tp_of[n][0] for n in every})
+            if len(degrees) > 1:
+                raise PlacementError(f"layers [{lo}, {hi}) are held under tp degrees {degrees}; every holder of a "
+                                     "layer must shard it alike (plan one tp degree per layer)")
+            seg_holders = tuple(n for n in every if tp_of[n][1] == found.tp_rank)
             if len(seg_holders) > 1:
-                segments.append(Segment(lo, hi, seg_holders))
+                segments.append(Segment(lo, hi, seg_holders, found.tp_rank))
     return Placement(**{**found.__dict__, "loss_group": tuple(loss_group), "segments": tuple(segments)})
 
 

@@ -7,7 +7,9 @@
    resume step, whatever cut wrote it;
 3. joins its process groups through the epoch's rendezvous store: the norm-exchange group of its
    pipeline (every node of it; each stage's norm counted once), one group per shared layer segment
-   (gradient averaging), and the loss group of the last stages (gloo on CPU, NCCL on CUDA);
+   (gradient averaging), and the loss group of the last stages (gloo on CPU, NCCL on CUDA); a
+   tensor-parallel stage (`StagePlan.tp > 1`) first joins its replica's tp group and shards the built (or
+   loaded) slice over it (`atoll.node.tp`);
 4. connects to its neighbours with the gRPC transport (next to a stage of another width, to every
    neighbour replica that shares its rows), the codec of each link chosen by the job's compression mode
    (a fixed codec, or the link policy when adaptive);
@@ -44,6 +46,7 @@ from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
+from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions
@@ -133,8 +136,11 @@ class _SegmentAverager:
     before the plain average gives the gradient of the mean loss over the whole batch.
     """
 
-    def __init__(self, parts: list[tuple[set[int], GradientAverager]], weight: float):
+    def __init__(self, parts: list[tuple[set[int], GradientAverager]], weight: float,
+                 local: Callable[[list[torch.nn.Parameter]], list[torch.Tensor]] = list):
         self.parts, self.weight = parts, weight
+        self.local = local
+        """Tensor parallelism: the local shards to average (each tp rank averages its own with its peers')."""
 
     def average_(self, params, timeout: timedelta) -> None:
         params = list(params)
@@ -145,7 +151,7 @@ class _SegmentAverager:
                 for p in mine:
                     if p.grad is not None:
                         p.grad.mul_(scale)
-            averager.average_(mine, timeout)
+            averager.average_(self.local(mine), timeout)
 
 
 def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
@@ -249,6 +255,8 @@ class PlanRunner:
         self.job = ctx.job
         self.placement: Placement | None = place(plan, ctx.node_id, self.job.model.n_layers + 2)
         self.outer: OuterSync | None = None
+        self.tp: TensorParallel | None = None
+        """This node's tp group handle while a tensor-parallel stage runs (set up in `run`)."""
         # the epoch that names this run's process groups and transfers: in outer mode the epoch from which
         # its replica group has run unchanged (a replan that keeps the group leaves it running)
         self.run_epoch = plan.epoch
@@ -278,17 +286,22 @@ class PlanRunner:
             if step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
                 load_layers(module, optimizer, ctx.checkpoint_dir, step)
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
-            store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1) else None
+            store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
+                else None
+            if pl.tp > 1:
+                optimizer = self._tensor_parallel(store, module, optimizer, cfg)
             norm, averager, loss_group = self._groups(store, module)
             optimizer, averager = self._zero(optimizer, averager, cfg)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
+            if self.tp is not None:
+                self.tp.close()
             raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
                             f"failed: {e}") from e
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
-                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer)
+                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp)
         data = TokenDataset.from_source(job.data.source, job.train.seq_len, seed=job.train.seed) \
             if (pl.is_first or pl.is_last) else None
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
@@ -353,6 +366,8 @@ class PlanRunner:
             transport.close()
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
+            if self.tp is not None:
+                self.tp.close()
         if reporter.stop_requested.is_set() and step < job.train.steps:
             log.info("the coordinator stopped the job after step %d", step - 1)
         return step
@@ -433,7 +448,7 @@ class PlanRunner:
         assert pl is not None
         base = self._group_prefix()
         norm = None
-        if store is not None and pl.num_stages > 1:
+        if store is not None and (pl.num_stages > 1 or pl.tp > 1):
             g = _group(store, f"{base}/norm-{pl.pipeline}/", pl.pipeline_nodes.index(ctx.node_id),
                        len(pl.pipeline_nodes), ctx.timeout, ctx.device)
             norm = OncePerStage(DistNormExchange(g, device=ctx.device), counts=pl.counts_norm)
@@ -441,16 +456,34 @@ class PlanRunner:
         if store is not None and pl.segments:
             parts = []
             for seg in pl.segments:
-                g = _group(store, f"{base}/segment-{seg.start}-{seg.end}/", seg.holders.index(ctx.node_id),
+                tp = f"-tp{seg.tp_rank}" if pl.tp > 1 else ""  # each tp rank averages its shards with its peers
+                g = _group(store, f"{base}/segment-{seg.start}-{seg.end}{tp}/", seg.holders.index(ctx.node_id),
                            len(seg.holders), ctx.timeout, ctx.device)
                 ids = {id(p) for i in range(seg.start, seg.end) for p in module.layers[str(i)].parameters()}
                 parts.append((ids, GradientAverager(g)))
-            averager = _SegmentAverager(parts, weight=self._row_weight())
+            averager = _SegmentAverager(parts, weight=self._row_weight(),
+                                        **({"local": self.tp.local_params} if self.tp is not None else {}))
         loss_group = None
-        if store is not None and pl.is_last and len(pl.loss_group) > 1:
+        if store is not None and pl.is_last and len(pl.loss_group) > 1 and pl.tp_rank == 0:
             loss_group = _group(store, f"{base}/loss/", pl.loss_group.index(ctx.node_id), len(pl.loss_group),
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
+
+    def _tensor_parallel(self, store: dist.Store | None, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         cfg: StageConfig) -> torch.optim.Optimizer:
+        """Join this stage replica's tp group (`self.tp`) and shard the full slice, seeded or loaded, over it;
+        return the optimizer over the shards (carrying a loaded state)."""
+        pl = self.placement
+        assert pl is not None and store is not None
+        if self.plan.mode == "outer":
+            raise RunFailed("tensor parallelism (tp > 1) does not run in outer mode yet; plan tp = 1 stages for "
+                            "replica groups")
+        check_shardable(self.job.model, pl.tp)
+        self.tp = TensorParallel.join(store, f"{self._group_prefix()}/tp-{pl.pipeline}-{pl.stage}-{pl.replica}/",
+                                      rank=pl.tp_rank, size=pl.tp, device=self.ctx.device, timeout=self.ctx.timeout)
+        log.info("pipeline %d stage %d replica %d: tp rank %d of %d (%s)", pl.pipeline, pl.stage, pl.replica,
+                 pl.tp_rank, pl.tp, ", ".join(pl.tp_group))
+        return self.tp.shard(module, optimizer, lambda m: build_optimizer(m, cfg))
 
     def _batch(self, data: TokenDataset, index: int) -> Batch:
         """This replica's rows of the batch of step `index`, in micro-batch order (see `Placement.batch_order`)."""
@@ -469,8 +502,8 @@ class PlanRunner:
         return (pl.rows[1] - pl.rows[0]) / self.plan.global_batch
 
     def _transport(self, pl: Placement):
-        if pl.num_stages == 1:
-            return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing
+        if pl.num_stages == 1 or pl.tp_rank > 0:
+            return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing, nor do tp ranks but 0
         addr = self.plan.node_addresses
 
         def refs(neighbours) -> tuple[RowPeer, ...] | None:
@@ -596,11 +629,20 @@ class PlanRunner:
                 optimizer = optimizer.consolidated_state(to=0)
             except CollectiveError as e:
                 raise RunFailed(f"gathering the ZeRO optimizer state for the checkpoint of step {step} failed: {e}") from e
+        whole = None
+        if self.tp is not None and pl.replica == 0:  # every tp rank sends its shards; tp rank 0 writes whole layers
+            try:
+                whole = self.tp.full_state(module, optimizer)
+            except RuntimeError as e:
+                raise RunFailed(f"gathering the tp shards for the checkpoint of step {step} failed: {e}") from e
+            if whole is None:
+                return
         if pl.replica != 0:
             return
         position = step * self.job.train.global_batch
         try:
-            path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position)
+            path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position,
+                                       state=whole)
             if self.outer is not None:
                 save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
         except OSError as e:

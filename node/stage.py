@@ -11,7 +11,9 @@ whole batch, as the unsplit model would compute), then average gradients over re
 squared norms and clip, then step the optimizer. With a `ZeroOptimizer` (`atoll.node.zero`) in place of
 AdamW the optimizer reduces the gradients itself (ZeRO-2: after every micro-batch's backward), the
 squared norm is that of the owned shards summed over the replicas, and its step all-gathers the
-parameters.
+parameters. With a `TensorParallel` (`atoll.node.tp`) the module is this rank's shard of the stage: tp rank
+0 alone receives (and broadcasts what it received to the other ranks) and sends, and the squared norm is
+this rank's share.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from atoll.node.dataparallel import GradientAverager
 from atoll.modelspec import ModelConfig
@@ -33,6 +36,9 @@ from atoll.node.norm_exchange import LocalNormExchange, NormExchange
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
 from atoll.node.zero import ZeroOptimizer
+
+if TYPE_CHECKING:
+    from atoll.node.tp import TensorParallel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,10 +169,11 @@ class SavedBytesCounter:
         self.bytes = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
+        storage = _storage(t)
+        ptr = storage.data_ptr()
         if ptr not in self.params and ptr not in self.seen:
             self.seen.add(ptr)
-            self.bytes += t.untyped_storage().nbytes()
+            self.bytes += storage.nbytes()
         return t
 
 
@@ -176,7 +183,8 @@ class PipelineStage:
     def __init__(self, module: StageModule, *, stage: int, num_stages: int, transport: Transport,
                  config: StageConfig, norm_exchange: NormExchange | None = None,
                  grad_averager: GradientAverager | None = None,
-                 optimizer: torch.optim.Optimizer | ZeroOptimizer | None = None):
+                 optimizer: torch.optim.Optimizer | ZeroOptimizer | None = None,
+                 tp: TensorParallel | None = None):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
         if module.is_first != (stage == 0) or module.is_last != (stage == num_stages - 1):
@@ -193,6 +201,8 @@ class PipelineStage:
         self.optimizer = optimizer if optimizer is not None else build_optimizer(module, config)
         self.zero = optimizer if isinstance(optimizer, ZeroOptimizer) else None
         """With ZeRO the optimizer also reduces the gradients over the replicas (no separate averager)."""
+        self.tp = tp
+        """Tensor parallelism: `module` is this rank's shard; only tp rank 0 uses the transport."""
         if self.zero is not None and grad_averager is not None:
             raise ValueError("a ZeRO optimizer reduces the gradients over the stage's replicas itself; pass no "
                              "grad_averager with it")
@@ -240,7 +250,7 @@ class PipelineStage:
         tokens = 0
         compute = wait = 0.0
         timeline: list[OpTiming] = []
-        param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
+        param_ptrs = {_storage(p).data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
 
         for action in self.actions:
             a_start = time.perf_counter()
@@ -252,7 +262,7 @@ class PipelineStage:
                     a_wait = 0.0
                 else:
                     w0 = time.perf_counter()
-                    x = self.transport.recv(TensorKey(step, i, "forward"), cfg.recv_timeout).to(self.device)
+                    x = self._recv(TensorKey(step, i, "forward")).to(self.device)
                     a_wait = time.perf_counter() - w0
                     x.requires_grad_(True)
                     h_in = x
@@ -273,7 +283,7 @@ class PipelineStage:
                 if self.is_last:
                     losses.append(float(loss.detach()))
                 else:
-                    self.transport.send(TensorKey(step, i, "forward"), out.detach())
+                    self._send(TensorKey(step, i, "forward"), out.detach())
                 saved[i] = (x, out)
                 if cfg.track_memory:
                     mb_bytes[i] = counter.bytes + _nbytes(x) + _nbytes(out)
@@ -286,7 +296,7 @@ class PipelineStage:
                     a_wait = 0.0
                 else:
                     w0 = time.perf_counter()
-                    grad = self.transport.recv(TensorKey(step, i, "backward"), cfg.recv_timeout).to(self.device)
+                    grad = self._recv(TensorKey(step, i, "backward")).to(self.device)
                     a_wait = time.perf_counter() - w0
                 c0, cpu0 = time.perf_counter(), time.thread_time()
                 out.backward(grad)
@@ -296,7 +306,7 @@ class PipelineStage:
                 if x is not None:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {i}")
-                    self.transport.send(TensorKey(step, i, "backward"), x.grad)
+                    self._send(TensorKey(step, i, "backward"), x.grad)
                 if zero is not None:  # ZeRO-2 reduce-scatters this micro-batch's gradients (after the send)
                     s0 = time.perf_counter()
                     zero.backward_done()
@@ -319,7 +329,8 @@ class PipelineStage:
         grad_norm = None
         if cfg.max_grad_norm is not None:
             # with ZeRO: the owned shards' squares summed over the replicas, the stage's whole norm
-            local = zero.squared_norm() if zero is not None else _squared_norm(params)
+            local = zero.squared_norm() if zero is not None else \
+                self.tp.squared_norm(params) if self.tp is not None else _squared_norm(params)
             w0 = time.perf_counter()
             total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
             wait += time.perf_counter() - w0
@@ -358,6 +369,16 @@ class PipelineStage:
                              if torch.is_tensor(v) and v.ndim > 0)
         return params + grad_bytes + opt
 
+    def _recv(self, key: TensorKey) -> torch.Tensor:
+        # a tp stage receives on its rank 0 and broadcasts to its other ranks (same order on every rank)
+        if self.tp is None:
+            return self.transport.recv(key, self.config.recv_timeout)
+        return self.tp.share(self.transport.recv(key, self.config.recv_timeout) if self.tp.is_leader else None)
+
+    def _send(self, key: TensorKey, t: torch.Tensor) -> None:
+        if self.tp is None or self.tp.is_leader:  # every tp rank holds the same replicated tensor
+            self.transport.send(key, t)
+
     def _split(self, t: torch.Tensor | None, name: str, needed: bool) -> list[torch.Tensor]:
         if not needed:
             return []
@@ -383,6 +404,15 @@ class PipelineStage:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    # tensor parallelism: a DTensor (a shard) or an AsyncCollectiveTensor (a collective's result) has no
+    # storage of its own; its inner tensor has
+    while is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t.untyped_storage()
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -390,7 +420,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def _storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        s = t.untyped_storage()
+        s = _storage(t)
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
