@@ -1,0 +1,80 @@
+"""The benchmark's baselines: the published planners' strategies give valid plans on every example cluster."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.baselines import (BASELINES, PUBLISHED, _metis_groups, _shares, _uniform_layers,  # noqa: E402
+                             evaluate, flashflex_like, metis_like, sailor_like)
+
+from atoll.coordinator.planner import TrainSpec, load_cluster, parse_cluster  # noqa: E402
+from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
+from atoll.modelspec import ModelSpec  # noqa: E402
+
+EXAMPLES = sorted((REPO / "examples" / "clusters").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_published_strategies_give_valid_plans_on_every_example(path: Path) -> None:
+    cluster = load_cluster(path)
+    model = ModelSpec.from_preset("1.3b")
+    cm = CostModel(model, TrainSpec(global_batch=512, seq_len=model.config.seq_len))
+    gpus = {i.id: i.gpus for i in cluster.islands}
+    feasible = 0
+    for baseline in PUBLISHED:
+        r = baseline(cm, cluster)
+        if r.step_s is None:
+            assert r.detail == "does not fit" and not r.layout
+            continue
+        feasible += 1
+        assert r.step_s > 0 and r.layout, r.name
+        plan = r.to_plan(cm)  # validates: every pipeline covers the layers once, in order
+        assert sum(share for _, _, share in r.layout) == cm.train.global_batch
+        used: Counter[str] = Counter()
+        for stages, batch, share in r.layout:
+            assert 1 <= batch <= share
+            for s in stages:
+                for island, n in s.devices():
+                    used[island] += n
+                # held to the planner's largest per-replica micro-batch
+                rows = s.parts or ((s.island, s.dp, batch),)
+                assert all(math.ceil(x / n) <= max(cm.options.micro_batches) for _, n, x in rows)
+            # every stage fits in memory: the cost model takes the layout as it is
+            assert evaluate(cm, cluster, list(stages), batch, share, capped=True) is not None
+        assert all(used[i] <= gpus[i] for i in used), (r.name, used)
+        assert len(plan.pipelines) == len(r.layout)
+    assert feasible >= 1, path.stem
+
+
+def test_on_one_class_the_strategies_find_the_homogeneous_plan() -> None:
+    cluster = parse_cluster('[[group]]\nname = "h100"\ndevice = "H100"\ncount = 16\n')
+    model = ModelSpec.from_preset("350m")
+    cm = CostModel(model, TrainSpec(global_batch=256, seq_len=model.config.seq_len))
+    largest = BASELINES[1](cm, cluster)  # largest-class: Megatron-style equal stages on the one island
+    for baseline in (sailor_like, metis_like, flashflex_like):
+        r = baseline(cm, cluster)
+        assert r.step_s is not None
+        # the same search space on one class, up to micro-batch caps: within a few percent of each other
+        assert r.step_s <= 1.10 * largest.step_s, (r.name, r.detail)
+
+
+def test_pure_helpers() -> None:
+    # Sailor: uniform layers, the remainder one more each on the last stages
+    assert _uniform_layers(26, 4) == [6, 6, 7, 7]
+    assert _uniform_layers(8, 8) == [1] * 8
+    # Metis: power-of-two groups adding up to every device, none below half of n / p, the most even first
+    assert _metis_groups(96, 2) == [(32, 64)]
+    assert _metis_groups(8, 4)[0] == (2, 2, 2, 2)
+    assert all(sum(g) == 64 and len(g) == 3 and min(g) >= 64 // 3 * 0.5 for g in _metis_groups(64, 3))
+    assert _metis_groups(96, 1) == []  # 96 is not a power of two
+    # proportional integer shares
+    assert _shares(10, [1.0, 1.0, 2.0]) == [3, 2, 5] or sum(_shares(10, [1.0, 1.0, 2.0])) == 10
+    assert _shares(5, [100.0, 1.0], floor=1)[1] >= 1 and sum(_shares(5, [100.0, 1.0], floor=1)) == 5
