@@ -242,7 +242,14 @@ class CoordinatorState:
     def job_complete(self) -> bool:
         """The last step has been trained (a stage reported it): no more plans are made."""
         last = self.job.train.steps - 1
-        return any(s.step >= last for s in self.store.recent_steps(16))
+        recent = self.store.recent_steps(16)
+        plan = self.current_plan()
+        if plan is not None and plan.mode == "outer" and plan.outer is not None:
+            # every replica group trains (train.steps // H) rounds of its own inner steps
+            rounds = max(1, self.job.train.steps // plan.outer.inner_steps)
+            lasts = {p: rounds * g.inner_steps - 1 for g in plan.groups for p in g.pipelines}
+            return any(s.step >= lasts.get(s.pipeline, last) for s in recent if s.plan_epoch == plan.epoch)
+        return any(s.step >= last for s in recent)
 
     # --- the loop -------------------------------------------------------------------------------------
 

@@ -263,6 +263,24 @@ class PlanRunner:
         if plan.mode == "outer" and self.placement is not None:
             self.run_epoch = plan.groups[self.placement.group].since_epoch or plan.epoch
 
+    @property
+    def last_step(self) -> int:
+        """The step this run trains up to. In outer mode every replica group trains the same number of rounds,
+        (train.steps // H) x its own inner steps, so no group is left with rounds to sync alone."""
+        plan, pl = self.plan, self.placement
+        if plan.mode != "outer" or plan.outer is None or pl is None:
+            return self.job.train.steps
+        rounds = max(1, self.job.train.steps // plan.outer.inner_steps)
+        return rounds * plan.groups[pl.group].inner_steps
+
+    def schedule_step(self, step: int) -> int:
+        """Where `step` sits on the learning-rate schedule: a group that trains fewer inner steps per round
+        moves along the schedule as fast as the others, round for round."""
+        plan, pl = self.plan, self.placement
+        if plan.mode != "outer" or plan.outer is None or pl is None:
+            return step
+        return step * plan.outer.inner_steps // plan.groups[pl.group].inner_steps
+
     def current_plan(self) -> Plan:
         return self.ctx.latest_plan() if self.ctx.latest_plan is not None else self.plan
 
@@ -308,7 +326,7 @@ class PlanRunner:
                  self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
                  pl.num_micro_batches, pl.micro_batch, step)
         reporter = _Reporter(ctx.report_step)
-        last = job.train.steps if until_step is None else min(until_step, job.train.steps)
+        last = self.last_step if until_step is None else min(until_step, self.last_step)
         outer = self.outer
         # outer mode: each replica group reads its own shard (steps interleaved by group), so no sample is
         # trained twice
@@ -327,7 +345,7 @@ class PlanRunner:
         try:
             while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
                 for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(job, step)
+                    group["lr"] = learning_rate(job, self.schedule_step(step))
                 index = step * groups + pl.group
                 batch = self._batch(data, index) if data is not None else None
                 try:
@@ -341,7 +359,7 @@ class PlanRunner:
                 step += 1
                 reporter.put(self._metrics(step - 1, result, loss, transport))
                 interval = job.checkpoint.interval
-                due = bool(interval) and (step % interval == 0 or step == job.train.steps)
+                due = bool(interval) and (step % interval == 0 or step == self.last_step)
                 if outer is not None:
                     try:
                         outer.refresh(self.current_plan())
@@ -353,8 +371,7 @@ class PlanRunner:
                             break
                         raise RunFailed(f"outer sync after step {step - 1} failed: {e}") from e
                     # checkpoints of an outer-mode run are taken at round ends, holding the outer state
-                    due = (ended and bool(interval) and (step % interval < outer.cfg.inner_steps
-                                                         or step == job.train.steps)) or step == job.train.steps
+                    due = (ended and bool(interval) and step % interval < outer.cfg.inner_steps) or step == self.last_step
                 if due:
                     self._checkpoint(module, optimizer, step)
         finally:
@@ -702,7 +719,8 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)))
     try:
-        next_step = PlanRunner(ctx, plan).run(run.superseded)
+        runner = PlanRunner(ctx, plan)
+        next_step = runner.run(run.superseded)
     except RunFailed as e:
         if run.superseded.is_set():
             log.info("plan epoch %d ended (%s); a newer plan has arrived", plan.epoch, e)
@@ -711,7 +729,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
         run.superseded.wait()
         return False
-    if next_step >= job.train.steps:
-        log.info("the job has finished its %d steps", job.train.steps)
+    if next_step >= runner.last_step:
+        log.info("the job has finished its %d steps", runner.last_step)
         return True
     return False

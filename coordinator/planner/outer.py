@@ -132,11 +132,19 @@ def codec_spec(name: str, options: PlannerOptions) -> CodecSpec:
     return CodecSpec(name)
 
 
+SAME_SPEED = 0.15
+"""Groups whose predicted step times are within this fraction of the fastest count as equally fast: live
+profiles of identical machines differ by about this much, and unequal H would leave one group rounds to
+train alone at the end."""
+
+
 def group_inner_steps(step_s: Sequence[float], h: int) -> list[int]:
     """Inner steps per round of each group: H for the fastest, and for every other group the whole steps
     that fit the round (at least 1). The round is the fastest group's H steps, or stretched to a slower
     group's next whole step when that trains more tokens per second in all."""
     fast = min(range(len(step_s)), key=lambda g: step_s[g])
+    if all(t <= step_s[fast] * (1 + SAME_SPEED) for t in step_s):
+        return [h] * len(step_s)  # groups within profiling noise of each other train the same H
     base = h * step_s[fast]
     best: tuple[float, list[int]] | None = None
     for wall in [base] + [math.ceil(base / t - 1e-9) * t for t in step_s]:
