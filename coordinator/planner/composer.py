@@ -6,11 +6,14 @@ data-parallel replicas) and the pipeline's micro-batch B, which every stage shar
 stages, and the step has m = global_batch / B micro-batches. Two families of setups are tried: one width
 for every stage (replica r feeds replica r), and every island cut into the same number d of stages, as wide
 as the island allows. For a candidate the composer finds the smallest bottleneck T (the
-largest of every stage's compute time per micro-batch and every boundary's transfer time under its codec)
-by a parametric search: for a given T a greedy pass from the last layer backwards gives each stage as many
-layers as fit within T and its memory (the stage's position from the end fixes its 1F1B in-flight
+largest of every stage's compute time per micro-batch and every boundary's time on the wire under its
+codec) by a parametric search: for a given T a greedy pass from the last layer backwards gives each stage as
+many layers as fit within T and its memory (the stage's position from the end fixes its 1F1B in-flight
 micro-batches), which decides feasibility exactly because every stage's time and memory grow with its
-slice. Bisection on T then converges on the minimum; a few relaxed T are tried too, since fewer, fuller
+slice. A boundary whose round trip (latency both ways plus both transfers) would stall strict 1F1B gets a
+deep window (`window_depth`: about round trip / cycle extra micro-batches in flight, accumulated upstream),
+as deep as each stage's memory allows without changing its placement or cost. Bisection on T then
+converges on the minimum; a few relaxed T are tried too, since fewer, fuller
 stages shorten fill and drain.
 
 Free order: a chain may visit an island twice. After the island-contiguous chains, the best few are tried
@@ -32,7 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.cluster import Cluster, Island
-from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.costmodel import WINDOW_TOLERANCE, CostModel, window_depth
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
                                                  step_lower_bound)
@@ -76,6 +79,8 @@ class StageChoice:
     cost: IslandCost
     sync_s: float
     optimizer_s: float
+    in_flight: int = 0
+    """Extra micro-batches in flight beyond strict 1F1B (deep window; `StagePlan.in_flight`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +89,8 @@ class LinkChoice:
     raw_bytes: int
     forward_s: float
     backward_s: float
+    latency_s: float = 0.0
+    """Of forward_s and backward_s, the link's one-way latency."""
 
 
 @dataclass(kw_only=True)
@@ -103,7 +110,9 @@ class Candidate:
 
     @property
     def bottleneck_s(self) -> float:
-        return max([s.cost.time_s for s in self.stages] + [max(x.forward_s, x.backward_s) for x in self.links])
+        """The slowest stage's compute or link's time on the wire, per micro-batch (latency is the windows')."""
+        return max([s.cost.time_s for s in self.stages]
+                   + [max(x.forward_s, x.backward_s) - x.latency_s for x in self.links])
 
     @property
     def gpus(self) -> int:
@@ -311,12 +320,13 @@ class Composer:
         raw = cm.model.boundary_bytes(boundary, s.batch // streams, cm.train.seq_len, cm.train.dtype)
         return raw, bw, link.latency_s
 
-    def _fastest_link(self, s: _Setup, i: int, j: int, boundary: int) -> float:
+    def _fastest_link(self, s: _Setup, i: int, j: int, boundary: int, *, latency: bool = False) -> float:
+        """The quickest time on the wire of the boundary (inf: no link); with `latency`, its arrival."""
         got = self._link(s, i, j, boundary)
         if got is None:
             return math.inf
         raw, bw, lat = got
-        return self.cost_model.codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat)
+        return self.cost_model.codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat if latency else 0.0)
 
     def _query(self, s: _Setup, i: int, a: int, e: int, k: int) -> SliceQuery:
         return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k)
@@ -345,7 +355,11 @@ class Composer:
         return lo
 
     def greedy(self, s: _Setup, limit: float) -> list[tuple[int, int, int, int]] | None:
-        """Stages (chain index of the island, start, end, in_flight) placing every layer within `limit`."""
+        """Stages (chain index of the island, start, end, in_flight) placing every layer within `limit`.
+
+        A link is usable when its time on the wire fits `limit`; its latency is left to the boundary's
+        window (`_windows`), which never takes layers from a stage.
+        """
         max_stages = self.cost_model.options.max_stages
         e = self.cost_model.num_layers
         placed: list[tuple[int, int, int, int]] = []
@@ -372,6 +386,43 @@ class Composer:
             return None
         placed.reverse()
         return placed
+
+    def _windows(self, s: _Setup, placed: list[tuple[int, int, int, int]], costs: list[IslandCost],
+                 cycle: float) -> list[int]:
+        """Extra micro-batches in flight per stage (deep windows) for a placement with strict 1F1B `costs`.
+
+        Boundary t wants `window_depth` of its round trip at the fastest codec (latency both ways plus both
+        transfers) against `cycle`. Stage s may hold up to cap_s extra micro-batches: as many as fit in its
+        memory without changing its cost (no recomputation or ZeRO stage forced by them). Extras never
+        shrink upstream (e_s >= e_{s+1}, which keeps every window at least strict), so e_s is at most the
+        smallest cap of stages 0..s; from the last stage back, each takes its downstream's extra plus its
+        boundary's depth, within that bound.
+        """
+        n = len(placed)
+        depth = [window_depth(2 * self._fastest_link(s, i, j, e, latency=True), cycle)
+                 for (i, _, e, _), (j, _, _, _) in zip(placed, placed[1:])]
+        if not any(depth):
+            return [0] * n
+        want = sum(depth)
+        par = self.parallelizer
+        assert par is not None
+        caps = []
+        for (i, a, e, k), c in zip(placed, costs):
+            # beyond m - k + 1 extra the warm-up already runs every micro-batch
+            lo, hi = 0, max(0, min(want, s.m - k + 1))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                got = par.cost(self._query(s, i, a, e, min(k + mid, s.m)), s.order[i])
+                if got is not None and got.time_s <= c.time_s * (1 + 1e-12):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            caps.append(lo)
+        bound = list(itertools.accumulate(caps, min))
+        extra = [0] * n
+        for t in range(n - 2, -1, -1):
+            extra[t] = min(extra[t + 1] + depth[t], bound[t])
+        return extra
 
     def prefixes(self, s: _Setup) -> list[_Setup]:
         """The setup's chain cut after each island: the greedy fills from the back, so the chain's last
@@ -406,28 +457,42 @@ class Composer:
 
     def _evaluate(self, s: _Setup, placed: list[tuple[int, int, int, int]]) -> Candidate:
         cm = self.cost_model
-        stages: list[StageChoice] = []
+        costs = []
         for i, a, e, k in placed:
-            isl = s.order[i]
-            c = self.parallelizer.cost(self._query(s, i, a, e, k), isl)  # type: ignore[union-attr]
+            c = self.parallelizer.cost(self._query(s, i, a, e, k), s.order[i])  # type: ignore[union-attr]
             assert c is not None, "greedy placed a stage that does not fit"
+            costs.append(c)
+        cycle = max([c.time_s for c in costs] + [self._fastest_link(s, i, j, e)
+                                                 for (i, _, e, _), (j, _, _, _) in zip(placed, placed[1:])])
+        extras = self._windows(s, placed, costs, cycle)
+        stages: list[StageChoice] = []
+        for (i, a, e, k), c, x in zip(placed, costs, extras):
+            isl = s.order[i]
+            if x:  # the same time, with the memory of the deeper window
+                c = self.parallelizer.cost(self._query(s, i, a, e, min(k + x, s.m)), isl)  # type: ignore[union-attr]
+                assert c is not None, "_windows gave a stage a depth that does not fit"
             params = cm.model.slice_params(a, e)
             sync = cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.widths[i], isl)
             opt = cm.optimizer_seconds(isl, params, c.zero, s.widths[i])
-            stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt))
+            stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt, in_flight=x))
         cycle = max(st.cost.time_s for st in stages)
         links: list[LinkChoice] = []
-        for (i, _, e, _), (j, _, _, _) in zip(placed, placed[1:]):
+        for (i, _, e, _), (j, _, _, _), x, y in zip(placed, placed[1:], extras, extras[1:]):
             got = self._link(s, i, j, e)
             assert got is not None
             raw, bw, lat = got
-            codec, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, lat, cycle)
-            links.append(LinkChoice(codec=codec, raw_bytes=raw, forward_s=sec, backward_s=sec))
+            # a transfer hides under the cycle; with a deep window of depth d its latency, and a round trip
+            # up to the share of d cycles the window tolerates, hide too
+            hidden = ((2 + x - y) * (1 + WINDOW_TOLERANCE) - 2) * cycle / 2
+            codec, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, lat, max(cycle, min(cycle + lat, hidden)))
+            links.append(LinkChoice(codec=codec, raw_bytes=raw, forward_s=sec, backward_s=sec,
+                                    latency_s=min(lat, sec)))
         times = PipelineTimes(
             stages=tuple(StageTimes(forward_s=st.cost.forward_s, backward_s=st.cost.backward_s, sync_s=st.sync_s,
                                     optimizer_s=st.optimizer_s) for st in stages),
-            links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s) for x in links),
-            num_micro_batches=s.m)
+            links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s, latency_s=x.latency_s)
+                        for x in links),
+            num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages))
         return Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
                          stages=stages, links=links, times=times, estimate_s=closed_form_step(times))
 

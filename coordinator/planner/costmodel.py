@@ -13,8 +13,11 @@ per-replica micro-batches are counted in sequences.
 - Gradient all-reduce of N replicas: ring, 2 (N-1)/N x bytes / bandwidth, plus 2 log2(N) latencies.
 - Memory per device: weights, gradients and optimizer states (ZeRO-1 shards the optimizer states, ZeRO-2
   also the gradients, ZeRO-3 also the weights, over the stage's data-parallel group) plus the activations of
-  the micro-batches in flight (1F1B: stage i of p holds min(p - i, m)); with recomputation only each layer's
-  input is kept, plus one layer's working set.
+  the micro-batches in flight (1F1B: stage i of p holds min(p - i, m), plus its extra depth with a deep
+  window); with recomputation only each layer's input is kept, plus one layer's working set.
+- In-flight depth of a boundary (`window_depth`): the extra micro-batches in flight that keep a slow or
+  distant link's round trip (latency both ways plus both transfers) off the pipeline's cycle, about
+  ceil(round trip / cycle).
 """
 
 from __future__ import annotations
@@ -81,6 +84,24 @@ class ExpectedRatioCodecModel:
 
     def fastest(self, raw_bytes: int, elem_bytes: int, bandwidth: float, latency_s: float) -> float:
         return min(self.seconds(c, raw_bytes, elem_bytes, bandwidth, latency_s) for c in self.allowed)
+
+
+WINDOW_TOLERANCE = 0.05
+"""A boundary gets the least extra depth that keeps its loop within this fraction above the cycle."""
+
+
+def window_depth(round_trip_s: float, cycle_s: float) -> int:
+    """Extra micro-batches in flight a boundary needs so its round trip does not stall the pipeline.
+
+    Under 1F1B with depth d, a boundary's loop (a micro-batch's compute on both sides, at most 2 cycles,
+    plus the round trip) is shared by 2 + d micro-batches in flight, so the pipeline keeps its cycle when
+    (2 + r) / (2 + d) <= 1 + WINDOW_TOLERANCE with r = round trip / cycle: about ceil(r) (exactly for whole
+    r up to 18), and 0 for a round trip of a tenth of the cycle (strict 1F1B then loses under 5%).
+    """
+    if cycle_s <= 0 or round_trip_s <= 0 or math.isinf(round_trip_s):
+        return 0
+    need = (2 + round_trip_s / cycle_s) / (1 + WINDOW_TOLERANCE) - 2
+    return max(0, math.ceil(need - 1e-9))
 
 
 def default_codec_model(options: PlannerOptions) -> LinkCodecModel:

@@ -1,10 +1,13 @@
 """Event-driven simulation of one training step of a pipeline under 1F1B.
 
 Each stage runs its own fixed 1F1B order (warm-up forwards, then one forward one backward, then the
-remaining backwards); an operation starts when its stage is free and its input has arrived. Every link
-carries activations forward and activation-gradients backward, one transfer at a time per direction, in
-parallel with compute. After its last backward a stage all-reduces its gradients with its data-parallel
-replicas, then steps its optimizer; the step ends when the last stage is done.
+remaining backwards; a stage with extra in-flight depth, a *deep window*, runs that many more warm-up
+forwards, as `atoll.node.schedule` does); an operation starts when its stage is free and its input has
+arrived. Every link carries activations forward and activation-gradients backward, one transfer at a time
+per direction, in parallel with compute; a link's latency delays each transfer without occupying the link,
+so transfers queued behind one another arrive a latency after their turn on the wire. After its last
+backward a stage all-reduces its gradients with its data-parallel replicas, then steps its optimizer; the
+step ends when the last stage is done.
 
 With equal stages and free links the step takes (m + p - 1) x (forward + backward) before all-reduce, the
 closed form the tests check.
@@ -35,9 +38,17 @@ class StageTimes:
 @dataclass(frozen=True, kw_only=True)
 class LinkTimes:
     forward_s: float
-    """Activation transfer of one micro-batch to the next stage."""
+    """Activation transfer of one micro-batch to the next stage, latency included."""
     backward_s: float
-    """Activation-gradient transfer back."""
+    """Activation-gradient transfer back, latency included."""
+    latency_s: float = 0.0
+    """Of each of the two, the one-way latency: it delays a transfer's arrival but does not occupy the link,
+    so the next transfer may start as soon as this one's bytes are on the wire."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.latency_s <= min(self.forward_s, self.backward_s):
+            raise ValueError(f"latency_s must be in [0, min(forward_s, backward_s)] (the transfer times include it), "
+                             f"got {self.latency_s} with {self.forward_s} and {self.backward_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +57,9 @@ class PipelineTimes:
     links: tuple[LinkTimes, ...]
     """links[i] joins stage i and stage i + 1."""
     num_micro_batches: int
+    in_flight: tuple[int, ...] = ()
+    """Extra micro-batches in flight per stage beyond strict 1F1B (deep windows, `StagePlan.in_flight`);
+    empty: strict 1F1B everywhere."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -54,6 +68,23 @@ class PipelineTimes:
             raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} links, got {len(self.links)}")
         if self.num_micro_batches < 1:
             raise ValueError("num_micro_batches must be >= 1")
+        if self.in_flight:
+            if len(self.in_flight) != len(self.stages) or min(self.in_flight) < 0:
+                raise ValueError(f"in_flight needs one extra depth >= 0 per stage ({len(self.stages)}), "
+                                 f"got {self.in_flight}")
+            w = [min(x, self.num_micro_batches - 1) for x in self.warmups()]  # m - 1 orders as m does
+            if any(b > a for a, b in zip(w, w[1:])):
+                raise ValueError(f"in_flight {self.in_flight} gives warm-ups {w} that grow downstream, which "
+                                 "deadlocks; a stage may keep at most one extra micro-batch more than its upstream")
+
+    def extra(self, stage: int) -> int:
+        """Extra in-flight depth of `stage` (0 under strict 1F1B)."""
+        return self.in_flight[stage] if self.in_flight else 0
+
+    def warmups(self) -> list[int]:
+        """Warm-up forwards per stage: min(p - i - 1 + extra, m)."""
+        n, m = len(self.stages), self.num_micro_batches
+        return [min(n - i - 1 + self.extra(i), m) for i in range(n)]
 
 
 @dataclass(frozen=True)
@@ -82,8 +113,9 @@ class SimResult:
         return 1 - max(self.busy_s) / self.pipeline_time_s if self.pipeline_time_s > 0 else 0.0
 
 
-def one_f_one_b_order(stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
-    warm = min(num_stages - stage - 1, m)
+def one_f_one_b_order(stage: int, num_stages: int, m: int, extra: int = 0) -> list[tuple[str, int]]:
+    """The order of a 1F1B stage, `extra` micro-batches deeper than strict (the node's schedule)."""
+    warm = min(num_stages - stage - 1 + extra, m)
     ops = [("F", j) for j in range(warm)]
     for j in range(m - warm):
         ops.append(("F", warm + j))
@@ -94,7 +126,7 @@ def one_f_one_b_order(stage: int, num_stages: int, m: int) -> list[tuple[str, in
 
 def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     n, m = len(p.stages), p.num_micro_batches
-    orders = [one_f_one_b_order(i, n, m) for i in range(n)]
+    orders = [one_f_one_b_order(i, n, m, p.extra(i)) for i in range(n)]
     nxt = [0] * n
     free = [0.0] * n
     f_in: list[dict[int, float]] = [dict() for _ in range(n)]  # activation arrival at stage i
@@ -137,18 +169,20 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
             if kind == "F":
                 f_done[i][j] = end
                 if i + 1 < n:
+                    x = p.links[i]
                     t0 = max(link_f[i], end)
-                    link_f[i] = t0 + p.links[i].forward_s
-                    f_in[i + 1][j] = link_f[i]
+                    link_f[i] = t0 + x.forward_s - x.latency_s  # the wire is free again; the bytes still travel
+                    f_in[i + 1][j] = t0 + x.forward_s
                     if not queued[i + 1]:
                         queue.append(i + 1)
                         queued[i + 1] = True
             else:
                 last_b[i] = end
                 if i > 0:
+                    x = p.links[i - 1]
                     t0 = max(link_b[i - 1], end)
-                    link_b[i - 1] = t0 + p.links[i - 1].backward_s
-                    b_in[i - 1][j] = link_b[i - 1]
+                    link_b[i - 1] = t0 + x.backward_s - x.latency_s
+                    b_in[i - 1][j] = t0 + x.backward_s
                     if not queued[i - 1]:
                         queue.append(i - 1)
                         queued[i - 1] = True
@@ -172,12 +206,19 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
 def closed_form_step(p: PipelineTimes) -> float:
     """A fast estimate: fill and drain once through every stage and link, then m - 1 bottleneck cycles.
 
-    Exact for equal stages and free links ((m + p - 1) x t); otherwise close to `simulate`, used to rank
-    candidates before simulating the best.
+    The cycle is the slowest stage, the busiest link (its time on the wire) or the slowest boundary loop: a
+    micro-batch's forward and backward on both sides of a boundary plus the latency both ways, shared by the
+    micro-batches its window keeps in flight (1 more upstream than downstream under strict 1F1B, 1 + d with
+    a deep window of depth d). Exact for equal stages and free links ((m + p - 1) x t); otherwise close to
+    `simulate`, used to rank candidates before simulating the best.
     """
     m = p.num_micro_batches
+    # window of boundary i: 2 + e_i - e_{i+1} micro-batches (a window clamped by m never reaches a steady state)
+    loops = [(a.forward_s + a.backward_s + b.forward_s + b.backward_s + 2 * x.latency_s)
+             / (2 + p.extra(i) - p.extra(i + 1)) for i, (a, b, x) in enumerate(zip(p.stages, p.stages[1:], p.links))]
     cycle = max(max(s.forward_s + s.backward_s for s in p.stages),
-                max((max(x.forward_s, x.backward_s) for x in p.links), default=0.0))
+                max((max(x.forward_s, x.backward_s) - x.latency_s for x in p.links), default=0.0),
+                max(loops, default=0.0))
     fill = sum(s.forward_s + s.backward_s for s in p.stages) + sum(x.forward_s + x.backward_s for x in p.links)
     tail = max(s.sync_s + s.optimizer_s for s in p.stages)
     return fill + (m - 1) * cycle + tail
