@@ -55,7 +55,8 @@ def _brute_bottleneck(comp: Composer, s) -> float:
             worst = 0.0
             for n, i in enumerate(seq):
                 c = comp.parallelizer.cost(SliceQuery(start=bounds[n], end=bounds[n + 1], micro_batch=s.per_replica(i),
-                                                      dp=s.widths[i], in_flight=min(p - n, s.m)), s.order[i])
+                                                      dp=s.widths[i], in_flight=min(p - n, s.m), batch=s.batch),
+                                           s.order[i])
                 if c is None:
                     worst = math.inf
                     break

@@ -47,6 +47,10 @@ above first): the first stage finishes its backward last, so which island runs i
 all-reduce stays exposed, which the bottleneck alone does not see."""
 
 
+def _divisors(n: int) -> set[int]:
+    return {d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)}
+
+
 SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
 """Shares of an island's nodes its front part takes when a chain visits it twice (`Composer.split_setups`)."""
 SPLIT_SEEDS = 4
@@ -116,7 +120,7 @@ class Candidate:
 
     @property
     def gpus(self) -> int:
-        return sum(s.cost.dp for s in self.stages)
+        return sum(s.cost.gpus for s in self.stages)
 
 
 @dataclass(kw_only=True)
@@ -132,7 +136,7 @@ class SearchStats:
 class _Setup:
     order: tuple[Island, ...]
     widths: tuple[int, ...]
-    """Replicas of a stage on each island of the chain."""
+    """Devices of a stage on each island of the chain (dp x tp, the parallelizer splits them)."""
     batch: int
     """Sequences per pipeline micro-batch (B)."""
     m: int
@@ -141,7 +145,8 @@ class _Setup:
     bound: float
 
     def per_replica(self, i: int) -> int:
-        return self.batch // self.widths[i]
+        """Sequences of the busiest device when every device of a stage on island i is its own replica."""
+        return -(-self.batch // self.widths[i])
 
     def cut(self, j: int) -> "_Setup":
         return _Setup(order=self.order[:j], widths=self.widths[:j], batch=self.batch, m=self.m,
@@ -207,32 +212,38 @@ class Composer:
         return 1.0 / max(1e-12, t.pf[-1] + t.pb[-1])
 
     def _shapes(self, order: tuple[Island, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-        """(widths, caps, batch B) of the setups of a chain."""
+        """(widths, caps, batch B) of the setups of a chain.
+
+        Widths: one for every stage (powers of two, each island's size, and every divisor of the islands'
+        common size, so a width that leaves no GPU over exists whenever one does), or every island cut into
+        d stages (d a power of two or such a divisor). B: any divisor of the global batch every stage can
+        share, its replicas' shares differing by at most one sequence (`DefaultParallelizer.splits`; with
+        `equal_widths`, or another parallelizer, B / width must be an allowed micro-batch)."""
         cm = self.cost_model
         g = cm.train.global_batch
         max_units = min(cm.num_layers, cm.options.max_stages)
         out = []
         biggest = max(i.gpus for i in order)
+        common = _divisors(math.gcd(*(i.gpus for i in order)))
         # one width for every stage
-        ws = {1 << k for k in range(int(math.log2(biggest)) + 1)} | {i.gpus for i in order}
+        ws = {1 << k for k in range(int(math.log2(biggest)) + 1)} | {i.gpus for i in order} | common
         for w in sorted(ws):
-            caps = tuple(min(i.gpus // w, max_units) for i in order)
-            for b in cm.options.micro_batches:
-                out.append(((w,) * len(order), caps, w * b))
+            out.append(((w,) * len(order), tuple(min(i.gpus // w, max_units) for i in order)))
         # every island cut into d stages
-        d = 1
-        while d <= max_units and not cm.options.equal_widths:
-            widths = tuple(max(1, i.gpus // d) for i in order)
-            caps = tuple(min(d, i.gpus) for i in order)
-            base = math.lcm(*widths)
-            if base <= g:
-                for j in cm.options.micro_batches:
-                    out.append((widths, caps, base * j))
-            d *= 2
-        sizes = set(cm.options.micro_batches)
-        # every replica's share of a micro-batch must be one of the allowed per-replica sizes
-        return [(w, c, b) for w, c, b in dict.fromkeys(out)
-                if c[-1] > 0 and g % b == 0 and all(b % x == 0 and b // x in sizes for x in w)]
+        if not cm.options.equal_widths:
+            for d in sorted({1 << k for k in range(int(math.log2(max_units)) + 1)} | common):
+                if d <= max_units:
+                    out.append((tuple(max(1, i.gpus // d) for i in order), tuple(min(d, i.gpus) for i in order)))
+        batches = _divisors(g)
+        return [(w, c, b) for w, c in dict.fromkeys(out) if c[-1] > 0 for b in sorted(batches)
+                if all(self._shares(isl, x, b) for isl, x in zip(order, w))]
+
+    def _shares(self, island: Island, width: int, batch: int) -> bool:
+        """Whether `width` devices of the island can share a pipeline micro-batch of `batch` sequences."""
+        if self._fast:
+            assert isinstance(self.parallelizer, DefaultParallelizer)
+            return bool(self.parallelizer.splits(island, width, batch))
+        return batch % width == 0 and batch // width in self.cost_model.options.micro_batches
 
     def setups(self) -> list[_Setup]:
         cm = self.cost_model
@@ -252,8 +263,12 @@ class Composer:
         micro-batch needs through the whole model on one stage)."""
         full = []
         for i, (isl, c) in enumerate(zip(s.order, s.caps)):
-            t = self.cost_model.table(isl, s.per_replica(i))
-            full.extend([t.pf[-1] + t.pb[-1]] * c)
+            if self._fast:
+                assert isinstance(self.parallelizer, DefaultParallelizer)
+                full.extend([self.parallelizer.compute_floor(isl, s.widths[i], s.batch)] * c)
+            else:
+                t = self.cost_model.table(isl, s.per_replica(i))
+                full.extend([t.pf[-1] + t.pb[-1]] * c)
         full.sort()
         return sum(1.0 / x for x in full[:max_units]), full[0]
 
@@ -308,16 +323,19 @@ class Composer:
 
     # --- one setup ------------------------------------------------------------------------------------
 
-    def _link(self, s: _Setup, i: int, j: int, boundary: int) -> tuple[int, float, float] | None:
-        """(raw bytes per stream, stream bandwidth, latency) from a stage on island i to one on island j."""
+    def _link(self, s: _Setup, i: int, j: int, boundary: int,
+              streams: int = 0) -> tuple[int, float, float] | None:
+        """(raw bytes per stream, stream bandwidth, latency) from a stage on island i to one on island j, over
+        `streams` streams at once, each carrying its share of the micro-batch's activation (0: one per device
+        of the narrower stage, the most there can be before the stages' tensor parallelism is chosen)."""
         cm = self.cost_model
         src, dst = s.order[i], s.order[j]
         link = self.cluster.link(src.id, dst.id)
         if link is None:
             return None
-        streams = min(s.widths[i], s.widths[j])
+        streams = streams or min(s.widths[i], s.widths[j])
         bw = cm.stream_bandwidth(src, dst, link, streams, streams=streams)
-        raw = cm.model.boundary_bytes(boundary, s.batch // streams, cm.train.seq_len, cm.train.dtype)
+        raw = -(-cm.model.boundary_bytes(boundary, s.batch, cm.train.seq_len, cm.train.dtype) // streams)
         return raw, bw, link.latency_s
 
     def _fastest_link(self, s: _Setup, i: int, j: int, boundary: int, *, latency: bool = False) -> float:
@@ -329,13 +347,13 @@ class Composer:
         return self.cost_model.codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat if latency else 0.0)
 
     def _query(self, s: _Setup, i: int, a: int, e: int, k: int) -> SliceQuery:
-        return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k)
+        return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k, batch=s.batch)
 
     def _reach(self, s: _Setup, i: int, k: int, end: int, limit: float) -> int:
         isl = s.order[i]
         if self._fast:
             assert isinstance(self.parallelizer, DefaultParallelizer)
-            return self.parallelizer.reach(isl, s.per_replica(i), s.widths[i], k, end, limit)
+            return self.parallelizer.reach(isl, s.per_replica(i), s.widths[i], k, end, limit, batch=s.batch)
         assert self.parallelizer is not None
         par = self.parallelizer
 
@@ -472,13 +490,14 @@ class Composer:
                 c = self.parallelizer.cost(self._query(s, i, a, e, min(k + x, s.m)), isl)  # type: ignore[union-attr]
                 assert c is not None, "_windows gave a stage a depth that does not fit"
             params = cm.model.slice_params(a, e)
-            sync = cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.widths[i], isl)
-            opt = cm.optimizer_seconds(isl, params, c.zero, s.widths[i])
+            sync = cm.grad_sync_seconds(params, isl, c.dp, c.tp)
+            opt = cm.optimizer_seconds(isl, params, c.zero, c.dp, c.tp)
             stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt, in_flight=x))
         cycle = max(st.cost.time_s for st in stages)
         links: list[LinkChoice] = []
-        for (i, _, e, _), (j, _, _, _), x, y in zip(placed, placed[1:], extras, extras[1:]):
-            got = self._link(s, i, j, e)
+        for n, ((i, _, e, _), (j, _, _, _), x, y) in enumerate(zip(placed, placed[1:], extras, extras[1:])):
+            # tp rank 0 of a replica alone sends and receives (atoll.node.tp): a stream per replica
+            got = self._link(s, i, j, e, streams=min(stages[n].cost.dp, stages[n + 1].cost.dp))
             assert got is not None
             raw, bw, lat = got
             # a transfer hides under the cycle; with a deep window of depth d its latency, and a round trip

@@ -3,18 +3,39 @@
 Units: seconds, bytes, bytes/s. A *replica* is one device running a stage on its share of a micro-batch;
 per-replica micro-batches are counted in sequences.
 
-- Compute of a layer: a profile's measured time when one is given for the island, else
-  FLOPs / (peak x achievable_fraction x tokens / (tokens + half_efficiency_tokens)).
+- Compute of a layer: a profile's measured time when one is given for the island, else FLOPs / (the
+  device's effective FLOP/s on its dtype's math path, `DeviceSpec.effective_flops`: 16-bit tensor cores,
+  TF32 tensor cores for fp32 where the device has them, else the fp32 units, each at its achievable fraction)
+  x tokens / (tokens + half_efficiency_tokens)).
+- Tensor parallelism over tp GPUs of one node (Megatron's layout, as `atoll.node.tp` runs it): a layer's
+  compute divided by tp at the efficiency of its narrower per-rank matrices (`tp_efficiency`), plus the
+  collectives over the node's links: per block two all-reduces of its output forward and two of its input
+  gradient backward; the vocabulary-parallel embedding one all-reduce forward; the head an all-gather of
+  its logits forward and an all-reduce of its input gradient backward. Weights, gradients and optimizer
+  states are divided by tp; activations too, except what every rank keeps whole: the blocks' two norm
+  inputs, the embedding's output, the head's gathered logits and every layer's input.
+- Transfers: latency + size / (line rate x `link_efficiency`), the message-size curve of a measured
+  link (a small message is dominated by the latency, a large one by the rate). A link's rate is per GPU
+  flow (see `cluster`): the replicas of a stage each send their own stream at that rate, except across a
+  shared region link, whose capacity every stream crossing it divides.
 - Transfer of a boundary: wire bytes / bandwidth + latency, with the codec the link would get
   (`LinkCodecModel`): the least lossy codec of the activations' budget that keeps the transfer within the
   time it can hide under, else the fastest one the budget allows. The default asks atoll.compression's
   `LinkPolicy` and `predict_transfer_seconds`; `ExpectedRatioCodecModel` is a dependency-free stand-in
   with each codec's expected size on the wire.
-- Gradient all-reduce of N replicas: ring, 2 (N-1)/N x bytes / bandwidth, plus 2 log2(N) latencies.
+- All-reduce of N replicas: a ring, 2 (N-1)/N x bytes / bandwidth plus 2 (N-1) latencies (one per hop);
+  hierarchical when the group spans nodes and the intra-node links are faster: reduce-scatter and
+  all-gather inside each node (g members) around a ring across the k nodes on 1/g of the bytes per GPU,
+  2 (g-1)/g x bytes / intra + 2 (k-1)/k x bytes / (g x inter), with 2 (g-1) + 2 (k-1) latencies. A stage
+  with tensor parallelism all-reduces its gradient shards per tp rank over its dp replicas.
 - Memory per device: weights, gradients and optimizer states (ZeRO-1 shards the optimizer states, ZeRO-2
   also the gradients, ZeRO-3 also the weights, over the stage's data-parallel group) plus the activations of
   the micro-batches in flight (1F1B: stage i of p holds min(p - i, m), plus its extra depth with a deep
-  window); with recomputation only each layer's input is kept, plus one layer's working set.
+  window), each with the activation the stage sent (held for its backward); ZeRO-2 also holds a few of
+  its gradient buckets staged (`ZERO2_STAGED_FRACTION`). The runtime recomputes blocks only, a chosen
+  prefix of a stage's blocks: each keeps its input instead of its activations, plus one block's working
+  set in backward. A CPU stage reports the same accounting from its real tensors (`atoll.node.stage`; it
+  does not see that transient working set); a CUDA stage reports the allocator's peak.
 - In-flight depth of a boundary (`window_depth`): the extra micro-batches in flight that keep a slow or
   distant link's round trip (latency both ways plus both transfers) off the pipeline's cycle, about
   ceil(round trip / cycle).
@@ -27,7 +48,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Protocol
 
-from atoll.coordinator.planner.cluster import Island, Link
+from atoll.coordinator.planner.cluster import INTRA_NODE_LATENCY_S, Island, Link
 from atoll.coordinator.planner.options import CODEC_ORDER, PlannerOptions, TrainSpec
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.modelspec import ModelSpec, dtype_bytes
@@ -86,6 +107,10 @@ class ExpectedRatioCodecModel:
         return min(self.seconds(c, raw_bytes, elem_bytes, bandwidth, latency_s) for c in self.allowed)
 
 
+ZERO2_STAGED_FRACTION = 3 / 32
+"""Share of a stage's whole gradient ZeRO-2 holds staged besides its shard: `atoll.node.zero` cuts a stage into
+32 buckets (of at most 25 MiB) and holds about three at a time (one reduced while one or two fill)."""
+
 WINDOW_TOLERANCE = 0.05
 """A boundary gets the least extra depth that keeps its loop within this fraction above the cycle."""
 
@@ -121,14 +146,15 @@ class LayerTable:
     act: tuple[int, ...]
     """Bytes saved for backward per micro-batch in flight, without recomputation."""
     act_recompute: tuple[int, ...]
-    """Bytes kept per micro-batch in flight with recomputation (each layer's input)."""
+    """Bytes kept per micro-batch in flight when the layer is recomputed: a block's input (the runtime
+    recomputes blocks only; the embedding's and the head's figures are their `act`)."""
     pf: tuple[float, ...]
     pb: tuple[float, ...]
     pparams: tuple[int, ...]
     pact: tuple[int, ...]
     pact_rc: tuple[int, ...]
     max_layer_act: int
-    """Largest single layer's full activation (the working set under recomputation)."""
+    """Largest block's full activation (the working set of a recomputed block in backward)."""
 
     def forward(self, a: int, b: int) -> float:
         return self.pf[b] - self.pf[a]
@@ -138,6 +164,10 @@ class LayerTable:
 
     def params_of(self, a: int, b: int) -> int:
         return self.pparams[b] - self.pparams[a]
+
+
+def _largest_block(model: ModelSpec, act: tuple[int, ...]) -> int:
+    return max((a for layer, a in zip(model.layers, act) if layer.kind == "block"), default=0)
 
 
 def _prefix(xs: tuple[float, ...] | tuple[int, ...]) -> tuple:
@@ -155,7 +185,9 @@ class CostModel:
         self.options = options or PlannerOptions()
         self.codecs = codec_model or default_codec_model(self.options)
         self.elem_bytes = dtype_bytes(train.dtype)
-        self._tables: dict[tuple[str, int], LayerTable] = {}
+        self._tables: dict[tuple[str, int, int], LayerTable] = {}
+        o = self.options
+        self.fractions = {"tensor16": o.achievable_fraction, "tf32": o.tf32_fraction, "fp32": o.fp32_fraction}
         states = model.model_state_bytes(0, model.num_layers, train.dtype, train.optimizer)
         total = max(1, model.total_params)
         self.weight_bytes_per_param = states["weights"] / total
@@ -169,20 +201,54 @@ class CostModel:
 
     # --- compute -------------------------------------------------------------------------------------
 
-    def table(self, island: Island, micro_batch: int) -> LayerTable:
-        key = (island.id, micro_batch)
+    def table(self, island: Island, micro_batch: int, tp: int = 1) -> LayerTable:
+        """Per-layer times and memory per device of a replica running `micro_batch` sequences, its layers
+        split over `tp` GPUs of one node (the tp collectives included in the times)."""
+        key = (island.id, micro_batch, tp)
         t = self._tables.get(key)
         if t is None:
-            t = self._tables[key] = self._build_table(island, micro_batch)
+            t = self._tables[key] = (self._build_table(island, micro_batch) if tp == 1
+                                     else self._tp_table(island, micro_batch, tp))
         return t
+
+    def tp_efficiency(self, tp: int) -> float:
+        """Efficiency of a layer split over tp ranks relative to the whole layer: kernels on narrower
+        matrices (width d / tp) run a smaller share of their peak."""
+        if tp <= 1:
+            return 1.0
+        h = self.options.half_efficiency_width
+        d = self.model.config.d_model
+        return (d / tp / (d / tp + h)) / (d / (d + h))
+
+    def _tp_table(self, island: Island, micro_batch: int, tp: int) -> LayerTable:
+        base = self.table(island, micro_batch)
+        c = self.model.config
+        tokens = micro_batch * self.train.seq_len
+        out = tokens * c.d_model * self.elem_bytes  # a layer's output (or input gradient): one tp all-reduce
+        ar = self.tp_allreduce_seconds(out, tp, island)
+        gather = self.tp_allreduce_seconds(tokens * c.vocab_size * self.elem_bytes, tp, island) / 2
+        comm = {"block": (2 * ar, 2 * ar), "embedding": (ar, 0.0), "head": (gather, ar)}
+        speed = tp * self.tp_efficiency(tp)
+        kept_whole = 2 * out  # a block's two norm inputs, saved whole on every rank
+        fwd, bwd, params, act = [], [], [], []
+        for layer, f, b, p, a in zip(self.model.layers, base.fwd, base.bwd, base.params, base.act):
+            cf, cb = comm[layer.kind]
+            fwd.append(f / speed + cf)
+            bwd.append(b / speed + cb)
+            params.append(-(-p // tp))
+            act.append(kept_whole + (a - kept_whole) // tp if layer.kind == "block" else a)
+        return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=tuple(params), act=tuple(act),
+                          act_recompute=base.act_recompute, pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)),
+                          pparams=_prefix(tuple(params)), pact=_prefix(tuple(act)), pact_rc=base.pact_rc,
+                          max_layer_act=_largest_block(self.model, act))
 
     def _build_table(self, island: Island, micro_batch: int) -> LayerTable:
         seq = self.train.seq_len
         tokens = micro_batch * seq
         prof = self.profiles.get(island.timing_key)
         o = self.options
-        peak = island.device.peak_flops(self.train.dtype)
-        eff = o.achievable_fraction * tokens / (tokens + o.half_efficiency_tokens)
+        peak = island.device.effective_flops(self.train.dtype, self.fractions)
+        eff = tokens / (tokens + o.half_efficiency_tokens)
         fwd: list[float] = []
         bwd: list[float] = []
         for layer in self.model.layers:
@@ -200,10 +266,11 @@ class CostModel:
         d = self.train.dtype
         params = tuple(layer.params for layer in self.model.layers)
         act = tuple(layer.activation_bytes(micro_batch, seq, d) for layer in self.model.layers)
-        act_rc = tuple(layer.activation_bytes(micro_batch, seq, d, recompute=True) for layer in self.model.layers)
+        act_rc = tuple(layer.activation_bytes(micro_batch, seq, d, recompute=layer.kind == "block")
+                       for layer in self.model.layers)
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=params, act=act, act_recompute=act_rc,
                           pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)), pparams=_prefix(params),
-                          pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=max(act))
+                          pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=_largest_block(self.model, act))
 
     # --- memory --------------------------------------------------------------------------------------
 
@@ -218,8 +285,8 @@ class CostModel:
         w, g, o = self.weight_bytes_per_param, self.grad_bytes_per_param, self.opt_bytes_per_param
         if zero >= 1:
             o /= group
-        if zero >= 2:
-            g /= group
+        if zero >= 2:  # the shard of the gradient, and the few buckets it stages while they are reduced
+            g = g / group + ZERO2_STAGED_FRACTION * g
         const = 0.0
         if zero >= 3:
             w /= group
@@ -230,49 +297,89 @@ class CostModel:
         per, const = self.state_linear(zero, group)
         return params * per + const
 
+    def stage_output_bytes(self, end: int, micro_batch: int) -> int:
+        """Bytes a stage ending before layer `end` keeps per micro-batch in flight beyond its layers' saved
+        activations: the activation it sent, held for its backward (none on the last stage)."""
+        if end >= self.num_layers:
+            return 0
+        return self.model.boundary_bytes(end, micro_batch, self.train.seq_len, self.train.dtype)
+
     # --- communication -------------------------------------------------------------------------------
 
-    def allreduce_linear(self, replicas: int, island: Island) -> tuple[float, float]:
-        """(seconds per byte, constant seconds) of a ring all-reduce over `replicas` devices of one island:
-        2 (N-1)/N x bytes / bandwidth plus 2 log2(N) latencies."""
+    def allreduce_linear(self, replicas: int, island: Island, per_node: int | None = None) -> tuple[float, float]:
+        """(seconds per byte, constant seconds) of an all-reduce over `replicas` devices of one island,
+        `per_node` of them on each node (default: as many as a node holds).
+
+        Inside one node a ring over the intra-node links: 2 (N-1)/N x bytes / bandwidth, 2 (N-1) latencies.
+        Across k nodes with g members each: hierarchical when the intra-node links are faster (reduce-scatter
+        in each node, a ring across the nodes on each member's 1/g of the bytes, all-gather in each node),
+        else a flat ring whose slowest hop crosses nodes."""
         if replicas <= 1:
             return 0.0, 0.0
-        within = replicas <= island.gpus_per_node
-        bw = island.intra_node_bandwidth if within else island.inter_node_bandwidth
-        lat = 5e-6 if within else island.latency_s
-        return 2 * (replicas - 1) / replicas / bw, 2 * math.ceil(math.log2(replicas)) * lat
+        eff = self.options.link_efficiency
+        g = max(1, min(replicas, per_node or island.gpus_per_node, island.gpus_per_node))
+        k = -(-replicas // g)
+        intra, inter = island.intra_node_bandwidth * eff, island.inter_node_bandwidth * eff
+        if k == 1:
+            return 2 * (replicas - 1) / replicas / intra, 2 * (replicas - 1) * INTRA_NODE_LATENCY_S
+        if g > 1 and intra > inter:
+            return (2 * (g - 1) / g / intra + 2 * (k - 1) / k / (g * inter),
+                    2 * (g - 1) * INTRA_NODE_LATENCY_S + 2 * (k - 1) * island.latency_s)
+        return 2 * (replicas - 1) / replicas / inter, 2 * (replicas - 1) * island.latency_s
 
-    def allreduce_seconds(self, nbytes: float, replicas: int, island: Island) -> float:
-        """Ring all-reduce of `nbytes` over `replicas` devices of one island."""
+    def allreduce_seconds(self, nbytes: float, replicas: int, island: Island, per_node: int | None = None) -> float:
+        """All-reduce of `nbytes` over `replicas` devices of one island (`allreduce_linear`)."""
         if nbytes <= 0:
             return 0.0
-        per, const = self.allreduce_linear(replicas, island)
+        per, const = self.allreduce_linear(replicas, island, per_node)
         return nbytes * per + const
+
+    def tp_allreduce_seconds(self, nbytes: float, tp: int, island: Island) -> float:
+        """All-reduce of `nbytes` over a tensor-parallel group: `tp` GPUs of one node, a ring over its links."""
+        if tp <= 1 or nbytes <= 0:
+            return 0.0
+        return self.allreduce_seconds(nbytes, tp, island, per_node=tp)
+
+    def grad_sync_seconds(self, params: int, island: Island, dp: int, tp: int = 1) -> float:
+        """A stage's gradient all-reduce: each tp rank's shard (params / tp) over its `dp` replicas, which sit
+        gpus_per_node / tp to a node; the tp ranks run theirs at once, each over its own links."""
+        shard = -(-params // tp) * self.grad_bytes_per_param
+        return self.allreduce_seconds(shard, dp, island, per_node=max(1, island.gpus_per_node // tp))
+
+    def transfer_seconds(self, nbytes: float, bandwidth: float, latency_s: float) -> float:
+        """One message of `nbytes` over a link of line rate `bandwidth`: latency + size / achievable rate."""
+        return latency_s + nbytes / (bandwidth * self.options.link_efficiency)
+
+    def effective_bandwidth(self, nbytes: float, bandwidth: float, latency_s: float) -> float:
+        """Bytes/s a message of `nbytes` sees on a link of line rate `bandwidth` (the message-size curve)."""
+        return nbytes / self.transfer_seconds(nbytes, bandwidth, latency_s) if nbytes > 0 else 0.0
 
     def gather_seconds(self, nbytes: float, replicas: int, island: Island) -> float:
         """All-gather of `nbytes` (ZeRO-3 weights) over `replicas` devices of one island: half an all-reduce."""
         return self.allreduce_seconds(nbytes, replicas, island) / 2
 
     def stream_bandwidth(self, src: Island, dst: Island, link: Link, width: int, streams: int) -> float:
-        """Bytes/s of one of `width` replica-to-replica streams from `src` to `dst`.
+        """Achievable bytes/s of one of `width` GPU-to-GPU streams from `src` to `dst` (line rate x
+        `link_efficiency`; `transfer_seconds` adds the latency).
 
-        Per-node links give each stream its host's share; a shared (region) link is divided among all
-        `streams` crossing it at once.
+        Link figures are per GPU flow (`cluster`): each stream runs at the link's rate; between two stages
+        of one island that fit in one node, at the intra-node rate; across a shared (region) link, at its
+        capacity divided among all `streams` crossing it at once, and never above the GPUs' own rate.
         """
-        gpn = min(src.gpus_per_node, dst.gpus_per_node)
+        eff = self.options.link_efficiency
         if src.id == dst.id:
             if 2 * width <= src.gpus_per_node:
-                return src.intra_node_bandwidth
-            return src.inter_node_bandwidth / min(width, src.gpus_per_node)
-        per_node = link.bandwidth / min(width, gpn)
+                return src.intra_node_bandwidth * eff
+            return src.inter_node_bandwidth * eff
         if link.shared:
-            node_nic = min(src.inter_node_bandwidth, dst.inter_node_bandwidth) / min(width, gpn)
-            return min(node_nic, link.bandwidth / max(1, streams))
-        return per_node
+            own = min(src.inter_node_bandwidth, dst.inter_node_bandwidth)
+            return min(own, link.bandwidth / max(1, streams)) * eff
+        return link.bandwidth * eff
 
-    def optimizer_seconds(self, island: Island, params: int, zero: int, group: int) -> float:
+    def optimizer_seconds(self, island: Island, params: int, zero: int, group: int, tp: int = 1) -> float:
+        """The optimizer step of a device holding `params` / tp parameters (/ `group` under ZeRO >= 1)."""
         prof = self.profiles.get(island.timing_key)
-        local = params / group if zero >= 1 else params
+        local = params / tp / group if zero >= 1 else params / tp
         if prof and prof.optimizer_s_per_gparam > 0:
             return prof.optimizer_s_per_gparam * local / 1e9
         # read and write weights, gradient and optimizer states once

@@ -44,13 +44,33 @@ class PlannerOptions:
     """Knobs of the cost model and the search."""
 
     achievable_fraction: float = 0.5
-    """Fraction of a device's peak FLOPS a large matmul-bound layer reaches (the analytic estimate)."""
+    """Fraction of a device's peak 16-bit tensor FLOPS a large matmul-bound layer reaches (the analytic
+    estimate of bf16 and fp16 jobs; calibration in `catalog`)."""
+    tf32_fraction: float = 0.25
+    """Fraction of the peak TF32 tensor FLOPS a large layer of an fp32 job reaches on a device with TF32
+    tensor cores (calibrated with `fp32_fraction` on the measured 3.1x of an A100 over a V100 in fp32)."""
+    fp32_fraction: float = 0.8
+    """Fraction of the peak fp32 (non-tensor) FLOPS a large layer of an fp32 job reaches on a device without
+    TF32 tensor cores (V100, T4)."""
     half_efficiency_tokens: int = 256
     """Tokens per micro-batch at which a device reaches half of `achievable_fraction` (small batches are slow)."""
+    half_efficiency_width: int = 128
+    """Per-rank matrix width (d_model / tp) at which a kernel runs at half its large-matrix efficiency: tensor
+    parallelism's narrower shards run at (w / (w + this)) / (d / (d + this)) of the unsharded layer's
+    efficiency, w = d / tp (e.g. 0.92 for d = 4096 at tp 4)."""
+    max_tp: int = 8
+    """Largest tensor-parallel degree the island parallelizer may choose; tp also stays within a node's GPUs
+    (over its intra-node links) and divides the model's heads, kv heads and MLP width. 1: no tensor
+    parallelism."""
+    link_efficiency: float = 0.96
+    """Share of a link's line rate a large transfer or collective reaches (NCCL's maintainers count 12 GB/s for
+    a 100 Gbit/s NIC, 24 GB/s for 200 Gbit/s: nccl-tests issue 119)."""
     memory_reserve_fraction: float = 0.1
     """Share of device memory kept free for the framework, allocator fragmentation and buffers."""
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    """Sequences one replica may process per micro-batch; every stage's share of a pipeline micro-batch is
+    """Sequences one replica may process per micro-batch. A stage's replicas share a pipeline micro-batch as
+    evenly as possible (shares differ by at most one sequence), every replica taking at least one and at
+    most the largest of these times its tensor-parallel degree; with `equal_widths` every share is exactly
     one of these."""
     max_stages: int = 128
     """Most pipeline stages in one pipeline."""
@@ -66,7 +86,8 @@ class PlannerOptions:
     """Bottleneck relaxations tried after the minimum (fewer stages may shorten fill and drain)."""
     equal_widths: bool = False
     """Only pipelines whose stages all have the same data-parallel degree (replica r of a stage feeds
-    replica r of the next), for runtimes that cannot regroup a micro-batch between stages."""
+    replica r of the next) and share each micro-batch exactly evenly, for runtimes that cannot regroup a
+    micro-batch between stages."""
     several_pipelines: bool = True
     """Also try one pipeline per region (up to 4 regions) and one per island (up to 4 islands), data-parallel
     with each other."""
@@ -108,8 +129,15 @@ class PlannerOptions:
     def __post_init__(self) -> None:
         if not 0 < self.achievable_fraction <= 1:
             raise ValueError(f"achievable_fraction must be in (0, 1], got {self.achievable_fraction}")
-        if self.half_efficiency_tokens < 0:
-            raise ValueError("half_efficiency_tokens must be >= 0")
+        if not 0 < self.tf32_fraction <= 1 or not 0 < self.fp32_fraction <= 1:
+            raise ValueError(f"tf32_fraction and fp32_fraction must be in (0, 1], got {self.tf32_fraction} and "
+                             f"{self.fp32_fraction}")
+        if self.half_efficiency_tokens < 0 or self.half_efficiency_width < 0:
+            raise ValueError("half_efficiency_tokens and half_efficiency_width must be >= 0")
+        if self.max_tp < 1:
+            raise ValueError(f"max_tp must be >= 1 (1: no tensor parallelism), got {self.max_tp}")
+        if not 0 < self.link_efficiency <= 1:
+            raise ValueError(f"link_efficiency must be in (0, 1], got {self.link_efficiency}")
         if not 0 <= self.memory_reserve_fraction < 1:
             raise ValueError(f"memory_reserve_fraction must be in [0, 1), got {self.memory_reserve_fraction}")
         if not self.micro_batches or min(self.micro_batches) < 1:

@@ -36,7 +36,7 @@ class PlanResult:
 
     @property
     def gpus(self) -> int:
-        return sum(s.dp for p in self.plan.pipelines for s in p.stages)
+        return sum(s.dp * s.tp for p in self.plan.pipelines for s in p.stages)
 
 
 def plan_job(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
@@ -195,7 +195,7 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
     sims = [simulate(t) for _, t, _ in pipes]
     step = max(s.step_time_s for s in sims)
     slowest = max(range(len(pipes)), key=lambda k: sims[k].step_time_s)
-    peak = sum(st.island.device.peak_flops(train.dtype) * st.cost.dp for c, _, _ in pipes for st in c.stages)
+    peak = sum(st.island.device.peak_flops(train.dtype) * st.cost.gpus for c, _, _ in pipes for st in c.stages)
     mfu = cm.model_flops_per_step() / (step * peak) if peak > 0 and step > 0 else 0.0
     islands = []
     for isl in cluster.islands:
@@ -211,15 +211,16 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
             nodes: list[str] = []
             if cluster.source == "live":
                 off = used.get(st.island.id, 0)
-                nodes = list(st.island.nodes[off:off + st.cost.dp])
-                used[st.island.id] = off + st.cost.dp
+                # replica-major: nodes[r * tp + k] is tp rank k of replica r (atoll.node.tp)
+                nodes = list(st.island.nodes[off:off + st.cost.gpus])
+                used[st.island.id] = off + st.cost.gpus
             send = None
             if k < len(c.links):
                 x = c.links[k]
                 block = getattr(cm.codecs, "block_size", None)
                 send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
                                 block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0))
-            stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=1,
+            stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=st.cost.tp,
                                     zero=st.cost.zero, recompute=st.cost.recompute, compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes,
                                     in_flight=st.in_flight))
