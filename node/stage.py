@@ -191,9 +191,9 @@ class PipelineStage:
             raise ValueError(f"stage {stage} of {num_stages} holds layers [{module.start}, {module.end}): the first "
                              "stage must start at layer 0 and the last must end with the head")
         if norm_exchange is None:
-            if num_stages > 1 and config.max_grad_norm is not None:
-                raise ValueError("global gradient clipping across stages needs a norm_exchange; pass one "
-                                 "or set max_grad_norm=None")
+            if (num_stages > 1 or (tp is not None and tp.size > 1)) and config.max_grad_norm is not None:
+                raise ValueError("global gradient clipping across stages (or a stage's tp ranks) needs a "
+                                 "norm_exchange; pass one or set max_grad_norm=None")
             norm_exchange = LocalNormExchange()
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self.transport, self.config = transport, config
