@@ -14,6 +14,13 @@ and what `atoll plan --json` writes. Its JSON shape:
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
 `nodes` and `dp_rendezvous`.
 
+A stage runs on dp x tp devices: `dp` data-parallel replicas of `tp` tensor-parallel devices each (one node's
+GPUs; `nodes[r * tp + k]` is tp rank k of replica r). Its replicas share each pipeline micro-batch as evenly
+as possible: replica r takes micro_batch // dp sequences, one more when r < micro_batch % dp.
+
+`"idle": [{"island": str, "nodes": [str], "gpus": int, "reason": str}]` lists the devices the plan leaves
+out, each group with the reason (slower than it helps, would not fit, link too slow).
+
 A plan across regions may train in *outer* mode (`"mode": "outer"`): its pipelines are split into replica
 groups (`"groups": [{"name", "pipelines": [indices], "inner_steps", ...}]`), each a whole model replica whose
 pipelines share the global batch as a synchronous plan's do; every round the groups exchange compressed
@@ -173,6 +180,19 @@ class OuterPlan:
 
 
 @dataclass(kw_only=True)
+class IdleDevices:
+    """Devices of one island a plan leaves out, and why."""
+
+    island: str
+    gpus: int
+    """How many of the island's devices are left out."""
+    reason: str
+    """Why: slower than it helps, would not fit, link too slow (with the figures that decided it)."""
+    nodes: list[str] = field(default_factory=list)
+    """Node ids of the devices left out (live plans; empty when planned from a cluster file)."""
+
+
+@dataclass(kw_only=True)
 class Plan:
     model: str
     global_batch: int
@@ -194,6 +214,8 @@ class Plan:
     """Outer mode: the replica groups (every pipeline in exactly one)."""
     outer: OuterPlan | None = None
     """Outer mode: how the groups sync."""
+    idle: list[IdleDevices] = field(default_factory=list)
+    """Devices no stage runs on, with the reason, per island."""
 
     def region_of(self, node_id: str) -> str:
         """The region (site label) of a node in a live plan: its island's group; "" when not known."""
@@ -267,6 +289,7 @@ class Plan:
             node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
             mode=d.get("mode", "sync"), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
             outer=OuterPlan(**d["outer"]) if d.get("outer") else None,
+            idle=[IdleDevices(**x) for x in d.get("idle", [])],
         )
 
     def to_json(self, indent: int | None = 2) -> str:

@@ -5,7 +5,8 @@ Every pair round-trips (tests/test_serde.py). Nothing else in the project builds
 
 from __future__ import annotations
 
-from atoll.plan import IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan, StagePlan
+from atoll.plan import (IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
+                        StagePlan)
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
@@ -170,6 +171,7 @@ def plan_to_proto(p: Plan) -> pb.Plan:
     m.groups.extend(group_to_proto(g) for g in p.groups)
     if p.outer is not None:
         m.outer.CopyFrom(outer_to_proto(p.outer))
+    m.idle.extend(pb.IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=x.nodes) for x in p.idle)
     return m
 
 
@@ -198,6 +200,7 @@ def plan_from_proto(m: pb.Plan) -> Plan:
         epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step, node_addresses=dict(m.node_addresses),
         rendezvous=m.rendezvous, mode=m.mode or "sync", groups=[group_from_proto(g) for g in m.groups],
         outer=outer_from_proto(m.outer) if m.HasField("outer") else None,
+        idle=[IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=list(x.nodes)) for x in m.idle],
     )
 
 

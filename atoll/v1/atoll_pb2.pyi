@@ -305,7 +305,7 @@ class OuterPlan(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., overlap: _Optional[bool] = ..., deadline_seconds: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., bytes_per_round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer")
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer", "idle")
     class NodeAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class Plan(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
+    IDLE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     job_id: str
     model: str
@@ -343,7 +344,20 @@ class Plan(_message.Message):
     mode: str
     groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
     outer: OuterPlan
-    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ...) -> None: ...
+    idle: _containers.RepeatedCompositeFieldContainer[IdleDevices]
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ..., idle: _Optional[_Iterable[_Union[IdleDevices, _Mapping]]] = ...) -> None: ...
+
+class IdleDevices(_message.Message):
+    __slots__ = ("island", "gpus", "reason", "nodes")
+    ISLAND_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    island: str
+    gpus: int
+    reason: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, island: _Optional[str] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s")

@@ -59,7 +59,6 @@ def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.planjob import search_plan
     from atoll.coordinator.planner.profiles import ProfileSet
     from atoll.coordinator.planner.report import format_plan
-    from atoll.coordinator.planner.unused import explain_unused
     from atoll.inputs import input_path
 
     model = load_model(args.model)
@@ -69,8 +68,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap)
     result = search_plan(model, cluster, train, profiles, options)
-    unused = explain_unused(result.plan, cluster, model, train, profiles, options)
-    print(format_plan(result.plan, cluster, search_seconds=result.seconds, unused=unused))
+    print(format_plan(result.plan, cluster, search_seconds=result.seconds))
     if result.note and result.plan.mode == "sync":
         print(f"mode {result.note}")
     if args.json:

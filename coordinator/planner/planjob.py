@@ -16,7 +16,8 @@ from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.coordinator.planner.multipipe import SEVERAL_PIPELINES_MIN_GAIN, MultiCandidate, several_pipelines
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
 from atoll.modelspec import ModelSpec
-from atoll.plan import GB, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.coordinator.planner.unused import explain_unused
+from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
 
 
 @dataclass(kw_only=True)
@@ -53,8 +54,48 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     """Like `plan_job`, also returning the chosen candidate and search statistics.
 
     On a cluster spanning regions the synchronous plan is compared with replica groups, one per region,
-    synced every round (`outer`), as `options.outer_mode` says.
+    synced every round (`outer`), as `options.outer_mode` says. The plan lists every device it leaves out,
+    with the reason (`Plan.idle`).
     """
+    result = _search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
+                          parallelizer=parallelizer)
+    result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options)
+    return result
+
+
+def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpec,
+                 profiles: ProfileSet | None = None, options: PlannerOptions | None = None) -> list[IdleDevices]:
+    """The devices of `cluster` no stage of `plan` runs on, per island, with the reason: for an island left out
+    whole, `explain_unused`'s (memory, links, speed, or a faster plan without it); for part of an island, that
+    no arrangement tried that also used them was predicted faster."""
+    used: dict[str, int] = {}
+    named: set[str] = set()
+    shapes: dict[str, list[str]] = {}
+    for pl in plan.pipelines:
+        for st in pl.stages:
+            used[st.island] = used.get(st.island, 0) + st.dp * st.tp
+            named.update(st.nodes)
+            shapes.setdefault(st.island, []).append(f"dp {st.dp} x tp {st.tp}")
+    whole = {u.island: u.reason for u in explain_unused(plan, cluster, model, train, profiles, options)}
+    out: list[IdleDevices] = []
+    for isl in cluster.islands:
+        left = isl.gpus - used.get(isl.id, 0)
+        if left <= 0:
+            continue
+        reason = whole.get(isl.id)
+        if reason is None:
+            kinds = ", ".join(dict.fromkeys(shapes.get(isl.id, [])))
+            reason = (f"slower than they help: its other {isl.gpus - left} run stages of {kinds}, and no arrangement "
+                      f"tried that also uses these {left} (wider stages sharing each micro-batch more thinly, or "
+                      "more stages deepening the pipeline) was predicted faster")
+        nodes = [n for n in isl.nodes if n not in named] if cluster.source == "live" else []
+        out.append(IdleDevices(island=isl.id, gpus=left, reason=reason, nodes=nodes))
+    return out
+
+
+def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None,
+                 options: PlannerOptions | None, *, codec_model: LinkCodecModel | None,
+                 parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
     if train.seq_len != model.config.seq_len:

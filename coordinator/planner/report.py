@@ -24,13 +24,14 @@ def device_word(kinds: Iterable[str]) -> str:
 def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: float | None = None,
                 device_kinds: Iterable[str] | None = None, unused: Sequence[UnusedIsland] = ()) -> str:
     """The plan as text. `device_kinds` names the kinds of the devices planned on (a cluster file's are GPUs);
-    `unused` says why islands are left out (`explain_unused`)."""
+    the devices left out are listed with their reasons from `plan.idle`, or, for a plan without them, from
+    `unused` (`explain_unused`)."""
     p = plan.predicted
     if device_kinds is not None:
         devices = device_word(device_kinds)
     else:
         devices = "GPUs" if cluster is not None and cluster.source != "live" else "devices"
-    gpus_used = sum(s.dp for pl in plan.pipelines for s in pl.stages)
+    gpus_used = sum(s.dp * s.tp for pl in plan.pipelines for s in pl.stages)
     total = sum(i.gpus for i in plan.islands)
     lines = [f"plan for {plan.model}: global batch {plan.global_batch} x {plan.seq_len} tokens, "
              f"{gpus_used} of {total} {devices}"]
@@ -66,34 +67,40 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
-                     f"{pl.micro_batch} sequences (each stage shares one among its dp replicas{owner})")
-        lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp':>4} {'zero':>4} {'recomp':>6} "
+                     f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
+                     f"possible{owner})")
+        lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp x tp':>13} {'zero':>4} {'recomp':>6} "
                      f"{'compute':>9} {'mem/dev':>8}  send")
         for j, s in enumerate(pl.stages):
             send = "-"
             if s.send is not None:
                 send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
-                         + f" {s.dp:>4} {s.zero:>4} {'yes' if s.recompute else 'no':>6} "
+                         + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {'yes' if s.recompute else 'no':>6} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
 
 
 def _unused_lines(plan: Plan, unused: Sequence[UnusedIsland], devices: str) -> list[str]:
-    """Islands no stage runs on, with the reason; islands only partly used, with how much."""
+    """Devices no stage runs on, per island, with the reason (`plan.idle`, else `unused` for whole islands)."""
+    total = {i.id: i.gpus for i in plan.islands}
+    lines = []
+    if plan.idle:
+        for x in plan.idle:
+            n = total.get(x.island, x.gpus)
+            head = "unused" if x.gpus >= n else f"{x.gpus} of its {n} {devices} idle"
+            nodes = f" ({', '.join(x.nodes)})" if x.nodes else ""
+            lines.append(f"  {x.island}: {head}{nodes}, {x.reason}")
+        return ["idle:"] + lines
     why = {u.island: u.reason for u in unused}
     on: dict[str, int] = {}
     for pl in plan.pipelines:
         for s in pl.stages:
-            on[s.island] = on.get(s.island, 0) + s.dp
-    lines = []
+            on[s.island] = on.get(s.island, 0) + s.dp * s.tp
     for i in plan.islands:
         n = on.get(i.id, 0)
         if n == 0:
             lines.append(f"  {i.id}: unused, {why.get(i.id, 'the plan found is faster without it')}")
         elif n < i.gpus:
-            reason = (f"{i.gpus} do not divide the global batch of {plan.global_batch}, and a stage's replicas "
-                      "share each micro-batch evenly" if plan.global_batch % i.gpus else
-                      "the plan found is faster with fewer")
-            lines.append(f"  {i.id}: {n} of its {i.gpus} {devices} used; {reason}")
-    return (["unused:"] + lines) if lines else []
+            lines.append(f"  {i.id}: {i.gpus - n} of its {i.gpus} {devices} idle, the plan found is faster with fewer")
+    return (["idle:"] + lines) if lines else []
