@@ -188,6 +188,10 @@ class OuterSpec:
     overlap: bool = True
     """Exchange round r while round r + 1 trains, applying it at the end of round r + 1 (one round of delay);
     False blocks at each round's end until the exchange lands."""
+    apply_after: int = 0
+    """With overlap: apply round r's average after this many inner steps of round r + 1 (every node of a group
+    at the same step, waiting if it has not landed); 0: as soon as the plan's predicted exchange time allows
+    (its steps, plus one); inner_steps or more: at the end of round r + 1."""
     deadline_seconds: float = 0.0
     """How long a round waits for late groups after the first arrives (0: as long as a round lasts, at least
     30 s); a group that misses it is left out of the round."""
@@ -201,6 +205,7 @@ class OuterSpec:
         _check(self.codec in OUTER_CODECS, f"outer.codec must be one of {', '.join(OUTER_CODECS)}, got {self.codec!r}")
         _check(0 < self.topk_fraction <= 1, f"outer.topk_fraction must be in (0, 1], got {self.topk_fraction}")
         _check(self.deadline_seconds >= 0, f"outer.deadline_seconds must be >= 0, got {self.deadline_seconds}")
+        _check(self.apply_after >= 0, f"outer.apply_after must be >= 0 (0: chosen from the plan), got {self.apply_after}")
 
 
 @dataclass(frozen=True, kw_only=True)

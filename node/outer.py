@@ -259,6 +259,9 @@ class OuterConfig:
     momentum: float = 0.0
     nesterov: bool = True
     overlap: bool = True
+    apply_after: int = 0
+    """With overlap: apply round r's average after this many inner steps of round r + 1 (waiting for it if it
+    has not landed); 0 applies it at the end of round r + 1. Every node of a group applies it at the same step."""
     deadline: timedelta = timedelta(seconds=60)
     """Bound of one exchange: the coordinator's decision plus the fetches."""
     token: str | None = None
@@ -316,6 +319,9 @@ class OuterSync:
         self.steps_in_round += 1
         self.inner_steps_done += 1
         if self.steps_in_round < self.cfg.inner_steps:
+            if (self._pending is not None and self.cfg.overlap
+                    and 0 < self.cfg.apply_after <= self.steps_in_round):
+                self._land()  # the previous round's average, applied as soon as it is due (less staleness)
             return False
         self.end_round()
         return True
@@ -427,7 +433,7 @@ class OuterSync:
     def _decide(self, round_: int, tokens: int, previous: RoundStats) -> RoundDecision:
         deadline = time.monotonic() + self.timeout.total_seconds() + self.cfg.deadline.total_seconds()
         arrived = False
-        wait = 0.05
+        wait = 0.02  # a round is usually decided within a round trip of the last group's arrival: ask often
         while True:
             decision = self.arrive(round_, tokens, not arrived, previous)
             arrived = True
@@ -436,7 +442,7 @@ class OuterSync:
             if time.monotonic() > deadline:
                 raise OuterSyncError(f"the coordinator did not decide outer round {round_} in time")
             time.sleep(wait)
-            wait = min(wait * 2, 0.5)
+            wait = min(wait * 1.5, 0.2)
 
     def _participant_plan(self, part: Participant, round_: int) -> tuple[dict[int, list[str]], Mapping[str, str]]:
         """The layer holders and peer addresses of participant `part`, from the plan that has its group (the

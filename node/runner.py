@@ -154,6 +154,17 @@ class _SegmentAverager:
             averager.average_(self.local(mine), timeout)
 
 
+def apply_after_steps(job: JobSpec, outer, group) -> int:
+    """After how many inner steps of the next round a group applies a round's average (see OuterSpec.apply_after):
+    the job's setting, or enough steps for the plan's predicted exchange to land, plus one. The same for every
+    node of the group, since it depends only on the job and the plan."""
+    if job.outer.apply_after > 0:
+        return min(job.outer.apply_after, group.inner_steps)
+    if outer.sync_s > 0 and group.step_time_s > 0:
+        return min(group.inner_steps, math.ceil(outer.sync_s / group.step_time_s) + 1)
+    return 0
+
+
 def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
     """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided or the
     coordinator is away (the caller retries); an error the coordinator refuses for good propagates."""
@@ -415,6 +426,7 @@ class PlanRunner:
         deadline = timedelta(seconds=max(o.deadline_s, 30.0))
         cfg = OuterConfig(job_id=plan.job_id, node_id=ctx.node_id, group=pl.group, inner_steps=group.inner_steps,
                           codec=codec, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, overlap=o.overlap,
+                          apply_after=apply_after_steps(self.job, o, group),
                           deadline=deadline, token=ctx.token, rpc=ctx.rpc,
                           latency_to=lambda peer: ctx.wan_latency(self.current_plan(), peer))
         segment_groups = []
