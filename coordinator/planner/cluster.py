@@ -4,23 +4,32 @@ Built either from a cluster file (TOML, `load_cluster` / `parse_cluster`):
 
     [[group]]
     name = "a100-east"         # unique
-    device = "A100-80GB"       # a catalog name, or give tflops and memory_gb
+    device = "A100-80GB"       # a catalog name, or give tflops and memory_gb (tflops_tf32, tflops_fp32 optional)
     count = 32                 # GPUs in the group
     gpus_per_node = 8          # default 8
     region = "us-east"         # default "default"
-    intra_node_gbps = 600      # between GPUs of one node (default 600)
-    inter_node_gbps = 100      # between nodes of the group (default 100)
+    intra_node_gbps = 600      # per GPU, to another GPU of its node (default 600: NVLink 3 on an A100)
+    inter_node_gbps = 200      # per GPU, to a GPU on another node of the group (default 100)
+    latency_ms = 0.02          # one way between nodes of the group (default 0.02)
     [[link]]
     between = ["us-east", "eu-west"]   # two regions or two group names
-    gbps = 1.0
+    gbps = 1.0                 # between regions: the link's whole capacity; between two groups: per GPU
     latency_ms = 80
 
 where every group is one island, or from live measurements (`Cluster.from_nodes`): groups of node ids
 (one device each), their profiles and the measured link matrix.
 
-Bandwidths are stored in bytes/s. Between two groups of one region without a [[link]] entry the link is the
-smaller of their inter-node bandwidths, per node; a [[link]] between regions is a shared capacity that all
-streams crossing it divide. Groups of different regions with no [[link]] are not connected.
+Units. Every figure is a line rate in Gbit/s (stored in bytes/s), and the planner counts `link_efficiency`
+of it (0.96) as reachable. Inside a region every figure is *per GPU flow*: what one GPU's traffic to one
+other GPU reaches while every GPU of its node sends at once. On nodes with a NIC per GPU (DGX-style rails:
+200 Gbit/s HDR per A100, 400 Gbit/s NDR per H100) that is the NIC's rate; on a node whose GPUs share one
+NIC it is the NIC's rate divided by gpus_per_node (a 100 Gbit/s NIC shared by 4 GPUs: 25); for live nodes,
+one device each, it is what a probe between two nodes measured. So a stage's replicas each send their own
+stream at the figure, and a hierarchical all-reduce across k nodes moves gpus_per_node streams per node at
+once. Between two groups of one region without a [[link]] entry the link is the smaller of their
+inter-node figures; a [[link]] between two groups gives it per GPU flow too. A [[link]] between regions is
+a shared capacity: every stream crossing it at once divides it (and none runs faster than its GPU's own
+inter-node figure). Groups of different regions with no [[link]] are not connected.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ class Link:
     """A link between two islands (or inside one)."""
 
     bandwidth: float
-    """Bytes/s: per node when `shared` is False, the whole capacity when True."""
+    """Bytes/s of line rate: per GPU flow when `shared` is False, the whole capacity when True."""
     latency_s: float
     """One-way latency, seconds."""
     shared: bool = False
@@ -74,9 +83,10 @@ class Island:
     region: str = "default"
     """Region; links between regions come from [[link]] entries."""
     intra_node_bandwidth: float = 600 * GBPS
-    """Bytes/s between devices of one host."""
+    """Bytes/s of line rate from one device to another of its host."""
     inter_node_bandwidth: float = 100 * GBPS
-    """Bytes/s between hosts of the island (per host)."""
+    """Bytes/s of line rate from one device to a device on another host of the island, per GPU flow (every
+    device of a host sending at once; see the module docstring)."""
     latency_s: float = INTER_NODE_LATENCY_S
     """One-way latency between hosts of the island."""
     nodes: tuple[str, ...] = ()
@@ -95,12 +105,6 @@ class Island:
     @property
     def timing_key(self) -> str:
         return self.profile_key or self.device.name
-
-    def bandwidth_within(self, width: int) -> float:
-        """Bytes/s available to one of `width` devices exchanging with devices of this island."""
-        if width <= self.gpus_per_node and self.gpus <= self.gpus_per_node:
-            return self.intra_node_bandwidth
-        return self.inter_node_bandwidth / min(width, self.gpus_per_node)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +228,7 @@ class Cluster:
 # --- cluster files -------------------------------------------------------------------------------------
 
 GROUP_FIELDS = {"name", "device", "count", "gpus_per_node", "region", "intra_node_gbps", "inter_node_gbps",
-                "tflops", "tflops_fp32", "memory_gb", "latency_ms"}
+                "tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "latency_ms"}
 LINK_FIELDS = {"between", "gbps", "latency_ms"}
 
 
@@ -373,7 +377,7 @@ def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) 
     dev_name = g.get("device")
     if dev_name is not None and not isinstance(dev_name, str):
         raise err("device", f"must be a string (a catalog name), got {dev_name!r}")
-    custom = {k: g[k] for k in ("tflops", "tflops_fp32", "memory_gb") if k in g}
+    custom = {k: g[k] for k in ("tflops", "tflops_tf32", "tflops_fp32", "memory_gb") if k in g}
     if dev_name is None and not {"tflops", "memory_gb"} <= set(custom):
         raise err("device", "is missing: give a catalog device name, or tflops and memory_gb")
     base: DeviceSpec | None = None
@@ -385,9 +389,10 @@ def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) 
                 raise err("device", f"is not in the catalog: {e}") from None
     t16 = _positive(g, "tflops", base.tflops_16 if base else None, err)
     t32 = _positive(g, "tflops_fp32", base.tflops_32 if base else t16 / 8, err)
+    tf32 = _nonneg(g, "tflops_tf32", base.tflops_tf32 if base else 0.0, err)  # 0: no TF32 tensor cores
     mem = _positive(g, "memory_gb", base.memory_gb if base else None, err)
     dev = DeviceSpec(name=base.name if base else str(dev_name or name), tflops_16=t16, tflops_32=t32,
-                     memory_gb=mem, source=base.source if base and not custom else f"{source} [[group]] #{gi + 1}")
+                     tflops_tf32=tf32, memory_gb=mem, source=base.source if base and not custom else f"{source} [[group]] #{gi + 1}")
     intra = _positive(g, "intra_node_gbps", 600.0, err) * GBPS
     inter = _positive(g, "inter_node_gbps", 100.0, err) * GBPS
     lat = _nonneg(g, "latency_ms", INTER_NODE_LATENCY_S * 1e3, err) / 1e3
