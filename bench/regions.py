@@ -3,7 +3,9 @@
 On the geo testbed (two regions of two hosts, equal CPU quotas, a shaped link between the regions), the same
 job three ways, each with the same number of steps per replica group:
  (i)   one region alone: lab-a's two hosts (`cluster.expected_nodes = 2`);
- (ii)  both regions synchronous (`[outer] mode = "sync"`: the planner's best plan over the four hosts);
+ (ii)  both regions synchronous: data parallel over all four hosts, one gradient all-reduce across the link per
+       step. The planner's best synchronous plan leaves the second region idle (a step that crosses the link is
+       slower than one region alone), so this run pins that plan (`atoll coordinator --plan`) to measure it;
  (iii) outer mode (`mode = "outer"`: a replica group per region, H inner steps per round, int8
        pseudo-gradients with error feedback, the exchange overlapped by one round).
 For each it prints tokens/s (tokens trained by all groups over the wall time from the first to the last
@@ -165,7 +167,28 @@ def evaluate(job, checkpoints: Path, steps: Sequence[int]) -> dict[int, float]:
     return out
 
 
-def run(tb, name: str, job_path: Path, hosts, out: Path, timeout: float) -> RunResult:
+def pinned_sync_plan(job_path: Path, hosts, out: Path) -> Path:
+    """A synchronous plan over every host: a pipeline per region, one stage of the whole model with a replica on
+    each of its hosts, the global batch shared by all; the nodes are named by their hosts."""
+    from atoll.job import JobSpec
+    from atoll.plan import PipelinePlan, Plan, StagePlan
+
+    job = JobSpec.load(job_path)
+    regions: dict[str, list[str]] = {}
+    for h in hosts:
+        regions.setdefault(h.region, []).append(h.name)
+    share = job.train.global_batch // len(regions)
+    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=[
+        PipelinePlan(micro_batch=share, num_micro_batches=1, stages=[
+            StagePlan(island=region, layers=(0, job.model.n_layers + 2), dp=len(nodes), nodes=nodes)])
+        for region, nodes in sorted(regions.items())])
+    plan.validate(job.model.n_layers + 2)
+    path = out / "pinned-plan.json"
+    plan.save(path)
+    return path
+
+
+def run(tb, name: str, job_path: Path, hosts, out: Path, timeout: float, pin: Path | None = None) -> RunResult:
     from atoll.job import JobSpec
     from atoll.launch.localcluster import LocalCluster
     from atoll.node.checkpoint import complete_steps_on_disk
@@ -176,8 +199,14 @@ def run(tb, name: str, job_path: Path, hosts, out: Path, timeout: float) -> RunR
     start_bytes = tb.wan_bytes()
     first_bytes = None
     with LocalCluster(job_path=job_path, out=out) as cluster:
-        cluster.start_coordinator(host=tb.coordinator, extra=["--island-threshold", "0.001"])
+        extra = ["--island-threshold", "0.001"] + (["--plan", str(pin)] if pin is not None else [])
+        cluster.start_coordinator(host=tb.coordinator, extra=extra)
         for h in hosts:
+            if pin is not None:  # a pinned plan names nodes by id: each node's id is its host's name
+                from atoll.node.identity import save_node_id
+
+                (out / h.name).mkdir(parents=True, exist_ok=True)
+                save_node_id(out / h.name, h.name)
             cluster.start_node(h.name, host=h)
         end = time.monotonic() + timeout
         plan = None
@@ -317,7 +346,8 @@ def main() -> int:
                             inner=args.inner_steps, codec=args.codec, deadline=args.deadline,
                             overlap=not args.no_overlap)
             t = time.monotonic()
-            r = run(tb, name, job_path, hosts, folder / "run", args.timeout)
+            pin = pinned_sync_plan(job_path, hosts, folder) if key == "sync" else None
+            r = run(tb, name, job_path, hosts, folder / "run", args.timeout, pin=pin)
             shutil.rmtree(folder / "run" / "checkpoints", ignore_errors=True)
             print(f"  {name}: {r.plan}; {r.wall_s:.1f}s of training ({time.monotonic() - t:.0f}s with start-up and "
                   f"evaluation), median step {r.step_s:.3f}s", flush=True)
