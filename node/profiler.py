@@ -1,6 +1,11 @@
 """What a node measures of itself before joining: its device, memory, CPUs, and how fast it runs the job's
 own layers (embedding, one block, head) forward and backward at a few micro-batch sizes, plus one AdamW
 step over a block's parameters. Short by design: the tiny job profiles in well under a second or two.
+
+A node process drives one device (`device_count` records how many the machine has), so the timings are one
+device's. They are not timed under tensor parallelism: that takes several processes on one machine, and the
+coordinator plans live nodes one device each (tp 1); where the planner plans tp (cluster files) it derives
+it from one device's timings and the node's links.
 """
 
 from __future__ import annotations
@@ -112,6 +117,11 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
     """Measure this node on `job`'s layers; returns the profile to join with."""
     options = options or ProfileOptions()
     dev = parse_device(device)
+    if dev.type == "cuda":
+        # fp32 matmuls on TF32 tensor cores where the GPU has them, as the planner's catalog assumes; the
+        # setting is process-wide, so the node trains as it was measured
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     profile = describe_device(dev)
     cfg, seq = job.model, job.train.seq_len
     dtype = torch.bfloat16 if job.train.dtype == "bf16" and dev.type == "cuda" else torch.float32
