@@ -85,7 +85,7 @@ def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpe
         reason = whole.get(isl.id)
         if reason is None:
             kinds = ", ".join(dict.fromkeys(shapes.get(isl.id, [])))
-            reason = (f"slower than they help: its other {isl.gpus - left} run stages of {kinds}, and no arrangement "
+            reason = (f"not worth adding: its other {isl.gpus - left} run stages of {kinds}, and no arrangement "
                       f"tried that also uses these {left} (wider stages sharing each micro-batch more thinly, or "
                       "more stages deepening the pipeline) was predicted faster")
         nodes = [n for n in isl.nodes if n not in named] if cluster.source == "live" else []

@@ -1,0 +1,119 @@
+"""The cost model against measured figures: effective throughput per device and dtype, the message-size curve
+of a link, and all-reduces that grow with the group."""
+
+from __future__ import annotations
+
+import pytest
+
+from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster
+from atoll.coordinator.planner.catalog import device
+from atoll.coordinator.planner.cluster import GBPS, Island
+from atoll.coordinator.planner.composer import Composer, _Setup
+from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.profiles import ProfileSet
+from atoll.modelspec import ModelSpec
+
+MODEL = ModelSpec.from_preset("1.3b")  # d_model 2048, seq 2048: one sequence's activation is 8.4 MB in bf16
+
+
+def _island(name: str, gpus: int = 8, gpn: int = 8, intra: float = 600, inter: float = 100) -> Island:
+    return Island(id=name, group=name, device=device(name), gpus=gpus, gpus_per_node=gpn,
+                  intra_node_bandwidth=intra * GBPS, inter_node_bandwidth=inter * GBPS)
+
+
+def _speed_ratio(dtype: str, fast: str = "A100-80GB", slow: str = "V100-32GB") -> float:
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048, dtype=dtype))
+    t = {name: cm.table(_island(name), 4) for name in (fast, slow)}
+    return (t[slow].pf[-1] + t[slow].pb[-1]) / (t[fast].pf[-1] + t[fast].pb[-1])
+
+
+def test_fp32_runs_on_tf32_tensor_cores_where_the_device_has_them() -> None:
+    assert device("A100").math_path("fp32") == "tf32" and device("H100").math_path("fp32") == "tf32"
+    assert device("RTX4090").math_path("fp32") == "tf32" and device("L4").math_path("fp32") == "tf32"
+    assert device("V100").math_path("fp32") == "fp32" and device("T4").math_path("fp32") == "fp32"
+    assert device("V100").math_path("bf16") == "tensor16"
+    # measured fp32 training: an A100 (TF32) is about 3.1x a V100; the datasheets' non-tensor fp32 would say 1.24x
+    assert 2.5 <= _speed_ratio("fp32") <= 4.0
+    assert device("A100").tflops_32 / device("V100").tflops_32 == pytest.approx(1.24, abs=0.01)
+    # 16-bit: Lambda's 1.95x-2.5x for language models on fp16 tensor cores
+    assert 1.95 <= _speed_ratio("bf16") <= 2.5
+
+
+def test_efficiency_grows_with_tokens_per_kernel() -> None:
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048))
+    isl = _island("A100-80GB")
+    per_seq = [(cm.table(isl, b).pf[-1] + cm.table(isl, b).pb[-1]) / b for b in (1, 2, 4, 8)]
+    assert per_seq == sorted(per_seq, reverse=True) and per_seq[0] > per_seq[-1]
+
+
+def test_a_large_activation_over_a_per_gpu_link_costs_what_the_curve_says() -> None:
+    # two 4-GPU-per-node islands joined at 100 Gbit/s per GPU flow: the 8.4 MB activation of one sequence
+    cluster = parse_cluster("""
+[[group]]
+name = "a"
+device = "A100-80GB"
+count = 4
+gpus_per_node = 4
+inter_node_gbps = 100
+[[group]]
+name = "b"
+device = "A100-80GB"
+count = 4
+gpus_per_node = 4
+inter_node_gbps = 100
+""")
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), options=PlannerOptions(activation_codecs=("identity",)))
+    comp = Composer(cost_model=cm, cluster=cluster)
+    s = _Setup(order=cluster.islands, widths=(4, 4), batch=4, m=16, caps=(1, 1), bound=0.0)
+    raw, bw, lat = comp._link(s, 0, 1, MODEL.num_layers // 2)
+    assert raw == 2048 * 2048 * 2 == 8_388_608
+    # every GPU streams at the link's figure: the four GPUs of a node do not split it
+    assert bw == pytest.approx(0.96 * 100 * GBPS)
+    want = lat + raw / (0.96 * 100 * GBPS)  # the curve: latency + size / achievable rate, 0.72 ms
+    assert cm.transfer_seconds(raw, 100 * GBPS, lat) == pytest.approx(want)
+    assert want == pytest.approx(0.72e-3, rel=0.02)
+    assert cm.codecs.choose(raw, 2, bw, lat, 1.0)[1] == pytest.approx(want, rel=0.02)
+    # the curve: a small message is dominated by the latency, a large one reaches the achievable rate
+    small, large = (cm.effective_bandwidth(n, 100 * GBPS, 20e-6) for n in (64 << 10, 256 << 20))
+    assert small < 0.25 * large and large == pytest.approx(0.96 * 100 * GBPS, rel=0.01)
+
+
+def test_allreduce_grows_with_dp_and_pays_a_latency_per_hop() -> None:
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048))
+    isl = _island("A100-80GB", gpus=512)
+    big = [cm.allreduce_seconds(1e9, n, isl) for n in (2, 4, 8, 16, 64, 512)]
+    assert big == sorted(big) and len(set(big)) == len(big)
+    tiny = [cm.allreduce_seconds(8, n, isl) for n in (16, 64, 512)]
+    assert tiny == sorted(tiny) and tiny[-1] > 10 * tiny[0]  # 2 (k-1) inter-node hops of 20 us each
+    # hierarchical when the intra-node links are faster: beats a flat ring over the slow links
+    flat = 2 * 511 / 512 * 1e9 / (0.96 * isl.inter_node_bandwidth)
+    assert big[-1] < 0.5 * flat
+    # without faster intra-node links it is a flat ring: 2 (n-1)/n x bytes / bandwidth + 2 (n-1) latencies
+    same = _island("A100-80GB", gpus=64, intra=100, inter=100)
+    assert cm.allreduce_seconds(1e9, 64, same) == pytest.approx(
+        2 * 63 / 64 * 1e9 / (0.96 * 100 * GBPS) + 2 * 63 * same.latency_s)
+
+
+def test_tensor_parallel_costs_compute_collectives_and_memory() -> None:
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048))
+    isl = _island("V100-32GB", intra=300)
+    one, four = cm.table(isl, 4), cm.table(isl, 4, tp=4)
+    block = 1
+    ar = cm.tp_allreduce_seconds(4 * 2048 * 2048 * 2, 4, isl)
+    assert ar > 0
+    assert four.fwd[block] == pytest.approx(one.fwd[block] / (4 * cm.tp_efficiency(4)) + 2 * ar)
+    assert four.bwd[block] == pytest.approx(one.bwd[block] / (4 * cm.tp_efficiency(4)) + 2 * ar)
+    assert 0.8 < cm.tp_efficiency(4) < 1 and cm.tp_efficiency(8) < cm.tp_efficiency(4)
+    assert four.params[block] == -(-one.params[block] // 4)
+    assert one.act[block] / 4 < four.act[block] < one.act[block]  # the norm inputs stay whole on every rank
+
+
+def test_measured_profiles_override_the_catalog_also_under_tp() -> None:
+    doc = {"devices": {"V100-32GB": {"layers": {k: [{"micro_batch": 1, "seq_len": 2048, "forward_s": 0.01,
+                                                     "backward_s": 0.02}] for k in ("embedding", "block", "head")}}}}
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), ProfileSet.from_dict(doc))
+    isl = _island("V100-32GB", intra=300)
+    assert cm.table(isl, 2).fwd[1] == pytest.approx(0.02)
+    two = cm.table(isl, 2, tp=2)
+    ar = cm.tp_allreduce_seconds(2 * 2048 * 2048 * 2, 2, isl)
+    assert two.fwd[1] == pytest.approx(0.02 / (2 * cm.tp_efficiency(2)) + 2 * ar)
