@@ -142,7 +142,8 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
         bw = cm.stream_bandwidth(s.island, nx.island, link, streams, streams)
         raw = cm.model.boundary_bytes(s.end, math.ceil(pipeline_batch / streams), cm.train.seq_len, cm.train.dtype)
         _, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, link.latency_s, cycle)
-        links.append(LinkTimes(forward_s=sec, backward_s=sec))
+        # the simulator lets latency delay a transfer without occupying the link, as for the plan's links
+        links.append(LinkTimes(forward_s=sec, backward_s=sec, latency_s=min(link.latency_s, sec)))
     return PipelineTimes(stages=tuple(out), links=tuple(links), num_micro_batches=m)
 
 
