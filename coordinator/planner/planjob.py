@@ -219,11 +219,13 @@ def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> 
     what = (f"compute of stage {worst_stage} on {st.island.id} (layers [{st.start}, {st.end}), "
             f"{st.cost.time_s * 1e3:.1f} ms per micro-batch)")
     if c.links:
-        worst_link = max(range(len(c.links)), key=lambda i: c.links[i].forward_s)
+        # a link paces the pipeline by its time on the wire; its latency is left to the window before it
+        worst_link = max(range(len(c.links)), key=lambda i: c.links[i].forward_s - c.links[i].latency_s)
         x = c.links[worst_link]
-        if x.forward_s > st.cost.time_s:
+        wire = x.forward_s - x.latency_s
+        if wire > st.cost.time_s:
             what = (f"link {c.stages[worst_link].island.id} -> {c.stages[worst_link + 1].island.id} "
-                    f"({x.codec}, {x.forward_s * 1e3:.1f} ms per micro-batch)")
+                    f"({x.codec}, {wire * 1e3:.1f} ms per micro-batch on the wire)")
     tail = step_s - pipeline_s
     bubble = 1 - busy / pipeline_s if pipeline_s > 0 else 0.0
     return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {tail:.2f} s"
