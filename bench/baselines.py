@@ -15,7 +15,7 @@ Then the strategies of three published heterogeneous planners, re-implemented in
 (``PUBLISHED``; each function's docstring says what it keeps of its paper and how that was checked):
 ``sailor-like`` (Strati et al., SOSP'25), ``metis-like`` (Um et al., USENIX ATC'24) and ``flashflex-like``
 (Yan et al., 2024). They search their own spaces with this cost model's compute, memory (the island
-parallelizer's ZeRO and recomputation choices are theirs too), links and simulator, so the planner is compared
+parallelizer's tensor parallelism, ZeRO and recomputation choices are theirs too), links and simulator, so the planner is compared
 with their strategies, not with their cost models.
 
 Every baseline is evaluated by the planner's own cost model (the same compute, transfer, codec, all-reduce
@@ -113,34 +113,38 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
     par = _parallelizer(cm)
     p = len(stages)
     out: list[StageTimes] = []
+    replicas: list[int] = []
     for i, s in enumerate(stages):
         runs = s.parts or ((s.island, s.dp, pipeline_batch),)
         worst = None
+        params = cm.model.slice_params(s.start, s.end)
         for isl, devices, rows in runs:
             b = max(1, math.ceil(rows / devices))
             if capped and b > max(cm.options.micro_batches):
                 return None
-            c = par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=b, dp=s.dp, in_flight=min(p - i, m)), isl)
+            # the island parallelizer splits the devices into replicas (tensor parallelism within a node)
+            c = par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=b, dp=devices, in_flight=min(p - i, m),
+                                    batch=rows), isl)
             if c is None:
                 return None
-            opt = cm.optimizer_seconds(isl, cm.model.slice_params(s.start, s.end), c.zero, s.dp)
+            opt = cm.optimizer_seconds(isl, params, c.zero, c.dp, c.tp)
             if worst is None or c.time_s > worst[0].time_s:
                 worst = (c, max(opt, worst[1] if worst else 0.0))
         assert worst is not None
         c, opt = worst
-        params = cm.model.slice_params(s.start, s.end)
+        replicas.append(max(1, s.dp // c.tp))
         out.append(StageTimes(forward_s=c.forward_s, backward_s=c.backward_s,
-                              sync_s=cm.allreduce_seconds(params * cm.grad_bytes_per_param, s.dp, s.island),
-                              optimizer_s=opt))
+                              sync_s=cm.grad_sync_seconds(params, s.island, replicas[-1], c.tp), optimizer_s=opt))
     links: list[LinkTimes] = []
     cycle = max(x.forward_s + x.backward_s for x in out)
-    for s, nx in zip(stages, stages[1:]):
+    for n, (s, nx) in enumerate(zip(stages, stages[1:])):
         link = slowest_link(cluster, [s.sources, nx.sources])
         if link is None:
             return None
-        streams = min(s.dp, nx.dp)
+        # one stream per replica pair (tp rank 0 of a replica alone sends), as the composer counts them
+        streams = min(replicas[n], replicas[n + 1])
         bw = cm.stream_bandwidth(s.island, nx.island, link, streams, streams)
-        raw = cm.model.boundary_bytes(s.end, math.ceil(pipeline_batch / streams), cm.train.seq_len, cm.train.dtype)
+        raw = -(-cm.model.boundary_bytes(s.end, pipeline_batch, cm.train.seq_len, cm.train.dtype) // streams)
         _, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, link.latency_s, cycle)
         # the simulator lets latency delay a transfer without occupying the link, as for the plan's links
         links.append(LinkTimes(forward_s=sec, backward_s=sec, latency_s=min(link.latency_s, sec)))
@@ -363,8 +367,9 @@ def _fits(cm: CostModel, stages: list[Stage], pipeline_batch: int, batch: int) -
     out = []
     for i, s in enumerate(stages):
         runs = s.parts or ((s.island, s.dp, pipeline_batch),)
-        out.append(all(par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=max(1, math.ceil(r / n)), dp=s.dp,
-                                           in_flight=min(len(stages) - i, m)), isl) is not None for isl, n, r in runs))
+        out.append(all(par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=max(1, math.ceil(r / n)), dp=n,
+                                           in_flight=min(len(stages) - i, m), batch=r), isl) is not None
+                       for isl, n, r in runs))
     return out
 
 
@@ -427,9 +432,9 @@ def sailor_like(cm: CostModel, cluster: Cluster) -> Result:
     last stages), `simulate_time_single_stage` (a stage's time is the max over the GPU types of its replicas,
     one micro-batch size for all), `merge_stages_get_time` (replica k of a stage sends to replica k of the next,
     so every stage has the same D). Its per-stage tensor-parallel heuristic (`find_tmp_degrees`: per GPU type
-    the smallest tp that fits, raised where tp speeds the stage up) has only tp = 1 to choose from here, since
-    this cost model has no tensor parallelism yet; the island parallelizer's ZeRO and recomputation fit what
-    tp would have fit. Not compared with a plan published in the paper.
+    the smallest tp that fits, raised where tp speeds the stage up) is the island parallelizer's choice here:
+    per stage, the fastest dp x tp split of its devices that fits (tp within a node), with ZeRO and
+    recomputation where they are needed. Not compared with a plan published in the paper.
     """
     L, g = cm.num_layers, cm.train.global_batch
     speed = {i.id: _speed(cm, i) for i in cluster.islands}
@@ -503,9 +508,10 @@ def metis_like(cm: CostModel, cluster: Cluster) -> Result:
     inter-stage plan's node sequence), cut into p consecutive device groups whose sizes are powers of two
     adding up to every device (none below half of n / p), one stage per group; layers in proportion to each
     stage's compute capacity, and a stage that does not fit in memory gives up part of its share before the
-    layers are cut again; data parallelism inside a stage (Metis prefers it to tensor parallelism), a group
-    that mixes types splitting each micro-batch among its devices in proportion to their speed; the number of
-    micro-batches searched. The best order, p, groups and micro-batch are kept.
+    layers are cut again; inside a stage the island parallelizer's dp x tp split (Metis prefers data
+    parallelism and takes tp where memory asks for it), a group that mixes types splitting each micro-batch
+    among its devices in proportion to their speed; the number of micro-batches searched. The best order, p,
+    groups and micro-batch are kept.
 
     Checked against the authors' source (github.com/SamsungLabs/Metis): search_space/plan.py
     (`InterStagePlanGenerator`: permutations of device types x stage counts x device groups x micro-batch
@@ -605,8 +611,8 @@ def flashflex_like(cm: CostModel, cluster: Cluster) -> Result:
     then each part into K stages, `get_stage_order` orders a pipeline's stages along its best-connected path and
     `create_layer_partition` assigns layers. Here the partition is the balanced contiguous cut of hosts in island
     order that METIS converges to on such graphs (intra-island edges far heavier than the rest), not METIS itself;
-    FlashFlex's asymmetric tensor parallelism inside a stage is data parallelism here (no tensor parallelism in
-    this cost model yet). Not compared with a plan published in the paper.
+    a stage's tensor parallelism is the island parallelizer's choice, the same on every replica of the stage
+    (not FlashFlex's asymmetric tp within a stage). Not compared with a plan published in the paper.
     """
     g = cm.train.global_batch
     speed = {i.id: _speed(cm, i) for i in cluster.islands}

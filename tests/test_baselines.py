@@ -78,3 +78,59 @@ def test_pure_helpers() -> None:
     # proportional integer shares
     assert _shares(10, [1.0, 1.0, 2.0]) == [3, 2, 5] or sum(_shares(10, [1.0, 1.0, 2.0])) == 10
     assert _shares(5, [100.0, 1.0], floor=1)[1] >= 1 and sum(_shares(5, [100.0, 1.0], floor=1)) == 5
+
+
+# --- bench/planner_validate.py: its pure helpers ---------------------------------------------------------
+
+
+def test_validation_helpers() -> None:
+    from bench.planner_validate import (PUBLISHED, SHAPES, gap, measured_step, megatron_flops, megatron_layers,
+                                        node_slices, op_factor, predict_published, run_share, scaled_profile,
+                                        shape_plan)
+
+    from atoll.types import LayerTiming, NodeProfile
+
+    # a step ends when its last node reports; the median of consecutive intervals after warm-up
+    done = {0: 1.0, 1: 5.0, 2: 6.0, 3: 7.5, 4: 8.5, 6: 20.0}
+    assert measured_step(done, warm=1) == pytest.approx(1.0)  # 1->2: 1.0, 2->3: 1.5, 3->4: 1.0 (4->6 not consecutive)
+    with pytest.raises(ValueError):
+        measured_step({0: 1.0, 1: 2.0}, warm=1)
+    assert gap(1.1, 1.0) == pytest.approx(0.1) and gap(0.8, 1.0) == pytest.approx(-0.2)
+
+    prof = NodeProfile(device_kind="cpu", device_name="cpu", optimizer_step_seconds=0.01,
+                       layer_timings=[LayerTiming(layer_kind="block", micro_batch=4, seq_len=128, forward_seconds=0.1,
+                                                  backward_seconds=0.2)])
+    slow = scaled_profile(prof, 2.5)
+    assert slow.layer_timings[0].forward_seconds == pytest.approx(0.25)
+    assert slow.layer_timings[0].backward_seconds == pytest.approx(0.5)
+    assert slow.optimizer_step_seconds == pytest.approx(0.025) and prof.layer_timings[0].forward_seconds == 0.1
+
+    # every live shape is a valid plan sharing the global batch, each node in one stage
+    for shape in SHAPES:
+        plan = shape_plan(shape, 32, 128)
+        plan.validate(6)
+        nodes = [n for p in plan.pipelines for s in p.stages for n in s.nodes]
+        assert len(nodes) == len(set(nodes)) == shape.nodes
+        slices = node_slices(shape)
+        assert sorted(slices) == sorted(nodes)
+        for p in plan.pipelines:
+            for s in p.stages:
+                assert all(slices[n] == (*s.layers, p.micro_batch // s.dp) for n in s.nodes)
+    assert any(len({s.dp for s in p.stages}) > 1 for sh in SHAPES for p in shape_plan(sh, 32, 128).pipelines)
+    assert any(len(shape_plan(sh, 32, 128).pipelines) > 1 for sh in SHAPES)
+
+    ops = {"n0": [("forward", 0.1, 0.2), ("backward", 0.2, 0.4)], "n1": [("forward", 0.1, 0.1)]}
+    assert run_share(ops) == pytest.approx((0.5 + 1.0) / 2)
+    expected = {"n0": {"forward": 0.1, "backward": 0.2}, "n1": {"forward": 0.05, "backward": 0.1}}
+    assert op_factor(ops, expected) == pytest.approx((0.6 / 0.3 + 0.1 / 0.05) / 2)
+
+    # Megatron-LM's FLOPs count, and the 1.7B row of its Table 1: 137 TFLOP/s on 32 GPUs is about 3.5 s a step
+    assert megatron_flops(512, 2048, 24, 2304, 51200) / (137e12 * 32) == pytest.approx(3.528, abs=0.01)
+    assert megatron_layers(107, 35)[:2] == [(0, 4), (4, 7)] and megatron_layers(107, 35)[-1] == (103, 107)
+    assert megatron_layers(6, 1) == [(0, 6)]
+    with pytest.raises(ValueError):
+        megatron_layers(8, 4)
+    # the single-GPU published row predicts quickly and within its target
+    one = PUBLISHED[0]
+    pred, chosen = predict_published(one)
+    assert abs(gap(pred, one.step_s)) <= 0.25 and "micro-batch 8" in chosen

@@ -1,0 +1,523 @@
+"""Planner validation: the cost model's predicted step times against measured and published ones.
+
+    python -m bench.planner_validate [--steps 8] [--only NAME] [--skip-live]
+
+Live shapes, on this machine: each plan shape (stages, data-parallel width, unequal widths, several
+pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
+runtime's `PlanRunner`, as the thread-level tests run it), on a small GPT job of this script's own. Before
+each run the node profiles itself (`atoll.node.profiler.profile_node`: the job's layers forward and backward
+at the replica micro-batch sizes, in the thread's CPU time) and the loopback link is probed
+(`atoll.node.probe.probe_peer`). The prediction is the planner's for exactly that shape: the cost model on
+the live cluster those measurements make (`Cluster.from_nodes`, `ProfileSet.from_node_profiles`), every stage
+through the island parallelizer (ZeRO, recomputation and tensor parallelism held to what the run uses:
+none), the links' transfers, the all-reduces and the optimizer, simulated under 1F1B (several pipelines with
+the planner's cross-pipeline all-reduce). The measured step is the median interval between consecutive steps'
+completions (the last node to report a step ends it), after warm-up steps.
+
+A node here is a thread on a shared CPU, not a device of its own: on this 2-core machine, loaded by other
+work, a thread gets only a share of a core, and the profile (CPU time) does not see that. A node's device is
+taken as that share of a core (its profiled times divided by it), read three ways:
+- `core before`: measured just before the run (as many threads as the shape has nodes, each running
+  single-threaded matmuls for a second: CPU time over wall time); a prediction made before anything runs,
+  and as good as the machine's load is steady;
+- `core run` (the targets' reading): what the run's own compute got, its forward and backward ops' CPU
+  time over their wall time (mean over the nodes); the machine's load is taken out of the comparison and what
+  the planner models of a step is left: fill, drain and imbalance of the pipeline, transfers, all-reduces,
+  optimizer, the profile's layer times;
+- `ops x`: how many times slower than the profile the run's compute ops were (wall time over the profile's
+  time, mean over the nodes), so `replayed` keeps only the schedule, transfers, all-reduces and optimizer.
+On an idle machine with a core per node all three agree with the profile.
+
+Published: step times from papers for named configurations, predicted by the cost model on catalog devices
+(no profile) for the configuration as published (its pipeline depth, data-parallel width, micro-batch, and
+full activation recomputation where the paper used it). A step time derived from a published throughput
+uses the paper's own FLOPs count (Megatron-LM's eq. 3, which counts recomputation).
+
+Targets: every live shape within 15% of its measured step time; every published configuration within 25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.baselines import Stage, _cross_sync, evaluate  # noqa: E402
+
+from atoll.coordinator.planner import (Cluster, PlannerOptions, ProfileSet, TrainSpec,  # noqa: E402
+                                       parse_cluster)
+from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
+from atoll.coordinator.planner.multipipe import slowest_link  # noqa: E402
+from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery  # noqa: E402
+from atoll.coordinator.planner.simulator import PipelineTimes, StageTimes, simulate  # noqa: E402
+from atoll.modelspec import ModelConfig, ModelSpec  # noqa: E402
+from atoll.plan import PipelinePlan, Plan, StagePlan  # noqa: E402
+from atoll.types import LinkMeasurement, NodeProfile  # noqa: E402
+
+LIVE_TOLERANCE = 0.15
+PUBLISHED_TOLERANCE = 0.25
+
+JOB_TOML = """
+[job]
+name = "validate"
+
+[model]
+preset = "tiny"
+d_model = 128
+n_heads = 4
+n_layers = 4
+ffn_hidden = 512
+seq_len = 128
+
+[data]
+source = "builtin"
+tokenizer = "bytes"
+
+[train]
+global_batch = 32
+seq_len = 128
+micro_batch = 4
+steps = {steps}
+lr = 1e-3
+warmup = 0
+dtype = "fp32"
+schedule = "1f1b"
+
+[checkpoint]
+interval = 0
+
+[compression]
+mode = "identity"
+"""
+"""A GPT small enough for a CPU and large enough that compute, not Python, sets a step's pace (about 0.1 s
+per 4-sequence micro-batch of the whole model on one core)."""
+
+
+# --- pure helpers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveShape:
+    name: str
+    pipelines: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
+    """Per pipeline: (micro-batch, micro-batches per step, stages as (first layer, end layer, replicas))."""
+
+    @property
+    def nodes(self) -> int:
+        return sum(dp for _, _, stages in self.pipelines for _, _, dp in stages)
+
+
+# embedding (0), four blocks (1-4), head (5); global batch 32, four sequences per replica and micro-batch
+SHAPES = (
+    LiveShape("1 stage", ((4, 8, ((0, 6, 1),)),)),
+    LiveShape("2 stages", ((4, 8, ((0, 3, 1), (3, 6, 1))),)),
+    LiveShape("dp 2", ((8, 4, ((0, 6, 2),)),)),
+    LiveShape("3 stages", ((4, 8, ((0, 2, 1), (2, 4, 1), (4, 6, 1))),)),
+    LiveShape("unequal widths 2+1", ((8, 4, ((0, 3, 2), (3, 6, 1))),)),
+    LiveShape("2 pipelines, cut differently", ((4, 4, ((0, 6, 1),)), (4, 4, ((0, 3, 1), (3, 6, 1))))),
+    LiveShape("2 stages x dp 2", ((8, 4, ((0, 3, 2), (3, 6, 2))),)),
+)
+
+
+def node_slices(shape: LiveShape) -> dict[str, tuple[int, int, int]]:
+    """Node id -> (first layer, end layer, sequences it runs per micro-batch), nodes n0, n1, ... in order."""
+    out, k = {}, 0
+    for mb, _, stages in shape.pipelines:
+        for a, e, dp in stages:
+            for _ in range(dp):
+                out[f"n{k}"] = (a, e, mb // dp)
+                k += 1
+    return out
+
+
+def shape_plan(shape: LiveShape, global_batch: int, seq_len: int) -> Plan:
+    """The shape as a plan over nodes n0, n1, ... in order (no addresses yet)."""
+    k = 0
+    pipelines = []
+    for mb, m, stages in shape.pipelines:
+        plans = []
+        for a, e, dp in stages:
+            plans.append(StagePlan(island="cpu", layers=(a, e), dp=dp, nodes=[f"n{k + i}" for i in range(dp)]))
+            k += dp
+        pipelines.append(PipelinePlan(micro_batch=mb, num_micro_batches=m, stages=plans))
+    plan = Plan(model="validate", global_batch=global_batch, seq_len=seq_len, pipelines=pipelines)
+    if sum(p.micro_batch * p.num_micro_batches for p in pipelines) != global_batch:
+        raise ValueError(f"shape {shape.name!r}: its pipelines do not share the global batch {global_batch}")
+    return plan
+
+
+def measured_step(done: dict[int, float], warm: int) -> float:
+    """Median interval between consecutive steps' completions (`done`: step -> when its last node reported),
+    leaving out the first `warm` steps."""
+    steps = sorted(s for s in done if s >= warm)
+    gaps = [done[b] - done[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
+    if not gaps:
+        raise ValueError(f"need two consecutive steps after the first {warm}, got {sorted(done)}")
+    return statistics.median(gaps)
+
+
+def gap(predicted: float, measured: float) -> float:
+    """Signed relative error of a prediction (+: predicted slower than measured)."""
+    return predicted / measured - 1.0
+
+
+def scaled_profile(profile: NodeProfile, factor: float) -> NodeProfile:
+    """The profile of a device `factor` times slower (every layer timing and the optimizer step)."""
+    timings = [replace(t, forward_seconds=t.forward_seconds * factor, backward_seconds=t.backward_seconds * factor)
+               for t in profile.layer_timings]
+    return replace(profile, layer_timings=timings, optimizer_step_seconds=profile.optimizer_step_seconds * factor)
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration of a GPT model with full activation recomputation, as Megatron-LM counts them
+    (Narayanan et al., SC'21, eq. 3): 96 B s l h^2 (1 + s / 6h + V / 16lh)."""
+    return 96 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def megatron_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Megatron's pipeline cut: the blocks split evenly over the stages, the embedding with the first and the
+    head with the last (layers counted as atoll does: 0 the embedding, the last the head)."""
+    blocks = num_layers - 2
+    if blocks % pp:
+        raise ValueError(f"{blocks} blocks do not split evenly over {pp} stages")
+    per = blocks // pp
+    cuts = [0] + [1 + per * k for k in range(1, pp)] + [num_layers]
+    return list(zip(cuts, cuts[1:]))
+
+
+def full_recompute(times: StageTimes, cm: CostModel, island, start: int, end: int, rows: int, tp: int,
+                   recomputed: Sequence[int]) -> StageTimes:
+    """A stage's times with every block recomputed in backward (one more forward of the blocks the
+    parallelizer did not already recompute)."""
+    t = cm.table(island, rows, tp)
+    first, last = max(start, 1), max(max(start, 1), min(end, cm.num_layers - 1))
+    extra = sum(t.fwd[i] for i in range(first, last) if i not in set(recomputed))
+    return replace(times, backward_s=times.backward_s + extra)
+
+
+# --- live shapes -------------------------------------------------------------------------------------
+
+
+def core_share(threads: int, seconds: float = 1.0) -> float:
+    """CPU time over wall time of `threads` threads each running single-threaded matmuls for `seconds`: the
+    share of a core a node thread gets on this machine right now (1.0 on an idle machine with a core each)."""
+    import torch
+
+    shares: list[float] = []
+    lock = threading.Lock()
+    a = torch.randn(256, 256)
+
+    def spin() -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(8):
+                a @ a
+        share = (time.thread_time() - c0) / (time.perf_counter() - t0)
+        with lock:
+            shares.append(share)
+
+    ts = [threading.Thread(target=spin) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return min(1.0, statistics.mean(shares))
+
+
+def run_share(ops: dict[str, list[tuple[str, float, float]]]) -> float:
+    """The share of a core the run's compute got: per node, CPU seconds over wall seconds of its forward and
+    backward ops (`ops`: node -> (op, cpu, wall) per op), the mean over nodes."""
+    shares = [sum(c for _, c, _ in v) / sum(w for _, _, w in v) for v in ops.values() if sum(w for _, _, w in v) > 0]
+    if not shares:
+        raise ValueError("no compute ops were recorded")
+    return min(1.0, statistics.mean(shares))
+
+
+def op_factor(ops: dict[str, list[tuple[str, float, float]]], expected: dict[str, dict[str, float]]) -> float:
+    """How many times slower the run's compute ops were than the profile says (`expected`: node -> seconds of
+    its forward and backward op), wall time over expected time per node, the mean over nodes."""
+    factors = [sum(w for _, _, w in v) / sum(expected[n][op] for op, _, _ in v) for n, v in ops.items() if v]
+    if not factors:
+        raise ValueError("no compute ops were recorded")
+    return statistics.mean(factors)
+
+
+def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
+    """Profile, probe, predict and run one shape; returns the predictions, the measurement and the shares."""
+    import torch
+    import torch.distributed as dist
+
+    from atoll.job import JobSpec
+    from atoll.node import runner
+    from atoll.node.peer import PeerServer
+    from atoll.node.probe import probe_peer
+    from atoll.node.profiler import ProfileOptions, profile_node
+    from atoll.node.runner import PlanRunner, RunContext
+
+    torch.set_num_threads(1)
+    job = JobSpec.from_toml(JOB_TOML.format(steps=steps))
+    plan = shape_plan(shape, job.train.global_batch, job.train.seq_len)
+    nodes = [n for p in plan.pipelines for s in p.stages for n in s.nodes]
+    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in [*nodes, "probe"]}
+    try:
+        # measure: the node's layers (thread CPU time), the loopback link, a thread's share of a core
+        profile = profile_node(job, "cpu", ProfileOptions(micro_batches=(2, 4, 8), budget=timedelta(seconds=2)))
+        probe = probe_peer(servers["probe"].address, nbytes=4 << 20, token="t", timeout=timedelta(seconds=20),
+                           sender=nodes[0])
+        link = LinkMeasurement(src=nodes[0], dst="probe", bandwidth_bytes_per_s=probe.bandwidth_bytes_per_s,
+                               rtt_seconds=probe.rtt_seconds)
+        share = core_share(len(nodes))
+        before = predict_live(shape, *live_model(job, nodes, profile, 1.0 / share, link))
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        plan = replace(plan, epoch=1, job_id="validate", rendezvous=f"127.0.0.1:{store.port}",
+                       node_addresses={n: servers[n].address for n in nodes})
+        done: dict[int, float] = {}
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def report(m) -> bool:
+            with lock:
+                done[m.step] = max(done.get(m.step, 0.0), m.unix_time)
+            return False
+
+        ops: dict[str, list[tuple[str, float, float]]] = {}
+
+        class Recording(runner.PipelineStage):  # type: ignore[name-defined,misc]
+            """The runtime's stage, keeping each measured step's compute ops (CPU and wall seconds)."""
+
+            def train_step(self, step, batch=None):
+                result = super().train_step(step, batch)
+                if step >= warm:
+                    with lock:
+                        ops.setdefault(threading.current_thread().name, []).extend(
+                            (t.op, t.cpu, t.compute) for t in result.timeline if t.compute > 0)
+                return result
+
+        with tempfile.TemporaryDirectory() as tmp:
+            def node(n: str) -> None:
+                ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=Path(tmp) / "ckpt",
+                                 report_step=report, report_checkpoint=lambda c: None, token="t",
+                                 timeout=timedelta(seconds=120))
+                try:
+                    PlanRunner(ctx, plan).run(threading.Event())
+                except BaseException as e:  # reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=node, args=(n,), name=n, daemon=True) for n in nodes]
+            original = runner.PipelineStage
+            runner.PipelineStage = Recording
+            try:
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(600)
+            finally:
+                runner.PipelineStage = original
+        if errors:
+            raise RuntimeError(f"shape {shape.name!r} failed to run: {errors[0]!r}")
+        seen = run_share(ops)
+        during = predict_live(shape, *live_model(job, nodes, profile, 1.0 / seen, link))
+        cm, cluster = live_model(job, nodes, profile, 1.0, link)
+        expected = {}
+        for n, (a, e, rows) in node_slices(shape).items():
+            t = cm.table(cluster.islands[0], rows)
+            expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e)}
+        factor = op_factor(ops, expected)
+        replayed = predict_live(shape, *live_model(job, nodes, profile, factor, link))
+        return {"before": before, "during": during, "replayed": replayed, "measured": measured_step(done, warm),
+                "share": share, "seen": seen, "factor": factor}
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def live_model(job, nodes: list[str], profile: NodeProfile, slower: float,
+               link: LinkMeasurement) -> tuple[CostModel, Cluster]:
+    """The cost model and cluster the planner would make of the nodes (one island), every node's device
+    `slower` times slower than the profile measured."""
+    islands = {"cpu": nodes}
+    profiles = {n: scaled_profile(profile, slower) for n in nodes}
+    cluster = Cluster.from_nodes(islands, profiles, [link])
+    # the run uses no ZeRO, recomputation, tensor parallelism or compression: hold the cost model to that
+    options = PlannerOptions(micro_batches=(1, 2, 4, 8), activation_codecs=("identity",), zero_stages=(0,),
+                             allow_recompute=False, max_tp=1)
+    train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
+    return CostModel(job.model_spec, train, ProfileSet.from_node_profiles(islands, profiles), options), cluster
+
+
+def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster) -> float:
+    """The planner's predicted step of the shape on a live cluster (`live_model`)."""
+    island = cluster.islands[0]
+    pipes = []
+    for mb, m, stages in shape.pipelines:
+        st = [Stage(island, a, e, dp) for a, e, dp in stages]
+        times = evaluate(cm, cluster, st, mb, mb * m)
+        if times is None:
+            raise ValueError(f"shape {shape.name!r} does not fit the cost model's memory")
+        pipes.append((times, st))
+    if len(pipes) > 1:
+        link = slowest_link(cluster, [[island.id]] * len(pipes))
+        assert link is not None
+        pipes = [(_cross_sync(cm, t, st, len(pipes), link), st) for t, st in pipes]
+    return max(simulate(t).step_time_s for t, _ in pipes)
+
+
+# --- published configurations ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    source: str
+    model: ModelConfig
+    cluster: str
+    """A cluster file (TOML) of the run's GPUs."""
+    global_batch: int
+    pp: int
+    devices_per_stage: int
+    """Data-parallel x tensor-parallel GPUs of every stage."""
+    micro_batch: int
+    """Sequences of a pipeline micro-batch (what every data-parallel replica runs, times the replicas); 0 where
+    the paper does not say: the cost model's best of 1, 2, 4, 8 and 16 per replica."""
+    step_s: float
+    """The published (or derived) time of one iteration."""
+    recompute: bool
+    """The run recomputed every block's activations in backward."""
+    how: str
+    """How the step time was read or derived."""
+
+
+def _dgx(name: str, device: str, gpus: int, intra: float, inter: float) -> str:
+    return (f'[[group]]\nname = "{name}"\ndevice = "{device}"\ncount = {gpus}\ngpus_per_node = {min(8, gpus)}\n'
+            f'intra_node_gbps = {intra}\ninter_node_gbps = {inter}\n')
+
+
+_MTNLG = ModelConfig(name="mt-nlg-530b", vocab_size=50272, d_model=20480, n_layers=105, n_heads=128, seq_len=2048)
+# DGX A100: NVLink 3 at 300 GB/s a direction (2,400 Gbit/s) inside a node, 8 x 200 Gbit/s HDR InfiniBand per node
+PUBLISHED = (
+    Published("Megatron-LM GPT-2 1.2B, 1 V100 (DGX-2H)",
+              "NVIDIA ADLR, 'MegatronLM's Supercharged V1.0' (2019), Table 1: 1,288 ms per iteration at batch 8",
+              ModelConfig(name="gpt2-1.2b", vocab_size=51200, d_model=1536, n_layers=40, n_heads=16, seq_len=1024),
+              _dgx("v100", "V100-32GB", 1, 2400, 800), 8, 1, 1, 8, 1.288, True,
+              "read from the table (1.2B: 1536 hidden, 40 layers, 16 heads, seq 1024, Shoeybi et al. 2019, Table 2)"),
+    Published("Megatron-LM GPT 1.7B, 32 A100-80GB (dp 32)",
+              "Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM', "
+              "SC'21, Table 1: 137 TFLOP/s per GPU at batch 512, t=1, p=1",
+              ModelConfig(name="gpt-1.7b", vocab_size=51200, d_model=2304, n_layers=24, n_heads=24, seq_len=2048),
+              _dgx("a100", "A100-80GB", 32, 2400, 1600), 512, 1, 32, 0,
+              megatron_flops(512, 2048, 24, 2304, 51200) / (137e12 * 32), True,
+              "derived: the paper's eq. 3 FLOPs / (137 TFLOP/s x 32 GPUs)"),
+    Published("MT-NLG 530B, 2240 A100-40GB (t=8, p=35, d=8)",
+              "Smith et al., 'Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B' (2022), sec. 2.4: "
+              "60.1 s per iteration at batch 1920 on 280 DGX A100",
+              _MTNLG, _dgx("a100", "A100-40GB", 2240, 2400, 1600), 1920, 35, 64, 8, 60.1, True,
+              "read from the text (micro-batch 1 per replica)"),
+    Published("MT-NLG 530B, 2800 A100-40GB (t=8, p=35, d=10)",
+              "same paper and section: 50.2 s per iteration on 350 DGX A100",
+              _MTNLG, _dgx("a100", "A100-40GB", 2800, 2400, 1600), 1920, 35, 80, 10, 50.2, True,
+              "read from the text"),
+    Published("MT-NLG 530B, 3360 A100-40GB (t=8, p=35, d=12)",
+              "same paper and section: 44.4 s per iteration on 420 DGX A100",
+              _MTNLG, _dgx("a100", "A100-40GB", 3360, 2400, 1600), 1920, 35, 96, 12, 44.4, True,
+              "read from the text"),
+)
+
+
+def predict_published(p: Published) -> tuple[float, str]:
+    """The cost model's step time for the configuration as published, and what the parallelizer chose."""
+    if not p.micro_batch:
+        tried = [predict_published(replace(p, micro_batch=k * p.devices_per_stage)) for k in (1, 2, 4, 8, 16)
+                 if p.global_batch % (k * p.devices_per_stage) == 0]
+        return min(tried, key=lambda x: x[0])
+    model = ModelSpec.from_config(p.model)
+    cluster = parse_cluster(p.cluster, source=p.name)
+    island = cluster.islands[0]
+    cm = CostModel(model, TrainSpec(global_batch=p.global_batch, seq_len=p.model.seq_len),
+                   options=PlannerOptions(micro_batches=(1, 2, 4, 8, 16)))
+    par = DefaultParallelizer(cm)
+    cuts = megatron_layers(model.num_layers, p.pp)
+    m = math.ceil(p.global_batch / p.micro_batch)
+    stages: list[StageTimes] = []
+    chosen: set[tuple[int, int, int]] = set()
+    for i, (a, e) in enumerate(cuts):
+        c = par.cost(SliceQuery(start=a, end=e, micro_batch=1, dp=p.devices_per_stage, in_flight=min(p.pp - i, m),
+                                batch=p.micro_batch), island)
+        if c is None:
+            return math.inf, "does not fit"
+        params = model.slice_params(a, e)
+        st = StageTimes(forward_s=c.forward_s, backward_s=c.backward_s, sync_s=cm.grad_sync_seconds(params, island, c.dp, c.tp),
+                        optimizer_s=cm.optimizer_seconds(island, params, c.zero, c.dp, c.tp))
+        if p.recompute:
+            st = full_recompute(st, cm, island, a, e, c.micro_batch, c.tp, c.recompute_layers)
+        stages.append(st)
+        chosen.add((c.dp, c.tp, c.zero))
+    links = []
+    if p.pp > 1:
+        # the boundaries' transfers as the planner times them (evaluate: codec, stream bandwidth, latency)
+        shape = [Stage(island, a, e, p.devices_per_stage) for a, e in cuts]
+        times = evaluate(cm, cluster, shape, p.micro_batch)
+        links = list(times.links) if times is not None else []
+    times = PipelineTimes(stages=tuple(stages), links=tuple(links), num_micro_batches=m)
+    splits = sorted({(dp, tp) for dp, tp, _ in chosen})
+    zeros = "/".join(str(z) for z in sorted({z for _, _, z in chosen}))
+    return simulate(times).step_time_s, (f"micro-batch {p.micro_batch}, " + ", ".join(f"dp {d} x tp {t}" for d, t in splits)
+                                         + f", ZeRO-{zeros}" + (", full recomputation" if p.recompute else ""))
+
+
+# --- main --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8, help="steps per live shape (the first --warm are left out)")
+    ap.add_argument("--warm", type=int, default=2, help="warm-up steps left out of the measurement")
+    ap.add_argument("--only", help="run only rows whose name contains this")
+    ap.add_argument("--skip-live", action="store_true", help="only the published configurations")
+    args = ap.parse_args(argv)
+    if args.steps < args.warm + 3:
+        ap.error("--steps must leave at least three steps after --warm")
+    targets: list[tuple[str, bool]] = []
+    print(f"live shapes: GPT d_model 128, 4 blocks, seq 128, global batch 32, fp32; {os.cpu_count()} CPUs, nodes as "
+          "threads (one torch thread each); predicted from measured profiles and a probed loopback link")
+    print(f"{'shape':<32} {'nodes':>5} {'core before':>11} {'predicted s':>11} {'gap':>6} {'core run':>8} "
+          f"{'predicted s':>11} {'measured s':>10} {'gap':>6} {'ops x':>6} {'replayed s':>10} {'gap':>6}")
+    if not args.skip_live:
+        for shape in SHAPES:
+            if args.only and args.only not in shape.name:
+                continue
+            r = run_live(shape, args.steps, args.warm)
+            g0, g = gap(r["before"], r["measured"]), gap(r["during"], r["measured"])
+            g2 = gap(r["replayed"], r["measured"])
+            print(f"{shape.name:<32} {shape.nodes:>5} {r['share']:>11.2f} {r['before']:>11.3f} {g0:>+6.0%} "
+                  f"{r['seen']:>8.2f} {r['during']:>11.3f} {r['measured']:>10.3f} {g:>+6.0%} {r['factor']:>6.2f} "
+                  f"{r['replayed']:>10.3f} {g2:>+6.0%}", flush=True)
+            targets.append((f"live {shape.name}: within {LIVE_TOLERANCE:.0%}", abs(g) <= LIVE_TOLERANCE))
+    print()
+    print(f"{'published configuration':<48} {'published s':>11} {'predicted s':>12} {'gap':>7}  as predicted / source")
+    for p in PUBLISHED:
+        if args.only and args.only not in p.name:
+            continue
+        pred, chosen = predict_published(p)
+        g = gap(pred, p.step_s)
+        print(f"{p.name:<48} {p.step_s:>11.3f} {pred:>12.3f} {g:>+6.0%}  {chosen}\n{'':>82}{p.source} ({p.how})",
+              flush=True)
+        targets.append((f"published {p.name}: within {PUBLISHED_TOLERANCE:.0%}", abs(g) <= PUBLISHED_TOLERANCE))
+    missed = [n for n, ok in targets if not ok]
+    print(f"targets met: {len(targets) - len(missed)}/{len(targets)}" + (f" (missed: {'; '.join(missed)})" if missed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
