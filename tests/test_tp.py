@@ -111,7 +111,7 @@ def _module_worker(args: dict) -> None:
     tgt = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g)
     whole = build_slice(config, 0, config.n_layers + 2, seed=5)
     whole_opt = adamw(whole)
-    sharded = build_slice(config, 0, config.n_layers + 2, seed=5)
+    sharded = build_slice(config, 0, config.n_layers + 2, seed=5, recompute=[1, 2])  # collectives replayed
     opt = tp.shard(sharded, adamw(sharded), adamw)
     before = tp.full_state(sharded)  # gathered and put back in order: bit for bit the whole model's
     exact = before is None or all(torch.equal(before["tensors"][n], t) for n, t in whole.state_dict().items())
@@ -335,13 +335,14 @@ def _run_in_process(job, tmp_path: Path, *, resume_step: int = 0, until: int | N
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tied", [False, True], ids=["vocab-parallel", "tied-replicated"])
 def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool) -> None:
-    """The sharding itself, two processes, no pipeline: the vocab-parallel embedding and head (untied), or a
-    tied embedding and head kept whole (tied), GQA and SwiGLU blocks; losses, the clipping norm (each element
+    """The sharding itself, two processes, no pipeline: the vocab-parallel embedding and head over an odd
+    vocabulary (uneven shards; untied), or a tied embedding and head kept whole (tied), GQA and SwiGLU blocks,
+    two of them recomputed in backward (their collectives run again); losses, the clipping norm (each element
     once), the gathered weights and AdamW state after three steps."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    model = {**GQA, "tied_head": tied, "seq_len": 32}
+    model = {**GQA, "tied_head": tied, "seq_len": 32, "vocab_size": 255}  # an odd vocabulary: uneven shards
     env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = [tmp_path / f"rank-{r}.log" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, "--module-worker",
