@@ -81,8 +81,8 @@ def _with_cross_sync(cm: CostModel, cands: list[Candidate], link: Link) -> tuple
             if link.shared:  # every stage of every pipeline crosses the same capacity at once
                 sec = 2 * (p - 1) / p * total_grad / link.bandwidth
             else:
-                hosts = max(1, math.ceil(st.cost.dp / st.island.gpus_per_node))
-                sec = 2 * (p - 1) / p * nbytes / (link.bandwidth * hosts)
+                # per GPU flow (cluster): every GPU of the stage carries its share of the gradients
+                sec = 2 * (p - 1) / p * nbytes / (link.bandwidth * st.cost.gpus)
             extra.append(sec + 2 * math.ceil(math.log2(p)) * link.latency_s)
         stages = tuple(replace(s, sync_s=s.sync_s + x) for s, x in zip(c.times.stages, extra))
         times.append(replace(c.times, stages=stages))

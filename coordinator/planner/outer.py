@@ -203,8 +203,8 @@ def sync_cost(groups: Sequence[RegionPlan], cluster: Cluster, model: ModelSpec, 
     """Predicted exchange of one round among `groups` under `spec` (None when two groups cannot reach each other)."""
     links = region_links(cluster)
     whole: list[int] = []  # encoded bytes of one replica, per group
-    host: list[int] = []  # busiest host's encoded bytes, per group and destination
-    nic: list[float] = []  # slowest network interface of the group's hosts
+    host: list[int] = []  # busiest GPU's encoded bytes, per group and destination
+    nic: list[float] = []  # slowest GPU flow of the group's hosts (links inside a region are per GPU flow)
     for g in groups:
         plan = g.result.plan
         n_pipes = len(plan.pipelines)
@@ -212,10 +212,10 @@ def sync_cost(groups: Sequence[RegionPlan], cluster: Cluster, model: ModelSpec, 
         busiest = 0
         for p in plan.pipelines:
             for s in p.stages:
-                isl = cluster.island(s.island)
-                # each layer's pseudo-gradient is sent once per group, shared by every replica holding it
-                per_replica = math.ceil(model.slice_params(*s.layers) / (s.dp * n_pipes))
-                busiest = max(busiest, pseudo_gradient_bytes(spec, per_replica) * min(s.dp, isl.gpus_per_node))
+                # each layer's pseudo-gradient is sent once per group, shared by every GPU holding it (a tp
+                # rank holds 1 / tp of its replica's layers), each GPU over its own flow
+                per_gpu = math.ceil(model.slice_params(*s.layers) / (s.dp * s.tp * n_pipes))
+                busiest = max(busiest, pseudo_gradient_bytes(spec, per_gpu))
         host.append(busiest)
         nic.append(min(cluster.island(s.island).inter_node_bandwidth for p in plan.pipelines for s in p.stages))
     load: dict[tuple[str, str], float] = {}
@@ -367,7 +367,8 @@ def outer_plan(choice: OuterChoice, sync_plan: Plan, cluster: Cluster, model: Mo
                                    step_time_s=g.step_s, tokens_per_s=rate * train.tokens_per_step))
     tps = choice.tokens_per_s
     f, b = model.slice_flops_per_token(0, model.num_layers)
-    peak = sum(cluster.island(s.island).device.peak_flops(train.dtype) * s.dp for p in pipelines for s in p.stages)
+    peak = sum(cluster.island(s.island).device.peak_flops(train.dtype) * s.dp * s.tp
+               for p in pipelines for s in p.stages)
     mfu = (f + b) * tps / peak if peak > 0 else 0.0
     pace = max(range(len(choice.groups)), key=lambda k: choice.group_steps[k] * choice.groups[k].step_s)
     pg = choice.groups[pace]
