@@ -117,7 +117,7 @@ def test_the_plan_says_devices_for_cpus_and_leaves_out_mfu() -> None:
                                         stages=[StagePlan(island="cpu0", layers=(0, 6), dp=2)])])
     text = format_plan(plan, device_kinds={"cpu"})
     assert "2 of 3 CPUs" in text and "GPU" not in text and "MFU" not in text
-    assert "cpu0: 2 of its 3 CPUs used; 3 do not divide the global batch of 16" in text
+    assert "cpu0: 2 of its 3 CPUs used; the plan found is faster with fewer" in text
     assert "2 of 3 devices" in format_plan(plan, device_kinds={"cpu", "cuda"})
 
 

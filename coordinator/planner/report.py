@@ -84,23 +84,24 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
 def _unused_lines(plan: Plan, unused: Sequence[UnusedIsland], devices: str) -> list[str]:
     """Devices no stage runs on, per island, with the reason (`plan.idle`, else `unused` for whole islands)."""
     total = {i.id: i.gpus for i in plan.islands}
-    lines = []
-    if plan.idle:
-        for x in plan.idle:
-            n = total.get(x.island, x.gpus)
-            head = "unused" if x.gpus >= n else f"{x.gpus} of its {n} {devices} idle"
-            nodes = f" ({', '.join(x.nodes)})" if x.nodes else ""
-            lines.append(f"  {x.island}: {head}{nodes}, {x.reason}")
-        return ["idle:"] + lines
-    why = {u.island: u.reason for u in unused}
     on: dict[str, int] = {}
     for pl in plan.pipelines:
         for s in pl.stages:
             on[s.island] = on.get(s.island, 0) + s.dp * s.tp
+    lines = []
+    if plan.idle:
+        for x in plan.idle:
+            n = total.get(x.island, x.gpus)
+            nodes = f" ({', '.join(x.nodes)})" if x.nodes else ""
+            head = (f"unused{nodes}," if x.gpus >= n else
+                    f"{n - x.gpus} of its {n} {devices} used, {x.gpus} idle{nodes};")
+            lines.append(f"  {x.island}: {head} {x.reason}")
+        return ["unused:"] + lines
+    why = {u.island: u.reason for u in unused}
     for i in plan.islands:
         n = on.get(i.id, 0)
         if n == 0:
             lines.append(f"  {i.id}: unused, {why.get(i.id, 'the plan found is faster without it')}")
         elif n < i.gpus:
-            lines.append(f"  {i.id}: {i.gpus - n} of its {i.gpus} {devices} idle, the plan found is faster with fewer")
-    return (["idle:"] + lines) if lines else []
+            lines.append(f"  {i.id}: {n} of its {i.gpus} {devices} used; the plan found is faster with fewer")
+    return (["unused:"] + lines) if lines else []
