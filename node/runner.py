@@ -657,7 +657,8 @@ class PlanRunner:
             try:
                 optimizer = optimizer.consolidated_state(to=0)
             except CollectiveError as e:
-                raise RunFailed(f"gathering the ZeRO optimizer state for the checkpoint of step {step} failed: {e}") from e
+                raise RunFailed(f"gathering the ZeRO optimizer state for the checkpoint of step {step} failed: "
+                                f"{e}") from e
         whole = None
         if self.tp is not None and pl.replica == 0:  # every tp rank sends its shards; tp rank 0 writes whole layers
             try:

@@ -151,7 +151,8 @@ class StepResult:
     peak_memory_bytes: int = 0
     """The step's peak memory: on CUDA the allocator's peak (`torch.cuda.max_memory_allocated`, reset at
     the step's start); elsewhere, with track_memory, the bytes of the parameters, the gradients (their
-    most at once), the optimizer states and `peak_activation_bytes`; else 0."""
+    most at once), the optimizer states and `peak_activation_bytes`, plus with recomputation what one
+    recomputed block rebuilds in backward; else 0."""
     timeline: list[OpTiming] = field(default_factory=list)
 
     @property
@@ -209,6 +210,8 @@ class PipelineStage:
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches, extra_in_flight=config.in_flight)
         self.device = next(module.parameters()).device
+        self._working_set: tuple[tuple[int, int], int] | None = None
+        """((rows, seq), bytes) of a recomputed block's working set, measured once per micro-batch shape."""
 
     @classmethod
     def create(cls, model: ModelConfig, *, start: int, end: int, stage: int, num_stages: int,
@@ -243,6 +246,7 @@ class PipelineStage:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         sync = 0.0
+        mb_shape = (0, 0)  # (rows, seq) of a micro-batch
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
         mb_bytes: dict[int, int] = {}
         live_bytes = peak_bytes = 0
@@ -266,6 +270,7 @@ class PipelineStage:
                     a_wait = time.perf_counter() - w0
                     x.requires_grad_(True)
                     h_in = x
+                mb_shape = (h_in.shape[0], h_in.shape[1])
                 c0, cpu0 = time.perf_counter(), time.thread_time()
                 counter = SavedBytesCounter(param_ptrs)
                 hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if cfg.track_memory \
@@ -286,7 +291,10 @@ class PipelineStage:
                     self._send(TensorKey(step, i, "forward"), out.detach())
                 saved[i] = (x, out)
                 if cfg.track_memory:
-                    mb_bytes[i] = counter.bytes + _nbytes(x) + _nbytes(out)
+                    for t in (x, out):  # held until backward; once, when a layer saved the same storage
+                        if t is not None:
+                            counter.pack(t)
+                    mb_bytes[i] = counter.bytes
                     live_bytes += mb_bytes[i]
                     peak_bytes = max(peak_bytes, live_bytes)
             else:
@@ -350,7 +358,8 @@ class PipelineStage:
         if self.device.type == "cuda":
             peak_memory = torch.cuda.max_memory_allocated(self.device)
         elif cfg.track_memory:
-            peak_memory = self.state_bytes(grad_bytes) + peak_bytes
+            peak_memory = (self.state_bytes(grad_bytes) + peak_bytes
+                           + self._recompute_working_set(mb_shape, param_ptrs))
         else:
             peak_memory = 0
         return StepResult(
@@ -358,6 +367,21 @@ class PipelineStage:
             step_seconds=end - t0, pipeline_seconds=pipeline_end - t0,
             compute_seconds=compute, wait_seconds=wait, sync_seconds=sync, optimizer_seconds=end - pipeline_end,
             peak_activation_bytes=peak_bytes, peak_memory_bytes=peak_memory, timeline=timeline)
+
+    def _recompute_working_set(self, shape: tuple[int, int], params: set[int]) -> int:
+        """Bytes a recomputed block rebuilds in backward while the step's activations are live (0 without
+        recomputation): the saved activations of the first recomputed block at this micro-batch's (rows, seq),
+        counted once by running its forward outside the step's graph (blocks are alike)."""
+        if not self.module.recompute:
+            return 0
+        if self._working_set is None or self._working_set[0] != shape:
+            counter = SavedBytesCounter(params)
+            x = torch.zeros(*shape, self.module.config.d_model, device=self.device, requires_grad=True)
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), \
+                    self._autocast():
+                self.module.layers[str(min(self.module.recompute))](x)
+            self._working_set = (shape, counter.bytes)
+        return self._working_set[1]
 
     def state_bytes(self, grad_bytes: int) -> int:
         """Bytes of the stage's parameters and optimizer states (each storage once) plus `grad_bytes`."""
@@ -411,10 +435,6 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
         inner, _ = t.__tensor_flatten__()
         t = getattr(t, inner[0])
     return t.untyped_storage()
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _storage_bytes(tensors) -> int:

@@ -214,6 +214,26 @@ class DefaultParallelizer:
             best_t = best.time_s
         return best
 
+    def evaluate(self, query: SliceQuery, island: Island, *, zero: int, recompute_blocks: int = 0,
+                 tp: int = 1) -> IslandCost:
+        """The cost of one given configuration, fitting or not (a plan fixed by hand, a benchmark's prediction):
+        `query.dp` devices as dp / tp replicas, a ZeRO stage and the first `recompute_blocks` blocks of the
+        slice recomputed."""
+        if query.dp % tp:
+            raise ValueError(f"tp = {tp} does not divide the slice's {query.dp} devices")
+        dp = query.dp // tp
+        rows = -(-query.rows // dp)
+        first, last = self._blocks(query.start, query.end)
+        if not 0 <= recompute_blocks <= last - first:
+            raise ValueError(f"slice [{query.start}, {query.end}) has {last - first} blocks to recompute, not "
+                             f"{recompute_blocks}")
+        upto = first + recompute_blocks
+        f, b, mem = self._eval(self.cm.table(island, rows, tp), island, query.start, query.end, dp, tp,
+                               query.in_flight, zero if dp > 1 else 0, rows, upto)
+        return IslandCost(forward_s=f, backward_s=b, memory_bytes=mem, dp=dp, zero=zero if dp > 1 else 0,
+                          recompute=upto == last > first, micro_batch=rows, tp=tp,
+                          recompute_layers=tuple(range(first, upto)))
+
     def _entries(self, island: Island, gpus: int, batch: int, reach: bool) -> list[tuple]:
         """Every configuration of a stage of `gpus` devices on a micro-batch of `batch` sequences: (tp, dp,
         rows, zero, time prefix, time constant, states prefix, activations prefix (per micro-batch in flight,

@@ -264,7 +264,9 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
                 send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
                                 block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0))
             stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=st.cost.tp,
-                                    zero=st.cost.zero, recompute=st.cost.recompute, compute_s=st.cost.time_s,
+                                    zero=st.cost.zero, recompute=st.cost.recompute,
+                                    recompute_layers=[] if st.cost.recompute else list(st.cost.recompute_layers),
+                                    compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.cost.memory_bytes / GB, send=send, nodes=nodes,
                                     in_flight=st.in_flight))
         assert c.micro_batch * c.num_micro_batches == share
