@@ -290,3 +290,75 @@ def test_checkpoint_under_zero_resumes_under_another_cut(tmp_path: Path) -> None
                                         stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])],
                      tmp_path, resume_step=3)
     _close({**first, **second}, expected, range(6))
+
+
+# --- measured memory against the plan ------------------------------------------------------------------
+
+def test_a_stage_over_its_planned_memory_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    job = _job()
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=1, job_id="job", pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["a"], memory_gb=0.002)])])
+    ctx = RunContext(node_id="a", job=job, peer_server=None, checkpoint_dir=Path("unused"),  # type: ignore[arg-type]
+                     report_step=lambda m: False, report_checkpoint=lambda c: None)
+    runner = PlanRunner(ctx, plan)
+    with caplog.at_level("WARNING", logger="atoll.node.runner"):
+        runner._check_memory(0, 2_100_000)  # 5% over: fine
+        assert not caplog.records
+        runner._check_memory(1, 2_300_000)
+        runner._check_memory(2, 2_400_000)
+    assert len(caplog.records) == 1 and "15% above the plan's 0.002 GB" in caplog.records[0].getMessage()
+
+
+def test_status_summary_keeps_each_nodes_highest_peak() -> None:
+    from atoll.coordinator.progress import summarize
+
+    reports = [StepMetrics(job_id="j", node_id=n, plan_epoch=1, step=s, stage=st, step_seconds=1.0,
+                           peak_memory_bytes=peak) for n, st, s, peak in
+               (("a", 0, 0, 100), ("a", 0, 1, 300), ("a", 0, 2, 200), ("b", 1, 1, 50))]
+    usage = {u.node_id: u.peak_memory_bytes for u in summarize(reports, epoch=1).stages}
+    assert usage == {"a": 300, "b": 50}
+
+
+@pytest.mark.timeout(150)
+def test_zero_stages_in_outer_mode_keep_their_replicas_identical_and_sync(tmp_path: Path) -> None:
+    """Outer mode over ZeRO stages: a group whose stages shard over two replicas (ZeRO-2, ZeRO-1) and a group
+    of one node exchange int8 pseudo-gradients every 3 steps; the outer updates land in the flat parameters the
+    sharded AdamW steps, so the replicas stay bit-identical, the groups agree after the last round and the
+    loss falls (the harness of tests/test_outer_runner.py)."""
+    from test_outer_runner import _run_outer
+
+    from atoll.plan import OuterPlan
+
+    steps = 9
+    job = replace(_job(steps), outer=replace(_job(steps).outer, apply_after=2))
+    outer = OuterPlan(inner_steps=3, codec="int8", lr=0.8, momentum=0.5, overlap=True, deadline_s=30.0)
+    g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[_stage((0, 3), ["a", "c"], zero=2),
+                                                                   _stage((3, 6), ["b", "d"], zero=1)])]
+    g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["e"])])]
+    _, losses, params, rounds = _run_outer(job, [g0, g1], outer, tmp_path)
+    for a, c in (("a", "c"), ("b", "d")):
+        for n in params[a]:
+            assert torch.equal(params[a][n], params[c][n]), n
+    for n, t in {**params["a"], **params["b"]}.items():
+        assert torch.allclose(t, params["e"][n], atol=1e-5), n
+    assert losses[(0, steps - 1)] < losses[(0, 0)] and losses[(1, steps - 1)] < losses[(1, 0)]
+    assert rounds.latest_decided == steps // 3 - 1
+
+
+@pytest.mark.timeout(120)
+def test_zero_falls_back_to_adamw_where_other_pipelines_hold_the_layers(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Two pipelines cut differently average per layer segment: their ZeRO request is declined with the reason,
+    and the run is the one-process run."""
+    job = _job(steps=3)
+    expected, _ = train_local(job)
+    with caplog.at_level("INFO", logger="atoll.node.runner"):
+        got, _ = _run(job, [
+            PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[_stage((0, 3), ["a"], zero=1),
+                                                                     _stage((3, 6), ["b"], zero=2)]),
+            PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[_stage((0, 2), ["c"], zero=1),
+                                                                     _stage((2, 6), ["d"], zero=1)]),
+        ], tmp_path)
+    _close(got, expected, range(3))
+    declined = [r.getMessage() for r in caplog.records if "training with plain AdamW" in r.getMessage()]
+    assert len(declined) == 4 and all("average per layer segment" in m for m in declined), declined
