@@ -44,7 +44,6 @@ ZeRO-2.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ import torch.distributed as dist
 from torch import nn
 
 from atoll.node.dataparallel import CollectiveError
-
-log = logging.getLogger("atoll.node.zero")
 
 ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
@@ -296,8 +293,9 @@ class ZeroOptimizer:
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         i, off = self.place[id(p)]
-        if i < self._next:
-            return  # the bucket went out already this micro-batch: cannot happen in one backward pass
+        if i < self._next:  # one backward pass gives each parameter one gradient, so this means a second pass
+            raise RuntimeError(f"a gradient of bucket {i} arrived after the bucket was reduced; call backward_done() "
+                               "after each micro-batch's backward, once")
         with torch.no_grad():
             self._stage_buffer(i)[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
