@@ -60,7 +60,8 @@ def _islands_row(ax: Any, plan: Plan, islands: list, x0: float, width: float, y0
             name = f"stage {sk}" if len(plan.pipelines) == 1 else f"pipeline {pk} stage {sk}"
             sep = "\n" if len(mine) <= 2 else ", "
             label = (f"{name}: layers [{s.layers[0]}, {s.layers[1]}){sep}dp {s.dp} x tp {s.tp}, zero {s.zero}"
-                     + (", recompute" if s.recompute else ""))
+                     + (", recompute" if s.recompute else
+                        f", recompute {len(s.recompute_layers)} blocks" if s.recompute_layers else ""))
             boxes[(pk, sk)] = ax.text(x + w * 0.47, top - slot * (n + 0.5), label, ha="center", va="center",
                                       fontsize=7 if len(mine) <= 2 else 6.5,
                                       bbox={"boxstyle": "round,pad=0.3", "facecolor": "white"})

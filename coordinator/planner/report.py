@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
 from atoll.coordinator.planner.unused import UnusedIsland
-from atoll.plan import Plan
+from atoll.plan import Plan, StagePlan
 
 
 def device_word(kinds: Iterable[str]) -> str:
@@ -76,9 +76,14 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
             if s.send is not None:
                 send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
-                         + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {'yes' if s.recompute else 'no':>6} "
+                         + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {_recomputed(s):>6} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
+
+
+def _recomputed(s: StagePlan) -> str:
+    """The recomp column: all of a stage's blocks, how many of them (a prefix), or none."""
+    return "all" if s.recompute else str(len(s.recompute_layers)) if s.recompute_layers else "no"
 
 
 def _unused_lines(plan: Plan, unused: Sequence[UnusedIsland], devices: str) -> list[str]:
