@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -246,3 +247,54 @@ def test_a_deep_window_matches_one_process_and_beats_strict_1f1b_behind_a_50ms_l
     # strict 1F1B waits out a 100 ms round trip every two micro-batches: at least m / 2 x 100 ms per step
     assert strict >= m / 2 * 2 * LATENCY.total_seconds() * 0.9, strict
     assert deep * 1.5 < strict, (deep, strict)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_path: Path) -> None:
+    """`atoll coordinator --plan` with a deep window on the first stage, and two `atoll node` processes in two
+    regions that hold what they send each other for 50 ms (--wan-latency-ms): the depth reaches the nodes
+    over the wire and the losses match one process."""
+    from atoll.launch.localcluster import LocalCluster
+
+    steps = 5
+    job = _job(steps)
+    job = replace(job, cluster=replace(job.cluster, expected_nodes=2, min_nodes=2),
+                  outer=replace(job.outer, mode="sync"))
+    m = job.train.global_batch // 2
+    job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
+    job_path.write_text(job.to_toml())
+    ids = {"near": "east-0", "far": "west-0"}
+    for name, node_id in ids.items():  # known before the nodes start, so the plan can name them
+        (out / name).mkdir(parents=True)
+        (out / name / "node_id").write_text(node_id + "\n")
+    Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=[PipelinePlan(
+        micro_batch=2, num_micro_batches=m, stages=[StagePlan(island="east", layers=(0, 3), nodes=["east-0"],
+                                                              in_flight=m - 1),
+                                                    StagePlan(island="west", layers=(3, 6), nodes=["west-0"])])]
+         ).save(plan_path)
+    expected, _ = train_local(job)
+    with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+        cluster.start_coordinator(extra=["--plan", str(plan_path)])
+        cluster.start_node("near", region="east", extra=["--wan-latency-ms", "50"])
+        cluster.start_node("far", region="west", extra=["--wan-latency-ms", "50"])
+        end = time.monotonic() + 100
+        while len(cluster.losses()) < steps:
+            cluster.check_alive()
+            assert time.monotonic() < end, f"timed out waiting for {steps} steps; logs in {out}"
+            time.sleep(0.5)
+        status = cluster.status()
+        losses = cluster.losses()
+        from atoll.coordinator.store import SqliteStore
+
+        store = SqliteStore(cluster.state_db)
+        try:
+            reports = store.recent_steps(limit=64)
+        finally:
+            store.close()
+    assert [s.in_flight for s in status.plan.pipelines[0].stages] == [m - 1, 0]
+    # the link holds every tensor: no step is shorter than one round trip
+    assert min(r.step_seconds for r in reports) >= 2 * LATENCY.total_seconds(), reports
+    assert {i.group for i in status.plan.islands} == {"east", "west"}
+    for s in range(steps):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
