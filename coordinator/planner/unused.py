@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
+from atoll.coordinator.planner.parallelizer import DefaultParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.modelspec import ModelSpec
 from atoll.plan import GB, Plan
@@ -48,26 +49,34 @@ def _reason(isl: Island, plan: Plan, cluster: Cluster, cm: CostModel, used: list
     bottleneck = max(s.compute_s for pl in plan.pipelines for s in pl.stages)
     step = plan.predicted.step_time_s
     micro = max(pl.micro_batch for pl in plan.pipelines)
-    links = [(lk.bandwidth, lk.latency_s, u) for u in used if (lk := cluster.link(isl.id, u)) is not None]
+    links = [(lk.bandwidth, lk.latency_s, lk.shared, u) for u in used if (lk := cluster.link(isl.id, u)) is not None]
     if not links:
         return "no link to the islands in use"
-    bw, latency, peer = max(links)
     act = model.boundary_bytes(model.num_layers // 2, micro, train.seq_len, train.dtype)
-    send = act / bw + latency
+
+    def send_s(link: tuple[float, float, bool, str]) -> float:
+        # a link's figure is per GPU flow (cluster): the GPUs split the transfer, unless it is a shared capacity
+        return cm.transfer_seconds(act / (1 if link[2] else min(isl.gpus, micro)), link[0], link[1])
+
+    bw, latency, shared, peer = min(links, key=send_s)
+    streams = 1 if shared else min(isl.gpus, micro)
+    send = send_s((bw, latency, shared, peer))
     grads = cm.grad_bytes_per_param * model.total_params
-    allreduce = 2 * grads / bw
+    allreduce = 2 * grads / (cm.options.link_efficiency * bw * (1 if shared else isl.gpus))
     if send > bottleneck and allreduce > step:
-        return (f"its links are too slow: the fastest to an island in use ({bw / GBPS:.3g} Gbit/s to {peer}) takes "
-                f"{_s(send)} for one micro-batch's activations ({act / 1e6:.1f} MB), more than the slowest stage's "
+        return (f"its links are too slow: the fastest to an island in use ({bw / GBPS:.3g} Gbit/s to {peer}"
+                f"{'' if shared else ' per GPU'}) takes {_s(send)} for one micro-batch's activations "
+                f"({act / 1e6:.1f} MB{'' if shared else f' over {streams} GPUs'}), more than the slowest stage's "
                 f"{_s(bottleneck)}; as a pipeline of its own it would all-reduce {grads / GB:.1f} GB of gradients "
                 f"over it, {_s(allreduce)} against a {_s(step)} step")
 
-    width = min(isl.gpus, micro)
-    per_replica = max(1, micro // width)
     k = min(block, model.num_layers - 1)
+    # the island's GPUs sharing a micro-batch at their best split into tensor-parallel replicas
+    par = DefaultParallelizer(cm)
+    splits = par.splits(isl, isl.gpus, micro) or par.splits(isl, min(isl.gpus, micro), micro)
     try:
-        table = cm.table(isl, per_replica)
-        one = table.forward(k, k + 1) + table.backward(k, k + 1)
+        one = min((cm.table(isl, rows, tp).forward(k, k + 1) + cm.table(isl, rows, tp).backward(k, k + 1)
+                   for tp, _, rows in splits), default=0.0)
     except ValueError:  # a device with neither a profile nor a peak: no time to compare
         one = 0.0
     if one > bottleneck:
