@@ -362,3 +362,20 @@ def test_zero_falls_back_to_adamw_where_other_pipelines_hold_the_layers(tmp_path
     _close(got, expected, range(3))
     declined = [r.getMessage() for r in caplog.records if "training with plain AdamW" in r.getMessage()]
     assert len(declined) == 4 and all("average per layer segment" in m for m in declined), declined
+
+
+@pytest.mark.timeout(120)
+def test_memory_benchmark_measures_what_the_planner_predicts(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/memory.py on the tiny model: every stage of every ZeRO and recomputation setting within 15%."""
+    import sys
+
+    sys.path.insert(0, str(REPO))  # the bench tree is not installed
+    from bench.memory import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--model", "tiny", "--seq", "32", "--vocab", "0", "--steps", "1", "--only", "0,1,2",
+                     "--recompute", "off,all"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the benchmark runs one thread per node
+    assert "targets met: 12/12" in capsys.readouterr().out
