@@ -10,6 +10,7 @@ it from one device's timings and the node's links.
 
 from __future__ import annotations
 
+import math
 import platform
 import socket
 import statistics
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import psutil
 import torch
@@ -95,7 +97,36 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _timed(dev: torch.device, fn: Callable[[], None]) -> float:
+def cpu_share(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float:
+    """The cores this process may use under its cgroup's CPU quota (cgroup v1 `cpu.cfs_quota_us` over
+    `cpu.cfs_period_us`, or v2 `cpu.max`), or inf when it has none (or it cannot be read)."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return math.inf
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        rel = path.lstrip("/")
+        try:
+            if "cpu" in controllers.split(","):  # v1
+                for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                    base = root / mount / rel
+                    if (base / "cpu.cfs_quota_us").is_file():
+                        quota = int((base / "cpu.cfs_quota_us").read_text())
+                        period = int((base / "cpu.cfs_period_us").read_text())
+                        return quota / period if quota > 0 and period > 0 else math.inf
+            elif controllers == "" and (root / rel / "cpu.max").is_file():  # v2
+                quota, period = (root / rel / "cpu.max").read_text().split()[:2]
+                return int(quota) / int(period) if quota != "max" and int(period) > 0 else math.inf
+        except (OSError, ValueError):
+            return math.inf
+    return math.inf
+
+
+def _timed(dev: torch.device, fn: Callable[[], None], share: float = math.inf) -> float:
     """Seconds `fn` takes on `dev`.
 
     A single-threaded CPU node counts its thread's CPU time: nodes that share a machine profile at the
@@ -105,7 +136,8 @@ def _timed(dev: torch.device, fn: Callable[[], None]) -> float:
     if dev.type == "cpu" and torch.get_num_threads() == 1:
         t0 = time.thread_time()
         fn()
-        return time.thread_time() - t0
+        # under a CPU quota below one core the thread gets only that share of each second
+        return (time.thread_time() - t0) / min(1.0, share)
     _sync(dev)
     t0 = time.perf_counter()
     fn()
@@ -116,6 +148,7 @@ def _timed(dev: torch.device, fn: Callable[[], None]) -> float:
 def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | None = None) -> NodeProfile:
     """Measure this node on `job`'s layers; returns the profile to join with."""
     options = options or ProfileOptions()
+    share = cpu_share()
     dev = parse_device(device)
     if dev.type == "cuda":
         # fp32 matmuls on TF32 tensor cores where the GPU has them, as the planner's catalog assumes; the
@@ -140,9 +173,9 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
             for r in range(options.repeats + 1):
                 x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
                 out: list[torch.Tensor] = []
-                f = _timed(dev, lambda: out.append(layer(x)))
+                f = _timed(dev, lambda: out.append(layer(x)), share)
                 loss = lm_loss(out[0], ids) if kind == "head" else out[0].float().square().mean()
-                bw = _timed(dev, loss.backward)
+                bw = _timed(dev, loss.backward, share)
                 layer.zero_grad(set_to_none=True)
                 if r > 0:  # the first run warms caches and kernels
                     fwd.append(f)
