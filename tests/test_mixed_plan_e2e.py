@@ -1,0 +1,61 @@
+"""One plan that uses every runtime feature at once, through `atoll coordinator --plan` and four `atoll node`
+processes: unequal stage widths (2 then 1), ZeRO-1 on the first stage's two replicas, per-layer recomputation,
+a deeper in-flight window, and a tensor-parallel (tp = 2) second stage. Its losses match one process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 5
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_plan_mixing_every_feature_runs_through_the_coordinator(tmp_path: Path) -> None:
+    from atoll.job import JobSpec
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.node.local import train_local
+    from atoll.plan import PipelinePlan, Plan, StagePlan
+
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=STEPS, warmup=2),
+                  checkpoint=replace(job.checkpoint, interval=0),
+                  compression=replace(job.compression, mode="identity"),
+                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4), outer=replace(job.outer, mode="sync"))
+    job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
+    job_path.write_text(job.to_toml())
+    ids = {"node1": "first-0", "node2": "first-1", "node3": "second-tp0", "node4": "second-tp1"}
+    for name, node_id in ids.items():  # ids known before the nodes start, so the plan can name them
+        (out / name).mkdir(parents=True)
+        (out / name / "node_id").write_text(node_id + "\n")
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[
+            StagePlan(island="a", layers=(0, 3), dp=2, zero=1, recompute_layers=[1, 2], in_flight=1,
+                      nodes=["first-0", "first-1"]),
+            StagePlan(island="b", layers=(3, 6), dp=1, tp=2, nodes=["second-tp0", "second-tp1"])])])
+    plan.validate(job.model.n_layers + 2)
+    plan.save(plan_path)
+    expected, _ = train_local(job)
+    with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+        cluster.start_coordinator(extra=["--plan", str(plan_path)])
+        for name in ids:
+            cluster.start_node(name)
+        end = time.monotonic() + 200
+        while len(cluster.losses()) < STEPS:
+            cluster.check_alive()
+            assert time.monotonic() < end, f"timed out waiting for {STEPS} steps; logs in {out}"
+            time.sleep(0.5)
+        status = cluster.status()
+        losses = cluster.losses()
+    stages = status.plan.pipelines[0].stages
+    assert [(s.dp, s.tp, s.zero, list(s.recompute_layers), s.in_flight) for s in stages] == [
+        (2, 1, 1, [1, 2], 1), (1, 2, 0, [], 0)]
+    logs = "".join((out / f"{name}.log").read_text() for name in ("node1", "node2"))
+    assert "stage 0: ZeRO-1 over its 2 replicas" in logs, "the first stage should shard its optimizer state"
+    for s in range(STEPS):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
