@@ -308,7 +308,8 @@ def main() -> int:
                          "of those waits this long (the default, 0, means at least 30 s)")
     ap.add_argument("--no-overlap", action="store_true", help="outer run: block at each round's end (diagnosis)")
     ap.add_argument("--quota", type=float, default=QUOTA, help="CPU per host, of a core")
-    ap.add_argument("--timeout", type=float, default=300.0, help="bound of each run, seconds")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="bound of each run, seconds ((ii) is bound by the link: ~0.7 s a step at 20 Mbit/s)")
     ap.add_argument("--only", nargs="*", choices=("one", "sync", "outer"), help="make only these runs (diagnosis)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench-regions")
     args = ap.parse_args()
