@@ -91,6 +91,19 @@ class Result:
 _PARALLELIZERS: dict[int, tuple[CostModel, DefaultParallelizer]] = {}
 
 
+def _draw(pool: list[list], need: int) -> list[tuple[Island, int]]:
+    """Take `need` devices from the front of `pool` ([island, devices left] pairs, used up in order)."""
+    parts = []
+    while need:
+        isl, left = pool[0]
+        take = min(need, left)
+        parts.append((isl, take))
+        need -= take
+        pool[0][1] -= take
+        if pool[0][1] == 0:
+            pool.pop(0)
+    return parts
+
 def _parallelizer(cm: CostModel) -> DefaultParallelizer:
     """One island parallelizer per cost model, so its tables are built once per scenario."""
     got = _PARALLELIZERS.get(id(cm))
@@ -250,16 +263,7 @@ def flops_proportional(cm: CostModel, cluster: Cluster) -> Result:
         chunks: list[list[tuple[Island, int]]] = []
         queue = [list(x) for x in flat]
         for _ in range(p):
-            need, parts = width, []
-            while need:
-                isl, left = queue[0]
-                take = min(need, left)
-                parts.append((isl, take))
-                need -= take
-                queue[0][1] -= take
-                if queue[0][1] == 0:
-                    queue.pop(0)
-            chunks.append(parts)
+            chunks.append(_draw(queue, width))
         made = [_flat_chunk(cluster, c) for c in chunks]
         weights = [sum(k * i.device.peak_flops(cm.train.dtype) for i, k in c) for c in chunks]
         counts = _split(L, weights)
@@ -447,18 +451,7 @@ def sailor_like(cm: CostModel, cluster: Cluster) -> Result:
         d = 1
         while d * p <= n:
             pool = [[i, i.gpus] for i in fastest_first]
-            per_stage: list[list[tuple[Island, int]]] = []
-            for _ in range(p):
-                need, parts = d, []
-                while need:
-                    isl, left = pool[0]
-                    take = min(need, left)
-                    parts.append((isl, take))
-                    need -= take
-                    pool[0][1] -= take
-                    if pool[0][1] == 0:
-                        pool.pop(0)
-                per_stage.append(parts)
+            per_stage = [_draw(pool, d) for _ in range(p)]
             for mb in cm.options.micro_batches:
                 batch = d * mb
                 if batch > g:
