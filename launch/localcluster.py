@@ -149,6 +149,29 @@ class LocalCluster:
                 raise ProcessExited(f"{name} exited with code {p.returncode} ({_last_line(self.out / f'{name}.log')}); "
                                     f"see {self.out}/{name}.log")
 
+    def wait_status(self, until, timeout: float, what: str, *, poll: float = 0.3,
+                    dead: frozenset[str] | None = None):
+        """Poll the coordinator's status until `until(status)` holds and return that status; AssertionError after
+        `timeout` seconds. Every process must stay up (`check_alive`); with `dead`, the named ones may be gone
+        and the others may exit cleanly, only an error exit fails the wait."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if dead is None:
+                self.check_alive()
+            else:
+                for name, p in self.procs.items():
+                    if name not in dead and p.poll() is not None and p.returncode != 0:
+                        raise AssertionError(f"{name} exited with code {p.returncode}: see {self.out}/{name}.log")
+            try:
+                status = self.status()
+            except Exception:  # noqa: BLE001 - busy or restarting: ask again
+                time.sleep(poll)
+                continue
+            if until(status):
+                return status
+            time.sleep(poll)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}")
+
     def losses(self) -> dict[int, float]:
         """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store.
 

@@ -5,7 +5,6 @@ The distributed losses are compared with the same job trained in one process (`t
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,25 +40,12 @@ def _start(cluster: LocalCluster) -> None:
         cluster.start_node(f"node{i + 1}", region=region)
 
 
-def _wait(cluster: LocalCluster, until, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        cluster.check_alive()
-        try:
-            status = cluster.status()
-        except Exception:  # noqa: BLE001 - busy or restarting: ask again
-            time.sleep(0.3)
-            continue
-        if until(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {cluster.out}")
 
 
 def _run(tmp: Path, mode: str) -> tuple[dict[int, float], object]:
     with LocalCluster(job_path=_job(tmp, mode=mode), out=tmp / mode) as cluster:
         _start(cluster)
-        status = _wait(cluster, lambda s: len(cluster.losses()) >= STEPS, 150, f"{STEPS} steps")
+        status = cluster.wait_status(lambda s: len(cluster.losses()) >= STEPS, 150, f"{STEPS} steps")
         return cluster.losses(), status
 
 
@@ -96,11 +82,11 @@ def test_kill_everything_after_a_checkpoint_and_resume(tmp_path: Path, reference
     cluster = LocalCluster(job_path=_job(tmp_path, mode="identity", interval=10), out=tmp_path / "crash")
     try:
         _start(cluster)
-        _wait(cluster, lambda s: s.last_checkpoint_step >= 10, 150, "the checkpoint of step 10")
+        cluster.wait_status(lambda s: s.last_checkpoint_step >= 10, 150, "the checkpoint of step 10")
         cluster.kill()
         _start(cluster)
         # losses holds distinct steps below STEPS, so STEPS of them means every step was reported
-        status = _wait(cluster, lambda s: s.plan.resume_step >= 10 and len(cluster.losses()) >= STEPS, 150,
+        status = cluster.wait_status(lambda s: s.plan.resume_step >= 10 and len(cluster.losses()) >= STEPS, 150,
                        "the resumed job to finish")
         resumed = status.plan.resume_step
         after = cluster.losses()
@@ -118,13 +104,13 @@ def test_a_node_dies_and_the_rest_finish_the_job(tmp_path: Path, reference: list
     path.write_text(replace(job, cluster=replace(job.cluster, min_nodes=2)).to_toml())
     with LocalCluster(job_path=path, out=tmp_path / "survivors") as cluster:
         _start(cluster)
-        first = _wait(cluster, lambda s: s.last_checkpoint_step >= 5 and s.plan.epoch >= 1, 150, "a checkpoint")
+        first = cluster.wait_status(lambda s: s.last_checkpoint_step >= 5 and s.plan.epoch >= 1, 150, "a checkpoint")
         victim = first.plan.pipelines[0].stages[0].node_ids[0]
         name = next(n for n in cluster.procs if n != "coordinator"
                     and (cluster.out / n / "node_id").is_file()
                     and (cluster.out / n / "node_id").read_text().strip() == victim)
         cluster.procs.pop(name).kill()
-        status = _wait(cluster, lambda s: s.plan.epoch > first.plan.epoch and max(cluster.losses(), default=0)
+        status = cluster.wait_status(lambda s: s.plan.epoch > first.plan.epoch and max(cluster.losses(), default=0)
                        >= STEPS - 1, 180, "the survivors to finish")
         assert victim not in status.plan.node_addresses
         resumed = status.plan.resume_step

@@ -39,19 +39,6 @@ def _start(cluster: LocalCluster, coordinator: list[str]) -> None:
         cluster.start_node(f"node{i + 1}", region=region)
 
 
-def _wait(cluster: LocalCluster, until, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        cluster.check_alive()
-        try:
-            status = cluster.status()
-        except Exception:  # noqa: BLE001 - busy or restarting: ask again
-            time.sleep(0.2)
-            continue
-        if until(status):
-            return status
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {cluster.out}")
 
 
 def _steps(cluster: LocalCluster):
@@ -75,15 +62,15 @@ def test_a_coordinator_outage_across_a_checkpoint_step_kills_no_node(tmp_path: P
     cluster = LocalCluster(job_path=_job(tmp_path, "outage", steps=steps, interval=interval), out=tmp_path / "outage")
     try:
         _start(cluster, args)
-        before = _wait(cluster, lambda s: s.plan.epoch >= 1 and s.step < steps - 2 * interval
-                       and s.step % interval >= interval // 2, 150, "a step just before a checkpoint")
+        before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step < steps - 2 * interval
+                       and s.step % interval >= interval // 2, 150, "a step just before a checkpoint", poll=0.2)
         cluster.kill_coordinator()
         killed = time.time()
         time.sleep(4.0)
         nodes_exited_in_outage = _exited(cluster)
         cluster.restart_coordinator(extra=args)
         restarted = time.time()
-        final = _wait(cluster, lambda s: len(cluster.losses()) >= steps, 200, "the job to finish")
+        final = cluster.wait_status(lambda s: len(cluster.losses()) >= steps, 200, "the job to finish", poll=0.2)
         assert _exited(cluster) == [] and nodes_exited_in_outage == []
         reports, plans = _steps(cluster)
         during = [s.step for s in reports if killed < s.unix_time < restarted]
@@ -112,11 +99,11 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
     victim = ""
     try:
         _start(cluster, args)
-        _wait(cluster, lambda s: s.plan.epoch >= 1 and s.step >= 3, 150, "the first steps")
+        cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step >= 3, 150, "the first steps", poll=0.2)
         cluster.kill_coordinator()
         cluster.restart_coordinator(extra=args)
-        second = _wait(cluster, lambda s: s.plan.epoch >= 2 and s.measured_steps > 0
-                       and any(x.plan_epoch == s.plan.epoch for x in s.recent_steps), 120, "a second epoch training")
+        second = cluster.wait_status(lambda s: s.plan.epoch >= 2 and s.measured_steps > 0
+                       and any(x.plan_epoch == s.plan.epoch for x in s.recent_steps), 120, "a second epoch training", poll=0.2)
         bound = max(10.0, 10 * second.measured_step_seconds)
         pause = bound + 5.0
         assert pause < lease - lease / 4, f"steps too slow for this test ({second.measured_step_seconds:.2f}s)"
@@ -128,7 +115,7 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
         cluster.resume(victim)
         resumed = time.time()
         victim = ""
-        final = _wait(cluster, lambda s: len(cluster.losses()) >= steps, 200, "the job to finish")
+        final = cluster.wait_status(lambda s: len(cluster.losses()) >= steps, 200, "the job to finish", poll=0.2)
         assert _exited(cluster) == []
         reports, plans = _steps(cluster)
         failed = [p for p in plans if "failed on node" in p.reason]

@@ -67,21 +67,6 @@ def _latest(cluster: LocalCluster, ids: list[str]) -> int:
     return max((r.step for r in _reports(cluster) if r.node_id in ids), default=-1)
 
 
-def _wait(cluster: LocalCluster, until, timeout: float, what: str, *, dead: frozenset[str] = frozenset()):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for name, p in cluster.procs.items():
-            if name not in dead and p.poll() is not None and p.returncode != 0:
-                raise AssertionError(f"{name} exited with code {p.returncode}: see {cluster.out}/{name}.log")
-        try:
-            status = cluster.status()
-        except Exception:  # noqa: BLE001 - busy: ask again
-            time.sleep(0.3)
-            continue
-        if until(status):
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {cluster.out}")
 
 
 @pytest.mark.timeout(150)
@@ -93,7 +78,7 @@ def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
         for name, host in NODES.items():
             cluster.start_node(name, host=tb.host(host))
 
-        first = _wait(cluster, lambda s: s.plan.epoch >= 1 and len(_node_ids(cluster)) == 4, 60, "the plan")
+        first = cluster.wait_status(lambda s: s.plan.epoch >= 1 and len(_node_ids(cluster)) == 4, 60, "the plan", dead=frozenset())
         plan = plan_from_proto(first.plan)
         assert plan.mode == "outer", plan.mode
         assert len(plan.groups) == 2, [g.name for g in plan.groups]
@@ -104,8 +89,8 @@ def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
         assert groups == sorted([sorted(a_ids), sorted(b_ids)]), (groups, ids)  # one group per region
 
         # a few rounds in both groups
-        _wait(cluster, lambda s: min(_latest(cluster, a_ids), _latest(cluster, b_ids)) >= 3 * INNER, 90,
-              f"both groups at step {3 * INNER}")
+        cluster.wait_status(lambda s: min(_latest(cluster, a_ids), _latest(cluster, b_ids)) >= 3 * INNER, 90,
+              f"both groups at step {3 * INNER}", dead=frozenset())
         loaded_before = {n: len(_LOADED.findall((cluster.out / f"{n}.log").read_text())) for n in ("a0", "a1")}
         victim = "b1"
         cluster.procs[victim].kill()
@@ -115,13 +100,13 @@ def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
         assert a_at_kill < STEPS - 1, f"lab-a had finished ({a_at_kill}) before the kill; raise STEPS"
 
         # lab-a keeps stepping while lab-b is replanned
-        _wait(cluster, lambda s: _latest(cluster, a_ids) >= a_at_kill + 3, 30, "lab-a to step on after the kill",
+        cluster.wait_status(lambda s: _latest(cluster, a_ids) >= a_at_kill + 3, 30, "lab-a to step on after the kill",
               dead=dead)
         a_soon = _latest(cluster, a_ids)
         soon_s = time.monotonic() - killed_at
 
         # the job finishes: the last step is reported
-        final = _wait(cluster, lambda s: _latest(cluster, a_ids) >= STEPS - 1, 100, "the last step", dead=dead)
+        final = cluster.wait_status(lambda s: _latest(cluster, a_ids) >= STEPS - 1, 100, "the last step", dead=dead)
         replanned = plan_from_proto(final.plan)
         reports = _reports(cluster)
 
