@@ -212,7 +212,8 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         stage=s.stage, has_loss=s.loss is not None, loss=s.loss if s.loss is not None else 0.0, tokens=s.tokens,
         step_seconds=s.step_seconds, compute_seconds=s.compute_seconds, wait_seconds=s.wait_seconds,
         links=[link_stats_to_proto(x) for x in s.links], unix_time=s.unix_time,
-        peak_memory_bytes=s.peak_memory_bytes,
+        peak_memory_bytes=s.peak_memory_bytes, has_val_loss=s.val_loss is not None,
+        val_loss=s.val_loss if s.val_loss is not None else 0.0,
     )
 
 
@@ -222,5 +223,5 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         stage=m.stage, loss=m.loss if m.has_loss else None, tokens=m.tokens, step_seconds=m.step_seconds,
         compute_seconds=m.compute_seconds, wait_seconds=m.wait_seconds,
         links=[link_stats_from_proto(x) for x in m.links], unix_time=m.unix_time,
-        peak_memory_bytes=m.peak_memory_bytes,
+        peak_memory_bytes=m.peak_memory_bytes, val_loss=m.val_loss if m.has_val_loss else None,
     )

@@ -84,3 +84,5 @@ class StepMetrics:
     """The step's peak memory of the stage: the CUDA allocator's peak on a GPU; on a CPU the bytes of its
     parameters, gradients and optimizer states plus the most activation bytes saved for backward at once
     (0: not measured)."""
+    val_loss: float | None = None
+    """Mean loss over the held-out validation batches after this step (None: no validation pass this step)."""
