@@ -104,11 +104,10 @@ def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack
     for i, x in enumerate(req.links):
         v.check_link(i, x, req.node_id)
     now = state.clock()
-    known = {m.node_id for m in state.store.list_members()}
     # the coordinator's clock dates every measurement, so nodes' clock skew cannot make links look fresh
     links = [LinkMeasurement(src=x.src, dst=x.dst, bandwidth_bytes_per_s=x.bandwidth_bytes_per_s,
                              rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=now)
-             for x in req.links if x.dst in known]
+             for x in req.links if state.store.get_member(x.dst) is not None]
     state.record_probes(links)
     return pb.Ack(message=f"{len(links)} links recorded")
 

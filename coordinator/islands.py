@@ -10,6 +10,12 @@ The rule (complete-linkage agglomerative clustering with a relative threshold):
    link between them is the fastest, as long as that slowest link is fast. Complete linkage means every
    pair inside an island is joined by a fast link: an island never spans a slow link.
 Links neither measured nor estimated (see `atoll.coordinator.linkmatrix.complete_matrix`) count as slow.
+Links are taken at their slower direction, and an unmeasured pair at its widest path (`LinkGraph`).
+
+At scale the rule is applied without comparing every pair: nodes of one class joined by a path of fast
+measured links form a group, and nodes of different groups are slow to each other; a group with no slow
+measured link inside is one island (every pair in it is fast), and only a group with one is clustered
+pairwise (greedily past `EXACT_LINKAGE_UP_TO` nodes, still never spanning a slow measured link).
 
 Each island reports its slowest inner link and fastest outward link. Ids are `<kind><k>` (cpu0, cuda1),
 numbered in the order of their smallest node id, so they are stable while membership is.
@@ -17,10 +23,13 @@ numbered in the order of their smallest node id, so they are stable while member
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from atoll.coordinator.linkmatrix import LinkEstimate, symmetric_bandwidth
+import numpy as np
+
+from atoll.coordinator.linkmatrix import LinkEstimate, LinkGraph
 from atoll.plan import IslandInfo
 from atoll.types import NodeProfile
 
@@ -50,53 +59,134 @@ def device_class(profile: NodeProfile) -> str:
 
 
 def fast_threshold(matrix: Mapping[tuple[str, str], LinkEstimate], options: IslandOptions) -> float:
-    measured = [e.bandwidth_bytes_per_s for e in matrix.values() if e.measured]
-    best = max(measured, default=0.0)
+    best = matrix.best_measured if isinstance(matrix, LinkGraph) else max(
+        (e.bandwidth_bytes_per_s for e in matrix.values() if e.measured), default=0.0)
     return max(options.relative_threshold * best, options.min_bandwidth)
+
+
+EXACT_LINKAGE_UP_TO = 400
+"""A group of candidates (one class, joined by fast paths) with a slow measured link inside is clustered by
+complete linkage exactly (O(m^3) on m nodes) up to this size; a larger one greedily, node by node."""
+
+
+def _fast_groups(profiles: Mapping[str, NodeProfile], graph: LinkGraph, threshold: float) -> list[list[str]]:
+    """Nodes of one class joined by a path of fast measured links (through nodes of any class), sorted.
+
+    Two nodes in different groups are slow to each other, measured or estimated; so complete linkage never
+    merges across groups, and clusters each group on its own.
+    """
+    root = {n: n for n in graph.nodes}
+
+    def find(n: str) -> str:
+        while root[n] != n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for (a, b), w in graph.pairs.items():
+        if w > 0 and w >= threshold:
+            ra, rb = find(a), find(b)
+            if ra != rb:
+                root[ra] = rb
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in sorted(profiles):
+        groups.setdefault((device_class(profiles[n]), find(n) if n in root else n), []).append(n)
+    return list(groups.values())
+
+
+def _complete_linkage(group: list[str], graph: LinkGraph, threshold: float) -> list[list[str]]:
+    """Complete-linkage agglomerative clustering of `group` with the threshold, as the module describes."""
+    m = len(group)
+    sim = np.zeros((m, m))
+    for i in range(m):
+        for j in range(i + 1, m):
+            sim[i, j] = sim[j, i] = graph.bandwidth(group[i], group[j])
+    members = [[n] for n in group]
+    active = np.ones(m, dtype=bool)
+    upper = np.triu(np.ones((m, m), dtype=bool), 1)
+    while active.sum() > 1:
+        masked = np.where(upper & active[:, None] & active[None, :], sim, -1.0)
+        flat = int(np.argmax(masked))  # the first best pair in (i, j) order, as the merges keep list order
+        i, j = divmod(flat, m)
+        best = masked[i, j]
+        if best <= 0 or best < threshold:
+            break
+        members[i] = sorted(members[i] + members[j])
+        sim[i, :] = sim[:, i] = np.minimum(sim[i, :], sim[j, :])
+        active[j] = False
+    return [members[i] for i in range(m) if active[i]]
+
+
+def _greedy(group: list[str], slow: Mapping[str, set[str]]) -> list[list[str]]:
+    """Each node, in order, joins the first cluster it has no slow measured link into, else starts one."""
+    clusters: list[list[str]] = []
+    for n in group:
+        bad = slow.get(n, set())
+        for c in clusters:
+            if not bad.intersection(c):
+                c.append(n)
+                break
+        else:
+            clusters.append([n])
+    return clusters
 
 
 def form_islands(profiles: Mapping[str, NodeProfile], matrix: Mapping[tuple[str, str], LinkEstimate],
                  options: IslandOptions | None = None) -> list[IslandInfo]:
-    """Islands of the nodes in `profiles` (node id -> profile) under the rule of this module."""
+    """Islands of the nodes in `profiles` (node id -> profile) under the rule of this module.
+
+    `matrix` is a `LinkGraph` (what the coordinator passes: near-linear in the links) or a dense completed
+    matrix (`complete_matrix`), whose measured entries are used alike.
+    """
     options = options or IslandOptions()
-    threshold = fast_threshold(matrix, options)
-    by_class: dict[str, list[str]] = {}
-    for node_id in sorted(profiles):
-        by_class.setdefault(device_class(profiles[node_id]), []).append(node_id)
-
-    def bw(a: str, b: str) -> float:
-        return symmetric_bandwidth(matrix, a, b)
-
+    graph = matrix if isinstance(matrix, LinkGraph) else LinkGraph.from_matrix(profiles, matrix)
+    threshold = fast_threshold(graph, options)
+    groups = _fast_groups(profiles, graph, threshold)
+    group_of = {n: k for k, g in enumerate(groups) for n in g}
+    slow: dict[str, set[str]] = {}  # measured links too slow for an island, between nodes of one group
+    for (a, b), w in graph.pairs.items():
+        if (w <= 0 or w < threshold) and a in group_of and group_of.get(a) == group_of.get(b):
+            slow.setdefault(a, set()).add(b)
+            slow.setdefault(b, set()).add(a)
     clusters: list[list[str]] = []
-    for nodes in by_class.values():
-        groups = [[n] for n in nodes]
-        while len(groups) > 1:
-            best, pair = -1.0, (0, 0)
-            for i in range(len(groups)):
-                for j in range(i + 1, len(groups)):
-                    link = min(bw(a, b) for a in groups[i] for b in groups[j])
-                    if link > best:
-                        best, pair = link, (i, j)
-            if best <= 0 or best < threshold:
-                break
-            i, j = pair
-            groups[i] = sorted(groups[i] + groups[j])
-            del groups[j]
-        clusters += groups
+    for group in groups:
+        if not any(n in slow for n in group):
+            clusters.append(group)  # every pair is fast: complete linkage merges them all
+        elif len(group) <= EXACT_LINKAGE_UP_TO:
+            clusters += _complete_linkage(group, graph, threshold)
+        else:
+            clusters += _greedy(group, slow)
 
     clusters.sort(key=lambda g: g[0])
+    island_of = {n: k for k, g in enumerate(clusters) for n in g}
+    # slowest inner link: measured pairs inside, and the narrowest forest edge of the island's Steiner tree
+    # (each pair's widest path runs along the forest; the paths between members in depth-first order cover it)
+    inner = [math.inf if len(g) > 1 else 0.0 for g in clusters]
+    for (a, b), w in graph.pairs.items():
+        k = island_of.get(a)
+        if k is not None and k == island_of.get(b):
+            inner[k] = min(inner[k], w)
+    for k, g in enumerate(clusters):
+        if len(g) > 1:
+            walk = sorted(g, key=graph.position)
+            inner[k] = min([inner[k]] + [graph.bottleneck(x, y) for x, y in zip(walk, walk[1:])])
+    # fastest way out: the widest forest edge leaving the island (every path out leaves along one, no wider)
+    outer = [0.0] * len(clusters)
+    for a, b, w in graph.forest:
+        ka, kb = island_of.get(a), island_of.get(b)
+        if ka != kb:
+            for k in (ka, kb):
+                if k is not None:
+                    outer[k] = max(outer[k], w)
     counters: dict[str, int] = {}
     islands = []
-    everyone = sorted(profiles)
-    for group in clusters:
+    for k, group in enumerate(clusters):
         first = profiles[group[0]]
         kind = first.device_kind or "dev"
-        k = counters.get(kind, 0)
-        counters[kind] = k + 1
-        inner = min((bw(a, b) for a in group for b in group if a < b), default=0.0)
-        outside = [n for n in everyone if n not in group]
-        outer = max((bw(a, b) for a in group for b in outside), default=0.0)
-        islands.append(IslandInfo(id=f"{kind}{k}", group=first.region, device=first.device_name, nodes=list(group),
-                                  gpus=sum(max(1, profiles[n].device_count) for n in group),
-                                  inner_bandwidth=inner, outer_bandwidth=outer))
+        n = counters.get(kind, 0)
+        counters[kind] = n + 1
+        islands.append(IslandInfo(id=f"{kind}{n}", group=first.region, device=first.device_name, nodes=list(group),
+                                  gpus=sum(max(1, profiles[x].device_count) for x in group),
+                                  inner_bandwidth=inner[k] if math.isfinite(inner[k]) else 0.0,
+                                  outer_bandwidth=outer[k]))
     return islands

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from atoll.coordinator.checkpoints import complete_steps
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
-from atoll.coordinator.linkmatrix import Pair, ProbeOptions, complete_matrix, fresh_pairs, needs_probes, probe_targets
+from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_deficit, sample_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
@@ -81,7 +82,14 @@ class CoordinatorState:
         self.started_unix = clock()
         self._cond = threading.Condition(threading.RLock())
         self._plan = store.latest_plan()
-        self._in_flight: dict[Pair, float] = {}
+        self._in_flight: dict[str, dict[str, float]] = {}
+        """node -> peer -> when a probe between them was handed out (both ways), until reported or timed out."""
+        self._measured: dict[str, dict[str, float]] = {}
+        """node -> peer -> when their link was last measured (both ways): each node's sample, read in O(its links)."""
+        for x in store.list_links():
+            self._note_measured(x.src, x.dst, x.measured_unix)
+        self._probe_index: _ProbeIndex = _ProbeIndex.of({})
+        self._rng = random.Random()
         self._last_change = self.started_unix
         self._stale_before = 0.0
         self._islands_dirty = True
@@ -174,32 +182,51 @@ class CoordinatorState:
             self._islands_dirty = True
 
     def alive_members(self) -> dict[str, MemberRecord]:
-        return {m.node_id: m for m in self.store.list_members() if m.state == "alive"}
+        """Alive members by id: the store's own records (read them, do not change them)."""
+        return {n: m for n, m in self.store.members_view().items() if m.state == "alive"}
 
     # --- probes ---------------------------------------------------------------------------------------
 
-    def _fresh(self, now: float) -> set[Pair]:
-        return fresh_pairs(self.store.list_links(), now, self.options.probes, self._stale_before)
+    def _note_measured(self, a: str, b: str, when: float) -> None:
+        if a != b:
+            self._measured.setdefault(a, {})[b] = when
+            self._measured.setdefault(b, {})[a] = when
+
+    def _fresh_peers(self, node_id: str, now: float) -> set[str]:
+        horizon = max(now - self.options.probes.reprobe_after.total_seconds(), self._stale_before)
+        return {p for p, t in self._measured.get(node_id, {}).items() if t >= horizon}
 
     def assign_probes(self, node_id: str, now: float) -> list[MemberRecord]:
-        """Peers `node_id` should probe now; they count as in flight until reported or timed out."""
-        alive = self.alive_members()
-        if node_id not in alive:
-            return []
-        classes = {n: device_class(m.profile) for n, m in alive.items()}
+        """Peers `node_id` should probe now; they count as in flight until reported or timed out.
+
+        O(the node's links + device classes): the peers are drawn from the index of alive members that `tick`
+        rebuilds, and a node that joined since is added to it here.
+        """
+        index = self._probe_index
+        if node_id not in index.class_of:
+            member = self.store.get_member(node_id)
+            if member is None or member.state != "alive":
+                return []
+            with self._cond:
+                index.add(node_id, device_class(member.profile))
+        timeout = self.options.probes.in_flight_timeout.total_seconds()
         with self._cond:
-            timeout = self.options.probes.in_flight_timeout.total_seconds()
-            self._in_flight = {p: t for p, t in self._in_flight.items() if now - t < timeout}
-            targets = probe_targets(node_id, classes, self._fresh(now), set(self._in_flight), self.options.probes)
+            counted = self._fresh_peers(node_id, now) | {
+                p for p, t in self._in_flight.get(node_id, {}).items() if now - t < timeout}
+            targets = sample_targets(node_id, index.class_of, index.by_class, index.everyone, counted,
+                                     self.options.probes, self._rng)
             for peer in targets:
-                self._in_flight[frozenset((node_id, peer))] = now
-        return [alive[p] for p in targets]
+                self._in_flight.setdefault(node_id, {})[peer] = now
+                self._in_flight.setdefault(peer, {})[node_id] = now
+        return [m for m in (self.store.get_member(p) for p in targets) if m is not None]
 
     def record_probes(self, links: list[LinkMeasurement]) -> None:
         self.store.put_links(links)
         with self._cond:
             for x in links:
-                self._in_flight.pop(frozenset((x.src, x.dst)), None)
+                self._in_flight.get(x.src, {}).pop(x.dst, None)
+                self._in_flight.get(x.dst, {}).pop(x.src, None)
+                self._note_measured(x.src, x.dst, x.measured_unix)
             self._islands_dirty = True
 
     def request_reprobe(self, now: float) -> None:
@@ -208,10 +235,24 @@ class CoordinatorState:
             self._stale_before = now
             self._islands_dirty = True
 
-    def unprobed(self, alive: dict[str, MemberRecord], now: float) -> set[str]:
-        classes = {n: device_class(m.profile) for n, m in alive.items()}
-        fresh = self._fresh(now)
-        return {n for n in alive if needs_probes(n, classes, fresh, self.options.probes)}
+    def unprobed(self, alive: Mapping[str, MemberRecord], now: float) -> set[str]:
+        """Alive members whose sample of links is incomplete (probes in flight count as missing)."""
+        index = _ProbeIndex.of(alive)
+        sizes = {c: len(v) for c, v in index.by_class.items()}
+        with self._cond:
+            return {n for n in alive
+                    if sample_deficit(n, index.class_of, sizes, self._fresh_peers(n, now), self.options.probes)[1] > 0}
+
+    def _refresh_probe_index(self, alive: Mapping[str, MemberRecord], now: float) -> None:
+        self._probe_index = _ProbeIndex.of(alive)
+        timeout = self.options.probes.in_flight_timeout.total_seconds()
+        with self._cond:
+            for node in list(self._in_flight):
+                live = {p: t for p, t in self._in_flight[node].items() if now - t < timeout}
+                if live:
+                    self._in_flight[node] = live
+                else:
+                    del self._in_flight[node]
 
     # --- failures -------------------------------------------------------------------------------------
 
@@ -253,19 +294,21 @@ class CoordinatorState:
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def islands_now(self, alive: dict[str, MemberRecord]) -> list[IslandInfo]:
-        matrix = complete_matrix(sorted(alive), self.store.list_links())
-        return form_islands({n: m.profile for n, m in alive.items()}, matrix, self.options.islands)
+    def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None) -> list[IslandInfo]:
+        graph = graph or LinkGraph(alive, self.store.list_links())
+        return form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
 
     def tick(self, now: float | None = None) -> list[str]:
         """One round of decisions at `now`; returns what changed, as readable lines."""
         now = self.clock() if now is None else now
         events: list[str] = []
-        for t in expire_leases(now, self.store.list_members(), self.started_unix, self.options.membership):
+        self.store.flush()
+        for t in expire_leases(now, self.store.members_view().values(), self.started_unix, self.options.membership):
             self.store.set_member_state(t.node_id, t.state, t.reason)
             self.membership_changed(now)
             events.append(f"node {t.node_id} is {t.state}: {t.reason}")
         alive = self.alive_members()
+        self._refresh_probe_index(alive, now)
         with self._cond:
             dirty, self._islands_dirty = self._islands_dirty, False
             last_change = self._last_change
@@ -302,10 +345,10 @@ class CoordinatorState:
         return events
 
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str) -> str:
-        islands = self.islands_now(alive)
-        self.store.put_islands(islands)
         links = self.store.list_links()
-        matrix = complete_matrix(sorted(alive), links)
+        matrix = LinkGraph(alive, links)
+        islands = self.islands_now(alive, matrix)
+        self.store.put_islands(islands)
         done = self.complete_checkpoint_steps()
         previous = self.current_plan()
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
@@ -318,6 +361,30 @@ class CoordinatorState:
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}"
+
+
+@dataclass(frozen=True)
+class _ProbeIndex:
+    """Alive members by device class, for drawing probe peers in O(1): rebuilt by each `tick`."""
+
+    class_of: dict[str, str]
+    by_class: dict[str, list[str]]
+    everyone: list[str]
+
+    @classmethod
+    def of(cls, alive: Mapping[str, MemberRecord]) -> _ProbeIndex:
+        class_of = {n: device_class(m.profile) for n, m in alive.items()}
+        by_class: dict[str, list[str]] = {}
+        for n, c in class_of.items():
+            by_class.setdefault(c, []).append(n)
+        return cls(class_of, by_class, list(class_of))
+
+    def add(self, node_id: str, cls: str) -> None:
+        """A member that joined after the index was built (one that left stays listed until the next build)."""
+        if node_id not in self.class_of:
+            self.class_of[node_id] = cls
+            self.by_class.setdefault(cls, []).append(node_id)
+            self.everyone.append(node_id)
 
 
 # --- an operator's pinned plan -----------------------------------------------------------------------
