@@ -4,10 +4,16 @@ Written in TOML (see examples/tiny.toml); the coordinator loads it, validates it
 every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same spec. Sections:
 
     [job]         name, id (optional: derived from the name and the spec's content)
-    [model]       preset = "tiny" | ..., and/or explicit atoll.modelspec.ModelConfig fields (override a preset)
-    [data]        source = "builtin" | a text file path (read by each node), tokenizer = "bytes"
+    [model]       preset = "tiny" | "llama-3.2-1b" | ..., or hf_config = "path/config.json" (a Hugging Face
+                  config, atoll.hf), and/or explicit atoll.modelspec.ModelConfig fields (override either);
+                  pretrained = "dir" (safetensors read by each node; its config.json gives the shape when
+                  nothing else does)
+    [data]        source = "builtin" | a text, JSONL or Parquet file, a folder of them or a datasets folder
+                  (read by each node), tokenizer = "bytes" | "path/tokenizer.json", format, field,
+                  validation_fraction | validation (a held-out source)
     [train]       global_batch, seq_len, micro_batch, steps, lr, weight_decay, warmup, grad_clip,
-                  dtype ("fp32" | "bf16"), seed, schedule ("1f1b" | "gpipe")
+                  precision ("fp32" | "bf16" | "fp16"; also spelt dtype), loss_scale, loss_scale_window (fp16),
+                  seed, schedule ("1f1b" | "gpipe"), tensorboard_dir, eval_every, eval_batches
     [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all)
     [compression] mode ("adaptive" | "identity" | a codec name)
     [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training)
@@ -35,6 +41,7 @@ else:  # pragma: no cover
 
 CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk")
 COMPRESSION_MODES = ("adaptive", *CODECS)
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -73,13 +80,38 @@ class DataSpec:
     """Where the training text comes from."""
 
     source: str = "builtin"
-    """"builtin" (the demo corpus shipped with atoll) or the path of a UTF-8 text file, read by each node."""
+    """"builtin" (the demo corpus shipped with atoll), the path of a UTF-8 text file (random windows of the
+    whole file), or a JSONL file, a Parquet file, a folder of either or a `datasets.save_to_disk` folder
+    (streamed and packed; see atoll.node.datasets). Read by each node from its own disk."""
     tokenizer: str = "bytes"
-    """"bytes": one token per byte (vocabulary 256)."""
+    """"bytes": one token per byte (vocabulary 256); or the path of a Hugging Face tokenizer.json (see
+    `atoll tokenizer train`), whose vocabulary must fit model.vocab_size."""
+    format: str = "auto"
+    """"auto" (from the source's name), "text", "jsonl", "parquet" or "datasets"."""
+    field: str = "text"
+    """The JSONL key, Parquet or `datasets` column holding each row's text."""
+    validation_fraction: float = 0.0
+    """Share of the source held out for validation (rows of a streamed source, the tail of a text source)."""
+    validation: str = ""
+    """A separate held-out source (same kinds as `source`); "": none, or `validation_fraction` of `source`."""
 
     def __post_init__(self) -> None:
         _check(bool(self.source.strip()), 'data.source is empty: use "builtin" or the path of a text file')
-        _check(self.tokenizer == "bytes", f'data.tokenizer must be "bytes", got {self.tokenizer!r}')
+        _check(self.tokenizer == "bytes" or self.tokenizer.endswith(".json"),
+               f'data.tokenizer must be "bytes" or the path of a tokenizer.json, got {self.tokenizer!r}')
+        _check(self.format in DATA_FORMATS,
+               f"data.format must be one of {', '.join(DATA_FORMATS)}, got {self.format!r}")
+        _check(bool(self.field.strip()), 'data.field is empty: name the JSONL key or column holding the text')
+        _check(0 <= self.validation_fraction < 1,
+               f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
+        _check(not (self.validation and self.validation_fraction),
+               "set data.validation (a separate held-out source) or data.validation_fraction, not both")
+        _check(self.format in ("auto", "text") or self.source != "builtin",
+               f'data.format = "{self.format}" does not fit data.source = "builtin" (a text corpus)')
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.validation) or self.validation_fraction > 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +136,24 @@ class TrainSpec:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     dtype: str = "fp32"
-    """Compute dtype: "fp32" or "bf16"."""
+    """Precision, written `precision` (or `dtype`) in the TOML: "fp32", "bf16" (autocast) or "fp16" (autocast
+    with dynamic loss scaling); weights, gradients and optimizer states stay fp32 (atoll.node.precision)."""
     seed: int = 0
     """Seed of the initial weights and the data order."""
     schedule: str = "1f1b"
     """Pipeline schedule: "1f1b" or "gpipe"."""
+    eval_every: int = 0
+    """Steps between validation passes over held-out data (0: none; needs data.validation_fraction or
+    data.validation); a pass also runs after the last step."""
+    eval_batches: int = 2
+    """Global batches of held-out data per validation pass (the same batches every time)."""
+    loss_scale: float = 65536.0
+    """fp16: the initial loss scale (halved at every overflow, doubled after loss_scale_window good steps)."""
+    loss_scale_window: int = 2000
+    """fp16: good steps in a row after which the loss scale doubles."""
+    tensorboard_dir: str = ""
+    """Where nodes write TensorBoard event files (one folder per node); "": none (`atoll node --tensorboard`
+    overrides it per machine)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "micro_batch", "steps"):
@@ -120,8 +165,14 @@ class TrainSpec:
         _check(0 <= self.warmup <= self.steps, f"train.warmup must be between 0 and train.steps ({self.steps}), "
                f"got {self.warmup}")
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
-        _check(self.dtype in ("fp32", "bf16"), f'train.dtype must be "fp32" or "bf16", got {self.dtype!r}')
+        _check(self.dtype in ("fp32", "bf16", "fp16"),
+               f'train.precision (train.dtype) must be "fp32", "bf16" or "fp16", got {self.dtype!r}')
+        _check(self.loss_scale > 0 and self.loss_scale != float("inf"),
+               f"train.loss_scale must be a positive number, got {self.loss_scale}")
+        _check(self.loss_scale_window >= 1, f"train.loss_scale_window must be >= 1, got {self.loss_scale_window}")
         _check(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
+        _check(self.eval_every >= 0, f"train.eval_every must be >= 0 (0: no validation), got {self.eval_every}")
+        _check(self.eval_batches >= 1, f"train.eval_batches must be >= 1, got {self.eval_batches}")
         _check(self.schedule in ("1f1b", "gpipe"), f'train.schedule must be "1f1b" or "gpipe", got {self.schedule!r}')
 
     @property
@@ -238,6 +289,9 @@ class JobSpec:
     """Job id; empty: derived from the name and a hash of the spec."""
     model_preset: str | None = None
     """The preset the model came from, if any (kept so to_toml writes it back)."""
+    pretrained: str | None = None
+    """A local folder of Hugging Face safetensors weights (model.safetensors, or shards with their index),
+    read by each node at step 0: each stage reads only its own tensors (atoll.node.pretrained)."""
     data: DataSpec = field(default_factory=DataSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     compression: CompressionSpec = field(default_factory=CompressionSpec)
@@ -253,6 +307,8 @@ class JobSpec:
         if self.data.tokenizer == "bytes":
             _check(self.model.vocab_size >= 256,
                    f"model.vocab_size ({self.model.vocab_size}) is below 256, too small for the bytes tokenizer")
+        _check(not self.train.eval_every or self.data.has_validation,
+               "train.eval_every needs held-out data: set data.validation_fraction (e.g. 0.01) or data.validation")
         if self.id:
             _check(bool(_NAME_RE.match(self.id)),
                    f"job.id {self.id!r} must be 1-64 letters, digits, '.', '_' or '-'")
@@ -294,18 +350,22 @@ class JobSpec:
         job_id = job.get("id", str) or ""
         job.done()
 
-        model, model_preset = _model_from(_Section("model", doc.get("model", {})))
+        model, model_preset, pretrained = _model_from(_Section("model", doc.get("model", {})))
 
         data = _build(DataSpec, "data", doc.get("data", {}))
         train_sec = doc.get("train")
         _check(train_sec is not None, "[train] is missing: add global_batch, seq_len, micro_batch and steps")
+        if isinstance(train_sec, dict) and "precision" in train_sec:  # the documented name of train.dtype
+            _check("dtype" not in train_sec, "[train] sets both precision and dtype; keep precision")
+            train_sec = {("dtype" if k == "precision" else k): v for k, v in train_sec.items()}
         train = _build(TrainSpec, "train", train_sec)
         checkpoint = _build(CheckpointSpec, "checkpoint", doc.get("checkpoint", {}))
         compression = _build(CompressionSpec, "compression", doc.get("compression", {}))
         cluster = _build(ClusterSpec, "cluster", doc.get("cluster", {}))
         outer = _build(OuterSpec, "outer", doc.get("outer", {}))
         try:
-            return cls(name=name, id=job_id, model=model, model_preset=model_preset, data=data, train=train,
+            return cls(name=name, id=job_id, model=model, model_preset=model_preset, pretrained=pretrained,
+                       data=data, train=train,
                        checkpoint=checkpoint, compression=compression, cluster=cluster, outer=outer)
         except JobSpecError:
             raise
@@ -321,6 +381,8 @@ class JobSpec:
         base = preset(self.model_preset) if self.model_preset else None
         if base is not None:
             out.append(f"preset = {_toml_value(self.model_preset)}")
+        if self.pretrained:
+            out.append(f"pretrained = {_toml_value(self.pretrained)}")
         for f in fields(ModelConfig):
             value = getattr(self.model, f.name)
             if value is None or (base is not None and getattr(base, f.name) == value):
@@ -330,7 +392,11 @@ class JobSpec:
             obj = getattr(self, sec)
             out.append(f"\n[{sec}]")
             out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
-                       if not (sec == "checkpoint" and f.name == "keep" and obj.keep == CheckpointSpec.keep))
+                       if not (sec == "checkpoint" and f.name == "keep" and obj.keep == CheckpointSpec.keep)
+                       and not (sec == "train" and f.name in _TRAIN_WRITTEN_WHEN_SET
+                                and getattr(obj, f.name) == f.default)
+                       and not (sec == "data" and f.name in _DATA_WRITTEN_WHEN_SET
+                                and getattr(obj, f.name) == f.default))
         if self.outer != OuterSpec():  # written only when set, so jobs without it keep their ids
             out.append("\n[outer]")
             out.extend(f"{f.name} = {_toml_value(getattr(self.outer, f.name))}" for f in fields(self.outer))
@@ -338,6 +404,11 @@ class JobSpec:
 
     def with_id(self, job_id: str) -> "JobSpec":
         return replace(self, id=job_id)
+
+
+_TRAIN_WRITTEN_WHEN_SET = ("loss_scale", "loss_scale_window", "tensorboard_dir", "eval_every", "eval_batches")
+_DATA_WRITTEN_WHEN_SET = ("format", "field", "validation_fraction", "validation")
+"""[train] fields written only when they differ from their defaults, so jobs without them keep their ids."""
 
 
 class _Section:
@@ -367,7 +438,8 @@ _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 def _field_kind(annotation: Any) -> type:
     text = str(annotation)
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str), ("Style", str)):
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str), ("Style", str),
+                       ("tuple", list)):
         if text.startswith(name):
             return kind
     raise TypeError(f"no TOML kind for {annotation!r}")  # pragma: no cover - a programming error
@@ -387,8 +459,15 @@ def _build(cls: Any, name: str, table: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def _model_from(sec: _Section) -> tuple[ModelConfig, str | None]:
+def _model_from(sec: _Section) -> tuple[ModelConfig, str | None, str | None]:
+    """(model, preset name, pretrained folder). A hf_config (or, alone, the pretrained folder's config.json)
+    is resolved into explicit fields here, so the spec nodes receive does not need the file."""
+    from atoll.hf import config_from_file
+
     preset_name = sec.get("preset", str)
+    hf_path = sec.get("hf_config", str)
+    pretrained = sec.get("pretrained", str) or None
+    _check(not (preset_name and hf_path), "[model] has both preset and hf_config: keep one")
     overrides: dict[str, Any] = {}
     for f in fields(ModelConfig):
         value = sec.get(f.name, _field_kind(f.type))
@@ -398,12 +477,19 @@ def _model_from(sec: _Section) -> tuple[ModelConfig, str | None]:
     try:
         if preset_name is not None:
             base = preset(preset_name)
-            return replace(base, **overrides), preset_name.lower()
+            return replace(base, **overrides), preset_name.lower(), pretrained
+        required = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+        if hf_path or (pretrained and not all(r in overrides for r in required)):
+            try:
+                base = config_from_file(hf_path or pretrained)
+            except FileNotFoundError as e:
+                raise JobSpecError(f"model.{'hf_config' if hf_path else 'pretrained'}: {e}") from None
+            return replace(base, **overrides), None, pretrained
         required = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
         missing = [f"model.{r}" for r in required if r not in overrides]
         _check(not missing, f"[model] needs preset = \"tiny\" (or another preset) or explicit fields; missing "
                f"{', '.join(missing)}")
-        return ModelConfig(**overrides), None
+        return ModelConfig(**overrides), None, pretrained
     except JobSpecError:
         raise
     except ValueError as e:
@@ -417,4 +503,6 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")  # pragma: no cover

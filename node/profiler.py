@@ -26,6 +26,7 @@ import torch
 from atoll import __version__
 from atoll.job import JobSpec
 from atoll.node.model import build_layer, lm_loss
+from atoll.node.precision import autocast
 from atoll.types import LayerTiming, NodeProfile
 
 
@@ -126,6 +127,11 @@ def cpu_share(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs
     return math.inf
 
 
+def _forward(layer: torch.nn.Module, x: torch.Tensor, precision: str, dev: torch.device) -> torch.Tensor:
+    with autocast(precision, dev):
+        return layer(x)
+
+
 def _timed(dev: torch.device, fn: Callable[[], None], share: float = math.inf) -> float:
     """Seconds `fn` takes on `dev`.
 
@@ -157,7 +163,9 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
         torch.backends.cudnn.allow_tf32 = True
     profile = describe_device(dev)
     cfg, seq = job.model, job.train.seq_len
-    dtype = torch.bfloat16 if job.train.dtype == "bf16" and dev.type == "cuda" else torch.float32
+    # as the stages train: fp32 weights (the master weights), forwards under the job's autocast (bf16, fp16)
+    dtype = torch.float32
+    precision = job.train.dtype
     mb = job.train.micro_batch
     sizes = options.micro_batches or tuple(sorted({max(1, mb // 2), mb, 2 * mb}))
     deadline = time.perf_counter() + options.budget.total_seconds()
@@ -173,7 +181,7 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
             for r in range(options.repeats + 1):
                 x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
                 out: list[torch.Tensor] = []
-                f = _timed(dev, lambda: out.append(layer(x)), share)
+                f = _timed(dev, lambda: out.append(_forward(layer, x, precision, dev)), share)
                 loss = lm_loss(out[0], ids) if kind == "head" else out[0].float().square().mean()
                 bw = _timed(dev, loss.backward, share)
                 layer.zero_grad(set_to_none=True)

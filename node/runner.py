@@ -45,6 +45,8 @@ from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, RoundDecision
 from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
+from atoll.node.pretrained import load_pretrained
+from atoll.node.precision import LossScaleConfig, LossScaler, load_scaler_state, save_scaler_state
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
@@ -69,6 +71,8 @@ def stage_config(job: JobSpec, micro_batches: int, timeout: timedelta) -> StageC
     t = job.train
     return StageConfig(micro_batches=micro_batches, schedule=t.schedule, lr=t.lr, weight_decay=t.weight_decay,
                        max_grad_norm=t.grad_clip if t.grad_clip > 0 else None, bf16_autocast=t.dtype == "bf16",
+                       fp16_loss_scale=LossScaleConfig(init_scale=t.loss_scale, growth_interval=t.loss_scale_window)
+                       if t.dtype == "fp16" else None,
                        recv_timeout=timeout, collective_timeout=timeout)
 
 
@@ -268,6 +272,8 @@ class PlanRunner:
         self.outer: OuterSync | None = None
         self.tp: TensorParallel | None = None
         """This node's tp group handle while a tensor-parallel stage runs (set up in `run`)."""
+        self.scaler: LossScaler | None = None
+        """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         # the epoch that names this run's process groups and transfers: in outer mode the epoch from which
         # its replica group has run unchanged (a replan that keeps the group leaves it running)
         self.run_epoch = plan.epoch
@@ -307,14 +313,18 @@ class PlanRunner:
         # off CUDA the reported peak memory counts the bytes saved for backward (one hook per saved tensor)
         cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda",
                       in_flight=stage_plan.in_flight)
-        module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
-                             recompute=stage_plan.recomputed(job.model.n_layers + 2))
-        optimizer = build_optimizer(module, cfg)
         step = self.plan.resume_step
+        pretrained = job.pretrained if step == 0 else None  # a resume takes the checkpoint's weights instead
+        module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
+                             recompute=stage_plan.recomputed(job.model.n_layers + 2), init=pretrained is None)
+        optimizer = build_optimizer(module, cfg)
         try:
             if step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
                 load_layers(module, optimizer, ctx.checkpoint_dir, step)
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
+            elif pretrained is not None:
+                read = load_pretrained(module, pretrained)
+                log.info("loaded layers [%d, %d) from %d pretrained tensors in %s", *pl.layers, read, pretrained)
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
                 else None
             if pl.tp > 1:
@@ -331,6 +341,15 @@ class PlanRunner:
                             f"failed: {e}") from e
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
                               norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp)
+        self.scaler = stage.scaler
+        if stage.scaler is not None and step > 0:  # every stage reads the same saved scale: they stay equal
+            try:
+                saved = load_scaler_state(ctx.checkpoint_dir, step)
+            except ValueError as e:
+                raise RunFailed(str(e)) from e
+            if saved is not None:
+                stage.scaler.load_state_dict(saved)
+                log.info("fp16 loss scale %g restored from the checkpoint of step %d", stage.scaler.scale, step)
         data = TokenDataset.from_source(job.data.source, job.train.seq_len, seed=job.train.seed) \
             if (pl.is_first or pl.is_last) else None
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
@@ -675,6 +694,8 @@ class PlanRunner:
                                        state=whole)
             if self.outer is not None:
                 save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
+            if self.scaler is not None:
+                save_scaler_state(self.scaler.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
         except OSError as e:
             log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes "
                       "on without it", step, *pl.layers, self.ctx.checkpoint_dir, e)

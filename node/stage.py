@@ -33,6 +33,7 @@ from atoll.node.dataparallel import GradientAverager
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
+from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribution
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
 from atoll.node.zero import ZeroOptimizer
@@ -63,6 +64,9 @@ class StageConfig:
     """Clip the global (all stages) gradient norm to this; None disables clipping and the exchange."""
     bf16_autocast: bool = False
     """Run forward passes under bf16 autocast (weights, gradients and optimizer stay fp32)."""
+    fp16_loss_scale: LossScaleConfig | None = None
+    """Run forward passes under fp16 autocast with this dynamic loss scale (weights, gradients and optimizer
+    stay fp32; an overflow anywhere skips the step everywhere: `atoll.node.precision`); None: no fp16."""
     recv_timeout: timedelta = timedelta(seconds=60)
     """Longest wait for one activation or activation-gradient from a neighbour."""
     collective_timeout: timedelta = timedelta(seconds=60)
@@ -85,6 +89,8 @@ class StageConfig:
             raise ValueError(f"eps must be positive and weight_decay non-negative, got {self.eps}, {self.weight_decay}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.bf16_autocast and self.fp16_loss_scale is not None:
+            raise ValueError("bf16_autocast and fp16_loss_scale exclude each other: pick one precision")
         for name in ("recv_timeout", "collective_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be a positive timedelta, got {getattr(self, name)}")
@@ -134,7 +140,12 @@ class StepResult:
     loss: float | None
     """Mean loss over the micro-batches (last stage only; None elsewhere)."""
     grad_norm: float | None
-    """Global gradient norm before clipping (None when clipping is off)."""
+    """Global gradient norm before clipping (None when clipping is off and the precision is not fp16; inf
+    when an fp16 step overflowed)."""
+    skipped: bool = False
+    """fp16: a gradient overflowed somewhere in the job, so no stage stepped (the loss scale was lowered)."""
+    loss_scale: float | None = None
+    """fp16: the loss scale this step's gradients carried (None under other precisions)."""
     tokens: int
     step_seconds: float
     pipeline_seconds: float
@@ -195,6 +206,9 @@ class PipelineStage:
             if (num_stages > 1 or (tp is not None and tp.size > 1)) and config.max_grad_norm is not None:
                 raise ValueError("global gradient clipping across stages (or a stage's tp ranks) needs a "
                                  "norm_exchange; pass one or set max_grad_norm=None")
+            if (num_stages > 1 or (tp is not None and tp.size > 1)) and config.fp16_loss_scale is not None:
+                raise ValueError("fp16's global overflow check across stages (or a stage's tp ranks) needs a "
+                                 "norm_exchange; pass one")
             norm_exchange = LocalNormExchange()
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self.transport, self.config = transport, config
@@ -212,6 +226,8 @@ class PipelineStage:
         self.device = next(module.parameters()).device
         self._working_set: tuple[tuple[int, int], int] | None = None
         """((rows, seq), bytes) of a recomputed block's working set, measured once per micro-batch shape."""
+        self.scaler = LossScaler(config.fp16_loss_scale) if config.fp16_loss_scale is not None else None
+        """fp16: the dynamic loss scale, equal on every stage and replica (they apply the same overflow flags)."""
 
     @classmethod
     def create(cls, model: ModelConfig, *, start: int, end: int, stage: int, num_stages: int,
@@ -281,7 +297,7 @@ class PipelineStage:
                         tgt = targets[i].to(self.device)
                         loss = lm_loss(out, tgt)
                         tokens += tgt.numel()
-                        out = loss / m
+                        out = loss / m if self.scaler is None else loss * (self.scaler.scale / m)
                 self._sync()
                 a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
                 compute += a_compute
@@ -334,15 +350,28 @@ class PipelineStage:
         sync += time.perf_counter() - s0
         grad_bytes = zero.peak_grad_bytes if zero is not None else _grad_bytes(params)
 
+        scaler, found_inf = self.scaler, False
+        loss_scale = scaler.scale if scaler is not None else None
+        if scaler is not None:  # the averaged gradients carry the loss scale: take it off before norms and steps
+            if zero is not None:
+                zero.scale_gradients(1.0 / scaler.scale)
+            else:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / scaler.scale)
         grad_norm = None
-        if cfg.max_grad_norm is not None:
+        if cfg.max_grad_norm is not None or scaler is not None:
             # with ZeRO: the owned shards' squares summed over the replicas, the stage's whole norm
             local = zero.squared_norm() if zero is not None else \
                 self.tp.squared_norm(params) if self.tp is not None else _squared_norm(params)
+            if scaler is not None:  # +inf from an overflowed stage makes the pipeline's total non-finite
+                local = overflow_contribution(local)
             w0 = time.perf_counter()
             total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
             wait += time.perf_counter() - w0
+            found_inf = scaler is not None and not math.isfinite(total)
             grad_norm = math.sqrt(total)
+        if grad_norm is not None and cfg.max_grad_norm is not None and not found_inf:
             # same coefficient as torch.nn.utils.clip_grad_norm_
             coef = min(cfg.max_grad_norm / (grad_norm + 1e-6), 1.0)
             if coef < 1.0:
@@ -353,7 +382,10 @@ class PipelineStage:
                         if p.grad is not None:
                             p.grad.mul_(coef)
         pipeline_end = time.perf_counter()
-        self.optimizer.step()
+        if not found_inf:  # an overflow anywhere: no stage of any replica steps (see atoll.node.precision)
+            self.optimizer.step()
+        if scaler is not None:
+            scaler.update(found_inf)
         end = time.perf_counter()
         if self.device.type == "cuda":
             peak_memory = torch.cuda.max_memory_allocated(self.device)
@@ -366,7 +398,8 @@ class PipelineStage:
             step=step, loss=sum(losses) / m if self.is_last else None, grad_norm=grad_norm, tokens=tokens,
             step_seconds=end - t0, pipeline_seconds=pipeline_end - t0,
             compute_seconds=compute, wait_seconds=wait, sync_seconds=sync, optimizer_seconds=end - pipeline_end,
-            peak_activation_bytes=peak_bytes, peak_memory_bytes=peak_memory, timeline=timeline)
+            peak_activation_bytes=peak_bytes, peak_memory_bytes=peak_memory, timeline=timeline,
+            skipped=found_inf, loss_scale=loss_scale)
 
     def _recompute_working_set(self, shape: tuple[int, int], params: set[int]) -> int:
         """Bytes a recomputed block rebuilds in backward while the step's activations are live (0 without
@@ -423,6 +456,8 @@ class PipelineStage:
             torch.cuda.synchronize(self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.config.fp16_loss_scale is not None:
+            return torch.autocast(device_type=self.device.type, dtype=torch.float16)
         if not self.config.bf16_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)

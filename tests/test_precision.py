@@ -1,0 +1,208 @@
+"""Mixed precision: bf16 and fp16 autocast with fp32 master weights, fp16's dynamic loss scale and its global
+overflow check (a step that overflows anywhere is skipped by every stage of every replica)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from atoll.job import JobSpec, JobSpecError
+from atoll.modelspec import preset
+from atoll.node.dataparallel import GradientAverager, gloo_group
+from atoll.node.inprocess import InProcessLinks, train_threaded
+from atoll.node.model import build_slice
+from atoll.node.norm_exchange import InProcessNormGroup
+from atoll.node.precision import (LossScaleConfig, LossScaler, autocast, compute_dtype, load_scaler_state,
+                                  overflow_contribution, save_scaler_state)
+from atoll.node.stage import PipelineStage, StageConfig, StepResult
+from atoll.node.synthetic import replica_batch, synthetic_batch
+
+TINY = preset("tiny")
+BATCHES = [synthetic_batch(vocab_size=TINY.vocab_size, batch=8, seq_len=TINY.seq_len, seed=7, step=i)
+           for i in range(10)]
+FP32 = StageConfig(micro_batches=2, lr=3e-3, max_grad_norm=0.5)
+
+
+def fp16(**scale) -> StageConfig:
+    return StageConfig(micro_batches=2, lr=3e-3, max_grad_norm=0.5, fp16_loss_scale=LossScaleConfig(**scale))
+
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps():
+    s = LossScaler(LossScaleConfig(init_scale=1024.0, growth_interval=3))
+    s.update(found_inf=False)
+    s.update(found_inf=False)
+    assert (s.scale, s.good_steps) == (1024.0, 2)
+    s.update(found_inf=True)  # an overflow halves the scale and restarts the count
+    assert (s.scale, s.good_steps, s.skipped) == (512.0, 0, 1)
+    for _ in range(3):
+        s.update(found_inf=False)
+    assert (s.scale, s.good_steps) == (1024.0, 0)
+    floor = LossScaler(LossScaleConfig(init_scale=2.0, min_scale=1.0))
+    for _ in range(5):
+        floor.update(found_inf=True)
+    assert floor.scale == 1.0
+    restored = LossScaler()
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == {"scale": 1024.0, "good_steps": 0}
+    with pytest.raises(ValueError, match="scale"):
+        restored.load_state_dict({"scale": float("inf")})
+
+
+@pytest.mark.parametrize("bad, field", [({"init_scale": 0.0}, "init_scale"), ({"growth_interval": 0}, "growth_interval"),
+                                        ({"backoff_factor": 1.0}, "backoff_factor"),
+                                        ({"growth_factor": 1.0}, "growth_factor")])
+def test_loss_scale_config_validation(bad, field):
+    with pytest.raises(ValueError, match=field):
+        LossScaleConfig(**bad)
+    with pytest.raises(ValueError, match="exclude"):
+        StageConfig(bf16_autocast=True, fp16_loss_scale=LossScaleConfig())
+
+
+def test_overflow_contribution_makes_any_non_finite_norm_inf():
+    assert overflow_contribution(4.0) == 4.0
+    assert overflow_contribution(float("nan")) == math.inf
+    assert overflow_contribution(math.inf) + overflow_contribution(float("nan")) == math.inf
+    assert compute_dtype("bf16") == torch.bfloat16 and compute_dtype("fp16") == torch.float16
+    with pytest.raises(ValueError, match="precision"):
+        compute_dtype("fp8")
+    with autocast("fp16", "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
+
+
+def test_scaler_state_is_saved_beside_each_stage_and_read_back(tmp_path):
+    assert load_scaler_state(tmp_path, 5) is None
+    state = {"scale": 2048.0, "good_steps": 7}
+    save_scaler_state(state, tmp_path, 5, (0, 3))
+    save_scaler_state(state, tmp_path, 5, (3, 6))
+    assert load_scaler_state(tmp_path, 5) == state
+    save_scaler_state({"scale": 1.0, "good_steps": 0}, tmp_path, 5, (3, 6))
+    with pytest.raises(ValueError, match="different loss-scale states"):
+        load_scaler_state(tmp_path, 5)
+
+
+def test_job_spec_takes_precision_and_the_loss_scale():
+    base = ('[job]\nname = "p"\n[model]\npreset = "tiny"\n[train]\nglobal_batch = 8\nseq_len = 32\n'
+            'micro_batch = 2\nsteps = 10\n')
+    job = JobSpec.from_toml(base + 'precision = "fp16"\nloss_scale = 1024.0\nloss_scale_window = 50\n')
+    assert (job.train.dtype, job.train.loss_scale, job.train.loss_scale_window) == ("fp16", 1024.0, 50)
+    assert JobSpec.from_toml(job.to_toml()) == job
+    assert JobSpec.from_toml(base + 'dtype = "bf16"\n').train.dtype == "bf16"
+    # a job that leaves the new fields at their defaults keeps the id it had before they existed
+    assert "loss_scale" not in JobSpec.from_toml(base).to_toml()
+    with pytest.raises(JobSpecError, match="train.precision"):
+        JobSpec.from_toml(base + 'precision = "fp8"\n')
+    with pytest.raises(JobSpecError, match="both"):
+        JobSpec.from_toml(base + 'precision = "fp16"\ndtype = "fp16"\n')
+
+
+@pytest.mark.timeout(60)
+def test_fp16_autocast_with_loss_scaling_trains_close_to_fp32():
+    batches = BATCHES[:6]
+    ref = train_threaded(TINY, cuts=[0, 3, 6], stage_config=FP32, batches=batches)
+    run = train_threaded(TINY, cuts=[0, 3, 6], stage_config=fp16(init_scale=2.0 ** 12), batches=batches)
+    losses = run.losses()
+    assert all(math.isfinite(x) for x in losses)
+    assert losses != pytest.approx(ref.losses(), rel=1e-6), "fp16 autocast should change the arithmetic"
+    assert losses == pytest.approx(ref.losses(), rel=2e-2)
+    assert not any(r.skipped for r in run.results[0][-1])
+    # fp32 master weights
+    assert all(p.dtype == torch.float32 for s in run.stages[0] for p in s.module.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_a_scale_too_large_for_fp16_overflows_for_real_and_backs_off_until_steps_apply():
+    run = train_threaded(TINY, cuts=[0, 3, 6], stage_config=fp16(init_scale=2.0 ** 24), batches=BATCHES[:8])
+    results = run.results[0]
+    skipped = [r.skipped for r in results[-1]]
+    assert skipped[0], "a loss scale of 2^24 overflows fp16 activation gradients"
+    assert not skipped[-1], "the scale should have come down far enough for steps to apply"
+    assert [r.skipped for r in results[0]] == skipped, "both stages skip the same steps"
+    scales = [r.loss_scale for r in results[-1]]
+    for a, b, skip in zip(scales, scales[1:], skipped):
+        assert b == (a / 2 if skip else a)
+
+
+def _two_by_two(config: StageConfig, steps: int, overflow_at: int | None):
+    """A two-stage pipeline with two replicas, run step by step (threads), with replica 1 stage 0's gradient
+    of one parameter made inf at step `overflow_at`. Returns (results[step][replica][stage], params after each
+    step: params[step][replica][stage])."""
+    cuts = [0, 3, 6]
+    links = [InProcessLinks(2) for _ in range(2)]
+    norms = [InProcessNormGroup(2) for _ in range(2)]
+    stages = [[PipelineStage(build_slice(TINY, cuts[s], cuts[s + 1], seed=0), stage=s, num_stages=2,
+                             transport=links[r].transport(s), config=config, norm_exchange=norms[r].member(s))
+               for s in range(2)] for r in range(2)]
+    current = {"step": -1}
+    victim = next(stages[1][0].module.parameters())
+    victim.register_hook(lambda g: torch.full_like(g, math.inf) if current["step"] == overflow_at else g)
+    store = dist.HashStore()
+    groups: dict[int, list] = {0: [None, None], 1: [None, None]}
+
+    def join(r: int, s: int) -> None:
+        groups[s][r] = gloo_group(store, f"stage{s}", rank=r, size=2, timeout=timedelta(seconds=30))
+
+    threads = [threading.Thread(target=join, args=(r, s)) for r in range(2) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in range(2):
+        for s in range(2):
+            stages[r][s].grad_averager = GradientAverager(groups[s][r])
+    results: list[list[list[StepResult | None]]] = []
+    params = []
+    for step in range(steps):
+        current["step"] = step
+        out: list[list[StepResult | None]] = [[None, None], [None, None]]
+        errors: list[BaseException] = []
+
+        def work(r: int, s: int) -> None:
+            try:
+                out[r][s] = stages[r][s].train_step(step, replica_batch(BATCHES[step], r, 2))
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+                for ln in links:
+                    ln.close()
+
+        threads = [threading.Thread(target=work, args=(r, s)) for r in range(2) for s in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if errors:
+            raise errors[0]
+        results.append(out)
+        params.append([[{k: v.detach().clone() for k, v in stages[r][s].module.state_dict().items()}
+                        for s in range(2)] for r in range(2)])
+    return results, params
+
+
+@pytest.mark.timeout(90)
+def test_an_overflow_in_one_stage_of_one_replica_skips_the_step_everywhere_and_halves_the_scale():
+    steps, at = 6, 3
+    config = fp16(init_scale=2.0 ** 10, growth_interval=2)
+    results, params = _two_by_two(config, steps, overflow_at=at)
+    flat = [[results[k][r][s] for r in range(2) for s in range(2)] for k in range(steps)]
+    # the injected inf in replica 1 stage 0 skips step 3 on all four stage replicas, and only step 3
+    for k in range(steps):
+        assert [x.skipped for x in flat[k]] == [k == at] * 4, f"step {k}"
+    # every stage replica holds the same scale: 2^10, grown after every 2 good steps, halved at the overflow
+    scales = [{x.loss_scale for x in flat[k]} for k in range(steps)]
+    assert scales == [{1024.0}, {1024.0}, {2048.0}, {2048.0}, {1024.0}, {1024.0}]
+    # the parameters did not move at the skipped step, anywhere, and did at the others
+    for r in range(2):
+        for s in range(2):
+            before, after = params[at - 1][r][s], params[at][r][s]
+            assert all(torch.equal(before[n], after[n]) for n in before), f"replica {r} stage {s} stepped"
+            later = params[at + 1][r][s]
+            assert not all(torch.equal(after[n], later[n]) for n in after), "training goes on after the skip"
+    # the replicas stay identical, and the loss stays finite after the skip
+    for s in range(2):
+        a, b = params[-1][0][s], params[-1][1][s]
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert all(math.isfinite(results[k][r][1].loss) for k in range(steps) for r in range(2))
