@@ -1,5 +1,8 @@
 """Training data: a byte-level tokenizer, a token stream from a text file, deterministic batches.
 
+(Streamed JSONL, Parquet and `datasets` sources: `atoll.node.datasets`; Hugging Face tokenizers:
+`atoll.node.tokenizer`; `atoll.node.datasets.open_dataset` picks the dataset of a job.)
+
 Every node derives the same global batch for a step from (seed, step) alone, so the first stage (which
 feeds token ids) and the last stage (which needs the targets) agree without exchanging data, and each
 data-parallel replica takes its own contiguous share. The data position of a step is the number of
@@ -21,9 +24,14 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: a vocabulary of 256, nothing to download or train."""
 
     vocab_size = 256
+    eos_id = None
+    """No end-of-text token: packed documents follow each other directly."""
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: torch.Tensor) -> str:
         return bytes(ids.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
@@ -53,23 +61,55 @@ class Batch:
 
 
 class TokenDataset:
-    """Random windows of seq_len + 1 tokens from one token stream, drawn deterministically per step."""
+    """Random windows of seq_len + 1 tokens from one token stream, drawn deterministically per step.
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0):
+    Held-out data: the last `validation_fraction` of the stream (training windows never reach into it), or
+    a separate `validation` stream; held-out batch j is drawn from it the same way on every node.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0, *, validation_fraction: float = 0.0,
+                 validation: torch.Tensor | None = None):
+        if validation_fraction:
+            cut = int(tokens.numel() * (1 - validation_fraction))
+            tokens, validation = tokens[:cut], tokens[cut:]
         if tokens.ndim != 1 or tokens.numel() < seq_len + 2:
             raise ValueError(f"the corpus has {tokens.numel()} tokens; it needs more than seq_len + 1 = {seq_len + 1}")
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        if validation is not None and validation.numel() < seq_len + 2:
+            raise ValueError(f"the held-out data has {validation.numel()} tokens; it needs more than seq_len + 1 = "
+                             f"{seq_len + 1}: raise data.validation_fraction or give a longer data.validation")
+        self.tokens, self.seq_len, self.seed, self.validation = tokens, seq_len, seed, validation
 
     @classmethod
-    def from_source(cls, source: str, seq_len: int, seed: int = 0) -> "TokenDataset":
-        return cls(ByteTokenizer().encode(load_text(source)), seq_len, seed)
+    def from_source(cls, source: str, seq_len: int, seed: int = 0, *, tokenizer=None,
+                    validation_fraction: float = 0.0, validation: str = "") -> "TokenDataset":
+        """A text source (`load_text`) tokenized by `tokenizer` (default: bytes); held-out data as above."""
+        tok = tokenizer or ByteTokenizer()
+        held = _encode(tok, load_text(validation)) if validation else None
+        return cls(_encode(tok, load_text(source)), seq_len, seed, validation_fraction=validation_fraction,
+                   validation=held)
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation is not None
 
     def global_batch(self, step: int, global_batch: int) -> Batch:
         """The whole batch of `step` (the same on every node)."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (global_batch,), generator=g)
+        return self._windows(self.tokens, self.seed * 1_000_003 + step, global_batch)
+
+    def validation_rows(self, batch: int, global_batch: int, first: int, last: int) -> Batch:
+        """Rows [first, last) of held-out batch `batch` (the same batches at every evaluation)."""
+        if self.validation is None:
+            raise ValueError("this job has no held-out data: set data.validation_fraction or data.validation")
+        if not 0 <= first < last <= global_batch:
+            raise ValueError(f"rows [{first}, {last}) are outside a global batch of {global_batch}")
+        b = self._windows(self.validation, (1 << 62) + self.seed * 1_000_003 + batch, global_batch)
+        return Batch(b.inputs[first:last], b.targets[first:last])
+
+    def _windows(self, tokens: torch.Tensor, seed: int, count: int) -> Batch:
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, tokens.numel() - self.seq_len - 1, (count,), generator=g)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        windows = self.tokens[idx]
+        windows = tokens[idx]
         return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
     def rows(self, step: int, global_batch: int, first: int, last: int) -> Batch:
@@ -87,3 +127,15 @@ class TokenDataset:
         b = self.global_batch(step, global_batch)
         sl = slice(replica * share, (replica + 1) * share)
         return Batch(b.inputs[sl], b.targets[sl])
+
+
+def _encode(tokenizer, text: str) -> torch.Tensor:
+    """The whole text's tokens, encoded a chunk of lines at a time."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    lines = text.splitlines(keepends=True)
+    ids: list[int] = []
+    for i in range(0, len(lines), 4096):
+        for row in tokenizer.encode_batch(["".join(lines[i:i + 4096])]):
+            ids.extend(row)
+    return torch.tensor(ids, dtype=torch.int64)

@@ -36,6 +36,8 @@ from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import CollectiveError, GradientAverager
+from atoll.node.datasets import DataError, open_dataset
+from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef, RowPeer
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
@@ -350,8 +352,12 @@ class PlanRunner:
             if saved is not None:
                 stage.scaler.load_state_dict(saved)
                 log.info("fp16 loss scale %g restored from the checkpoint of step %d", stage.scaler.scale, step)
-        data = TokenDataset.from_source(job.data.source, job.train.seq_len, seed=job.train.seed) \
-            if (pl.is_first or pl.is_last) else None
+        try:
+            data = open_dataset(job.data, seq_len=job.train.seq_len, seed=job.train.seed,
+                                vocab_size=job.model.vocab_size) if (pl.is_first or pl.is_last) else None
+        except DataError as e:
+            raise RunFailed(f"the job's data cannot be read on node {ctx.node_id}: {e}") from e
+        val_batches: list[Batch] | None = None  # this replica's rows of the held-out batches, read once
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
                  self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
                  pl.num_micro_batches, pl.micro_batch, step)
@@ -378,16 +384,28 @@ class PlanRunner:
                     group["lr"] = learning_rate(job, self.schedule_step(step))
                 index = step * groups + pl.group
                 batch = self._batch(data, index) if data is not None else None
+                evaluate = bool(job.train.eval_every) and ((step + 1) % job.train.eval_every == 0
+                                                           or step + 1 == self.last_step)
+                val_loss = None
                 try:
                     result = stage.train_step(step, batch)
                     loss = self._mean_loss(result, loss_group, pl)
+                    if evaluate:
+                        if data is not None and val_batches is None:
+                            val_batches = [self._batch(data, j, held_out=True) for j in range(job.train.eval_batches)]
+                        v = validation_loss(stage, step, val_batches, job.train.eval_batches)
+                        val_loss = self._mean_loss(replace(result, loss=v), loss_group, pl)
                 except Exception as e:  # a neighbour or a collective failed: this epoch cannot go on
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break
                     raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
                 step += 1
-                reporter.put(self._metrics(step - 1, result, loss, transport))
+                metrics = self._metrics(step - 1, result, loss, transport)
+                if val_loss is not None and metrics.loss is not None:  # the node that reports the loss
+                    metrics.val_loss = val_loss
+                    log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
+                reporter.put(metrics)
                 interval = job.checkpoint.interval
                 due = bool(interval) and (step % interval == 0 or step == self.last_step)
                 if outer is not None:
@@ -533,11 +551,13 @@ class PlanRunner:
                  pl.tp_rank, pl.tp, ", ".join(pl.tp_group))
         return self.tp.shard(module, optimizer, lambda m: build_optimizer(m, cfg))
 
-    def _batch(self, data: TokenDataset, index: int) -> Batch:
-        """This replica's rows of the batch of step `index`, in micro-batch order (see `Placement.batch_order`)."""
+    def _batch(self, data: TokenDataset, index: int, *, held_out: bool = False) -> Batch:
+        """This replica's rows of the batch of step `index` (`held_out`: of held-out batch `index`), in
+        micro-batch order (see `Placement.batch_order`)."""
         pl = self.placement
         assert pl is not None
-        batch = data.rows(index, self.job.train.global_batch, *pl.rows)
+        read = data.validation_rows if held_out else data.rows
+        batch = read(index, self.job.train.global_batch, *pl.rows)
         order = pl.batch_order()
         if order is None:
             return batch
@@ -571,7 +591,9 @@ class PlanRunner:
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.run_epoch,
             pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
             upstream=refs(pl.upstream), downstream=refs(pl.downstream), rows=pl.micro_rows,
-            shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model), micro_batches=pl.num_micro_batches,
+            shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model),
+            micro_batches=transport_micro_batches(pl.num_micro_batches, self.job.train.eval_batches)
+            if self.job.train.eval_every else pl.num_micro_batches,
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,

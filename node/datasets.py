@@ -1,0 +1,464 @@
+"""Datasets from local files: JSONL, Parquet and `datasets` folders, streamed and packed into samples.
+
+A source is one file or a folder of them (every `*.jsonl` / `*.parquet` file in name order), or a folder
+written by `datasets.Dataset.save_to_disk` (its Arrow shards, read with pyarrow; a `DatasetDict` folder
+gives its "train" split). Each row's text (the `[data] field` of a JSONL object, a Parquet or `datasets`
+column) is a document. Rows are read a chunk at a time and tokenized a chunk at a time, never the whole
+corpus at once.
+
+Packing: the documents' tokens, each followed by the tokenizer's end-of-text token when it has one, make
+one stream, in source order, repeated epoch after epoch. Sample `i` is the window of seq_len + 1 tokens
+starting at token `i * seq_len` of that stream, and step `k` of a global batch `B` takes samples
+`[k * B, (k + 1) * B)`; a data-parallel replica takes its rows `[first, last)` of them. So every node derives
+the same samples for a step from the step alone (the first stage's inputs and the last stage's targets
+agree without exchanging data), replicas' rows are disjoint, and the data position of a step is a sample
+counter, `k * B`, which a checkpoint records. A resumed job reads forward to that sample, tokenizing without
+training (`DataPosition` says which file, row and token it is), and continues at the exact row.
+
+Held-out split: with `validation_fraction` f, a row is held out when its index in the corpus falls in the
+held-out share of a low-discrepancy sequence (a fraction f of rows, spread over the whole corpus, the same on
+every node and in every epoch); held-out rows make their own packed stream, and the first
+`train.eval_batches` global batches of it are the validation set. A separate `[data] validation` source
+gives the validation stream instead (all its rows).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from atoll.node.data import Batch, TokenDataset
+
+log = logging.getLogger("atoll.node.datasets")
+
+FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
+STREAMED = ("jsonl", "parquet", "datasets")
+CHUNK_ROWS = 512
+"""Rows read and tokenized at a time."""
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 spreads rows evenly over [0, 2^64)
+
+
+class DataError(ValueError):
+    """The data source or tokenizer does not fit the job; the message says what to change."""
+
+
+class TextTokenizer(Protocol):
+    """What packing needs of a tokenizer (`ByteTokenizer`, `atoll.node.tokenizer.HFTokenizer`)."""
+
+    vocab_size: int
+    eos_id: int | None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+
+# --- sources ----------------------------------------------------------------------------------------------
+
+def detect_format(path: Path) -> str:
+    """The format of a source path: "text", "jsonl", "parquet" or "datasets" (a save_to_disk folder)."""
+    if path.is_dir():
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return "datasets"
+        kinds = {_suffix_format(p) for p in path.iterdir() if p.is_file()} - {None}
+        if len(kinds) == 1:
+            return kinds.pop()  # type: ignore[return-value]
+        raise DataError(f"data source {path} is a folder of {'mixed' if kinds else 'no'} data files "
+                        f"({', '.join(sorted(k for k in kinds if k)) or 'none'}); give a folder of *.jsonl or "
+                        f"*.parquet files, a datasets.save_to_disk folder, or set [data] format")
+    kind = _suffix_format(path)
+    return kind or "text"
+
+
+def _suffix_format(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.txt", ".ndjson")):
+        return "jsonl"
+    if name.endswith((".parquet", ".pq")):
+        return "parquet"
+    if name.endswith(".txt"):
+        return "text"
+    return None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved streamed source: its format, its shard files in order, and the field to read."""
+
+    path: Path
+    format: str
+    field: str
+    files: tuple[Path, ...]
+
+    @classmethod
+    def open(cls, path: str | Path, fmt: str = "auto", field: str = "text") -> "Source":
+        p = Path(path)
+        if not p.exists():
+            raise DataError(f"data source {p} does not exist; give a JSONL or Parquet file, a folder of them, or a "
+                            f"datasets.save_to_disk folder (each node reads it from its own disk)")
+        kind = detect_format(p) if fmt == "auto" else fmt
+        if kind not in STREAMED:
+            raise DataError(f"data source {p} is {kind}; streamed sources are {', '.join(STREAMED)}")
+        if kind == "datasets":
+            files = _arrow_files(p)
+        elif p.is_dir():
+            files = tuple(sorted(f for f in p.iterdir() if f.is_file() and _suffix_format(f) == kind))
+        else:
+            files = (p,)
+        if not files:
+            raise DataError(f"data source {p} holds no {kind} files")
+        src = cls(p, kind, field, files)
+        src.check_field()
+        return src
+
+    def check_field(self) -> None:
+        """Raise DataError unless the first file has the field (a JSONL key, a column)."""
+        f = self.files[0]
+        if self.format == "jsonl":
+            for cursor, row in _jsonl_rows(f, 0, 0, None):
+                if not isinstance(row, dict) or self.field not in row:
+                    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                    raise DataError(f"data.field {self.field!r} is not in line {cursor[0] + 1} of {f} (its keys: "
+                                    f"{keys}); set [data] field to the key holding the text")
+                return
+            return
+        names = _schema(self.format, f).names
+        if self.field not in names:
+            raise DataError(f"data.field {self.field!r} is not a column of {f} (columns: {names}); set [data] "
+                            f"field to the column holding the text")
+
+    def rows(self, file: int = 0, row: int = 0, byte: int = 0) -> Iterator[tuple["RowCursor", list[str]]]:
+        """Chunks of rows' texts from (file, row) on, to the end of the source: (cursor of the chunk's first
+        row, its texts). `byte` is the JSONL offset of that row (0: count lines from the file's start)."""
+        for fi in range(file, len(self.files)):
+            start_row, start_byte = (row, byte) if fi == file else (0, 0)
+            yield from self._file_rows(fi, start_row, start_byte)
+
+    def _file_rows(self, fi: int, row: int, byte: int) -> Iterator[tuple["RowCursor", list[str]]]:
+        path = self.files[fi]
+        if self.format == "jsonl":
+            chunk: list[str] = []
+            first: RowCursor | None = None
+            for (r, off), obj in _jsonl_rows(path, row, byte, self.field):
+                if first is None:
+                    first = RowCursor(fi, r, off)
+                chunk.append(obj)
+                if len(chunk) == CHUNK_ROWS:
+                    yield first, chunk
+                    chunk, first = [], None
+            if chunk and first is not None:
+                yield first, chunk
+            return
+        r = 0
+        for batch in _arrow_batches(self.format, path, self.field):
+            n = batch.num_rows
+            if r + n <= row:
+                r += n
+                continue
+            column = batch.column(0).to_pylist()
+            skip = max(0, row - r)
+            for a in range(skip, n, CHUNK_ROWS):
+                texts = column[a:a + CHUNK_ROWS]
+                for k, t in enumerate(texts):
+                    if not isinstance(t, str):
+                        raise DataError(f"row {r + a + k} of {path}: column {self.field!r} holds "
+                                        f"{type(t).__name__}, not text; set [data] field to a text column")
+                yield RowCursor(fi, r + a, 0), texts
+            r += n
+
+
+@dataclass(frozen=True, order=True)
+class RowCursor:
+    """Where a row starts: its file (index into `Source.files`), its row in that file, and for JSONL the
+    byte offset of its line (so reading can seek there)."""
+
+    file: int
+    row: int
+    byte: int = 0
+
+
+def _jsonl_rows(path: Path, row: int, byte: int, field: str | None) -> Iterator[tuple[tuple[int, int], object]]:
+    """((row, byte offset), text or object) for each non-empty line from `row` on (`byte`: its offset)."""
+    with open(path, "rb") as f:
+        r = 0
+        if byte:
+            f.seek(byte)
+            r = row
+        while True:
+            off = f.tell()
+            line = f.readline()
+            if not line:
+                return
+            if not line.strip():
+                continue
+            if r < row:
+                r += 1
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"line {r + 1} of {path} is not JSON ({e}); each line must be one JSON object") \
+                    from None
+            if field is not None:
+                if not isinstance(obj, dict) or field not in obj:
+                    raise DataError(f"data.field {field!r} is not in line {r + 1} of {path}; set [data] field "
+                                    f"to the key holding the text")
+                obj = obj[field]
+                if not isinstance(obj, str):
+                    raise DataError(f"line {r + 1} of {path}: field {field!r} holds {type(obj).__name__}, not "
+                                    f"text")
+            yield (r, off), obj
+            r += 1
+
+
+def _arrow_files(path: Path) -> tuple[Path, ...]:
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{path} is a DatasetDict with splits {splits} and no 'train'; point [data] source at "
+                            f"the split's folder")
+        path = path / "train"
+    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    return tuple(path / f["filename"] for f in state.get("_data_files", []))
+
+
+def _schema(fmt: str, path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        return pq.read_schema(path)
+    with pa.memory_map(str(path)) as src:
+        return pa.ipc.open_stream(src).schema
+
+
+def _arrow_batches(fmt: str, path: Path, field: str):
+    """Record batches of one column, read a batch at a time (a Parquet row group slice, an Arrow batch)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt == "parquet":
+        yield from pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[field])
+        return
+    with pa.memory_map(str(path)) as src:  # the datasets library's Arrow files are IPC streams
+        reader = pa.ipc.open_stream(src)
+        index = reader.schema.get_field_index(field)
+        for batch in reader:
+            yield pa.record_batch([batch.column(index)], names=[field])
+
+
+# --- packing ----------------------------------------------------------------------------------------------
+
+def held_out(row: int, fraction: float) -> bool:
+    """Whether corpus row `row` is in the held-out split of `fraction` (the same on every node)."""
+    return fraction > 0 and ((row + 1) * _GOLDEN % (1 << 64)) < fraction * (1 << 64)
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a sample starts in its source: epoch, file, row of that file and token of that row."""
+
+    epoch: int
+    file: Path
+    row: int
+    token: int
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}, {self.file.name} row {self.row}, token {self.token}"
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A row boundary in the packed stream: where to start reading again to reach `offset`."""
+
+    offset: int
+    """Stream token offset of the row's first token."""
+    epoch: int
+    ordinal: int
+    """The row's index in the corpus (over all files)."""
+    cursor: RowCursor
+
+
+class PackedStream:
+    """The tokens of a source's selected rows, packed end to end, epoch after epoch, read forward on demand.
+
+    `tokens(a, b)` returns stream tokens [a, b); only the tokens from the earliest still-needed offset on are
+    held. Reading again from before that offset restarts from the nearest row boundary remembered on the way
+    (one every `mark_every` tokens), or from the start.
+    """
+
+    def __init__(self, source: Source, tokenizer: TextTokenizer, *, keep: Callable[[int], bool] = lambda r: True,
+                 mark_every: int = 1 << 20, name: str = "train"):
+        self.source, self.tokenizer, self.keep, self.name = source, tokenizer, keep, name
+        self.mark_every = mark_every
+        self._marks: list[_Mark] = []
+        self._restart(_Mark(0, 0, 0, RowCursor(0, 0, 0)))
+
+    def _restart(self, mark: _Mark) -> None:
+        self._base = mark.offset  # stream offset of self._buf[0]
+        self._buf = np.zeros(0, dtype=np.int64)
+        self._rows: deque[tuple[int, _Mark]] = deque()  # (offset, row mark) of rows starting in the buffer
+        self._reader = self._read(mark)
+
+    def _read(self, mark: _Mark) -> Iterator[tuple[_Mark, list[int]]]:
+        """(row mark, tokens) for each kept row from `mark` on, forever (epoch after epoch)."""
+        epoch, ordinal, cursor, offset = mark.epoch, mark.ordinal, mark.cursor, mark.offset
+        eos = self.tokenizer.eos_id
+        while True:
+            whole_epoch, kept_any = ordinal == 0, False
+            for first, texts in self.source.rows(cursor.file, cursor.row, cursor.byte):
+                # rows of a chunk are consecutive in one file; the cursor of row k is (file, row + k)
+                picked = [(k, t) for k, t in enumerate(texts) if self.keep(ordinal + k)]
+                encoded = self.tokenizer.encode_batch([t for _, t in picked]) if picked else []
+                for (k, _), ids in zip(picked, encoded):
+                    if eos is not None:
+                        ids = [*ids, eos]
+                    if not ids:
+                        continue
+                    kept_any = True
+                    row_mark = _Mark(offset, epoch, ordinal + k,
+                                     RowCursor(first.file, first.row + k, first.byte if k == 0 else 0))
+                    yield row_mark, ids
+                    offset += len(ids)
+                ordinal += len(texts)
+            if whole_epoch and not kept_any:
+                raise DataError(f"the {self.name} split of {self.source.path} has no tokens (every row is empty or "
+                                f"held out); give more data or a smaller data.validation_fraction")
+            epoch, ordinal, cursor = epoch + 1, 0, RowCursor(0, 0, 0)
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Stream tokens [start, end)."""
+        if start < self._base:
+            i = bisect.bisect_right([m.offset for m in self._marks], start) - 1
+            mark = self._marks[i] if i >= 0 else _Mark(0, 0, 0, RowCursor(0, 0, 0))
+            # a JSONL byte offset is only known for a chunk's first row: restart at the row, counting lines
+            self._restart(mark)
+        # drop what lies before `start` (steps come in order; an earlier start restarts above)
+        if start > self._base:
+            cut = min(start - self._base, self._buf.size)
+            self._buf = self._buf[cut:]
+            self._base += cut
+        parts = [self._buf]
+        have = self._base + self._buf.size
+        while have < end:
+            mark, ids = next(self._reader)
+            if not self._marks or mark.offset >= self._marks[-1].offset + self.mark_every:
+                if not self._marks or mark.offset > self._marks[-1].offset:
+                    self._marks.append(mark)
+            self._rows.append((mark.offset, mark))
+            while len(self._rows) > 1 and self._rows[1][0] <= start:
+                self._rows.popleft()
+            arr = np.asarray(ids, dtype=np.int64)
+            if mark.offset + arr.size <= start:  # wholly before the window: skip it
+                self._base = mark.offset + arr.size
+                parts = [np.zeros(0, dtype=np.int64)]
+            elif mark.offset < start:
+                self._base = start
+                parts = [arr[start - mark.offset:]]
+            else:
+                parts.append(arr)
+            have = mark.offset + arr.size
+        self._buf = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        while len(self._rows) > 1 and self._rows[1][0] <= self._base:
+            self._rows.popleft()
+        return self._buf[start - self._base:end - self._base]
+
+    def position(self, offset: int) -> DataPosition:
+        """Where stream token `offset` lies in the source (read forward to it if need be)."""
+        self.tokens(offset, offset + 1)
+        for row_start, mark in reversed(self._rows):
+            if row_start <= offset:
+                return DataPosition(mark.epoch, self.source.files[mark.cursor.file], mark.cursor.row,
+                                    offset - row_start)
+        raise AssertionError("the row holding a buffered token is always kept")  # pragma: no cover
+
+
+class StreamingDataset:
+    """Packed samples of a streamed source, addressed like `TokenDataset`: the rows of a step's global batch."""
+
+    def __init__(self, train: PackedStream, seq_len: int, validation: PackedStream | None = None):
+        self.train, self.validation, self.seq_len = train, validation, seq_len
+
+    def _samples(self, stream: PackedStream, first_sample: int, count: int) -> Batch:
+        L = self.seq_len
+        flat = stream.tokens(first_sample * L, (first_sample + count) * L + 1)
+        t = torch.from_numpy(flat.copy())
+        idx = torch.arange(count)[:, None] * L + torch.arange(L + 1)[None, :]
+        windows = t[idx]
+        return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+
+    def rows(self, step: int, global_batch: int, first: int, last: int) -> Batch:
+        """Rows [first, last) of the global batch of `step`: samples step * global_batch + [first, last)."""
+        if not 0 <= first < last <= global_batch:
+            raise ValueError(f"rows [{first}, {last}) are outside a global batch of {global_batch}")
+        return self._samples(self.train, step * global_batch + first, last - first)
+
+    def global_batch(self, step: int, global_batch: int) -> Batch:
+        return self.rows(step, global_batch, 0, global_batch)
+
+    def validation_rows(self, batch: int, global_batch: int, first: int, last: int) -> Batch:
+        """Rows [first, last) of held-out batch `batch` (the same batches at every evaluation)."""
+        if self.validation is None:
+            raise DataError("this job has no held-out data: set data.validation_fraction or data.validation")
+        if not 0 <= first < last <= global_batch:
+            raise ValueError(f"rows [{first}, {last}) are outside a global batch of {global_batch}")
+        return self._samples(self.validation, batch * global_batch + first, last - first)
+
+    @property
+    def has_validation(self) -> bool:
+        return self.validation is not None
+
+    def position(self, sample: int) -> DataPosition:
+        """Where training sample `sample` (the data position of step k is k x global batch) starts."""
+        return self.train.position(sample * self.seq_len)
+
+
+# --- a job's dataset ----------------------------------------------------------------------------------------
+
+def open_dataset(data, *, seq_len: int, seed: int = 0, vocab_size: int | None = None
+                 ) -> StreamingDataset | TokenDataset:
+    """The dataset of a job's `[data]` section (`atoll.job.DataSpec`): random windows of a text source
+    ("builtin" or a text file, held in memory) or packed samples of a streamed source, tokenized by the
+    job's tokenizer; `vocab_size` (the model's) must fit it. Raises DataError saying what to change."""
+    from atoll.node.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(data.tokenizer, vocab_size=vocab_size)
+    kind = _kind(data.source, data.format)
+    if kind == "text":
+        held = data.validation
+        if held and _kind(held, "auto") != "text":
+            raise DataError(f"data.validation {held} is not a text file; a text data.source needs a text validation "
+                            f"source")
+        try:
+            return TokenDataset.from_source(data.source, seq_len, seed, tokenizer=tok,
+                                            validation_fraction=data.validation_fraction, validation=held)
+        except FileNotFoundError as e:
+            raise DataError(str(e)) from None
+    source = Source.open(data.source, kind, data.field)
+    fraction = data.validation_fraction
+    train = PackedStream(source, tok, keep=lambda r: not held_out(r, fraction), name="training")
+    validation = None
+    if data.validation:
+        validation = PackedStream(Source.open(data.validation, "auto", data.field), tok, name="validation")
+    elif fraction:
+        validation = PackedStream(source, tok, keep=lambda r: held_out(r, fraction), name="validation")
+    return StreamingDataset(train, seq_len, validation)
+
+
+def _kind(source: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if source == "builtin":
+        return "text"
+    p = Path(source)
+    if not p.exists():
+        raise DataError(f"data source {p} does not exist; give a text, JSONL or Parquet file, a folder of them or a "
+                        f"datasets.save_to_disk folder (each node reads it from its own disk)")
+    return detect_format(p)
