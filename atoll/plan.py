@@ -193,6 +193,28 @@ class IdleDevices:
 
 
 @dataclass(kw_only=True)
+class RelayRoute:
+    """The link between two nodes that both accept no connections goes through `via`, a node that does
+    (live plans): both open a Connect stream to it and it forwards their tensors."""
+
+    a: str
+    b: str
+    via: str
+    bandwidth_bytes_per_s: float = 0.0
+    """The relayed link as the planner priced it: the slower of its two legs."""
+
+
+@dataclass(kw_only=True)
+class CheckpointCopy:
+    """An alive node holding a copy of layers [a, b) of the resume step's checkpoint (live plans)."""
+
+    node_id: str
+    layers: tuple[int, int]
+    address: str
+    """HOST:PORT of its Peer server."""
+
+
+@dataclass(kw_only=True)
 class Plan:
     model: str
     global_batch: int
@@ -216,6 +238,19 @@ class Plan:
     """Outer mode: how the groups sync."""
     idle: list[IdleDevices] = field(default_factory=list)
     """Devices no stage runs on, with the reason, per island."""
+    checkpoint_copies: list[CheckpointCopy] = field(default_factory=list)
+    """Alive nodes holding copies of the `resume_step` checkpoint, per layer range (checkpoint dirs are local)."""
+    handover: dict[str, str] = field(default_factory=dict)
+    """Node id -> HOST:PORT of nodes that left gracefully and serve their live state until it is taken."""
+    relays: list[RelayRoute] = field(default_factory=list)
+    """Links between two nodes that accept no connections (their `node_addresses` are empty), and who relays."""
+
+    def relay_of(self, a: str, b: str) -> str | None:
+        """The node relaying between `a` and `b`, if the plan names one."""
+        for r in self.relays:
+            if {r.a, r.b} == {a, b}:
+                return r.via
+        return None
 
     def region_of(self, node_id: str) -> str:
         """The region (site label) of a node in a live plan: its island's group; "" when not known."""
@@ -290,6 +325,10 @@ class Plan:
             mode=d.get("mode", "sync"), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
             outer=OuterPlan(**d["outer"]) if d.get("outer") else None,
             idle=[IdleDevices(**x) for x in d.get("idle", [])],
+            checkpoint_copies=[CheckpointCopy(**{**c, "layers": tuple(c["layers"])})
+                               for c in d.get("checkpoint_copies", [])],
+            handover=dict(d.get("handover", {})),
+            relays=[RelayRoute(**r) for r in d.get("relays", [])],
         )
 
     def to_json(self, indent: int | None = 2) -> str:

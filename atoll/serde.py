@@ -5,7 +5,7 @@ Every pair round-trips (tests/test_serde.py). Nothing else in the project builds
 
 from __future__ import annotations
 
-from atoll.plan import (IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
+from atoll.plan import (CheckpointCopy, RelayRoute, IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
                         StagePlan)
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
@@ -58,7 +58,7 @@ def profile_to_proto(p: NodeProfile) -> pb.NodeProfile:
         memory_total_bytes=p.memory_total_bytes, memory_free_bytes=p.memory_free_bytes, cpu_count=p.cpu_count,
         layer_timings=[layer_timing_to_proto(t) for t in p.layer_timings],
         optimizer_step_seconds=p.optimizer_step_seconds, torch_version=p.torch_version,
-        atoll_version=p.atoll_version, region=p.region,
+        atoll_version=p.atoll_version, region=p.region, unreachable=p.unreachable,
     )
 
 
@@ -68,7 +68,7 @@ def profile_from_proto(m: pb.NodeProfile) -> NodeProfile:
         memory_total_bytes=m.memory_total_bytes, memory_free_bytes=m.memory_free_bytes, cpu_count=m.cpu_count,
         layer_timings=[layer_timing_from_proto(t) for t in m.layer_timings],
         optimizer_step_seconds=m.optimizer_step_seconds, torch_version=m.torch_version,
-        atoll_version=m.atoll_version, region=m.region,
+        atoll_version=m.atoll_version, region=m.region, unreachable=m.unreachable,
     )
 
 
@@ -172,6 +172,11 @@ def plan_to_proto(p: Plan) -> pb.Plan:
     if p.outer is not None:
         m.outer.CopyFrom(outer_to_proto(p.outer))
     m.idle.extend(pb.IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=x.nodes) for x in p.idle)
+    m.checkpoint_copies.extend(pb.CheckpointCopy(node_id=c.node_id, layer_start=c.layers[0], layer_end=c.layers[1],
+                                                 address=c.address) for c in p.checkpoint_copies)
+    m.handover.update(p.handover)
+    m.relays.extend(pb.RelayRoute(a=r.a, b=r.b, via=r.via, bandwidth_bytes_per_s=r.bandwidth_bytes_per_s)
+                    for r in p.relays)
     return m
 
 
@@ -201,6 +206,10 @@ def plan_from_proto(m: pb.Plan) -> Plan:
         rendezvous=m.rendezvous, mode=m.mode or "sync", groups=[group_from_proto(g) for g in m.groups],
         outer=outer_from_proto(m.outer) if m.HasField("outer") else None,
         idle=[IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=list(x.nodes)) for x in m.idle],
+        checkpoint_copies=[CheckpointCopy(node_id=c.node_id, layers=(c.layer_start, c.layer_end), address=c.address)
+                           for c in m.checkpoint_copies],
+        handover=dict(m.handover),
+        relays=[RelayRoute(a=r.a, b=r.b, via=r.via, bandwidth_bytes_per_s=r.bandwidth_bytes_per_s) for r in m.relays],
     )
 
 

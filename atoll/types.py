@@ -36,6 +36,9 @@ class NodeProfile:
     atoll_version: str = ""
     region: str = ""
     """Site label the operator gives (a lab, a datacenter, a cloud region); islands never span two."""
+    unreachable: bool = False
+    """The node accepts no connections (`--no-listen`, or the coordinator could not dial its advertised address
+    back at join): its neighbours send to it over the streams it opens (`atoll.node.reverse`)."""
 
 
 @dataclass(kw_only=True)

@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterator
 from atoll.coordinator import validation as v
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated)
+from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.membership import RunFailureRecord, join_decision
 from atoll.coordinator.progress import summarize
+from atoll.coordinator.reachability import unreachable_advice
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
 from atoll.rpc import token_matches
@@ -60,11 +62,15 @@ def _job_info(state: CoordinatorState) -> pb.JobInfo:
     return pb.JobInfo(job_id=state.job.id, name=state.job.name, spec_toml=state.spec_toml)
 
 
-def handle_join(req: pb.JoinRequest, state: CoordinatorState) -> pb.JoinReply:
+def handle_join(req: pb.JoinRequest, state: CoordinatorState,
+                dial_back: Callable[[str], str | None] | None = None) -> pb.JoinReply:
+    """`dial_back(address)` says why the coordinator cannot reach the node's Peer server (None: it can); a node
+    that advertises no address (`--no-listen`) or cannot be reached joins as one that accepts no connections."""
     check_token(req.token, state)
     _check_job(req.job_id, state)
     v.check_profile(req.profile)
-    v.check_address("peer_address", req.peer_address)
+    if req.peer_address:
+        v.check_address("peer_address", req.peer_address)
     node_id = req.node_id or _new_node_id(req.profile.hostname)
     v.check_node_id(node_id)
     now = state.clock()
@@ -73,15 +79,22 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState) -> pb.JoinReply:
                              options=state.options.membership)
     if decision.kind == "conflict":
         raise AlreadyExists(decision.reason)
+    profile = profile_from_proto(req.profile)
+    why = dial_back(req.peer_address) if dial_back is not None and req.peer_address else None
+    profile.unreachable = profile.unreachable or not req.peer_address or why is not None
+    reachability = unreachable_advice(req.peer_address, why or "") if profile.unreachable else \
+        f"the coordinator reached this node's peer server at {req.peer_address}"
     state.store.put_member(MemberRecord(
-        node_id=node_id, peer_address=req.peer_address, profile=profile_from_proto(req.profile), state="alive",
+        node_id=node_id, peer_address=req.peer_address, profile=profile, state="alive",
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
         last_heartbeat_unix=now, reason=decision.reason))
-    if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address:
+    if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
+            or existing.profile.unreachable != profile.unreachable:
         state.membership_changed(now)
     return pb.JoinReply(node_id=node_id, job=_job_info(state),
                         lease_seconds=state.options.membership.lease.total_seconds(),
-                        heartbeat_interval_seconds=state.options.heartbeat.total_seconds())
+                        heartbeat_interval_seconds=state.options.heartbeat.total_seconds(),
+                        reachable=not profile.unreachable, reachability=reachability)
 
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
@@ -126,6 +139,7 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
     for name in ("step_seconds", "compute_seconds", "wait_seconds"):
         v.check_seconds(name, getattr(req, name))
     state.store.add_step(metrics)
+    state.record_history(metrics)
     return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= state.job.train.steps)
 
 
@@ -263,6 +277,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                     for x in progress.links])
     if plan is not None:
         reply.plan.CopyFrom(plan_to_proto(plan))
+    fill_history(reply, state.store.history(), req.history_points)
     if plan is not None and plan.mode == "outer":
         from atoll.coordinator.outer import GroupProgress
 

@@ -10,14 +10,15 @@ place the job, `fallback_plan` gives a plain valid plan so a job never waits on 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import copy
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.linkmatrix import LinkEstimate
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
-from atoll.plan import IslandInfo, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
+from atoll.plan import CheckpointCopy, IslandInfo, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
+from atoll.coordinator.reachability import plan_address, plan_relays, relay_links, unreachable_nodes
 from atoll.types import LinkMeasurement
 
 log = logging.getLogger("atoll.coordinator.planning")
@@ -45,6 +46,25 @@ class PlanInputs:
     intact are kept as they run, so a change in one region does not stop the others."""
     failed: frozenset[str] = frozenset()
     """Nodes that reported their run of the previous plan failed: their groups are replanned."""
+    checkpoint_copies: list[CheckpointCopy] = field(default_factory=list)
+    """Alive nodes' copies of the `resume_step` checkpoint (checkpoint folders are local to each node)."""
+    handover: Mapping[str, str] = field(default_factory=dict)
+    """Nodes of the previous plan that left gracefully and serve their live state: node id -> Peer address."""
+
+
+HANDOVER_SECONDS = 120.0
+"""How long after leaving a node is still named as a holder of live state (it serves until its state was
+taken, at most about a minute: `atoll.node.state_transfer.StateHolder.wait_handed_over`)."""
+
+
+def handing_over(previous: Plan | None, members: Iterable[MemberRecord], now: float) -> dict[str, str]:
+    """Nodes of `previous` that left gracefully (a Leave, not a lapsed lease) within `HANDOVER_SECONDS`:
+    node id -> Peer address. They hold the live state their run left, which the next plan's nodes may fetch."""
+    if previous is None:
+        return {}
+    return {m.node_id: m.peer_address for m in members
+            if m.state == "left" and m.node_id in previous.node_addresses and m.peer_address
+            and now - m.last_heartbeat_unix <= HANDOVER_SECONDS}
 
 
 def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
@@ -68,7 +88,7 @@ def kept_groups(inputs: PlanInputs) -> list[int]:
     kept = []
     for g, group in enumerate(prev.groups):
         nodes = {n for p in group.pipelines for st in prev.pipelines[p].stages for n in st.nodes}
-        if not nodes or any(n not in inputs.members or inputs.members[n].peer_address != prev.node_addresses.get(n)
+        if not nodes or any(n not in inputs.members or plan_address(inputs.members[n]) != prev.node_addresses.get(n)
                             or n in inputs.failed for n in nodes):
             continue
         regions = {region[n] for n in nodes}
@@ -157,6 +177,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     profiles = {n: m.profile for n, m in inputs.members.items()}
     # an unreachable pair (a failed probe, bandwidth 0) is left to the planner's fallback for unmeasured pairs
     links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
+    # two nodes that accept no connections talk through a relay: the planner sees that link at the slower leg
+    links, _ = relay_links(links, profiles, unreachable_nodes(inputs.members))
     regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
@@ -206,6 +228,7 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
     """
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
     plan.rendezvous = inputs.rendezvous
+    plan.checkpoint_copies, plan.handover = list(inputs.checkpoint_copies), dict(inputs.handover)
     for g in plan.groups:
         g.since_epoch = g.since_epoch or inputs.epoch
     islands = {i.id: i for i in inputs.islands}
@@ -240,5 +263,13 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
                 raise ValueError(f"stage {s_index} of pipeline {p_index} names nodes that are not alive: {missing}")
             stage.dp_rendezvous = f"tcp://{inputs.rendezvous}" if inputs.rendezvous else ""
             for n in stage.nodes:
-                plan.node_addresses[n] = inputs.members[n].peer_address
+                plan.node_addresses[n] = plan_address(inputs.members[n])
+    unreachable = unreachable_nodes(inputs.members)
+    if unreachable:
+        _, routes = relay_links(inputs.links, inputs.members, unreachable)
+        plan.relays, missing = plan_relays(plan, unreachable, routes)
+        for line in missing:  # their stages will fail to connect and say so; the next plan may have a relay
+            log.warning("plan epoch %d: %s", plan.epoch, line)
+        for r in plan.relays:  # the relay's address, also when it runs no stage itself
+            plan.node_addresses[r.via] = inputs.members[r.via].peer_address
     return plan

@@ -9,18 +9,21 @@ WatchPlan is a coroutine on its event loop, so an open watch holds no thread.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import NoReturn, TypeVar
 
 import grpc
 
-from atoll.coordinator import handlers
+from atoll.coordinator import authz, handlers
+from atoll.coordinator.ca import PLAINTEXT, Caller, JobAuthority
 from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
-from atoll.rpc import token_from_metadata
+from atoll.coordinator.dialback import dial_back
+from atoll.rpc import peer_certificate, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -35,6 +38,7 @@ STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     TooManyWatches: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WatchReplaced: grpc.StatusCode.ABORTED,
+    authz.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 Req = TypeVar("Req")
@@ -55,9 +59,16 @@ def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState, watches: PlanWatches):
+    def __init__(self, state: CoordinatorState, watches: PlanWatches, authority: JobAuthority | None = None):
         self.state = state
         self.watches = watches
+        self.authority = authority
+        """The job CA when the server runs mutual TLS (callers are told apart by certificate); None: plaintext."""
+        self._plans = authz.PlanLookup()
+        self._join_lock = threading.Lock()
+
+    def _caller(self, context: grpc.ServicerContext) -> Caller:
+        return PLAINTEXT if self.authority is None else self.authority.caller(peer_certificate(context))
 
     def _unary(self, method: str, handler: Callable[[Req, CoordinatorState], Rep], request: Req,
                context: grpc.ServicerContext) -> Rep:
@@ -65,12 +76,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if self.state.closed:
                 raise Unavailable("the coordinator is shutting down; retry shortly")
             handlers.check_token(token_from_metadata(context), self.state)
+            caller = self._caller(context)
+            if method == "Join":
+                with self._join_lock:  # from the key check to the certificate: two keys cannot both pass for one id
+                    authz.authorize(method, request, caller, self.state, self.authority, self._plans)
+                    return authz.issue_certificate(request, handler(request, self.state), self.authority)
+            authz.authorize(method, request, caller, self.state, self.authority, self._plans)
             return handler(request, self.state)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
             _abort(context, method, e)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        return self._unary("Join", handlers.handle_join, request, context)
+        # dial the node back before the join lock (it may wait seconds), and only for a caller with the token
+        why: str | None = None
+        if request.peer_address and self.state.options.dial_back and \
+                token_matches(token_from_metadata(context), self.state.token):
+            why = dial_back(request.peer_address)
+        return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why),
+                           request, context)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         return self._unary("Heartbeat", handlers.handle_heartbeat, request, context)
@@ -102,6 +125,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if self.state.closed:
                 raise Unavailable("the coordinator is shutting down; retry shortly")
             handlers.check_token(token_from_metadata(context), self.state)
+            authz.authorize("WatchPlan", request, self._caller(context), self.state, self.authority)
             async with aclosing(self.watches.watch(request)) as plans:
                 async for plan in plans:
                     yield plan

@@ -18,17 +18,19 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from atoll.coordinator.checkpoints import complete_steps
+from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
+from atoll.coordinator.history import sample_of
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_deficit, sample_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
-from atoll.coordinator.planning import PlanInputs, finish_plan, make_plan
+from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
+from atoll.coordinator.reachability import plan_address, unreachable_nodes
 from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, Plan
-from atoll.types import LinkMeasurement
+from atoll.types import LinkMeasurement, StepMetrics
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -47,6 +49,9 @@ class CoordinatorOptions:
     """The island clustering threshold."""
     heartbeat_interval: timedelta | None = None
     """How often nodes heartbeat; None means a quarter of the lease."""
+    dial_back: bool = True
+    """Dial each joining node's advertised address back (`atoll.coordinator.dialback`) and run one that does
+    not answer as a node that accepts no connections. False trusts every advertised address."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval is not None and not (
@@ -90,6 +95,8 @@ class CoordinatorState:
             self._note_measured(x.src, x.dst, x.measured_unix)
         self._probe_index: _ProbeIndex = _ProbeIndex.of({})
         self._rng = random.Random()
+        self._unreachable: set[str] = set()
+        """Alive members that accept no connections: never dialed by a probe (they probe the others)."""
         self._last_change = self.started_unix
         self._stale_before = 0.0
         self._islands_dirty = True
@@ -209,10 +216,13 @@ class CoordinatorState:
                 return []
             with self._cond:
                 index.add(node_id, device_class(member.profile))
+                if member.profile.unreachable:
+                    self._unreachable.add(node_id)
         timeout = self.options.probes.in_flight_timeout.total_seconds()
         with self._cond:
             counted = self._fresh_peers(node_id, now) | {
-                p for p, t in self._in_flight.get(node_id, {}).items() if now - t < timeout}
+                p for p, t in self._in_flight.get(node_id, {}).items() if now - t < timeout} | \
+                (self._unreachable - {node_id})  # see `atoll.coordinator.reachability`
             targets = sample_targets(node_id, index.class_of, index.by_class, index.everyone, counted,
                                      self.options.probes, self._rng)
             for peer in targets:
@@ -239,14 +249,17 @@ class CoordinatorState:
         """Alive members whose sample of links is incomplete (probes in flight count as missing)."""
         index = _ProbeIndex.of(alive)
         sizes = {c: len(v) for c, v in index.by_class.items()}
+        skip = unreachable_nodes(alive)
         with self._cond:
             return {n for n in alive
-                    if sample_deficit(n, index.class_of, sizes, self._fresh_peers(n, now), self.options.probes)[1] > 0}
+                    if sample_deficit(n, index.class_of, sizes, self._fresh_peers(n, now) | (skip - {n}),
+                                      self.options.probes)[1] > 0}
 
     def _refresh_probe_index(self, alive: Mapping[str, MemberRecord], now: float) -> None:
         self._probe_index = _ProbeIndex.of(alive)
         timeout = self.options.probes.in_flight_timeout.total_seconds()
         with self._cond:
+            self._unreachable = unreachable_nodes(alive)
             for node in list(self._in_flight):
                 live = {p: t for p, t in self._in_flight[node].items() if now - t < timeout}
                 if live:
@@ -273,6 +286,15 @@ class CoordinatorState:
     def failures(self) -> dict[int, RunFailureRecord]:
         with self._cond:
             return dict(self._failures)
+
+    # --- loss history ---------------------------------------------------------------------------------
+
+    def record_history(self, metrics: StepMetrics) -> None:
+        """Add a step report's loss, tokens/s and validation loss to the whole job's history (a report with
+        neither is not part of it)."""
+        sample = sample_of(metrics, self.job.train.global_batch * self.job.train.seq_len)
+        if sample is not None:
+            self.store.add_history(sample)
 
     # --- checkpoints ----------------------------------------------------------------------------------
 
@@ -324,7 +346,7 @@ class CoordinatorState:
             heard = {n for n, m in alive.items() if m.last_heartbeat_unix >= self.started_unix}
             stale = plan is not None and self._stale(plan) and planned is not None and planned <= heard
             moved = set() if plan is None else {
-                n for n, addr in plan.node_addresses.items() if n in alive and alive[n].peer_address != addr}
+                n for n, addr in plan.node_addresses.items() if n in alive and plan_address(alive[n]) != addr}
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
                                      last_change_unix=last_change, cluster=self.job.cluster,
                                      options=self.options.membership, stale=stale, moved=moved)
@@ -349,14 +371,18 @@ class CoordinatorState:
         matrix = LinkGraph(alive, links)
         islands = self.islands_now(alive, matrix)
         self.store.put_islands(islands)
-        done = self.complete_checkpoint_steps()
         previous = self.current_plan()
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
+        records = self.store.list_checkpoints()
+        resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links,
-                            epoch=self.store.latest_epoch() + 1, resume_step=done[-1] if done else 0,
+                            epoch=self.store.latest_epoch() + 1, resume_step=resume,
                             rendezvous=self.rendezvous,
                             previous=previous if previous is not None and not self._stale(previous) else None,
-                            failed=frozenset(failed))
+                            failed=frozenset(failed),
+                            checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
+                                                                         if m.peer_address}),
+                            handover=handing_over(previous, self.store.list_members(), now))
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)

@@ -27,6 +27,7 @@ from atoll.compression import CodecSpec, PolicyConfig
 from atoll.node.mailbox import Mailbox, MailboxClosed, ReceiveSpec
 from atoll.node.peer import PeerServer
 from atoll.node.peer_link import PeerLink
+from atoll.node.reverse import DialerConfig, ReverseDialer
 from atoll.node.transport import Direction, TensorKey, Transport, TransportError
 from atoll.rpc import RpcOptions
 from atoll.serde import codec_id
@@ -43,12 +44,22 @@ class PeerRef:
     """Emulation knob for testbeds (`atoll.node.wan`): each tensor sent to this peer is held this long
     before it goes on the wire, as a wide-area link's one-way latency would delay it; other tensors and
     links go on meanwhile. Zero (the default) outside testbeds."""
+    route: str = "dial"
+    """How tensors reach it: "dial" (its Peer server at `address`), "reverse" (it accepts no connections:
+    over the Connect stream it opened to this node), "relay" (neither end accepts connections: a Transfer to
+    the node at `relay`, which forwards it over the Connect stream this peer opened there)."""
+    relay: str = ""
+    """HOST:PORT of the relaying node (route "relay")."""
 
     def __post_init__(self) -> None:
         if not self.node_id:
             raise ValueError("PeerRef.node_id must not be empty")
-        if ":" not in self.address:
+        if self.route not in ("dial", "reverse", "relay"):
+            raise ValueError(f"PeerRef.route must be dial, reverse or relay, got {self.route!r}")
+        if self.route == "dial" and ":" not in self.address:
             raise ValueError(f"PeerRef.address must be HOST:PORT, got {self.address!r}")
+        if self.route == "relay" and ":" not in self.relay:
+            raise ValueError(f"PeerRef.relay must be the relaying node's HOST:PORT, got {self.relay!r}")
         if self.added_latency < timedelta(0):
             raise ValueError(f"PeerRef.added_latency must be >= 0, got {self.added_latency}")
 
@@ -161,6 +172,9 @@ class GrpcTransportConfig:
     """Bytes the mailbox may hold (waiting tensors and tensors being received)."""
     accept_codecs: frozenset[str] | None = None
     """Codec names accepted from the neighbours (e.g. the job's fixed codec); None accepts every codec."""
+    accepts_connections: bool = True
+    """False for a node behind NAT or a firewall: it opens a Connect stream to each neighbour it can dial (and
+    to the relay of each it cannot), and receives its tensors over them (`atoll.node.reverse`)."""
 
     def __post_init__(self) -> None:
         if self.upstream == () or self.downstream == ():
@@ -255,11 +269,25 @@ class GrpcTransport(Transport):
         self.mailbox = Mailbox(config.receive_spec(), max_chunk_bytes=config.rpc.max_message_bytes)
         # each neighbour's route and the link that sends to it: activations go downstream, gradients upstream
         self._sides: dict[str, list[tuple[_Route, PeerLink]]] = {
-            "downstream": [(r, PeerLink(config, r.peer, "forward")) for r in config.routes("downstream")],
-            "upstream": [(r, PeerLink(config, r.peer, "backward")) for r in config.routes("upstream")],
+            "downstream": [(r, PeerLink(config, r.peer, "forward", server.reverse))
+                           for r in config.routes("downstream")],
+            "upstream": [(r, PeerLink(config, r.peer, "backward", server.reverse)) for r in config.routes("upstream")],
         }
         self._closed = False
         server.attach(self.mailbox)
+        self.dialer: ReverseDialer | None = None
+        if not config.accepts_connections:
+            targets = {}
+            for r in config.routes("upstream") + config.routes("downstream"):
+                if r.peer.route == "dial":
+                    targets[r.peer.node_id] = r.peer.address
+                elif r.peer.route == "relay":
+                    targets[f"relay {r.peer.relay}"] = r.peer.relay
+                else:
+                    raise ValueError(f"{r.peer.node_id} and this node both accept no connections; the plan must "
+                                     f"name a relay for their link")
+            self.dialer = ReverseDialer(DialerConfig(node_id=config.node_id, token=config.token, rpc=config.rpc),
+                                        targets, lambda: server.receiver)
 
     @property
     def _links(self) -> list[PeerLink]:
@@ -332,6 +360,8 @@ class GrpcTransport(Transport):
         self._closed = True
         self._server.detach(self.mailbox)
         self.mailbox.close()
+        if self.dialer is not None:
+            self.dialer.close()
         for link in self._links:
             link.close(timeout.total_seconds())
 

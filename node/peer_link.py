@@ -7,6 +7,10 @@ receiver to check and decode what they sent. Queued and in-flight tensors are bo
 Transient failures are retried with exponential backoff; a refusal is final and raised by the next
 call on the link. A testbed may add latency to a peer (`PeerRef.added_latency`): each tensor waits it
 out in its sender thread before its turn on the wire.
+
+A peer that accepts no connections (`PeerRef.route` "reverse") is sent to over the Connect stream it opened
+to this node's Peer server; one reached through a relay ("relay") by a Transfer to the relay that names it
+(`atoll.node.reverse`). Either way the retries, deadlines and measurements are the same.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from atoll.compression import CodecSpec, LinkPolicy, encode_tensor
 from atoll.compression.wire import chunk_frames, tensor_meta
+from atoll.node.reverse import RELAY_METADATA_KEY, ReverseRegistry
 from atoll.node.transport import Direction, TensorKey, TransportError
 from atoll.rpc import make_channel
 from atoll.serde import DIRECTION_BY_NAME
@@ -74,15 +79,22 @@ class _Turn:
 class PeerLink:
     """Sends to one neighbour: a channel, a bounded queue, sender threads and the link's policy."""
 
-    def __init__(self, cfg: GrpcTransportConfig, peer: PeerRef, direction: Direction):
+    def __init__(self, cfg: GrpcTransportConfig, peer: PeerRef, direction: Direction,
+                 reverse: ReverseRegistry | None = None):
         self.cfg, self.peer, self.direction = cfg, peer, direction
+        if peer.route == "reverse" and reverse is None:
+            raise ValueError(f"{peer.node_id} accepts no connections: sending to it needs this node's Peer server "
+                             f"(its Connect streams)")
+        self.reverse = reverse
         self.fixed = cfg.forward_codec if direction == "forward" else cfg.backward_codec
         self.policy = LinkPolicy(cfg.policy, initial_bandwidth_bytes_per_s=cfg.initial_bandwidth_bytes_per_s,
                                  latency_s=cfg.latency.total_seconds())
-        self.channel = make_channel(peer.address, cfg.rpc, token=cfg.token)
+        self.channel = None if peer.route == "reverse" else \
+            make_channel(peer.relay if peer.route == "relay" else peer.address, cfg.rpc, token=cfg.token)
+        self.metadata = ((RELAY_METADATA_KEY, peer.node_id),) if peer.route == "relay" else None
         # Peer.Transfer, fed the chunks already serialized (`chunk_frames`) to spare protobuf's copies
-        self.transfer = self.channel.stream_unary("/atoll.v1.Peer/Transfer",
-                                                  response_deserializer=pb.TransferAck.FromString)
+        self.transfer = None if self.channel is None else self.channel.stream_unary(
+            "/atoll.v1.Peer/Transfer", response_deserializer=pb.TransferAck.FromString)
         self.queue: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self.cond = threading.Condition()
         self.in_flight = 0  # raw bytes queued or being sent
@@ -156,7 +168,8 @@ class PeerLink:
         deadline = time.monotonic() + timeout
         for th in self.threads:
             th.join(max(0.0, deadline - time.monotonic()))
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
 
     # --- sender thread ---
 
@@ -257,8 +270,16 @@ class PeerLink:
                 turn.release()
 
         start = time.perf_counter()
+        if self.transfer is None:  # the peer accepts no connections: over the Connect stream it opened to us
+            assert self.reverse is not None
+            try:
+                self.reverse.call(self.peer.node_id, "Transfer", stream(), self.cfg.call_timeout.total_seconds())
+            finally:
+                turn.release()
+            return start, time.perf_counter()
         try:
-            call = self.transfer.future(stream(), timeout=self.cfg.call_timeout.total_seconds())
+            call = self.transfer.future(stream(), timeout=self.cfg.call_timeout.total_seconds(),
+                                        metadata=self.metadata)
             with self.cond:
                 self.calls.add(call)
             try:

@@ -127,7 +127,7 @@ class LayerTiming(_message.Message):
     def __init__(self, layer_kind: _Optional[str] = ..., micro_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeProfile(_message.Message):
-    __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version", "region")
+    __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version", "region", "unreachable")
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class NodeProfile(_message.Message):
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     ATOLL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     hostname: str
     device_kind: str
     device_name: str
@@ -152,7 +153,8 @@ class NodeProfile(_message.Message):
     torch_version: str
     atoll_version: str
     region: str
-    def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ..., region: _Optional[str] = ...) -> None: ...
+    unreachable: bool
+    def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ..., region: _Optional[str] = ..., unreachable: _Optional[bool] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
     __slots__ = ("src", "dst", "bandwidth_bytes_per_s", "rtt_seconds", "probe_bytes", "measured_unix")
@@ -305,8 +307,15 @@ class OuterPlan(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., overlap: _Optional[bool] = ..., deadline_seconds: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., bytes_per_round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer", "idle")
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer", "idle", "relays", "checkpoint_copies", "handover")
     class NodeAddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class HandoverEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +338,9 @@ class Plan(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
     IDLE_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_COPIES_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     job_id: str
     model: str
@@ -345,7 +357,34 @@ class Plan(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
     outer: OuterPlan
     idle: _containers.RepeatedCompositeFieldContainer[IdleDevices]
-    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ..., idle: _Optional[_Iterable[_Union[IdleDevices, _Mapping]]] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RelayRoute]
+    checkpoint_copies: _containers.RepeatedCompositeFieldContainer[CheckpointCopy]
+    handover: _containers.ScalarMap[str, str]
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ..., idle: _Optional[_Iterable[_Union[IdleDevices, _Mapping]]] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ..., checkpoint_copies: _Optional[_Iterable[_Union[CheckpointCopy, _Mapping]]] = ..., handover: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CheckpointCopy(_message.Message):
+    __slots__ = ("node_id", "layer_start", "layer_end", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    layer_start: int
+    layer_end: int
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RelayRoute(_message.Message):
+    __slots__ = ("a", "b", "via", "bandwidth_bytes_per_s")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    via: str
+    bandwidth_bytes_per_s: float
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., via: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class IdleDevices(_message.Message):
     __slots__ = ("island", "gpus", "reason", "nodes")
@@ -438,18 +477,20 @@ class CheckpointReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("token", "node_id", "job_id", "profile", "peer_address")
+    __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
     token: str
     node_id: str
     job_id: str
     profile: NodeProfile
     peer_address: str
-    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    csr_pem: bytes
+    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "name", "spec_toml")
@@ -462,16 +503,24 @@ class JobInfo(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., spec_toml: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "job", "lease_seconds", "heartbeat_interval_seconds")
+    __slots__ = ("node_id", "job", "lease_seconds", "heartbeat_interval_seconds", "reachable", "reachability", "certificate_pem", "ca_pem")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     job: JobInfo
     lease_seconds: float
     heartbeat_interval_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    reachable: bool
+    reachability: str
+    certificate_pem: bytes
+    ca_pem: bytes
+    def __init__(self, node_id: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "plan_epoch", "step")
@@ -526,12 +575,14 @@ class WatchPlanRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class StepAck(_message.Message):
-    __slots__ = ("plan_epoch", "stop")
+    __slots__ = ("plan_epoch", "stop", "target_steps")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     plan_epoch: int
     stop: bool
-    def __init__(self, plan_epoch: _Optional[int] = ..., stop: _Optional[bool] = ...) -> None: ...
+    target_steps: int
+    def __init__(self, plan_epoch: _Optional[int] = ..., stop: _Optional[bool] = ..., target_steps: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "reason")
@@ -606,8 +657,38 @@ class OuterSyncReply(_message.Message):
     def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("history_points",)
+    HISTORY_POINTS_FIELD_NUMBER: _ClassVar[int]
+    history_points: int
+    def __init__(self, history_points: _Optional[int] = ...) -> None: ...
+
+class LossPoint(_message.Message):
+    __slots__ = ("first_step", "last_step", "width", "count", "loss", "loss_min", "loss_max", "tokens_per_second", "has_val_loss", "val_loss", "val_loss_min", "val_loss_max")
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MIN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MAX_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    HAS_VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_MIN_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_MAX_FIELD_NUMBER: _ClassVar[int]
+    first_step: int
+    last_step: int
+    width: int
+    count: int
+    loss: float
+    loss_min: float
+    loss_max: float
+    tokens_per_second: float
+    has_val_loss: bool
+    val_loss: float
+    val_loss_min: float
+    val_loss_max: float
+    def __init__(self, first_step: _Optional[int] = ..., last_step: _Optional[int] = ..., width: _Optional[int] = ..., count: _Optional[int] = ..., loss: _Optional[float] = ..., loss_min: _Optional[float] = ..., loss_max: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., val_loss_min: _Optional[float] = ..., val_loss_max: _Optional[float] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("node_id", "peer_address", "profile", "state", "last_heartbeat_unix", "joined_unix")
@@ -676,7 +757,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -694,6 +775,12 @@ class StatusReply(_message.Message):
     STAGE_USAGE_FIELD_NUMBER: _ClassVar[int]
     LINK_USAGE_FIELD_NUMBER: _ClassVar[int]
     GROUP_USAGE_FIELD_NUMBER: _ClassVar[int]
+    JOB_STATE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_RESOLUTION_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_ROWS_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -711,7 +798,33 @@ class StatusReply(_message.Message):
     stage_usage: _containers.RepeatedCompositeFieldContainer[StageUsage]
     link_usage: _containers.RepeatedCompositeFieldContainer[LinkUsage]
     group_usage: _containers.RepeatedCompositeFieldContainer[GroupUsage]
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ...) -> None: ...
+    job_state: str
+    finished_unix: float
+    target_steps: int
+    history: _containers.RepeatedCompositeFieldContainer[LossPoint]
+    history_resolution: str
+    history_rows: int
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ...) -> None: ...
+
+class JobControlRequest(_message.Message):
+    __slots__ = ("job_id", "action", "steps")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    action: str
+    steps: int
+    def __init__(self, job_id: _Optional[str] = ..., action: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class JobControlReply(_message.Message):
+    __slots__ = ("target_steps", "step", "message")
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    target_steps: int
+    step: int
+    message: str
+    def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GroupUsage(_message.Message):
     __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds")
@@ -770,3 +883,119 @@ class OuterFetchRequest(_message.Message):
     names: _containers.RepeatedScalarFieldContainer[str]
     sender: str
     def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class ConnectFrame(_message.Message):
+    __slots__ = ("node_id", "call", "method", "message", "end", "code", "details", "reply", "timeout_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    call: int
+    method: str
+    message: bytes
+    end: bool
+    code: int
+    details: str
+    reply: bool
+    timeout_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., call: _Optional[int] = ..., method: _Optional[str] = ..., message: _Optional[bytes] = ..., end: _Optional[bool] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., reply: _Optional[bool] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class StateFetchRequest(_message.Message):
+    __slots__ = ("job_id", "kind", "step", "layer_start", "layer_end", "offset", "sender")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    kind: str
+    step: int
+    layer_start: int
+    layer_end: int
+    offset: int
+    sender: str
+    def __init__(self, job_id: _Optional[str] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., offset: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("total_bytes", "checksum", "offset", "data", "chunk_checksum", "step", "layer_start", "layer_end")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    checksum: int
+    offset: int
+    data: bytes
+    chunk_checksum: int
+    step: int
+    layer_start: int
+    layer_end: int
+    def __init__(self, total_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_checksum: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class HeldStateRequest(_message.Message):
+    __slots__ = ("job_id", "plan_epoch", "sender")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    plan_epoch: int
+    sender: str
+    def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+
+class HeldStateReply(_message.Message):
+    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id")
+    HOLDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    holds: bool
+    step: int
+    layer_start: int
+    layer_end: int
+    bytes: int
+    plan_epoch: int
+    node_id: str
+    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("job_id", "step", "layer_start", "layer_end", "source", "source_address", "plan_epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    layer_start: int
+    layer_end: int
+    source: str
+    source_address: str
+    plan_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., source: _Optional[str] = ..., source_address: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ("bytes", "seconds", "path")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    path: str
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...

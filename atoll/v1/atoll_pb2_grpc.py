@@ -84,6 +84,11 @@ class CoordinatorStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncReply.FromString,
                 _registered_method=True)
+        self.ControlJob = channel.unary_unary(
+                '/atoll.v1.Coordinator/ControlJob',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.JobControlRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.JobControlReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -149,6 +154,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ControlJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +212,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.OuterSync,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.OuterSyncReply.SerializeToString,
+            ),
+            'ControlJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ControlJob,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.JobControlRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.JobControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +499,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ControlJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Coordinator/ControlJob',
+            atoll_dot_v1_dot_atoll__pb2.JobControlRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.JobControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PeerStub:
     """Missing associated documentation comment in .proto file."""
@@ -507,6 +550,26 @@ class PeerStub:
                 '/atoll.v1.Peer/FetchOuter',
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/atoll.v1.Peer/Connect',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.ConnectFrame.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.ConnectFrame.FromString,
+                _registered_method=True)
+        self.FetchState = channel.unary_stream(
+                '/atoll.v1.Peer/FetchState',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.StateFetchRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.StateChunk.FromString,
+                _registered_method=True)
+        self.HeldState = channel.unary_unary(
+                '/atoll.v1.Peer/HeldState',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.HeldStateRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.HeldStateReply.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/atoll.v1.Peer/Replicate',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.ReplicateReply.FromString,
                 _registered_method=True)
 
 
@@ -533,6 +596,36 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request_iterator, context):
+        """Opened by a node that accepts no connections to a neighbour (or a relay) that does: over it the
+        neighbour makes the Transfer and Probe calls it cannot dial, each a numbered call of frames.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchState(self, request, context):
+        """A stage's state (weights and optimizer state, the checkpoint file format): the live state the node holds
+        (kind "live") or a checkpoint copy (kind "checkpoint"), from a byte offset on, each chunk checksummed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeldState(self, request, context):
+        """Which live state the node holds, once its runs of plans older than the asked epoch have ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """Take a copy of a checkpoint file from its writer (the asked node fetches it with FetchState).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -550,6 +643,26 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.FetchOuter,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.TensorChunk.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.ConnectFrame.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.ConnectFrame.SerializeToString,
+            ),
+            'FetchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchState,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.StateFetchRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.StateChunk.SerializeToString,
+            ),
+            'HeldState': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldState,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.HeldStateRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.HeldStateReply.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.ReplicateRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.ReplicateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -633,6 +746,114 @@ class Peer:
             '/atoll.v1.Peer/FetchOuter',
             atoll_dot_v1_dot_atoll__pb2.OuterFetchRequest.SerializeToString,
             atoll_dot_v1_dot_atoll__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Peer/Connect',
+            atoll_dot_v1_dot_atoll__pb2.ConnectFrame.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.ConnectFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Peer/FetchState',
+            atoll_dot_v1_dot_atoll__pb2.StateFetchRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Peer/HeldState',
+            atoll_dot_v1_dot_atoll__pb2.HeldStateRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.HeldStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Peer/Replicate',
+            atoll_dot_v1_dot_atoll__pb2.ReplicateRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.ReplicateReply.FromString,
             options,
             channel_credentials,
             insecure,

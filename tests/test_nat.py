@@ -1,0 +1,121 @@
+"""Nodes that accept no connections: reverse Connect streams, relays, and the plan's relay routes."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from datetime import timedelta
+
+import grpc
+import pytest
+import torch
+
+from atoll.compression import CodecSpec
+from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
+from atoll.node.peer import PeerServer
+from atoll.node.reverse import ReverseRegistry, TunnelError
+from atoll.node.transport import TensorKey
+from atoll.v1 import atoll_pb2 as pb
+
+SHAPE = (2, 8, 16)
+T = timedelta(seconds=10)
+IDENTITY = CodecSpec("identity")
+FAST = dict(retry_initial=timedelta(milliseconds=20), retry_max=timedelta(milliseconds=200))
+
+
+def _cfg(stage: int, n: int, peers: dict[int, PeerRef], **kw) -> GrpcTransportConfig:
+    base = dict(job_id="job", node_id=f"n{stage}", plan_epoch=1, stage=stage, upstream=peers.get(stage - 1),
+                downstream=peers.get(stage + 1) if stage + 1 < n else None, token="tok", shape=SHAPE,
+                micro_batches=4, forward_codec=IDENTITY, backward_codec=IDENTITY, **FAST)
+    base.update(kw)
+    return GrpcTransportConfig(**base)
+
+
+def _roundtrip(ts: list[GrpcTransport]) -> None:
+    """Activations down the whole pipeline and gradients back up, compared exactly."""
+    for mb in range(3):
+        x = torch.randn(SHAPE)
+        ts[0].send(TensorKey(0, mb, "forward"), x)
+        for i in range(1, len(ts)):
+            got = ts[i].recv(TensorKey(0, mb, "forward"), T)
+            assert torch.equal(got, x)
+            if i + 1 < len(ts):
+                ts[i].send(TensorKey(0, mb, "forward"), got)
+        g = torch.randn(SHAPE)
+        ts[-1].send(TensorKey(0, mb, "backward"), g)
+        for i in reversed(range(len(ts) - 1)):
+            got = ts[i].recv(TensorKey(0, mb, "backward"), T)
+            assert torch.equal(got, g)
+            if i > 0:
+                ts[i].send(TensorKey(0, mb, "backward"), got)
+    for t in ts:
+        t.flush(T)
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_middle_stage_gets_both_directions_over_its_own_streams() -> None:
+    """n1 listens nowhere: n0 and n2 send to it over the Connect streams n1 opened to them."""
+    with ExitStack() as stack:
+        servers = [stack.enter_context(PeerServer(node_id=f"n{i}", listen=None if i == 1 else "127.0.0.1:0",
+                                                  token="tok")) for i in range(3)]
+        assert not servers[1].listening and servers[1].address == ""
+        peers = {0: PeerRef(node_id="n0", address=servers[0].address),
+                 1: PeerRef(node_id="n1", address="", route="reverse"),
+                 2: PeerRef(node_id="n2", address=servers[2].address)}
+        ts = [GrpcTransport(_cfg(i, 3, peers, accepts_connections=i != 1), servers[i]) for i in range(3)]
+        for t in ts:
+            stack.callback(t.close)
+        assert ts[1].dialer is not None and ts[1].dialer.wait_connected(10)
+        _roundtrip(ts)
+        (down,), (up,) = ts[0].link_stats(), ts[2].link_stats()
+        assert down.bytes_raw == up.bytes_raw == 3 * 2 * 8 * 16 * 4
+
+
+@pytest.mark.timeout(60)
+def test_two_unreachable_neighbours_exchange_through_a_relay() -> None:
+    """n0 and n1 both listen nowhere; r (not in the pipeline) relays every tensor between them."""
+    with ExitStack() as stack:
+        relay = stack.enter_context(PeerServer(node_id="r", listen="127.0.0.1:0", token="tok"))
+        servers = [stack.enter_context(PeerServer(node_id=f"n{i}", listen=None, token="tok")) for i in range(2)]
+        peers = {i: PeerRef(node_id=f"n{i}", address="", route="relay", relay=relay.address) for i in range(2)}
+        ts = [GrpcTransport(_cfg(i, 2, peers, accepts_connections=False), servers[i]) for i in range(2)]
+        for t in ts:
+            stack.callback(t.close)
+        assert all(t.dialer is not None and t.dialer.wait_connected(10) for t in ts)
+        _roundtrip(ts)
+
+
+@pytest.mark.timeout(60)
+def test_refusals_cross_the_tunnel_with_their_status() -> None:
+    """A tensor the unreachable receiver refuses (wrong shape) fails the sender's link with the receiver's reason."""
+    with ExitStack() as stack:
+        a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
+        b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
+        peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
+        t0 = GrpcTransport(_cfg(0, 2, peers), a)
+        t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False, shape=(3, 8, 16)), b)
+        stack.callback(t0.close)
+        stack.callback(t1.close)
+        assert t1.dialer is not None and t1.dialer.wait_connected(10)
+        t0.send(TensorKey(0, 0, "forward"), torch.randn(SHAPE))
+        with pytest.raises(Exception, match="shape"):
+            t0.flush(T)
+
+
+def test_a_call_to_a_node_without_a_stream_is_retryable() -> None:
+    with pytest.raises(TunnelError) as e:
+        ReverseRegistry().call("nobody", "Transfer", iter([b""]), 1.0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "accepts no connections" in e.value.details()
+
+
+def test_relay_route_needs_the_relay_address() -> None:
+    with pytest.raises(ValueError, match="relay"):
+        PeerRef(node_id="x", address="", route="relay")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        PeerRef(node_id="x", address="")
+    assert PeerRef(node_id="x", address="", route="reverse").route == "reverse"
+
+
+def test_connect_frames_round_trip() -> None:
+    f = pb.ConnectFrame(call=3, method="Transfer", message=b"x", timeout_seconds=2.5)
+    assert pb.ConnectFrame.FromString(f.SerializeToString()) == f
