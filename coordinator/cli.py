@@ -23,8 +23,12 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback only; 0.0.0.0 for every interface)")
-    p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS with --tls-key")
-    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--tls-cert", help="PEM certificate chain to serve instead of the one the job CA signs (with "
+                   "--tls-key; nodes then verify it with --tls-ca of its root)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--insecure", action="store_true",
+                   help="closed labs only: plaintext gRPC, no node certificates (any token holder can speak as any "
+                   "node). By default the coordinator is a CA (STATE_DIR/ca.pem) and every call is mutual TLS")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
     p.add_argument("--island-threshold", type=float, default=0.1,
                    help="a link joins two nodes in one island when at least this fraction of the fastest link "
@@ -53,13 +57,17 @@ def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
     p.add_argument("--token-file", help="file holding the job token")
-    p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator")
+    p.add_argument("--tls-ca", help="the job CA (the coordinator's STATE_DIR/ca.pem; default: ca.pem beside "
+                   "--token-file)")
+    p.add_argument("--insecure", action="store_true", help="the coordinator runs --insecure (plaintext)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables (one line per update with "
                    "--watch): the tables' headers are its field names in capitals; a failure is printed as "
                    "{\"error\": ...} with exit code 2")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                    help="ask again every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+    p.add_argument("--plot", metavar="FILE.png", help="write the whole job's loss curve (and validation loss) as a "
+                   "PNG to FILE.png and exit")
     p.set_defaults(func=_run_status)
 
 

@@ -8,8 +8,13 @@ from atoll.coordinator.progress import throughput
 from atoll.coordinator.state import CoordinatorState
 
 
+LATEST_ROWS = 2000
+"""Newest history rows searched for the latest loss and validation loss."""
+
+
 class CoordinatorMetrics:
-    """members, islands, plan epoch, step, tokens/s, last complete checkpoint and per-link bandwidth."""
+    """members, islands, plan epoch, step, tokens/s, last complete checkpoint, per-link bandwidth, and the
+    latest loss and validation loss."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -23,6 +28,12 @@ class CoordinatorMetrics:
         self.checkpoint_step = Gauge("atoll_last_checkpoint_step", "Latest complete checkpoint step", registry=r)
         self.link_bandwidth = Gauge("atoll_link_bandwidth_bytes_per_second", "Latest probe of each link",
                                     ["src", "dst"], registry=r)
+        self.loss = Gauge("atoll_loss", "Training loss of the latest step reported (cross entropy, nats/token)",
+                          registry=r)
+        self.loss_step = Gauge("atoll_loss_step", "Step of atoll_loss", registry=r)
+        self.val_loss = Gauge("atoll_val_loss", "Validation loss of the latest validation pass (absent before "
+                              "the first)", registry=r)
+        self.val_loss_step = Gauge("atoll_val_loss_step", "Step of atoll_val_loss", registry=r)
 
     def update(self, state: CoordinatorState) -> None:
         counts = {"alive": 0, "gone": 0, "left": 0}
@@ -40,3 +51,13 @@ class CoordinatorMetrics:
         self.link_bandwidth.clear()
         for x in state.store.list_links():
             self.link_bandwidth.labels(src=x.src, dst=x.dst).set(x.bandwidth_bytes_per_s)
+        # the newest rows of the history hold the latest losses (validation passes are sparser: look further)
+        recent = state.store.history(newest=LATEST_ROWS)
+        loss = next((r for r in reversed(recent) if r.loss is not None), None)
+        if loss is not None:
+            self.loss.set(loss.loss)
+            self.loss_step.set(loss.last)
+        val = next((r for r in reversed(recent) if r.val_loss is not None), None)
+        if val is not None:
+            self.val_loss.set(val.val_loss)
+            self.val_loss_step.set(val.last)

@@ -14,19 +14,23 @@ from typing import TextIO
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from atoll.coordinator.history import draw_history, from_proto, sparkline
 from atoll.job import resolve_token
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import bootstrap_rpc, find_ca
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 
 def fetch_status(address: str, *, token: str | None, timeout: timedelta = timedelta(seconds=10),
-                 rpc: RpcOptions | None = None) -> pb.StatusReply:
-    """Ask the coordinator at `address`; raises ConnectionError / PermissionError with what to do."""
+                 rpc: RpcOptions | None = None, history_points: int = 0) -> pb.StatusReply:
+    """Ask the coordinator at `address` (with at most `history_points` points of the loss history; 0: enough
+    for a sparkline); raises ConnectionError / PermissionError with what to do."""
     channel = make_channel(address, rpc, token=token)
     try:
         # wait_for_ready: a coordinator that is (re)starting gets the whole timeout to come up
-        return pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(), timeout=timeout.total_seconds(),
+        return pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(history_points=history_points),
+                                                          timeout=timeout.total_seconds(),
                                                           wait_for_ready=True)
     except grpc.RpcError as e:
         code = e.code()
@@ -139,6 +143,37 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
     return out
 
 
+PLOT_POINTS = 1_000_000
+"""History points `--plot` asks for: every row the coordinator's store holds."""
+
+
+def history_lines(s: pb.StatusReply, width: int = 60) -> list[str]:
+    """The loss history as a sparkline (and the validation loss's, when reported), with the steps it spans
+    and how the coordinator holds it."""
+    points = list(s.history)
+    losses = [p for p in points if p.count]
+    if not losses:
+        return []
+    first, last = points[0].first_step, max(p.last_step for p in points)
+    out = [f"loss history {sparkline([p.loss for p in losses], width)}  {losses[0].loss:.3f} -> {losses[-1].loss:.3f} "
+           f"(min {min(p.loss_min for p in losses):.3f}), steps {first}-{last}"]
+    vals = [p for p in points if p.has_val_loss]
+    if vals:
+        out.append(f"val loss     {sparkline([p.val_loss for p in vals], width)}  {vals[0].val_loss:.3f} -> "
+                   f"{vals[-1].val_loss:.3f} ({len(vals)} points)")
+    out.append(f"  held as {s.history_resolution}; `atoll status --plot FILE.png` draws it whole")
+    return out
+
+
+def plot_history(s: pb.StatusReply, path: str | Path) -> Path:
+    """Draw the reply's whole history (fetched with `history_points=PLOT_POINTS`) as a PNG at `path`."""
+    rows = [from_proto(p) for p in s.history]
+    if not any(r.count or r.val_count for r in rows):
+        raise ValueError(f"job {s.job.name} has no loss reported yet: nothing to plot; try again once steps run")
+    name = s.job.name or "job"
+    return draw_history(rows, path, title=f"{name}: loss per step ({s.history_resolution})")
+
+
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     """The reply as tables: the job's progress first, then members, islands and the plan.
 
@@ -153,6 +188,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     out = [f"job {s.job.name} ({s.job.job_id})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
            f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            f"{s.last_checkpoint_step if s.last_checkpoint_step else '-'}"]
+    out += history_lines(s)
     out += _progress_lines(s)
     if s.HasField("plan") and s.plan.mode == "outer":
         out += _outer_lines(s)
@@ -237,10 +273,24 @@ def _run_status(args: argparse.Namespace) -> int:
     if args.watch is not None and args.watch <= 0:
         raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
     token = resolve_token(args.token, args.token_file)
-    rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else None
+    rpc = None
+    if not getattr(args, "insecure", False):
+        if not token:
+            raise ValueError("atoll status needs the job token: --token-file or $ATOLL_TOKEN")
+        rpc = bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
 
     def fetch() -> pb.StatusReply:
         return fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc)
+
+    if getattr(args, "plot", None):
+        if args.watch is not None:
+            raise ValueError("--plot writes one picture; leave out --watch")
+        reply = fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc,
+                             history_points=PLOT_POINTS)
+        path = plot_history(reply, args.plot)
+        print(json.dumps({"plot": str(path), "history_resolution": reply.history_resolution}) if args.json else
+              f"loss curve of job {reply.job.name} written to {path} ({reply.history_resolution})")
+        return 0
 
     if args.watch is None:
         reply = fetch()

@@ -1,7 +1,8 @@
 """The coordinator's state behind one interface: `MemoryStore` (tests) and `SqliteStore` (WAL, on disk).
 
 What is kept: the job, members with their profiles, the latest measurement of each link, the islands,
-the plan history, the checkpoint index and recent step metrics. A coordinator restarted on the same
+the plan history, the checkpoint index, recent step metrics and the whole job's loss history
+(`atoll.coordinator.history`: every step's loss, older steps merged into buckets). A coordinator restarted on the same
 SQLite file resumes with the same job, members and plan epoch. Methods are thread-safe; returned
 records are copies.
 """
@@ -18,6 +19,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from atoll.coordinator.history import KEEP_FULL, MAX_BUCKETS, add_sample, compact, needs_compaction
+from atoll.coordinator.history import Point as HistoryPoint
+from atoll.coordinator.history import Sample as HistorySample
 from atoll.plan import IslandInfo, Plan
 from atoll.serde import step_metrics_from_proto, step_metrics_to_proto
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile, StepMetrics
@@ -95,6 +99,9 @@ class _Snapshot:
     plans: list[StoredPlan] = field(default_factory=list)
     checkpoints: dict[tuple[int, int, str, int, int], CheckpointRecord] = field(default_factory=dict)
     steps: list[StepMetrics] = field(default_factory=list)
+    history: dict[int, HistoryPoint] = field(default_factory=dict)
+    history_bucketed: int = 0
+    """The history's buckets cover the steps below this."""
 
 
 class Store(ABC):
@@ -178,6 +185,19 @@ class Store(ABC):
     def recent_steps(self, limit: int = 100) -> list[StepMetrics]:
         """The latest reports, oldest first."""
 
+    # the whole job's loss history (atoll.coordinator.history)
+    history_keep_full: int = KEEP_FULL
+    """Newest steps of the history kept one row per step; older ones are merged into buckets."""
+    history_max_buckets: int = MAX_BUCKETS
+    """Most buckets the older steps are merged into (their width doubles as the job grows)."""
+
+    @abstractmethod
+    def add_history(self, sample: HistorySample) -> None:
+        """Merge a step's loss, tokens/s and validation loss into the history (bounded, never truncated)."""
+    @abstractmethod
+    def history(self, newest: int | None = None) -> list[HistoryPoint]:
+        """The whole history (or its `newest` rows), oldest step first."""
+
     def close(self) -> None:
         """Release files."""
 
@@ -190,6 +210,15 @@ def _renew(members: dict[str, MemberRecord], node_id: str, now: float, plan_epoc
     m = members[node_id] = copy.copy(m)
     m.last_heartbeat_unix, m.plan_epoch, m.step = now, plan_epoch, step
     return True
+
+
+def _covering(rows, step: int) -> HistoryPoint | None:
+    """The history row holding `step`: its own row, else the bucket whose range covers it."""
+    best = None
+    for r in rows:
+        if r.first <= step < r.first + r.width and (best is None or r.width < best.width):
+            best = r
+    return best
 
 
 def _check_state(state: str) -> None:
@@ -290,6 +319,27 @@ class MemoryStore(Store):
         with self._lock:
             return copy.deepcopy(self._s.steps[-limit:]) if limit > 0 else []
 
+    def add_history(self, sample: HistorySample) -> None:
+        with self._lock:
+            rows = self._s.history
+            row = rows.get(sample.step)
+            if row is None and sample.step < self._s.history_bucketed:  # rows never overlap: one can cover it
+                row = _covering(rows.values(), sample.step)
+            if row is not None:
+                del rows[row.first]
+            new = add_sample(row, sample)
+            rows[new.first] = new
+            if needs_compaction(sum(1 for r in rows.values() if r.width == 1), self.history_keep_full):
+                kept = compact(list(rows.values()), keep_full=self.history_keep_full,
+                               max_buckets=self.history_max_buckets)
+                self._s.history = {r.first: r for r in kept}
+                self._s.history_bucketed = max((r.first + r.width for r in kept if r.width > 1), default=0)
+
+    def history(self, newest: int | None = None) -> list[HistoryPoint]:
+        with self._lock:
+            keys = sorted(self._s.history)
+            return [self._s.history[k] for k in (keys if newest is None else keys[-newest:] if newest > 0 else [])]
+
 
 # --- SQLite ---------------------------------------------------------------------------------------------
 
@@ -313,6 +363,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     layer_end INTEGER NOT NULL, path TEXT NOT NULL, bytes INTEGER NOT NULL, data_position INTEGER NOT NULL,
     reported_unix REAL NOT NULL, PRIMARY KEY (step, plan_epoch, node_id, layer_start, layer_end));
 CREATE TABLE IF NOT EXISTS steps (id INTEGER PRIMARY KEY AUTOINCREMENT, metrics BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS history (
+    first INTEGER PRIMARY KEY, width INTEGER NOT NULL, epoch INTEGER NOT NULL, last INTEGER NOT NULL,
+    count INTEGER NOT NULL, loss_min REAL NOT NULL, loss_sum REAL NOT NULL, loss_max REAL NOT NULL,
+    tps_sum REAL NOT NULL, tps_count INTEGER NOT NULL, val_count INTEGER NOT NULL, val_min REAL NOT NULL,
+    val_sum REAL NOT NULL, val_max REAL NOT NULL);
 """
 
 
@@ -496,6 +551,45 @@ class SqliteStore(Store):
             return []
         rows = self._read("SELECT metrics FROM steps ORDER BY id DESC LIMIT ?", (limit,))
         return [step_metrics_from_proto(pb.StepMetrics.FromString(blob)) for (blob,) in reversed(rows)]
+
+    _HISTORY_COLUMNS = ("first", "width", "epoch", "last", "count", "loss_min", "loss_sum", "loss_max", "tps_sum",
+                        "tps_count", "val_count", "val_min", "val_sum", "val_max")
+
+    def add_history(self, sample: HistorySample) -> None:
+        cols = ", ".join(self._HISTORY_COLUMNS)
+        insert = f"INSERT INTO history ({cols}) VALUES ({', '.join('?' * len(self._HISTORY_COLUMNS))})"
+        with self._tx() as db:
+            # the row holding the step: its own, or the bucket whose range covers it
+            found = db.execute(f"SELECT {cols} FROM history WHERE first <= ? ORDER BY first DESC LIMIT 1",
+                               (sample.step,)).fetchone()
+            row = self._history_point(found) if found else None
+            if row is not None and not row.first <= sample.step < row.first + row.width:
+                row = None
+            if row is not None:
+                db.execute("DELETE FROM history WHERE first = ?", (row.first,))
+            db.execute(insert, self._history_values(add_sample(row, sample)))
+            full = db.execute("SELECT COUNT(*) FROM history WHERE width = 1").fetchone()[0]
+            if needs_compaction(full, self.history_keep_full):
+                rows = [self._history_point(r) for r in db.execute(f"SELECT {cols} FROM history ORDER BY first")]
+                kept = compact(rows, keep_full=self.history_keep_full, max_buckets=self.history_max_buckets)
+                db.execute("DELETE FROM history")
+                db.executemany(insert, [self._history_values(r) for r in kept])
+
+    def history(self, newest: int | None = None) -> list[HistoryPoint]:
+        cols = ", ".join(self._HISTORY_COLUMNS)
+        if newest is None:
+            return [self._history_point(r) for r in self._read(f"SELECT {cols} FROM history ORDER BY first")]
+        rows = self._read(f"SELECT {cols} FROM history ORDER BY first DESC LIMIT ?", (max(0, newest),))
+        return [self._history_point(r) for r in reversed(rows)]
+
+    @classmethod
+    def _history_point(cls, row: tuple) -> HistoryPoint:
+        # SQLite stores an infinite REAL as such (the min/max of a row without that kind of report)
+        return HistoryPoint(**dict(zip(cls._HISTORY_COLUMNS, row)))
+
+    @classmethod
+    def _history_values(cls, p: HistoryPoint) -> tuple:
+        return tuple(getattr(p, c) for c in cls._HISTORY_COLUMNS)
 
     def close(self) -> None:
         try:
