@@ -51,5 +51,9 @@ def validation_loss(stage: PipelineStage, step: int, batches: Sequence[Batch] | 
                         losses.append(float(lm_loss(out, targets[i].to(stage.device)).float()))
                 if not stage.is_last:
                     stage._send(key, out)
+    if not stage.is_last:
+        # nothing comes back to wait for: without this a stage that ends its run here (the last step) could
+        # close its transport before the pass's last activations reach the next stage
+        stage.transport.flush(stage.config.recv_timeout)
     stage.module.train()
     return sum(losses) / len(losses) if stage.is_last else None

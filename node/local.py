@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 
 from atoll.job import JobSpec
-from atoll.node.data import TokenDataset
+from atoll.node.datasets import open_dataset
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import StageModule, build_slice
 from atoll.node.runner import learning_rate, stage_config
@@ -27,7 +27,7 @@ def train_local(job: JobSpec, *, steps: int | None = None, device: torch.device 
     module = build_slice(job.model, 0, job.model.n_layers + 2, seed=t.seed, device=device)
     cfg = stage_config(job, t.global_batch // t.micro_batch, timedelta(seconds=60))
     stage = PipelineStage(module, stage=0, num_stages=1, transport=InProcessLinks(1).transport(0), config=cfg)
-    data = TokenDataset.from_source(job.data.source, t.seq_len, seed=t.seed)
+    data = open_dataset(job.data, seq_len=t.seq_len, seed=t.seed, vocab_size=job.model.vocab_size)
     losses = []
     for step in range(steps):
         for group in stage.optimizer.param_groups:

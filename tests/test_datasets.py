@@ -1,0 +1,277 @@
+"""Streamed datasets: JSONL, Parquet and datasets folders packed into samples, exact resume, sharding over
+replicas, the held-out split, bad configs, and the validation loss of a pipeline run."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+
+from atoll.job import DataSpec, JobSpec, JobSpecError
+from atoll.node.data import ByteTokenizer, TokenDataset, load_text
+from atoll.node.datasets import DataError, StreamingDataset, held_out, open_dataset
+from atoll.node.local import train_local
+from atoll.node.model import lm_loss
+from atoll.node.tokenizer import train_bpe
+
+REPO = Path(__file__).resolve().parent.parent
+B, L = 4, 32
+
+
+def _docs(n: int = 200) -> list[str]:
+    """Documents of uneven length, each tagged <nnnn> so a window's text says which rows it came from."""
+    paras = [p for p in load_text("builtin").split("\n\n") if p.strip()]
+    return [f"<{i:04d}> " + paras[i % len(paras)][: 40 + (i * 37) % 300] for i in range(n)]
+
+
+def _jsonl(path: Path, docs: list[str], key: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, key: d}) + "\n" + ("\n" if i % 17 == 0 else "")
+                            for i, d in enumerate(docs)))  # blank lines are skipped, not rows
+    return path
+
+
+def _parquet_folder(folder: Path, docs: list[str]) -> Path:
+    folder.mkdir()
+    half = len(docs) // 2  # two files, row groups of 7 rows: reading resumes inside a file and a group
+    pq.write_table(pa.table({"text": docs[:half], "n": list(range(half))}), folder / "part-0.parquet", row_group_size=7)
+    pq.write_table(pa.table({"text": docs[half:], "n": list(range(len(docs) - half))}), folder / "part-1.parquet",
+                   row_group_size=7)
+    return folder
+
+
+def _expected_position(docs: list[str], encode, eos: int | None, sample: int) -> tuple[int, int]:
+    """(row, token in row) where training sample `sample` starts, counted directly (one epoch, no split)."""
+    offset, target = 0, sample * L
+    for i, d in enumerate(docs):
+        n = len(encode(d)) + (eos is not None)
+        if offset + n > target:
+            return i, target - offset
+        offset += n
+    raise AssertionError("sample beyond the first epoch")
+
+
+def _check_resume(spec: DataSpec, docs: list[str], vocab: int, files_rows: list[int]) -> None:
+    straight = open_dataset(spec, seq_len=L, vocab_size=vocab)
+    assert isinstance(straight, StreamingDataset)
+    batches = [straight.rows(k, B, 0, B) for k in range(12)]
+    tok = straight.train.tokenizer
+    # a resumed node: a fresh dataset asked for step 7 first (the checkpoint's position is 7 x B samples)
+    resumed = open_dataset(spec, seq_len=L, vocab_size=vocab)
+    for k in range(7, 12):
+        got = resumed.rows(k, B, 0, B)
+        assert torch.equal(got.inputs, batches[k].inputs) and torch.equal(got.targets, batches[k].targets)
+    pos = resumed.position(7 * B)
+    row, token = _expected_position(docs, lambda d: tok.encode_batch([d])[0], tok.eos_id, 7 * B)
+    file = next(f for f, start in enumerate([0, *files_rows]) if start <= row < ([*files_rows, 10**9])[f])
+    assert (pos.epoch, pos.row, pos.token) == (0, row - ([0, *files_rows])[file], token)
+    assert pos.file.name == straight.train.source.files[file].name
+    # the sample starts at that token of that row
+    ids = tok.encode_batch([docs[row]])[0] + ([tok.eos_id] if tok.eos_id is not None else [])
+    head = ids[token:token + L]
+    assert batches[7].inputs[0, : len(head)].tolist() == head
+
+
+def test_jsonl_resumes_at_the_exact_row(tmp_path: Path) -> None:
+    docs = _docs()
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)))
+    _check_resume(spec, docs, 256, [])
+
+
+def test_parquet_resumes_at_the_exact_row_with_a_trained_tokenizer(tmp_path: Path) -> None:
+    docs = _docs()
+    folder = _parquet_folder(tmp_path / "pq", docs)
+    tok = train_bpe([folder], vocab_size=400, out=tmp_path / "tokenizer.json")
+    spec = DataSpec(source=str(folder), tokenizer=str(tmp_path / "tokenizer.json"))
+    _check_resume(spec, docs, tok.vocab_size, [len(docs) // 2])
+
+
+def test_formats_give_the_same_samples(tmp_path: Path) -> None:
+    import datasets
+
+    docs = _docs(80)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(tmp_path / "dd"))
+    sources = [_jsonl(tmp_path / "c.jsonl", docs), _parquet_folder(tmp_path / "pq", docs), tmp_path / "ds",
+               tmp_path / "dd"]
+    got = [open_dataset(DataSpec(source=str(s)), seq_len=L).global_batch(5, B).inputs for s in sources]
+    for g in got[1:]:
+        assert torch.equal(g, got[0])
+    # the packed stream is the documents end to end (bytes: no end-of-text token)
+    first = open_dataset(DataSpec(source=str(sources[0])), seq_len=L).rows(0, B, 0, B)
+    assert ByteTokenizer().decode(first.inputs[0]) == "".join(docs)[:L]
+
+
+def test_replica_shards_are_deterministic_and_disjoint(tmp_path: Path) -> None:
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs())))
+    whole = open_dataset(spec, seq_len=L).global_batch(3, 8)
+    for cuts in ([0, 8], [0, 4, 8], [0, 1, 3, 8], [0, 2, 4, 6, 8]):
+        # each replica is its own node: its own dataset, asked only for its rows
+        parts = [open_dataset(spec, seq_len=L).rows(3, 8, a, b) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat([p.inputs for p in parts]), whole.inputs)
+        assert torch.equal(torch.cat([p.targets for p in parts]), whole.targets)
+    # samples are disjoint windows of the stream: consecutive rows continue where the previous one ended
+    rows = whole.inputs
+    for r in range(7):
+        assert rows[r + 1, 0] == whole.targets[r, -1]
+    # and steps follow each other: step 4's first row continues step 3's last
+    nxt = open_dataset(spec, seq_len=L).rows(4, 8, 0, 1)
+    assert nxt.inputs[0, 0] == whole.targets[7, -1]
+
+
+def _tags(ids: torch.Tensor) -> set[int]:
+    return {int(t) for t in re.findall(r"<(\d{4})>", ByteTokenizer().decode(ids.flatten()))}
+
+
+def test_held_out_rows_never_reach_training(tmp_path: Path) -> None:
+    docs = _docs(200)
+    held = {i for i in range(200) if held_out(i, 0.25)}
+    assert 35 <= len(held) <= 65
+    ds = open_dataset(DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), validation_fraction=0.25), seq_len=L)
+    assert ds.has_validation
+    trained = set().union(*(_tags(ds.rows(k, B, 0, B).inputs) for k in range(200)))  # more than an epoch
+    kept = set(range(200)) - held
+    assert trained <= kept and len(trained) >= 0.9 * len(kept)  # (a tag cut by a window boundary is missed)
+    validated = set().union(*(_tags(ds.validation_rows(j, B, 0, B).inputs) for j in range(20)))
+    assert validated and validated <= held
+    # the same held-out batches at every evaluation, on every node
+    again = open_dataset(DataSpec(source=str(tmp_path / "c.jsonl"), validation_fraction=0.25), seq_len=L)
+    assert torch.equal(again.validation_rows(1, B, 1, 3).inputs, ds.validation_rows(1, B, 0, B).inputs[1:3])
+    # a separate validation source
+    other = _jsonl(tmp_path / "v.jsonl", [f"<{9000 + i}> held out text" for i in range(30)])
+    sep = open_dataset(DataSpec(source=str(tmp_path / "c.jsonl"), validation=str(other)), seq_len=L)
+    assert _tags(sep.validation_rows(0, B, 0, B).inputs) <= set(range(9000, 9030))
+
+
+def test_text_source_holds_out_its_tail() -> None:
+    tokens = torch.arange(10_000)
+    ds = TokenDataset(tokens, seq_len=L, seed=3, validation_fraction=0.1)
+    for step in range(50):
+        assert int(ds.global_batch(step, B).targets.max()) < 9_000
+    for j in range(5):
+        assert int(ds.validation_rows(j, B, 0, B).inputs.min()) >= 9_000
+    # with no split, the default dataset is unchanged: windows over the whole stream
+    assert not TokenDataset(tokens, seq_len=L).has_validation
+
+
+def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
+    docs = _docs(20)
+    src = _jsonl(tmp_path / "c.jsonl", docs)
+    with pytest.raises(DataError, match=r"data.field 'body' is not in line 1 of .*c.jsonl \(its keys: \['id', 'text'\]\)"):
+        open_dataset(DataSpec(source=str(src), field="body"), seq_len=L)
+    folder = _parquet_folder(tmp_path / "pq", docs)
+    with pytest.raises(DataError, match=r"data.field 'body' is not a column of .*part-0.parquet \(columns: \['text', 'n'\]\)"):
+        open_dataset(DataSpec(source=str(folder), field="body"), seq_len=L)
+    with pytest.raises(DataError, match="nope.jsonl does not exist"):
+        open_dataset(DataSpec(source=str(tmp_path / "nope.jsonl")), seq_len=L)
+    train_bpe([src], vocab_size=400, out=tmp_path / "tokenizer.json")
+    with pytest.raises(DataError, match=r"model.vocab_size \(256\) is below the"):
+        open_dataset(DataSpec(source=str(src), tokenizer=str(tmp_path / "tokenizer.json")), seq_len=L, vocab_size=256)
+    with pytest.raises(DataError, match="holds no parquet files"):
+        (tmp_path / "empty").mkdir()
+        open_dataset(DataSpec(source=str(tmp_path / "empty"), format="parquet"), seq_len=L)
+    with pytest.raises(DataError, match="has no tokens"):
+        open_dataset(DataSpec(source=str(_jsonl(tmp_path / "e.jsonl", [""] * 3))), seq_len=L).rows(0, B, 0, B)
+    base = JobSpec.load(REPO / "examples" / "tiny.toml").to_toml()
+    with pytest.raises(JobSpecError, match="train.eval_every needs held-out data"):
+        JobSpec.from_toml(base.replace('schedule = "1f1b"', 'schedule = "1f1b"\neval_every = 5'))
+    with pytest.raises(JobSpecError, match="not both"):
+        JobSpec.from_toml(base.replace('tokenizer = "bytes"', 'tokenizer = "bytes"\nvalidation_fraction = 0.1\n'
+                                       'validation = "v.jsonl"'))
+    with pytest.raises(JobSpecError, match="data.validation_fraction must be in"):
+        JobSpec.from_toml(base.replace('tokenizer = "bytes"', 'tokenizer = "bytes"\nvalidation_fraction = 1.0'))
+    spec = JobSpec.from_toml(base.replace('tokenizer = "bytes"', 'tokenizer = "bytes"\nfield = "body"\n'
+                                          'validation_fraction = 0.05'))
+    assert JobSpec.from_toml(spec.to_toml()) == spec
+
+
+# --- through the pipeline ---------------------------------------------------------------------------------
+
+def _pipeline_job(tmp_path: Path, steps: int, interval: int = 0) -> JobSpec:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    src = _jsonl(tmp_path / "c.jsonl", _docs(300))
+    return replace(job, data=DataSpec(source=str(src), validation_fraction=0.2),
+                   train=replace(job.train, steps=steps, warmup=1, eval_every=2, eval_batches=2),
+                   checkpoint=replace(job.checkpoint, interval=interval),
+                   compression=replace(job.compression, mode="identity"))
+
+
+def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int | None = None
+         ) -> dict[int, tuple[float, float | None]]:
+    """Two stages, a node each (threads, real gRPC peers and gloo groups); step -> (loss, val_loss)."""
+    from atoll.node.peer import PeerServer
+    from atoll.node.runner import PlanRunner, RunContext
+    from atoll.plan import PipelinePlan, Plan, StagePlan
+
+    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in "ab"}
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    stages = [StagePlan(island="i", layers=(0, 3), dp=1, nodes=["a"]),
+              StagePlan(island="i", layers=(3, 6), dp=1, nodes=["b"])]
+    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
+                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], resume_step=resume_step,
+                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
+    got: dict[int, tuple[float, float | None]] = {}
+    errors: list[BaseException] = []
+
+    def node(n: str) -> None:
+        def report(m) -> bool:
+            if m.loss is not None:
+                got[m.step] = (m.loss, m.val_loss)
+            return False
+
+        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
+                         report_step=report, report_checkpoint=lambda c: None, token="t",
+                         timeout=timedelta(seconds=30))
+        try:
+            PlanRunner(ctx, plan).run(threading.Event(), until_step=stop_after)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    for s in servers.values():
+        s.stop()
+    assert not errors, errors
+    return got
+
+
+def _one_process_val_loss(job: JobSpec, steps: int) -> float:
+    _, module = train_local(job, steps=steps)
+    data = open_dataset(job.data, seq_len=job.train.seq_len, seed=job.train.seed)
+    m = job.train.global_batch // job.train.micro_batch
+    losses = []
+    with torch.no_grad():
+        for j in range(job.train.eval_batches):
+            b = data.validation_rows(j, job.train.global_batch, 0, job.train.global_batch)
+            for x, y in zip(b.inputs.chunk(m), b.targets.chunk(m)):
+                losses.append(float(lm_loss(module(x), y)))
+    return sum(losses) / len(losses)
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_reports_validation_loss_and_resumes_at_the_exact_row(tmp_path: Path) -> None:
+    job = _pipeline_job(tmp_path, steps=4, interval=2)
+    expected, _ = train_local(job)
+    first = _run(job, tmp_path, stop_after=2)
+    second = _run(job, tmp_path, resume_step=2)
+    got = {**first, **second}
+    assert sorted(got) == [0, 1, 2, 3]
+    # the JSONL stream resumed at sample 2 x global batch: the same losses as one process straight through
+    for s in range(4):
+        assert abs(got[s][0] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
+    # a validation pass after steps 2 and 4 (eval_every = 2, and the last step), forward only through both stages
+    assert [s for s in range(4) if got[s][1] is not None] == [1, 3]
+    for s in (1, 3):
+        want = _one_process_val_loss(job, s + 1)
+        assert abs(got[s][1] - want) <= 1e-4 * want, (s, got[s][1], want)
