@@ -179,26 +179,53 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
     finally:
         stop.disarm()  # from here a stop signal must not cut the shutdown short
         cluster.stop()
-        # whatever ended the run, the curve of what was trained (the caller then says why it ended early)
-        _draw(job, cluster.losses(), cluster.out, last, steps, time.monotonic() - started)
+        # whatever ended the run, the curve of what was trained (the caller then says why it ended early): the
+        # coordinator's whole-job history, which keeps every step however long the job
+        _draw(job, cluster.losses(), cluster.out, last, steps, time.monotonic() - started,
+              history=_history(cluster.state_db))
     return 0
 
 
-def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: float) -> None:
+def _history(state_db: Path) -> list:
+    """The whole job's loss history from the coordinator's store (`atoll.coordinator.history`); [] without one."""
+    from atoll.coordinator.store import SqliteStore
+
+    if not state_db.is_file():
+        return []
+    store = SqliteStore(state_db)
+    try:
+        return store.history()
+    finally:
+        store.close()
+
+
+def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: float, history=None) -> None:
+    from atoll.coordinator.history import draw_history, resolution
     from atoll.launch.viz import draw_loss_curve, draw_plan_picture
     from atoll.serde import plan_from_proto
 
-    if not losses:
+    rows = [r for r in history or [] if r.loss is not None]
+    if rows:  # the store's history: every step of the job, older ones merged into buckets
+        reached = rows[-1].last
+        complete = reached + 1 >= steps
+        curve = draw_history(rows, out / "loss.png", title=f"{job.name}: loss per step" + (
+            "" if complete else f" (steps 0-{reached} of {steps})"))
+        first = losses[min(losses)] if losses and min(losses) == rows[0].first else rows[0].loss
+        summary = f"loss {first:.3f} -> {rows[-1].loss:.3f} over {reached + 1 - rows[0].first} steps"
+        held = f" ({resolution(rows)})"
+    elif losses:
+        ordered = sorted(losses)
+        complete = ordered[-1] + 1 >= steps
+        curve = draw_loss_curve(ordered, [losses[s] for s in ordered], out / "loss.png",
+                                title=f"{job.name}: loss per step" + ("" if complete else
+                                                                      f" (steps 0-{ordered[-1]} of {steps})"))
+        summary = f"loss {losses[ordered[0]]:.3f} -> {losses[ordered[-1]]:.3f} over {len(ordered)} steps"
+        held = ""
+    else:
         return
-    ordered = sorted(losses)
-    complete = ordered[-1] + 1 >= steps
-    curve = draw_loss_curve(ordered, [losses[s] for s in ordered], out / "loss.png",
-                            title=f"{job.name}: loss per step" + ("" if complete else
-                                                                  f" (steps 0-{ordered[-1]} of {steps})"))
     rate = f"; {last.tokens_per_second:,.0f} tokens/s at the end" if last is not None and complete else ""
-    print(f"loss {losses[ordered[0]]:.3f} -> {losses[ordered[-1]]:.3f} over {len(ordered)} steps in "
-          f"{elapsed:.0f} s{rate}")
-    print(f"loss curve: {curve}")
+    print(f"{summary} in {elapsed:.0f} s{rate}")
+    print(f"loss curve: {curve}{held}")
     if last is not None and last.HasField("plan"):
         picture = draw_plan_picture(plan_from_proto(last.plan), job.model_spec, out / "plan.png")
         print(f"plan picture: {picture}")

@@ -164,3 +164,19 @@ def test_prometheus_exports_the_latest_loss_and_validation_loss():
     assert "atoll_loss_step 119.0" in text
     assert "atoll_val_loss_step 99.0" in text
     assert f"atoll_val_loss {loss_of(99) + 0.2}" in text
+
+
+def test_the_demo_draws_the_whole_history_when_it_gives_up_early(tmp_path, capsys):
+    from atoll.launch.demo import _draw, _history
+
+    db = tmp_path / "state.db"
+    s = SqliteStore(db)
+    s.history_keep_full, s.history_max_buckets = 100, 50
+    for k in range(1000):  # far more steps than the recent reports (and the full-resolution rows) hold
+        s.add_history(Sample(step=k, epoch=1, loss=loss_of(k)))
+    s.close()
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    _draw(job, {}, tmp_path, None, steps=1500, elapsed=600.0, history=_history(db))
+    out = capsys.readouterr().out
+    assert "over 1000 steps in 600 s" in out and "buckets of" in out
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
