@@ -307,6 +307,9 @@ class NodeAgent:
         self.job = self._fetch_job()
         log.info("job %s (%s): model %s, %d steps", self.job.id, self.job.name, self.job.model.name,
                  self.job.train.steps)
+        from atoll.node.datasets import check_data
+
+        check_data(self.job.data, vocab_size=self.job.model.vocab_size)  # a DataError says what to fix, once
         if self._given_profile is not None:
             self.profile = self._given_profile
         else:

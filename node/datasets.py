@@ -229,9 +229,18 @@ def _arrow_files(path: Path) -> tuple[Path, ...]:
     return tuple(path / f["filename"] for f in state.get("_data_files", []))
 
 
+def _pyarrow():
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError("Parquet and datasets folders are read with pyarrow, which is not installed: "
+                        "pip install 'atoll[data]'") from None
+    return pa, pq
+
+
 def _schema(fmt: str, path: Path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow()
 
     if fmt == "parquet":
         return pq.read_schema(path)
@@ -241,8 +250,7 @@ def _schema(fmt: str, path: Path):
 
 def _arrow_batches(fmt: str, path: Path, field: str):
     """Record batches of one column, read a batch at a time (a Parquet row group slice, an Arrow batch)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow()
 
     if fmt == "parquet":
         yield from pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[field])
@@ -462,3 +470,21 @@ def _kind(source: str, fmt: str) -> str:
         raise DataError(f"data source {p} does not exist; give a text, JSONL or Parquet file, a folder of them or a "
                         f"datasets.save_to_disk folder (each node reads it from its own disk)")
     return detect_format(p)
+
+
+def check_data(data, *, vocab_size: int) -> None:
+    """Raise DataError now, before training, when this node cannot read the job's `[data]`: a missing file, a
+    field its rows lack, a tokenizer that is missing or larger than the model's vocabulary. Reads no more
+    than each source's first rows (nothing is tokenized)."""
+    from atoll.node.tokenizer import load_tokenizer
+
+    load_tokenizer(data.tokenizer, vocab_size=vocab_size)
+    for source, fmt in ((data.source, data.format), (data.validation, "auto")):
+        if not source:
+            continue
+        kind = _kind(source, fmt)
+        if kind == "text":
+            if source != "builtin" and not Path(source).is_file():
+                raise DataError(f"data source {source} is not a file; give a UTF-8 text file or 'builtin'")
+        else:
+            Source.open(source, kind, data.field)

@@ -28,8 +28,7 @@ class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer` read from a local `tokenizer.json`."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
+        Tokenizer = _tokenizers().Tokenizer
         p = Path(path)
         if not p.is_file():
             raise DataError(f"tokenizer file {p} does not exist; train one with `atoll tokenizer train --corpus FILE "
@@ -53,6 +52,15 @@ class HFTokenizer:
 
     def decode(self, ids: torch.Tensor) -> str:
         return self.tok.decode(ids.tolist(), skip_special_tokens=False)
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError("Hugging Face tokenizer files need the tokenizers package, which is not installed: "
+                        "pip install 'atoll[data]'") from None
+    return tokenizers
 
 
 def load_tokenizer(name: str, *, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
@@ -92,8 +100,9 @@ def train_bpe(paths: Sequence[str | Path], *, vocab_size: int, out: str | Path, 
               progress: Callable[[int, int], None] | None = None) -> HFTokenizer:
     """Train a byte-level BPE of `vocab_size` tokens (256 byte tokens and EOS_TOKEN among them) on the
     corpus files and write it to `out` (atomically); `progress(documents, bytes)` is called as they are read."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    tk = _tokenizers()
+    Tokenizer, decoders, models, pre_tokenizers, trainers = tk.Tokenizer, tk.decoders, tk.models, \
+        tk.pre_tokenizers, tk.trainers
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from atoll.job import DataSpec, JobSpec, JobSpecError
 from atoll.node.data import ByteTokenizer, TokenDataset, load_text
-from atoll.node.datasets import DataError, StreamingDataset, held_out, open_dataset
+from atoll.node.datasets import DataError, StreamingDataset, check_data, held_out, open_dataset
 from atoll.node.local import train_local
 from atoll.node.model import lm_loss
 from atoll.node.tokenizer import train_bpe
@@ -180,6 +180,15 @@ def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
         open_dataset(DataSpec(source=str(tmp_path / "empty"), format="parquet"), seq_len=L)
     with pytest.raises(DataError, match="has no tokens"):
         open_dataset(DataSpec(source=str(_jsonl(tmp_path / "e.jsonl", [""] * 3))), seq_len=L).rows(0, B, 0, B)
+    # a node checks its data once, before it joins, reading no more than the first rows
+    check_data(DataSpec(source=str(src)), vocab_size=256)
+    check_data(DataSpec(), vocab_size=256)
+    with pytest.raises(DataError, match="data.field 'body' is not a column"):
+        check_data(DataSpec(source=str(folder), field="body"), vocab_size=256)
+    with pytest.raises(DataError, match="v.jsonl does not exist"):
+        check_data(DataSpec(source=str(src), validation=str(tmp_path / "v.jsonl")), vocab_size=256)
+    with pytest.raises(DataError, match=r"model.vocab_size \(300\) is below"):
+        check_data(DataSpec(source=str(src), tokenizer=str(tmp_path / "tokenizer.json")), vocab_size=300)
     base = JobSpec.load(REPO / "examples" / "tiny.toml").to_toml()
     with pytest.raises(JobSpecError, match="train.eval_every needs held-out data"):
         JobSpec.from_toml(base.replace('schedule = "1f1b"', 'schedule = "1f1b"\neval_every = 5'))
