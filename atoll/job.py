@@ -14,7 +14,8 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
     [train]       global_batch, seq_len, micro_batch, steps, lr, weight_decay, warmup, grad_clip,
                   precision ("fp32" | "bf16" | "fp16"; also spelt dtype), loss_scale, loss_scale_window (fp16),
                   seed, schedule ("1f1b" | "gpipe"), tensorboard_dir, eval_every, eval_batches
-    [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all)
+    [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all),
+                  replicas (other nodes that take a copy of each checkpoint; default 1)
     [compression] mode ("adaptive" | "identity" | a codec name)
     [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training)
 
@@ -189,10 +190,14 @@ class CheckpointSpec:
     keep: int = 3
     """Newest complete checkpoints a node keeps; older step folders are deleted once the coordinator has
     the newer ones (0: keep all). Written to the spec only when not 3, so older jobs keep their ids."""
+    replicas: int = 1
+    """Other nodes that take a copy of each stage's checkpoint (checkpoint folders are local to each node; a
+    node of another region is chosen first). 0: only the writer holds it. Written to the spec only when not 1."""
 
     def __post_init__(self) -> None:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0: none), got {self.interval}")
         _check(self.keep >= 0, f"checkpoint.keep must be >= 0 (0: keep all), got {self.keep}")
+        _check(self.replicas >= 0, f"checkpoint.replicas must be >= 0 (0: no copies), got {self.replicas}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -392,7 +397,7 @@ class JobSpec:
             obj = getattr(self, sec)
             out.append(f"\n[{sec}]")
             out.extend(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in fields(obj)
-                       if not (sec == "checkpoint" and f.name == "keep" and obj.keep == CheckpointSpec.keep)
+                       if not (sec == "checkpoint" and f.name in ("keep", "replicas") and getattr(obj, f.name) == f.default)
                        and not (sec == "train" and f.name in _TRAIN_WRITTEN_WHEN_SET
                                 and getattr(obj, f.name) == f.default)
                        and not (sec == "data" and f.name in _DATA_WRITTEN_WHEN_SET

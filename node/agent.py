@@ -110,6 +110,9 @@ class AgentConfig:
     """Testbeds only: one-way latency added to each tensor sent to a peer of another region
     (`atoll.node.wan.wan_delay`); zero: off."""
 
+    handover: timedelta = timedelta(seconds=30)
+    """A graceful leave serves this node's live state until the next plan's nodes took it, at most this long."""
+
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("the node needs the job token: --token, --token-file or ATOLL_TOKEN")
@@ -661,15 +664,21 @@ class NodeAgent:
             self._outbox_cond.notify_all()
         if self._stream is not None:
             self._stream.cancel()
+        left = False
         if leave and self.joins:
             try:
                 self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),
                           timeout=timedelta(seconds=2))
+                left = True
             except grpc.RpcError:
                 pass
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
+        if left and self.peer is not None and self.peer.state is not None:
+            # a graceful leave hands the live state over: the next plan's nodes may fetch it from here
+            outcome = self.peer.state.wait_handed_over(most=self.config.handover, idle=timedelta(seconds=5))
+            log.info("leaving: %s", outcome)
         if self.peer is not None:
             self.peer.stop()
         self._channel.close()
@@ -698,8 +707,14 @@ def run_node_cli(args: argparse.Namespace) -> int:
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
                          region=args.region or "", wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
+    stopping: list[threading.Thread] = []
+
+    def on_signal(*_: object) -> None:
+        stopping.append(threading.Thread(target=agent.stop, daemon=True, name="atoll-node-stop"))
+        stopping[-1].start()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: threading.Thread(target=agent.stop, daemon=True).start())
+        signal.signal(sig, on_signal)
     checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
 
     def on_plan(run: PlanRun) -> None:
@@ -723,4 +738,6 @@ def run_node_cli(args: argparse.Namespace) -> int:
         raise PermissionError(str(e)) from None
     finally:
         agent.stop()
+        for t in stopping:  # a graceful leave hands its state over before the process exits
+            t.join(config.handover.total_seconds() + 30.0)
     return 0

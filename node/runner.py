@@ -34,6 +34,11 @@ import torch.distributed as dist
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
+from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, gather_held, resume_point, slice_part,
+                                   sources)
+from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
+from atoll.node.slice_state import load_slice, slice_state
+from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import CollectiveError, GradientAverager
 from atoll.node.datasets import DataError, open_dataset
@@ -105,8 +110,8 @@ class RunContext:
     job: JobSpec
     peer_server: PeerServer
     checkpoint_dir: Path
-    """Where checkpoints are written and read: one folder per step, one file per layer. Nodes that may
-    take over each other's layers need the same folder (a shared file system)."""
+    """Where this node writes its checkpoints and keeps the copies it takes of other nodes' (local to the
+    node): one folder per step, one file per stage. Files it lacks are fetched from their holders."""
     report_step: Callable[[StepMetrics], bool]
     """Sends step metrics to the coordinator; returns True when the job should stop."""
     report_checkpoint: Callable[[CheckpointWritten], None]
@@ -125,6 +130,14 @@ class RunContext:
     replica group as it was); None: the run's own plan."""
     wan_latency: Callable[[Plan, str], timedelta] = lambda plan, peer: timedelta(0)
     """One-way latency added to what is sent to or fetched from `peer` (a testbed knob; 0 in production)."""
+    wait_bound: Callable[[], timedelta] | None = None
+    """The bound of each wait from the step times measured so far (`PlanRun.wait_timeout`): once steps are
+    measured during a run, its waits on neighbours and collectives shrink to it; None: `timeout` throughout."""
+    tensorboard: TensorBoardLog | None = None
+    """Where this node writes each step's scalars as TensorBoard events (`atoll.node.tensorboard`); None: none."""
+    replicate: Callable[[Plan, int, tuple[int, int]], None] | None = None
+    """Copies a checkpoint this node wrote (plan, step, layers) to `[checkpoint] replicas` other nodes, off the
+    training thread (`atoll.node.replication.Replicator`); None: no copies."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -320,15 +333,23 @@ class PlanRunner:
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
                              recompute=stage_plan.recomputed(job.model.n_layers + 2), init=pretrained is None)
         optimizer = build_optimizer(module, cfg)
+        held = ctx.peer_server.state
+        if held is not None:
+            held.begin_run(self.plan.epoch)
+        restored = False
         try:
-            if step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
-                load_layers(module, optimizer, ctx.checkpoint_dir, step)
+            store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
+                else None
+            live = self._restore_live(module, optimizer, store)
+            if live is not None:
+                step = live
+            elif step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
+                self._load_checkpoint(module, optimizer, step)
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
             elif pretrained is not None:
                 read = load_pretrained(module, pretrained)
                 log.info("loaded layers [%d, %d) from %d pretrained tensors in %s", *pl.layers, read, pretrained)
-            store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
-                else None
+            restored = True
             if pl.tp > 1:
                 optimizer = self._tensor_parallel(store, module, optimizer, cfg)
             norm, averager, loss_group = self._groups(store, module)
@@ -337,6 +358,9 @@ class PlanRunner:
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
+            if held is not None:  # a state loaded before the failure is this node's state now
+                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step) if restored else None,
+                             keep=not restored)
             if self.tp is not None:
                 self.tp.close()
             raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
@@ -431,6 +455,8 @@ class PlanRunner:
             transport.close()
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
+            if held is not None:  # what this run leaves is served to the next plan's nodes
+                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step))
             if self.tp is not None:
                 self.tp.close()
         if reporter.stop_requested.is_set() and step < job.train.steps:
@@ -438,6 +464,78 @@ class PlanRunner:
         return step
 
     # --- set-up -----------------------------------------------------------------------------------
+
+    def _restore_live(self, module, optimizer, store: dist.Store | None) -> int | None:
+        """Agree with the plan's other nodes where to resume (`atoll.node.live_state`); when every layer has a
+        live copy, load this stage's layers from the live holders and return the step to train from; None:
+        resume from the checkpoint of the plan's resume step. Only synchronous plans keep live state."""
+        pl, ctx, held = self.placement, self.ctx, self.ctx.peer_server.state
+        assert pl is not None
+        if held is None or self.plan.mode != "sync":
+            return None
+        own = held.held(self.plan.epoch, wait=0.0)
+        found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
+        point = resume_point(found, total_layers=self.job.model.n_layers + 2, checkpoint_step=self.plan.resume_step)
+        point = agree(store, f"{self._group_prefix()}/resume", point)
+        self.restore = report = RestoreReport(point=point)
+        if not point.live:
+            log.info("%s; %s", report.line(), point.reason)
+            return None
+        mine = held.live
+        blobs: dict[str, bytes] = {}
+        parts = []
+        for h, rng in sources(point, pl.layers, ctx.node_id, self.plan.region_of(ctx.node_id)):
+            if h.node_id == ctx.node_id and mine is not None and mine.step == point.step and mine.layers == h.layers:
+                blobs[h.node_id] = mine.data
+            if h.node_id not in blobs:
+                blobs[h.node_id] = self._fetch_live(point, h, rng, report)
+            parts.append(slice_part(deserialize_state(blobs[h.node_id], h.node_id), rng))
+        load_slice(module, parts, optimizer)
+        log.info("%s", report.line())
+        return point.step
+
+    def _fetch_live(self, point: ResumePoint, first: Holder, rng: tuple[int, int], report: RestoreReport) -> bytes:
+        """The live state of `first` (or, failing it, of another holder of `rng` at the same step)."""
+        ctx = self.ctx
+        others = sorted((h for h in point.holders if h is not first and h.node_id != ctx.node_id
+                         and h.layers[0] <= rng[0] and rng[1] <= h.layers[1]),
+                        key=lambda h: (h.region != first.region, h.node_id))
+        from atoll.v1 import atoll_pb2 as pb
+
+        errors = []
+        for h in [first, *others]:
+            try:
+                data, stats = fetch_state(h.address, pb.StateFetchRequest(
+                    job_id=self.plan.job_id, kind="live", step=point.step, layer_start=h.layers[0],
+                    layer_end=h.layers[1], sender=ctx.node_id), source=h.node_id, token=ctx.token, rpc=ctx.rpc,
+                    timeout=ctx.timeout)
+            except StateTransferError as e:
+                errors.append(str(e))
+                continue
+            report.transfers.append(stats)
+            log.info("state transfer: %d bytes from %s in %.2f s (live state of step %d, layers [%d, %d))",
+                     stats.bytes, h.node_id, stats.seconds, point.step, *h.layers)
+            return data
+        raise RunFailed(f"no live holder could give layers [{rng[0]}, {rng[1]}) at step {point.step}: "
+                        f"{'; '.join(errors)}")
+
+    def _load_checkpoint(self, module, optimizer, step: int) -> None:
+        """Load the stage's layers from the checkpoint of `step`, first fetching the files this node's own
+        checkpoint folder lacks from the nodes holding copies (`Plan.checkpoint_copies`)."""
+        pl, ctx = self.placement, self.ctx
+        assert pl is not None
+        if self.plan.checkpoint_copies:
+            fetch_checkpoint(self.plan, ctx.checkpoint_dir, pl.layers, node_id=ctx.node_id, token=ctx.token,
+                             rpc=ctx.rpc, timeout=ctx.timeout)
+        load_layers(module, optimizer, ctx.checkpoint_dir, step)
+
+    def _snapshot(self, module, optimizer, step: int) -> LiveState | None:
+        """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
+        spread over ranks (tensor-parallel shards, ZeRO) or belongs to a replica group (outer mode)."""
+        pl = self.placement
+        if self.plan.mode != "sync" or pl is None or pl.tp > 1 or isinstance(optimizer, ZeroOptimizer):
+            return None
+        return LiveState.of(slice_state(module, optimizer, extra={"step": step}), step=step, epoch=self.plan.epoch)
 
     def _older_groups(self) -> list[int]:
         """Outer mode: the other replica groups that have trained since before this node's group formed."""
@@ -727,12 +825,15 @@ class PlanRunner:
                                                          data_position=position))
         except Exception as e:  # noqa: BLE001 - the checkpoint is on disk; a lost report must not stop training
             log.error("checkpoint of step %d written to %s but not reported: %s", step, path, e)
+        if self.ctx.replicate is not None:
+            self.ctx.replicate(self.current_plan(), step, pl.layers)
         log.info("checkpoint of step %d: layers [%d, %d) -> %s", step, *pl.layers, path)
 
 
 def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_host: str, token: str | None,
                 rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=120),
-                wan_latency: Callable[[Plan, str], timedelta] | None = None) -> bool:
+                wan_latency: Callable[[Plan, str], timedelta] | None = None,
+                tensorboard: TensorBoardLog | None = None) -> bool:
     """The node agent's plan callback: run this node's share of `run.plan` until done or superseded.
 
     `run` is the agent's `PlanRun` (plan, job, node_id, peer, superseded, report_step, report_checkpoint,
@@ -769,11 +870,26 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
             layer_start=c.layers[0], layer_end=c.layers[1], path=str(c.path), bytes=c.bytes,
             data_position=c.data_position), on_delivered=lambda: prune(c.step))
 
+    def report_copy(c: CopyMade) -> None:  # a copy another node took, indexed as that node's
+        run.report_checkpoint(pb.CheckpointReport(
+            job_id=plan.job_id, node_id=c.node_id, plan_epoch=run.current.epoch, step=c.step,
+            layer_start=c.layers[0], layer_end=c.layers[1], path=c.path, bytes=c.bytes,
+            data_position=c.step * job.train.global_batch))
+
+    if run.peer.state is None:  # the live state and checkpoint copies this node serves, kept across plans
+        run.peer.state = StateHolder(node_id=run.node_id, checkpoint_dir=Path(checkpoint_dir))
+    replicator = None
+    if job.checkpoint.replicas > 0 and job.checkpoint.interval > 0:
+        replicator = Replicator(node_id=run.node_id, address=plan.node_addresses.get(run.node_id) or run.peer.address,
+                                job_id=plan.job_id, token=token, rpc=rpc or RpcOptions(), report=report_copy)
     ctx = RunContext(node_id=run.node_id, job=job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
                      coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
-                     wan_latency=wan_latency or (lambda plan, peer: timedelta(0)))
+                     wait_bound=lambda: run.wait_timeout(timeout),
+                     wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
+                     replicate=None if replicator is None else
+                     (lambda p, step, layers: replicator.submit(p, step, layers, job.checkpoint.replicas)))
     try:
         runner = PlanRunner(ctx, plan)
         next_step = runner.run(run.superseded)

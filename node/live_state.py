@@ -1,0 +1,199 @@
+"""No rollback when a copy is live: where a new plan's run resumes, and from whom each node takes its layers.
+
+When a plan changes (a join, a leave, a failure), every node that ran the old plan still holds the state its
+run left: its layers' weights and AdamW state after the steps it completed (`StateHolder.live`). At the start
+of plan epoch e each node of the plan:
+1. asks every node of the plan, and every node that left gracefully (`Plan.handover`), which state it holds
+   (`Peer.HeldState`, answered once that node's older runs ended);
+2. computes the resume point, a pure function of those answers (`resume_point`): the newest step at which
+   every layer of the model has a live copy; when none is newer than the last complete checkpoint, the
+   checkpoint (`Plan.resume_step`);
+3. agrees with the others through the epoch's rendezvous store: the first node to publish its resume point
+   under the epoch's key wins and every node adopts that one (answers can differ when a node dies meanwhile);
+4. loads its layers: from its own live state where it holds them at that step, else fetched over gRPC
+   from the nearest live holder (`sources`: same region first), else, on the checkpoint path, from its
+   checkpoint folder or a node holding a copy (`atoll.node.replication.fetch_checkpoint`).
+
+Each transfer is logged as `state transfer: N bytes from NODE in S s`, and the resume as
+`resume: step R (...); the job was at step M: K steps rolled back`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from atoll.node.state_transfer import FetchStats, held_state
+from atoll.plan import Plan
+from atoll.rpc import RpcOptions
+from atoll.v1 import atoll_pb2 as pb
+
+log = logging.getLogger("atoll.node.live_state")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holder:
+    """A node holding the live state of `layers` after `step` steps."""
+
+    node_id: str
+    address: str
+    step: int
+    layers: tuple[int, int]
+    region: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePoint:
+    step: int
+    live: bool
+    """True: every layer has a live copy at `step` (no rollback); False: the last complete checkpoint."""
+    reason: str
+    holders: tuple[Holder, ...] = ()
+    """Live holders at `step` (empty on the checkpoint path)."""
+    furthest: int = 0
+    """The furthest step any node held: the steps rolled back are `furthest - step` (0 when live)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ResumePoint:
+        d = json.loads(text)
+        holders = tuple(Holder(**{**h, "layers": tuple(h["layers"])}) for h in d.pop("holders"))
+        return cls(**d, holders=holders)
+
+    @property
+    def rolled_back(self) -> int:
+        return max(0, self.furthest - self.step)
+
+
+def _covered(ranges: Sequence[tuple[int, int]], total: int) -> list[int]:
+    """Layers of [0, total) that no range covers."""
+    have = set()
+    for a, b in ranges:
+        have.update(range(a, b))
+    return [i for i in range(total) if i not in have]
+
+
+def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: int) -> ResumePoint:
+    """The newest step at which every layer has a live copy, when it is not older than the checkpoint;
+    otherwise the checkpoint step, with the reason (which layers have no live copy)."""
+    furthest = max((h.step for h in held), default=checkpoint_step)
+    steps = sorted({h.step for h in held}, reverse=True)
+    why = "no node holds live state"
+    for s in steps:
+        if s < checkpoint_step:
+            why = f"the live copies (step {s} and older) are older than the checkpoint of step {checkpoint_step}"
+            break
+        at = sorted((h for h in held if h.step == s), key=lambda h: h.node_id)
+        missing = _covered([h.layers for h in at], total_layers)
+        if not missing:
+            return ResumePoint(step=s, live=True, holders=tuple(at), furthest=max(furthest, s),
+                               reason=f"every layer has a live copy at step {s}")
+        if s == steps[0]:
+            why = (f"no live copy of layer(s) {_ranges(missing)} at step {s} (their holders left or failed)")
+    return ResumePoint(step=checkpoint_step, live=False, furthest=max(furthest, checkpoint_step),
+                       reason=f"{why}; resuming from the checkpoint of step {checkpoint_step}")
+
+
+def _ranges(layers: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(layers):
+        if start is None:
+            start = x
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def sources(point: ResumePoint, layers: tuple[int, int], node_id: str, region: str
+            ) -> list[tuple[Holder, tuple[int, int]]]:
+    """Which holder gives which part of `layers`: this node where it holds them, else the nearest (same
+    region, then any; ties by node id). Consecutive layers from one holder form one part."""
+    out: list[tuple[Holder, tuple[int, int]]] = []
+    for layer in range(*layers):
+        have = [h for h in point.holders if h.layers[0] <= layer < h.layers[1]]
+        if not have:
+            raise ValueError(f"no live holder of layer {layer} at step {point.step}")
+        best = min(have, key=lambda h: (h.node_id != node_id, h.region != region, h.node_id))
+        if out and out[-1][0] == best and out[-1][1][1] == layer:
+            out[-1] = (best, (out[-1][1][0], layer + 1))
+        else:
+            out.append((best, (layer, layer + 1)))
+    return out
+
+
+def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str | None, rpc: RpcOptions,
+                timeout: timedelta) -> list[Holder]:
+    """The live state every node of the plan (and every node handing over) holds, asked in parallel.
+    A node that does not answer in `timeout` is left out (it failed; the plan after it will not name it)."""
+    candidates: dict[str, str] = {**plan.handover, **{n: a for n, a in plan.node_addresses.items() if a}}
+    candidates.pop(node_id, None)
+    replies: dict[str, pb.HeldStateReply] = {node_id: own}
+    lock = threading.Lock()
+
+    def ask(node: str, address: str) -> None:
+        import grpc
+
+        try:
+            reply = held_state(address, job_id=plan.job_id, epoch=plan.epoch, sender=node_id, token=token, rpc=rpc,
+                               timeout=timeout)
+        except grpc.RpcError as e:
+            log.info("node %s did not say which state it holds (%s: %s); leaving it out", node, e.code().name,
+                     e.details())
+            return
+        with lock:
+            replies[node] = reply
+
+    threads = [threading.Thread(target=ask, args=(n, a), daemon=True, name=f"atoll-held-{n}")
+               for n, a in sorted(candidates.items())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout.total_seconds() + 5.0)
+    addresses = {**plan.handover, **plan.node_addresses}
+    with lock:
+        return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
+                       region=plan.region_of(n) if n in plan.node_addresses else "")
+                for n, r in sorted(replies.items()) if r.holds]
+
+
+def agree(store: dist.Store | None, key: str, point: ResumePoint) -> ResumePoint:
+    """The resume point every node of the epoch adopts: the first published under `key` (this one when
+    first, or when there is no store: a plan of one node)."""
+    if store is None:
+        return point
+    agreed = store.compare_set(key, "", point.to_json())
+    text = agreed.decode("utf-8") if isinstance(agreed, bytes) else str(agreed)
+    return ResumePoint.from_json(text)
+
+
+@dataclass(kw_only=True)
+class RestoreReport:
+    """What a run's restore did: the resume point and each transfer (for logs, status and the churn bench)."""
+
+    point: ResumePoint
+    transfers: list[FetchStats] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.transfers)
+
+    def line(self) -> str:
+        how = "live state" if self.point.live else "checkpoint"
+        moved = f"{self.bytes} bytes of state fetched" if self.transfers else "no state fetched"
+        return (f"resume: step {self.point.step} ({how}; {moved}); the job was at step {self.point.furthest}: "
+                f"{self.point.rolled_back} steps rolled back")
+
+
+def slice_part(state: Mapping[str, Any], layers: tuple[int, int]) -> dict[str, Any]:
+    """A saved slice narrowed to `layers` (so slices from several holders never claim one layer twice)."""
+    return {**state, "start": max(int(state["start"]), layers[0]), "end": min(int(state["end"]), layers[1])}
