@@ -28,11 +28,14 @@ from pathlib import Path
 import grpc
 
 from atoll.job import TOKEN_ENV, JobSpec, resolve_token
-from atoll.node.identity import load_or_create_node_id
+from atoll.node.credentials import NodeCredentials
+from atoll.node.identity import StateDirLock, load_or_create_node_id
+from atoll.node.first_contact import FirstContactWatch, diagnose
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import CertificateError, find_ca
 from atoll.serde import (link_to_proto, plan_from_proto, profile_to_proto, step_metrics_to_proto)
 from atoll.types import LinkMeasurement, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
@@ -84,8 +87,9 @@ class AgentConfig:
     """Folder that keeps the node's stable id."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
-    listen: str = "127.0.0.1:0"
-    """HOST:PORT of the peer server (port 0 picks one)."""
+    listen: str | None = "127.0.0.1:0"
+    """HOST:PORT of the peer server (port 0 picks one); None: accept no connections (`--no-listen`, a node
+    behind NAT: it opens the streams to its neighbours itself, `atoll.node.reverse`)."""
     advertise: str | None = None
     """HOST:PORT peers dial; None: the listen address, a wildcard host replaced by this machine's hostname."""
     rpc: RpcOptions = field(default_factory=RpcOptions)
@@ -99,7 +103,9 @@ class AgentConfig:
     watch_timeout: timedelta = timedelta(minutes=5)
     """Deadline of one WatchPlan stream; it is reopened when it ends."""
     backoff: tuple[timedelta, timedelta] = (timedelta(milliseconds=200), timedelta(seconds=5))
-    """First and largest wait between retries; each retry doubles the wait."""
+    """First and largest wait between retries; each retry doubles the wait. Once joined, the largest is also at
+    most one heartbeat interval (a quarter of the coordinator's lease), so every call is retried several times
+    within a lease and a coordinator that comes back is found within an interval."""
     probe_timeout: timedelta = timedelta(seconds=20)
     """Bound of one link probe."""
     profile: ProfileOptions = field(default_factory=ProfileOptions)
@@ -109,6 +115,9 @@ class AgentConfig:
     wan_latency: timedelta = timedelta(0)
     """Testbeds only: one-way latency added to each tensor sent to a peer of another region
     (`atoll.node.wan.wan_delay`); zero: off."""
+    tls_ca: bytes | None = None
+    """The job CA (PEM) the coordinator is verified with: every channel is then mutual TLS, under the certificate
+    the join brings (`atoll.node.credentials`). None: plaintext, for a coordinator that runs --insecure."""
 
     handover: timedelta = timedelta(seconds=30)
     """A graceful leave serves this node's live state until the next plan's nodes took it, at most this long."""
@@ -212,7 +221,19 @@ class NodeAgent:
     def __init__(self, config: AgentConfig, *, profile: NodeProfile | None = None):
         self.config = config
         self._given_profile = profile
-        self._channel = make_channel(config.coordinator, config.rpc, token=config.token)
+        # one live process per state dir (and so per node id); held until stop()
+        self._state_lock = StateDirLock(config.state_dir)
+        try:
+            self.node_id = load_or_create_node_id(config.state_dir)
+            self.credentials = (NodeCredentials(config.state_dir, node_id=self.node_id, token=config.token,
+                                                coordinator_ca_pem=config.tls_ca) if config.tls_ca else None)
+        except BaseException:
+            self._state_lock.release()
+            raise
+        self.peer_rpc = config.peer_rpc if self.credentials is None else self.credentials.peer_rpc(config.peer_rpc)
+        """Options of the peer server and of every channel to a peer (mutual TLS under the job CA when set)."""
+        self._channel = make_channel(config.coordinator, self._coordinator_rpc(), token=config.token)
+        self._old_channels: list[grpc.Channel] = []
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._stop = threading.Event()
         self._cond = threading.Condition()
@@ -220,7 +241,6 @@ class NodeAgent:
         self._probes: queue.Queue[pb.ProbeTarget] = queue.Queue()
         self._queued: set[str] = set()
         self._threads: list[threading.Thread] = []
-        self.node_id = load_or_create_node_id(config.state_dir)
         self.job: JobSpec | None = None
         self.profile: NodeProfile | None = None
         self.peer: PeerServer | None = None
@@ -240,13 +260,38 @@ class NodeAgent:
         self._outbox_cond = threading.Condition()
         self._step_seconds: deque[float] = deque(maxlen=64)
         self.error: Exception | None = None
+        self.job_finished = threading.Event()
+        """Set once a heartbeat says the job has trained its last step."""
         """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
     # --- calls --------------------------------------------------------------------------------------
 
+    def _coordinator_rpc(self) -> RpcOptions:
+        return self.config.rpc if self.credentials is None else self.credentials.coordinator_rpc(self.config.rpc)
+
+    def _use_certificate(self, reply: pb.JoinReply) -> None:
+        """Keep the certificate the join brought; move the coordinator channel onto it from the bootstrap one."""
+        if self.credentials is None:
+            return
+        had = self.credentials.has_certificate
+        try:
+            self.credentials.accept(reply.certificate_pem, reply.ca_pem)
+        except CertificateError as e:
+            raise AgentError(f"the join brought no usable certificate: {e}") from None
+        if not had:
+            # calls open on the bootstrap channel finish there; it is closed with the agent
+            self._old_channels.append(self._channel)
+            self._channel = make_channel(self.config.coordinator, self._coordinator_rpc(), token=self.config.token)
+            self._stub = pb_grpc.CoordinatorStub(self._channel)
+
     def call(self, method: str, request, timeout: timedelta | None = None):
         """One unary call to the coordinator with the configured deadline."""
         return getattr(self._stub, method)(request, timeout=(timeout or self.config.call_timeout).total_seconds())
+
+    def _backoff_cap(self) -> float:
+        """Seconds of the longest wait between two retries (see `AgentConfig.backoff`)."""
+        first, largest = (b.total_seconds() for b in self.config.backoff)
+        return max(first, min(largest, self.heartbeat_interval))
 
     def _retrying(self, what: str, fn: Callable[[], object]) -> object:
         """`fn()` retried with backoff on transient failures, for at most connect_timeout."""
@@ -269,19 +314,30 @@ class NodeAgent:
                     raise
                 log.debug("%s: %s, retrying in %.1fs", what, e.code().name, wait)
                 self._stop.wait(wait)
-                wait = min(2 * wait, self.config.backoff[1].total_seconds())
+                wait = min(2 * wait, self._backoff_cap())
 
     # --- start-up -----------------------------------------------------------------------------------
 
     def _fetch_job(self) -> JobSpec:
+        # the first contact: if it has not answered in a few seconds, say why it may not and keep trying
+        watch = FirstContactWatch(self.config.coordinator, tls=self.config.tls_ca is not None)
         try:
             status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
         except grpc.RpcError as e:
             raise AgentError(f"the coordinator at {self.config.coordinator} refused to tell the job: "
                              f"{e.code().name}: {e.details()}") from None
+        except ConnectionError as e:
+            raise ConnectionError(f"{e}; {diagnose(self.config.coordinator, tls=self.config.tls_ca is not None)}") \
+                from None
+        finally:
+            watch.done()
+        if watch.fired.is_set():
+            log.info("reached the coordinator at %s", self.config.coordinator)
         return JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
 
     def _advertise(self, peer: PeerServer) -> str:
+        if not peer.listening:
+            return ""  # --no-listen: neighbours send over the streams this node opens
         if self.config.advertise:
             return self.config.advertise
         host, port = peer.address.rsplit(":", 1)
@@ -293,16 +349,21 @@ class NodeAgent:
         """Join (or re-join) under the stable id; raises AgentError when refused for good."""
         assert self.profile is not None and self.peer is not None and self.job is not None
         req = pb.JoinRequest(token=self.config.token, node_id=self.node_id, job_id=self.job.id,
-                             profile=profile_to_proto(self.profile), peer_address=self._advertise(self.peer))
+                             profile=profile_to_proto(self.profile), peer_address=self._advertise(self.peer),
+                             csr_pem=self.credentials.csr() if self.credentials is not None else b"")
         with self._join_lock:
             try:
                 reply = self._retrying("joining", lambda: self.call("Join", req))
             except grpc.RpcError as e:
                 raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
+            self._use_certificate(reply)  # type: ignore[arg-type]
             self.heartbeat_interval = reply.heartbeat_interval_seconds or 1.0  # type: ignore[attr-defined]
             self.joins += 1
             log.info("joined job %s as %s (peer address %s, heartbeat every %.1fs)", self.job.id, self.node_id,
-                     req.peer_address, self.heartbeat_interval)
+                     req.peer_address or "none", self.heartbeat_interval)
+            if reply.reachability:  # type: ignore[attr-defined]
+                (log.info if reply.reachable or not req.peer_address else log.warning)(  # type: ignore[attr-defined]
+                    "%s", reply.reachability)  # type: ignore[attr-defined]
             return reply  # type: ignore[return-value]
 
     def start(self) -> NodeAgent:
@@ -325,7 +386,7 @@ class NodeAgent:
                      ", ".join(f"{(t.forward_seconds + t.backward_seconds) * 1e3:.1f} ms @ {t.micro_batch}"
                                for t in block))
         self.peer = PeerServer(node_id=self.node_id, listen=self.config.listen, token=self.config.token,
-                               rpc=self.config.peer_rpc)
+                               rpc=self.peer_rpc)
         self.join()
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._probe_loop, "probe"),
                              (self._watch_loop, "watch"), (self._outbox_loop, "outbox")):
@@ -404,6 +465,9 @@ class NodeAgent:
                 if target.node_id not in self._queued:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
+            if reply.job_finished and not self.job_finished.is_set():
+                log.info("the coordinator says the job has finished its steps")
+                self.job_finished.set()
 
     def _probe_loop(self) -> None:
         while not self._stop.is_set():
@@ -413,7 +477,7 @@ class NodeAgent:
                 continue
             try:
                 result = probe_peer(target.address, nbytes=target.probe_bytes, token=self.config.token,
-                                    rpc=self.config.peer_rpc, timeout=self.config.probe_timeout,
+                                    rpc=self.peer_rpc, timeout=self.config.probe_timeout,
                                     sender=self.node_id)
                 link = result.measurement(src=self.node_id, dst=target.node_id)
                 log.info("probed %s: %.1f MB/s, rtt %.2f ms", target.node_id, link.bandwidth_bytes_per_s / 1e6,
@@ -503,7 +567,7 @@ class NodeAgent:
                     if self._outbox_cond.wait(wait):
                         wait = self.config.backoff[0].total_seconds()  # woken: the coordinator is back
                     else:
-                        wait = min(2 * wait, self.config.backoff[1].total_seconds())
+                        wait = min(2 * wait, self._backoff_cap())
                 continue
             if failing_since is not None:
                 log.info("report of the %s delivered after %.1fs", item.what, time.monotonic() - failing_since)
@@ -562,7 +626,7 @@ class NodeAgent:
                 else:
                     log.debug("plan watch ended (%s), reconnecting in %.1fs", code.name, wait)
             self._stop.wait(wait)
-            wait = min(2 * wait, self.config.backoff[1].total_seconds())
+            wait = min(2 * wait, self._backoff_cap())
 
     def _new_plan(self, plan: Plan) -> None:
         with self._cond:
@@ -570,6 +634,8 @@ class NodeAgent:
                                                                  and not self._after_rejoin)):
                 return
             self._after_rejoin = False
+            if self.peer is not None:  # before any run of it starts: its members may fetch outer state here
+                self.peer.note_plan(plan)
             self.plan = plan
             self.plan_serial += 1
             self._cond.notify_all()
@@ -682,6 +748,9 @@ class NodeAgent:
         if self.peer is not None:
             self.peer.stop()
         self._channel.close()
+        for channel in self._old_channels:
+            channel.close()
+        self._state_lock.release()
 
     @property
     def stopped(self) -> bool:
@@ -701,9 +770,16 @@ def run_node_cli(args: argparse.Namespace) -> int:
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")
-    rpc = RpcOptions(tls_root_ca=Path(args.tls_ca)) if args.tls_ca else RpcOptions()
+    if args.insecure:
+        tls_ca = None
+        log.warning("INSECURE: --insecure talks plaintext gRPC to the coordinator and to peers: anyone on the network "
+                    "reads the job token and every tensor. Use it only in a closed lab, with a coordinator that runs "
+                    "--insecure too")
+    else:
+        tls_ca = find_ca(args.tls_ca, args.token_file).read_bytes()
     config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
-                         device=args.device, listen=args.listen, advertise=args.advertise, rpc=rpc,
+                         device=args.device, listen=None if args.no_listen else args.listen,
+                         advertise=args.advertise, tls_ca=tls_ca,
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
                          region=args.region or "", wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
@@ -717,20 +793,48 @@ def run_node_cli(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
 
+    tensorboard: dict = {}  # the node's TensorBoard log, opened at the first plan (the job names it)
+    if getattr(args, "tensorboard", None):
+        from atoll.node.tensorboard import check_available
+
+        check_available()  # a flag asking for event files fails now, with what to install
+
     def on_plan(run: PlanRun) -> None:
         import torch
 
         from atoll.node.runner import follow_plan
+        from atoll.node.tensorboard import open_log
+
+        if "log" not in tensorboard:
+            tensorboard["log"] = open_log(getattr(args, "tensorboard", None) or run.job.train.tensorboard_dir,
+                                          agent.node_id)
 
         from atoll.node.wan import wan_delay
 
         finished = follow_plan(run, checkpoint_dir=checkpoint_dir, device=torch.device(args.device),
                                coordinator_host=args.coordinator.rsplit(":", 1)[0], token=token,
-                               rpc=config.peer_rpc,
+                               rpc=agent.peer_rpc,
                                wan_latency=lambda plan, peer: wan_delay(plan, agent.node_id, peer, config.region,
-                                                                        config.wan_latency))
-        if finished and args.exit_when_done:
+                                                                        config.wan_latency),
+                               tensorboard=tensorboard["log"])
+        if finished and not args.stay:
+            log.info("the job is done; this node leaves and exits (--stay keeps it)")
             threading.Thread(target=agent.stop, daemon=True).start()
+
+    def exit_when_idle_and_done() -> None:
+        # a node the plan leaves idle has no last step of its own: it exits once the coordinator says the job
+        # finished (a node running a stage exits from on_plan, after its last checkpoint)
+        while not agent.stopped:
+            if agent.job_finished.wait(1.0):
+                plan = agent.plan
+                if plan is None or not any(agent.node_id in s.nodes for p in plan.pipelines for s in p.stages):
+                    log.info("the job has finished and the plan leaves this node idle; leaving and exiting "
+                             "(--stay keeps it)")
+                    agent.stop()
+                return
+
+    if not args.stay:
+        threading.Thread(target=exit_when_idle_and_done, daemon=True, name="atoll-node-done").start()
 
     try:
         agent.run(on_plan=on_plan)
@@ -740,4 +844,6 @@ def run_node_cli(args: argparse.Namespace) -> int:
         agent.stop()
         for t in stopping:  # a graceful leave hands its state over before the process exits
             t.join(config.handover.total_seconds() + 30.0)
+        if tensorboard.get("log") is not None:  # flushes what is queued
+            tensorboard["log"].close()
     return 0

@@ -13,14 +13,18 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         description="Profile this machine on the job's own layers, start the peer server, join the coordinator, "
         "heartbeat, run the link probes it asks for and follow its plans.")
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
-    p.add_argument("--token-file", help="file holding the job token")
+    p.add_argument("--token", help="job token; shows in the process list, so prefer --token-file or $ATOLL_TOKEN")
+    p.add_argument("--token-file", help="file holding the job token (the coordinator's STATE_DIR/token)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT of this node's peer server (port 0 picks one)")
     p.add_argument("--advertise", help="HOST:PORT peers should dial (default: the listen address, with a "
                    "wildcard host replaced by this machine's hostname)")
-    p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id")
-    p.add_argument("--tls-ca", help="PEM root certificate to verify a TLS coordinator (peer links stay plaintext)")
+    p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id, key and "
+                   "certificate; locked while the node runs, so each node on a machine needs its own")
+    p.add_argument("--tls-ca", help="the job CA: a copy of the coordinator's STATE_DIR/ca.pem (default: ca.pem beside "
+                   "--token-file). The coordinator and every peer are verified with it")
+    p.add_argument("--insecure", action="store_true",
+                   help="closed labs only: plaintext gRPC to a coordinator that runs --insecure")
     p.add_argument("--region", help="site label of this machine (a lab, a datacenter, a cloud region); islands never "
                    "span two regions")
     p.add_argument("--wan-latency-ms", type=float, default=0.0,
@@ -28,8 +32,16 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "wide-area link's one-way latency where the kernel cannot delay packets (default 0: off)")
     p.add_argument("--checkpoint-dir", help="where checkpoints are written and read (default: STATE_DIR/checkpoints); "
                    "nodes that may take over each other's layers need one shared folder")
-    p.add_argument("--exit-when-done", action="store_true", help="leave and exit once the job has finished its steps")
+    p.add_argument("--stay", action="store_true", help="keep the node running after the job has finished its steps "
+                   "(by default it leaves and exits, as does a node the plan leaves idle)")
+    p.add_argument("--exit-when-done", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for scripts
+    p.add_argument("--no-listen", action="store_true",
+                   help="accept no connections (behind NAT or a firewall): this node opens the streams to its "
+                   "neighbours itself, and a node that accepts connections relays between it and others like it. "
+                   "Without it, the coordinator dials --advertise back at join and tells the node what it found"),
     p.add_argument("--profile-seconds", type=float, default=3.0, help="time budget of the start-up profile")
+    p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files of every step under DIR/<node "
+                   "id>/ (overrides [train] tensorboard_dir; needs the tensorboard package: atoll[tensorboard])")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads torch may use (default: torch's choice, one per core). With several nodes on "
                    "one machine give each cores / nodes, or they slow each other down many times over")

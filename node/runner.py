@@ -40,10 +40,12 @@ from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import load_slice, slice_state
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import CollectiveError, GradientAverager
+from atoll.node.dataparallel import (CollectiveError, GradientAverager, cancel_collectives_on, release_later,
+                                     wait_collective)
 from atoll.node.datasets import DataError, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
-from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef, RowPeer
+from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, RowPeer
+from atoll.node.reverse import peer_ref
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
@@ -55,6 +57,7 @@ from atoll.node.placement import Placement, place
 from atoll.node.pretrained import load_pretrained
 from atoll.node.precision import LossScaleConfig, LossScaler, load_scaler_state, save_scaler_state
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
+from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
@@ -130,6 +133,9 @@ class RunContext:
     replica group as it was); None: the run's own plan."""
     wan_latency: Callable[[Plan, str], timedelta] = lambda plan, peer: timedelta(0)
     """One-way latency added to what is sent to or fetched from `peer` (a testbed knob; 0 in production)."""
+    target_steps: Callable[[], int] | None = None
+    """The step the job ends at as the coordinator last said (`atoll job stop/extend`; 0: not said yet); None:
+    the spec's `train.steps`."""
     wait_bound: Callable[[], timedelta] | None = None
     """The bound of each wait from the step times measured so far (`PlanRun.wait_timeout`): once steps are
     measured during a run, its waits on neighbours and collectives shrink to it; None: `timeout` throughout."""
@@ -287,6 +293,8 @@ class PlanRunner:
         self.outer: OuterSync | None = None
         self.tp: TensorParallel | None = None
         """This node's tp group handle while a tensor-parallel stage runs (set up in `run`)."""
+        self.wait = ctx.timeout
+        """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         # the epoch that names this run's process groups and transfers: in outer mode the epoch from which
@@ -300,9 +308,10 @@ class PlanRunner:
         """The step this run trains up to. In outer mode every replica group trains the same number of rounds,
         (train.steps // H) x its own inner steps, so no group is left with rounds to sync alone."""
         plan, pl = self.plan, self.placement
+        steps = (self.ctx.target_steps() if self.ctx.target_steps is not None else 0) or self.job.train.steps
         if plan.mode != "outer" or plan.outer is None or pl is None:
-            return self.job.train.steps
-        rounds = max(1, self.job.train.steps // plan.outer.inner_steps)
+            return steps
+        rounds = max(1, steps // plan.outer.inner_steps)
         return rounds * plan.groups[pl.group].inner_steps
 
     def schedule_step(self, step: int) -> int:
@@ -402,8 +411,15 @@ class PlanRunner:
 
         watcher = threading.Thread(target=close_when_superseded, name="atoll-plan-watch", daemon=True)
         watcher.start()
+        # a collective blocked on a peer ends the moment a newer plan arrives, not after its timeout
+        cancelling = cancel_collectives_on(stop)
+        cancelling.__enter__()
         try:
             while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
+                # `atoll job stop/extend` moves the end; the coordinator keeps it ahead of every stage
+                last = self.last_step if until_step is None else min(until_step, self.last_step)
+                if step >= last:
+                    break
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, self.schedule_step(step))
                 index = step * groups + pl.group
@@ -425,11 +441,19 @@ class PlanRunner:
                         break
                     raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
                 step += 1
+                if ctx.wait_bound is not None:  # the first epoch's waits too follow the measured step time
+                    bound = ctx.wait_bound()
+                    if bound < self.wait:
+                        self.wait = bound
+                        stage.config = replace(stage.config, recv_timeout=bound, collective_timeout=bound)
                 metrics = self._metrics(step - 1, result, loss, transport)
                 if val_loss is not None and metrics.loss is not None:  # the node that reports the loss
                     metrics.val_loss = val_loss
                     log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
                 reporter.put(metrics)
+                if ctx.tensorboard is not None:
+                    ctx.tensorboard.write(metrics, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
+                                          skipped=result.skipped)
                 interval = job.checkpoint.interval
                 due = bool(interval) and (step % interval == 0 or step == self.last_step)
                 if outer is not None:
@@ -447,7 +471,10 @@ class PlanRunner:
                 if due:
                     self._checkpoint(module, optimizer, step)
         finally:
+            cancelling.__exit__(None, None, None)
             finished.set()
+            if step < last:  # a collective may still be in flight: its groups are destroyed once it timed out
+                release_later([norm, averager, loss_group, optimizer, stage], ctx.timeout + timedelta(seconds=5))
             if outer is not None:
                 # the outbox stays attached: the other groups may still fetch the last rounds from it (the
                 # next plan's run replaces it)
@@ -672,12 +699,15 @@ class PlanRunner:
             return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing, nor do tp ranks but 0
         addr = self.plan.node_addresses
 
+        # an empty address: the node accepts no connections (`atoll.node.reverse`)
+        listening = bool(addr.get(self.ctx.node_id)) and self.ctx.peer_server.listening
+
         def refs(neighbours) -> tuple[RowPeer, ...] | None:
             for n in neighbours:
                 if n.node_id not in addr:
                     raise RunFailed(f"the plan has no peer address for node {n.node_id}")
-            return tuple(RowPeer(peer=PeerRef(node_id=n.node_id, address=addr[n.node_id],
-                                              added_latency=self.ctx.wan_latency(self.plan, n.node_id)),
+            return tuple(RowPeer(peer=peer_ref(self.plan, n.node_id, self.ctx.node_id, listening,
+                                               self.ctx.wan_latency(self.plan, n.node_id)),
                                  rows=n.rows) for n in neighbours) or None
 
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
@@ -695,6 +725,7 @@ class PlanRunner:
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
+            accepts_connections=listening,
         ), self.ctx.peer_server)
 
     # --- per step ---------------------------------------------------------------------------------
@@ -706,7 +737,7 @@ class PlanRunner:
             return result.loss
         # the batch's mean loss: each last stage's mean over its rows, weighted by its rows
         t = torch.tensor([result.loss * self._row_weight()], dtype=torch.float64, device=self.ctx.device)
-        group.allreduce([t]).wait(self.ctx.timeout)
+        wait_collective(group.allreduce([t]), self.wait, "loss all-reduce")
         return float(t.item())
 
     def _metrics(self, step: int, result: StepResult, loss: float | None, transport) -> StepMetrics:
@@ -853,9 +884,13 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
     plan, job = run.plan, run.job
     last_step = [plan.resume_step - 1]
 
+    target = [0]  # the job's end as the coordinator's latest step acknowledgement says
+
     def report_step(m: StepMetrics) -> bool:
         last_step[0] = max(last_step[0], m.step)
-        return bool(run.report_step(m).stop)
+        ack = run.report_step(m)
+        target[0] = ack.target_steps or target[0]
+        return bool(ack.stop)
 
     def prune(step: int) -> None:
         removed = prune_checkpoints(Path(checkpoint_dir), total_layers=job.model.n_layers + 2,
@@ -886,6 +921,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
                      coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
+                     target_steps=lambda: target[0],
                      wait_bound=lambda: run.wait_timeout(timeout),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
                      replicate=None if replicator is None else
@@ -901,6 +937,9 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
         run.superseded.wait()
         return False
+    finally:
+        if replicator is not None:  # copies still queued finish on its thread, which then ends
+            replicator.close(timedelta(0))
     if next_step >= runner.last_step:
         log.info("the job has finished its %d steps", runner.last_step)
         return True

@@ -206,3 +206,34 @@ def test_an_overflow_in_one_stage_of_one_replica_skips_the_step_everywhere_and_h
         a, b = params[-1][0][s], params[-1][1][s]
         assert all(torch.equal(a[n], b[n]) for n in a)
     assert all(math.isfinite(results[k][r][1].loss) for k in range(steps) for r in range(2))
+
+
+@pytest.mark.timeout(240)
+def test_fp16_job_through_the_runner_resumes_its_loss_scale_from_the_checkpoint(tmp_path):
+    """Real gRPC peers and gloo groups: an fp16 job with a loss scale that overflows for real at step 4 (after
+    growing from 2^18 every 2 good steps) checkpoints at step 4 under one cut and resumes under another. Only a
+    restored scale skips step 4 again, as the one-process run does, and gives the same losses."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from test_runner import _run, _stage
+
+    from atoll.node.local import train_local
+    from atoll.plan import PipelinePlan
+
+    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=8, warmup=2, dtype="fp16", loss_scale=2.0 ** 18,
+                                     loss_scale_window=2),
+                  checkpoint=replace(job.checkpoint, interval=4), compression=replace(job.compression, mode="identity"))
+    local: list[StepResult] = []
+    expected, _ = train_local(job, on_step=lambda k, r: local.append(r))
+    assert [r.skipped for r in local][:5] == [False, False, False, False, True], "the scale overflows at step 4"
+    first = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                    stages=[_stage((0, 2), ["a"]), _stage((2, 6), ["b"])])], tmp_path, stop_after=4)
+    assert load_scaler_state(tmp_path / "ckpt", 4) == {"scale": 2.0 ** 20, "good_steps": 0}
+    second = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                     stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])], tmp_path, resume_step=4)
+    got = {**first, **second}
+    assert sorted(got) == list(range(8))
+    for s in range(8):
+        assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])
