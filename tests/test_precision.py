@@ -237,3 +237,67 @@ def test_fp16_job_through_the_runner_resumes_its_loss_scale_from_the_checkpoint(
     assert sorted(got) == list(range(8))
     for s in range(8):
         assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])
+
+
+@pytest.mark.timeout(240)
+def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_replica_run(tmp_path, monkeypatch):
+    """Four nodes (two stages x two replicas) through the runner: an inf in node c's gradients (stage 0, replica
+    1) at step 3 reaches every node through the data-parallel average and the pipeline's norm exchange, so all
+    skip it, like one process given the same overflow; without the agreement the replicas would step apart."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import atoll.node.local as local_mod
+    import atoll.node.runner as runner_mod
+    from test_runner import _run, _stage
+
+    from atoll.node.local import train_local
+    from atoll.plan import PipelinePlan
+
+    at = 3
+    where = threading.local()
+    build = runner_mod.build_slice
+
+    def poisoned_build(*a, **kw):  # the victim's module gets a gradient hook that turns step `at`'s grads to inf
+        module = build(*a, **kw)
+        if getattr(where, "node", None) in ("c", "local"):
+            p = next(module.parameters())
+            p.register_hook(lambda g: torch.full_like(g, math.inf) if where.step == at else g)
+        return module
+
+    train_step = PipelineStage.train_step
+
+    def tracked_step(self, step, batch=None):
+        where.step = step
+        return train_step(self, step, batch)
+
+    run = runner_mod.PlanRunner.run
+
+    def tracked_run(self, stop, until_step=None):
+        where.node = self.ctx.node_id
+        return run(self, stop, until_step)
+
+    monkeypatch.setattr(runner_mod, "build_slice", poisoned_build)
+    monkeypatch.setattr(local_mod, "build_slice", poisoned_build)
+    monkeypatch.setattr(PipelineStage, "train_step", tracked_step)
+    monkeypatch.setattr(runner_mod.PlanRunner, "run", tracked_run)
+
+    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=6, warmup=2, dtype="fp16", loss_scale=2.0 ** 10,
+                                     loss_scale_window=1000),
+                  checkpoint=replace(job.checkpoint, interval=0), compression=replace(job.compression, mode="identity"))
+    where.node = "local"
+    local: list[StepResult] = []
+    expected, _ = train_local(job, on_step=lambda k, r: local.append(r))
+    assert [r.skipped for r in local] == [k == at for k in range(6)]
+    assert [r.loss_scale for r in local] == [1024.0] * 4 + [512.0] * 2
+    got = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                  stages=[_stage((0, 3), ["a", "c"]), _stage((3, 6), ["b", "d"])])], tmp_path)
+    assert sorted(got) == list(range(6))
+    for s in range(6):
+        assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])
+    # the step after the skip saw the same weights as the skipped one in both runs; a run that stepped at 3
+    # would not match
+    where.node = "nobody"
+    unpoisoned, _ = train_local(job)
+    assert unpoisoned[at + 1] != pytest.approx(expected[at + 1], rel=1e-3)
