@@ -109,6 +109,14 @@ def join_decision(now: float, existing: MemberRecord | None, *, hostname: str, s
                                     f"{hostname!r} (or give it its own --state-dir)")
 
 
+def _names(ids: Set[str], shown: int = 8) -> str:
+    """Node ids for a reason line: all of a few, the first `shown` and a count of many (a line, not a page)."""
+    names = sorted(ids)
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
+
+
 @dataclass(frozen=True)
 class PlanDecision:
     plan: bool
@@ -130,7 +138,7 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
         if len(alive) < cluster.expected_nodes:
             return PlanDecision(False, f"waiting for nodes: {len(alive)} of {cluster.expected_nodes} joined")
         if unprobed:
-            return PlanDecision(False, f"waiting for link probes of {', '.join(sorted(unprobed))}")
+            return PlanDecision(False, f"waiting for link probes of {_names(unprobed)}")
         return PlanDecision(True, f"{len(alive)} nodes joined and probed (expected {cluster.expected_nodes})")
     if set(alive) == set(planned):
         if stale:
@@ -145,13 +153,13 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     if len(alive) < cluster.min_nodes:
         return PlanDecision(False, f"only {len(alive)} alive, fewer than cluster.min_nodes = {cluster.min_nodes}; "
                                    f"waiting for nodes")
-    joined, gone = sorted(set(alive) - set(planned)), sorted(set(planned) - set(alive))
+    joined, gone = set(alive) - set(planned), set(planned) - set(alive)
     if unprobed:
-        return PlanDecision(False, f"waiting for link probes of {', '.join(sorted(unprobed))}")
+        return PlanDecision(False, f"waiting for link probes of {_names(unprobed)}")
     wait = last_change_unix + options.settle.total_seconds() - now
     if wait > 0:
         return PlanDecision(False, f"membership changed; settling for {wait:.1f}s more")
-    parts = ([f"joined: {', '.join(joined)}"] if joined else []) + ([f"gone: {', '.join(gone)}"] if gone else [])
+    parts = ([f"joined: {_names(joined)}"] if joined else []) + ([f"gone: {_names(gone)}"] if gone else [])
     return PlanDecision(True, "; ".join(parts))
 
 

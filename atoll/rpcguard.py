@@ -1,0 +1,142 @@
+"""Requests that do not parse are answered INVALID_ARGUMENT, by the server factory, before any servicer runs.
+
+gRPC answers a request whose deserializer raises with INTERNAL ("Exception deserializing request!"), logs
+nothing useful, and keeps part of the failed call's memory. Here every method's deserializer is wrapped: a
+message that does not parse becomes an `Undecodable` value instead of an exception, and the method's
+behaviour is wrapped to answer it INVALID_ARGUMENT, naming the method and what was wrong, without calling the
+servicer. Both the threaded server (`make_server`) and the `grpc.aio` one (`make_aio_server`) install it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+
+class Undecodable:
+    """Stands in for a request message that did not parse."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError and kin: any failure to parse is the sender's
+            return Undecodable(f"{type(e).__name__}: {str(e)[:200]}")
+    return deserialize
+
+
+def _details(method: str, bad: Undecodable) -> str:
+    return (f"{method}: the request is not a valid message ({bad.error}); the sender must speak this server's "
+            f"atoll.v1 protocol (same atoll version)")
+
+
+_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
+          (True, True): "stream_stream"}
+
+
+def _checked(requests: Any, context: grpc.ServicerContext, method: str, bad: list[Undecodable]) -> Any:
+    for r in requests:
+        if isinstance(r, Undecodable):
+            bad.append(r)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, r))
+        yield r
+
+
+def _reassert(context: grpc.ServicerContext, method: str, bad: list[Undecodable]) -> None:
+    """A servicer that turned the abort into a status of its own is overruled: the last abort is what is sent."""
+    if bad:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, bad[0]))
+
+
+def _guard_sync(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    inner = getattr(handler, kind)
+    if not handler.request_streaming:
+        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, request))
+            return inner(request, context)
+    elif not handler.response_streaming:
+        def behaviour(requests: Any, context: grpc.ServicerContext) -> Any:
+            bad: list[Undecodable] = []
+            try:
+                return inner(_checked(requests, context, method, bad), context)
+            except Exception:
+                _reassert(context, method, bad)
+                raise
+    else:
+        def behaviour(requests: Any, context: grpc.ServicerContext) -> Any:
+            bad: list[Undecodable] = []
+            try:
+                yield from inner(_checked(requests, context, method, bad), context)
+            except Exception:
+                _reassert(context, method, bad)
+                raise
+    return getattr(grpc, f"{kind}_rpc_method_handler")(
+        behaviour, request_deserializer=_safe(handler.request_deserializer),
+        response_serializer=handler.response_serializer)
+
+
+def _guard_aio(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    kind = _KINDS[(handler.request_streaming, handler.response_streaming)]
+    inner = getattr(handler, kind)
+    if handler.request_streaming:
+        if not (inspect.iscoroutinefunction(inner) or inspect.isasyncgenfunction(inner)):
+            return _guard_sync(handler, method)  # a plain function on the server's thread pool
+        # an async stream of requests: checked as it is read; the servicer sees the abort as an error
+        async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for r in requests:
+                if isinstance(r, Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, r))
+                yield r
+        if inspect.isasyncgenfunction(inner):
+            async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for x in inner(checked(requests, context), context):
+                    yield x
+        else:
+            async def behaviour(requests: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+                return await inner(checked(requests, context), context)
+    elif inspect.isasyncgenfunction(inner):
+        async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, request))
+            async for x in inner(request, context):
+                yield x
+    elif inspect.iscoroutinefunction(inner):
+        async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            if isinstance(request, Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(method, request))
+            return await inner(request, context)
+    else:
+        return _guard_sync(handler, method)
+    return getattr(grpc, f"{kind}_rpc_method_handler")(
+        behaviour, request_deserializer=_safe(handler.request_deserializer),
+        response_serializer=handler.response_serializer)
+
+
+class DecodeGuard(grpc.ServerInterceptor):
+    """For threaded servers: requests that do not parse are answered INVALID_ARGUMENT."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        return None if handler is None else _guard_sync(handler, handler_call_details.method)
+
+
+class AioDecodeGuard(grpc.aio.ServerInterceptor):
+    """For `grpc.aio` servers: requests that do not parse are answered INVALID_ARGUMENT."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        return None if handler is None else _guard_aio(handler, handler_call_details.method)
