@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from atoll.rpcguard import AioDecodeGuard, DecodeGuard
+
 TOKEN_METADATA_KEY = "authorization"
 T = TypeVar("T")
 
@@ -113,7 +115,7 @@ def make_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="atoll-rpc"),
         options=options.server_options(),
-        interceptors=list(interceptors),
+        interceptors=[*interceptors, DecodeGuard()],  # innermost: it wraps the servicers' own handlers
         maximum_concurrent_rpcs=max_workers * 4,
     )
     for reg in register:
@@ -207,7 +209,8 @@ def make_aio_server(
     async def start() -> tuple[grpc.aio.Server, int]:
         # the server belongs to the loop it is made on, so it is made there
         server = grpc.aio.server(migration_thread_pool=pool, options=options.server_options(),
-                                 interceptors=list(interceptors), maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+                                 interceptors=[*interceptors, AioDecodeGuard()],
+                                 maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         for reg in register:
             reg(server)
         port = _bind(server, listen, options)
