@@ -15,6 +15,7 @@ from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, Invalid
                                       Unauthenticated)
 from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.membership import RunFailureRecord, join_decision
+from atoll.coordinator import job_control
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.reachability import unreachable_advice
 from atoll.coordinator.state import CoordinatorState
@@ -107,7 +108,8 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
     return pb.HeartbeatReply(
         lease_seconds=state.options.membership.lease.total_seconds(), plan_epoch=state.epoch,
         probe=[pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
-               for m in state.assign_probes(req.node_id, now)])
+               for m in state.assign_probes(req.node_id, now)],
+        job_finished=bool(state.control.finished_unix))
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:
@@ -140,7 +142,13 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
         v.check_seconds(name, getattr(req, name))
     state.store.add_step(metrics)
     state.record_history(metrics)
-    return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= state.job.train.steps)
+    target = state.target_steps
+    if req.has_loss:  # the last stage's report: when it reports the target's last step, the job has finished
+        done = job_control.finished(state.control, spec_steps=state.job.train.steps, newest_step=req.step,
+                                    now=state.clock())
+        if done is not None:
+            state.set_control(done)
+    return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= target, target_steps=target)
 
 
 def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) -> pb.Ack:
@@ -207,8 +215,8 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
     epoch = state.epoch
     if req.plan_epoch == 0 or req.plan_epoch > epoch:
         raise FailedPrecondition(f"failure of plan epoch {req.plan_epoch}; the plans run so far are 1-{epoch}")
-    if req.step > state.job.train.steps:
-        raise InvalidArgument(f"failure at step {req.step}, past the job's {state.job.train.steps} steps")
+    if req.step > state.target_steps:
+        raise InvalidArgument(f"failure at step {req.step}, past the job's {state.target_steps} steps")
     if req.plan_epoch < epoch:
         return pb.Ack(message=f"plan epoch {req.plan_epoch} is already replaced by epoch {epoch}; ignored")
     recorded = state.record_failure(RunFailureRecord(epoch=req.plan_epoch, node_id=req.node_id, step=req.step,
@@ -292,4 +300,27 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                 sync_bytes=float(sum(list(g.sync_bytes.values()))),  # summed over the group's nodes
                 sync_seconds=max(list(g.sync_seconds.values()), default=0.0),  # its slowest node
                 late_seconds=max(list(g.late_seconds.values()), default=0.0))
+    reply.job_state = job_control.job_state(state.control)
+    reply.finished_unix = state.control.finished_unix
+    reply.target_steps = state.target_steps
     return reply
+
+
+def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb.JobControlReply:
+    """`atoll job stop` / `atoll job extend --steps N`: change the step the running job ends at."""
+    _check_job(req.job_id, state)
+    recent = state.store.recent_steps(1)
+    newest = recent[-1].step if recent else 0
+    try:
+        if req.action == "stop":
+            control, how = job_control.stop(state.control, spec_steps=state.job.train.steps, newest_step=newest,
+                                            now=state.clock())
+        elif req.action == "extend":
+            control, how = job_control.extend(state.control, req.steps, spec_steps=state.job.train.steps,
+                                              newest_step=newest)
+        else:
+            raise InvalidArgument(f"job control action must be 'stop' or 'extend', got {req.action[:40]!r}")
+    except job_control.ControlRefused as e:
+        raise FailedPrecondition(str(e)) from None
+    state.set_control(control)
+    return pb.JobControlReply(target_steps=state.target_steps, step=newest, message=how)

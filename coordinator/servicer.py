@@ -95,6 +95,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why),
                            request, context)
 
+    def ControlJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:
+        return self._unary("ControlJob", handlers.handle_control_job, request, context)
+
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         return self._unary("Heartbeat", handlers.handle_heartbeat, request, context)
 

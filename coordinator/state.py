@@ -26,8 +26,9 @@ from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFa
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
+from atoll.coordinator import job_control
 from atoll.coordinator.reachability import plan_address, unreachable_nodes
-from atoll.coordinator.store import JobRecord, MemberRecord, Store, StoreError
+from atoll.coordinator.store import JobControlRecord, JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, Plan
 from atoll.types import LinkMeasurement, StepMetrics
@@ -72,6 +73,8 @@ class CoordinatorState:
         if not token:
             raise ValueError("the coordinator needs a job token: pass --token-file or set ATOLL_TOKEN")
         self.store, self.job, self.token = store, job, token
+        self.control = store.get_control()
+        """`atoll job stop/extend` and the job's end (`atoll.coordinator.job_control`); changed by `set_control`."""
         self.options = options or CoordinatorOptions()
         self.clock, self.planner = clock, planner
         self.rendezvous = rendezvous
@@ -302,9 +305,18 @@ class CoordinatorState:
         plans = {h.plan.epoch: h.plan for h in self.store.plan_history()}
         return complete_steps(self.store.list_checkpoints(), plans)
 
+    @property
+    def target_steps(self) -> int:
+        """The step the job ends at: the spec's `train.steps`, or as `atoll job stop/extend` changed it."""
+        return job_control.target_steps(self.job.train.steps, self.control)
+
+    def set_control(self, control: JobControlRecord) -> None:
+        self.store.put_control(control)
+        self.control = control
+
     def job_complete(self) -> bool:
         """The last step has been trained (a stage reported it): no more plans are made."""
-        last = self.job.train.steps - 1
+        last = self.target_steps - 1
         recent = self.store.recent_steps(16)
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None:
@@ -339,7 +351,7 @@ class CoordinatorState:
         plan = self.current_plan()
         planned = None if plan is None else {n for i in plan.islands for n in i.nodes}
         if self.job_complete():
-            decision = PlanDecision(False, f"the job has completed its {self.job.train.steps} steps")
+            decision = PlanDecision(False, f"the job has completed its {self.target_steps} steps")
         else:
             # a plan from before a restart is replaced once all its members have been heard from since, and
             # a plan naming a member's old peer address once that member is back at its new one

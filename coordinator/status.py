@@ -174,6 +174,17 @@ def plot_history(s: pb.StatusReply, path: str | Path) -> Path:
     return draw_history(rows, path, title=f"{name}: loss per step ({s.history_resolution})")
 
 
+def _job_state_lines(s: pb.StatusReply) -> list[str]:
+    """Whether the job runs, is stopping or has finished (and when), with the step it ends at."""
+    if s.job_state == "finished":
+        when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(s.finished_unix))
+        return [f"finished: all {s.target_steps} steps trained, at {when}; the nodes have left (the coordinator "
+                f"serves this status until it is stopped)"]
+    if s.job_state == "stopping":
+        return [f"stopping (atoll job stop): the job ends after step {s.target_steps - 1}, with a checkpoint"]
+    return [f"running: ends at step {s.target_steps}"] if s.target_steps else []
+
+
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     """The reply as tables: the job's progress first, then members, islands and the plan.
 
@@ -188,6 +199,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     out = [f"job {s.job.name} ({s.job.job_id})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
            f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            f"{s.last_checkpoint_step if s.last_checkpoint_step else '-'}"]
+    out += _job_state_lines(s)
     out += history_lines(s)
     out += _progress_lines(s)
     if s.HasField("plan") and s.plan.mode == "outer":

@@ -43,6 +43,18 @@ class JobRecord:
 
 
 @dataclass(kw_only=True)
+class JobControlRecord:
+    """What `atoll job stop/extend` changed of a job, and when it finished (`atoll.coordinator.job_control`)."""
+
+    target_steps: int = 0
+    """The step the job ends at; 0: the spec's `train.steps`."""
+    stopped_unix: float = 0.0
+    """When `atoll job stop` was given (0: never)."""
+    finished_unix: float = 0.0
+    """When the last step was reported (0: not yet)."""
+
+
+@dataclass(kw_only=True)
 class MemberRecord:
     """A node that joined the job."""
 
@@ -197,6 +209,13 @@ class Store(ABC):
     @abstractmethod
     def history(self, newest: int | None = None) -> list[HistoryPoint]:
         """The whole history (or its `newest` rows), oldest step first."""
+
+    # job control: non-abstract, kept in memory here; SqliteStore keeps it in its file
+    def get_control(self) -> JobControlRecord:
+        return copy.copy(getattr(self, "_control", None) or JobControlRecord())
+
+    def put_control(self, control: JobControlRecord) -> None:
+        self._control = copy.copy(control)
 
     def close(self) -> None:
         """Release files."""
@@ -368,6 +387,9 @@ CREATE TABLE IF NOT EXISTS history (
     count INTEGER NOT NULL, loss_min REAL NOT NULL, loss_sum REAL NOT NULL, loss_max REAL NOT NULL,
     tps_sum REAL NOT NULL, tps_count INTEGER NOT NULL, val_count INTEGER NOT NULL, val_min REAL NOT NULL,
     val_sum REAL NOT NULL, val_max REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS control (
+    one INTEGER PRIMARY KEY CHECK (one = 1), target_steps INTEGER NOT NULL, stopped_unix REAL NOT NULL,
+    finished_unix REAL NOT NULL);
 """
 
 
@@ -590,6 +612,17 @@ class SqliteStore(Store):
     @classmethod
     def _history_values(cls, p: HistoryPoint) -> tuple:
         return tuple(getattr(p, c) for c in cls._HISTORY_COLUMNS)
+
+    def get_control(self) -> JobControlRecord:
+        rows = self._read("SELECT target_steps, stopped_unix, finished_unix FROM control")
+        if not rows:
+            return JobControlRecord()
+        target, stopped, finished = rows[0]
+        return JobControlRecord(target_steps=target, stopped_unix=stopped, finished_unix=finished)
+
+    def put_control(self, control: JobControlRecord) -> None:
+        self._write("INSERT OR REPLACE INTO control VALUES (1, ?, ?, ?)",
+                    (control.target_steps, control.stopped_unix, control.finished_unix))
 
     def close(self) -> None:
         try:

@@ -47,11 +47,13 @@ def _commands() -> list[Register]:
     from atoll.coordinator.cli import register_coordinator, register_status
     from atoll.coordinator.planner.cli import register as register_plan
     from atoll.launch.demo import register as register_demo
+    from atoll.launch.export import register as register_export
+    from atoll.launch.job import register as register_job
     from atoll.launch.tokenizer import register as register_tokenizer
     from atoll.node.cli import register as register_node
 
     return [_register_version, register_coordinator, register_status, register_node, register_plan, register_demo,
-            register_tokenizer]
+            register_tokenizer, register_export, register_job]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,79 @@
+"""A job's end: the step it ends at, `atoll job stop` and `atoll job extend`, and when it finished.
+
+Decisions are pure functions of (the job's target, the newest step reported, the control record, now). The
+nodes learn the target from every step acknowledgement (`StepAck.target_steps`) and end there, after a
+checkpoint; since step reports travel off the critical path and a pipeline's stages are a few steps apart, a
+stop ends `STOP_MARGIN` steps past the newest step reported (so every stage hears it before it gets there),
+and an extension is refused once the job is within `EXTEND_MARGIN` steps of its end (a stage may have
+finished already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from atoll.coordinator.store import JobControlRecord
+
+STOP_MARGIN = 4
+"""Steps past the newest reported step at which a stopped job ends: the in-flight window between stages (2) and
+the reports still on their way."""
+EXTEND_MARGIN = 4
+"""An extension needs the job at least this many steps from its end."""
+MAX_TARGET_STEPS = 10**9
+"""Largest target an extension may reach."""
+
+
+class ControlRefused(ValueError):
+    """A stop or extension that cannot be done now; the message says why and what to do instead."""
+
+
+def target_steps(spec_steps: int, control: JobControlRecord) -> int:
+    """The step the job ends at: the spec's, unless `atoll job stop/extend` changed it."""
+    return control.target_steps or spec_steps
+
+
+def stop(control: JobControlRecord, *, spec_steps: int, newest_step: int, now: float) -> tuple[JobControlRecord, str]:
+    """`atoll job stop`: end `STOP_MARGIN` steps after the newest reported step (never later than the target)."""
+    target = target_steps(spec_steps, control)
+    if control.finished_unix:
+        raise ControlRefused(f"the job already finished at step {target}; nothing to stop")
+    end = min(target, newest_step + 1 + STOP_MARGIN)
+    how = (f"the job stops after step {end - 1} (the newest reported is {newest_step}), with a checkpoint; "
+           f"the nodes then exit") if end < target else \
+        f"the job already ends at step {target}, within {STOP_MARGIN} steps; it stops there with a checkpoint"
+    return replace(control, target_steps=end, stopped_unix=control.stopped_unix or now), how
+
+
+def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_step: int) -> tuple[JobControlRecord, str]:
+    """`atoll job extend --steps N`: the job ends N steps later."""
+    if steps < 1:
+        raise ControlRefused(f"extend by at least one step, got {steps}")
+    target = target_steps(spec_steps, control)
+    if control.finished_unix:
+        raise ControlRefused(f"the job finished at step {target}; to train on, start the coordinator with a job spec "
+                             f"of more steps on a new --state-dir, resuming from the last checkpoint")
+    if control.stopped_unix:
+        raise ControlRefused("the job is stopping (atoll job stop); it cannot be extended")
+    if newest_step + 1 + EXTEND_MARGIN > target:
+        raise ControlRefused(f"the job is at step {newest_step}, within {EXTEND_MARGIN} steps of its end at {target}: "
+                             f"some stages may have finished; extend earlier, or start a longer job from the last "
+                             f"checkpoint")
+    new = target + steps
+    if new > MAX_TARGET_STEPS:
+        raise ControlRefused(f"a job of {new} steps is too long; extend by fewer steps")
+    return replace(control, target_steps=new), (f"the job now ends at step {new} instead of {target}; steps after the "
+                                                f"spec's {spec_steps} train at the schedule's final learning rate")
+
+
+def finished(control: JobControlRecord, *, spec_steps: int, newest_step: int, now: float) -> JobControlRecord | None:
+    """The record with the finish time set, when the target's last step has just been reported; else None."""
+    if control.finished_unix or newest_step + 1 < target_steps(spec_steps, control):
+        return None
+    return replace(control, finished_unix=now)
+
+
+def job_state(control: JobControlRecord) -> str:
+    """"finished", "stopping" (`atoll job stop` given) or "running"."""
+    if control.finished_unix:
+        return "finished"
+    return "stopping" if control.stopped_unix else "running"

@@ -1,0 +1,78 @@
+"""`atoll job stop` and `atoll job extend --steps N`: act on a running job through its coordinator.
+
+Both are one `ControlJob` call, authenticated with the job token (and the job CA, as `atoll status`). The
+nodes hear the new end with their next step acknowledgements: a stopped job ends a few steps after the
+newest reported step, with a checkpoint, and its nodes exit; an extended one trains on.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+
+import grpc
+
+SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
+    p = sub.add_parser("job", help="stop or extend a running job",
+                       description="Act on a running job through its coordinator (the job token authenticates).")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    stop = actions.add_parser("stop", help="end the job a few steps from now, after a checkpoint; its nodes exit",
+                              description="End the job a few steps after the newest reported step (every stage "
+                              "hears it first), with a checkpoint; the nodes then leave and exit. The coordinator "
+                              "keeps serving `atoll status` until it is stopped.")
+    extend = actions.add_parser("extend", help="train N more steps than planned",
+                                description="Move the job's end N steps later; the nodes train on. Steps past the "
+                                "spec's train.steps train at the schedule's final learning rate.")
+    extend.add_argument("--steps", type=int, required=True, help="steps to add")
+    for a in (stop, extend):
+        a.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+        a.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
+        a.add_argument("--token-file", help="file holding the job token")
+        a.add_argument("--tls-ca", help="the job CA (the coordinator's STATE_DIR/ca.pem; default: ca.pem beside "
+                       "--token-file)")
+        a.add_argument("--insecure", action="store_true", help="the coordinator runs --insecure (plaintext)")
+        a.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+        a.set_defaults(func=run_job_cli)
+
+
+def control_job(address: str, action: str, *, steps: int = 0, token: str | None, rpc=None,
+                timeout: timedelta = timedelta(seconds=10)):
+    """One ControlJob call; returns the `JobControlReply`. Raises PermissionError (token), ValueError (refused,
+    with the coordinator's reason) or ConnectionError (no answer)."""
+    from atoll.rpc import make_channel
+    from atoll.v1 import atoll_pb2 as pb
+    from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+    channel = make_channel(address, rpc, token=token)
+    try:
+        return pb_grpc.CoordinatorStub(channel).ControlJob(pb.JobControlRequest(action=action, steps=steps),
+                                                           timeout=timeout.total_seconds(), wait_for_ready=True)
+    except grpc.RpcError as e:
+        code = e.code()
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise PermissionError(f"{address}: {e.details()}") from None
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+            raise ValueError(f"{address}: {e.details()}") from None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
+                                  f"({code.name}); check --coordinator (and --tls-ca if it serves TLS)") from None
+        raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
+    finally:
+        channel.close()
+
+
+def run_job_cli(args: argparse.Namespace) -> int:
+    from atoll.job import resolve_token
+    from atoll.tls import bootstrap_rpc, find_ca
+
+    token = resolve_token(args.token, args.token_file)
+    if not token:
+        raise ValueError("atoll job needs the job token: --token-file or $ATOLL_TOKEN")
+    rpc = None if args.insecure else bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
+    reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0), token=token, rpc=rpc,
+                        timeout=timedelta(seconds=args.timeout))
+    print(f"{reply.message} (newest reported step {reply.step}; the job ends at step {reply.target_steps})")
+    return 0

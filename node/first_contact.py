@@ -1,0 +1,73 @@
+"""What a node says when it cannot reach its coordinator: which step of the path failed and what to check.
+
+`diagnose` looks at the path below gRPC (the name resolves, the port accepts a TCP connection) so the
+message can tell a typo from a stopped coordinator, a firewall or a TLS mismatch. `FirstContactWatch`
+says it once, a few seconds into the first contact, while the agent keeps retrying.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+log = logging.getLogger("atoll.node")
+
+FIRST_CONTACT_WARNING = timedelta(seconds=5)
+"""How long the first contact may go unanswered before the node says why it waits (well within 10 s)."""
+
+
+def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2)) -> str:
+    """A line saying why HOST:PORT may not answer as a coordinator, and what to check."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
+              f"firewall between here and there drops that port, and TLS (--tls-ca exactly when the coordinator "
+              f"runs with TLS)")
+    if not host or not port_text.isdigit():
+        return f"{address!r} is not HOST:PORT; give --coordinator as HOST:PORT"
+    try:
+        infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"the host name {host!r} does not resolve ({e.strerror}); check the address (--coordinator)"
+    try:
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(timeout.total_seconds())
+            s.connect(sockaddr)
+    except ConnectionRefusedError:
+        return (f"{host} refuses connections on port {port_text}: nothing listens there. Is the coordinator "
+                f"running, and on that port (its --listen)?")
+    except (socket.timeout, TimeoutError):
+        return (f"no answer from {host}:{port_text} within {timeout.total_seconds():.0f}s: a firewall may drop the "
+                f"packets, or the address is not the coordinator's; {checks}")
+    except OSError as e:
+        return f"cannot connect to {host}:{port_text} ({e.strerror or e}); {checks}"
+    if tls:
+        return (f"{address} accepts connections but the TLS handshake or the call failed: check that --tls-ca is "
+                f"the coordinator's certificate authority and that the coordinator runs with TLS")
+    return (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
+            f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
+
+
+class FirstContactWatch:
+    """Logs `diagnose`'s line once if the first contact has not succeeded after `after`; `done()` stops it."""
+
+    def __init__(self, address: str, *, tls: bool, after: timedelta = FIRST_CONTACT_WARNING,
+                 say: Callable[[str], None] | None = None):
+        self.address, self.tls = address, tls
+        self._say = say or (lambda line: log.error("%s", line))
+        self._timer = threading.Timer(after.total_seconds(), self._fire)
+        self._timer.daemon = True
+        self.fired = threading.Event()
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self._say(f"cannot reach the coordinator at {self.address} yet (still retrying): "
+                  f"{diagnose(self.address, tls=self.tls)}")
+        self.fired.set()
+
+    def done(self) -> None:
+        self._timer.cancel()
