@@ -1,4 +1,5 @@
 """Requests that do not parse are answered INVALID_ARGUMENT, by the server factory, before any servicer runs.
+So are requests with an unsigned 64-bit integer beyond the signed range (`out_of_range`).
 
 gRPC answers a request whose deserializer raises with INTERNAL ("Exception deserializing request!"), logs
 nothing useful, and keeps part of the failed call's memory. Here every method's deserializer is wrapped: a
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 
 class Undecodable:
@@ -25,21 +28,56 @@ class Undecodable:
         self.error = error
 
 
+INT64_MAX = 2**63 - 1
+_UNSIGNED_64 = (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64)
+
+
+def out_of_range(msg: Message, prefix: str = "") -> str | None:
+    """The first unsigned 64-bit field of `msg` (nested ones included) above 2^63 - 1, as "name = value", or None.
+
+    Every integer atoll sends fits a signed 64-bit integer, as SQLite, numpy and torch store them; a larger
+    one is refused here rather than overflowing where it is stored.
+    """
+    for f, value in msg.ListFields():
+        name = f"{prefix}{f.name}"
+        if f.type in _UNSIGNED_64:
+            for x in (value if f.is_repeated else (value,)):
+                if x > INT64_MAX:
+                    return f"{name} = {x}"
+        elif f.type == FieldDescriptor.TYPE_MESSAGE:
+            if f.message_type.GetOptions().map_entry:
+                items = value.items()
+                kf, vf = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+                for k, x in items:
+                    if (kf.type in _UNSIGNED_64 and k > INT64_MAX) or (vf.type in _UNSIGNED_64 and x > INT64_MAX):
+                        return f"{name}[{k}] = {x}"
+                    if vf.type == FieldDescriptor.TYPE_MESSAGE and (bad := out_of_range(x, f"{name}[{k}].")):
+                        return bad
+            else:
+                for i, x in enumerate(value if f.is_repeated else (value,)):
+                    if bad := out_of_range(x, f"{name}[{i}]." if f.is_repeated else f"{name}."):
+                        return bad
+    return None
+
+
 def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     if deserializer is None:
         return None
 
     def deserialize(data: bytes) -> Any:
         try:
-            return deserializer(data)
+            msg = deserializer(data)
         except Exception as e:  # noqa: BLE001 - DecodeError and kin: any failure to parse is the sender's
             return Undecodable(f"{type(e).__name__}: {str(e)[:200]}")
+        if isinstance(msg, Message) and (bad := out_of_range(msg)):
+            return Undecodable(f"{bad[:200]} is out of range: integers must be at most 2^63 - 1")
+        return msg
     return deserialize
 
 
 def _details(method: str, bad: Undecodable) -> str:
     return (f"{method}: the request is not a valid message ({bad.error}); the sender must speak this server's "
-            f"atoll.v1 protocol (same atoll version)")
+            f"atoll.v1 protocol (same atoll version) and keep integers within range")
 
 
 _KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",

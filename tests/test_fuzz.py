@@ -87,3 +87,20 @@ def test_fuzzed_requests_never_crash_hang_or_fail_internally(servers, service: s
     one()
     assert len(seen) >= len(methods(service)) // 2  # the cases spread over the service's methods
     assert _alive(service, channel)
+
+
+def test_integers_beyond_int64_are_refused_before_they_reach_the_store(servers) -> None:
+    """uint64 fields >= 2^63 would overflow SQLite's int64 (an OverflowError where they are stored): refused."""
+    from atoll.rpcguard import out_of_range
+
+    _, channel = servers["Coordinator"]
+    for request, method in [(pb.HeartbeatRequest(node_id=KNOWN_NODES[0], plan_epoch=2**63), "Heartbeat"),
+                            (pb.HeartbeatRequest(node_id=KNOWN_NODES[0], step=2**64 - 1), "Heartbeat"),
+                            (pb.CheckpointReport(node_id=KNOWN_NODES[0], plan_epoch=1, step=2**63, layer_end=1),
+                             "ReportCheckpoint")]:
+        out = call(channel, Case(f"/atoll.v1.Coordinator/{method}", (request.SerializeToString(),), True))
+        assert out.code == "INVALID_ARGUMENT", (request, out)
+    ok = pb.HeartbeatRequest(node_id=KNOWN_NODES[0], plan_epoch=2**63 - 1)
+    assert out_of_range(ok) is None
+    nested = pb.StepMetrics(node_id="a", links=[pb.LinkStats(peer="b"), pb.LinkStats(peer="c", bytes_raw=2**63)])
+    assert out_of_range(nested) == f"links[1].bytes_raw = {2**63}"
