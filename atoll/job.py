@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -53,6 +54,9 @@ TOKEN_ENV = "ATOLL_TOKEN"
 def resolve_token(token: str | None = None, token_file: str | Path | None = None) -> str | None:
     """The job token from a flag, else a file (first line), else $ATOLL_TOKEN; None when none is given."""
     if token:
+        logging.getLogger("atoll").warning(
+            "--token shows in the process list (ps) to every user of this machine; pass --token-file or "
+            "$%s instead", TOKEN_ENV)
         return token
     if token_file:
         path = Path(token_file)

@@ -11,7 +11,7 @@ import hmac
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +44,9 @@ class RpcOptions:
     """Client: PEM root certificate to verify servers with. Enables TLS on channels when set."""
     tls_server_name: str | None = None
     """Client: name to verify in the server certificate, when it differs from the dialled host."""
+    mtls: MutualTls | None = None
+    """Mutual TLS from keys and certificates held in memory (a job's CA, see `atoll.tls`); supersedes the
+    path fields above."""
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1024:
@@ -68,8 +71,9 @@ class RpcOptions:
             ("grpc.min_reconnect_backoff_ms", 250),
             ("grpc.max_reconnect_backoff_ms", 2000),
         ]
-        if self.tls_server_name:
-            opts.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        name = self.mtls.server_name if self.mtls is not None and self.mtls.server_name else self.tls_server_name
+        if name:
+            opts.append(("grpc.ssl_target_name_override", name))
         return opts
 
     def server_options(self) -> list[tuple[str, Any]]:
@@ -82,6 +86,101 @@ class RpcOptions:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.so_reuseport", 0),
         ]
+
+
+@dataclass(frozen=True)
+class TlsIdentity:
+    """One end's PEM private key and certificate chain."""
+
+    key_pem: bytes
+    cert_pem: bytes
+
+
+class MutualTls:
+    """Mutual TLS material kept in memory.
+
+    `roots_pem` verifies the other end's certificate; `identity` is this end's. Both may be replaced while a
+    server runs (new handshakes use the new ones), as a node's peer server does once its join brings its
+    certificate. A server given `client_roots_pem` requires client certificates and verifies them against
+    those roots (None: it asks for none). A client expects
+    `server_name` in the server's certificate instead of the host it dials, and sends the job token only with
+    `send_token` (peer links do not: the certificate says who calls).
+    """
+
+    def __init__(self, *, roots_pem: bytes, identity: TlsIdentity | None = None,
+                 client_roots_pem: bytes | None = None, server_name: str | None = None, send_token: bool = True):
+        if not roots_pem:
+            raise ValueError("mutual TLS needs the root certificate(s) that verify the other end")
+        self.server_name = server_name
+        self.send_token = send_token
+        self._roots = roots_pem
+        self._client_roots = client_roots_pem
+        self._identity = identity
+        self._lock = threading.Lock()
+
+    @property
+    def roots_pem(self) -> bytes:
+        with self._lock:
+            return self._roots
+
+    @property
+    def client_roots_pem(self) -> bytes | None:
+        with self._lock:
+            return self._client_roots
+
+    @property
+    def identity(self) -> TlsIdentity | None:
+        with self._lock:
+            return self._identity
+
+    def update(self, identity: TlsIdentity, roots_pem: bytes | None = None) -> None:
+        """Replace this end's identity and, when given, the roots (client roots of a server too)."""
+        with self._lock:
+            self._identity = identity
+            if roots_pem is not None:
+                self._roots = roots_pem
+                if self._client_roots is not None:
+                    self._client_roots = roots_pem
+
+    def with_server_name(self, server_name: str | None) -> MutualTls:
+        """A copy of this material as it is now, expecting `server_name` in the server's certificate."""
+        with self._lock:
+            return MutualTls(roots_pem=self._roots, identity=self._identity, client_roots_pem=self._client_roots,
+                             server_name=server_name, send_token=self.send_token)
+
+    def _snapshot(self) -> tuple[TlsIdentity | None, bytes | None]:
+        with self._lock:
+            return self._identity, self._client_roots
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        first = self._snapshot()
+        if first[0] is None:
+            raise ValueError("a TLS server needs a key and certificate")
+
+        def config(snap: tuple[TlsIdentity | None, bytes | None]) -> grpc.ServerCertificateConfiguration:
+            identity, client_roots = snap
+            assert identity is not None
+            return grpc.ssl_server_certificate_configuration([(identity.key_pem, identity.cert_pem)],
+                                                             root_certificates=client_roots)
+
+        served = [first]
+
+        def fetch() -> grpc.ServerCertificateConfiguration | None:  # asked at each new handshake
+            now = self._snapshot()
+            if now[0] is None or (now[0] is served[0][0] and now[1] is served[0][1]):
+                return None
+            served[0] = now
+            return config(now)
+
+        return grpc.dynamic_ssl_server_credentials(config(first), fetch,
+                                                   require_client_authentication=first[1] is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        identity, roots = self.identity, self.roots_pem
+        if identity is None:
+            return grpc.ssl_channel_credentials(root_certificates=roots)
+        return grpc.ssl_channel_credentials(root_certificates=roots, private_key=identity.key_pem,
+                                            certificate_chain=identity.cert_pem)
 
 
 @dataclass
@@ -129,7 +228,9 @@ def make_server(
 def _bind(server: grpc.Server | grpc.aio.Server, listen: str, options: RpcOptions) -> int:
     """Add the listening port (TLS when the options say so); the port really bound."""
     try:
-        if options.tls_cert is not None and options.tls_key is not None:
+        if options.mtls is not None:
+            port = server.add_secure_port(listen, options.mtls.server_credentials())
+        elif options.tls_cert is not None and options.tls_key is not None:
             creds = grpc.ssl_server_credentials(
                 [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())])
             port = server.add_secure_port(listen, creds)
@@ -264,18 +365,31 @@ class _CallDetails(grpc.ClientCallDetails):
 
 
 def make_channel(target: str, options: RpcOptions | None = None, *, token: str | None = None,
-                 streaming_deadline: bool = True) -> grpc.Channel:
+                 streaming_deadline: bool = True, server_name: str | None = None) -> grpc.Channel:
     """A channel to `target` (HOST:PORT) that sends the token and applies the default deadline.
 
-    Long-lived server streams (WatchPlan) pass their own, longer timeout per call.
+    Long-lived server streams (WatchPlan) pass their own, longer timeout per call. With mutual TLS,
+    `server_name` is the name the server's certificate must carry (a peer's `atoll.tls.node_dns_name`).
     """
     options = options or RpcOptions()
-    if options.tls_root_ca is not None:
+    if options.mtls is not None:
+        mtls = options.mtls if server_name is None else options.mtls.with_server_name(server_name)
+        channel = grpc.secure_channel(target, mtls.channel_credentials(),
+                                      options=replace(options, mtls=mtls).channel_options())
+    elif options.tls_root_ca is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(options.tls_root_ca).read_bytes())
         channel = grpc.secure_channel(target, creds, options=options.channel_options())
     else:
         channel = grpc.insecure_channel(target, options=options.channel_options())
+    if options.mtls is not None and not options.mtls.send_token:
+        token = None
     return grpc.intercept_channel(channel, _ClientDefaults(token, options.default_deadline))
+
+
+def peer_certificate(context: grpc.ServicerContext) -> bytes | None:
+    """The PEM certificate the caller presented over mutual TLS (already verified by TLS), or None."""
+    certs = (context.auth_context() or {}).get("x509_pem_cert") or ()
+    return certs[0] if certs else None
 
 
 def token_from_metadata(context: grpc.ServicerContext) -> str | None:

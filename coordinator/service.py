@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +31,9 @@ from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
 from atoll.job import JobSpec, resolve_token
 from atoll.coordinator.watches import PlanWatches
-from atoll.rpc import AioServerHandle, RpcOptions, make_aio_server
+from atoll.coordinator.ca import JobAuthority
+from atoll.tls import CertificateError
+from atoll.rpc import AioServerHandle, RpcOptions, TlsIdentity, make_aio_server
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 log = logging.getLogger("atoll.coordinator")
@@ -66,6 +68,10 @@ class ServiceConfig:
     RESOURCE_EXHAUSTED."""
     max_watch_life: timedelta = timedelta(minutes=10)
     """Longest life of one plan watch; it then ends and the node opens the next. Nodes' own deadline is shorter."""
+    mutual_tls: bool = False
+    """Serve mutual TLS under the job CA (`atoll.coordinator.ca`, kept in state_dir; in memory without one): nodes
+    join with the token and a signing request, and every later call is checked against the node's certificate.
+    False: plaintext, where any token holder can speak as any node (in-process tests, `--insecure`)."""
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -83,19 +89,32 @@ class ServiceConfig:
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
-def _rendezvous_store(listen: str):
+def _rendezvous_store(listen: str, previous: str = ""):
     """The torch.distributed store the nodes of each plan epoch meet at, and its address for the plan.
 
     A listen address on all interfaces gives an empty host: nodes then use the host they dial the
-    coordinator at. The store lives as long as this process; a restarted coordinator has a new one, and
-    plans naming the old one are replaced by a new epoch.
+    coordinator at. The store lives as long as this process. A coordinator restarted on its state dir binds
+    the address its last plan names (`previous`) again, so that plan stays current: its process groups are
+    formed already and need no store, and training goes on without a new epoch. When that port is taken, the
+    store gets a new one, and the plan naming the old one is replaced by a new epoch.
     """
     import torch.distributed as dist
 
     host = listen.rsplit(":", 1)[0]
     bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
-    store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    return store, f"{'' if host in WILDCARD_HOSTS else host}:{store.port}"
+    advertised = "" if host in WILDCARD_HOSTS else host
+    port = 0
+    if previous and previous.rsplit(":", 1)[0] == advertised:
+        port = int(previous.rsplit(":", 1)[1])
+    try:
+        store = dist.TCPStore(bind, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    except (RuntimeError, OSError) as e:  # the port is taken: a new one, and a new epoch once nodes are back
+        if not port:
+            raise
+        log.warning("the rendezvous port %d of the last plan is taken (%s); using a new one, so the next plan "
+                    "starts from the last checkpoint", port, e)
+        store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    return store, f"{advertised}:{store.port}"
 
 
 class CoordinatorService:
@@ -108,7 +127,13 @@ class CoordinatorService:
         if store is None:
             store = SqliteStore(self.config.state_dir / DB_NAME) if self.config.state_dir else MemoryStore()
         self.store = store
-        self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen)
+        self.authority: JobAuthority | None = None
+        if self.config.mutual_tls:
+            self.authority = (JobAuthority.load_or_create(self.config.state_dir) if self.config.state_dir
+                              else JobAuthority.in_memory())
+        last = store.latest_plan()
+        self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen,
+                                                              last.rendezvous if last is not None else "")
         self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous,
                                       **({"planner": planner} if planner is not None else {}))
         self.metrics = CoordinatorMetrics()
@@ -130,13 +155,18 @@ class CoordinatorService:
     def start(self) -> CoordinatorService:
         from atoll.coordinator.servicer import CoordinatorServicer
 
-        servicer = CoordinatorServicer(self.state, self.watches)
+        servicer = CoordinatorServicer(self.state, self.watches, self.authority)
+        rpc = self.config.rpc
+        if self.authority is not None:  # the operator's own server certificate (--tls-cert), else the CA's
+            own = (TlsIdentity(Path(rpc.tls_key).read_bytes(), Path(rpc.tls_cert).read_bytes())
+                   if rpc.tls_cert is not None and rpc.tls_key is not None else None)
+            rpc = replace(rpc, mtls=self.authority.server_tls(self.state.token, own))
         # past the watches, room for a queue of unary calls a few times the threads deep
         self._server = make_aio_server(
             self.config.listen,
             [lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s),
              lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
-            self.config.rpc, max_workers=self.config.max_workers,
+            rpc, max_workers=self.config.max_workers,
             maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers)
         for name in ("", SERVICE_NAME):
             self._server.run(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
@@ -181,6 +211,8 @@ class CoordinatorService:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.store.close()
+        if self.authority is not None:
+            self.authority.close()
 
     def __enter__(self) -> CoordinatorService:
         return self.start()
@@ -215,7 +247,11 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)),
                                  islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
-                           metrics_host=args.metrics_host, rpc=rpc)
+                           metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure)
+    if args.insecure:
+        log.warning("INSECURE: --insecure serves plaintext gRPC without node certificates: anyone on the network "
+                    "reads the job token and every tensor, and any token holder can speak as any node. Use it only "
+                    "in a closed lab")
     planner = None
     if args.plan:
         try:
@@ -229,6 +265,9 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     except StoreError as e:  # a state dir of another job or version: one line saying what to do
         log.error("%s: %s", state_dir, e)
         return 2
+    except CertificateError as e:  # a damaged CA in the state dir
+        log.error("%s", e)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -239,8 +278,14 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
             atomic_write_text(Path(args.address_file), service.address + "\n")
         host, port = service.address.rsplit(":", 1)
         dial = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
-        log.info("job token from %s; start nodes with: atoll node --coordinator %s:%s --token-file <file holding the "
-                 "token>", origin, dial, port)
+        if service.authority is not None:
+            log.info("job CA %s (%s); nodes verify the coordinator and each other with a copy of it. Start nodes "
+                     "with: atoll node --coordinator %s:%s --token-file <copy of the token> --tls-ca <copy of %s> "
+                     "(token from %s)", service.authority.ca_path, service.authority.fingerprint, dial, port,
+                     service.authority.ca_path, origin)
+        else:
+            log.info("job token from %s; start nodes with: atoll node --coordinator %s:%s --token-file <file holding "
+                     "the token> --insecure", origin, dial, port)
         while not stop.wait(1.0):
             pass
         log.info("stopping")

@@ -44,3 +44,50 @@ def load_or_create_node_id(state_dir: Path, hostname: str | None = None) -> str:
         node_id = new_node_id(hostname)
         save_node_id(state_dir, node_id)
     return node_id
+
+
+LOCK_FILE = "lock"
+
+
+class StateDirLocked(PermissionError):
+    """Another live process holds the state dir, and with it the node id kept there."""
+
+
+class StateDirLock:
+    """An exclusive `flock` on `STATE_DIR/lock`, held while the node runs: one node id, one live process.
+
+    The kernel drops the lock when the process dies, however it dies, so a crashed node never leaves a stale
+    lock behind. The file holds the holder's pid, for the message a second process prints.
+    """
+
+    def __init__(self, state_dir: Path):
+        import fcntl
+        import os
+
+        self.path = Path(state_dir) / LOCK_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise StateDirLocked(f"state dir {state_dir} is in use by another atoll node (pid {holder}): each node "
+                                 f"needs a state dir of its own (--state-dir), or two processes would be one "
+                                 f"member") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        import os
+
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> StateDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

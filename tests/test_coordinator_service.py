@@ -157,11 +157,13 @@ def test_status_command_prints_a_table_and_json(service: CoordinatorService,
 
     from atoll.launch.cli import main
 
-    assert main(["status", "--coordinator", service.address, "--token", TOKEN]) == 0
+    # this coordinator serves plaintext (tests/test_identity.py runs `atoll status` over mutual TLS)
+    assert main(["status", "--coordinator", service.address, "--token", TOKEN, "--insecure"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("job tiny (") and "members:" in out and "islands:" in out
-    assert main(["status", "--coordinator", service.address, "--token", TOKEN, "--json"]) == 0
+    assert main(["status", "--coordinator", service.address, "--token", TOKEN, "--json", "--insecure"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["job"]["name"] == "tiny"
-    assert main(["status", "--coordinator", service.address, "--token", "wrong"]) == 2
+    capsys.readouterr()
+    assert main(["status", "--coordinator", service.address, "--token", "wrong", "--insecure"]) == 2
     assert "token" in capsys.readouterr().err

@@ -294,13 +294,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_json_without_a_coordinator_is_json_on_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_without_a_coordinator_is_json_on_stdout(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from atoll.launch.cli import main
 
     address = f"127.0.0.1:{_free_port()}"  # nothing listens there
-    assert main(["status", "--coordinator", address, "--token", "t", "--json", "--timeout", "0.5"]) == 2
+    monkeypatch.setenv("ATOLL_TOKEN", "t")
+    assert main(["status", "--coordinator", address, "--insecure", "--json", "--timeout", "0.5"]) == 2
     out, err = capsys.readouterr()
     assert "no coordinator answered" in json.loads(out)["error"] and err == ""
+    assert main(["status", "--coordinator", address, "--json"]) == 2  # no job CA to verify it with
+    out, err = capsys.readouterr()
+    assert "--tls-ca" in json.loads(out)["error"] and err == ""
     assert main(["status", "--coordinator", address, "--token-file", "/nonexistent/token", "--json"]) == 2
     out, err = capsys.readouterr()
     assert "runs/coordinator/token" in json.loads(out)["error"] and err == ""
