@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
+from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +22,7 @@ from atoll.v1 import atoll_pb2 as pb
 SHAPE = (2, 8, 16)
 T = timedelta(seconds=10)
 IDENTITY = CodecSpec("identity")
+ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(retry_initial=timedelta(milliseconds=20), retry_max=timedelta(milliseconds=200))
 
 
@@ -119,3 +123,65 @@ def test_relay_route_needs_the_relay_address() -> None:
 def test_connect_frames_round_trip() -> None:
     f = pb.ConnectFrame(call=3, method="Transfer", message=b"x", timeout_seconds=2.5)
     assert pb.ConnectFrame.FromString(f.SerializeToString()) == f
+
+
+# --- processes -----------------------------------------------------------------------------------------------
+
+
+def _pinned_three_stage_job(tmp: Path, steps: int):
+    """A job and a pinned plan of three one-node stages (first, middle, last); returns (job, job path, plan path,
+    out folder with the nodes' ids written)."""
+    from atoll.job import JobSpec
+    from atoll.plan import PipelinePlan, Plan, StagePlan
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps, warmup=2),
+                  checkpoint=replace(job.checkpoint, interval=0),
+                  compression=replace(job.compression, mode="identity"),
+                  cluster=replace(job.cluster, expected_nodes=3, min_nodes=3), outer=replace(job.outer, mode="sync"))
+    job_path, plan_path, out = tmp / "job.toml", tmp / "plan.json", tmp / "cluster"
+    job_path.write_text(job.to_toml())
+    for name in ("first", "middle", "last"):
+        (out / name).mkdir(parents=True)
+        (out / name / "node_id").write_text(name + "\n")
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="a", layers=(0, 2), nodes=["first"]),
+                                                   StagePlan(island="b", layers=(2, 4), nodes=["middle"]),
+                                                   StagePlan(island="c", layers=(4, 6), nodes=["last"])])])
+    plan.validate(job.model.n_layers + 2)
+    plan.save(plan_path)
+    return job, job_path, plan_path, out
+
+
+def _train(cluster, steps: int, timeout: float) -> dict[int, float]:
+    end = time.monotonic() + timeout
+    while len(cluster.losses()) < steps:
+        cluster.check_alive()
+        assert time.monotonic() < end, f"timed out waiting for {steps} steps; logs in {cluster.out}"
+        time.sleep(0.5)
+    return cluster.losses()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_no_listen_node_serves_a_middle_stage(tmp_path: Path) -> None:
+    """`atoll node --no-listen` runs the middle stage: both neighbours send to it over the Connect streams it
+    opened, and the losses equal one process's."""
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.node.local import train_local
+
+    steps = 5
+    job, job_path, plan_path, out = _pinned_three_stage_job(tmp_path, steps)
+    expected, _ = train_local(job)
+    with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+        cluster.start_coordinator(extra=["--plan", str(plan_path)])
+        for name in ("first", "middle", "last"):
+            cluster.start_node(name, extra=["--no-listen"] if name == "middle" else [])
+        losses = _train(cluster, steps, 200)
+        status = cluster.status()
+    assert status.plan.node_addresses["middle"] == "" and status.plan.node_addresses["first"]
+    assert [m.profile.unreachable for m in sorted(status.members, key=lambda m: m.node_id)] == [False, False, True]
+    log = (out / "middle.log").read_text()
+    assert "accepts no connections" in log and "Connect stream to first" in log and "Connect stream to last" in log
+    for s in range(steps):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
