@@ -6,7 +6,10 @@ A slice is a half-open range `[a, b)` of these layers.
 
 Two styles share the description:
 - ``gpt``: learned position embedding, LayerNorm (weight + bias), biased linears, GELU MLP.
-- ``llama``: rotary positions (no position embedding), RMSNorm (weight only), no biases, SwiGLU MLP.
+- ``llama``: rotary positions (no position embedding), RMSNorm (weight only), no biases (or q/k/v biases
+  only, as Qwen2 has), SwiGLU MLP.
+
+Hugging Face configs (llama, mistral, qwen2, gpt2) map onto these two styles: `atoll.hf`.
 
 Units: parameters are counts, FLOPs are per token (a multiply-add is 2 FLOPs), memory is in bytes.
 
@@ -65,6 +68,18 @@ class ModelConfig:
     """Maximum sequence length (the learned position table of the gpt style has this many rows)."""
     tied_head: bool = False
     """Share the LM head's weight with the token embedding."""
+    # fields below default to None (the style's usual value) so that specs written before them keep their ids
+    qkv_bias: bool | None = None
+    """llama style: biases on the q, k and v projections (Qwen2); None: none. The gpt style always has biases."""
+    norm_eps: float | None = None
+    """Epsilon of the norms (LayerNorm or RMSNorm); None: 1e-5."""
+    rope_theta: float | None = None
+    """llama style: base of the rotary frequencies; None: 10000."""
+    rope_scaling: tuple[float, float, float, int] | None = None
+    """llama style: Llama 3 frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None: none."""
+    gelu_tanh: bool | None = None
+    """gpt style: the tanh approximation of GELU (GPT-2's gelu_new); None: the exact GELU."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
@@ -78,6 +93,23 @@ class ModelConfig:
             raise ValueError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads})")
         if self.ffn <= 0:
             raise ValueError(f"model.ffn_hidden must be positive, got {self.ffn}")
+        if self.style == "gpt":
+            for name in ("qkv_bias", "rope_theta", "rope_scaling"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} applies to the llama style only; remove it or set "
+                                     f"model.style = \"llama\"")
+        elif self.gelu_tanh is not None:
+            raise ValueError("model.gelu_tanh applies to the gpt style only; remove it or set model.style = \"gpt\"")
+        if self.norm_eps is not None and not self.norm_eps > 0:
+            raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if self.rope_theta is not None and not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            rs = tuple(self.rope_scaling)
+            if len(rs) != 4 or not all(isinstance(x, (int, float)) and x > 0 for x in rs) or rs[1] >= rs[2]:
+                raise ValueError("model.rope_scaling must be [factor, low_freq_factor, high_freq_factor, "
+                                 f"original_max_position_embeddings], positive, low < high; got {self.rope_scaling}")
+            object.__setattr__(self, "rope_scaling", (float(rs[0]), float(rs[1]), float(rs[2]), int(rs[3])))
 
     @property
     def kv_heads(self) -> int:
@@ -94,6 +126,19 @@ class ModelConfig:
     @property
     def ffn(self) -> int:
         return 4 * self.d_model if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the q, k and v projections carry biases (always in the gpt style)."""
+        return self.style == "gpt" or bool(self.qkv_bias)
+
+    @property
+    def eps(self) -> float:
+        return 1e-5 if self.norm_eps is None else self.norm_eps
+
+    @property
+    def theta(self) -> float:
+        return 10000.0 if self.rope_theta is None else self.rope_theta
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,11 +169,14 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str) -> ModelConfig:
-    """A named model configuration (case-insensitive): tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b."""
-    try:
-        return PRESETS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}") from None
+    """A named model configuration (case-insensitive): tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b, or a
+    Hugging Face model's published shape (`atoll.hf.HF_PRESETS`: gpt2, llama-3.2-1b, qwen2.5-0.5b, ...)."""
+    from atoll.hf import HF_PRESETS, hf_preset  # atoll.hf builds on this module
+
+    found = PRESETS.get(name.lower()) or hf_preset(name)
+    if found is None:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join([*PRESETS, *HF_PRESETS])}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -181,7 +229,7 @@ class ModelSpec:
         # matmul weights of one block (multiply-adds per token = these counts)
         attn_w = d * (d + 2 * kv) + d * d
         mlp_w = (2 if gpt else 3) * d * f
-        bias = (d + 2 * kv) + d + f + d if gpt else 0
+        bias = (d + 2 * kv) + d + f + d if gpt else ((d + 2 * kv) if c.has_qkv_bias else 0)
         block_params = attn_w + mlp_w + bias + 2 * norm_params
         attn_scores = 4 * s * d  # QK^T and AV, per token, full matrix
         fwd = 2.0 * (attn_w + mlp_w) + attn_scores

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from atoll.fsutil import atomic_write
+from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule
-from atoll.node.slice_state import ParamStates, load_slice, save_slice
+from atoll.node.slice_state import ParamStates, layer_of, load_slice, read_slice, save_slice
 
 _FILE = re.compile(r"^layers-(\d{4})-(\d{4})\.pt$")
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -80,6 +81,35 @@ def load_layers(module: StageModule, optimizer: torch.optim.Optimizer, root: Pat
     except ValueError as e:
         raise CheckpointError(f"checkpoint of step {step} under {folder}: {e}") from e
     return int(extra.get("data_position", 0))
+
+
+def read_checkpoint(root: Path, step: int) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model of a complete checkpoint: (its config, every layer's tensors by global name, the
+    `extra` of the file holding layer 0). The one reader of whole checkpoints (`atoll export`)."""
+    folder = step_dir(root, step)
+    files = _overlapping(folder, 0, 1 << 30)
+    if not files:
+        raise CheckpointError(f"no checkpoint of step {step} under {folder}; steps there: "
+                              f"{_steps_on_disk(root) or 'none'}")
+    states = [read_slice(f) for f in files]
+    config = ModelConfig.from_dict(dict(states[0]["model"]))
+    total = config.n_layers + 2
+    if step not in complete_steps_on_disk(root, total):
+        raise CheckpointError(f"the checkpoint of step {step} under {folder} does not hold all {total} layers yet "
+                              f"(its files: {[f.name for f in files]}); complete steps: "
+                              f"{complete_steps_on_disk(root, total) or 'none'}")
+    owner: dict[int, dict[str, Any]] = {}
+    for st in sorted(states, key=lambda st: (st["start"], st["end"])):
+        for layer in range(st["start"], st["end"]):
+            owner.setdefault(layer, st)
+    tensors = {name: t for layer, st in owner.items() for name, t in st["tensors"].items()
+               if layer_of(name) == layer}
+    return config, tensors, dict(owner[0].get("extra", {}))
+
+
+def _steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(m.group(1)) for m in (_STEP.match(p.name) for p in Path(root).iterdir()) if m) \
+        if Path(root).is_dir() else []
 
 
 def complete_steps_on_disk(root: Path, total_layers: int) -> list[int]:

@@ -1,10 +1,12 @@
 """The torch modules of a decoder-only transformer, built slice by slice.
 
 `build_slice(config, start, end)` allocates only layers `[start, end)` (layer 0 is the embedding, the
-last is the final norm + LM head, as in `atoll.modelspec`). Each layer is initialised from a generator
-seeded by (seed, layer index), so every node builds identical weights for a layer whatever the cut.
+last is the final norm + LM head, as in `atoll.modelspec`): the modules are made on the meta device and
+only the slice's own parameters are then allocated, on the target device and dtype. Each layer is
+initialised from a generator seeded by (seed, layer index), so every node builds identical weights for a
+layer whatever the cut (or left for pretrained weights to fill: `init=False`, `atoll.node.pretrained`).
 Parameters are named by global layer index (`layers.<i>.<...>`), so the state of a slice can be saved
-by layer and loaded into another cut of the same model.
+by layer and loaded into another cut of the same model; `atoll.hf` maps them to Hugging Face names.
 """
 
 from __future__ import annotations
@@ -22,8 +24,25 @@ from atoll.modelspec import ModelConfig
 
 def _norm(config: ModelConfig) -> nn.Module:
     if config.style == "gpt":
-        return nn.LayerNorm(config.d_model)
-    return nn.RMSNorm(config.d_model, eps=1e-5)
+        return nn.LayerNorm(config.d_model, eps=config.eps)
+    return nn.RMSNorm(config.d_model, eps=config.eps)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies (head_dim / 2,), fp32, with Llama 3's scaling when the config has it
+    (the same arithmetic as `transformers`' rope initialisation, so pretrained weights see the same angles)."""
+    hd = config.head_dim
+    inv = 1.0 / (config.theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if config.rope_scaling is None:
+        return inv
+    factor, low, high, original = config.rope_scaling
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 class Embedding(nn.Module):
@@ -57,7 +76,7 @@ class Block(nn.Module):
         gpt = c.style == "gpt"
         self.gpt = gpt
         self.norm1 = _norm(c)
-        self.qkv = nn.Linear(c.d_model, c.d_model + 2 * c.kv_dim, bias=gpt)
+        self.qkv = nn.Linear(c.d_model, c.d_model + 2 * c.kv_dim, bias=c.has_qkv_bias)
         self.proj = nn.Linear(c.d_model, c.d_model, bias=gpt)
         self.norm2 = _norm(c)
         if gpt:
@@ -65,11 +84,18 @@ class Block(nn.Module):
         else:
             self.fc = nn.Linear(c.d_model, 2 * c.ffn, bias=False)  # gate and up, fused
         self.out = nn.Linear(c.ffn, c.d_model, bias=gpt)
-        if not gpt:
-            inv = 1.0 / (10000.0 ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-            ang = torch.outer(torch.arange(c.seq_len, dtype=torch.float32), inv)
-            self.register_buffer("cos", ang.cos(), persistent=False)  # (seq, head_dim / 2)
-            self.register_buffer("sin", ang.sin(), persistent=False)
+        self.gelu = "tanh" if c.gelu_tanh else "none"
+        self.config = c
+        # rotary angles for the sequence length last seen, made on first use (so a block built on the meta
+        # device holds no table, and a long max position costs nothing until it is used)
+        self._rope: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (s, head_dim / 2) fp32, of positions 0..s-1."""
+        if self._rope is None or self._rope[0] != s or self._rope[1] != device:
+            ang = torch.outer(torch.arange(s, dtype=torch.float32, device=device), rope_inv_freq(self.config, device))
+            self._rope = (s, device, ang.cos(), ang.sin())
+        return self._rope[2], self._rope[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -81,7 +107,8 @@ class Block(nn.Module):
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if not self.gpt:
-            cos, sin = self.cos[:s].to(q.dtype), self.sin[:s].to(q.dtype)
+            cos, sin = self.rope(s, q.device)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.kv_heads != self.n_heads:
             rep = self.n_heads // self.kv_heads
@@ -90,7 +117,7 @@ class Block(nn.Module):
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, qd))
         h = self.norm2(x)
         if self.gpt:
-            h = F.gelu(self.fc(h))
+            h = F.gelu(self.fc(h), approximate=self.gelu)
         else:
             gate, up = self.fc(h).chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -137,9 +164,13 @@ def layer_kind(config: ModelConfig, index: int) -> str:
     raise ValueError(f"layer {index} is outside the model's {config.n_layers + 2} layers")
 
 
+def _new_layer(config: ModelConfig, index: int) -> nn.Module:
+    return {"embedding": Embedding, "block": Block, "head": Head}[layer_kind(config, index)](config)
+
+
 def build_layer(config: ModelConfig, index: int, seed: int = 0) -> nn.Module:
-    kind = layer_kind(config, index)
-    module: nn.Module = {"embedding": Embedding, "block": Block, "head": Head}[kind](config)
+    """One layer on the CPU, initialised as in every slice."""
+    module = _new_layer(config, index)
     _init_layer(module, config, seed, index)
     return module
 
@@ -153,7 +184,8 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, start: int, end: int, seed: int = 0,
-                 recompute: Iterable[int] = ()):
+                 recompute: Iterable[int] = (), *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32, init: bool = True):
         super().__init__()
         total = config.n_layers + 2
         if not 0 <= start < end <= total:
@@ -162,7 +194,12 @@ class StageModule(nn.Module):
             raise ValueError("a tied head must sit on the same stage as the embedding; untie it (tied_head = false) "
                              "or keep layers 0 and the last on one stage")
         self.config, self.start, self.end = config, start, end
-        self.layers = nn.ModuleDict({str(i): build_layer(config, i, seed) for i in range(start, end)})
+        with torch.device("meta"):  # shapes only; the slice's own tensors are allocated below
+            layers = nn.ModuleDict({str(i): _new_layer(config, i) for i in range(start, end)})
+        self.layers = layers.to(dtype=dtype).to_empty(device=torch.device("cpu") if device is None else device)
+        if init:
+            for i in range(start, end):
+                _init_layer(self.layers[str(i)], config, seed, i)
         self.recompute: frozenset[int] = frozenset()
         self.set_recompute(recompute)
 
@@ -199,11 +236,11 @@ class StageModule(nn.Module):
 
 def build_slice(config: ModelConfig, start: int, end: int, *, seed: int = 0,
                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
-                recompute: Iterable[int] = ()) -> StageModule:
-    """Allocate layers [start, end) only, initialised identically on every node; `recompute`: the blocks
-    whose activations are recomputed in backward instead of kept."""
-    module = StageModule(config, start, end, seed, recompute=recompute)
-    return module.to(device=device, dtype=dtype)
+                recompute: Iterable[int] = (), init: bool = True) -> StageModule:
+    """Allocate layers [start, end) only, on `device` in `dtype`, initialised identically on every node
+    (`init=False`: left uninitialised, for a checkpoint or pretrained weights to fill); `recompute`: the
+    blocks whose activations are recomputed in backward instead of kept."""
+    return StageModule(config, start, end, seed, recompute=recompute, device=device, dtype=dtype, init=init)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.pretrained import load_pretrained
-from atoll.node.precision import LossScaleConfig, LossScaler, load_scaler_state, save_scaler_state
+from atoll.node.precision import LossScaleConfig, LossScaler, compute_dtype, load_scaler_state, save_scaler_state
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
 from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tp import TensorParallel, check_shardable
@@ -723,6 +723,7 @@ class PlanRunner:
             micro_batches=transport_micro_batches(pl.num_micro_batches, self.job.train.eval_batches)
             if self.job.train.eval_every else pl.num_micro_batches,
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
+            dtype=compute_dtype(self.job.train.dtype),  # the stage's wire dtype (StageConfig.wire_dtype)
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
             accepts_connections=listening,

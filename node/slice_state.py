@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from atoll.fsutil import atomic_write
+from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule
 
 FORMAT = 1
@@ -86,6 +87,14 @@ def read_slice(path: Path) -> dict[str, Any]:
     return state
 
 
+def _model_dict(saved: Any) -> Any:
+    """A saved model description with the fields added since it was written at their defaults."""
+    try:
+        return ModelConfig.from_dict(dict(saved)).to_dict()
+    except (TypeError, ValueError):
+        return saved
+
+
 def load_slice(module: StageModule, sources: Sequence[Mapping[str, Any] | Path | str],
                optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load layers [module.start, module.end) from saved slices of any cut of the same model.
@@ -98,7 +107,7 @@ def load_slice(module: StageModule, sources: Sequence[Mapping[str, Any] | Path |
     want_model = module.config.to_dict()
     owner: dict[int, Mapping[str, Any]] = {}
     for st in states:
-        if st.get("model") != want_model:
+        if _model_dict(st.get("model")) != want_model:
             raise SliceStateError(f"saved slice [{st.get('start')}, {st.get('end')}) is of another model "
                                   f"({st.get('model', {}).get('name')!r}) than this one ({module.config.name!r})")
         for layer in range(st["start"], st["end"]):

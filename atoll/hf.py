@@ -1,0 +1,270 @@
+"""Hugging Face decoder-only models as Atoll model shapes: config.json in and out, and parameter names.
+
+Pure mapping, no torch: `config_from_hf(config_json)` turns a `transformers` config (model_type llama,
+mistral, qwen2 or gpt2) into an `atoll.modelspec.ModelConfig`, `hf_config(model)` writes one back, and
+`param_map(model, layer)` says where each Atoll parameter of a layer lives in a Hugging Face checkpoint.
+
+Atoll's modules keep two fused linears that Hugging Face keeps apart, so the mapping is one-to-one per row
+range rather than per name:
+- a block's ``qkv`` rows are ``q_proj``, ``k_proj``, ``v_proj`` stacked in that order (weights and, for
+  Qwen2, biases); GPT-2's ``c_attn`` is already fused the same way;
+- a SwiGLU block's ``fc`` rows are ``gate_proj`` then ``up_proj``.
+GPT-2's ``Conv1D`` stores its weight as (in, out), the transpose of a linear's (out, in): those entries
+carry ``transpose=True``. Everything else maps name to name:
+
+    Atoll (layer i)        llama / mistral / qwen2                      gpt2
+    0: tok.weight          model.embed_tokens.weight                    transformer.wte.weight
+    0: pos.weight          -                                            transformer.wpe.weight
+    i: norm1.*             model.layers.{i-1}.input_layernorm.*         transformer.h.{i-1}.ln_1.*
+    i: qkv.*               model.layers.{i-1}.self_attn.{q,k,v}_proj.*  transformer.h.{i-1}.attn.c_attn.* (T)
+    i: proj.*              model.layers.{i-1}.self_attn.o_proj.*        transformer.h.{i-1}.attn.c_proj.* (T)
+    i: norm2.*             model.layers.{i-1}.post_attention_layernorm  transformer.h.{i-1}.ln_2.*
+    i: fc.*                model.layers.{i-1}.mlp.{gate,up}_proj.*      transformer.h.{i-1}.mlp.c_fc.* (T)
+    i: out.*               model.layers.{i-1}.mlp.down_proj.*           transformer.h.{i-1}.mlp.c_proj.* (T)
+    n+1: norm.*            model.norm.*                                 transformer.ln_f.*
+    n+1: lm.weight         lm_head.weight (tied: the embedding's)       lm_head.weight (tied: wte's)
+
+Presets (`HF_PRESETS`) hold the published config.json of well-known models, so a job can name one
+(`preset = "llama-3.2-1b"`) without the file at hand.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from atoll.modelspec import ModelConfig
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+BASE_PREFIX = {"llama": "model.", "qwen2": "model.", "gpt2": "transformer."}
+"""The base model's prefix in a causal-LM checkpoint; files saved from the base model alone lack it."""
+
+# the published config.json of each model (the fields Atoll reads and the ones it writes back)
+HF_PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12,
+             "n_positions": 1024, "n_inner": None, "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+             "bos_token_id": 50256, "eos_token_id": 50256},
+    "gpt2-medium": {"model_type": "gpt2", "vocab_size": 50257, "n_embd": 1024, "n_layer": 24, "n_head": 16,
+                    "n_positions": 1024, "n_inner": None, "layer_norm_epsilon": 1e-5,
+                    "activation_function": "gelu_new", "bos_token_id": 50256, "eos_token_id": 50256},
+    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                     "bos_token_id": 128000, "eos_token_id": 128001},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+                     "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                     "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": True,
+                     "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643},
+    "mistral-7b": {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+                   "bos_token_id": 1, "eos_token_id": 2},  # Mistral-7B-v0.1
+}
+
+
+class HfConfigError(ValueError):
+    """A Hugging Face config.json that Atoll cannot train; the message says which field and what to change."""
+
+
+def _need(d: dict[str, Any], key: str, where: str) -> Any:
+    if d.get(key) is None:
+        raise HfConfigError(f"{where}: config.json has no {key!r}; it is needed for model_type {d.get('model_type')!r}")
+    return d[key]
+
+
+def _rope(d: dict[str, Any], where: str) -> tuple[float, tuple[float, float, float, int] | None]:
+    """(theta, llama3 scaling) from either the transformers v4 fields (rope_theta, rope_scaling) or v5's
+    rope_parameters."""
+    params = d.get("rope_parameters") or {}
+    theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise HfConfigError(f"{where}: rope scaling of type {kind!r} is not supported (only 'llama3' and none)")
+    return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                   int(scaling["original_max_position_embeddings"]))
+
+
+def config_from_hf(d: dict[str, Any], *, name: str | None = None, where: str = "config.json") -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json (a dict); `where` names it in errors.
+
+    Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) equals full causal attention on
+    sequences no longer than the window, so such a model's seq_len is capped at its window.
+    """
+    kind = d.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise HfConfigError(f"{where}: model_type {kind!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
+    label = name or str(d.get("_name_or_path") or kind).rstrip("/").split("/")[-1] or kind
+    if kind == "gpt2":
+        act = d.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise HfConfigError(f"{where}: activation_function {act!r} is not supported (gelu_new, gelu)")
+        if d.get("scale_attn_by_inverse_layer_idx"):
+            raise HfConfigError(f"{where}: scale_attn_by_inverse_layer_idx is not supported; set it to false")
+        return ModelConfig(name=label, style="gpt", vocab_size=_need(d, "vocab_size", where),
+                           d_model=_need(d, "n_embd", where), n_layers=_need(d, "n_layer", where),
+                           n_heads=_need(d, "n_head", where), ffn_hidden=d.get("n_inner"),
+                           seq_len=_need(d, "n_positions", where), tied_head=bool(d.get("tie_word_embeddings", True)),
+                           norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), gelu_tanh=act != "gelu")
+    d_model, heads = _need(d, "hidden_size", where), _need(d, "num_attention_heads", where)
+    if d.get("head_dim") not in (None, d_model // heads):
+        raise HfConfigError(f"{where}: head_dim {d['head_dim']} differs from hidden_size / num_attention_heads "
+                            f"({d_model // heads}); Atoll's blocks need them equal")
+    if d.get("hidden_act", "silu") != "silu":
+        raise HfConfigError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (silu)")
+    if d.get("mlp_bias"):
+        raise HfConfigError(f"{where}: mlp_bias is not supported; set it to false")
+    if kind in ("llama", "mistral") and d.get("attention_bias"):
+        raise HfConfigError(f"{where}: attention_bias (biases on q, k, v and o) is not supported; Qwen2-style "
+                            "q/k/v biases are (model_type qwen2)")
+    theta, scaling = _rope(d, where)
+    seq_len = _need(d, "max_position_embeddings", where)
+    window = d.get("sliding_window") if (kind == "mistral" or d.get("use_sliding_window")) else None
+    if window:
+        seq_len = min(seq_len, int(window))
+    return ModelConfig(name=label, style="llama", vocab_size=_need(d, "vocab_size", where), d_model=d_model,
+                       n_layers=_need(d, "num_hidden_layers", where), n_heads=heads,
+                       n_kv_heads=d.get("num_key_value_heads") or None, ffn_hidden=_need(d, "intermediate_size", where),
+                       seq_len=seq_len, tied_head=bool(d.get("tie_word_embeddings", False)),
+                       qkv_bias=True if kind == "qwen2" else None, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                       rope_theta=theta, rope_scaling=scaling)
+
+
+def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """A config.json (or the folder holding one) as a dict."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {p}: give the path of a config.json (or of its folder)")
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise HfConfigError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise HfConfigError(f"{p} must hold a JSON object")
+    return d
+
+
+def config_from_file(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a config.json file (or its folder)."""
+    return config_from_hf(load_hf_config(path), where=str(path))
+
+
+def hf_preset(name: str) -> ModelConfig | None:
+    """The ModelConfig of a Hugging Face preset, or None when `name` is not one."""
+    d = HF_PRESETS.get(name.lower())
+    return None if d is None else config_from_hf(d, name=name.lower(), where=f"preset {name!r}")
+
+
+def model_type(config: ModelConfig) -> str:
+    """The Hugging Face model_type that holds this shape: gpt2, qwen2 (q/k/v biases) or llama."""
+    if config.style == "gpt":
+        return "gpt2"
+    return "qwen2" if config.has_qkv_bias else "llama"
+
+
+def hf_config(config: ModelConfig, *, bos_token_id: int | None = None,
+              eos_token_id: int | None = None) -> dict[str, Any]:
+    """A config.json for `config` that `transformers` loads (written by `atoll export`); fp32 weights."""
+    c = config
+    common: dict[str, Any] = {"vocab_size": c.vocab_size, "tie_word_embeddings": c.tied_head,
+                              "torch_dtype": "float32", "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    if c.style == "gpt":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": c.d_model, "n_layer": c.n_layers,
+                "n_head": c.n_heads, "n_inner": c.ffn_hidden, "n_positions": c.seq_len, "n_ctx": c.seq_len,
+                "layer_norm_epsilon": c.eps, "activation_function": "gelu_new" if c.gelu_tanh else "gelu",
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}
+    kind = model_type(c)
+    out: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"], "model_type": kind,
+        "hidden_size": c.d_model, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
+        "max_position_embeddings": c.seq_len, "rms_norm_eps": c.eps, "rope_theta": c.theta, "hidden_act": "silu",
+        "attention_dropout": 0.0, **common}
+    if kind == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    if c.rope_scaling is not None:
+        factor, low, high, original = c.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                               "high_freq_factor": high, "original_max_position_embeddings": original}
+    return out
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """Where one Atoll parameter's values are in a Hugging Face checkpoint."""
+
+    names: tuple[str, ...]
+    """Hugging Face tensor names, stacked along dim 0 in this order (one name: the tensor itself)."""
+    transpose: bool = False
+    """The Hugging Face tensor is stored (in, out) (GPT-2's Conv1D): transpose it."""
+    fallback: tuple[str, ...] = ()
+    """Names to use when `names` are absent (an untied head read from a tied checkpoint: the embedding)."""
+
+
+def param_map(config: ModelConfig, index: int) -> dict[str, HfTensor]:
+    """Atoll parameter names of layer `index` (without the ``layers.<index>.`` prefix) -> where they are."""
+    c = config
+    gpt = c.style == "gpt"
+    emb = "transformer.wte.weight" if gpt else "model.embed_tokens.weight"
+    if index == 0:
+        out = {"tok.weight": HfTensor((emb,))}
+        if gpt:
+            out["pos.weight"] = HfTensor(("transformer.wpe.weight",))
+        return out
+    if index == c.n_layers + 1:
+        norm = "transformer.ln_f" if gpt else "model.norm"
+        out = {"norm.weight": HfTensor((f"{norm}.weight",))}
+        if gpt:
+            out["norm.bias"] = HfTensor((f"{norm}.bias",))
+        if not c.tied_head:
+            out["lm.weight"] = HfTensor(("lm_head.weight",), fallback=(emb,))
+        return out
+    if not 0 < index <= c.n_layers:
+        raise ValueError(f"layer {index} is outside the model's {c.n_layers + 2} layers")
+    j = index - 1
+    if gpt:
+        h = f"transformer.h.{j}"
+        out = {}
+        for atoll, hf in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[f"{atoll}.weight"] = HfTensor((f"{h}.{hf}.weight",))
+            out[f"{atoll}.bias"] = HfTensor((f"{h}.{hf}.bias",))
+        for atoll, hf in (("qkv", "attn.c_attn"), ("proj", "attn.c_proj"), ("fc", "mlp.c_fc"), ("out", "mlp.c_proj")):
+            out[f"{atoll}.weight"] = HfTensor((f"{h}.{hf}.weight",), transpose=True)
+            out[f"{atoll}.bias"] = HfTensor((f"{h}.{hf}.bias",))
+        return out
+    h = f"model.layers.{j}"
+    out = {
+        "norm1.weight": HfTensor((f"{h}.input_layernorm.weight",)),
+        "qkv.weight": HfTensor(tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv")),
+        "proj.weight": HfTensor((f"{h}.self_attn.o_proj.weight",)),
+        "norm2.weight": HfTensor((f"{h}.post_attention_layernorm.weight",)),
+        "fc.weight": HfTensor((f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight")),
+        "out.weight": HfTensor((f"{h}.mlp.down_proj.weight",)),
+    }
+    if c.has_qkv_bias:
+        out["qkv.bias"] = HfTensor(tuple(f"{h}.self_attn.{p}_proj.bias" for p in "qkv"))
+    return out
+
+
+def split_sizes(config: ModelConfig, atoll_name: str) -> list[int]:
+    """Rows of each Hugging Face tensor stacked in a fused Atoll parameter (`qkv.*` or a SwiGLU `fc.*`)."""
+    if atoll_name.startswith("qkv.") and config.style != "gpt":
+        return [config.d_model, config.kv_dim, config.kv_dim]
+    if atoll_name.startswith("fc.") and config.style != "gpt":
+        return [config.ffn, config.ffn]
+    return []

@@ -1,0 +1,129 @@
+"""`atoll export`: a checkpoint's stages gathered into a Hugging Face folder.
+
+The folder holds the weights as safetensors (one `model.safetensors`, or shards of at most `--shard-size`
+with `model.safetensors.index.json`), `config.json` (`atoll.hf.hf_config`: model_type gpt2, llama or
+qwen2), `generation_config.json`, and, with `--tokenizer`, the tokenizer (`tokenizer.json` and a
+`tokenizer_config.json` naming the fast tokenizer), so `transformers.AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load it. Every file is written atomically; weights stay fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from atoll.fsutil import atomic_write_bytes, atomic_write_text
+
+SHARD_BYTES = 2 * 1024**3
+"""Default largest shard (bytes of tensor data), as `save_pretrained` uses for big models."""
+
+
+def _shards(tensors: dict[str, Any], limit: int) -> list[dict[str, Any]]:
+    """Tensors in name order, cut into groups of at most `limit` bytes (a larger tensor goes alone)."""
+    out: list[dict[str, Any]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        if out[-1] and size + nbytes > limit:
+            out.append({})
+            size = 0
+        out[-1][name] = t
+        size += nbytes
+    return out
+
+
+def _special_ids(tokenizer: Path | None) -> tuple[int | None, int | None, dict[str, str]]:
+    """(bos id, eos id, special token strings) of a tokenizer.json, for the configs."""
+    if tokenizer is None:
+        return None, None, {}
+    from atoll.node.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(tokenizer)
+    if tok.eos_id is None:
+        return None, None, {}
+    eos = tok.tok.id_to_token(tok.eos_id)
+    return tok.eos_id, tok.eos_id, {"eos_token": eos, "bos_token": eos}
+
+
+def export(checkpoint_dir: str | Path, step: int, out: str | Path, *, tokenizer: str | Path | None = None,
+           shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write the checkpoint of `step` under `checkpoint_dir` as a Hugging Face folder `out`; return the files."""
+    from safetensors.torch import save
+
+    from atoll.hf import hf_config
+    from atoll.node.checkpoint import read_checkpoint
+    from atoll.node.pretrained import to_hf_tensors
+
+    if shard_bytes <= 0:
+        raise ValueError(f"--shard-size must be positive, got {shard_bytes}")
+    tok_path = Path(tokenizer) if tokenizer else None
+    if tok_path is not None and not tok_path.is_file():
+        raise FileNotFoundError(f"tokenizer {tok_path} not found: give the tokenizer.json the job trained with")
+    config, tensors, extra = read_checkpoint(Path(checkpoint_dir), step)
+    weights = to_hf_tensors(config, tensors)
+    bos, eos, special = _special_ids(tok_path)
+    out = Path(out)
+    written: list[Path] = []
+    groups = _shards(weights, shard_bytes)
+    meta = {"format": "pt"}
+    if len(groups) == 1:
+        path = out / "model.safetensors"
+        atomic_write_bytes(path, save(groups[0], metadata=meta))
+        written.append(path)
+    else:
+        weight_map: dict[str, str] = {}
+        for k, group in enumerate(groups, 1):
+            path = out / f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+            atomic_write_bytes(path, save(group, metadata=meta))
+            weight_map.update({name: path.name for name in group})
+            written.append(path)
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        written.append(_json(out / "model.safetensors.index.json", index))
+    cfg = hf_config(config, bos_token_id=bos, eos_token_id=eos)
+    cfg["atoll"] = {"step": step, "model": config.name, "data_position": int(extra.get("data_position", 0))}
+    written.append(_json(out / "config.json", cfg))
+    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False, "max_length": config.seq_len}
+    written.append(_json(out / "generation_config.json", gen))
+    if tok_path is not None:
+        target = out / "tokenizer.json"
+        atomic_write_bytes(target, tok_path.read_bytes())
+        tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_len, **special}
+        written += [target, _json(out / "tokenizer_config.json", tcfg)]
+    return written
+
+
+def _json(path: Path, doc: dict[str, Any]) -> Path:
+    atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def register(sub) -> None:  # type: ignore[no-untyped-def]
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model folder",
+        description="Gather the stages of a checkpoint into a Hugging Face folder (safetensors, config.json, "
+        "generation_config.json, the tokenizer) that transformers.AutoModelForCausalLM.from_pretrained loads.")
+    p.add_argument("--checkpoint-dir", required=True, help="the nodes' --checkpoint-dir (holding step-NNNNNNNN/)")
+    p.add_argument("--step", type=int, required=True, help="the checkpoint's step (a complete one)")
+    p.add_argument("--out", required=True, help="the folder to write (created if missing)")
+    p.add_argument("--tokenizer", help="the job's tokenizer.json, copied into the folder")
+    p.add_argument("--shard-size", type=float, default=SHARD_BYTES / 1024**3,
+                   help="largest safetensors shard in GiB (default: 2)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from atoll.node.checkpoint import CheckpointError
+
+    try:
+        files = export(args.checkpoint_dir, args.step, args.out, tokenizer=args.tokenizer,
+                       shard_bytes=int(args.shard_size * 1024**3))
+    except CheckpointError as e:  # said to the person at the terminal without a traceback
+        raise ValueError(str(e)) from None
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {len(files)} files ({size / 1e6:.1f} MB) to {args.out}: load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+    return 0
