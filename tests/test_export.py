@@ -1,0 +1,109 @@
+"""`atoll export`: a checkpoint written by two stages, gathered into a Hugging Face folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads; its logits equal Atoll's forward (fp32, within
+1e-5 absolute) and greedy `generate` gives the tokens Atoll's own greedy decoding gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atoll.hf import config_from_hf
+from atoll.launch.cli import main
+from atoll.node.checkpoint import read_checkpoint, save_layers
+from atoll.node.model import StageModule, build_slice, lm_loss
+from atoll.node.stage import StageConfig, build_optimizer
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parent.parent
+QWEN = {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 3, "n_head": 4, "n_positions": 64,
+        "activation_function": "gelu_new", "tie_word_embeddings": True}
+
+
+def _trained_checkpoint(config, cuts: list[int], root: Path, step: int) -> list[StageModule]:
+    """The stages of `cuts`, trained two AdamW steps on random tokens (so norms and biases leave their
+    initial values), each saved as a node saves it."""
+    stages = [build_slice(config, a, b, seed=7) for a, b in zip(cuts, cuts[1:])]
+    opts = [build_optimizer(s, StageConfig(micro_batches=1, lr=1e-2)) for s in stages]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, config.vocab_size, (2, 17), generator=g)
+        x = ids[:, :-1]
+        for s in stages:
+            x = s(x)
+        lm_loss(x, ids[:, 1:]).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for s, o in zip(stages, opts):
+        save_layers(s, o, root, step, data_position=123)
+    return [s.eval() for s in stages]
+
+
+def _greedy(stages: list[StageModule], ids: torch.Tensor, n: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(n):
+            x = ids
+            for s in stages:
+                x = s(x)
+            ids = torch.cat([ids, x[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5])], ids=["qwen2-two-stages", "gpt2-tied"])
+def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path: Path, capsys) -> None:
+    from atoll.node.tokenizer import train_bpe
+
+    config = config_from_hf(shape, name="exported")
+    stages = _trained_checkpoint(config, cuts, tmp_path / "ckpt", step=4)
+    tok = train_bpe([REPO / "atoll" / "data" / "genesis-exodus.txt"], vocab_size=300, out=tmp_path / "tok.json")
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--step", "4", "--out", str(out),
+                 "--tokenizer", str(tmp_path / "tok.json"), "--shard-size", str(40e3 / 1024**3)]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == ("qwen2" if shape is QWEN else "gpt2") and cfg["atoll"]["step"] == 4
+    assert cfg["eos_token_id"] == tok.eos_id
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings == config.tied_head
+    text = "In the beginning God created the heaven and the earth."
+    ids = transformers.AutoTokenizer.from_pretrained(out)(text, return_tensors="pt").input_ids
+    assert ids.tolist()[0] == tok.encode(text).tolist()
+    with torch.no_grad():
+        x = ids
+        for s in stages:
+            x = s(x)
+        torch.testing.assert_close(hf(ids).logits, x, atol=1e-5, rtol=0)
+    generated = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_id)
+    assert generated.shape[1] == ids.shape[1] + 6
+    assert torch.equal(generated, _greedy(stages, ids, 6))
+
+
+def test_export_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys) -> None:
+    config = config_from_hf(QWEN)
+    first = build_slice(config, 0, 2)
+    save_layers(first, build_optimizer(first, StageConfig(micro_batches=1)), tmp_path, 3, data_position=0)
+    assert main(["export", "--checkpoint-dir", str(tmp_path), "--step", "3", "--out", str(tmp_path / "hf")]) == 2
+    assert "does not hold all 5 layers" in capsys.readouterr().err
+    assert main(["export", "--checkpoint-dir", str(tmp_path), "--step", "9", "--out", str(tmp_path / "hf")]) == 2
+    assert "steps there: [3]" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_read_checkpoint_gathers_every_layer_once(tmp_path: Path) -> None:
+    config = config_from_hf(QWEN)
+    stages = _trained_checkpoint(config, [0, 2, 4, 5], tmp_path, step=1)
+    got, tensors, extra = read_checkpoint(tmp_path, 1)
+    assert got == config and extra["data_position"] == 123
+    want = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert tensors.keys() == want.keys()
+    assert all(torch.equal(tensors[k], want[k]) for k in want)
