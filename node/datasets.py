@@ -315,8 +315,10 @@ class PackedStream:
         self._rows: deque[tuple[int, _Mark]] = deque()  # (offset, row mark) of rows starting in the buffer
         self._reader = self._read(mark)
 
-    def _read(self, mark: _Mark) -> Iterator[tuple[_Mark, list[int]]]:
-        """(row mark, tokens) for each kept row from `mark` on, forever (epoch after epoch)."""
+    def _read(self, mark: _Mark) -> Iterator[tuple[_Mark, list[int], _Mark | None]]:
+        """(row mark, tokens, chunk mark) for each kept row from `mark` on, forever (epoch after epoch); the
+        chunk mark (where reading can start again: the chunk's first row, a JSONL line's byte offset) comes
+        with the first kept row of each chunk, else None."""
         epoch, ordinal, cursor, offset = mark.epoch, mark.ordinal, mark.cursor, mark.offset
         eos = self.tokenizer.eos_id
         while True:
@@ -325,15 +327,16 @@ class PackedStream:
                 # rows of a chunk are consecutive in one file; the cursor of row k is (file, row + k)
                 picked = [(k, t) for k, t in enumerate(texts) if self.keep(ordinal + k)]
                 encoded = self.tokenizer.encode_batch([t for _, t in picked]) if picked else []
+                chunk: _Mark | None = _Mark(offset, epoch, ordinal, first)
                 for (k, _), ids in zip(picked, encoded):
                     if eos is not None:
                         ids = [*ids, eos]
                     if not ids:
                         continue
                     kept_any = True
-                    row_mark = _Mark(offset, epoch, ordinal + k,
-                                     RowCursor(first.file, first.row + k, first.byte if k == 0 else 0))
-                    yield row_mark, ids
+                    row_mark = _Mark(offset, epoch, ordinal + k, RowCursor(first.file, first.row + k))
+                    yield row_mark, ids, chunk
+                    chunk = None
                     offset += len(ids)
                 ordinal += len(texts)
             if whole_epoch and not kept_any:
@@ -345,9 +348,7 @@ class PackedStream:
         """Stream tokens [start, end)."""
         if start < self._base:
             i = bisect.bisect_right([m.offset for m in self._marks], start) - 1
-            mark = self._marks[i] if i >= 0 else _Mark(0, 0, 0, RowCursor(0, 0, 0))
-            # a JSONL byte offset is only known for a chunk's first row: restart at the row, counting lines
-            self._restart(mark)
+            self._restart(self._marks[i] if i >= 0 else _Mark(0, 0, 0, RowCursor(0, 0, 0)))
         # drop what lies before `start` (steps come in order; an earlier start restarts above)
         if start > self._base:
             cut = min(start - self._base, self._buf.size)
@@ -356,10 +357,9 @@ class PackedStream:
         parts = [self._buf]
         have = self._base + self._buf.size
         while have < end:
-            mark, ids = next(self._reader)
-            if not self._marks or mark.offset >= self._marks[-1].offset + self.mark_every:
-                if not self._marks or mark.offset > self._marks[-1].offset:
-                    self._marks.append(mark)
+            mark, ids, chunk = next(self._reader)
+            if chunk is not None and (not self._marks or chunk.offset >= self._marks[-1].offset + self.mark_every):
+                self._marks.append(chunk)
             self._rows.append((mark.offset, mark))
             while len(self._rows) > 1 and self._rows[1][0] <= start:
                 self._rows.popleft()

@@ -27,6 +27,14 @@ REPO = Path(__file__).resolve().parent.parent
 B, L = 4, 32
 
 
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read and tokenize 8 rows at a time, so these small corpora cross many chunk boundaries."""
+    import atoll.node.datasets
+
+    monkeypatch.setattr(atoll.node.datasets, "CHUNK_ROWS", 8)
+
+
 def _docs(n: int = 200) -> list[str]:
     """Documents of uneven length, each tagged <nnnn> so a window's text says which rows it came from."""
     paras = [p for p in load_text("builtin").split("\n\n") if p.strip()]
@@ -62,7 +70,13 @@ def _expected_position(docs: list[str], encode, eos: int | None, sample: int) ->
 def _check_resume(spec: DataSpec, docs: list[str], vocab: int, files_rows: list[int]) -> None:
     straight = open_dataset(spec, seq_len=L, vocab_size=vocab)
     assert isinstance(straight, StreamingDataset)
-    batches = [straight.rows(k, B, 0, B) for k in range(12)]
+    straight.train.mark_every = 100  # remember a restart point every 100 tokens (a chunk's first row)
+    batches = [straight.rows(k, B, 0, B) for k in range(40)]
+    # going back (a rollback to an older checkpoint) restarts from the nearest remembered chunk
+    assert len(straight.train._marks) > 3
+    for k in (30, 3, 0, 20, 39):
+        again = straight.rows(k, B, 1, 3)
+        assert torch.equal(again.inputs, batches[k].inputs[1:3]) and torch.equal(again.targets, batches[k].targets[1:3])
     tok = straight.train.tokenizer
     # a resumed node: a fresh dataset asked for step 7 first (the checkpoint's position is 7 x B samples)
     resumed = open_dataset(spec, seq_len=L, vocab_size=vocab)
