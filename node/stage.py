@@ -74,6 +74,15 @@ class StageConfig:
     track_memory: bool = False
     """Count the bytes autograd saves for backward per micro-batch (reported as peak_activation_bytes)."""
 
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """Dtype of the activations and activation gradients sent to neighbours: under bf16 or fp16 that dtype
+        (half of fp32's bytes, as the planner prices the boundaries), else fp32. A stage computes in fp32
+        between its boundaries whatever crosses them."""
+        if self.fp16_loss_scale is not None:
+            return torch.float16
+        return torch.bfloat16 if self.bf16_autocast else torch.float32
+
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
@@ -427,14 +436,16 @@ class PipelineStage:
         return params + grad_bytes + opt
 
     def _recv(self, key: TensorKey) -> torch.Tensor:
-        # a tp stage receives on its rank 0 and broadcasts to its other ranks (same order on every rank)
+        # a tp stage receives on its rank 0 and broadcasts to its other ranks (same order on every rank); what
+        # arrives in the wire dtype is widened back to fp32 first
         if self.tp is None:
-            return self.transport.recv(key, self.config.recv_timeout)
-        return self.tp.share(self.transport.recv(key, self.config.recv_timeout) if self.tp.is_leader else None)
+            return _widen(self.transport.recv(key, self.config.recv_timeout))
+        return self.tp.share(_widen(self.transport.recv(key, self.config.recv_timeout)) if self.tp.is_leader
+                             else None)
 
     def _send(self, key: TensorKey, t: torch.Tensor) -> None:
         if self.tp is None or self.tp.is_leader:  # every tp rank holds the same replicated tensor
-            self.transport.send(key, t)
+            self.transport.send(key, t.to(self.config.wire_dtype))
 
     def _split(self, t: torch.Tensor | None, name: str, needed: bool) -> list[torch.Tensor]:
         if not needed:
@@ -461,6 +472,11 @@ class PipelineStage:
         if not self.config.bf16_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """A received 16-bit activation or gradient as fp32 (the stage's compute between boundaries)."""
+    return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:

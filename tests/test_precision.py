@@ -301,3 +301,25 @@ def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_re
     where.node = "nobody"
     unpoisoned, _ = train_local(job)
     assert unpoisoned[at + 1] != pytest.approx(expected[at + 1], rel=1e-3)
+
+
+def test_16_bit_precisions_send_16_bit_activations_and_compute_in_fp32_between_boundaries():
+    assert FP32.wire_dtype == torch.float32
+    assert fp16().wire_dtype == torch.float16
+    assert StageConfig(bf16_autocast=True).wire_dtype == torch.bfloat16
+    links = InProcessLinks(2)
+    norms = InProcessNormGroup(2)
+    cfg = fp16(init_scale=256.0)
+    stages = [PipelineStage(build_slice(TINY, a, b, seed=0), stage=s, num_stages=2, transport=links.transport(s),
+                            config=cfg, norm_exchange=norms.member(s)) for s, (a, b) in enumerate([(0, 3), (3, 6)])]
+    sent: list[torch.dtype] = []
+    for st in stages:
+        send = st.transport.send
+        st.transport.send = lambda key, t, send=send: (sent.append(t.dtype), send(key, t))[1]
+    threads = [threading.Thread(target=st.train_step, args=(0, BATCHES[0])) for st in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sent and set(sent) == {torch.float16}  # activations downstream and their gradients upstream
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for st in stages for p in st.module.parameters())
