@@ -65,6 +65,8 @@ class LocalCluster:
     """torch threads per node: nodes sharing a machine must split its cores."""
     profile_seconds: float = 3.0
     """Time budget of each node's start-up profile (more repeats, steadier medians)."""
+    insecure: bool = False
+    """Plaintext gRPC everywhere (`--insecure`); by default mutual TLS under the coordinator's job CA."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     address: str = ""
     status_address: str = ""
@@ -84,6 +86,14 @@ class LocalCluster:
     @property
     def token(self) -> str:
         return self.token_file.read_text().strip()
+
+    @property
+    def ca_file(self) -> Path:
+        """The job CA the coordinator keeps in its state dir; nodes and status verify it with this file."""
+        return self.out / "coordinator" / "ca.pem"
+
+    def _tls_args(self) -> list[str]:
+        return ["--insecure"] if self.insecure else ["--tls-ca", str(self.ca_file)]
 
     @property
     def state_db(self) -> Path:
@@ -108,7 +118,7 @@ class LocalCluster:
         proc = self._spawn("coordinator", ["coordinator", "--job", str(self.job_path), "--listen", listen,
                                            "--state-dir", str(self.out / "coordinator"), "--token-file",
                                            str(self.token_file), "--address-file", str(addr_file),
-                                           *(extra or [])], host)
+                                           *(["--insecure"] if self.insecure else []), *(extra or [])], host)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if addr_file.is_file() and addr_file.read_text().strip():
@@ -130,7 +140,8 @@ class LocalCluster:
         listen = f"{host.ip}:0" if host is not None else "127.0.0.1:0"
         args = ["node", "--coordinator", self.address, "--token-file", str(self.token_file), "--listen",
                 listen, "--state-dir", str(self.out / name), "--checkpoint-dir", str(self.checkpoints),
-                "--threads", str(self.threads_per_node), "--profile-seconds", str(self.profile_seconds)]
+                "--threads", str(self.threads_per_node), "--profile-seconds", str(self.profile_seconds),
+                *self._tls_args()]
         region = region or (host.region if host is not None else None)
         if region:
             args += ["--region", region]
@@ -141,7 +152,11 @@ class LocalCluster:
     def status(self, timeout: float = 5.0):
         from atoll.coordinator.status import fetch_status
 
-        return fetch_status(self.status_address or self.address, token=self.token, timeout=timedelta(seconds=timeout))
+        from atoll.tls import bootstrap_rpc
+
+        rpc = None if self.insecure else bootstrap_rpc(self.token, self.ca_file.read_bytes())
+        return fetch_status(self.status_address or self.address, token=self.token, timeout=timedelta(seconds=timeout),
+                            rpc=rpc)
 
     def check_alive(self) -> None:
         for name, p in self.procs.items():

@@ -1,0 +1,236 @@
+"""Each forgery of issue 12 tried as an outsider holding the job token would, against real servers over mutual
+TLS: a coordinator with its job CA in a state dir, Peer servers under node certificates, and an `atoll node`
+process on a locked state dir. Every attempt is refused with PERMISSION_DENIED, and the victim is unharmed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from atoll.compression.spec import CodecSpec
+from atoll.compression.wire import tensor_to_chunks
+from atoll.coordinator.membership import MembershipOptions
+from atoll.coordinator.service import CoordinatorService, ServiceConfig
+from atoll.coordinator.state import CoordinatorOptions
+from atoll.job import JobSpec
+from atoll.node.credentials import NodeCredentials
+from atoll.node.identity import StateDirLock
+from atoll.node.mailbox import Mailbox, ReceiveSpec
+from atoll.node.peer import PeerServer
+from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import bootstrap_rpc, make_csr, new_key
+from atoll.v1 import atoll_pb2 as pb
+from atoll.v1 import atoll_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "forgery-token"
+SHAPE = (2, 8, 16)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _profile(host: str) -> pb.NodeProfile:
+    return pb.NodeProfile(hostname=host, device_kind="cpu", device_name="cpu-x", device_count=1,
+                          memory_total_bytes=16 << 30, memory_free_bytes=8 << 30, cpu_count=4)
+
+
+@dataclass
+class Enrolled:
+    """A node that joined for real: its credentials, and a coordinator stub speaking under its certificate."""
+
+    node_id: str
+    credentials: NodeCredentials
+    stub: pb_grpc.CoordinatorStub
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("forgery")
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=60), settle=timedelta(0)),
+                              dial_back=False)
+    svc = CoordinatorService(job=job, token=TOKEN, options=opts,
+                             config=ServiceConfig(listen="127.0.0.1:0", state_dir=tmp / "coordinator",
+                                                  tick=timedelta(milliseconds=50), mutual_tls=True)).start()
+    ca_pem = (tmp / "coordinator" / "ca.pem").read_bytes()
+    channels: list[grpc.Channel] = []
+
+    def enroll(node_id: str) -> Enrolled:
+        creds = NodeCredentials(tmp / node_id, node_id=node_id, token=TOKEN, coordinator_ca_pem=ca_pem)
+        boot = make_channel(svc.address, creds.coordinator_rpc(RpcOptions()), token=TOKEN)
+        reply = pb_grpc.CoordinatorStub(boot).Join(pb.JoinRequest(
+            token=TOKEN, node_id=node_id, job_id=job.id, profile=_profile(node_id),
+            peer_address=f"127.0.0.1:{10000 + len(channels)}", csr_pem=creds.csr()), timeout=10)
+        boot.close()
+        creds.accept(reply.certificate_pem, reply.ca_pem)
+        channel = make_channel(svc.address, creds.coordinator_rpc(RpcOptions()), token=TOKEN)
+        channels.append(channel)
+        return Enrolled(node_id, creds, pb_grpc.CoordinatorStub(channel))
+
+    nodes = {name: enroll(name) for name in ("s0", "s1", "forger")}
+    n = job.model_spec.num_layers
+    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
+                epoch=svc.state.epoch + 1, job_id=job.id, resume_step=0,
+                pipelines=[PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[
+                    StagePlan(island="i0", layers=(0, n // 2), nodes=["s0"]),
+                    StagePlan(island="i0", layers=(n // 2, n), nodes=["s1"])])],
+                node_addresses={"s0": "127.0.0.1:10000", "s1": "127.0.0.1:10001"})
+    svc.state.publish(plan, "forgery test")
+    yield {"svc": svc, "nodes": nodes, "plan": plan, "ca_pem": ca_pem, "tmp": tmp, "job": job}
+    for channel in channels:
+        channel.close()
+    svc.stop()
+
+
+def _denied(call) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, (info.value.code(), info.value.details())
+    return info.value.details()
+
+
+def test_heartbeats_for_another_node_are_refused(world: dict) -> None:
+    forger, svc = world["nodes"]["forger"], world["svc"]
+    before = svc.store.get_member("s0").last_heartbeat_unix
+    details = _denied(lambda: forger.stub.Heartbeat(pb.HeartbeatRequest(node_id="s0"), timeout=5))
+    assert "forger" in details and "s0" in details
+    assert svc.store.get_member("s0").last_heartbeat_unix == before  # the victim's lease was not renewed
+    forger.stub.Heartbeat(pb.HeartbeatRequest(node_id="forger"), timeout=5)  # its own is fine
+
+
+def test_a_spoofed_leave_is_refused(world: dict) -> None:
+    forger, svc = world["nodes"]["forger"], world["svc"]
+    _denied(lambda: forger.stub.Leave(pb.LeaveRequest(node_id="s1", reason="spoofed"), timeout=5))
+    assert svc.store.get_member("s1").state == "alive"
+
+
+def test_a_join_under_a_live_nodes_id_is_refused(world: dict) -> None:
+    svc, job = world["svc"], world["job"]
+    address = svc.store.get_member("s0").peer_address
+    # with the token alone and a key of its own
+    boot = make_channel(svc.address, bootstrap_rpc(TOKEN, world["ca_pem"]), token=TOKEN)
+    try:
+        details = _denied(lambda: pb_grpc.CoordinatorStub(boot).Join(pb.JoinRequest(
+            token=TOKEN, node_id="s0", job_id=job.id, profile=_profile("evil"), peer_address="127.0.0.1:6666",
+            csr_pem=make_csr(new_key(), "s0")), timeout=10))
+        assert "another key" in details
+        # with the token alone and no key at all: it cannot even ask
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CoordinatorStub(boot).Join(pb.JoinRequest(token=TOKEN, node_id="s0", job_id=job.id,
+                                                              profile=_profile("evil"), peer_address="x:1"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # a token-only certificate may not heartbeat at all
+        _denied(lambda: pb_grpc.CoordinatorStub(boot).Heartbeat(pb.HeartbeatRequest(node_id="s0"), timeout=5))
+    finally:
+        boot.close()
+    # under its own certificate
+    forger = world["nodes"]["forger"]
+    _denied(lambda: forger.stub.Join(pb.JoinRequest(
+        token=TOKEN, node_id="s0", job_id=job.id, profile=_profile("evil"), peer_address="127.0.0.1:6666",
+        csr_pem=forger.credentials.csr()), timeout=10))
+    assert svc.store.get_member("s0").peer_address == address  # its address was not taken over
+
+
+def test_checkpoint_reports_for_another_stage_or_far_steps_are_refused(world: dict) -> None:
+    nodes, plan, job = world["nodes"], world["plan"], world["job"]
+    n = job.model_spec.num_layers
+
+    def report(who: Enrolled, node_id: str, step: int, layers: tuple[int, int]):
+        return lambda: who.stub.ReportCheckpoint(pb.CheckpointReport(
+            job_id=job.id, node_id=node_id, plan_epoch=plan.epoch, step=step, layer_start=layers[0],
+            layer_end=layers[1], path="/tmp/x", bytes=1), timeout=5)
+
+    s1 = nodes["s1"]
+    assert "holds layers" in _denied(report(s1, "s1", 10, (0, n // 2)))  # stage 0's layers
+    assert "outside plan epoch" in _denied(report(s1, "s1", 10**6, (n // 2, n)))  # the issue's step 10^6
+    _denied(report(nodes["forger"], "s0", 10, (0, n // 2)))  # in another node's name
+    assert "holds layers none" in _denied(report(nodes["forger"], "forger", 10, (0, n)))  # not in the plan
+    report(s1, "s1", 10, (n // 2, n))()  # its own stage at a step of the job: recorded
+    assert all(c.step <= job.train.steps for c in world["svc"].store.list_checkpoints())
+
+
+@pytest.fixture()
+def stage1_server(world: dict) -> Iterator[PeerServer]:
+    s1, plan, job = world["nodes"]["s1"], world["plan"], world["job"]
+    server = PeerServer(node_id="s1", listen="127.0.0.1:0", token=TOKEN, rpc=s1.credentials.peer_rpc(RpcOptions()))
+    box = Mailbox(ReceiveSpec(job_id=job.id, plan_epoch=plan.epoch, pipeline=0, stage=1, upstream="s0",
+                              downstream=None, shape=SHAPE, micro_batches=4))
+    server.attach(box)
+    server.note_plan(plan)
+    yield server
+    server.stop()
+
+
+def _send(sender: Enrolled, address: str, claimed: str, epoch: int, job_id: str) -> pb.TransferAck:
+    meta = dict(job_id=job_id, plan_epoch=epoch, step=0, micro_batch=0, direction="forward", name="act",
+                sender=claimed, pipeline=0, stage=0, replica=0)
+    chunks = list(tensor_to_chunks(torch.full(SHAPE, float("nan")), CodecSpec("identity"), meta, 1024))
+    channel = make_channel(address, sender.credentials.peer_rpc(RpcOptions()))
+    try:
+        return pb_grpc.PeerStub(channel).Transfer(iter(chunks), timeout=10)
+    finally:
+        channel.close()
+
+
+def test_forged_activations_from_stage_0_are_refused(world: dict, stage1_server: PeerServer) -> None:
+    forger, s0 = world["nodes"]["forger"], world["nodes"]["s0"]
+    epoch, job_id = world["plan"].epoch, world["job"].id
+    # claiming to be stage 0's node, under its own certificate
+    details = _denied(lambda: _send(forger, stage1_server.address, "s0", epoch, job_id))
+    assert "certificate is node forger's" in details
+    # as itself: the plan does not put it upstream of stage 1
+    assert "neither upstream nor downstream" in _denied(lambda: _send(forger, stage1_server.address, "forger",
+                                                                       epoch, job_id))
+    assert stage1_server.receiver.stats["forward"].tensors == 0  # type: ignore[union-attr]
+    # the real stage 0 gets through
+    assert _send(s0, stage1_server.address, "s0", epoch, job_id).tensors == 1
+
+
+def test_outer_state_is_served_only_to_plan_members(world: dict, stage1_server: PeerServer) -> None:
+    forger, s0 = world["nodes"]["forger"], world["nodes"]["s0"]
+
+    class Outbox:
+        def frames(self, request, wait):
+            return iter(())
+
+    stage1_server.attach_outbox(Outbox())
+
+    def fetch(who: Enrolled, sender: str):
+        channel = make_channel(stage1_server.address, who.credentials.peer_rpc(RpcOptions()))
+        try:
+            return list(pb_grpc.PeerStub(channel).FetchOuter(pb.OuterFetchRequest(sender=sender, kind="delta"),
+                                                             timeout=10))
+        finally:
+            channel.close()
+
+    assert "none of the plans" in _denied(lambda: fetch(forger, "forger"))
+    _denied(lambda: fetch(forger, "s0"))
+    assert fetch(s0, "s0") == []
+
+
+def test_the_job_token_is_not_sent_to_peers(world: dict) -> None:
+    rpc = world["nodes"]["s0"].credentials.peer_rpc(RpcOptions())
+    assert rpc.mtls is not None and not rpc.mtls.send_token
+
+
+def test_a_second_process_on_a_locked_state_dir_fails_with_one_line(world: dict) -> None:
+    tmp = world["tmp"]
+    (tmp / "token").write_text(TOKEN + "\n")
+    (tmp / "ca.pem").write_bytes(world["ca_pem"])
+    state = tmp / "locked-node"
+    with StateDirLock(state):  # a live node holds it
+        proc = subprocess.run(
+            [sys.executable, "-m", "atoll", "node", "--coordinator", world["svc"].address, "--token-file",
+             str(tmp / "token"), "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "in use by another atoll node" in lines[0], proc.stderr
