@@ -334,3 +334,21 @@ def test_two_stage_pipeline_matches_transformers_per_step(family: str, tmp_path:
     for s in range(STEPS):
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
     assert want[-1] < want[0]  # it trained
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_models_benchmark_runs_and_its_pipeline_matches_transformers(capsys, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))  # the bench tree is not installed
+    from bench.models import main as bench_main
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench_main(["--steps", "4", "--d-model", "32", "--layers", "2", "--heads", "4", "--seq", "16",
+                           "--batch", "4", "--bpe-vocab", "260", "--threads", "1", "--timeout", "240"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the benchmark sets its own
+    out = capsys.readouterr().out
+    parity = next(line for line in out.splitlines() if line.startswith("parity:"))
+    assert float(parity.split("over 4 steps ")[1].split()[0]) <= 1e-3, out
+    assert "bpe-260" in out and "targets met: " in out
