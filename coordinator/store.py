@@ -411,20 +411,39 @@ class SqliteStore(Store):
     """
 
     def __init__(self, path: str | Path):
+        from atoll.coordinator import integrity
+
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # a damaged file is refused, naming the way out, rather than read in part or recreated empty
+        integrity.check_file(self.path)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=10000")
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, _SCHEMA_VERSION):
-            raise StoreError(f"{self.path} has schema version {version}; this atoll reads {_SCHEMA_VERSION}. "
-                             f"Use a new --state-dir")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        try:
+            self._open(integrity)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open(self, integrity) -> None:
+        try:
+            self._db.execute("PRAGMA busy_timeout=10000")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, _SCHEMA_VERSION):
+                raise StoreError(f"{self.path} has schema version {version}; this atoll reads {_SCHEMA_VERSION}. "
+                                 f"Run the atoll version that wrote it, or use a new --state-dir")
+            fresh = integrity.check_schema(self._db, self.path)
+            if not fresh:
+                integrity.check_rows(self._db, self.path, member=self._member, plan=Plan.from_json,
+                                     islands=lambda text: [IslandInfo(**d) for d in json.loads(text)],
+                                     states=MEMBER_STATES)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            with self._lock:
+                self._db.executescript(_SCHEMA)
+                self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as e:
+            raise integrity.damaged(self.path, f"SQLite cannot read it ({e})") from None
         # members live in memory too: a heartbeat is a dict update, written to disk by `flush` (joins, leaves
         # and state changes are written at once, so no acknowledged one is lost to a crash)
         self._members = {r[0]: self._member(r) for r in self._read("SELECT * FROM members")}
