@@ -29,6 +29,7 @@ from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, Planne
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store, StoreError
 from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
+from atoll.preflight import check_listen, usable_state_dir
 from atoll.job import JobSpec, resolve_token
 from atoll.coordinator.watches import PlanWatches
 from atoll.coordinator.ca import JobAuthority
@@ -240,7 +241,10 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     """`atoll coordinator`: serve until SIGINT/SIGTERM."""
     job = JobSpec.load(input_path(args.job))
-    state_dir = Path(args.state_dir)
+    state_dir = usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
+    check_listen(args.listen, "--listen")
+    if args.metrics_port:
+        check_listen(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
                      tls_key=Path(args.tls_key) if args.tls_key else None)

@@ -34,6 +34,7 @@ from atoll.node.first_contact import FirstContactWatch, diagnose
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.plan import Plan
+from atoll.preflight import check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import CertificateError, find_ca
 from atoll.serde import (link_to_proto, plan_from_proto, profile_to_proto, step_metrics_to_proto)
@@ -767,6 +768,9 @@ def run_node_cli(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
+    if not args.no_listen:
+        check_listen(args.listen, "--listen")
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")
