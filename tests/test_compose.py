@@ -81,3 +81,15 @@ def test_dockerignore_keeps_the_build_context_small() -> None:
     ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".venv", "runs", ".git", "*.egg-info"} <= ignored
+
+
+def test_every_call_is_mutual_tls_under_the_coordinators_ca() -> None:
+    services = _services()
+    coordinator = build_parser().parse_args(services["coordinator"]["command"][1:])
+    assert not coordinator.insecure
+    health = services["coordinator"]["healthcheck"]["test"]
+    assert health[health.index("--tls-ca") + 1] == f"{coordinator.state_dir}/ca.pem"
+    for name, service in services.items():
+        if service["command"][:2] == ["atoll", "node"]:
+            node = build_parser().parse_args(service["command"][1:])
+            assert not node.insecure and node.tls_ca == str(Path(node.token_file).parent / "ca.pem"), name
