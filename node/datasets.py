@@ -36,6 +36,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from atoll.fsutil import atomic_write_text
 from atoll.node.data import Batch, TokenDataset
 
 log = logging.getLogger("atoll.node.datasets")
@@ -44,6 +45,10 @@ FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 STREAMED = ("jsonl", "parquet", "datasets")
 CHUNK_ROWS = 512
 """Rows read and tokenized at a time."""
+MARK_EVERY = 1 << 20
+"""Stream tokens between remembered restart points (a chunk's first row each)."""
+CURSOR_FILE = "data-cursor.json"
+"""A checkpoint's record of where the training stream can start reading again (`StreamingDataset.save_cursor`)."""
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 spreads rows evenly over [0, 2^64)
 
 
@@ -299,13 +304,14 @@ class PackedStream:
 
     `tokens(a, b)` returns stream tokens [a, b); only the tokens from the earliest still-needed offset on are
     held. Reading again from before that offset restarts from the nearest row boundary remembered on the way
-    (one every `mark_every` tokens), or from the start.
+    (one every `mark_every` tokens), or from the start; a restart point taken from a checkpoint
+    (`seed_restart_point`) lets a new process begin there instead of at the start.
     """
 
     def __init__(self, source: Source, tokenizer: TextTokenizer, *, keep: Callable[[int], bool] = lambda r: True,
-                 mark_every: int = 1 << 20, name: str = "train"):
+                 mark_every: int | None = None, name: str = "train"):
         self.source, self.tokenizer, self.keep, self.name = source, tokenizer, keep, name
-        self.mark_every = mark_every
+        self.mark_every = MARK_EVERY if mark_every is None else mark_every
         self._marks: list[_Mark] = []
         self._restart(_Mark(0, 0, 0, RowCursor(0, 0, 0)))
 
@@ -346,9 +352,11 @@ class PackedStream:
 
     def tokens(self, start: int, end: int) -> np.ndarray:
         """Stream tokens [start, end)."""
+        i = bisect.bisect_right([m.offset for m in self._marks], start) - 1
         if start < self._base:
-            i = bisect.bisect_right([m.offset for m in self._marks], start) - 1
             self._restart(self._marks[i] if i >= 0 else _Mark(0, 0, 0, RowCursor(0, 0, 0)))
+        elif i >= 0 and self._marks[i].offset > self._base + self._buf.size:
+            self._restart(self._marks[i])  # a restart point (from a checkpoint) beyond what was read: jump there
         # drop what lies before `start` (steps come in order; an earlier start restarts above)
         if start > self._base:
             cut = min(start - self._base, self._buf.size)
@@ -377,6 +385,35 @@ class PackedStream:
         while len(self._rows) > 1 and self._rows[1][0] <= self._base:
             self._rows.popleft()
         return self._buf[start - self._base:end - self._base]
+
+    def restart_point(self, offset: int) -> dict | None:
+        """The latest remembered place to start reading again at or before stream token `offset`, as JSON
+        (None: none remembered but the start). `seed_restart_point` takes it in another process."""
+        i = bisect.bisect_right([m.offset for m in self._marks], offset) - 1
+        if i < 0 or self._marks[i].offset == 0:
+            return None
+        m = self._marks[i]
+        return {"source": self._identity(), "offset": m.offset, "epoch": m.epoch, "ordinal": m.ordinal,
+                "file": m.cursor.file, "row": m.cursor.row, "byte": m.cursor.byte}
+
+    def seed_restart_point(self, point: dict) -> bool:
+        """Remember a restart point written by `restart_point` (from a checkpoint), so reading to a later
+        offset starts there instead of at the beginning; False (and nothing changes) when it was written for
+        other files or another split."""
+        if point.get("source") != self._identity():
+            return False
+        mark = _Mark(int(point["offset"]), int(point["epoch"]), int(point["ordinal"]),
+                     RowCursor(int(point["file"]), int(point["row"]), int(point["byte"])))
+        offsets = [m.offset for m in self._marks]
+        if mark.offset not in offsets:
+            self._marks.insert(bisect.bisect_left(offsets, mark.offset), mark)
+        return True
+
+    def _identity(self) -> list:
+        """What a restart point is only valid for: the files (name and size), the field, the split and the
+        tokenizer's vocabulary size."""
+        return [[f.name, f.stat().st_size] for f in self.source.files] + [self.source.field, self.name,
+                                                                            self.tokenizer.vocab_size]
 
     def position(self, offset: int) -> DataPosition:
         """Where stream token `offset` lies in the source (read forward to it if need be)."""
@@ -426,6 +463,31 @@ class StreamingDataset:
     def position(self, sample: int) -> DataPosition:
         """Where training sample `sample` (the data position of step k is k x global batch) starts."""
         return self.train.position(sample * self.seq_len)
+
+    def save_cursor(self, folder: Path, sample: int) -> Path | None:
+        """Write where to start reading to reach training sample `sample` into `folder` (a checkpoint's step
+        folder; atomically), with the sample's position for people; None when there is nothing to save."""
+        point = self.train.restart_point(sample * self.seq_len)
+        if point is None:
+            return None
+        pos = self.position(sample)
+        point["position"] = {"sample": sample, "epoch": pos.epoch, "file": str(pos.file), "row": pos.row,
+                             "token": pos.token}
+        path = Path(folder) / CURSOR_FILE
+        atomic_write_text(path, json.dumps(point, indent=1) + "\n")
+        return path
+
+    def load_cursor(self, folder: Path) -> bool:
+        """Take the restart point a checkpoint's step folder holds, if any (and if it fits this source); the
+        rows are the same either way, only reading to them is quicker."""
+        path = Path(folder) / CURSOR_FILE
+        if not path.is_file():
+            return False
+        try:
+            point = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        return self.train.seed_restart_point(point)
 
 
 # --- a job's dataset ----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
-from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers
+from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers, step_dir
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, gather_held, resume_point, slice_part,
                                    sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
@@ -42,7 +42,7 @@ from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import (CollectiveError, GradientAverager, cancel_collectives_on, release_later,
                                      wait_collective)
-from atoll.node.datasets import DataError, open_dataset
+from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, RowPeer
 from atoll.node.reverse import peer_ref
@@ -297,6 +297,9 @@ class PlanRunner:
         """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
+        self._data: object | None = None
+        """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
+        with the first stage's checkpoints."""
         # the epoch that names this run's process groups and transfers: in outer mode the epoch from which
         # its replica group has run unchanged (a replan that keeps the group leaves it running)
         self.run_epoch = plan.epoch
@@ -390,6 +393,9 @@ class PlanRunner:
                                 vocab_size=job.model.vocab_size) if (pl.is_first or pl.is_last) else None
         except DataError as e:
             raise RunFailed(f"the job's data cannot be read on node {ctx.node_id}: {e}") from e
+        if isinstance(data, StreamingDataset) and step > 0 and data.load_cursor(step_dir(ctx.checkpoint_dir, step)):
+            log.info("data: reading from the checkpoint's restart point towards sample %d", step * job.train.global_batch)
+        self._data = data
         val_batches: list[Batch] | None = None  # this replica's rows of the held-out batches, read once
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
                  self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
@@ -848,6 +854,8 @@ class PlanRunner:
                 save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
             if self.scaler is not None:
                 save_scaler_state(self.scaler.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
+            if pl.is_first and isinstance(self._data, StreamingDataset):  # where the stream can be read again from
+                self._data.save_cursor(step_dir(self.ctx.checkpoint_dir, step), position)
         except OSError as e:
             log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes "
                       "on without it", step, *pl.layers, self.ctx.checkpoint_dir, e)

@@ -108,6 +108,35 @@ def test_parquet_resumes_at_the_exact_row_with_a_trained_tokenizer(tmp_path: Pat
     _check_resume(spec, docs, tok.vocab_size, [len(docs) // 2])
 
 
+def test_a_checkpoints_restart_point_skips_the_rows_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.node.datasets
+
+    monkeypatch.setattr(atoll.node.datasets, "MARK_EVERY", 100)
+    docs = _docs()
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), validation_fraction=0.1)
+    straight = open_dataset(spec, seq_len=L)
+    batches = [straight.rows(k, B, 0, B) for k in range(30)]
+    path = straight.save_cursor(tmp_path / "step", 25 * B)
+    assert path is not None and path.name == "data-cursor.json"
+    saved = json.loads(path.read_text())
+    pos = straight.position(25 * B)
+    assert saved["position"] == {"sample": 25 * B, "epoch": 0, "file": str(pos.file), "row": pos.row,
+                                 "token": pos.token}
+    assert 0 < saved["offset"] <= 25 * B * L
+    resumed = open_dataset(spec, seq_len=L)
+    encoded: list[str] = []
+    encode = resumed.train.tokenizer.encode_batch
+    monkeypatch.setattr(resumed.train.tokenizer, "encode_batch", lambda texts: encoded.extend(texts) or encode(texts))
+    assert resumed.load_cursor(tmp_path / "step")
+    for k in range(25, 30):
+        assert torch.equal(resumed.rows(k, B, 0, B).inputs, batches[k].inputs)
+    assert docs.index(encoded[0]) >= saved["row"] > 0  # it began reading at the restart point, not at row 0
+    # a restart point of other data is ignored (the rows are the same either way)
+    other = open_dataset(DataSpec(source=str(_jsonl(tmp_path / "o.jsonl", docs[:150]))), seq_len=L)
+    assert not other.load_cursor(tmp_path / "step")
+    assert not open_dataset(spec, seq_len=L).load_cursor(tmp_path / "nowhere")
+
+
 def test_formats_give_the_same_samples(tmp_path: Path) -> None:
     import datasets
 
@@ -283,10 +312,16 @@ def _one_process_val_loss(job: JobSpec, steps: int) -> float:
 
 
 @pytest.mark.timeout(150)
-def test_pipeline_reports_validation_loss_and_resumes_at_the_exact_row(tmp_path: Path) -> None:
+def test_pipeline_reports_validation_loss_and_resumes_at_the_exact_row(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.node.datasets
+
+    monkeypatch.setattr(atoll.node.datasets, "MARK_EVERY", 200)
     job = _pipeline_job(tmp_path, steps=4, interval=2)
     expected, _ = train_local(job)
     first = _run(job, tmp_path, stop_after=2)
+    cursor = json.loads((tmp_path / "ckpt" / "step-00000002" / "data-cursor.json").read_text())
+    assert cursor["position"]["sample"] == 2 * job.train.global_batch and cursor["offset"] > 0
     second = _run(job, tmp_path, resume_step=2)
     got = {**first, **second}
     assert sorted(got) == [0, 1, 2, 3]
