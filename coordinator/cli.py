@@ -26,6 +26,8 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--tls-cert", help="PEM certificate chain to serve instead of the one the job CA signs (with "
                    "--tls-key; nodes then verify it with --tls-ca of its root)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--rendezvous-host", help="address the rendezvous store (torch TCPStore, unauthenticated) binds "
+                   "and nodes dial: one only the nodes' private network reaches (default: the --listen host)")
     p.add_argument("--insecure", action="store_true",
                    help="closed labs only: plaintext gRPC, no node certificates (any token holder can speak as any "
                    "node). By default the coordinator is a CA (STATE_DIR/ca.pem) and every call is mutual TLS")

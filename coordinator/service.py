@@ -69,6 +69,9 @@ class ServiceConfig:
     RESOURCE_EXHAUSTED."""
     max_watch_life: timedelta = timedelta(minutes=10)
     """Longest life of one plan watch; it then ends and the node opens the next. Nodes' own deadline is shorter."""
+    rendezvous_host: str | None = None
+    """Address the rendezvous store (torch's TCPStore, which cannot authenticate) binds and plans name: one only
+    the nodes' private network reaches. None: the listen host (every interface for a wildcard listen)."""
     mutual_tls: bool = False
     """Serve mutual TLS under the job CA (`atoll.coordinator.ca`, kept in state_dir; in memory without one): nodes
     join with the token and a signing request, and every later call is checked against the node's certificate.
@@ -133,7 +136,13 @@ class CoordinatorService:
             self.authority = (JobAuthority.load_or_create(self.config.state_dir) if self.config.state_dir
                               else JobAuthority.in_memory())
         last = store.latest_plan()
-        self.rendezvous_store, rendezvous = _rendezvous_store(self.config.listen,
+        listen_host = self.config.listen.rsplit(":", 1)[0]
+        if self.config.rendezvous_host is not None:
+            listen_host = self.config.rendezvous_host
+        elif listen_host in WILDCARD_HOSTS and self.config.mutual_tls:
+            log.warning("the rendezvous store (torch TCPStore: no authentication) listens on every interface; keep "
+                        "its port inside the nodes' network (firewall), or bind it there with --rendezvous-host")
+        self.rendezvous_store, rendezvous = _rendezvous_store(f"{listen_host}:0",
                                                               last.rendezvous if last is not None else "")
         self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous,
                                       **({"planner": planner} if planner is not None else {}))
@@ -251,7 +260,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)),
                                  islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
-                           metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure)
+                           metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
+                           rendezvous_host=args.rendezvous_host)
     if args.insecure:
         log.warning("INSECURE: --insecure serves plaintext gRPC without node certificates: anyone on the network "
                     "reads the job token and every tensor, and any token holder can speak as any node. Use it only "
