@@ -223,6 +223,7 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         links=[link_stats_to_proto(x) for x in s.links], unix_time=s.unix_time,
         peak_memory_bytes=s.peak_memory_bytes, has_val_loss=s.val_loss is not None,
         val_loss=s.val_loss if s.val_loss is not None else 0.0,
+        loss_scale=s.loss_scale if s.loss_scale is not None else 0.0, skipped=s.skipped,
     )
 
 
@@ -233,4 +234,5 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         compute_seconds=m.compute_seconds, wait_seconds=m.wait_seconds,
         links=[link_stats_from_proto(x) for x in m.links], unix_time=m.unix_time,
         peak_memory_bytes=m.peak_memory_bytes, val_loss=m.val_loss if m.has_val_loss else None,
+        loss_scale=m.loss_scale if m.loss_scale > 0 else None, skipped=m.skipped,
     )

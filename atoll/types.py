@@ -89,3 +89,7 @@ class StepMetrics:
     (0: not measured)."""
     val_loss: float | None = None
     """Mean loss over the held-out validation batches after this step (None: no validation pass this step)."""
+    loss_scale: float | None = None
+    """fp16: the loss scale this step's gradients carried (None under fp32 and bf16)."""
+    skipped: bool = False
+    """fp16: a gradient overflowed somewhere in the job, so no node stepped (atoll.node.precision)."""

@@ -140,6 +140,8 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
         raise InvalidArgument(f"step metrics: {e}") from None
     for name in ("step_seconds", "compute_seconds", "wait_seconds"):
         v.check_seconds(name, getattr(req, name))
+    if not req.loss_scale >= 0 or req.loss_scale == float("inf"):  # NaN fails the first test
+        raise InvalidArgument(f"loss_scale = {req.loss_scale} must be finite and >= 0 (0: not fp16)")
     state.store.add_step(metrics)
     state.record_history(metrics)
     target = state.target_steps

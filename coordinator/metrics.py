@@ -34,6 +34,8 @@ class CoordinatorMetrics:
         self.val_loss = Gauge("atoll_val_loss", "Validation loss of the latest validation pass (absent before "
                               "the first)", registry=r)
         self.val_loss_step = Gauge("atoll_val_loss_step", "Step of atoll_val_loss", registry=r)
+        self.loss_scale = Gauge("atoll_loss_scale", "fp16: the loss scale of the latest step reported (absent under "
+                                "fp32 and bf16)", registry=r)
 
     def update(self, state: CoordinatorState) -> None:
         counts = {"alive": 0, "gone": 0, "left": 0}
@@ -43,7 +45,11 @@ class CoordinatorMetrics:
             self.members.labels(state=s).set(n)
         self.islands.set(len(state.store.get_islands()))
         self.plan_epoch.set(state.epoch)
-        step, tps = throughput(state.store.recent_steps(256), state.epoch)
+        recent_steps = state.store.recent_steps(256)
+        step, tps = throughput(recent_steps, state.epoch)
+        scaled = [m for m in recent_steps if m.loss_scale is not None]
+        if scaled:
+            self.loss_scale.set(max(scaled, key=lambda m: m.step).loss_scale)
         self.step.set(step)
         self.tokens_per_second.set(tps)
         done = state.complete_checkpoint_steps()

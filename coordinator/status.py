@@ -162,7 +162,20 @@ def history_lines(s: pb.StatusReply, width: int = 60) -> list[str]:
         out.append(f"val loss     {sparkline([p.val_loss for p in vals], width)}  {vals[0].val_loss:.3f} -> "
                    f"{vals[-1].val_loss:.3f} ({len(vals)} points)")
     out.append(f"  held as {s.history_resolution}; `atoll status --plot FILE.png` draws it whole")
-    return out
+    return out + _precision_lines(s)
+
+
+def _precision_lines(s: pb.StatusReply) -> list[str]:
+    """fp16: the latest loss scale and the steps skipped for an overflow among the recent reports."""
+    scaled = [r for r in s.recent_steps if r.loss_scale > 0]
+    if not scaled:
+        return []
+    latest = max(scaled, key=lambda r: r.step)
+    steps = {r.step for r in scaled}
+    skipped = sorted({r.step for r in scaled if r.skipped})
+    which = f" (step {', '.join(map(str, skipped[-5:]))})" if skipped else ""
+    return [f"fp16 loss scale {latest.loss_scale:g} at step {latest.step}; {len(skipped)} of the last {len(steps)} "
+            f"steps skipped for an overflow{which}"]
 
 
 def plot_history(s: pb.StatusReply, path: str | Path) -> Path:

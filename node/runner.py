@@ -759,7 +759,7 @@ class PlanRunner:
             tokens=(pl.rows[1] - pl.rows[0]) * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
-            peak_memory_bytes=result.peak_memory_bytes,
+            peak_memory_bytes=result.peak_memory_bytes, loss_scale=result.loss_scale, skipped=result.skipped,
         )
 
     def _zero(self, optimizer: torch.optim.Optimizer, averager: _SegmentAverager | None, cfg: StageConfig

@@ -180,3 +180,32 @@ def test_the_demo_draws_the_whole_history_when_it_gives_up_early(tmp_path, capsy
     out = capsys.readouterr().out
     assert "over 1000 steps in 600 s" in out and "buckets of" in out
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fp16_loss_scale_and_skipped_steps_show_in_status_and_metrics():
+    from atoll.coordinator.errors import InvalidArgument
+    from atoll.coordinator.store import MemberRecord
+    from atoll.serde import step_metrics_to_proto
+    from atoll.types import NodeProfile
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
+    for k in range(6):
+        for node, stage in (("a", 0), ("b", 1)):
+            m = StepMetrics(job_id=job.id, node_id=node, plan_epoch=0, step=k, stage=stage, step_seconds=0.2,
+                            loss=4.0 if node == "b" else None, loss_scale=1024.0 if k <= 3 else 512.0,
+                            skipped=k == 3)
+            state.store.add_step(m)
+            state.record_history(m)
+    s = h.handle_status(pb.StatusRequest(), state)
+    assert "fp16 loss scale 512 at step 5; 1 of the last 6 steps skipped for an overflow (step 3)" in format_status(s)
+    metrics = CoordinatorMetrics()
+    metrics.update(state)
+    assert "atoll_loss_scale 512.0" in generate_latest(metrics.registry).decode()
+    bad = step_metrics_to_proto(StepMetrics(job_id=job.id, node_id="a", plan_epoch=0, step=6, loss_scale=1.0))
+    bad.loss_scale = float("nan")
+    state.store.put_member(MemberRecord(node_id="a", peer_address="127.0.0.1:1",
+                                        profile=NodeProfile(hostname="h", device_kind="cpu"), state="alive",
+                                        joined_unix=1000.0, last_heartbeat_unix=1000.0, reason=""))
+    with pytest.raises(InvalidArgument, match="loss_scale = nan"):
+        h.handle_report_step(bad, state)
