@@ -27,7 +27,7 @@ from atoll.node.probe import ProbeError, ProbeResult, ProbeTooLarge, probe_peer,
 from atoll.node.replication import take_copy
 from atoll.node.state_transfer import StateHolder, StateTransferError
 from atoll.node.reverse import RELAY_METADATA_KEY, ReverseRegistry, TunnelError, relay_transfer
-from atoll.node.peer_authz import Forbidden, PlanMembers, caller_id, check_sender
+from atoll.node.peer_authz import Forbidden, PlanMembers, caller_id, check_dialer, check_sender
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, ServerHandle, make_server, peer_certificate, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
@@ -92,8 +92,13 @@ class _PeerServicer(pb_grpc.PeerServicer):
         remaining = self._admit(context, "Transfer")
         relay_to = dict(context.invocation_metadata() or ()).get(RELAY_METADATA_KEY)
         if relay_to and relay_to != self._owner.node_id:
+            caller = self._caller(context)
+            if caller is not None:  # a relay forwards only tensors whose sender is the certificate's node
+                request_iterator = check_sender(request_iterator, caller, None)
             try:
                 return relay_transfer(self._owner.reverse, relay_to, request_iterator, remaining - min(0.5, 0.1 * remaining))
+            except Forbidden as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
             except TunnelError as e:
                 context.abort(e.code(), f"relay {self._owner.node_id}: {e.details()}")
             except grpc.RpcError:
@@ -150,8 +155,13 @@ class _PeerServicer(pb_grpc.PeerServicer):
 
     def Connect(self, request_iterator, context):
         self._admit(context, "Connect")
+        caller = self._caller(context)
+        if caller is not None:  # a stream that relayed tensors reach is opened by that node only
+            request_iterator = check_dialer(request_iterator, caller)
         try:
             yield from self._owner.reverse.serve(request_iterator, context.peer())
+        except Forbidden as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -3,8 +3,9 @@
 Over mutual TLS a peer's certificate (signed by the job CA) names its node id. A tensor's meta names its
 sender too, and the mailbox checks that name against the plan; these checks bind the two: a tensor whose
 meta names another node than the certificate, or that comes from a node the current plan does not put
-upstream or downstream of this stage, is refused with `Forbidden` (PERMISSION_DENIED). FetchOuter serves
-only members of the plans this node has followed recently. Without TLS (the insecure mode) callers have no
+upstream or downstream of this stage, is refused with `Forbidden` (PERMISSION_DENIED). A relay forwards only
+tensors that name the certificate's node, a Connect stream is registered only under the certificate's node,
+and FetchOuter serves only members of the plans this node has followed recently. Without TLS (the insecure mode) callers have no
 identity and only the mailbox's checks apply.
 """
 
@@ -67,6 +68,18 @@ def check_sender(chunks: Iterator[C], caller: str, receiver: object) -> Iterator
                                     f"downstream of pipeline {spec.pipeline} stage {spec.stage}; its senders are "
                                     f"{', '.join(sorted(senders)) or 'none'}")
         yield chunk
+
+
+def check_dialer(frames: Iterator[C], caller: str) -> Iterator[C]:
+    """A Connect stream's frames, refusing (Forbidden) one whose first frame names another node than `caller`:
+    tensors relayed to a node go only over a stream that node opened itself."""
+    first = True
+    for frame in frames:
+        if first and frame.node_id != caller:  # type: ignore[attr-defined]
+            raise Forbidden(f"Connect: the caller's certificate is node {caller}'s, but the stream names "
+                            f"{frame.node_id[:80]!r}; a node opens streams only as itself")  # type: ignore[attr-defined]
+        first = False
+        yield frame
 
 
 class PlanMembers:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +27,7 @@ from atoll.node.credentials import NodeCredentials
 from atoll.node.identity import StateDirLock
 from atoll.node.mailbox import Mailbox, ReceiveSpec
 from atoll.node.peer import PeerServer
+from atoll.node.reverse import RELAY_METADATA_KEY
 from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import bootstrap_rpc, make_csr, new_key
@@ -169,15 +172,43 @@ def stage1_server(world: dict) -> Iterator[PeerServer]:
     server.stop()
 
 
-def _send(sender: Enrolled, address: str, claimed: str, epoch: int, job_id: str) -> pb.TransferAck:
+def _send(sender: Enrolled, address: str, claimed: str, epoch: int, job_id: str,
+          metadata: tuple = ()) -> pb.TransferAck:
     meta = dict(job_id=job_id, plan_epoch=epoch, step=0, micro_batch=0, direction="forward", name="act",
                 sender=claimed, pipeline=0, stage=0, replica=0)
     chunks = list(tensor_to_chunks(torch.full(SHAPE, float("nan")), CodecSpec("identity"), meta, 1024))
     channel = make_channel(address, sender.credentials.peer_rpc(RpcOptions()))
     try:
-        return pb_grpc.PeerStub(channel).Transfer(iter(chunks), timeout=10)
+        return pb_grpc.PeerStub(channel).Transfer(iter(chunks), timeout=10, metadata=metadata)
     finally:
         channel.close()
+
+
+def _connect_as(who: Enrolled, address: str, name: str, held: threading.Event | None = None):
+    """Open a Connect stream naming `name`; it stays open until `held` is set. Returns its first answer."""
+    def frames():
+        yield pb.ConnectFrame(node_id=name)
+        if held is not None:
+            held.wait(20)
+
+    channel = make_channel(address, who.credentials.peer_rpc(RpcOptions()))
+    stream = pb_grpc.PeerStub(channel).Connect(frames(), timeout=30)
+    try:
+        return next(stream)
+    finally:
+        if held is None:
+            stream.cancel()
+            channel.close()
+
+
+@contextmanager
+def _connected(who: Enrolled, address: str) -> Iterator[None]:
+    held = threading.Event()
+    _connect_as(who, address, who.node_id, held)
+    try:
+        yield
+    finally:
+        held.set()
 
 
 def test_forged_activations_from_stage_0_are_refused(world: dict, stage1_server: PeerServer) -> None:
@@ -189,6 +220,13 @@ def test_forged_activations_from_stage_0_are_refused(world: dict, stage1_server:
     # as itself: the plan does not put it upstream of stage 1
     assert "neither upstream nor downstream" in _denied(lambda: _send(forger, stage1_server.address, "forger",
                                                                        epoch, job_id))
+    # nor through this node as a relay towards a node that opened a Connect stream here (s0 plays one)
+    with _connected(s0, stage1_server.address):
+        relay = ((RELAY_METADATA_KEY, "s0"),)
+        assert "claims to come from 's1'" in _denied(lambda: _send(forger, stage1_server.address, "s1", epoch,
+                                                                   job_id, metadata=relay))
+    # and a stream opened under another node's name, to receive what is relayed to it, is refused
+    assert "the stream names 's0'" in _denied(lambda: _connect_as(forger, stage1_server.address, "s0"))
     assert stage1_server.receiver.stats["forward"].tensors == 0  # type: ignore[union-attr]
     # the real stage 0 gets through
     assert _send(s0, stage1_server.address, "s0", epoch, job_id).tensors == 1
