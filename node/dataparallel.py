@@ -7,12 +7,21 @@ group spans the replicas of one stage; how it was made is the caller's business:
 - separate processes: `init_distributed(...)` then `torch.distributed.new_group(ranks, timeout=...)`;
 - threads of one process (tests): `gloo_group(store, prefix, rank, size, timeout)` over a shared
   `TCPStore(port=0)` or `HashStore`, which needs no process-global state.
+
+Every wait on a collective goes through `wait_collective`: inside `cancel_collectives_on(event)` a wait ends as
+soon as the event is set (a newer plan arrived), instead of waiting out its timeout on a peer that will never
+come. gloo cannot abort an operation in flight, and destroying its group blocks until the operation times out,
+so a run that abandons a collective hands its groups to `release_later`, which drops them on a thread of its own
+once their timeout has passed.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +32,66 @@ from torch import nn
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and the group size."""
+
+
+class CollectiveCancelled(CollectiveError):
+    """A collective was abandoned because the plan it belonged to was superseded."""
+
+
+_cancel = threading.local()
+
+
+@contextmanager
+def cancel_collectives_on(event: threading.Event) -> Iterator[None]:
+    """Within the block, `wait_collective` on this thread ends (CollectiveCancelled) once `event` is set."""
+    outer = getattr(_cancel, "event", None)
+    _cancel.event = event
+    try:
+        yield
+    finally:
+        _cancel.event = outer
+
+
+CANCEL_POLL_S = 0.05
+"""How often a wait looks at its cancel event; the wait itself wakes the moment the collective completes."""
+
+
+def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:
+    """Wait for `work` at most `timeout`, and raise what it raised. Inside `cancel_collectives_on(event)` the wait
+    ends as soon as `event` is set: CollectiveCancelled, the operation left to its group's own timeout."""
+    event: threading.Event | None = getattr(_cancel, "event", None)
+    if event is None:
+        work.wait(timeout)
+        return
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _: done.set())
+    except RuntimeError:  # an operation without a future (gloo's reduce-scatter runs in wait()): plain wait
+        work.wait(timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not done.is_set():
+        if event.is_set():
+            raise CollectiveCancelled(f"{what} abandoned: the plan it belongs to was superseded")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveError(f"{what} timed out after {timeout}")
+        done.wait(min(CANCEL_POLL_S, left))
+    work.wait(timeout)  # done: returns at once, or raises the collective's error
+
+
+def release_later(objects: list[object], after: timedelta) -> None:
+    """Keep `objects` (process groups, and what holds them) alive for `after`, then drop them on a thread of
+    their own: destroying a gloo group with an operation in flight blocks until that operation times out, which
+    must not hold up the next plan."""
+    held = list(objects)
+    objects.clear()
+
+    def drop() -> None:
+        time.sleep(after.total_seconds())
+        held.clear()
+
+    threading.Thread(target=drop, name="atoll-release-groups", daemon=True).start()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +157,9 @@ class GradientAverager:
     def _all_reduce(self, t: torch.Tensor, timeout: timedelta) -> None:
         work = self.group.allreduce([t])
         try:
-            work.wait(timeout)
+            wait_collective(work, timeout, f"gradient all-reduce over {self.world_size} replicas")
+        except CollectiveCancelled:
+            raise
         except RuntimeError as e:
             raise CollectiveError(f"gradient all-reduce over {self.world_size} replicas failed or timed out "
                                   f"after {timeout}: {e}") from e

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from atoll.node.dataparallel import CollectiveCancelled, wait_collective
+
 
 class NormExchangeError(RuntimeError):
     """The exchange did not complete in time (a stage died or is stuck); the message says which."""
@@ -102,7 +104,9 @@ class DistNormExchange(NormExchange):
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         work = self.group.allreduce([t])
         try:
-            work.wait(timeout)
+            wait_collective(work, timeout, "norm exchange all-reduce")
+        except CollectiveCancelled:
+            raise
         except RuntimeError as e:
             raise NormExchangeError(f"norm exchange all-reduce failed or timed out after {timeout}: {e}") from e
         return float(t.item())

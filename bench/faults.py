@@ -1,0 +1,580 @@
+"""Fault injection for long runs of the tiny job: the driver of `bench.chaos` and `bench.churn`.
+
+A `FaultDriver` runs one job on a `LocalCluster` (a coordinator and nodes as real `atoll` processes on this
+machine) and injects events while it trains:
+
+- `node-kill`: SIGKILL a random running node (its whole process group); restarted on its state dir (same node
+  id) `restart_after` seconds later, so the cluster keeps its size;
+- `coordinator-kill`: SIGKILL the coordinator, restart it on the same state dir and address after `outage` s;
+- `join`: start a new node;
+- `leave`: SIGTERM a random node (a graceful leave); it is not restarted.
+
+Events are spread over the run by progress, not by the clock: event k is injected once the job has trained
+past step `first_at + k * steps_per_event` and the cluster has recovered from the event before (every node
+it should have is alive and whole steps are trained in the newest plan), so a slow machine gets the same
+events at the same points of the job as a fast one.
+
+A monitor thread reads the coordinator's SQLite store (it stays readable while the coordinator is down)
+every `poll` seconds: step reports, members and plans. From them, per event:
+
+- detection: from the event until the coordinator marks the node gone/left, or publishes a plan without it
+  (node kills and leaves); from the join until a plan names the new node (joins); coordinator kills: the
+  outage, until every member has heartbeated the new coordinator;
+- time to the next step: from the event (a join: its join) until the first whole step (one with a loss) is
+  trained after it; for a node that ran a stage, in a newer plan than the one it ran;
+- steps rolled back: how far the trained step went back in the event's window (`rolled_back`);
+- bytes of state moved: what the nodes' logs say they fetched or received of other nodes' state in the
+  window (`state_bytes`), or None where they say nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from atoll.coordinator.store import SqliteStore
+from atoll.job import JobSpec
+from atoll.launch.localcluster import LocalCluster, _signal_group, clear_run
+from atoll.plan import Plan
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "examples" / "tiny.toml"
+
+KINDS = ("node-kill", "coordinator-kill", "join", "leave")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSchedule:
+    """How many events of each kind a run gets, in a random order drawn from `seed`."""
+
+    node_kills: int = 0
+    coordinator_kills: int = 0
+    joins: int = 0
+    leaves: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("node_kills", "coordinator_kills", "joins", "leaves"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def events(self) -> list[str]:
+        kinds = (["node-kill"] * self.node_kills + ["coordinator-kill"] * self.coordinator_kills
+                 + ["join"] * self.joins + ["leave"] * self.leaves)
+        random.Random(self.seed).shuffle(kinds)
+        return kinds
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriverConfig:
+    """The cluster, the job's length and the timing of the events."""
+
+    nodes: int = 4
+    """Nodes at the start."""
+    steps_per_event: int = 30
+    """Steps of training between two events (the job is as long as its events need, at least `min_steps`)."""
+    first_at: int = 20
+    """The step after which the first event comes (the first plan's steps measured)."""
+    min_steps: int = 150
+    """Shortest job."""
+    restart_after: float = 10.0
+    """Seconds a killed node stays down before it is started again (longer than the lease: its death is
+    detected as a death, not as a restart at a new address)."""
+    outage: float = 5.0
+    """Seconds the coordinator stays down (shorter than the lease: nodes keep their membership)."""
+    lease: float = 8.0
+    """The coordinator's lease (`atoll coordinator --lease`)."""
+    recover_timeout: float = 300.0
+    """Longest wait for the cluster to recover from an event before the run is given up."""
+    poll: float = 0.25
+    """Seconds between two readings of the coordinator's store."""
+    threads_per_node: int = 1
+    profile_seconds: float = 1.0
+    job: Path = TINY
+
+    def __post_init__(self) -> None:
+        if self.nodes < 2:
+            raise ValueError(f"nodes must be >= 2 (a kill needs a survivor), got {self.nodes}")
+        if self.steps_per_event < 5 or self.first_at < 1 or self.min_steps < 10:
+            raise ValueError("steps_per_event must be >= 5, first_at >= 1 and min_steps >= 10")
+        if not 0 < self.outage < self.lease:
+            raise ValueError(f"outage ({self.outage}s) must be positive and shorter than the lease ({self.lease}s)")
+        for name in ("restart_after", "recover_timeout", "poll", "profile_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    def steps(self, events: int) -> int:
+        return max(self.min_steps, self.first_at + (events + 1) * self.steps_per_event)
+
+
+def write_job(cfg: DriverConfig, steps: int, path: Path) -> Path:
+    """The tiny job, `steps` long, planned for `cfg.nodes` nodes, with a fixed codec (identity) so the losses of
+    two runs differ only by what the faults did."""
+    job = JobSpec.load(cfg.job)
+    job = replace(job, train=replace(job.train, steps=steps),
+                  compression=replace(job.compression, mode="identity"),
+                  cluster=replace(job.cluster, expected_nodes=cfg.nodes, min_nodes=1),
+                  outer=replace(job.outer, mode="sync"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(job.to_toml())
+    return path
+
+
+@dataclass
+class Event:
+    """One injected event and what it cost."""
+
+    index: int
+    kind: str
+    at: float
+    """Unix time of the event (a join: when its process was started)."""
+    target: str = ""
+    """Process name (node3) or "coordinator"."""
+    node_id: str = ""
+    role: str = ""
+    """What the node ran in the plan of the moment: "stage 1 of 2, 1 other replica live", "idle", ..."""
+    live_replica: bool = False
+    """A node kill or leave whose stage had another replica alive."""
+    epoch: int = 0
+    """Plan epoch at the event."""
+    step: int = -1
+    """Highest whole step trained before the event."""
+    until: float = 0.0
+    """End of the event's window (the next event, or the end of the run)."""
+    back_at: float = 0.0
+    """Killed node restarted / coordinator restarted / joined node's join (unix time; 0: n/a)."""
+    detection_s: float | None = None
+    next_step_s: float | None = None
+    rolled_back: int | None = None
+    state_bytes: int | None = None
+    note: str = ""
+
+
+@dataclass
+class RunRecord:
+    """What the monitor read from the coordinator's store during a run."""
+
+    steps: dict[tuple[str, int, int], tuple[float, int, float | None, int]] = field(default_factory=dict)
+    """(node id, epoch, step) -> (unix time, step, loss, epoch) of every report."""
+    plans: list[tuple[float, Plan, str]] = field(default_factory=list)
+    """(created, plan, reason) of every plan."""
+    left_alive: dict[str, float] = field(default_factory=dict)
+    """node id -> the first time the store showed it not alive (reset when it is alive again)."""
+    member_states: dict[str, str] = field(default_factory=dict)
+    heard: dict[str, float] = field(default_factory=dict)
+    """node id -> latest heartbeat time."""
+    joined: dict[str, float] = field(default_factory=dict)
+    """node id -> its latest join time."""
+    gone_times: dict[str, list[float]] = field(default_factory=dict)
+    """node id -> every time the store was first seen marking it not alive."""
+
+    def whole_steps(self) -> list[tuple[float, int, int, float]]:
+        """(unix time, step, epoch, loss) of every step with a loss, in time order."""
+        out = [(t, s, e, loss) for (t, s, loss, e) in self.steps.values() if loss is not None]
+        return sorted(out)
+
+    def losses(self) -> dict[int, float]:
+        """Each step's loss as last trained."""
+        return {s: loss for _, s, _, loss in self.whole_steps()}
+
+
+class Monitor:
+    """Reads the coordinator's store every `poll` seconds into a `RunRecord` (a thread of its own)."""
+
+    def __init__(self, db: Path, poll: float):
+        self.db, self.poll = db, poll
+        self.record = RunRecord()
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._newest = 0.0
+        self._thread = threading.Thread(target=self._run, name="fault-monitor", daemon=True)
+
+    def start(self) -> "Monitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.read()  # the last reports
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self.read()
+            except Exception:  # noqa: BLE001 - the store is being created or written: read again next time
+                continue
+
+    def read(self) -> None:
+        if not self.db.is_file():
+            return
+        store = SqliteStore(self.db)
+        try:
+            limit = 256
+            while True:  # read back until the reports overlap what was read before
+                batch = store.recent_steps(limit=limit)
+                if len(batch) < limit or limit >= store.recent_steps_kept or batch[0].unix_time <= self._newest:
+                    break
+                limit *= 4
+            members = store.list_members()
+            plans = store.plan_history()
+        finally:
+            store.close()
+        now = time.time()
+        with self.lock:
+            r = self.record
+            for m in batch:
+                r.steps[(m.node_id, m.plan_epoch, m.step)] = (m.unix_time, m.step, m.loss, m.plan_epoch)
+                self._newest = max(self._newest, m.unix_time)
+            for m in members:
+                r.heard[m.node_id] = m.last_heartbeat_unix
+                r.joined[m.node_id] = m.joined_unix
+                if m.state != "alive":
+                    if m.node_id not in r.left_alive:
+                        r.left_alive[m.node_id] = now
+                        r.gone_times.setdefault(m.node_id, []).append(now)
+                else:
+                    r.left_alive.pop(m.node_id, None)
+                r.member_states[m.node_id] = m.state
+            r.plans = [(p.created_unix, p.plan, p.reason) for p in plans]
+
+    def snapshot(self) -> RunRecord:
+        with self.lock:
+            r = self.record
+            return RunRecord(steps=dict(r.steps), plans=list(r.plans), left_alive=dict(r.left_alive),
+                             member_states=dict(r.member_states), heard=dict(r.heard), joined=dict(r.joined),
+                             gone_times={k: list(v) for k, v in r.gone_times.items()})
+
+
+def plan_nodes(plan: Plan) -> set[str]:
+    return {n for p in plan.pipelines for st in p.stages for n in st.nodes}
+
+
+def role_of(plan: Plan | None, node_id: str, alive: set[str]) -> tuple[str, bool]:
+    """(what `node_id` runs in `plan`, whether another replica of its stage is alive)."""
+    if plan is None:
+        return "no plan yet", False
+    for p_index, p in enumerate(plan.pipelines):
+        for s_index, st in enumerate(p.stages):
+            if node_id in st.nodes:
+                others = [n for n in st.nodes if n != node_id and n in alive]
+                # another pipeline holding the same layers is a live copy too
+                for q_index, q in enumerate(plan.pipelines):
+                    if q_index != p_index:
+                        others += [n for s in q.stages for n in s.nodes
+                                   if n in alive and s.layers[0] <= st.layers[0] and st.layers[1] <= s.layers[1]]
+                return (f"pipeline {p_index} stage {s_index} of {len(p.stages)} (layers {st.layers[0]}-{st.layers[1]}), "
+                        f"{len(others)} live cop{'y' if len(others) == 1 else 'ies'} elsewhere"), bool(others)
+    return "idle in the plan", False
+
+
+def rolled_back(steps: list[tuple[float, int, int, float]], start: float, end: float) -> int:
+    """How far the trained step went back within [start, end): the largest drop below the highest step trained
+    so far (steps trained before `start` count as trained)."""
+    high = max((s for t, s, _, _ in steps if t < start), default=-1)
+    worst = 0
+    for t, s, _, _ in steps:
+        if start <= t < end:
+            worst = max(worst, high + 1 - s)
+            high = max(high, s)
+    return worst
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(B|bytes|KB|kB|KiB|MB|MiB|GB|GiB)\b")
+_STATE_LINE = re.compile(r"(?i)state transfer|\b(fetched|received|transferred|sent|streamed|copied|handed over)\b.*"
+                         r"\b(state|weights|checkpoint|optimizer)\b")
+_UNITS = {"b": 1, "bytes": 1, "kb": 1e3, "kib": 1024, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": 2**30}
+_LOG_TIME = re.compile(r"^(\d\d):(\d\d):(\d\d)\b")
+"""Atoll's log lines start with the local time of day (`atoll.log`)."""
+
+
+def _log_time(line: str, near: float) -> float | None:
+    """Unix time of a log line stamped HH:MM:SS, on the day that puts it nearest to `near`."""
+    m = _LOG_TIME.match(line)
+    if m is None:
+        return None
+    h, mi, sec = (int(x) for x in m.groups())
+    base = time.localtime(near)
+    day = time.mktime((base.tm_year, base.tm_mon, base.tm_mday, h, mi, sec, 0, 0, -1))
+    return min((day - 86400, day, day + 86400), key=lambda t: abs(t - near))
+
+
+def state_bytes_in_logs(logs: list[Path], start: float, end: float) -> int | None:
+    """Bytes of state the nodes' logs say they fetched, received or handed over within [start, end) (a line
+    such as "state transfer: 123456 bytes from ..."), or None when no line in the window says so."""
+    total, seen = 0, False
+    for log in logs:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            if not _STATE_LINE.search(line):
+                continue
+            size = _SIZE.search(line)
+            t = _log_time(line, start)
+            if size is None or t is None:
+                continue
+            # stamps have whole seconds: a line of the event's first second counts
+            if int(start) <= t < end:
+                seen = True
+                total += int(float(size.group(1)) * _UNITS[size.group(2).lower()])
+    return total if seen else None
+
+
+class RunFailed(RuntimeError):
+    """The disturbed run could not go on: the cluster did not recover from an event in time."""
+
+
+class FaultDriver:
+    """One run of the job under `out` with the events of `schedule` (none: the undisturbed run)."""
+
+    def __init__(self, cfg: DriverConfig, job_path: Path, out: Path, *, seed: int = 0,
+                 say=print):
+        self.cfg, self.job_path, self.out = cfg, job_path, Path(out)
+        self.job = JobSpec.load(job_path)
+        self.rng = random.Random(seed)
+        self.say = say
+        clear_run(self.out)
+        self.cluster = LocalCluster(job_path=job_path, out=self.out, threads_per_node=cfg.threads_per_node,
+                                    profile_seconds=cfg.profile_seconds)
+        self.coordinator_args = ["--lease", str(cfg.lease), "--island-threshold", "0.001"]
+        self.monitor = Monitor(self.cluster.state_db, cfg.poll)
+        self.running: list[str] = []
+        """Names of the node processes that should be up."""
+        self.down: dict[str, float] = {}
+        """Killed nodes waiting for their restart: name -> when to start it."""
+        self._next_name = 1
+        self.events: list[Event] = []
+        self.started = 0.0
+        self.finished: float | None = None
+
+    # --- processes -----------------------------------------------------------------------------------
+
+    def _start_node(self, name: str | None = None) -> str:
+        if name is None:
+            name = f"node{self._next_name}"
+            self._next_name += 1
+        self.cluster.start_node(name)
+        if name not in self.running:
+            self.running.append(name)
+        return name
+
+    def node_id(self, name: str, wait: float = 60.0) -> str:
+        path = self.out / name / "node_id"
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            if path.is_file() and path.read_text().strip():
+                return path.read_text().strip()
+            time.sleep(0.1)
+        raise RunFailed(f"{name} wrote no node id within {wait:.0f}s; see {self.out}/{name}.log")
+
+    def _check_processes(self) -> None:
+        for name, proc in list(self.cluster.procs.items()):
+            if proc.poll() is not None and (name == "coordinator" or name in self.running):
+                raise RunFailed(f"{name} exited with code {proc.returncode}; see {self.out}/{name}.log")
+
+    def _restart_due(self) -> None:
+        now = time.time()
+        for name, when in list(self.down.items()):
+            if now >= when:
+                del self.down[name]
+                self._start_node(name)
+                for e in reversed(self.events):
+                    if e.target == name and e.kind == "node-kill":
+                        e.back_at = time.time()
+                        break
+
+    # --- progress --------------------------------------------------------------------------------------
+
+    def high_step(self, rec: RunRecord) -> int:
+        return max((s for _, s, _, _ in rec.whole_steps()), default=-1)
+
+    def complete(self, rec: RunRecord) -> bool:
+        return len(rec.losses()) >= self.job.train.steps
+
+    def recovered(self, rec: RunRecord, since: float) -> bool:
+        """Every node that should run is alive, the newest plan names only alive nodes, and whole steps of the
+        newest plan were trained after `since`."""
+        if self.down or not rec.plans:
+            return False
+        ids = {self.node_id(n) for n in self.running}
+        if any(rec.member_states.get(i) != "alive" or rec.heard.get(i, 0.0) < since for i in ids):
+            return False
+        created, plan, _ = rec.plans[-1]
+        if not plan_nodes(plan) <= ids:
+            return False
+        after = [s for t, s, e, _ in rec.whole_steps() if t > max(since, created) and e == plan.epoch]
+        return len(after) >= 3
+
+    def _wait(self, what: str, until, timeout: float) -> RunRecord:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self._check_processes()
+            self._restart_due()
+            rec = self.monitor.snapshot()
+            if until(rec):
+                return rec
+            time.sleep(self.cfg.poll)
+        raise RunFailed(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}")
+
+    # --- events ----------------------------------------------------------------------------------------
+
+    def _pick(self) -> str:
+        return self.rng.choice(sorted(self.running))
+
+    def _event(self, kind: str, rec: RunRecord) -> Event:
+        plan = rec.plans[-1][1] if rec.plans else None
+        alive = {n for n, s in rec.member_states.items() if s == "alive"}
+        e = Event(index=len(self.events) + 1, kind=kind, at=0.0, epoch=plan.epoch if plan else 0,
+                  step=self.high_step(rec))
+        if kind in ("node-kill", "leave"):
+            name = self._pick()
+            e.target, e.node_id = name, self.node_id(name)
+            e.role, e.live_replica = role_of(plan, e.node_id, alive)
+            proc = self.cluster.procs[name]
+            self.running.remove(name)
+            e.at = time.time()
+            if kind == "node-kill":
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(10)
+                self.down[name] = time.time() + self.cfg.restart_after
+            else:
+                _signal_group(proc, signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except Exception:  # noqa: BLE001 - a leave that hangs is killed, and the note says so
+                    _signal_group(proc, signal.SIGKILL)
+                    proc.wait(10)
+                    e.note = "did not exit within 60 s of SIGTERM; killed"
+                del self.cluster.procs[name]
+        elif kind == "coordinator-kill":
+            e.target = "coordinator"
+            e.at = time.time()
+            self.cluster.kill_coordinator()
+            time.sleep(self.cfg.outage)
+            self.cluster.restart_coordinator(extra=self.coordinator_args)
+            e.back_at = time.time()
+        elif kind == "join":
+            e.at = time.time()
+            name = self._start_node()
+            e.target, e.node_id = name, self.node_id(name)
+        else:
+            raise ValueError(f"unknown event kind {kind!r}; one of {KINDS}")
+        return e
+
+    def run(self, schedule: FaultSchedule, timeout: float) -> list[Event]:
+        """Start the cluster, inject the events at their steps, wait for the job to finish; return the events."""
+        kinds = schedule.events()
+        cfg = self.cfg
+        self.started = time.time()
+        deadline = time.monotonic() + timeout
+        try:
+            self.cluster.start_coordinator(extra=self.coordinator_args)
+            self.monitor.start()
+            for _ in range(cfg.nodes):
+                self._start_node()
+            last_action = time.time()
+            for k, kind in enumerate(kinds):
+                trigger = cfg.first_at + k * cfg.steps_per_event
+                left = deadline - time.monotonic()
+                rec = self._wait(f"step {trigger} with the cluster recovered (before event {k + 1}, {kind})",
+                                 lambda r: self.high_step(r) >= trigger and self.recovered(r, last_action),
+                                 min(left, cfg.recover_timeout + 2.0 * cfg.steps_per_event))
+                if self.complete(rec):
+                    self.say(f"the job finished before event {k + 1}; {len(kinds) - k} event(s) not injected")
+                    break
+                e = self._event(kind, rec)
+                self.events.append(e)
+                self.say(f"  event {e.index}/{len(kinds)}: {e.kind} {e.target} at step {e.step} ({e.role or 'n/a'})")
+                last_action = e.back_at or e.at
+                if kind == "node-kill":
+                    # recovered means restarted too: wait for the restart before counting from it
+                    self._wait("the killed node's restart", lambda r: e.target not in self.down,
+                               cfg.restart_after + 30)
+                    last_action = e.back_at
+            self._wait("the job to finish", self.complete, max(30.0, deadline - time.monotonic()))
+            self.finished = time.time()
+        finally:
+            self.monitor.stop()
+            self.cluster.stop()
+        self._measure()
+        return self.events
+
+    # --- figures -----------------------------------------------------------------------------------------
+
+    def _measure(self) -> None:
+        rec = self.monitor.snapshot()
+        steps = rec.whole_steps()
+        end = self.finished or time.time()
+        logs = sorted(self.out.glob("node*.log"))
+        for i, e in enumerate(self.events):
+            e.until = self.events[i + 1].at if i + 1 < len(self.events) else end
+            e.rolled_back = rolled_back(steps, e.at, e.until)
+            e.state_bytes = state_bytes_in_logs(logs, e.at, e.until)
+            later = [(t, p) for t, p, _ in rec.plans if t >= e.at]
+            if e.kind in ("node-kill", "leave"):
+                gone = [t for t in rec.gone_times.get(e.node_id, []) if e.at <= t < e.until]
+                without = [t for t, p in later if e.node_id not in plan_nodes(p)]
+                # a plan that never named the node: its absence is no detection
+                named = e.role.startswith("pipeline")
+                seen = gone + (without if named else [])
+                e.detection_s = min(seen) - e.at if seen else None
+                newer = [(t, s) for t, s, ep, _ in steps if t > e.at and (ep > e.epoch or not named)]
+                e.next_step_s = newer[0][0] - e.at if newer else None
+            elif e.kind == "join":
+                joined = rec.joined.get(e.node_id, 0.0)
+                e.back_at = joined
+                naming = [(t, p) for t, p in later if e.node_id in plan_nodes(p)]
+                e.detection_s = naming[0][0] - joined if naming and joined else None
+                if naming:
+                    first = naming[0][1].epoch
+                    newer = [t for t, s, ep, _ in steps if ep >= first and t > naming[0][0]]
+                    e.next_step_s = newer[0] - joined if newer and joined else None
+                    e.rolled_back = rolled_back(steps, naming[0][0], e.until)
+                else:
+                    e.note = (e.note + "; " if e.note else "") + "no plan named the node (idle or still joining)"
+                    e.rolled_back = 0
+            else:  # coordinator kill: the outage, and then until every member heartbeated the new process
+                back = e.back_at
+                e.detection_s = None
+                e.next_step_s = next((t - e.at for t, _, _, _ in steps if t > e.at), None)
+                during = [s for t, s, _, _ in steps if e.at <= t < back]
+                replans = [p.epoch for t, p in later if t < e.until]
+                e.note = (f"down {back - e.at:.1f}s, {len(during)} step(s) trained meanwhile"
+                          + (f", new epoch(s) {replans}" if replans else ", no new epoch"))
+
+    def summary_losses(self) -> dict[int, float]:
+        return self.monitor.snapshot().losses()
+
+
+def final_loss(losses: dict[int, float], last: int = 10) -> float:
+    """Mean loss of the job's last `last` steps (the same batches in every run)."""
+    tail = sorted(losses)[-last:]
+    return statistics.fmean(losses[s] for s in tail)
+
+
+def fmt(x: float | int | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def event_table(events: list[Event]) -> list[str]:
+    rows = [["#", "event", "target", "at step", "detect s", "next step s", "rolled back", "state bytes", "role / note"]]
+    for e in events:
+        rows.append([str(e.index), e.kind, e.target, str(e.step), fmt(e.detection_s), fmt(e.next_step_s),
+                     fmt(e.rolled_back, "d"), fmt(e.state_bytes, ","), "; ".join(x for x in (e.role, e.note) if x)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def undisturbed(cfg: DriverConfig, job_path: Path, out: Path, timeout: float, say=print) -> dict[int, float]:
+    """The same job on the same cluster without events: its losses by step."""
+    driver = FaultDriver(cfg, job_path, out, say=say)
+    driver.run(FaultSchedule(), timeout)
+    return driver.summary_losses()
