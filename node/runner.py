@@ -46,6 +46,7 @@ from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, RowPeer
 from atoll.node.reverse import peer_ref
+from atoll.node.store_exchange import StoreNormExchange
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
@@ -646,9 +647,16 @@ class PlanRunner:
         base = self._group_prefix()
         norm = None
         if store is not None and (pl.num_stages > 1 or pl.tp > 1):
-            g = _group(store, f"{base}/norm-{pl.pipeline}/", pl.pipeline_nodes.index(ctx.node_id),
-                       len(pl.pipeline_nodes), ctx.timeout, ctx.device)
-            norm = OncePerStage(DistNormExchange(g, device=ctx.device), counts=pl.counts_norm)
+            rank, size = pl.pipeline_nodes.index(ctx.node_id), len(pl.pipeline_nodes)
+            if any(not self.plan.node_addresses.get(n, "x") for n in pl.pipeline_nodes):
+                # a node that accepts no connections cannot be in a gloo group with nodes it cannot reach; all
+                # of them reach the coordinator's store
+                exchange: NormExchange = StoreNormExchange(store, f"{base}/norm-{pl.pipeline}/", rank=rank,
+                                                           size=size)
+            else:
+                exchange = DistNormExchange(_group(store, f"{base}/norm-{pl.pipeline}/", rank, size, ctx.timeout,
+                                                   ctx.device), device=ctx.device)
+            norm = OncePerStage(exchange, counts=pl.counts_norm)
         averager = None
         if store is not None and pl.segments:
             parts = []

@@ -125,6 +125,37 @@ def test_connect_frames_round_trip() -> None:
     assert pb.ConnectFrame.FromString(f.SerializeToString()) == f
 
 
+@pytest.mark.timeout(60)
+def test_the_norm_exchange_meets_at_the_store_when_a_member_accepts_no_connections() -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    from atoll.node.store_exchange import StoreNormExchange
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+               for _ in range(3)]
+    members = [StoreNormExchange(c, "job/e1/norm-0/", rank=i, size=3) for i, c in enumerate(clients)]
+    sums: dict[int, list[float]] = {i: [] for i in range(3)}
+
+    def run(i: int) -> None:
+        for r in range(5):
+            sums[i].append(members[i].all_sum(float(10 * r + i), timedelta(seconds=10)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(sums[i] == [30.0 * r + 3 for r in range(5)] for i in range(3)), sums
+    assert not server.check(["job/e1/norm-0/0/0"]) and server.check(["job/e1/norm-0/4/2"])  # old rounds deleted
+    from atoll.node.norm_exchange import NormExchangeError
+
+    with pytest.raises(NormExchangeError, match=r"member\(s\) \[1, 2\]"):
+        members[0].all_sum(1.0, timedelta(milliseconds=200))
+
+
 # --- processes -----------------------------------------------------------------------------------------------
 
 
@@ -183,5 +214,86 @@ def test_a_no_listen_node_serves_a_middle_stage(tmp_path: Path) -> None:
     assert [m.profile.unreachable for m in sorted(status.members, key=lambda m: m.node_id)] == [False, False, True]
     log = (out / "middle.log").read_text()
     assert "accepts no connections" in log and "Connect stream to first" in log and "Connect stream to last" in log
+    for s in range(steps):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
+
+
+_DIAL_ONE = """
+import socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+try:
+    socket.create_connection((host, int(port)), timeout=2).close()
+    print("ok")
+except OSError as e:
+    print(type(e).__name__)
+"""
+_LISTEN = """
+import socket, sys, time
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept(); c.close()
+"""
+
+
+def outbound_only(namespace: str, device: str = "eth0") -> None:
+    """Make a host of the testbed accept no connections while its own go out, as behind NAT or a stateful
+    firewall: its interface never sends the SYN+ACK that accepts a connection (an htb class whose queue holds
+    nothing takes them), so connections into it time out, while its own connections (it sends SYN, then ACKs)
+    pass. Stateless and built from tc alone, as neither iptables nor nftables is needed."""
+    import subprocess
+
+    def tc(*argv: str) -> None:
+        subprocess.run(["ip", "netns", "exec", namespace, "tc", *argv], check=True, capture_output=True, timeout=10)
+
+    tc("qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "10", "r2q", "1000")
+    tc("class", "add", "dev", device, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit")
+    tc("class", "add", "dev", device, "parent", "1:", "classid", "1:20", "htb", "rate", "1kbit")
+    tc("qdisc", "add", "dev", device, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")
+    # IPv4 without options: TCP's flags byte is at offset 20 + 13; SYN (0x02) and ACK (0x10) both set
+    tc("filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+       "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x12", "0x12", "at", "33", "flowid", "1:20")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_node_in_an_outbound_only_namespace_serves_a_middle_stage(tmp_path: Path) -> None:
+    """The middle stage runs on a testbed host whose firewall drops inbound connections. It is started like any
+    node (no --no-listen): the coordinator cannot dial it back, tells it so, and it serves its stage over the
+    streams it opens; the losses equal one process's."""
+    import subprocess
+    import sys
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the bench tree is not installed
+    from bench.geo import geo_testbed, geo_unavailable
+
+    reason = geo_unavailable()
+    if reason:
+        pytest.skip(reason)
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.node.local import train_local
+
+    steps = 4
+    job, job_path, plan_path, out = _pinned_three_stage_job(tmp_path, steps)
+    expected, _ = train_local(job)
+    with geo_testbed(regions={"lab": 3}, cpu_quota=None) as tb:
+        first, middle, last = tb.hosts
+        outbound_only(middle.namespace)
+        server = first.popen([sys.executable, "-c", _LISTEN, first.ip], stdout=subprocess.PIPE, text=True)
+        into_first = f"{first.ip}:{server.stdout.readline().strip()}"
+        listener = middle.popen([sys.executable, "-c", _LISTEN, middle.ip], stdout=subprocess.PIPE, text=True)
+        into_middle = f"{middle.ip}:{listener.stdout.readline().strip()}"
+        dial = [sys.executable, "-c", _DIAL_ONE]
+        assert first.run(dial + [into_middle]).strip() != "ok", "the filter should drop connections into the host"
+        assert middle.run(dial + [into_first]).strip() == "ok", "connections out of the host should pass"
+        with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+            cluster.start_coordinator(host=tb.coordinator, extra=["--plan", str(plan_path)])
+            for name, host in zip(("first", "middle", "last"), tb.hosts):
+                cluster.start_node(name, host=host)
+            losses = _train(cluster, steps, 240)
+            status = cluster.status()
+    assert status.plan.node_addresses["middle"] == "" and status.plan.node_addresses["last"]
+    log = (out / "middle.log").read_text()
+    assert "could not dial this node back" in log and "--advertise" in log
     for s in range(steps):
         assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
