@@ -209,3 +209,30 @@ def test_fp16_loss_scale_and_skipped_steps_show_in_status_and_metrics():
                                         joined_unix=1000.0, last_heartbeat_unix=1000.0, reason=""))
     with pytest.raises(InvalidArgument, match="loss_scale = nan"):
         h.handle_report_step(bad, state)
+
+
+@pytest.mark.timeout(60)
+def test_atoll_status_plot_draws_a_live_coordinators_history(tmp_path, capsys):
+    from datetime import timedelta
+
+    from atoll.coordinator.membership import MembershipOptions
+    from atoll.coordinator.service import CoordinatorService, ServiceConfig
+    from atoll.coordinator.state import CoordinatorOptions
+    from atoll.launch.cli import main
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    svc = CoordinatorService(job=job, token="tok", options=CoordinatorOptions(
+        membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)), dial_back=False),
+        config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0, tick=timedelta(milliseconds=50))).start()
+    try:
+        for k in range(3000):  # more than the status's default points: --plot asks for every row
+            svc.store.add_history(Sample(step=k, epoch=1, loss=loss_of(k), val_loss=2.0 if k % 500 == 0 else None))
+        out = tmp_path / "loss.png"
+        assert main(["status", "--coordinator", svc.address, "--token", "tok", "--insecure", "--plot", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert f"loss curve of job tiny written to {out}" in printed and "-2999 every step" in printed
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert main(["status", "--coordinator", svc.address, "--token", "tok", "--insecure"]) == 0
+        assert "loss history " in capsys.readouterr().out
+    finally:
+        svc.stop()
