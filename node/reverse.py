@@ -369,9 +369,12 @@ class ReverseDialer:
                 started = time.monotonic()
                 ok.start()
                 # a healthy stream is replaced after its lifetime; a failed one is reopened after a backoff
-                if done.wait(cfg.stream_lifetime.total_seconds()) or self._closed.is_set():
-                    if self._closed.is_set():
-                        return
+                end = started + cfg.stream_lifetime.total_seconds()
+                while not done.is_set() and not self._closed.is_set() and time.monotonic() < end:
+                    done.wait(min(0.5, max(0.0, end - time.monotonic())))
+                if self._closed.is_set():
+                    return
+                if done.is_set():
                     if time.monotonic() - started < 1.0:
                         failures += 1
                         if failures == 1 or failures % 50 == 0:

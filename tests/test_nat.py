@@ -297,3 +297,83 @@ def test_a_node_in_an_outbound_only_namespace_serves_a_middle_stage(tmp_path: Pa
     assert "could not dial this node back" in log and "--advertise" in log
     for s in range(steps):
         assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
+
+
+# --- the coordinator's side ----------------------------------------------------------------------------------
+
+
+def _link(a: str, b: str, bw: float, rtt: float = 0.01):
+    from atoll.types import LinkMeasurement
+
+    return LinkMeasurement(src=a, dst=b, bandwidth_bytes_per_s=bw, rtt_seconds=rtt)
+
+
+def test_a_pair_of_unreachable_nodes_gets_the_link_through_its_best_relay() -> None:
+    from atoll.coordinator.reachability import relay_links
+
+    # u1 and u2 accept no connections; r1's slower leg is 50 MB/s, r2's 80 MB/s: r2 relays
+    links = [_link("u1", "r1", 100e6), _link("u2", "r1", 50e6), _link("u1", "r2", 80e6, 0.02),
+             _link("r2", "u2", 90e6, 0.03), _link("r1", "r2", 1e9)]
+    seen, routes = relay_links(links, ["u1", "u2", "r1", "r2"], {"u1", "u2"})
+    assert routes == {frozenset(("u1", "u2")): ("r2", 80e6)}
+    relayed = [x for x in seen if {x.src, x.dst} == {"u1", "u2"}]
+    assert len(relayed) == 2 and all(x.bandwidth_bytes_per_s == 80e6 for x in relayed)
+    assert all(abs(x.rtt_seconds - 0.05) < 1e-12 for x in relayed)  # the legs' round trips add up
+    assert len(seen) == len(links) + 2
+    _, none = relay_links([_link("u1", "r1", 1e9)], ["u1", "u2", "r1"], {"u1", "u2"})
+    assert none == {}  # r1 never measured a leg to u2: no relay
+
+
+def test_the_plan_names_a_relay_only_between_two_unreachable_neighbours() -> None:
+    from atoll.coordinator.reachability import plan_relays
+    from atoll.plan import PipelinePlan, Plan, StagePlan
+
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+        micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="a", layers=(0, 2), nodes=["u1"]),
+                                                   StagePlan(island="b", layers=(2, 4), nodes=["u2"]),
+                                                   StagePlan(island="c", layers=(4, 6), nodes=["r"])])])
+    relays, missing = plan_relays(plan, {"u1", "u2"}, {frozenset(("u1", "u2")): ("r", 5e7)})
+    assert [(x.a, x.b, x.via, x.bandwidth_bytes_per_s) for x in relays] == [("u1", "u2", "r", 5e7)] and not missing
+    plan.relays = relays
+    assert plan.relay_of("u2", "u1") == "r" and plan.relay_of("u2", "r") is None
+    from atoll.serde import plan_from_proto, plan_to_proto
+
+    assert plan_from_proto(plan_to_proto(plan)).relays == relays
+    assert Plan.from_json(plan.to_json()).relays == relays
+    _, missing = plan_relays(plan, {"u1", "u2"}, {})
+    assert len(missing) == 1 and "start a node that accepts connections" in missing[0]
+
+
+def test_probes_never_dial_a_node_that_accepts_no_connections() -> None:
+    from atoll.coordinator import handlers as h
+    from atoll.coordinator.state import CoordinatorState
+    from atoll.coordinator.store import MemoryStore
+    from atoll.job import JobSpec
+    from atoll.v1 import atoll_pb2 as pb
+
+    state = CoordinatorState(store=MemoryStore(), job=JobSpec.load(ROOT / "examples" / "tiny.toml"), token="t",
+                             clock=lambda: 1000.0)
+    profile = pb.NodeProfile(hostname="h", device_kind="cpu", device_name="x", device_count=1,
+                             memory_total_bytes=1 << 30, cpu_count=1)
+    ids = {}
+    for name, address in (("r1", "127.0.0.1:1"), ("r2", "127.0.0.1:2"), ("u1", ""), ("u2", "")):
+        ids[name] = h.handle_join(pb.JoinRequest(token="t", profile=profile, peer_address=address), state).node_id
+    asked = {name: {t.node_id for t in h.handle_heartbeat(pb.HeartbeatRequest(node_id=i), state).probe}
+             for name, i in ids.items()}
+    unreachable = {ids["u1"], ids["u2"]}
+    assert not (asked["r1"] | asked["r2"]) & unreachable  # nobody dials u1 or u2 ...
+    assert asked["u1"] and asked["u1"] <= {ids["r1"], ids["r2"]}  # u1 probes the nodes it can dial
+    assert ids["u2"] not in asked["u1"] and ids["u1"] not in asked["u2"]  # ... their own link is a relay's
+
+
+def test_a_probe_crosses_a_connect_stream() -> None:
+    with ExitStack() as stack:
+        a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
+        b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
+        peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
+        t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False), b)
+        stack.callback(t1.close)
+        assert t1.dialer is not None and t1.dialer.wait_connected(10)
+        chunks = [pb.ProbeChunk(sender="n0").SerializeToString(), pb.ProbeChunk(payload=b"x" * 1000).SerializeToString()]
+        reply = pb.ProbeReply.FromString(a.reverse.call("n1", "Probe", iter(chunks), 5.0))
+        assert (reply.bytes, reply.node_id) == (1000, "n1")
