@@ -235,6 +235,32 @@ while True:
 """
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_two_no_listen_neighbours_train_through_a_relay(tmp_path: Path) -> None:
+    """The first two stages both run --no-listen: the plan names the last stage's node (which accepts
+    connections and probed both) as their relay, every tensor between them goes through it, and the losses
+    equal one process's."""
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.node.local import train_local
+
+    steps = 4
+    job, job_path, plan_path, out = _pinned_three_stage_job(tmp_path, steps)
+    expected, _ = train_local(job)
+    with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
+        cluster.start_coordinator(extra=["--plan", str(plan_path)])
+        for name in ("first", "middle", "last"):
+            cluster.start_node(name, extra=["--no-listen"] if name != "last" else [])
+        losses = _train(cluster, steps, 200)
+        status = cluster.status()
+    assert [(r.a, r.b, r.via) for r in status.plan.relays] == [("first", "middle", "last")]
+    assert status.plan.relays[0].bandwidth_bytes_per_s > 0
+    log = (out / "first.log").read_text()
+    assert "Connect stream to relay" in log
+    for s in range(steps):
+        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
+
+
 def outbound_only(namespace: str, device: str = "eth0") -> None:
     """Make a host of the testbed accept no connections while its own go out, as behind NAT or a stateful
     firewall: its interface never sends the SYN+ACK that accepts a connection (an htb class whose queue holds
