@@ -39,7 +39,7 @@ class CoordinatorMetrics:
 
     def update(self, state: CoordinatorState) -> None:
         counts = {"alive": 0, "gone": 0, "left": 0}
-        for m in state.store.list_members():
+        for m in state.store.members_view().values():
             counts[m.state] = counts.get(m.state, 0) + 1
         for s, n in counts.items():
             self.members.labels(state=s).set(n)

@@ -22,6 +22,7 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from atoll.coordinator.heap import settle_heap
 from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
@@ -201,7 +202,9 @@ class CoordinatorService:
             try:
                 events = self.state.tick()
                 now = time.monotonic()
-                if events or now - last_metrics >= METRICS_PERIOD_S:  # scrapes are rarer than ticks
+                # scrapes are rarer than ticks; without an endpoint nobody reads the gauges (thousands of members
+                # make an update cost a good part of a core)
+                if self._metrics_server is not None and (events or now - last_metrics >= METRICS_PERIOD_S):
                     self.metrics.update(self.state)
                     last_metrics = now
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the log says what failed
@@ -282,6 +285,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     except CertificateError as e:  # a damaged CA in the state dir
         log.error("%s", e)
         return 2
+    settle_heap()  # the process is the coordinator's alone: start-up's objects leave the collector's scans
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -329,7 +329,8 @@ class CoordinatorState:
     # --- the loop -------------------------------------------------------------------------------------
 
     def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None) -> list[IslandInfo]:
-        graph = graph or LinkGraph(alive, self.store.list_links())
+        if graph is None:  # (not `graph or ...`: a graph's length counts every pair)
+            graph = LinkGraph(alive, self.store.list_links())
         return form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
 
     def tick(self, now: float | None = None) -> list[str]:
@@ -359,7 +360,9 @@ class CoordinatorState:
             stale = plan is not None and self._stale(plan) and planned is not None and planned <= heard
             moved = set() if plan is None else {
                 n for n, addr in plan.node_addresses.items() if n in alive and plan_address(alive[n]) != addr}
-            decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=self.unprobed(alive, now),
+            # which members lack probes matters only while membership differs from the plan (O(links) to find)
+            unprobed = self.unprobed(alive, now) if planned is None or planned != set(alive) else set()
+            decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
                                      options=self.options.membership, stale=stale, moved=moved)
             failures = self.failures()

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from atoll.coordinator.history import KEEP_FULL, MAX_BUCKETS, add_sample, compact, needs_compaction
 from atoll.coordinator.history import Point as HistoryPoint
@@ -28,6 +29,7 @@ from atoll.types import LayerTiming, LinkMeasurement, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 MEMBER_STATES = ("alive", "gone", "left")
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -72,11 +74,17 @@ class MemberRecord:
     """Why the state last changed."""
 
 
+def _shallow(x: T) -> T:
+    c = object.__new__(type(x))
+    c.__dict__.update(x.__dict__)
+    return c
+
+
 def copy_member(m: MemberRecord) -> MemberRecord:
-    """A copy of `m` sharing nothing mutable with it, in a few microseconds (deepcopy takes tens)."""
-    c = copy.copy(m)
-    c.profile = copy.copy(m.profile)
-    c.profile.layer_timings = [copy.copy(t) for t in m.profile.layer_timings]
+    """A copy of `m` sharing nothing mutable with it, in a few microseconds (deepcopy takes a hundred)."""
+    c = _shallow(m)
+    c.profile = _shallow(m.profile)
+    c.profile.layer_timings = [_shallow(t) for t in m.profile.layer_timings]
     return c
 
 
@@ -295,11 +303,11 @@ class MemoryStore(Store):
     def put_links(self, links: list[LinkMeasurement]) -> None:
         with self._lock:
             for x in links:
-                self._s.links[(x.src, x.dst)] = copy.deepcopy(x)
+                self._s.links[(x.src, x.dst)] = _shallow(x)
 
     def list_links(self) -> list[LinkMeasurement]:
         with self._lock:
-            return [copy.deepcopy(self._s.links[k]) for k in sorted(self._s.links)]
+            return [_shallow(self._s.links[k]) for k in sorted(self._s.links)]
 
     def put_islands(self, islands: list[IslandInfo]) -> None:
         with self._lock:
@@ -447,6 +455,10 @@ class SqliteStore(Store):
         # members live in memory too: a heartbeat is a dict update, written to disk by `flush` (joins, leaves
         # and state changes are written at once, so no acknowledged one is lost to a crash)
         self._members = {r[0]: self._member(r) for r in self._read("SELECT * FROM members")}
+        self._links = {(s, d): LinkMeasurement(src=s, dst=d, bandwidth_bytes_per_s=bw, rtt_seconds=rtt, probe_bytes=n,
+                                               measured_unix=t)
+                       for s, d, bw, rtt, n, t in self._read("SELECT * FROM links")}
+        """The links too (written through): the islands and the metrics read all of them."""
         self._pending: dict[str, tuple[float, int, int]] = {}
 
     @contextmanager
@@ -541,11 +553,12 @@ class SqliteStore(Store):
             db.executemany("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?, ?)",
                            [(x.src, x.dst, x.bandwidth_bytes_per_s, x.rtt_seconds, x.probe_bytes, x.measured_unix)
                             for x in links])
+            for x in links:
+                self._links[(x.src, x.dst)] = _shallow(x)
 
     def list_links(self) -> list[LinkMeasurement]:
-        return [LinkMeasurement(src=s, dst=d, bandwidth_bytes_per_s=bw, rtt_seconds=rtt, probe_bytes=n,
-                                measured_unix=t)
-                for s, d, bw, rtt, n, t in self._read("SELECT * FROM links ORDER BY src, dst")]
+        with self._lock:
+            return [_shallow(self._links[k]) for k in sorted(self._links)]
 
     def put_islands(self, islands: list[IslandInfo]) -> None:
         self._write("INSERT OR REPLACE INTO islands VALUES (1, ?)", (json.dumps([asdict(i) for i in islands]),))

@@ -180,13 +180,17 @@ class Cluster:
         floor_bw = min(bw for v in pairs.values() for bw, _ in v)
         floor_lat = max(lat for v in pairs.values() for _, lat in v)
 
-        def measured(a: Iterable[str], b: Iterable[str]) -> list[tuple[float, float]]:
-            out: list[tuple[float, float]] = []
-            for x in a:
-                for y in b:
-                    if x != y:
-                        out.extend(pairs.get(frozenset((x, y)), []))
-            return out
+        # the measurements inside each island and between each pair of islands, in one pass over the pairs
+        # (not over every pair of nodes: thousands of nodes make millions of pairs, and few are measured)
+        island_of = {n: iid for iid, node_ids in islands.items() for n in node_ids}
+        grouped: dict[str | frozenset[str], list[tuple[float, float]]] = {}
+        for pair, values in pairs.items():
+            if len(pair) != 2:
+                continue
+            x, y = pair
+            ia, ib = island_of.get(x), island_of.get(y)
+            if ia is not None and ib is not None:
+                grouped.setdefault(ia if ia == ib else frozenset((ia, ib)), []).extend(values)
 
         built: list[Island] = []
         for iid, node_ids in islands.items():
@@ -205,7 +209,7 @@ class Cluster:
                 dev = replace(base, memory_gb=mem_gb)
             except ValueError:
                 dev = DeviceSpec(name=name, tflops_16=0.0, tflops_32=0.0, memory_gb=mem_gb, source="node profile")
-            inner = measured(node_ids, node_ids)
+            inner = grouped.get(iid, [])
             bw = min((b for b, _ in inner), default=floor_bw)
             lat = max((t for _, t in inner), default=floor_lat)
             built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=1,
@@ -216,7 +220,7 @@ class Cluster:
             for b in built:
                 if a.id >= b.id:
                     continue
-                got = sorted(measured(a.nodes, b.nodes))
+                got = sorted(grouped.get(frozenset((a.id, b.id)), []))
                 if got:
                     bw, lat = got[len(got) // 2]
                 else:
