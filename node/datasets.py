@@ -434,10 +434,10 @@ class StreamingDataset:
     def _samples(self, stream: PackedStream, first_sample: int, count: int) -> Batch:
         L = self.seq_len
         flat = stream.tokens(first_sample * L, (first_sample + count) * L + 1)
-        t = torch.from_numpy(flat.copy())
-        idx = torch.arange(count)[:, None] * L + torch.arange(L + 1)[None, :]
-        windows = t[idx]
-        return Batch(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
+        # sample i is flat[i L : i L + L + 1]: its inputs and targets are two shifted views of the same tokens
+        inputs = torch.from_numpy(flat[:count * L].reshape(count, L).copy())
+        targets = torch.from_numpy(flat[1:count * L + 1].reshape(count, L).copy())
+        return Batch(inputs, targets)
 
     def rows(self, step: int, global_batch: int, first: int, last: int) -> Batch:
         """Rows [first, last) of the global batch of `step`: samples step * global_batch + [first, last)."""
