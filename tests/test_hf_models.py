@@ -125,6 +125,15 @@ def test_job_takes_hf_config_and_pretrained(tmp_path: Path) -> None:
         (REPO / "examples" / "tiny.toml").read_text()).id
 
 
+def test_atoll_plan_reads_a_hugging_face_config(tmp_path: Path) -> None:
+    from atoll.coordinator.planner.cli import load_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF_PRESETS["qwen2.5-0.5b"]))
+    assert load_model(str(path)).config == replace(preset("qwen2.5-0.5b"), name="qwen2")
+    assert load_model("Qwen2.5-0.5B").total_params == 494_032_768  # the published count
+
+
 # --- building on the meta device ---------------------------------------------------------------------
 
 

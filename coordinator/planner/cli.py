@@ -14,8 +14,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         "plan", help="plan a model on a cluster: islands, slices, pipelines, predicted throughput",
         description="Cut a model into slices, place them on islands of a cluster file and compose balanced "
         "pipelines; print the plan with its predicted step time, tokens/s, MFU and bottleneck.")
-    p.add_argument("--model", required=True, help="model preset (tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b) "
-                   "or a JSON file of a model config")
+    p.add_argument("--model", required=True, help="model preset (tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b, gpt2, "
+                   "gpt2-medium, llama-3.2-1b, qwen2.5-0.5b, mistral-7b), a JSON file of a model config, or a "
+                   "Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. examples/clusters/mixed-a100-v100.toml")
     p.add_argument("--profiles", help="measured profiles (JSON) overriding the catalog's analytic estimates")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
@@ -47,7 +48,12 @@ def load_model(name: str):
         if not path.is_file():
             raise FileNotFoundError(f"--model {name}: no such file")
         try:
-            return ModelSpec.from_config(ModelConfig.from_dict(json.loads(path.read_text(encoding="utf-8"))))
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(doc, dict) and "model_type" in doc:  # a Hugging Face config.json
+                from atoll.hf import config_from_hf
+
+                return ModelSpec.from_config(config_from_hf(doc, where=str(path)))
+            return ModelSpec.from_config(ModelConfig.from_dict(doc))
         except json.JSONDecodeError as e:
             raise ValueError(f"--model {name}: not valid JSON: {e}") from None
     return ModelSpec.from_preset(name)
