@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ class LocalCluster:
     """Where this process asks the coordinator for its status: `address`, or a relay into its host."""
     _losses: dict[int, float] = field(default_factory=dict, repr=False)
     _newest: float = field(default=0.0, repr=False)
+    _previous_sigterm: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -273,10 +275,24 @@ class LocalCluster:
         self.procs.clear()
 
     def __enter__(self) -> "LocalCluster":
+        # the processes run in sessions of their own, so they would outlive a script (a benchmark) killed with
+        # SIGTERM: it leaves this block instead, which stops them. A handler already installed (the demo's) stays.
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)  # type: ignore[arg-type]
+                self._previous_sigterm = None
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:

@@ -181,3 +181,33 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
         after = cluster.status()  # the coordinator still answers
         assert after.job_state == "finished" and after.last_checkpoint_step == target
         assert sorted(m.state for m in after.members) == ["left", "left", "left"]
+
+
+_SCRIPT = """
+import sys, time
+from atoll.launch.localcluster import LocalCluster
+with LocalCluster(job_path=sys.argv[1], out=sys.argv[2], insecure=True) as cluster:
+    cluster.start_coordinator()
+    print(cluster.procs["coordinator"].pid, flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_sigterm_of_a_script_running_a_local_cluster_stops_what_it_started(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    script = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(ROOT / "examples" / "tiny.toml"),
+                               str(tmp_path / "cluster")], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(script.stdout.readline())  # type: ignore[union-attr]
+        os.kill(pid, 0)  # the coordinator runs
+        script.send_signal(signal.SIGTERM)
+        assert script.wait(60) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        script.kill()
+        script.wait(10)
