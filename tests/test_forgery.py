@@ -184,31 +184,36 @@ def _send(sender: Enrolled, address: str, claimed: str, epoch: int, job_id: str,
         channel.close()
 
 
-def _connect_as(who: Enrolled, address: str, name: str, held: threading.Event | None = None):
-    """Open a Connect stream naming `name`; it stays open until `held` is set. Returns its first answer."""
+def _open_stream(who: Enrolled, address: str, name: str, held: threading.Event):
+    """A Connect stream naming `name`, open until `held` is set, once the server has registered it."""
     def frames():
         yield pb.ConnectFrame(node_id=name)
-        if held is not None:
-            held.wait(20)
+        held.wait(20)
 
     channel = make_channel(address, who.credentials.peer_rpc(RpcOptions()))
     stream = pb_grpc.PeerStub(channel).Connect(frames(), timeout=30)
-    try:
-        return next(stream)
-    finally:
-        if held is None:
-            stream.cancel()
-            channel.close()
+    next(stream)  # call 0: registered
+    return channel, stream
+
+
+def _connect_as(who: Enrolled, address: str, name: str) -> None:
+    held = threading.Event()
+    held.set()
+    channel, stream = _open_stream(who, address, name, held)
+    stream.cancel()
+    channel.close()
 
 
 @contextmanager
 def _connected(who: Enrolled, address: str) -> Iterator[None]:
     held = threading.Event()
-    _connect_as(who, address, who.node_id, held)
+    channel, stream = _open_stream(who, address, who.node_id, held)  # kept referenced: the stream stays open
     try:
         yield
     finally:
         held.set()
+        stream.cancel()
+        channel.close()
 
 
 def test_forged_activations_from_stage_0_are_refused(world: dict, stage1_server: PeerServer) -> None:
