@@ -240,19 +240,21 @@ def test_fp16_job_through_the_runner_resumes_its_loss_scale_from_the_checkpoint(
 
 
 @pytest.mark.timeout(240)
-def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_replica_run(tmp_path, monkeypatch):
-    """Four nodes (two stages x two replicas) through the runner: an inf in node c's gradients (stage 0, replica
-    1) at step 3 reaches every node through the data-parallel average and the pipeline's norm exchange, so all
-    skip it, like one process given the same overflow; without the agreement the replicas would step apart."""
+@pytest.mark.parametrize("zero", [0, 2])
+def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_replica_run(tmp_path, monkeypatch,
+                                                                                          zero):
+    """Four nodes (two stages x two replicas) through the runner, with plain AdamW and with ZeRO-2: an inf in
+    node b's gradients (stage 0, replica 1) at step 3 reaches every node through the data-parallel reduction and
+    the pipeline's norm exchange, so all skip it, like one process given the same overflow; without the
+    agreement the stages or replicas would step apart."""
     from dataclasses import replace
     from pathlib import Path
 
     import atoll.node.local as local_mod
     import atoll.node.runner as runner_mod
-    from test_runner import _run, _stage
+    from test_zero import _run, _two_stages
 
     from atoll.node.local import train_local
-    from atoll.plan import PipelinePlan
 
     at = 3
     where = threading.local()
@@ -260,7 +262,7 @@ def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_re
 
     def poisoned_build(*a, **kw):  # the victim's module gets a gradient hook that turns step `at`'s grads to inf
         module = build(*a, **kw)
-        if getattr(where, "node", None) in ("c", "local"):
+        if getattr(where, "node", None) in ("b", "local"):
             p = next(module.parameters())
             p.register_hook(lambda g: torch.full_like(g, math.inf) if where.step == at else g)
         return module
@@ -291,11 +293,17 @@ def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_re
     expected, _ = train_local(job, on_step=lambda k, r: local.append(r))
     assert [r.skipped for r in local] == [k == at for k in range(6)]
     assert [r.loss_scale for r in local] == [1024.0] * 4 + [512.0] * 2
-    got = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                  stages=[_stage((0, 3), ["a", "c"]), _stage((3, 6), ["b", "d"])])], tmp_path)
+    got, reports = _run(job, _two_stages((zero, zero)), tmp_path)
     assert sorted(got) == list(range(6))
     for s in range(6):
         assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])
+    # every node reported step 3 skipped, and only step 3, and the same scale at every step
+    by_node: dict[str, list] = {}
+    for m in sorted(reports, key=lambda m: m.step):
+        by_node.setdefault(m.node_id, []).append((m.skipped, m.loss_scale))
+    assert sorted(by_node) == ["a", "b", "c", "d"]
+    for node, seen in by_node.items():
+        assert seen == [(k == at, 1024.0 if k <= at else 512.0) for k in range(6)], node
     # the step after the skip saw the same weights as the skipped one in both runs; a run that stepped at 3
     # would not match
     where.node = "nobody"
