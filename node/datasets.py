@@ -509,7 +509,7 @@ def open_dataset(data, *, seq_len: int, seed: int = 0, vocab_size: int | None = 
         try:
             return TokenDataset.from_source(data.source, seq_len, seed, tokenizer=tok,
                                             validation_fraction=data.validation_fraction, validation=held)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # no such file; too few tokens for a sample
             raise DataError(str(e)) from None
     source = Source.open(data.source, kind, data.field)
     fraction = data.validation_fraction

@@ -203,6 +203,8 @@ def test_text_source_holds_out_its_tail() -> None:
         assert int(ds.validation_rows(j, B, 0, B).inputs.min()) >= 9_000
     # with no split, the default dataset is unchanged: windows over the whole stream
     assert not TokenDataset(tokens, seq_len=L).has_validation
+    with pytest.raises(DataError, match=r"the held-out data has \d+ tokens; it needs more than seq_len \+ 1 = 33: raise data.validation_fraction"):
+        open_dataset(DataSpec(validation_fraction=1e-5), seq_len=L)
 
 
 def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
