@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats
@@ -98,6 +98,10 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
                  parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
+    if model.config.tied_head and options.max_stages > 1:
+        # a tied head shares the embedding's weight, and the runtime keeps the two on one stage: pipelines of one
+        # stage each (untie the head, model.tied_head = false, to let the planner cut the model)
+        options = replace(options, max_stages=1)
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
