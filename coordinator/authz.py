@@ -7,8 +7,9 @@ Plain functions of (method, request, caller, state), called by the servicer befo
   must carry a signing request, and may not claim the id of a live node whose certificate was issued for
   another key.
 - A node caller (a certificate of the job CA) may make every call, for its own node id only.
-- A checkpoint report must name layers of a stage the node holds in the plan of the report's epoch, and a
-  step between that plan's resume step and the job's last step.
+- A checkpoint report must name layers of a stage the reporting node holds in the plan of the report's epoch
+  (its own checkpoint, or a copy another node took of it, named as that node's), and a step between that
+  plan's resume step and the job's last step.
 - A plaintext caller (the insecure mode) cannot be told apart from any other: only the checkpoint rule holds.
 """
 
@@ -43,7 +44,7 @@ def authorize(method: str, request: object, caller: Caller, state: CoordinatorSt
         if method == "Join":
             _check_join(request, caller, state, authority)  # type: ignore[arg-type]
         return
-    if caller.kind == "node" and method not in ANY_NODE_METHODS:
+    if caller.kind == "node" and method not in ANY_NODE_METHODS and method != "ReportCheckpoint":
         claimed = getattr(request, "node_id", "")
         if claimed != caller.node_id:
             raise PermissionDenied(f"{method}: the caller's certificate is node {caller.node_id}'s; it cannot speak "
@@ -51,7 +52,8 @@ def authorize(method: str, request: object, caller: Caller, state: CoordinatorSt
         if method == "Join":
             _check_join(request, caller, state, authority)  # type: ignore[arg-type]
     if method == "ReportCheckpoint":
-        check_checkpoint(request, state, plans or PlanLookup())  # type: ignore[arg-type]
+        check_checkpoint(request, state, plans or PlanLookup(),  # type: ignore[arg-type]
+                         reporter=caller.node_id if caller.kind == "node" else None)
 
 
 def _check_join(req: pb.JoinRequest, caller: Caller, state: CoordinatorState, authority: JobAuthority | None) -> None:
@@ -97,14 +99,19 @@ class PlanLookup:
         return found
 
 
-def check_checkpoint(req: pb.CheckpointReport, state: CoordinatorState, plans: PlanLookup) -> None:
+def check_checkpoint(req: pb.CheckpointReport, state: CoordinatorState, plans: PlanLookup,
+                     reporter: str | None = None) -> None:
+    """The reporter (`reporter`, else the node the report names) must hold the reported layers in the plan of the
+    report's epoch: it reports its own stage's checkpoints, and the copies other nodes took of them (named as
+    theirs: `req.node_id`, which the handler checks is a member)."""
     plan = plans.get(state, req.plan_epoch) if req.plan_epoch else None
     if plan is None:
         return  # the handler refuses an epoch that never was, with the epochs that were
-    held = [tuple(stage.layers) for p in plan.pipelines for stage in p.stages if req.node_id in stage.nodes]
+    who = reporter or req.node_id
+    held = [tuple(stage.layers) for p in plan.pipelines for stage in p.stages if who in stage.nodes]
     if not any(a <= req.layer_start and req.layer_end <= b for a, b in held):
         raise PermissionDenied(
-            f"ReportCheckpoint: node {req.node_id} holds layers {', '.join(f'[{a}, {b})' for a, b in held) or 'none'} "
+            f"ReportCheckpoint: node {who} holds layers {', '.join(f'[{a}, {b})' for a, b in held) or 'none'} "
             f"in plan epoch {plan.epoch}, not [{req.layer_start}, {req.layer_end})")
     last = state.target_steps  # the spec's steps, or as `atoll job stop/extend` changed them
     if not plan.resume_step <= req.step <= last:
