@@ -9,10 +9,11 @@ machine) and injects events while it trains:
 - `join`: start a new node;
 - `leave`: SIGTERM a random node (a graceful leave); it is not restarted.
 
-Events are spread over the run by progress, not by the clock: event k is injected once the job has trained
-past step `first_at + k * steps_per_event` and the cluster has recovered from the event before (every node
-it should have is alive and whole steps are trained in the newest plan), so a slow machine gets the same
-events at the same points of the job as a fast one.
+Events follow the cluster, not the clock: the first comes once the job has trained `first_at` steps, each
+next one once the cluster has recovered from the one before (every node it should have is alive, and
+`gap_steps` whole steps are trained in the newest plan since). The job is made long enough for all of them
+from the step time of a short calibration run (`calibrate`, `steps_for`); should it end first, the events
+left are reported as not injected.
 
 A monitor thread reads the coordinator's SQLite store (it stays readable while the coordinator is down)
 every `poll` seconds: step reports, members and plans. From them, per event:
@@ -77,8 +78,8 @@ class DriverConfig:
 
     nodes: int = 4
     """Nodes at the start."""
-    steps_per_event: int = 30
-    """Steps of training between two events (the job is as long as its events need, at least `min_steps`)."""
+    gap_steps: int = 10
+    """Whole steps trained in the newest plan after a recovery before the next event."""
     first_at: int = 20
     """The step after which the first event comes (the first plan's steps measured)."""
     min_steps: int = 150
@@ -101,16 +102,26 @@ class DriverConfig:
     def __post_init__(self) -> None:
         if self.nodes < 2:
             raise ValueError(f"nodes must be >= 2 (a kill needs a survivor), got {self.nodes}")
-        if self.steps_per_event < 5 or self.first_at < 1 or self.min_steps < 10:
-            raise ValueError("steps_per_event must be >= 5, first_at >= 1 and min_steps >= 10")
+        if self.gap_steps < 1 or self.first_at < 1 or self.min_steps < 10:
+            raise ValueError("gap_steps and first_at must be >= 1 and min_steps >= 10")
         if not 0 < self.outage < self.lease:
             raise ValueError(f"outage ({self.outage}s) must be positive and shorter than the lease ({self.lease}s)")
         for name in ("restart_after", "recover_timeout", "poll", "profile_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
-    def steps(self, events: int) -> int:
-        return max(self.min_steps, self.first_at + (events + 1) * self.steps_per_event)
+    def event_seconds(self, kind: str) -> float:
+        """A generous guess of the wall time an event of `kind` takes until the cluster has recovered from it (a
+        node's start: imports, profile, join; a plan; its set-up)."""
+        start = 30.0 + self.profile_seconds
+        return {"node-kill": self.restart_after + start + 15.0, "coordinator-kill": self.outage + 20.0,
+                "join": start + 15.0, "leave": 30.0}[kind]
+
+    def steps_for(self, kinds: list[str], step_seconds: float) -> int:
+        """A job long enough for `kinds` at `step_seconds` a step, with half as much again to spare."""
+        seconds = sum(self.event_seconds(k) for k in kinds)
+        steps = self.first_at + len(kinds) * self.gap_steps + 1.5 * seconds / max(step_seconds, 1e-3)
+        return max(self.min_steps, int(steps) + self.gap_steps)
 
 
 def write_job(cfg: DriverConfig, steps: int, path: Path) -> Path:
@@ -354,6 +365,7 @@ class FaultDriver:
         self.events: list[Event] = []
         self.started = 0.0
         self.finished: float | None = None
+        self.not_injected = 0
 
     # --- processes -----------------------------------------------------------------------------------
 
@@ -377,7 +389,8 @@ class FaultDriver:
 
     def _check_processes(self) -> None:
         for name, proc in list(self.cluster.procs.items()):
-            if proc.poll() is not None and (name == "coordinator" or name in self.running):
+            # a node exits 0 once the job is done (and leaves); any other exit is a failure
+            if proc.poll() is not None and (name == "coordinator" or (name in self.running and proc.returncode != 0)):
                 raise RunFailed(f"{name} exited with code {proc.returncode}; see {self.out}/{name}.log")
 
     def _restart_due(self) -> None:
@@ -411,7 +424,7 @@ class FaultDriver:
         if not plan_nodes(plan) <= ids:
             return False
         after = [s for t, s, e, _ in rec.whole_steps() if t > max(since, created) and e == plan.epoch]
-        return len(after) >= 3
+        return len(after) >= self.cfg.gap_steps
 
     def _wait(self, what: str, until, timeout: float) -> RunRecord:
         end = time.monotonic() + timeout
@@ -482,13 +495,15 @@ class FaultDriver:
                 self._start_node()
             last_action = time.time()
             for k, kind in enumerate(kinds):
-                trigger = cfg.first_at + k * cfg.steps_per_event
                 left = deadline - time.monotonic()
-                rec = self._wait(f"step {trigger} with the cluster recovered (before event {k + 1}, {kind})",
-                                 lambda r: self.high_step(r) >= trigger and self.recovered(r, last_action),
-                                 min(left, cfg.recover_timeout + 2.0 * cfg.steps_per_event))
+                rec = self._wait(f"the cluster to recover and train {cfg.gap_steps} steps (before event {k + 1}, "
+                                 f"{kind})", lambda r: self.complete(r) or (self.high_step(r) >= cfg.first_at
+                                                                            and self.recovered(r, last_action)),
+                                 min(left, cfg.recover_timeout))
                 if self.complete(rec):
-                    self.say(f"the job finished before event {k + 1}; {len(kinds) - k} event(s) not injected")
+                    self.not_injected = len(kinds) - k
+                    self.say(f"the job finished before event {k + 1}; {self.not_injected} event(s) not injected "
+                             f"(a longer job: --steps)")
                     break
                 e = self._event(kind, rec)
                 self.events.append(e)
@@ -504,12 +519,13 @@ class FaultDriver:
         finally:
             self.monitor.stop()
             self.cluster.stop()
-        self._measure()
+        self.measure()
         return self.events
 
     # --- figures -----------------------------------------------------------------------------------------
 
-    def _measure(self) -> None:
+    def measure(self) -> None:
+        """Fill in each event's figures from what the monitor read."""
         rec = self.monitor.snapshot()
         steps = rec.whole_steps()
         end = self.finished or time.time()
@@ -573,8 +589,70 @@ def event_table(events: list[Event]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def calibrate(cfg: DriverConfig, out: Path, timeout: float, steps: int = 60, say=print) -> float:
+    """Seconds a step of the job takes on this cluster undisturbed: the median interval between consecutive whole
+    steps over the second half of a short run."""
+    job = write_job(cfg, steps, out / "job.toml")
+    driver = FaultDriver(cfg, job, out, say=say)
+    driver.run(FaultSchedule(), timeout)
+    steps_ = [(t, s) for t, s, _, _ in driver.monitor.snapshot().whole_steps()]
+    gaps = [b[0] - a[0] for a, b in zip(steps_, steps_[1:]) if b[1] == a[1] + 1]
+    if not gaps:
+        raise RunFailed(f"the calibration run reported no consecutive steps; logs in {out}")
+    return statistics.median(gaps[len(gaps) // 2:])
+
+
 def undisturbed(cfg: DriverConfig, job_path: Path, out: Path, timeout: float, say=print) -> dict[int, float]:
     """The same job on the same cluster without events: its losses by step."""
     driver = FaultDriver(cfg, job_path, out, say=say)
     driver.run(FaultSchedule(), timeout)
     return driver.summary_losses()
+
+
+@dataclass
+class Outcome:
+    """An undisturbed run and a disturbed run of the same job."""
+
+    steps: int
+    step_seconds: float | None
+    """Calibrated seconds a step (None: `--steps` was given)."""
+    base: dict[int, float]
+    """The undisturbed run's loss by step."""
+    driver: FaultDriver
+    error: str
+    """Why the disturbed run stopped short ("" when it finished)."""
+    wall_s: float
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return self.driver.summary_losses()
+
+    @property
+    def completed(self) -> bool:
+        return not self.error and len(self.losses) >= self.steps
+
+
+def run_pair(cfg: DriverConfig, schedule: FaultSchedule, out: Path, *, steps: int | None = None,
+             timeout: float | None = None, say=print) -> Outcome:
+    """Calibrate the step time (unless `steps` is given), then run the job undisturbed and with the events."""
+    kinds = schedule.events()
+    timeout = timeout or 600.0 + sum(cfg.event_seconds(k) for k in kinds) * 3
+    step_s = None
+    if steps is None:
+        step_s = calibrate(cfg, out / "calibration", min(timeout, 600.0), say=say)
+        steps = cfg.steps_for(kinds, step_s)
+        say(f"calibration: {step_s * 1e3:.0f} ms a step undisturbed; the job gets {steps} steps")
+    job = write_job(cfg, steps, out / "job.toml")
+    t0 = time.monotonic()
+    base = undisturbed(cfg, job, out / "undisturbed", timeout, say=say)
+    say(f"undisturbed run: {len(base)} steps in {time.monotonic() - t0:.0f}s, final loss {final_loss(base):.4f}")
+    driver = FaultDriver(cfg, job, out / "disturbed", seed=schedule.seed, say=say)
+    t0 = time.monotonic()
+    error = ""
+    try:
+        driver.run(schedule, timeout)
+    except RunFailed as e:
+        error = str(e)
+        driver.measure()
+    return Outcome(steps=steps, step_seconds=step_s, base=base, driver=driver, error=error,
+                   wall_s=time.monotonic() - t0)
