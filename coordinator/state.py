@@ -103,6 +103,9 @@ class CoordinatorState:
         self._last_change = self.started_unix
         self._stale_before = 0.0
         self._islands_dirty = True
+        self._islands_pending = False
+        self._islands_next = 0.0
+        """While forming islands is slow, when (time.monotonic) they may be formed again for the status."""
         self._last_reason = ""
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
@@ -248,9 +251,10 @@ class CoordinatorState:
             self._stale_before = now
             self._islands_dirty = True
 
-    def unprobed(self, alive: Mapping[str, MemberRecord], now: float) -> set[str]:
-        """Alive members whose sample of links is incomplete (probes in flight count as missing)."""
-        index = _ProbeIndex.of(alive)
+    def unprobed(self, alive: Mapping[str, MemberRecord], now: float, index: _ProbeIndex | None = None) -> set[str]:
+        """Alive members whose sample of links is incomplete (probes in flight count as missing); `index`: the
+        probe index of `alive`, when built already."""
+        index = index or _ProbeIndex.of(alive)
         sizes = {c: len(v) for c, v in index.by_class.items()}
         skip = unreachable_nodes(alive)
         with self._cond:
@@ -347,8 +351,19 @@ class CoordinatorState:
         with self._cond:
             dirty, self._islands_dirty = self._islands_dirty, False
             last_change = self._last_change
-        if dirty:
-            self.store.put_islands(self.islands_now(alive))
+        formed = None  # (links, graph, islands) of this round, for a replan in it
+        if dirty or self._islands_pending:
+            started = time.monotonic()
+            if started >= self._islands_next:
+                links = self.store.list_links()
+                graph = LinkGraph(alive, links)
+                formed = (links, graph, self.islands_now(alive, graph))
+                self.store.put_islands(formed[2])
+                took = time.monotonic() - started
+                # thousands of members take seconds to form islands of: while they keep joining and probing, the
+                # islands (for the status) are formed again at most every ten times that; a replan forms them now
+                self._islands_next = started + (10 * took if took > 0.2 else 0.0)
+            self._islands_pending = formed is None
         plan = self.current_plan()
         planned = None if plan is None else {n for i in plan.islands for n in i.nodes}
         if self.job_complete():
@@ -361,7 +376,8 @@ class CoordinatorState:
             moved = set() if plan is None else {
                 n for n, addr in plan.node_addresses.items() if n in alive and plan_address(alive[n]) != addr}
             # which members lack probes matters only while membership differs from the plan (O(links) to find)
-            unprobed = self.unprobed(alive, now) if planned is None or planned != set(alive) else set()
+            unprobed = (self.unprobed(alive, now, self._probe_index) if planned is None or planned != set(alive)
+                        else set())
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
                                      options=self.options.membership, stale=stale, moved=moved)
@@ -373,7 +389,7 @@ class CoordinatorState:
                     now, epoch=plan.epoch, failures=failures, alive=set(alive), planned=planned or set(),
                     last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=self.options.membership)
         if decision.plan:
-            events.append(self._replan(alive, now, decision.reason))
+            events.append(self._replan(alive, now, decision.reason, formed))
         elif decision.reason != self._last_reason:
             log.info("not planning: %s", decision.reason)
         self._last_reason = decision.reason
@@ -381,11 +397,15 @@ class CoordinatorState:
             log.info("%s", e)
         return events
 
-    def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str) -> str:
-        links = self.store.list_links()
-        matrix = LinkGraph(alive, links)
-        islands = self.islands_now(alive, matrix)
-        self.store.put_islands(islands)
+    def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str,
+                formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> str:
+        if formed is None:
+            links = self.store.list_links()
+            matrix = LinkGraph(alive, links)
+            islands = self.islands_now(alive, matrix)
+            self.store.put_islands(islands)
+        else:  # formed this round from the same members (thousands of them take seconds to form again)
+            links, matrix, islands = formed
         previous = self.current_plan()
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
         records = self.store.list_checkpoints()
