@@ -375,6 +375,10 @@ class NodeAgent:
         from atoll.node.datasets import check_data
 
         check_data(self.job.data, vocab_size=self.job.model.vocab_size)  # a DataError says what to fix, once
+        if self.job.pretrained:
+            from atoll.node.pretrained import check_pretrained
+
+            check_pretrained(self.job.model, self.job.pretrained)  # before profiling and joining, like the data
         if self._given_profile is not None:
             self.profile = self._given_profile
         else:

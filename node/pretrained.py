@@ -78,14 +78,24 @@ def _resolved(c: ModelConfig) -> ModelConfig:
                    gelu_tanh=None if llama else bool(c.gelu_tanh))
 
 
-def load_pretrained(module: StageModule, folder: str | Path) -> int:
-    """Copy the pretrained weights of the module's layers into it; return the number of tensors read."""
-    from safetensors import safe_open
-
+def check_pretrained(config: ModelConfig, folder: str | Path) -> None:
+    """Raise PretrainedError (saying what to do) unless `folder` holds every tensor of this model; reads the
+    index and the files' headers only (a node checks this before it joins)."""
     folder = Path(folder)
-    config = module.config
+    if not folder.is_dir():
+        raise PretrainedError(f"model.pretrained {folder} is not a folder on this node; every node reads the weights "
+                              "from its own disk: copy the folder here, at the same path")
     _check_shape(config, folder)
-    files = weight_files(folder)
+    wanted = _sources(config, 0, config.n_layers + 2, folder, weight_files(folder))
+    absent = sorted({str(path) for sources, _ in wanted.values() for _, path in sources if not path.is_file()})
+    if absent:
+        raise PretrainedError(f"{folder / INDEX} lists files this node lacks: {absent}; copy the whole folder")
+
+
+def _sources(config: ModelConfig, start: int, end: int, folder: Path, files: Mapping[str, Path]
+             ) -> dict[str, tuple[list[tuple[str, Path]], bool]]:
+    """Per Atoll parameter of layers [start, end): the (Hugging Face name, file) pairs to stack, and whether
+    to transpose."""
     prefix = BASE_PREFIX[model_type(config)]
 
     def where(name: str) -> tuple[str, Path] | None:
@@ -95,7 +105,7 @@ def load_pretrained(module: StageModule, folder: str | Path) -> int:
         return None
 
     wanted: dict[str, tuple[list[tuple[str, Path]], bool]] = {}
-    for i in range(module.start, module.end):
+    for i in range(start, end):
         for short, spec in param_map(config, i).items():
             found = [where(n) for n in spec.names]
             if any(f is None for f in found) and spec.fallback:
@@ -105,6 +115,16 @@ def load_pretrained(module: StageModule, folder: str | Path) -> int:
                 raise PretrainedError(f"{folder} has no tensor {missing[0]} (layer {i}, {short}); the folder must hold "
                                       f"a {model_type(config)} model of this shape")
             wanted[f"layers.{i}.{short}"] = ([f for f in found if f is not None], spec.transpose)
+    return wanted
+
+
+def load_pretrained(module: StageModule, folder: str | Path) -> int:
+    """Copy the pretrained weights of the module's layers into it; return the number of tensors read."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    _check_shape(module.config, folder)
+    wanted = _sources(module.config, module.start, module.end, folder, weight_files(folder))
     params = dict(module.named_parameters())
     missing = sorted(set(params) - set(wanted))
     if missing:  # a programming error in the mapping, not the user's

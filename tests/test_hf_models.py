@@ -262,6 +262,24 @@ def test_pretrained_of_another_shape_is_refused(tmp_path: Path) -> None:
         load_pretrained(build_slice(other, 0, 2, init=False), tmp_path)
 
 
+def test_a_node_checks_the_pretrained_folder_before_it_joins(tmp_path: Path) -> None:
+    from atoll.node.pretrained import INDEX, PretrainedError, check_pretrained
+
+    config = config_from_hf(SMALL["llama"])
+    folder = _save(_hf_model(SMALL["llama"]), tmp_path / "hf", shard="40KB")
+    check_pretrained(config, folder)
+    with pytest.raises(PretrainedError, match="not a folder on this node"):
+        check_pretrained(config, tmp_path / "elsewhere")
+    index = json.loads((folder / INDEX).read_text())
+    (folder / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    with pytest.raises(PretrainedError, match="lists files this node lacks"):
+        check_pretrained(config, folder)
+    index["weight_map"].pop("model.layers.1.mlp.up_proj.weight")
+    (folder / INDEX).write_text(json.dumps(index))
+    with pytest.raises(PretrainedError, match="no tensor model.layers.1.mlp.up_proj.weight"):
+        check_pretrained(config, folder)
+
+
 # --- a two-stage pipeline against transformers, per step ---------------------------------------------------
 
 STEPS = 6
