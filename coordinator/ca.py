@@ -27,7 +27,8 @@ from atoll.tls import (BOOTSTRAP_CLIENT_NAME, CertificateAuthority, CertificateE
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 SERVER_KEY, SERVER_CERT = "server.key", "server.pem"
 IDENTITIES_DB = "identities.db"
-_CALLER_CACHE = 4096
+_CALLER_CACHE = 65536
+"""Certificates whose caller is remembered (one per live node; a miss parses and checks a signature, about 1 ms)."""
 
 
 @dataclass(frozen=True)
