@@ -20,6 +20,9 @@ CONFIGS = {
     "gpt-tied": replace(BASE, tied_head=True),
     "llama": replace(BASE, style="llama"),
     "llama-gqa": replace(BASE, style="llama", n_kv_heads=2, ffn_hidden=96),
+    # Hugging Face shapes: Qwen2's q/k/v biases (with its rope theta and norm epsilon), GPT-2's tanh GELU
+    "qwen2-qkv-bias": replace(BASE, style="llama", n_kv_heads=2, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6),
+    "gpt2-gelu-tanh": replace(BASE, gelu_tanh=True, tied_head=True),
 }
 
 
