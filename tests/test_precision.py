@@ -331,3 +331,20 @@ def test_16_bit_precisions_send_16_bit_activations_and_compute_in_fp32_between_b
         t.join(60)
     assert sent and set(sent) == {torch.float16}  # activations downstream and their gradients upstream
     assert all(p.grad is None or p.grad.dtype == torch.float32 for st in stages for p in st.module.parameters())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("init_scale, growth", [(2.0 ** 12, 3), (2.0 ** 24, 1000)])
+def test_a_pipeline_matches_torch_grad_scaler_on_the_unsplit_model(init_scale, growth):
+    """torch.amp.GradScaler on the whole model in one process is an independent implementation of the same
+    dynamic loss scale: a two-stage, two-replica pipeline has its losses and its scale at every step (growing
+    every 3 steps; from 2^24 backing off through real fp16 overflows)."""
+    from atoll.node.reference import train_unsplit
+
+    cfg = fp16(init_scale=init_scale, growth_interval=growth)
+    batches = BATCHES[:8]
+    ref = train_unsplit(TINY, stage_config=cfg, batches=batches)
+    run = train_threaded(TINY, cuts=[0, 3, 6], stage_config=cfg, batches=batches, replicas=2)
+    assert [r.loss_scale for r in run.results[0][-1]] == ref.loss_scales
+    assert (max(ref.loss_scales) > init_scale) if growth == 3 else (min(ref.loss_scales) < init_scale / 8)
+    assert run.losses() == pytest.approx(ref.losses, rel=2e-3)
