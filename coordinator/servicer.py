@@ -73,18 +73,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _unary(self, method: str, handler: Callable[[Req, CoordinatorState], Rep], request: Req,
                context: grpc.ServicerContext) -> Rep:
         try:
-            if self.state.closed:
-                raise Unavailable("the coordinator is shutting down; retry shortly")
-            handlers.check_token(token_from_metadata(context), self.state)
-            caller = self._caller(context)
-            if method == "Join":
-                with self._join_lock:  # from the key check to the certificate: two keys cannot both pass for one id
-                    authz.authorize(method, request, caller, self.state, self.authority, self._plans)
-                    return authz.issue_certificate(request, handler(request, self.state), self.authority)
-            authz.authorize(method, request, caller, self.state, self.authority, self._plans)
-            return handler(request, self.state)
+            return self._call(method, handler, request, context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
             _abort(context, method, e)
+
+    def _call(self, method: str, handler: Callable[[Req, CoordinatorState], Rep], request: Req,
+              context: grpc.ServicerContext) -> Rep:
+        """Check the caller and run the handler; domain errors propagate (`_unary` maps them)."""
+        if self.state.closed:
+            raise Unavailable("the coordinator is shutting down; retry shortly")
+        handlers.check_token(token_from_metadata(context), self.state)
+        caller = self._caller(context)
+        if method == "Join":
+            with self._join_lock:  # from the key check to the certificate: two keys cannot both pass for one id
+                authz.authorize(method, request, caller, self.state, self.authority, self._plans)
+                return authz.issue_certificate(request, handler(request, self.state), self.authority)
+        authz.authorize(method, request, caller, self.state, self.authority, self._plans)
+        return handler(request, self.state)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         # dial the node back before the join lock (it may wait seconds), and only for a caller with the token
@@ -98,8 +103,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ControlJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:
         return self._unary("ControlJob", handlers.handle_control_job, request, context)
 
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        return self._unary("Heartbeat", handlers.handle_heartbeat, request, context)
+    async def Heartbeat(self, request: pb.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        # on the event loop, not a pool thread: a heartbeat only reads and renews memory (no disk, no lock held
+        # for long), and at thousands of nodes the hop to a thread and back cost more than the heartbeat itself
+        try:
+            return self._call("Heartbeat", handlers.handle_heartbeat, request, context)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
+            await context.abort(*_status("Heartbeat", e))
 
     def ReportProbes(self, request: pb.ProbeReport, context: grpc.ServicerContext) -> pb.Ack:
         return self._unary("ReportProbes", handlers.handle_report_probes, request, context)

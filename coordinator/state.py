@@ -257,10 +257,13 @@ class CoordinatorState:
         index = index or _ProbeIndex.of(alive)
         sizes = {c: len(v) for c, v in index.by_class.items()}
         skip = unreachable_nodes(alive)
-        with self._cond:
-            return {n for n in alive
-                    if sample_deficit(n, index.class_of, sizes, self._fresh_peers(n, now) | (skip - {n}),
-                                      self.options.probes)[1] > 0}
+        horizon = max(now - self.options.probes.reprobe_after.total_seconds(), self._stale_before)
+        with self._cond:  # a copy of the sample table, so handlers wait on the lock for a copy's time only
+            measured = {n: dict(peers) for n, peers in self._measured.items() if n in alive}
+        return {n for n in alive
+                if sample_deficit(n, index.class_of, sizes,
+                                  {p for p, t in measured.get(n, {}).items() if t >= horizon} | (skip - {n}),
+                                  self.options.probes)[1] > 0}
 
     def _refresh_probe_index(self, alive: Mapping[str, MemberRecord], now: float) -> None:
         self._probe_index = _ProbeIndex.of(alive)
@@ -325,7 +328,7 @@ class CoordinatorState:
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None:
             # every replica group trains (train.steps // H) rounds of its own inner steps
-            rounds = max(1, self.job.train.steps // plan.outer.inner_steps)
+            rounds = max(1, self.target_steps // plan.outer.inner_steps)
             lasts = {p: rounds * g.inner_steps - 1 for g in plan.groups for p in g.pipelines}
             return any(s.step >= lasts.get(s.pipeline, last) for s in recent if s.plan_epoch == plan.epoch)
         return any(s.step >= last for s in recent)
