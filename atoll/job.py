@@ -85,9 +85,9 @@ class DataSpec:
     """Where the training text comes from."""
 
     source: str = "builtin"
-    """"builtin" (the demo corpus shipped with atoll), the path of a UTF-8 text file (random windows of the
-    whole file), or a JSONL file, a Parquet file, a folder of either or a `datasets.save_to_disk` folder
-    (streamed and packed; see atoll.node.datasets). Read by each node from its own disk."""
+    """"builtin" (the demo corpus shipped with atoll, sampled in random windows), or a UTF-8 text file, a JSONL
+    file, a Parquet file, a folder of them or a `datasets.save_to_disk` folder (streamed and packed; see
+    atoll.node.datasets), read by each node from its own disk."""
     tokenizer: str = "bytes"
     """"bytes": one token per byte (vocabulary 256); or the path of a Hugging Face tokenizer.json (see
     `atoll tokenizer train`), whose vocabulary must fit model.vocab_size."""
@@ -96,7 +96,7 @@ class DataSpec:
     field: str = "text"
     """The JSONL key, Parquet or `datasets` column holding each row's text."""
     validation_fraction: float = 0.0
-    """Share of the source held out for validation (rows of a streamed source, the tail of a text source)."""
+    """Share of the source held out for validation (rows of a streamed source, the tail of "builtin")."""
     validation: str = ""
     """A separate held-out source (same kinds as `source`); "": none, or `validation_fraction` of `source`."""
 

@@ -1,19 +1,21 @@
-"""Datasets from local files: JSONL, Parquet and `datasets` folders, streamed and packed into samples.
+"""Datasets from local files: text, JSONL, Parquet and `datasets` folders, streamed and packed into samples.
 
-A source is one file or a folder of them (every `*.jsonl` / `*.parquet` file in name order), or a folder
-written by `datasets.Dataset.save_to_disk` (its Arrow shards, read with pyarrow; a `DatasetDict` folder
-gives its "train" split). Each row's text (the `[data] field` of a JSONL object, a Parquet or `datasets`
-column) is a document. Rows are read a chunk at a time and tokenized a chunk at a time, never the whole
-corpus at once.
+A source is one file or a folder of them (every `*.txt`, `*.jsonl` or `*.parquet` file in name order), or a
+folder written by `datasets.Dataset.save_to_disk` (its Arrow shards, read with pyarrow; a `DatasetDict`
+folder gives its "train" split). A row is a line of a text file, or the `[data] field` of a JSONL object, a
+Parquet or `datasets` column: a document. Rows are read a chunk at a time and tokenized a chunk at a time,
+never the whole corpus at once. (The shipped corpus, "builtin", is small and sampled in random windows by
+`atoll.node.data.TokenDataset` instead.)
 
-Packing: the documents' tokens, each followed by the tokenizer's end-of-text token when it has one, make
-one stream, in source order, repeated epoch after epoch. Sample `i` is the window of seq_len + 1 tokens
+Packing: the documents' tokens, each followed by the tokenizer's end-of-text token when it has one (not
+between the lines of a text file, one running text), make one stream, in source order, repeated epoch after epoch. Sample `i` is the window of seq_len + 1 tokens
 starting at token `i * seq_len` of that stream, and step `k` of a global batch `B` takes samples
 `[k * B, (k + 1) * B)`; a data-parallel replica takes its rows `[first, last)` of them. So every node derives
 the same samples for a step from the step alone (the first stage's inputs and the last stage's targets
 agree without exchanging data), replicas' rows are disjoint, and the data position of a step is a sample
 counter, `k * B`, which a checkpoint records. A resumed job reads forward to that sample, tokenizing without
-training (`DataPosition` says which file, row and token it is), and continues at the exact row.
+training, from the restart point its checkpoint holds (`StreamingDataset.save_cursor`) or from the first
+row (`DataPosition` says which file, row and token it is), and continues at the exact row.
 
 Held-out split: with `validation_fraction` f, a row is held out when its index in the corpus falls in the
 held-out share of a low-discrepancy sequence (a fraction f of rows, spread over the whole corpus, the same on
@@ -37,12 +39,12 @@ import numpy as np
 import torch
 
 from atoll.fsutil import atomic_write_text
-from atoll.node.data import Batch, TokenDataset
+from atoll.node.data import BUILTIN_CORPUS, Batch, TokenDataset
 
 log = logging.getLogger("atoll.node.datasets")
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
-STREAMED = ("jsonl", "parquet", "datasets")
+STREAMED = ("text", "jsonl", "parquet", "datasets")
 CHUNK_ROWS = 512
 """Rows read and tokenized at a time."""
 MARK_EVERY = 1 << 20
@@ -106,8 +108,8 @@ class Source:
     def open(cls, path: str | Path, fmt: str = "auto", field: str = "text") -> "Source":
         p = Path(path)
         if not p.exists():
-            raise DataError(f"data source {p} does not exist; give a JSONL or Parquet file, a folder of them, or a "
-                            f"datasets.save_to_disk folder (each node reads it from its own disk)")
+            raise DataError(f"data source {p} does not exist; give a text, JSONL or Parquet file, a folder of them, "
+                            f"or a datasets.save_to_disk folder (each node reads it from its own disk)")
         kind = detect_format(p) if fmt == "auto" else fmt
         if kind not in STREAMED:
             raise DataError(f"data source {p} is {kind}; streamed sources are {', '.join(STREAMED)}")
@@ -124,8 +126,10 @@ class Source:
         return src
 
     def check_field(self) -> None:
-        """Raise DataError unless the first file has the field (a JSONL key, a column)."""
+        """Raise DataError unless the first file has the field (a JSONL key, a column; text has none)."""
         f = self.files[0]
+        if self.format == "text":
+            return
         if self.format == "jsonl":
             for cursor, row in _jsonl_rows(f, 0, 0, None):
                 if not isinstance(row, dict) or self.field not in row:
@@ -148,10 +152,11 @@ class Source:
 
     def _file_rows(self, fi: int, row: int, byte: int) -> Iterator[tuple["RowCursor", list[str]]]:
         path = self.files[fi]
-        if self.format == "jsonl":
+        if self.format in ("jsonl", "text"):
+            lines = _jsonl_rows(path, row, byte, self.field) if self.format == "jsonl" else _text_rows(path, row, byte)
             chunk: list[str] = []
             first: RowCursor | None = None
-            for (r, off), obj in _jsonl_rows(path, row, byte, self.field):
+            for (r, off), obj in lines:
                 if first is None:
                     first = RowCursor(fi, r, off)
                 chunk.append(obj)
@@ -220,6 +225,23 @@ def _jsonl_rows(path: Path, row: int, byte: int, field: str | None) -> Iterator[
                     raise DataError(f"line {r + 1} of {path}: field {field!r} holds {type(obj).__name__}, not "
                                     f"text")
             yield (r, off), obj
+            r += 1
+
+
+def _text_rows(path: Path, row: int, byte: int) -> Iterator[tuple[tuple[int, int], str]]:
+    """((row, byte offset), line with its newline) for each line of a UTF-8 text file from `row` on."""
+    with open(path, "rb") as f:
+        r = 0
+        if byte:
+            f.seek(byte)
+            r = row
+        while True:
+            off = f.tell()
+            line = f.readline()
+            if not line:
+                return
+            if r >= row:
+                yield (r, off), line.decode("utf-8", errors="replace")
             r += 1
 
 
@@ -326,7 +348,8 @@ class PackedStream:
         chunk mark (where reading can start again: the chunk's first row, a JSONL line's byte offset) comes
         with the first kept row of each chunk, else None."""
         epoch, ordinal, cursor, offset = mark.epoch, mark.ordinal, mark.cursor, mark.offset
-        eos = self.tokenizer.eos_id
+        # a text file's lines are one running text: no end-of-text token between them
+        eos = self.tokenizer.eos_id if self.source.format != "text" else None
         while True:
             whole_epoch, kept_any = ordinal == 0, False
             for first, texts in self.source.rows(cursor.file, cursor.row, cursor.byte):
@@ -494,18 +517,19 @@ class StreamingDataset:
 
 def open_dataset(data, *, seq_len: int, seed: int = 0, vocab_size: int | None = None
                  ) -> StreamingDataset | TokenDataset:
-    """The dataset of a job's `[data]` section (`atoll.job.DataSpec`): random windows of a text source
-    ("builtin" or a text file, held in memory) or packed samples of a streamed source, tokenized by the
-    job's tokenizer; `vocab_size` (the model's) must fit it. Raises DataError saying what to change."""
+    """The dataset of a job's `[data]` section (`atoll.job.DataSpec`): random windows of the shipped corpus
+    ("builtin", held in memory) or packed samples of a streamed source (text, JSONL, Parquet, datasets),
+    tokenized by the job's tokenizer; `vocab_size` (the model's) must fit it. Raises DataError saying what to
+    change."""
     from atoll.node.tokenizer import load_tokenizer
 
     tok = load_tokenizer(data.tokenizer, vocab_size=vocab_size)
     kind = _kind(data.source, data.format)
-    if kind == "text":
+    if data.source == BUILTIN_CORPUS:
         held = data.validation
-        if held and _kind(held, "auto") != "text":
-            raise DataError(f"data.validation {held} is not a text file; a text data.source needs a text validation "
-                            f"source")
+        if held and (held == BUILTIN_CORPUS or _kind(held, "auto") != "text" or not Path(held).is_file()):
+            raise DataError(f"data.validation {held} is not a text file; with the builtin corpus give a text file "
+                            f"(or data.validation_fraction)")
         try:
             return TokenDataset.from_source(data.source, seq_len, seed, tokenizer=tok,
                                             validation_fraction=data.validation_fraction, validation=held)
@@ -525,7 +549,7 @@ def open_dataset(data, *, seq_len: int, seed: int = 0, vocab_size: int | None = 
 def _kind(source: str, fmt: str) -> str:
     if fmt != "auto":
         return fmt
-    if source == "builtin":
+    if source == BUILTIN_CORPUS:
         return "text"
     p = Path(source)
     if not p.exists():
@@ -544,9 +568,5 @@ def check_data(data, *, vocab_size: int) -> None:
     for source, fmt in ((data.source, data.format), (data.validation, "auto")):
         if not source:
             continue
-        kind = _kind(source, fmt)
-        if kind == "text":
-            if source != "builtin" and not Path(source).is_file():
-                raise DataError(f"data source {source} is not a file; give a UTF-8 text file or 'builtin'")
-        else:
-            Source.open(source, kind, data.field)
+        if source != BUILTIN_CORPUS:
+            Source.open(source, _kind(source, fmt), data.field)
