@@ -394,8 +394,12 @@ class PlanRunner:
                                 vocab_size=job.model.vocab_size) if (pl.is_first or pl.is_last) else None
         except DataError as e:
             raise RunFailed(f"the job's data cannot be read on node {ctx.node_id}: {e}") from e
-        if isinstance(data, StreamingDataset) and step > 0 and data.load_cursor(step_dir(ctx.checkpoint_dir, step)):
-            log.info("data: reading from the checkpoint's restart point towards sample %d", step * job.train.global_batch)
+        if isinstance(data, StreamingDataset) and step > 0:
+            if data.load_cursor(step_dir(ctx.checkpoint_dir, step)):
+                log.info("data: reading from the checkpoint's restart point towards sample %d",
+                         step * job.train.global_batch)
+            if pl.is_first and self.plan.mode != "outer":
+                log.info("data: step %d starts at %s", step, data.position(step * job.train.global_batch))
         self._data = data
         val_batches: list[Batch] | None = None  # this replica's rows of the held-out batches, read once
         log.info("epoch %d: pipeline %d stage %d/%d replica %d, layers [%d, %d), %d micro-batches of %d, from step %d",
