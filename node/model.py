@@ -93,7 +93,9 @@ class Block(nn.Module):
     def rope(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (s, head_dim / 2) fp32, of positions 0..s-1."""
         if self._rope is None or self._rope[0] != s or self._rope[1] != device:
-            ang = torch.outer(torch.arange(s, dtype=torch.float32, device=device), rope_inv_freq(self.config, device))
+            with torch.autocast(device.type, enabled=False):  # fp32 angles under a bf16/fp16 forward too
+                ang = torch.outer(torch.arange(s, dtype=torch.float32, device=device),
+                                  rope_inv_freq(self.config, device))
             self._rope = (s, device, ang.cos(), ang.sin())
         return self._rope[2], self._rope[3]
 
