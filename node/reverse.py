@@ -82,8 +82,6 @@ class ReverseLink:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.closed = threading.Event()
-        self.wire = threading.Lock()
-        """Held while one call's request frames are queued, so calls' frames do not interleave."""
 
     def call(self, method: str, messages: Iterable[bytes], timeout: float) -> bytes:
         """One call over the stream: send `messages`, return the serialized reply; raises TunnelError."""
@@ -100,14 +98,16 @@ class ReverseLink:
         try:
             # every frame before the last carries exactly one request message (an empty one too)
             first = True
-            for message in messages:
-                self._out.put(pb.ConnectFrame(call=call, method=method if first else "", message=bytes(message),
+            try:
+                for message in messages:
+                    self._out.put(pb.ConnectFrame(call=call, method=method if first else "", message=bytes(message),
+                                                  timeout_seconds=timeout if first else 0.0))
+                    first = False
+                    if self.closed.is_set():
+                        break
+            finally:  # also when the messages' source failed: the far side then refuses a cut stream at once
+                self._out.put(pb.ConnectFrame(call=call, method=method if first else "", end=True,
                                               timeout_seconds=timeout if first else 0.0))
-                first = False
-                if self.closed.is_set():
-                    break
-            self._out.put(pb.ConnectFrame(call=call, method=method if first else "", end=True,
-                                          timeout_seconds=timeout if first else 0.0))
             if not pending.done.wait(max(0.0, deadline - time.monotonic())):
                 raise TunnelError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"{method} to {self.node_id} over its Connect stream got no answer in {timeout:.1f}s")
@@ -218,8 +218,8 @@ class ReverseRegistry:
             raise TunnelError(grpc.StatusCode.UNAVAILABLE,
                               f"{node_id} accepts no connections and has no Connect stream open to this node yet; "
                               f"retry once it has the plan (it dials its neighbours itself)")
-        with link.wire:
-            return link.call(method, messages, timeout)
+        # frames carry their call number, so calls may overlap (one streams while another awaits its answer)
+        return link.call(method, messages, timeout)
 
 
 def chunk_to_bytes(chunk) -> bytes:
