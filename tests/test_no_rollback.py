@@ -1,0 +1,147 @@
+"""No rollback when a copy is live: a replica killed, a replica joining and a graceful leave each resume at the
+step training had reached, taking layers from live nodes over gRPC, with the losses of an uninterrupted run.
+
+The jobs write no checkpoints at all, so any rollback would go back to step 0 and show in the logs' `resume:`
+lines and in the step reports. Nodes are processes around a scripted coordinator (`scripted_cluster`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from atoll.job import JobSpec
+from atoll.node.local import train_local
+from scripted_cluster import ScriptedCluster, close
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 40
+
+pytestmark = pytest.mark.integration
+
+
+def _job(nodes: int, steps: int = STEPS) -> JobSpec:
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    return replace(job, train=replace(job.train, steps=steps, warmup=5),
+                   checkpoint=replace(job.checkpoint, interval=0),
+                   compression=replace(job.compression, mode="identity"),
+                   cluster=replace(job.cluster, expected_nodes=nodes, min_nodes=1),
+                   outer=replace(job.outer, mode="sync"))
+
+
+def one_process(job: JobSpec, steps: int | None = None) -> list[float]:
+    """The job's losses trained in one process, on one thread (threads of their own would fight the node
+    processes for the machine's cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_local(job, steps=steps)[0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[float]:
+    return one_process(_job(3))
+
+
+JOIN_STEPS = 300
+"""The join test trains longer: a joining process starts, profiles and is probed before it is planned."""
+
+
+def _after(cluster: ScriptedCluster, name: str, epoch_runs: int) -> tuple[int, str, int, int]:
+    runs = cluster.resumes(name)
+    assert len(runs) >= epoch_runs, (name, runs)
+    return runs[epoch_runs - 1]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) -> None:
+    """Stage [3, 6) runs on b1 and b2; b2 is SIGKILLed mid-run. The next plan cuts at layer 2, so b1 takes layer 2
+    from a's live state; both resume at the step training had reached."""
+    layouts = {frozenset({"a", "b1", "b2"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"])],
+               frozenset({"a", "b1"}): [((0, 2), ["a"]), ((2, 6), ["b1"])]}
+    cluster = ScriptedCluster(job=_job(3), out=tmp_path, layouts=layouts)
+    try:
+        for n in ("a", "b1", "b2"):
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
+        first = cluster.plan()
+        cluster.kill("b2")
+        killed_at = cluster.top_step()
+        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["b2"])
+        later = cluster.plan()
+        assert later.epoch > first.epoch and set(later.node_addresses) == {"a", "b1"}
+        for n in ("a", "b1"):
+            step, how, was, back = _after(cluster, n, 2)
+            assert (how, back) == ("live state", 0), cluster.resumes(n)
+            assert killed_at <= step == was, (killed_at, step, was)
+        moved = cluster.transfers("b1")
+        assert [src for _, src, _ in moved] == ["a"] and "layers [0, 3)" in moved[0][2]
+        assert cluster.transfers("a") == []  # a kept its own layers
+        # no step reported twice with another loss: every step trained once, as in one process
+        close(cluster.losses(), reference, range(STEPS), 1e-4)
+        print(f"\nkilled b2 at step {killed_at}; resumed at step {step} (0 rolled back); b1 fetched "
+              f"{moved[0][0]} bytes from a")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_join_to_a_running_stage_costs_no_step(tmp_path: Path) -> None:
+    """b2 joins while a and b1 train: the next plan runs stage [3, 6) on b1 and b2, and b2 takes its layers (and
+    their optimizer state) from b1's live state."""
+    layouts = {frozenset({"a", "b1"}): [((0, 3), ["a"]), ((3, 6), ["b1"])],
+               frozenset({"a", "b1", "b2"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"])]}
+    job = _job(2, JOIN_STEPS)
+    cluster = ScriptedCluster(job=job, out=tmp_path, layouts=layouts)
+    try:
+        for n in ("a", "b1"):
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 3, 150, "step 3")
+        first = cluster.plan()
+        joined_at = cluster.top_step()
+        cluster.start_node("b2", region="lab")
+        cluster.wait(lambda: len(cluster.losses()) >= JOIN_STEPS, 200, "the job to finish")
+        later = cluster.plan()
+        assert later.epoch > first.epoch and later.pipelines[0].stages[1].nodes == ["b1", "b2"]
+        step, how, was, back = _after(cluster, "b2", 1)
+        assert (how, back) == ("live state", 0) and step == was >= joined_at, cluster.resumes("b2")
+        for n in ("a", "b1"):
+            assert _after(cluster, n, 2)[1:] == ("live state", step, 0), cluster.resumes(n)
+        moved = cluster.transfers("b2")
+        assert [src for _, src, _ in moved] == ["b1"], moved
+        # the steps up to ten past the join, as one process trains them (the rest only cost test time)
+        upto = min(JOIN_STEPS, step + 10)
+        close(cluster.losses(), one_process(job, upto), range(upto), 1e-4)
+        print(f"\nb2 joined at step {joined_at}; the stage of two replicas resumed at step {step} (0 rolled back); "
+              f"b2 fetched {moved[0][0]} bytes from b1")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_graceful_leave_hands_its_state_over(tmp_path: Path, reference: list[float]) -> None:
+    """b1, the only holder of layers [3, 6), gets SIGTERM: it stops at a step boundary, leaves, and serves its
+    state until c (idle until then) has taken it; c runs [3, 6) from the step training had reached."""
+    layouts = {frozenset({"a", "b1", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1"])],
+               frozenset({"a", "c"}): [((0, 3), ["a"]), ((3, 6), ["c"])]}
+    cluster = ScriptedCluster(job=_job(3), out=tmp_path, layouts=layouts)
+    try:
+        for n in ("a", "b1", "c"):
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
+        leaver = cluster.terminate("b1")
+        left_at = cluster.top_step()
+        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["b1"])
+        assert leaver.wait(60) == 0
+        step, how, was, back = _after(cluster, "c", 1)
+        assert (how, back) == ("live state", 0) and step == was >= left_at, cluster.resumes("c")
+        assert [src for _, src, _ in cluster.transfers("c")] == ["b1"]
+        assert "leaving: the live state was handed over" in cluster.log("b1")
+        close(cluster.losses(), reference, range(STEPS), 1e-4)
+    finally:
+        cluster.stop()
