@@ -224,7 +224,9 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         for m in s.members:
             p = m.profile
             rows.append([m.node_id, m.state, f"{p.device_kind} x{p.device_count} {p.device_name}"[:48],
-                         _bytes(p.memory_total_bytes), m.peer_address,
+                         _bytes(p.memory_total_bytes),
+                         # a node behind NAT: its neighbours send over the streams it opens
+                         f"{m.peer_address or '-'} (dials out)" if p.unreachable else m.peer_address,
                          f"{max(0.0, now - m.last_heartbeat_unix):.1f}s ago"])
         out += _table(rows)
     out.append(f"\nislands: {len(s.islands)}")
@@ -251,6 +253,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
                 rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})", str(st.dp),
                              ", ".join(st.node_ids), send, st.dp_rendezvous])
             out += _table(rows, "    ")
+        for r in p.relays:  # two neighbours that both accept no connections
+            out.append(f"  {r.a} <-> {r.b} relayed by {r.via} ({_rate(r.bandwidth_bytes_per_s)}, the slower leg)")
     else:
         out.append("\nno plan yet")
     return "\n".join(out)

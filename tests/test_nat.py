@@ -403,3 +403,16 @@ def test_a_probe_crosses_a_connect_stream() -> None:
         chunks = [pb.ProbeChunk(sender="n0").SerializeToString(), pb.ProbeChunk(payload=b"x" * 1000).SerializeToString()]
         reply = pb.ProbeReply.FromString(a.reverse.call("n1", "Probe", iter(chunks), 5.0))
         assert (reply.bytes, reply.node_id) == (1000, "n1")
+
+
+def test_status_shows_who_dials_out_and_who_relays() -> None:
+    from atoll.coordinator.status import format_status
+
+    s = pb.StatusReply()
+    s.members.add(node_id="u1", peer_address="", state="alive", profile=pb.NodeProfile(unreachable=True))
+    s.members.add(node_id="r", peer_address="10.0.0.1:7171", state="alive")
+    s.plan.pipelines.add()
+    s.plan.relays.add(a="u1", b="u2", via="r", bandwidth_bytes_per_s=5e7)
+    text = format_status(s, now=0.0)
+    assert "- (dials out)" in text and "10.0.0.1:7171 " in text
+    assert "u1 <-> u2 relayed by r (50.00 MB/s, the slower leg)" in text
