@@ -54,8 +54,9 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p = sub.add_parser(
         "status", help="show a coordinator's job live: progress, stages, links, members, islands and plan",
-        description="Ask a coordinator for its job: step, loss, tokens/s, measured vs predicted step time, each "
-        "node's compute and wait time, each link's codec and bandwidth, members, islands and the plan.")
+        description="Ask a coordinator for its job: step, loss, the whole job's loss history as a sparkline (--plot "
+        "draws it), tokens/s, measured vs predicted step time, each node's compute and wait time, each link's codec "
+        "and bandwidth, members, islands and the plan.")
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     p.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
     p.add_argument("--token-file", help="file holding the job token")
