@@ -106,7 +106,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                                      request_serializer=pb.WatchPlanRequest.SerializeToString,
                                      response_deserializer=len),
         })
-    stats = {"joined": [], "plan": {}, "lat": [], "lapses": 0, "errors": 0, "error_kinds": {}, "measuring": False}
+    stats = {"joined": [], "plan": {}, "lat": [], "lapses": 0, "errors": 0, "error_kinds": {}, "measuring": False,
+             "examples": []}
     stop = asyncio.Event()
     join_gate = asyncio.Semaphore(64)
 
@@ -117,10 +118,13 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                               memory_total_bytes=80 << 30, memory_free_bytes=79 << 30, cpu_count=16,
                               layer_timings=timings, optimizer_step_seconds=1e-3, region=f"r{_region(i)}")
 
-    def error(e: Exception) -> None:
+    def error(e: Exception, what: str) -> None:
         stats["errors"] += 1
-        kind = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+        kind = f"{what} {e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else f"{what} {type(e).__name__}"
         stats["error_kinds"][kind] = stats["error_kinds"].get(kind, 0) + 1
+        if len(stats["examples"]) < 3:
+            stats["examples"].append(f"{kind}: {e.details() if isinstance(e, grpc.aio.AioRpcError) else e}"
+                                     f"{' (while measuring)' if stats['measuring'] else ''}")
 
     async def join(i: int, rpc) -> tuple[str, float]:
         async with join_gate:
@@ -131,7 +135,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                                           metadata=meta, timeout=60)
                     return r.node_id, r.heartbeat_interval_seconds
                 except grpc.aio.AioRpcError as e:
-                    error(e)
+                    error(e, "join")
                     await asyncio.sleep(1.0)
 
     async def watch(node_id: str, rpc) -> None:
@@ -142,7 +146,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             except grpc.aio.AioRpcError as e:
                 if stop.is_set() or e.code() == grpc.StatusCode.CANCELLED:
                     return
-                error(e)
+                error(e, "watch")
                 await asyncio.sleep(1.0)
 
     async def node(i: int) -> None:
@@ -167,8 +171,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                 if e.code() == grpc.StatusCode.NOT_FOUND:  # marked gone while alive: a false lapse; join again
                     stats["lapses"] += 1
                     node_id, interval = await join(i, rpc)
-                else:
-                    error(e)
+                elif not stop.is_set():
+                    error(e, "heartbeat")
             left = interval - (time.perf_counter() - t0)
             if left > 0:
                 try:
@@ -199,7 +203,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
     for ch in chans:
         await ch.close()
     out.put(("done", first, stats["lat"], stats["lapses"], stats["errors"], stats["error_kinds"],
-             min(stats["joined"], default=0.0)))
+             min(stats["joined"], default=0.0), stats["examples"]))
 
 
 # --- one size -------------------------------------------------------------------------------------------
@@ -273,6 +277,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         lapses = errors = 0
         kinds: dict[str, int] = {}
         firsts = []
+        examples: list[str] = []
         done = 0
         end = time.monotonic() + 120
         while done < len(procs) and time.monotonic() < end:
@@ -286,6 +291,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             for k, v in msg[5].items():
                 kinds[k] = kinds.get(k, 0) + v
             firsts.append(msg[6])
+            examples += msg[7]
         lat.sort()
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
         return {"n": n, "joined": joined, "planned": planned,
@@ -293,7 +299,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
                 "plan_after_last_join_s": last_plan - last_join if planned >= n else float("inf"),
                 "p50_ms": pct(0.5), "p99_ms": pct(0.99), "heartbeats": len(lat), "lapses": lapses,
                 "errors": errors, "error_kinds": kinds, "cpu_steady": cpu_steady, "cpu_join_s": cpu_join,
-                "rss_mb": rss, "pinned": bool(server_cpus)}
+                "rss_mb": rss, "pinned": bool(server_cpus), "examples": examples[:3]}
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -332,6 +338,8 @@ def main() -> int:
         print(f"  heartbeat p50 / p99         {r['p50_ms']:8.1f} / {r['p99_ms']:.1f} ms  ({r['heartbeats']} heartbeats)")
         print(f"  false lapses                {r['lapses']:8d}     errors {r['errors']} {r['error_kinds'] or ''}")
         print(f"  coordinator CPU, RSS        {100 * r['cpu_steady']:8.0f} % of a core, {r['rss_mb']:.0f} MB")
+        for e in r["examples"]:
+            print(f"  e.g. {e[:300]}")
     base, big = results[0], results[-1]
     if len(results) > 1:
         print(f"\nagainst the baseline ({base['n']} nodes): heartbeat p50 x{big['p50_ms'] / base['p50_ms']:.2f}, "
