@@ -150,7 +150,7 @@ def test_a_checkpoints_restart_point_skips_the_rows_before_it(tmp_path: Path, mo
 
 
 def test_formats_give_the_same_samples(tmp_path: Path) -> None:
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     docs = _docs(80)
     datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "ds"))

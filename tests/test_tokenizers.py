@@ -48,7 +48,7 @@ def test_trained_bpe_round_trips_text_and_compresses_it(tmp_path: Path, corpus: 
 
 
 def test_trains_on_text_parquet_and_datasets_folders(tmp_path: Path) -> None:
-    import datasets
+    datasets = pytest.importorskip("datasets")
 
     paras = _paragraphs(60)
     (tmp_path / "a.txt").write_text("\n".join(paras[:20]))
