@@ -166,11 +166,9 @@ class Source:
             if chunk and first is not None:
                 yield first, chunk
             return
-        r = 0
-        for batch in _arrow_batches(self.format, path, self.field):
+        for r, batch in _arrow_batches(self.format, path, self.field, row):
             n = batch.num_rows
             if r + n <= row:
-                r += n
                 continue
             column = batch.column(0).to_pylist()
             skip = max(0, row - r)
@@ -181,7 +179,6 @@ class Source:
                         raise DataError(f"row {r + a + k} of {path}: column {self.field!r} holds "
                                         f"{type(t).__name__}, not text; set [data] field to a text column")
                 yield RowCursor(fi, r + a, 0), texts
-            r += n
 
 
 @dataclass(frozen=True, order=True)
@@ -275,18 +272,29 @@ def _schema(fmt: str, path: Path):
         return pa.ipc.open_stream(src).schema
 
 
-def _arrow_batches(fmt: str, path: Path, field: str):
-    """Record batches of one column, read a batch at a time (a Parquet row group slice, an Arrow batch)."""
+def _arrow_batches(fmt: str, path: Path, field: str, row: int = 0):
+    """(first row, record batch of one column), read a batch at a time (a Parquet row group slice, an Arrow
+    batch), from the batch holding `row` on; Parquet row groups wholly before `row` are not read."""
     pa, pq = _pyarrow()
 
     if fmt == "parquet":
-        yield from pq.ParquetFile(path).iter_batches(batch_size=4096, columns=[field])
+        pf = pq.ParquetFile(path)
+        groups = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+        first, r = 0, 0
+        while first < len(groups) and r + groups[first] <= row:
+            r += groups[first]
+            first += 1
+        for batch in pf.iter_batches(batch_size=4096, columns=[field], row_groups=range(first, len(groups))):
+            yield r, batch
+            r += batch.num_rows
         return
     with pa.memory_map(str(path)) as src:  # the datasets library's Arrow files are IPC streams
         reader = pa.ipc.open_stream(src)
         index = reader.schema.get_field_index(field)
+        r = 0
         for batch in reader:
-            yield pa.record_batch([batch.column(index)], names=[field])
+            yield r, pa.record_batch([batch.column(index)], names=[field])
+            r += batch.num_rows
 
 
 # --- packing ----------------------------------------------------------------------------------------------
