@@ -291,9 +291,8 @@ class LinkGraph(Mapping[tuple[str, str], LinkEstimate]):
             if len(self._rtt_cache) > 64:
                 self._rtt_cache.pop(next(iter(self._rtt_cache)))
             out_edges: dict[str, list[tuple[str, float]]] = {}
-            for (s, d), (bw, rtt) in self._direct.items():
-                if bw > 0:
-                    out_edges.setdefault(s, []).append((d, rtt))
+            for (s, d), (_, rtt) in self._direct.items():  # every measured link, as `complete_matrix` does
+                out_edges.setdefault(s, []).append((d, rtt))
             dist = {a: 0.0}
             heap = [(0.0, a)]
             while heap:
