@@ -131,10 +131,10 @@ class Source:
         if self.format == "text":
             return
         if self.format == "jsonl":
-            for cursor, row in _jsonl_rows(f, 0, 0, None):
+            for _, row in _jsonl_rows(f, 0, 0, None):  # the first row
                 if not isinstance(row, dict) or self.field not in row:
                     keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                    raise DataError(f"data.field {self.field!r} is not in line {cursor[0] + 1} of {f} (its keys: "
+                    raise DataError(f"data.field {self.field!r} is not in the first row of {f} (its keys: "
                                     f"{keys}); set [data] field to the key holding the text")
                 return
             return
@@ -192,15 +192,17 @@ class RowCursor:
 
 
 def _jsonl_rows(path: Path, row: int, byte: int, field: str | None) -> Iterator[tuple[tuple[int, int], object]]:
-    """((row, byte offset), text or object) for each non-empty line from `row` on (`byte`: its offset)."""
+    """((row, byte offset), text or object) for each non-empty line (a row) from `row` on (`byte`: its
+    offset)."""
     with open(path, "rb") as f:
-        r = 0
+        r, line_no = 0, 0  # line numbers (blank lines too) are known when reading from the file's start
         if byte:
             f.seek(byte)
             r = row
         while True:
             off = f.tell()
             line = f.readline()
+            line_no += 1
             if not line:
                 return
             if not line.strip():
@@ -208,19 +210,18 @@ def _jsonl_rows(path: Path, row: int, byte: int, field: str | None) -> Iterator[
             if r < row:
                 r += 1
                 continue
+            where = f"line {line_no} of {path}" if not byte else f"the line at byte {off} of {path}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"line {r + 1} of {path} is not JSON ({e}); each line must be one JSON object") \
-                    from None
+                raise DataError(f"{where} is not JSON ({e}); each line must be one JSON object") from None
             if field is not None:
                 if not isinstance(obj, dict) or field not in obj:
-                    raise DataError(f"data.field {field!r} is not in line {r + 1} of {path}; set [data] field "
-                                    f"to the key holding the text")
+                    raise DataError(f"data.field {field!r} is not in {where}; set [data] field to the key holding "
+                                    f"the text")
                 obj = obj[field]
                 if not isinstance(obj, str):
-                    raise DataError(f"line {r + 1} of {path}: field {field!r} holds {type(obj).__name__}, not "
-                                    f"text")
+                    raise DataError(f"{where}: field {field!r} holds {type(obj).__name__}, not text")
             yield (r, off), obj
             r += 1
 

@@ -222,8 +222,13 @@ def test_text_source_holds_out_its_tail() -> None:
 def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
     docs = _docs(20)
     src = _jsonl(tmp_path / "c.jsonl", docs)
-    with pytest.raises(DataError, match=r"data.field 'body' is not in line 1 of .*c.jsonl \(its keys: \['id', 'text'\]\)"):
+    with pytest.raises(DataError, match=r"data.field 'body' is not in the first row of .*c.jsonl \(its keys: "
+                                        r"\['id', 'text'\]\)"):
         open_dataset(DataSpec(source=str(src), field="body"), seq_len=L)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n\n{"text": 3}\n')
+    with pytest.raises(DataError, match=r"line 3 of .*bad.jsonl: field 'text' holds int, not text"):
+        open_dataset(DataSpec(source=str(bad)), seq_len=L).rows(0, B, 0, B)
     folder = _parquet_folder(tmp_path / "pq", docs)
     with pytest.raises(DataError, match=r"data.field 'body' is not a column of .*part-0.parquet \(columns: \['text', 'n'\]\)"):
         open_dataset(DataSpec(source=str(folder), field="body"), seq_len=L)
