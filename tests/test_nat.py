@@ -416,3 +416,18 @@ def test_status_shows_who_dials_out_and_who_relays() -> None:
     text = format_status(s, now=0.0)
     assert "- (dials out)" in text and "10.0.0.1:7171 " in text
     assert "u1 <-> u2 relayed by r (50.00 MB/s, the slower leg)" in text
+
+
+@pytest.mark.timeout(120)
+def test_the_reverse_benchmark_runs_every_path(capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the bench tree is not installed
+    from bench.reverse import main
+
+    assert main(["--tensor-mib", "1", "--total-mib", "4", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    for path in ("dial", "reverse", "relay"):
+        assert f"round 1: {path}" in out
+    assert "targets met: " in out.splitlines()[-1]
