@@ -348,3 +348,50 @@ def test_a_pipeline_matches_torch_grad_scaler_on_the_unsplit_model(init_scale, g
     assert [r.loss_scale for r in run.results[0][-1]] == ref.loss_scales
     assert (max(ref.loss_scales) > init_scale) if growth == 3 else (min(ref.loss_scales) < init_scale / 8)
     assert run.losses() == pytest.approx(ref.losses, rel=2e-3)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_an_fp16_job_end_to_end_with_tensorboard_and_the_loss_history(tmp_path):
+    """atoll coordinator and two atoll node processes (--tensorboard) train an fp16 job: the losses match one
+    process, every node writes TensorBoard events with the loss scale, and the coordinator's history, drawn by
+    --plot, holds every step."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from atoll.coordinator.status import PLOT_POINTS, fetch_status, plot_history
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.node.local import train_local
+
+    steps = 12
+    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps, warmup=2, dtype="fp16", loss_scale=1024.0),
+                  compression=replace(job.compression, mode="identity"),
+                  cluster=replace(job.cluster, expected_nodes=2, min_nodes=2), outer=replace(job.outer, mode="sync"))
+    path = tmp_path / "job.toml"
+    path.write_text(job.to_toml())
+    expected, _ = train_local(job)
+    tb = tmp_path / "tb"
+    with LocalCluster(job_path=path, out=tmp_path / "run", insecure=True) as cluster:
+        cluster.start_coordinator(extra=["--island-threshold", "0.001"])
+        for name in ("node1", "node2"):
+            cluster.start_node(name, extra=["--tensorboard", str(tb)])
+        cluster.wait_status(lambda s: len(cluster.losses()) >= steps, 200, f"{steps} steps")
+        status = fetch_status(cluster.address, token=cluster.token, history_points=PLOT_POINTS)
+    got = cluster.losses()
+    for s in range(steps):
+        assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])
+    assert status.history_rows == steps and sum(p.count for p in status.history) == steps
+    assert plot_history(status, tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    nodes = sorted(p for p in tb.iterdir() if p.is_dir())
+    assert len(nodes) == 2
+    for folder in nodes:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        assert {e.value for e in acc.Scalars("precision/loss_scale")} == {1024.0}, folder
+    losses = [EventAccumulator(str(f)) for f in nodes]
+    for acc in losses:
+        acc.Reload()
+    assert sum("loss/train" in acc.Tags()["scalars"] for acc in losses) == 1  # the node that reports the loss
