@@ -52,6 +52,9 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 MAX_FAILURE_REASON = 1000
 """Longest failure reason sent; the coordinator refuses longer ones."""
 STEP_BACKLOG = 4096
+FINISHED_GRACE = timedelta(minutes=2)
+"""How long after the job finished a node running a stage may take to end its run (its last checkpoint) before
+it is stopped anyway."""
 """Step reports kept while the coordinator is away; beyond it the oldest are dropped."""
 
 
@@ -831,14 +834,20 @@ def run_node_cli(args: argparse.Namespace) -> int:
 
     def exit_when_idle_and_done() -> None:
         # a node the plan leaves idle has no last step of its own: it exits once the coordinator says the job
-        # finished (a node running a stage exits from on_plan, after its last checkpoint)
+        # finished. A node running a stage exits from on_plan after its last checkpoint; one whose run failed
+        # at the very end waits for a plan that never comes, so it is stopped after a grace period
         while not agent.stopped:
             if agent.job_finished.wait(1.0):
                 plan = agent.plan
                 if plan is None or not any(agent.node_id in s.nodes for p in plan.pipelines for s in p.stages):
                     log.info("the job has finished and the plan leaves this node idle; leaving and exiting "
                              "(--stay keeps it)")
-                    agent.stop()
+                elif not agent._stop.wait(FINISHED_GRACE.total_seconds()):
+                    log.warning("the job finished %.0fs ago and this node's run has not ended; leaving and exiting "
+                                "(--stay keeps it)", FINISHED_GRACE.total_seconds())
+                else:
+                    return
+                agent.stop()
                 return
 
     if not args.stay:
