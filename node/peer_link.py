@@ -31,6 +31,7 @@ from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.node.reverse import RELAY_METADATA_KEY, ReverseRegistry
 from atoll.node.transport import Direction, TensorKey, TransportError
 from atoll.rpc import make_channel
+from atoll.tls import node_dns_name
 from atoll.serde import DIRECTION_BY_NAME
 from atoll.types import LinkStats
 from atoll.v1 import atoll_pb2 as pb
@@ -89,8 +90,10 @@ class PeerLink:
         self.fixed = cfg.forward_codec if direction == "forward" else cfg.backward_codec
         self.policy = LinkPolicy(cfg.policy, initial_bandwidth_bytes_per_s=cfg.initial_bandwidth_bytes_per_s,
                                  latency_s=cfg.latency.total_seconds())
+        # dialled directly, the server must hold the neighbour's own certificate (mutual TLS), not any node's
         self.channel = None if peer.route == "reverse" else \
-            make_channel(peer.relay if peer.route == "relay" else peer.address, cfg.rpc, token=cfg.token)
+            make_channel(peer.relay if peer.route == "relay" else peer.address, cfg.rpc, token=cfg.token,
+                         server_name=None if peer.route == "relay" else node_dns_name(peer.node_id))
         self.metadata = ((RELAY_METADATA_KEY, peer.node_id),) if peer.route == "relay" else None
         # Peer.Transfer, fed the chunks already serialized (`chunk_frames`) to spare protobuf's copies
         self.transfer = None if self.channel is None else self.channel.stream_unary(

@@ -30,7 +30,7 @@ from atoll.node.peer import PeerServer
 from atoll.node.reverse import RELAY_METADATA_KEY
 from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.rpc import RpcOptions, make_channel
-from atoll.tls import bootstrap_rpc, make_csr, new_key
+from atoll.tls import bootstrap_rpc, make_csr, new_key, node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -278,3 +278,25 @@ def test_a_second_process_on_a_locked_state_dir_fails_with_one_line(world: dict)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "in use by another atoll node" in lines[0], proc.stderr
+
+
+def test_a_neighbour_dialled_by_name_must_hold_its_own_certificate(world: dict, stage1_server: PeerServer) -> None:
+    """A node that sits at another's address (it took the port, or a path leads to it) does not receive the
+    tensors meant for that node: the sender expects the neighbour's own name in the server's certificate."""
+    s0, plan, job = world["nodes"]["s0"], world["plan"], world["job"]
+    meta = dict(job_id=job.id, plan_epoch=plan.epoch, step=1, micro_batch=0, direction="forward", name="act",
+                sender="s0", pipeline=0, stage=0, replica=0)
+
+    def send(expected: str) -> pb.TransferAck:
+        chunks = list(tensor_to_chunks(torch.ones(SHAPE), CodecSpec("identity"), meta, 1024))
+        channel = make_channel(stage1_server.address, s0.credentials.peer_rpc(RpcOptions()),
+                               server_name=node_dns_name(expected))
+        try:
+            return pb_grpc.PeerStub(channel).Transfer(iter(chunks), timeout=5)
+        finally:
+            channel.close()
+
+    with pytest.raises(grpc.RpcError) as info:
+        send("forger")  # s1's server is not the forger's
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert send("s1").tensors == 1
