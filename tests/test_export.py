@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from atoll.hf import config_from_hf
 from atoll.launch.cli import main
+from atoll.modelspec import ModelConfig, preset
 from atoll.node.checkpoint import read_checkpoint, save_layers
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.stage import StageConfig, build_optimizer
@@ -56,11 +58,17 @@ def _greedy(stages: list[StageModule], ids: torch.Tensor, n: int) -> torch.Tenso
     return ids
 
 
-@pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5])], ids=["qwen2-two-stages", "gpt2-tied"])
+# Atoll's own presets export too: the demo's tiny model (gpt style, exact GELU, untied) and a llama-style one
+TINY = replace(preset("tiny"), vocab_size=300)
+TINY_LLAMA = replace(preset("tiny"), style="llama", vocab_size=300, n_kv_heads=2, ffn_hidden=96)
+
+
+@pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5]), (TINY, [0, 3, 6]), (TINY_LLAMA, [0, 2, 6])],
+                         ids=["qwen2-two-stages", "gpt2-tied", "atoll-tiny", "atoll-tiny-llama"])
 def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path: Path, capsys) -> None:
     from atoll.node.tokenizer import train_bpe
 
-    config = config_from_hf(shape, name="exported")
+    config = shape if isinstance(shape, ModelConfig) else config_from_hf(shape, name="exported")
     stages = _trained_checkpoint(config, cuts, tmp_path / "ckpt", step=4)
     tok = train_bpe([REPO / "atoll" / "data" / "genesis-exodus.txt"], vocab_size=300, out=tmp_path / "tok.json")
     out = tmp_path / "hf"
@@ -70,7 +78,8 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == ("qwen2" if shape is QWEN else "gpt2") and cfg["atoll"]["step"] == 4
+    assert cfg["model_type"] == {"llama": "qwen2" if config.has_qkv_bias else "llama", "gpt": "gpt2"}[config.style]
+    assert cfg["atoll"]["step"] == 4
     assert cfg["eos_token_id"] == tok.eos_id
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
