@@ -136,9 +136,10 @@ def _wait(what: str, until, timeout: float, cluster) -> object:
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
-    """Two nodes run a pinned two-stage plan and a third is left idle. `atoll job extend` and `atoll job stop` act
-    through the coordinator; the job finishes at the stop's step with a checkpoint, `atoll status` says finished,
-    every node (the idle one too) exits by itself and the coordinator keeps answering."""
+    """Two nodes run a pinned two-stage plan and two are left idle, one of them started with --stay. `atoll job
+    extend` and `atoll job stop` act through the coordinator; the job finishes at the stop's step with a
+    checkpoint, `atoll status` says finished, every node but the --stay one (the idle one too) exits by itself
+    and the coordinator keeps answering."""
     from atoll.launch.localcluster import LocalCluster
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
@@ -146,10 +147,10 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
     job = replace(job, train=replace(job.train, steps=200, warmup=2),
                   checkpoint=replace(job.checkpoint, interval=1000),
                   compression=replace(job.compression, mode="identity"),
-                  cluster=replace(job.cluster, expected_nodes=3, min_nodes=3), outer=replace(job.outer, mode="sync"))
+                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4), outer=replace(job.outer, mode="sync"))
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
-    ids = {"node1": "first", "node2": "second", "node3": "spare"}
+    ids = {"node1": "first", "node2": "second", "node3": "spare", "node4": "keeper"}
     for name, node_id in ids.items():
         (out / name).mkdir(parents=True)
         (out / name / "node_id").write_text(node_id + "\n")
@@ -160,7 +161,7 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
         for name in ids:
-            cluster.start_node(name)
+            cluster.start_node(name, extra=["--stay"] if name == "node4" else [])
         _wait("step 3", lambda: cluster.status().step >= 3, 200, cluster)
         base = [sys.executable, "-m", "atoll", "job"]
         auth = ["--coordinator", cluster.address, "--token-file", str(cluster.token_file),
@@ -176,11 +177,13 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
                        150, cluster)
         assert status.target_steps == target and status.finished_unix > 0
         assert max(cluster.losses()) == target - 1
-        for name in ids:  # every node leaves and exits by itself, the idle one too
+        for name in ("node1", "node2", "node3"):  # every node leaves and exits by itself, the idle one too
             assert cluster.procs[name].wait(90) == 0, f"{name} did not exit cleanly; logs in {out}"
+        assert cluster.procs["node4"].poll() is None, "a node started with --stay should keep running"
         after = cluster.status()  # the coordinator still answers
         assert after.job_state == "finished" and after.last_checkpoint_step == target
-        assert sorted(m.state for m in after.members) == ["left", "left", "left"]
+        assert sorted((m.node_id, m.state) for m in after.members) == [
+            ("first", "left"), ("keeper", "alive"), ("second", "left"), ("spare", "left")]
 
 
 _SCRIPT = """
