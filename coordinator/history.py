@@ -172,18 +172,22 @@ def resolution(rows: Sequence[Point]) -> str:
 
 
 def downsample(rows: Sequence[Point], most: int) -> list[Point]:
-    """At most `most` rows covering the same steps: neighbours merged evenly (the min and max survive)."""
+    """At most `most` rows covering the same steps: neighbours merged into spans of equal numbers of steps (so a
+    line drawn from them is even in steps, whatever mix of single steps and buckets they came from; the min and
+    max survive)."""
     rows = sorted(rows, key=lambda r: r.first)
     if most < 1:
         raise ValueError(f"most must be >= 1, got {most}")
     if len(rows) <= most:
         return list(rows)
-    per = math.ceil(len(rows) / most)
+    start, end = rows[0].first, max(r.first + r.width for r in rows)
+    span = math.ceil((end - start) / most)
+    groups: dict[int, list[Point]] = {}
+    for r in rows:
+        groups.setdefault((r.first - start) // span, []).append(r)
     out = []
-    for i in range(0, len(rows), per):
-        group = rows[i:i + per]
-        end = group[-1].first + group[-1].width
-        acc = replace(group[0], width=end - group[0].first)
+    for group in groups.values():
+        acc = replace(group[0], width=group[-1].first + group[-1].width - group[0].first)
         for r in group[1:]:
             acc = merge(acc, r)
         out.append(acc)

@@ -236,3 +236,16 @@ def test_atoll_status_plot_draws_a_live_coordinators_history(tmp_path, capsys):
         assert "loss history " in capsys.readouterr().out
     finally:
         svc.stop()
+
+
+def test_downsampling_a_compacted_history_is_even_in_steps():
+    rows = compact([add_sample(None, Sample(step=k, epoch=1, loss=float(k))) for k in range(10_000)],
+                   keep_full=2000, max_buckets=500)
+    assert any(r.width > 1 for r in rows) and any(r.width == 1 for r in rows)
+    few = downsample(rows, 100)
+    assert len(few) <= 100 and sum(p.count for p in few) == 10_000
+    # each point spans about a hundredth of the job, bucketed or not: the newest fifth of the steps gets about a
+    # fifth of the points, not the share of the rows it has
+    assert all(p.width <= 100 + 16 for p in few), sorted(p.width for p in few)[-3:]
+    recent = [p for p in few if p.first >= 8000]
+    assert 18 <= len(recent) <= 22
