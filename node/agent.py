@@ -36,7 +36,7 @@ from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.plan import Plan
 from atoll.preflight import check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel
-from atoll.tls import CertificateError, find_ca
+from atoll.tls import CertificateError, cert_from_pem, find_ca, fingerprint
 from atoll.serde import (link_to_proto, plan_from_proto, profile_to_proto, step_metrics_to_proto)
 from atoll.types import LinkMeasurement, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
@@ -787,7 +787,10 @@ def run_node_cli(args: argparse.Namespace) -> int:
                     "reads the job token and every tensor. Use it only in a closed lab, with a coordinator that runs "
                     "--insecure too")
     else:
-        tls_ca = find_ca(args.tls_ca, args.token_file).read_bytes()
+        ca_path = find_ca(args.tls_ca, args.token_file)
+        tls_ca = ca_path.read_bytes()
+        log.info("verifying the coordinator and peers with the job CA %s (%s; compare with the coordinator's log)",
+                 ca_path, fingerprint(cert_from_pem(tls_ca, str(ca_path))))
     config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
                          device=args.device, listen=None if args.no_listen else args.listen,
                          advertise=args.advertise, tls_ca=tls_ca,
