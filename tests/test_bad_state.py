@@ -197,3 +197,19 @@ def test_the_coordinator_command_prints_one_line_for_setup_mistakes(tmp_path: Pa
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and flag in out.stderr, out.stderr[-2000:]
     shutil.rmtree(tmp_path / "s", ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_the_node_command_prints_one_line_for_setup_mistakes(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        for args, needle in ((["--state-dir", str(afile)], "is a file, not a folder"),
+                             (["--state-dir", str(tmp_path / "n"), "--listen", f"127.0.0.1:{port}"], "is in use")):
+            out = subprocess.run([sys.executable, "-m", "atoll", "node", "--coordinator", "127.0.0.1:1", "--token", "t",
+                                  "--insecure", *args], capture_output=True, text=True, timeout=100)
+            assert out.returncode == 2, out.stderr[-2000:]
+            assert "Traceback" not in out.stderr and needle in out.stderr, out.stderr[-2000:]
