@@ -930,7 +930,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         run.report_checkpoint(pb.CheckpointReport(
             job_id=plan.job_id, node_id=c.node_id, plan_epoch=run.current.epoch, step=c.step,
             layer_start=c.layers[0], layer_end=c.layers[1], path=c.path, bytes=c.bytes,
-            data_position=c.step * job.train.global_batch))
+            data_position=c.step * job.train.global_batch, copy_of=run.node_id))
 
     if run.peer.state is None:  # the live state and checkpoint copies this node serves, kept across plans
         run.peer.state = StateHolder(node_id=run.node_id, checkpoint_dir=Path(checkpoint_dir))

@@ -459,7 +459,7 @@ class StepMetrics(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +469,7 @@ class CheckpointReport(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    COPY_OF_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -478,7 +479,8 @@ class CheckpointReport(_message.Message):
     path: str
     bytes: int
     data_position: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ...) -> None: ...
+    copy_of: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem")
