@@ -80,6 +80,27 @@ def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:
     work.wait(timeout)  # done: returns at once, or raises the collective's error
 
 
+def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta) -> None:
+    """Say that `rank` has come to the group meeting at `store` and wait until all `size` ranks have, at most
+    `timeout`. Inside `cancel_collectives_on(event)` the wait ends (CollectiveCancelled) as soon as `event` is set:
+    building a process group waits for its peers in C++ and cannot be interrupted, so the group is built only once
+    every rank is known to be there."""
+    store.set(f"arrived/{rank}", b"1")
+    keys = [f"arrived/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.01
+    while not store.check(keys):
+        event: threading.Event | None = getattr(_cancel, "event", None)
+        if event is not None and event.is_set():
+            raise CollectiveCancelled("the rendezvous was abandoned: the plan it belongs to was superseded")
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(size) if not store.check([f"arrived/{r}"])]
+            raise CollectiveError(f"ranks {missing} of a group of {size} did not come to the rendezvous within "
+                                  f"{timeout}")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+
+
 def release_later(objects: list[object], after: timedelta) -> None:
     """Keep `objects` (process groups, and what holds them) alive for `after`, then drop them on a thread of
     their own: destroying a gloo group with an operation in flight blocks until that operation times out, which

@@ -25,8 +25,8 @@ from atoll.coordinator.service import CoordinatorService, ServiceConfig
 from atoll.coordinator.state import CoordinatorOptions
 from atoll.job import JobSpec
 from atoll.node.agent import AgentConfig, NodeAgent
-from atoll.node.dataparallel import (CollectiveCancelled, CollectiveError, GradientAverager, cancel_collectives_on,
-                                     release_later, wait_collective)
+from atoll.node.dataparallel import (CollectiveCancelled, CollectiveError, GradientAverager, arrive,
+                                     cancel_collectives_on, release_later, wait_collective)
 from atoll.node.peer import PeerServer
 from atoll.node.runner import PlanRunner, RunContext, RunFailed
 from atoll.plan import PipelinePlan, Plan, StagePlan
@@ -82,6 +82,24 @@ def test_wait_collective_completes_times_out_and_needs_no_cancel_event() -> None
         wait_collective(groups[0].allreduce([a]), timedelta(seconds=0.5), "sum")
     wait_collective(groups[1].allreduce([b]), timedelta(seconds=10), "sum")  # the peer catches up: no hang
     release_later(groups, timedelta(seconds=1))
+
+
+@pytest.mark.timeout(30)
+def test_a_rendezvous_waits_for_every_rank_and_ends_when_the_plan_is_superseded() -> None:
+    store = dist.HashStore()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"ranks \[1\] of a group of 2"):
+        arrive(dist.PrefixStore("g1/", store), rank=0, size=2, timeout=timedelta(seconds=0.5))
+    superseded = threading.Event()
+    threading.Timer(0.3, superseded.set).start()
+    with cancel_collectives_on(superseded), pytest.raises(CollectiveCancelled):
+        arrive(dist.PrefixStore("g2/", store), rank=0, size=2, timeout=timedelta(seconds=60))
+    assert time.monotonic() - t0 < 5.0
+    late = threading.Timer(0.3, lambda: arrive(dist.PrefixStore("g3/", store), rank=1, size=2,
+                                               timeout=timedelta(seconds=10)))
+    late.start()
+    arrive(dist.PrefixStore("g3/", store), rank=0, size=2, timeout=timedelta(seconds=10))
+    late.join()
 
 
 def _dp_run(tmp_path: Path, *, wait_bound: timedelta | None, supersede_after: float | None):
