@@ -7,7 +7,9 @@ opens the streams to its neighbours itself, so:
 - probes go from it to nodes that accept connections, never to it (`probe_pairs_skipped`);
 - between two such nodes nothing can be dialed: their link goes through a relay, a node that accepts
   connections, and is priced as the slower of its two legs (`relay_links`), which is what the planner sees;
-- the plan names the relay of each such pair of neighbours (`plan_relays`).
+- the plan names the relay of each such pair of neighbours (`plan_relays`);
+- such a node is an island of its own (`separate_unreachable`): a stage's replicas average gradients in a
+  gloo or NCCL group, which connects every pair directly.
 
 Pure functions of the members and links; no gRPC here.
 """
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from atoll.plan import Plan, RelayRoute
+from dataclasses import replace
+
+from atoll.plan import IslandInfo, Plan, RelayRoute
 from atoll.types import LinkMeasurement, NodeProfile
 
 
@@ -123,6 +127,27 @@ def plan_relays(plan: Plan, unreachable: set[str],
                         continue
                     out[frozenset((a, b))] = RelayRoute(a=a, b=b, via=route[0], bandwidth_bytes_per_s=route[1])
     return list(out.values()), missing
+
+
+def separate_unreachable(islands: list[IslandInfo], members: Mapping[str, object]) -> list[IslandInfo]:
+    """`islands` with every node that accepts no connections (`members`: id -> `MemberRecord`) moved out of a
+    shared island into one of its own (id `<island>-u<k>`), so no data-parallel group needs to dial it."""
+    unreachable = unreachable_nodes(members)
+    out: list[IslandInfo] = []
+    for island in islands:
+        alone = [n for n in island.nodes if n in unreachable]
+        if len(island.nodes) < 2 or not alone:
+            out.append(island)
+            continue
+        rest = [n for n in island.nodes if n not in unreachable]
+        count = {n: max(1, members[n].profile.device_count) for n in island.nodes}  # type: ignore[attr-defined]
+        if rest:
+            out.append(replace(island, nodes=rest, gpus=sum(count[n] for n in rest),
+                               inner_bandwidth=island.inner_bandwidth if len(rest) > 1 else 0.0))
+        for k, n in enumerate(alone):
+            out.append(replace(island, id=f"{island.id}-u{k}", nodes=[n], gpus=count[n], inner_bandwidth=0.0,
+                               outer_bandwidth=max(island.outer_bandwidth, island.inner_bandwidth)))
+    return out
 
 
 def unreachable_advice(address: str, why: str) -> str:

@@ -27,7 +27,7 @@ from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFa
 from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
 from atoll.coordinator import job_control
-from atoll.coordinator.reachability import plan_address, unreachable_nodes
+from atoll.coordinator.reachability import plan_address, separate_unreachable, unreachable_nodes
 from atoll.coordinator.store import JobControlRecord, JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, Plan
@@ -338,7 +338,8 @@ class CoordinatorState:
     def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None) -> list[IslandInfo]:
         if graph is None:  # (not `graph or ...`: a graph's length counts every pair)
             graph = LinkGraph(alive, self.store.list_links())
-        return form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
+        islands = form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
+        return separate_unreachable(islands, alive)  # no data-parallel group has to dial a node behind NAT
 
     def tick(self, now: float | None = None) -> list[str]:
         """One round of decisions at `now`; returns what changed, as readable lines."""
@@ -383,7 +384,9 @@ class CoordinatorState:
                         else set())
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
-                                     options=self.options.membership, stale=stale, moved=moved)
+                                     options=self.options.membership, stale=stale, moved=moved,
+                                     first_join_unix=min((m.joined_unix for n, m in alive.items()
+                                                          if planned is not None and n not in planned), default=None))
             failures = self.failures()
             if not decision.plan and plan is not None and plan.epoch in failures:
                 # every member alive, yet a run failed: only a new epoch (fresh groups, from the last

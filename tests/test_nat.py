@@ -431,3 +431,25 @@ def test_the_reverse_benchmark_runs_every_path(capsys: pytest.CaptureFixture[str
     for path in ("dial", "reverse", "relay"):
         assert f"round 1: {path}" in out
     assert "targets met: " in out.splitlines()[-1]
+
+
+def test_a_node_that_accepts_no_connections_is_an_island_of_its_own() -> None:
+    from types import SimpleNamespace
+
+    from atoll.coordinator.reachability import separate_unreachable
+    from atoll.plan import IslandInfo
+    from atoll.types import NodeProfile
+
+    def member(address: str, count: int = 1):
+        return SimpleNamespace(peer_address=address, profile=NodeProfile(device_count=count))
+
+    members = {"r1": member("10.0.0.1:1"), "r2": member("10.0.0.2:1"), "u1": member("", 2), "u2": member(""),
+               "s": member("10.0.0.3:1")}
+    islands = [IslandInfo(id="gpu0", group="lab", nodes=["r1", "u1", "r2", "u2"], gpus=5, inner_bandwidth=1e9,
+                          outer_bandwidth=1e8), IslandInfo(id="gpu1", nodes=["s"], gpus=1)]
+    got = separate_unreachable(islands, members)
+    assert [(i.id, i.nodes, i.gpus, i.group) for i in got] == [
+        ("gpu0", ["r1", "r2"], 2, "lab"), ("gpu0-u0", ["u1"], 2, "lab"), ("gpu0-u1", ["u2"], 1, "lab"),
+        ("gpu1", ["s"], 1, "")]
+    assert got[1].inner_bandwidth == 0.0 and got[1].outer_bandwidth == 1e9
+    assert separate_unreachable(islands[1:], members) == islands[1:]
