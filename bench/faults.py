@@ -113,9 +113,9 @@ class DriverConfig:
     def event_seconds(self, kind: str) -> float:
         """A generous guess of the wall time an event of `kind` takes until the cluster has recovered from it (a
         node's start: imports, profile, join; a plan; its set-up)."""
-        start = 30.0 + self.profile_seconds
-        return {"node-kill": self.restart_after + start + 15.0, "coordinator-kill": self.outage + 20.0,
-                "join": start + 15.0, "leave": 30.0}[kind]
+        start = 15.0 + self.profile_seconds
+        return {"node-kill": self.restart_after + start + 10.0, "coordinator-kill": self.outage + 10.0,
+                "join": start + 10.0, "leave": 20.0}[kind]
 
     def steps_for(self, kinds: list[str], step_seconds: float) -> int:
         """A job long enough for `kinds` at `step_seconds` a step, with half as much again to spare."""
@@ -164,6 +164,8 @@ class Event:
     next_step_s: float | None = None
     rolled_back: int | None = None
     state_bytes: int | None = None
+    trained_while_down: int | None = None
+    """Coordinator kills: whole steps trained while it was down."""
     note: str = ""
 
 
@@ -562,6 +564,7 @@ class FaultDriver:
                 e.detection_s = None
                 e.next_step_s = next((t - e.at for t, _, _, _ in steps if t > e.at), None)
                 during = [s for t, s, _, _ in steps if e.at <= t < back]
+                e.trained_while_down = len(during)
                 replans = [p.epoch for t, p in later if t < e.until]
                 e.note = (f"down {back - e.at:.1f}s, {len(during)} step(s) trained meanwhile"
                           + (f", new epoch(s) {replans}" if replans else ", no new epoch"))
