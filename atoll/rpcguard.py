@@ -1,5 +1,6 @@
 """Requests that do not parse are answered INVALID_ARGUMENT, by the server factory, before any servicer runs.
-So are requests with an unsigned 64-bit integer beyond the signed range (`out_of_range`).
+So are requests with an unsigned 64-bit integer beyond the signed range (`out_of_range`). On the way, a response
+stream's serializer serializes the same message object once (`_serializer`): messages are not changed once sent.
 
 gRPC answers a request whose deserializer raises with INTERNAL ("Exception deserializing request!"), logs
 nothing useful, and keeps part of the failed call's memory. Here every method's deserializer is wrapped: a
@@ -75,6 +76,25 @@ def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]
     return deserialize
 
 
+def _serializer(handler: grpc.RpcMethodHandler) -> Callable[[Any], bytes] | None:
+    """The handler's response serializer; for a response stream, one that serializes the same message object once
+    in a row: a plan published to thousands of plan watches is one message sent on every stream."""
+    serialize = handler.response_serializer
+    if serialize is None or not handler.response_streaming:
+        return serialize
+    last: tuple[Any, bytes] = (None, b"")
+
+    def once(msg: Any) -> bytes:
+        nonlocal last
+        seen = last  # one read and one write of a tuple: threads sharing the serializer never mix two messages
+        if seen[0] is msg:
+            return seen[1]
+        data = serialize(msg)
+        last = (msg, data)
+        return data
+    return once
+
+
 def _details(method: str, bad: Undecodable) -> str:
     return (f"{method}: the request is not a valid message ({bad.error}); the sender must speak this server's "
             f"atoll.v1 protocol (same atoll version) and keep integers within range")
@@ -124,7 +144,7 @@ def _guard_sync(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHa
                 raise
     return getattr(grpc, f"{kind}_rpc_method_handler")(
         behaviour, request_deserializer=_safe(handler.request_deserializer),
-        response_serializer=handler.response_serializer)
+        response_serializer=_serializer(handler))
 
 
 def _guard_aio(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -161,7 +181,7 @@ def _guard_aio(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHan
         return _guard_sync(handler, method)
     return getattr(grpc, f"{kind}_rpc_method_handler")(
         behaviour, request_deserializer=_safe(handler.request_deserializer),
-        response_serializer=handler.response_serializer)
+        response_serializer=_serializer(handler))
 
 
 class DecodeGuard(grpc.ServerInterceptor):
