@@ -274,10 +274,14 @@ def start_coordinator(work: Path) -> Server:
     server = Server("Coordinator", proc, _wait_for(work / "coordinator.addr", proc, "coordinator", log))
     join = server.channel.unary_unary("/atoll.v1.Coordinator/Join", request_serializer=pb.JoinRequest.SerializeToString,
                                       response_deserializer=pb.JoinReply.FromString)
-    for i, n in enumerate(KNOWN_NODES):  # members, so calls naming them reach past the membership check
-        join(pb.JoinRequest(token=TOKEN, node_id=n, peer_address=f"127.0.0.1:{2000 + i}", profile=pb.NodeProfile(
-            hostname=f"h{i}", device_kind="cpu", device_name="cpu", device_count=1, memory_total_bytes=1 << 30,
-            cpu_count=1)), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    try:
+        for i, n in enumerate(KNOWN_NODES):  # members, so calls naming them reach past the membership check
+            join(pb.JoinRequest(token=TOKEN, node_id=n, peer_address=f"127.0.0.1:{2000 + i}", profile=pb.NodeProfile(
+                hostname=f"h{i}", device_kind="cpu", device_name="cpu", device_count=1, memory_total_bytes=1 << 30,
+                cpu_count=1)), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    except BaseException:
+        server.stop()
+        raise
     return server
 
 
