@@ -32,6 +32,9 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="closed labs only: plaintext gRPC, no node certificates (any token holder can speak as any "
                    "node). By default the coordinator is a CA (STATE_DIR/ca.pem) and every call is mutual TLS")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
+    p.add_argument("--join-settle", type=float, default=10.0,
+                   help="joins alone replan once no node has joined for this many seconds (at most 60 s after the "
+                   "first), so a trickle of joins makes one new plan")
     p.add_argument("--island-threshold", type=float, default=0.1,
                    help="a link joins two nodes in one island when at least this fraction of the fastest link "
                    "measured (default 0.1: islands part at order-of-magnitude gaps)")

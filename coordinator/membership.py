@@ -37,6 +37,12 @@ class MembershipOptions:
     for each further failed epoch in a row, so a plan that keeps failing cannot replan in a tight loop."""
     failure_backoff_max: timedelta = timedelta(seconds=60)
     """The longest wait before replanning a failed epoch."""
+    join_settle: timedelta = timedelta(seconds=10)
+    """Joins alone (nobody gone) replan once no further node has joined for this long: a trickle of joins makes
+    one new epoch, not one each. Training goes on meanwhile, so the wait costs nothing but the joiners' time."""
+    join_settle_max: timedelta = timedelta(seconds=60)
+    """The longest a join waits for its replan, however many nodes keep joining (ten joins within a minute, a
+    few seconds apart, cause one replan)."""
 
     def __post_init__(self) -> None:
         if self.lease <= timedelta(0):
@@ -45,6 +51,9 @@ class MembershipOptions:
             raise ValueError(f"restart_grace must be >= 0, got {self.restart_grace}")
         if self.settle < timedelta(0):
             raise ValueError(f"settle must be >= 0, got {self.settle}")
+        if not timedelta(0) <= self.join_settle <= self.join_settle_max:
+            raise ValueError(f"join_settle ({self.join_settle}) must be >= 0 and at most join_settle_max "
+                             f"({self.join_settle_max})")
         if not timedelta(0) <= self.failure_backoff <= self.failure_backoff_max:
             raise ValueError(f"failure_backoff ({self.failure_backoff}) must be >= 0 and at most failure_backoff_max "
                              f"({self.failure_backoff_max})")
@@ -125,14 +134,16 @@ class PlanDecision:
 
 def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
                   last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions,
-                  stale: bool = False, moved: Set[str] = frozenset()) -> PlanDecision:
+                  stale: bool = False, moved: Set[str] = frozenset(),
+                  first_join_unix: float | None = None) -> PlanDecision:
     """Whether to publish a new plan now.
 
     alive: ids of alive members; planned: ids in the current plan (None: no plan yet); unprobed: alive
     members whose links to the others are not measured yet; last_change_unix: the latest join or
     departure; stale: the current plan was made by an earlier coordinator process (its rendezvous store
     is gone) and its members have all been heard from since, so it is replaced by a new epoch; moved:
-    planned members that came back at another peer address than the plan names.
+    planned members that came back at another peer address than the plan names; first_join_unix: when the
+    earliest alive member the plan does not name joined (None: not known), for the join debounce.
     """
     if planned is None:
         if len(alive) < cluster.expected_nodes:
@@ -159,6 +170,13 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     wait = last_change_unix + options.settle.total_seconds() - now
     if wait > 0:
         return PlanDecision(False, f"membership changed; settling for {wait:.1f}s more")
+    if joined and not gone and first_join_unix is not None:  # joins alone: debounced
+        quiet = last_change_unix + options.join_settle.total_seconds() - now
+        cap = first_join_unix + options.join_settle_max.total_seconds() - now
+        if quiet > 0 and cap > 0:
+            return PlanDecision(False, f"{len(joined)} node(s) joined ({', '.join(joined)}); replanning once none has "
+                                       f"joined for {options.join_settle.total_seconds():g}s, in "
+                                       f"{min(quiet, cap):.1f}s at most")
     parts = ([f"joined: {_names(joined)}"] if joined else []) + ([f"gone: {_names(gone)}"] if gone else [])
     return PlanDecision(True, "; ".join(parts))
 

@@ -260,7 +260,9 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
                      tls_key=Path(args.tls_key) if args.tls_key else None)
-    options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=args.lease)),
+    options = CoordinatorOptions(membership=MembershipOptions(
+                                     lease=timedelta(seconds=args.lease),
+                                     join_settle=timedelta(seconds=min(args.join_settle, 60.0))),
                                  islands=IslandOptions(relative_threshold=args.island_threshold))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,

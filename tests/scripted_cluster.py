@@ -65,7 +65,8 @@ class ScriptedCluster:
     def __post_init__(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=self.lease),
-                                                                  settle=timedelta(seconds=0.5)),
+                                                                  settle=timedelta(seconds=0.5),
+                                                                  join_settle=timedelta(seconds=1)),
                                      islands=IslandOptions(relative_threshold=0.001), dial_back=False)
         self.service = CoordinatorService(job=self.job, token=TOKEN, options=options,
                                           config=ServiceConfig(tick=timedelta(milliseconds=100)),

@@ -8,19 +8,19 @@ lines and in the step reports. Nodes are processes around a scripted coordinator
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from atoll.job import JobSpec
+from atoll.coordinator.membership import MembershipOptions, plan_decision
+from atoll.job import ClusterSpec, JobSpec
 from atoll.node.local import train_local
 from scripted_cluster import ScriptedCluster, close
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 40
-
-pytestmark = pytest.mark.integration
 
 
 def _job(nodes: int, steps: int = STEPS) -> JobSpec:
@@ -52,12 +52,37 @@ JOIN_STEPS = 300
 """The join test trains longer: a joining process starts, profiles and is probed before it is planned."""
 
 
+@pytest.mark.timeout(10)
+def test_ten_joins_within_a_minute_cause_one_replan() -> None:
+    opts = MembershipOptions()  # join_settle 10 s, join_settle_max 60 s
+    cluster = ClusterSpec(expected_nodes=1, min_nodes=1)
+    planned, joins, replans = {"a"}, [1.0 + 6 * k for k in range(10)], []
+    for tick in range(0, 150):
+        now = float(tick)
+        alive = {"a"} | {f"j{k}" for k, t in enumerate(joins) if t <= now}
+        last = max([t for t in joins if t <= now], default=0.0)
+        first = min((t for k, t in enumerate(joins) if t <= now and f"j{k}" not in planned), default=None)
+        d = plan_decision(now, alive=alive, planned=planned, unprobed=set(), last_change_unix=last, cluster=cluster,
+                          options=opts, first_join_unix=first)
+        if d.plan:
+            replans.append((now, len(alive - planned)))
+            planned = set(alive)
+    assert replans == [(61.0, 10)]  # one replan, 60 s after the first join, with all ten
+    # a departure is not debounced: the stage it ran is stalled
+    d = plan_decision(100.0, alive={"a"}, planned={"a", "b"}, unprobed=set(), last_change_unix=98.0, cluster=cluster,
+                      options=opts, first_join_unix=None)
+    assert d.plan and d.reason == "gone: b"
+    with pytest.raises(ValueError, match="join_settle"):
+        MembershipOptions(join_settle=timedelta(seconds=90))
+
+
 def _after(cluster: ScriptedCluster, name: str, epoch_runs: int) -> tuple[int, str, int, int]:
     runs = cluster.resumes(name)
     assert len(runs) >= epoch_runs, (name, runs)
     return runs[epoch_runs - 1]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) -> None:
     """Stage [3, 6) runs on b1 and b2; b2 is SIGKILLed mid-run. The next plan cuts at layer 2, so b1 takes layer 2
@@ -90,6 +115,7 @@ def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) 
         cluster.stop()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_join_to_a_running_stage_costs_no_step(tmp_path: Path) -> None:
     """b2 joins while a and b1 train: the next plan runs stage [3, 6) on b1 and b2, and b2 takes its layers (and
@@ -123,6 +149,7 @@ def test_a_join_to_a_running_stage_costs_no_step(tmp_path: Path) -> None:
         cluster.stop()
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_graceful_leave_hands_its_state_over(tmp_path: Path, reference: list[float]) -> None:
     """b1, the only holder of layers [3, 6), gets SIGTERM: it stops at a step boundary, leaves, and serves its
