@@ -111,6 +111,15 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
     stop = asyncio.Event()
     join_gate = asyncio.Semaphore(64)
 
+    # the coordinator dials each joining node's peer address back: this process's nodes share one listener that
+    # takes the connection and closes it (a real node's Peer server would answer; an address nobody serves
+    # would cost each join the dial-back's timeout)
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    listener = await asyncio.start_server(hang_up, "127.0.0.1", 0, backlog=4096)
+    peer_address = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+
     def profile(i: int) -> pb.NodeProfile:
         timings = [pb.LayerTiming(layer_kind=k, micro_batch=4, seq_len=64, forward_seconds=f, backward_seconds=2 * f)
                    for k, f in (("embedding", 1e-4), ("block", 1e-3), ("head", 5e-4))]
@@ -131,7 +140,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             while True:
                 try:
                     r = await rpc["join"](pb.JoinRequest(token=token, node_id=f"sim{i:05d}", profile=profile(i),
-                                                         peer_address=f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7000"),
+                                                         peer_address=peer_address),
                                           metadata=meta, timeout=60)
                     return r.node_id, r.heartbeat_interval_seconds
                 except grpc.aio.AioRpcError as e:
@@ -202,6 +211,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
     await asyncio.gather(*tasks, return_exceptions=True)
     for ch in chans:
         await ch.close()
+    listener.close()
     out.put(("done", first, stats["lat"], stats["lapses"], stats["errors"], stats["error_kinds"],
              min(stats["joined"], default=0.0), stats["examples"]))
 
