@@ -275,17 +275,19 @@ def _pipeline_job(tmp_path: Path, steps: int, interval: int = 0) -> JobSpec:
                    compression=replace(job.compression, mode="identity"))
 
 
-def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int | None = None
-         ) -> dict[int, tuple[float, float | None]]:
-    """Two stages, a node each (threads, real gRPC peers and gloo groups); step -> (loss, val_loss)."""
+def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int | None = None,
+         widths: tuple[str, ...] = ("a", "b")) -> dict[int, tuple[float, float | None]]:
+    """Two stages, the nodes of each given by `widths` ("a", "bc": a second stage two replicas wide), as threads
+    with real gRPC peers and gloo groups; step -> (loss, val_loss)."""
     from atoll.node.peer import PeerServer
     from atoll.node.runner import PlanRunner, RunContext
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in "ab"}
+    names = "".join(widths)
+    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in names}
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    stages = [StagePlan(island="i", layers=(0, 3), dp=1, nodes=["a"]),
-              StagePlan(island="i", layers=(3, 6), dp=1, nodes=["b"])]
+    stages = [StagePlan(island="i", layers=(0, 3), dp=len(widths[0]), nodes=list(widths[0])),
+              StagePlan(island="i", layers=(3, 6), dp=len(widths[1]), nodes=list(widths[1]))]
     plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
                 pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], resume_step=resume_step,
                 node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
@@ -306,7 +308,7 @@ def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int 
         except BaseException as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=node, args=(n,)) for n in "ab"]
+    threads = [threading.Thread(target=node, args=(n,)) for n in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -351,3 +353,17 @@ def test_pipeline_reports_validation_loss_and_resumes_at_the_exact_row(tmp_path:
     for s, module in ((1, train_local(job, steps=2)[1]), (3, trained)):
         want = _one_process_val_loss(job, module)
         assert abs(got[s][1] - want) <= 1e-4 * want, (s, got[s][1], want)
+
+
+@pytest.mark.timeout(240)
+def test_validation_loss_over_a_stage_of_two_replicas(tmp_path: Path) -> None:
+    """The last stage two replicas wide: each takes its rows of every held-out micro-batch from the one replica
+    upstream, and their row-weighted mean is the batch's validation loss."""
+    job = _pipeline_job(tmp_path, steps=2)
+    expected, trained = train_local(job)
+    got = _run(job, tmp_path, widths=("a", "bc"))
+    assert sorted(got) == [0, 1] and got[0][1] is None
+    for s in range(2):
+        assert abs(got[s][0] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
+    want = _one_process_val_loss(job, trained)
+    assert abs(got[1][1] - want) <= 1e-4 * want, (got[1][1], want)
