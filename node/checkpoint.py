@@ -37,16 +37,19 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def save_layers(module: StageModule, optimizer: torch.optim.Optimizer | ParamStates, root: Path, step: int, *,
-                data_position: int, state: Mapping[str, Any] | None = None) -> tuple[Path, int]:
+                data_position: int, state: Mapping[str, Any] | None = None,
+                extra: Mapping[str, Any] | None = None) -> tuple[Path, int]:
     """Write the stage's layers and optimizer state for `step`; return the file and its size.
 
     `optimizer` is the stage's AdamW, or the whole per-parameter states a ZeRO optimizer gathered
     (`ZeroOptimizer.consolidated_state`): the file is the same either way.
     `state`, when given, is the slice's whole state already in the `atoll.node.slice_state` format and is
     written instead of `module` and `optimizer` (a tensor-parallel stage, whose parameters are shards:
-    `atoll.node.tp.TensorParallel.full_state` gathers them into whole layers)."""
+    `atoll.node.tp.TensorParallel.full_state` gathers them into whole layers).
+    `extra` is kept in the file beside the step and the data position (`load_layers_extra` reads it back): state
+    every stage shares, such as fp16's loss scale, travels with the layers wherever they are copied."""
     path = step_dir(root, step) / f"layers-{module.start:04d}-{module.end:04d}.pt"
-    extra = {"step": step, "data_position": data_position}
+    extra = {**(extra or {}), "step": step, "data_position": data_position}
     if state is None:
         save_slice(path, module, optimizer, extra=extra)
     else:
@@ -70,6 +73,12 @@ def _overlapping(folder: Path, start: int, end: int) -> list[Path]:
 
 def load_layers(module: StageModule, optimizer: torch.optim.Optimizer, root: Path, step: int) -> int:
     """Load the stage's layers (and optimizer state) from the checkpoint of `step`; return its data position."""
+    return int(load_layers_extra(module, optimizer, root, step).get("data_position", 0))
+
+
+def load_layers_extra(module: StageModule, optimizer: torch.optim.Optimizer, root: Path, step: int
+                      ) -> dict[str, Any]:
+    """`load_layers`, returning the `extra` its writer saved (the step, the data position and what it added)."""
     folder = step_dir(root, step)
     files = _overlapping(folder, module.start, module.end)
     if not files:
@@ -80,7 +89,7 @@ def load_layers(module: StageModule, optimizer: torch.optim.Optimizer, root: Pat
         extra = load_slice(module, files, optimizer)
     except ValueError as e:
         raise CheckpointError(f"checkpoint of step {step} under {folder}: {e}") from e
-    return int(extra.get("data_position", 0))
+    return dict(extra)
 
 
 def read_checkpoint(root: Path, step: int) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:

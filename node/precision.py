@@ -19,21 +19,19 @@ round trip of its own and no call to the coordinator:
    receives the same non-finite total when any stage of any replica overflowed, and a finite one otherwise.
 Every node then applies `LossScaler.update(found_inf)` to the same scale with the same flag: on an overflow
 all skip the optimizer step and halve the scale; after `growth_interval` good steps in a row all double it.
-The scale is saved with each stage's checkpoint (`save_scaler_state`) and restored on resume.
+The scale is saved in each stage's checkpoint files (`save_layers(extra=...)`, so it travels with the layers
+to whichever node fetches them) and restored by every node that resumes from that checkpoint; a resume from
+live state (or from scratch) starts every node at the configured scale.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from atoll.fsutil import atomic_write_bytes
-from atoll.node.checkpoint import step_dir
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -137,32 +135,3 @@ def squared_norm(grads: list[torch.Tensor]) -> float:
         return 0.0
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) for g in grads])
     return float(torch.sum(norms.double() ** 2))
-
-
-_SCALER_FILE = "loss-scale-{a}-{b}.json"
-
-
-def save_scaler_state(state: dict, checkpoint_dir: Path, step: int, layers: tuple[int, int]) -> Path:
-    """Write the loss-scale state beside the layers [a, b) of the checkpoint of `step` (atomically)."""
-    path = step_dir(checkpoint_dir, step) / _SCALER_FILE.format(a=layers[0], b=layers[1])
-    atomic_write_bytes(path, json.dumps(state, sort_keys=True).encode("utf-8"))
-    return path
-
-
-def load_scaler_state(checkpoint_dir: Path, step: int) -> dict | None:
-    """The loss-scale state saved with the checkpoint of `step`, whichever stage wrote it (every stage saves an
-    equal one); None when the checkpoint has none (it was written by an fp32 or bf16 run)."""
-    folder = step_dir(checkpoint_dir, step)
-    states = []
-    for path in sorted(folder.glob(_SCALER_FILE.format(a="*", b="*"))):
-        try:
-            states.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"the loss-scale state {path} cannot be read ({e}); delete it to restart the scale "
-                             f"from train.loss_scale") from e
-    if not states:
-        return None
-    if any(s != states[0] for s in states[1:]):
-        raise ValueError(f"the checkpoint of step {step} under {checkpoint_dir} holds different loss-scale states "
-                         f"from its stages ({states}); they should be equal: resume from another checkpoint")
-    return states[0]

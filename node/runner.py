@@ -33,15 +33,15 @@ import torch.distributed as dist
 
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
-from atoll.node.checkpoint import load_layers, prune_checkpoints, save_layers, step_dir
+from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_layers, step_dir
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, gather_held, resume_point, slice_part,
                                    sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import load_slice, slice_state
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import (CollectiveError, GradientAverager, cancel_collectives_on, release_later,
-                                     wait_collective)
+from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, cancel_collectives_on,
+                                     release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, RowPeer
@@ -56,7 +56,7 @@ from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.pretrained import load_pretrained
-from atoll.node.precision import LossScaleConfig, LossScaler, compute_dtype, load_scaler_state, save_scaler_state
+from atoll.node.precision import LossScaleConfig, LossScaler, compute_dtype
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
 from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tp import TensorParallel, check_shardable
@@ -150,6 +150,7 @@ class RunContext:
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
            device: torch.device) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(prefix, store)
+    arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(prefixed, rank, size)
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
@@ -297,6 +298,8 @@ class PlanRunner:
         self.wait = ctx.timeout
         """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
+        self._checkpoint_extra: dict = {}
+        """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         self._data: object | None = None
         """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
@@ -346,6 +349,9 @@ class PlanRunner:
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
                              recompute=stage_plan.recomputed(job.model.n_layers + 2), init=pretrained is None)
         optimizer = build_optimizer(module, cfg)
+        # a rendezvous or a collective waiting on a peer ends the moment a newer plan arrives, not after its timeout
+        cancelling = cancel_collectives_on(stop)
+        cancelling.__enter__()
         held = ctx.peer_server.state
         if held is not None:
             held.begin_run(self.plan.epoch)
@@ -363,6 +369,7 @@ class PlanRunner:
                 read = load_pretrained(module, pretrained)
                 log.info("loaded layers [%d, %d) from %d pretrained tensors in %s", *pl.layers, read, pretrained)
             restored = True
+            restore = getattr(self, "restore", None)
             if pl.tp > 1:
                 optimizer = self._tensor_parallel(store, module, optimizer, cfg)
             norm, averager, loss_group = self._groups(store, module)
@@ -371,6 +378,7 @@ class PlanRunner:
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
+            cancelling.__exit__(None, None, None)
             if held is not None:  # a state loaded before the failure is this node's state now
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step) if restored else None,
                              keep=not restored)
@@ -381,14 +389,16 @@ class PlanRunner:
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
                               norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp)
         self.scaler = stage.scaler
-        if stage.scaler is not None and step > 0:  # every stage reads the same saved scale: they stay equal
+        # fp16: every node that resumes from a checkpoint reads the scale its layer files carry (one checkpoint's
+        # files all carry the same); a run from a live state or from scratch starts at train.loss_scale, as every
+        # node of the plan takes the same path
+        saved = self._checkpoint_extra.get("loss_scale")
+        if stage.scaler is not None and saved is not None:
             try:
-                saved = load_scaler_state(ctx.checkpoint_dir, step)
-            except ValueError as e:
-                raise RunFailed(str(e)) from e
-            if saved is not None:
                 stage.scaler.load_state_dict(saved)
-                log.info("fp16 loss scale %g restored from the checkpoint of step %d", stage.scaler.scale, step)
+            except ValueError as e:
+                raise RunFailed(f"the checkpoint of step {step}: {e}") from e
+            log.info("fp16 loss scale %g restored from the checkpoint of step %d", stage.scaler.scale, step)
         try:
             data = open_dataset(job.data, seq_len=job.train.seq_len, seed=job.train.seed,
                                 vocab_size=job.model.vocab_size) if (pl.is_first or pl.is_last) else None
@@ -422,9 +432,6 @@ class PlanRunner:
 
         watcher = threading.Thread(target=close_when_superseded, name="atoll-plan-watch", daemon=True)
         watcher.start()
-        # a collective blocked on a peer ends the moment a newer plan arrives, not after its timeout
-        cancelling = cancel_collectives_on(stop)
-        cancelling.__enter__()
         try:
             while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
                 # `atoll job stop/extend` moves the end; the coordinator keeps it ahead of every stage
@@ -458,6 +465,9 @@ class PlanRunner:
                         self.wait = bound
                         stage.config = replace(stage.config, recv_timeout=bound, collective_timeout=bound)
                 metrics = self._metrics(step - 1, result, loss, transport)
+                if restore is not None:  # the run's first step says how it got its state
+                    restore.annotate(metrics)
+                    restore = None
                 if val_loss is not None and metrics.loss is not None:  # the node that reports the loss
                     metrics.val_loss = val_loss
                     log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
@@ -563,9 +573,11 @@ class PlanRunner:
         pl, ctx = self.placement, self.ctx
         assert pl is not None
         if self.plan.checkpoint_copies:
-            fetch_checkpoint(self.plan, ctx.checkpoint_dir, pl.layers, node_id=ctx.node_id, token=ctx.token,
-                             rpc=ctx.rpc, timeout=ctx.timeout)
-        load_layers(module, optimizer, ctx.checkpoint_dir, step)
+            fetched = fetch_checkpoint(self.plan, ctx.checkpoint_dir, pl.layers, node_id=ctx.node_id, token=ctx.token,
+                                       rpc=ctx.rpc, timeout=ctx.timeout)
+            if getattr(self, "restore", None) is not None:
+                self.restore.transfers.extend(fetched)
+        self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
 
     def _snapshot(self, module, optimizer, step: int) -> LiveState | None:
         """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
@@ -861,11 +873,10 @@ class PlanRunner:
         position = step * self.job.train.global_batch
         try:
             path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position,
-                                       state=whole)
+                                       state=whole, extra=None if self.scaler is None else
+                                       {"loss_scale": self.scaler.state_dict()})
             if self.outer is not None:
                 save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
-            if self.scaler is not None:
-                save_scaler_state(self.scaler.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
             if pl.is_first and isinstance(self._data, StreamingDataset):  # where the stream can be read again from
                 self._data.save_cursor(step_dir(self.ctx.checkpoint_dir, step), position)
         except OSError as e:

@@ -17,8 +17,7 @@ from atoll.node.dataparallel import GradientAverager, gloo_group
 from atoll.node.inprocess import InProcessLinks, train_threaded
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import InProcessNormGroup
-from atoll.node.precision import (LossScaleConfig, LossScaler, autocast, compute_dtype, load_scaler_state,
-                                  overflow_contribution, save_scaler_state)
+from atoll.node.precision import LossScaleConfig, LossScaler, autocast, compute_dtype, overflow_contribution
 from atoll.node.stage import PipelineStage, StageConfig, StepResult
 from atoll.node.synthetic import replica_batch, synthetic_batch
 
@@ -74,15 +73,19 @@ def test_overflow_contribution_makes_any_non_finite_norm_inf():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float16
 
 
-def test_scaler_state_is_saved_beside_each_stage_and_read_back(tmp_path):
-    assert load_scaler_state(tmp_path, 5) is None
-    state = {"scale": 2048.0, "good_steps": 7}
-    save_scaler_state(state, tmp_path, 5, (0, 3))
-    save_scaler_state(state, tmp_path, 5, (3, 6))
-    assert load_scaler_state(tmp_path, 5) == state
-    save_scaler_state({"scale": 1.0, "good_steps": 0}, tmp_path, 5, (3, 6))
-    with pytest.raises(ValueError, match="different loss-scale states"):
-        load_scaler_state(tmp_path, 5)
+def test_the_scale_travels_in_the_layer_files_of_a_checkpoint(tmp_path):
+    from atoll.node.checkpoint import load_layers_extra, save_layers
+    from atoll.node.stage import build_optimizer
+
+    module = build_slice(TINY, 0, 3, seed=0)
+    save_layers(module, build_optimizer(module, FP32), tmp_path, 5, data_position=80,
+                extra={"loss_scale": {"scale": 2048.0, "good_steps": 7}})
+    again = build_slice(TINY, 0, 3, seed=1)
+    extra = load_layers_extra(again, None, tmp_path, 5)  # type: ignore[arg-type]
+    assert extra["loss_scale"] == {"scale": 2048.0, "good_steps": 7} and extra["data_position"] == 80
+    restored = LossScaler()
+    restored.load_state_dict(extra["loss_scale"])
+    assert restored.scale == 2048.0
 
 
 def test_job_spec_takes_precision_and_the_loss_scale():
@@ -230,7 +233,8 @@ def test_fp16_job_through_the_runner_resumes_its_loss_scale_from_the_checkpoint(
     assert [r.skipped for r in local][:5] == [False, False, False, False, True], "the scale overflows at step 4"
     first = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
                                     stages=[_stage((0, 2), ["a"]), _stage((2, 6), ["b"])])], tmp_path, stop_after=4)
-    assert load_scaler_state(tmp_path / "ckpt", 4) == {"scale": 2.0 ** 20, "good_steps": 0}
+    for f in sorted((tmp_path / "ckpt" / "step-00000004").glob("layers-*.pt")):  # every stage's file carries it
+        assert torch.load(f, weights_only=False)["extra"]["loss_scale"] == {"scale": 2.0 ** 20, "good_steps": 0}
     second = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
                                      stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])], tmp_path, resume_step=4)
     got = {**first, **second}
