@@ -19,6 +19,7 @@ from atoll.coordinator import job_control
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.reachability import unreachable_advice
 from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.checkpoints import replication
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
 from atoll.rpc import token_matches
 from atoll.serde import (DIRECTION_BY_NAME, codec_id, island_to_proto, link_to_proto, plan_to_proto,
@@ -145,9 +146,11 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
     state.store.add_step(metrics)
     state.record_history(metrics)
     target = state.target_steps
-    if req.has_loss:  # the last stage's report: when it reports the target's last step, the job has finished
-        done = job_control.finished(state.control, spec_steps=state.job.train.steps, newest_step=req.step,
-                                    now=state.clock())
+    if req.has_loss and not state.control.finished_unix:  # a last stage's report may be the job's last step
+        plan = state.current_plan()
+        # outer mode: each replica group ends at its own last inner step (`job_complete` knows them)
+        complete = state.job_complete() if plan is not None and plan.mode == "outer" else req.step + 1 >= target
+        done = job_control.finished(state.control, complete=complete, now=state.clock())
         if done is not None:
             state.set_control(done)
     return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= target, target_steps=target)
@@ -169,7 +172,11 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
         reported_unix=state.clock()))
     done = state.complete_checkpoint_steps()
     complete = bool(done) and done[-1] == req.step
-    return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}")
+    # replication progress: how many nodes hold each layer range of this step (the writer and its copies)
+    copies = replication(state.store.list_checkpoints(), req.step)
+    held = ", ".join(f"[{a}, {b}) on {n}" for (a, b), n in copies.items())
+    return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}; copies: {held} "
+                          f"(wanted {1 + state.job.checkpoint.replicas} each)")
 
 
 def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.OuterSyncReply:

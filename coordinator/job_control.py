@@ -65,9 +65,10 @@ def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_ste
                                                 f"spec's {spec_steps} train at the schedule's final learning rate")
 
 
-def finished(control: JobControlRecord, *, spec_steps: int, newest_step: int, now: float) -> JobControlRecord | None:
-    """The record with the finish time set, when the target's last step has just been reported; else None."""
-    if control.finished_unix or newest_step + 1 < target_steps(spec_steps, control):
+def finished(control: JobControlRecord, *, complete: bool, now: float) -> JobControlRecord | None:
+    """The record with the finish time set, when the job has just completed (`CoordinatorState.job_complete`:
+    its last step reported; in outer mode, a replica group's last round); else None."""
+    if control.finished_unix or not complete:
         return None
     return replace(control, finished_unix=now)
 

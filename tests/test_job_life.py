@@ -50,10 +50,10 @@ def test_extend_moves_the_end_unless_too_late_finished_or_stopping() -> None:
 
 
 def test_finished_once_the_last_step_is_reported() -> None:
-    assert jc.finished(JobControlRecord(), spec_steps=10, newest_step=8, now=3.0) is None
-    done = jc.finished(JobControlRecord(), spec_steps=10, newest_step=9, now=3.0)
+    assert jc.finished(JobControlRecord(), complete=False, now=3.0) is None
+    done = jc.finished(JobControlRecord(), complete=True, now=3.0)
     assert done is not None and done.finished_unix == 3.0 and jc.job_state(done) == "finished"
-    assert jc.finished(done, spec_steps=10, newest_step=9, now=4.0) is None  # the first time counts
+    assert jc.finished(done, complete=True, now=4.0) is None  # the first time counts
     assert jc.job_state(JobControlRecord(stopped_unix=1.0)) == "stopping"
     assert jc.job_state(JobControlRecord()) == "running"
 
