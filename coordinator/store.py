@@ -460,6 +460,8 @@ class SqliteStore(Store):
                        for s, d, bw, rtt, n, t in self._read("SELECT * FROM links")}
         """The links too (written through): the islands and the metrics read all of them."""
         self._pending: dict[str, tuple[float, int, int]] = {}
+        self._mem = threading.Lock()
+        """Guards the in-memory tables only, never held across SQLite: a heartbeat never waits on the disk."""
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -501,8 +503,9 @@ class SqliteStore(Store):
             db.execute("INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (m.node_id, m.peer_address, _profile_json(m.profile), m.state, m.joined_unix,
                         m.last_heartbeat_unix, m.plan_epoch, m.step, m.reason))
-            self._members[m.node_id] = m
-            self._pending.pop(m.node_id, None)
+            with self._mem:
+                self._members[m.node_id] = m
+                self._pending.pop(m.node_id, None)
 
     @staticmethod
     def _member(row: tuple) -> MemberRecord:
@@ -511,28 +514,28 @@ class SqliteStore(Store):
                             joined_unix=joined, last_heartbeat_unix=hb, plan_epoch=epoch, step=step, reason=reason)
 
     def get_member(self, node_id: str) -> MemberRecord | None:
-        with self._lock:
+        with self._mem:
             m = self._members.get(node_id)
         return copy_member(m) if m is not None else None
 
     def list_members(self) -> list[MemberRecord]:
-        with self._lock:
+        with self._mem:
             members = [self._members[k] for k in sorted(self._members)]
         return [copy_member(m) for m in members]
 
     def members_view(self) -> Mapping[str, MemberRecord]:
-        with self._lock:
+        with self._mem:
             return dict(self._members)
 
     def heartbeat(self, node_id: str, now: float, plan_epoch: int, step: int) -> bool:
-        with self._lock:
+        with self._mem:
             if not _renew(self._members, node_id, now, plan_epoch, step):
                 return False
             self._pending[node_id] = (now, plan_epoch, step)
             return True
 
     def flush(self) -> None:
-        with self._lock:
+        with self._mem:
             pending, self._pending = self._pending, {}
         if pending:
             with self._tx() as db:
@@ -543,21 +546,23 @@ class SqliteStore(Store):
         _check_state(state)
         with self._tx() as db:
             db.execute("UPDATE members SET state = ?, reason = ? WHERE node_id = ?", (state, reason, node_id))
-            m = self._members.get(node_id)
-            if m is not None:
-                m = self._members[node_id] = copy.copy(m)
-                m.state, m.reason = state, reason
+            with self._mem:
+                m = self._members.get(node_id)
+                if m is not None:
+                    m = self._members[node_id] = copy.copy(m)
+                    m.state, m.reason = state, reason
 
     def put_links(self, links: list[LinkMeasurement]) -> None:
         with self._tx() as db:
             db.executemany("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?, ?, ?)",
                            [(x.src, x.dst, x.bandwidth_bytes_per_s, x.rtt_seconds, x.probe_bytes, x.measured_unix)
                             for x in links])
-            for x in links:
-                self._links[(x.src, x.dst)] = _shallow(x)
+            with self._mem:
+                for x in links:
+                    self._links[(x.src, x.dst)] = _shallow(x)
 
     def list_links(self) -> list[LinkMeasurement]:
-        with self._lock:
+        with self._mem:
             return [_shallow(self._links[k]) for k in sorted(self._links)]
 
     def put_islands(self, islands: list[IslandInfo]) -> None:
