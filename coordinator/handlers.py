@@ -110,7 +110,7 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
         lease_seconds=state.options.membership.lease.total_seconds(), plan_epoch=state.epoch,
         probe=[pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
                for m in state.assign_probes(req.node_id, now)],
-        job_finished=bool(state.control.finished_unix))
+        job_finished=bool(state.control.finished_unix), target_steps=state.target_steps)
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:

@@ -266,6 +266,8 @@ class NodeAgent:
         self.error: Exception | None = None
         self.job_finished = threading.Event()
         """Set once a heartbeat says the job has trained its last step."""
+        self.target_steps = 0
+        """The step the job ends at as the latest heartbeat said (`atoll job stop/extend`); 0: not heard yet."""
         """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
     # --- calls --------------------------------------------------------------------------------------
@@ -473,6 +475,7 @@ class NodeAgent:
                 if target.node_id not in self._queued:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
+            self.target_steps = reply.target_steps or self.target_steps
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()

@@ -916,7 +916,9 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
     plan, job = run.plan, run.job
     last_step = [plan.resume_step - 1]
 
-    target = [0]  # the job's end as the coordinator's latest step acknowledgement says
+    # the job's end as the coordinator last said: its heartbeats until this run's first step acknowledgement (a
+    # run resumed past the spec's train.steps after `atoll job extend` must not end at once)
+    target = [getattr(run.agent, "target_steps", 0)]
 
     def report_step(m: StepMetrics) -> bool:
         last_step[0] = max(last_step[0], m.step)

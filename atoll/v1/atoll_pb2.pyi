@@ -417,7 +417,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -437,6 +437,10 @@ class StepMetrics(_message.Message):
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -456,7 +460,11 @@ class StepMetrics(_message.Message):
     val_loss: float
     loss_scale: float
     skipped: bool
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ...) -> None: ...
+    restored_from: str
+    restore_bytes: int
+    restore_seconds: float
+    steps_rolled_back: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
     __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of")
@@ -549,16 +557,18 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
     job_finished: bool
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ...) -> None: ...
+    target_steps: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
