@@ -398,3 +398,15 @@ def test_models_benchmark_runs_and_its_pipeline_matches_transformers(capsys, mon
     parity = next(line for line in out.splitlines() if line.startswith("parity:"))
     assert float(parity.split("over 4 steps ")[1].split()[0]) <= 1e-3, out
     assert "bpe-260" in out and "targets met: " in out
+
+
+def test_checkpoints_written_before_the_new_model_fields_still_load() -> None:
+    from atoll.node.slice_state import load_slice, slice_state
+
+    config = preset("tiny")
+    saved = slice_state(build_slice(config, 0, 3, seed=4))
+    for name in ("qkv_bias", "norm_eps", "rope_theta", "rope_scaling", "gelu_tanh"):
+        del saved["model"][name]  # as a file written before these fields existed
+    target = build_slice(config, 0, 3, seed=5)
+    load_slice(target, [saved])
+    assert torch.equal(target.state_dict()["layers.1.qkv.weight"], saved["tensors"]["layers.1.qkv.weight"])
