@@ -9,6 +9,10 @@ and goes stale after `reprobe_after`, when it is sampled again.
 Completion (`complete_matrix`): a measured pair keeps its measurement; an unmeasured pair gets the
 bottleneck bandwidth of the widest path through measured links (what relaying through a third node
 would reach) and the round-trip time of the fastest path; pairs with no path stay unknown (absent).
+
+At thousands of nodes the same answers come sparse: `LinkGraph` holds the measured pairs and estimates the
+others when asked (the coordinator's form), and `sample_targets` / `sample_deficit` draw and check a node's
+sample in O(its links + device classes) instead of scanning every peer.
 """
 
 from __future__ import annotations
