@@ -224,6 +224,8 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         peak_memory_bytes=s.peak_memory_bytes, has_val_loss=s.val_loss is not None,
         val_loss=s.val_loss if s.val_loss is not None else 0.0,
         loss_scale=s.loss_scale if s.loss_scale is not None else 0.0, skipped=s.skipped,
+        restored_from=s.restored_from, restore_bytes=s.restore_bytes, restore_seconds=s.restore_seconds,
+        steps_rolled_back=s.steps_rolled_back,
     )
 
 
@@ -235,4 +237,6 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         links=[link_stats_from_proto(x) for x in m.links], unix_time=m.unix_time,
         peak_memory_bytes=m.peak_memory_bytes, val_loss=m.val_loss if m.has_val_loss else None,
         loss_scale=m.loss_scale if m.loss_scale > 0 else None, skipped=m.skipped,
+        restored_from=m.restored_from, restore_bytes=m.restore_bytes, restore_seconds=m.restore_seconds,
+        steps_rolled_back=m.steps_rolled_back,
     )

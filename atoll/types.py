@@ -93,3 +93,12 @@ class StepMetrics:
     """fp16: the loss scale this step's gradients carried (None under fp32 and bf16)."""
     skipped: bool = False
     """fp16: a gradient overflowed somewhere in the job, so no node stepped (atoll.node.precision)."""
+    restored_from: str = ""
+    """On the first step of a node's run of a plan: "live" (state from live nodes, no rollback) or "checkpoint";
+    empty on every other step."""
+    restore_bytes: int = 0
+    """First step of a run: bytes of stage state the node fetched from peers for it."""
+    restore_seconds: float = 0.0
+    """First step of a run: seconds those fetches took."""
+    steps_rolled_back: int = 0
+    """First step of a run: the furthest step any node had reached minus the step the run resumed at."""

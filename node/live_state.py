@@ -33,6 +33,7 @@ import torch.distributed as dist
 from atoll.node.state_transfer import FetchStats, held_state
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions
+from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 log = logging.getLogger("atoll.node.live_state")
@@ -186,6 +187,13 @@ class RestoreReport:
     @property
     def bytes(self) -> int:
         return sum(t.bytes for t in self.transfers)
+
+    def annotate(self, metrics: StepMetrics) -> None:
+        """Put the restore's figures on the run's first step report."""
+        metrics.restored_from = "live" if self.point.live else "checkpoint"
+        metrics.restore_bytes = self.bytes
+        metrics.restore_seconds = sum(t.seconds for t in self.transfers)
+        metrics.steps_rolled_back = self.point.rolled_back
 
     def line(self) -> str:
         how = "live state" if self.point.live else "checkpoint"

@@ -166,6 +166,12 @@ def test_a_lapsed_lease_and_a_new_node_each_make_a_new_epoch(state: CoordinatorS
         h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=2), state)
     clock.t += 2
     state.tick()
+    assert state.epoch == 2  # a join alone waits for further joins (join_settle, 10 s)
+    clock.t += 5
+    for n in ids:
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=2), state)
+    clock.t += 4
+    state.tick()
     assert state.epoch == 3
     assert [h_.plan.epoch for h_ in state.store.plan_history()] == [1, 2, 3]
 
@@ -209,7 +215,8 @@ def test_checkpoints_complete_when_every_stage_reported(state: CoordinatorState)
     ack = h.handle_report_checkpoint(pb.CheckpointReport(
         job_id=state.job.id, node_id=first.nodes[0], plan_epoch=1, step=25, layer_start=first.layers[0],
         layer_end=first.layers[1], path="/ck/25/s0"), state)
-    assert ack.message.endswith("complete" if len(stages) == 1 else "recorded")
+    assert ack.message.startswith("checkpoint of step 25 " + ("complete" if len(stages) == 1 else "recorded"))
+    assert f"copies: [{first.layers[0]}, {first.layers[1]}) on 1 (wanted 2 each)" in ack.message
     for s in stages[1:]:
         h.handle_report_checkpoint(pb.CheckpointReport(
             job_id=state.job.id, node_id=s.nodes[0], plan_epoch=1, step=25, layer_start=s.layers[0],
