@@ -107,6 +107,11 @@ def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) 
         moved = cluster.transfers("b1")
         assert [src for _, src, _ in moved] == ["a"] and "layers [0, 3)" in moved[0][2]
         assert cluster.transfers("a") == []  # a kept its own layers
+        # the first step of each run after the kill says so in its report, for the coordinator and the churn bench
+        firsts = {s.node_id: s for s in cluster.steps() if s.plan_epoch == later.epoch and s.restored_from}
+        assert {n: (s.restored_from, s.steps_rolled_back, s.step) for n, s in firsts.items()} == {
+            "a": ("live", 0, step), "b1": ("live", 0, step)}
+        assert firsts["b1"].restore_bytes == moved[0][0] and firsts["a"].restore_bytes == 0
         # no step reported twice with another loss: every step trained once, as in one process
         close(cluster.losses(), reference, range(STEPS), 1e-4)
         print(f"\nkilled b2 at step {killed_at}; resumed at step {step} (0 rolled back); b1 fetched "
