@@ -30,8 +30,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--wan-latency-ms", type=float, default=0.0,
                    help="testbeds only: hold each tensor sent to a peer of another region this many ms, to emulate a "
                    "wide-area link's one-way latency where the kernel cannot delay packets (default 0: off)")
-    p.add_argument("--checkpoint-dir", help="where checkpoints are written and read (default: STATE_DIR/checkpoints); "
-                   "nodes that may take over each other's layers need one shared folder")
+    p.add_argument("--checkpoint-dir", help="this node's own checkpoint folder: its checkpoints and the copies it keeps "
+                   "of other nodes' (default: STATE_DIR/checkpoints); files it lacks are fetched from their holders")
     p.add_argument("--stay", action="store_true", help="keep the node running after the job has finished its steps "
                    "(by default it leaves and exits, as does a node the plan leaves idle)")
     p.add_argument("--exit-when-done", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for scripts
