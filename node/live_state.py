@@ -135,10 +135,13 @@ def sources(point: ResumePoint, layers: tuple[int, int], node_id: str, region: s
 def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str | None, rpc: RpcOptions,
                 timeout: timedelta) -> list[Holder]:
     """The live state every node of the plan (and every node handing over) holds, asked in parallel.
-    A node that does not answer in `timeout` is left out (it failed; the plan after it will not name it)."""
+    A node that does not answer in `timeout` is left out (it failed; the plan after it will not name it).
+    Nodes without a Peer address (behind NAT) are not asked and this node's own state counts only when it
+    has one, so every node weighs the same holders."""
     candidates: dict[str, str] = {**plan.handover, **{n: a for n, a in plan.node_addresses.items() if a}}
-    candidates.pop(node_id, None)
-    replies: dict[str, pb.HeldStateReply] = {node_id: own}
+    # every node must count the same holders: one that accepts no connections (no address) cannot serve the
+    # others, so its own state does not count, here or anywhere
+    replies: dict[str, pb.HeldStateReply] = {node_id: own} if candidates.pop(node_id, "") else {}
     lock = threading.Lock()
 
     def ask(node: str, address: str) -> None:
