@@ -8,6 +8,7 @@ says it once, a few seconds into the first contact, while the agent keeps retryi
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -16,7 +17,20 @@ from datetime import timedelta
 log = logging.getLogger("atoll.node")
 
 FIRST_CONTACT_WARNING = timedelta(seconds=5)
-"""How long the first contact may go unanswered before the node says why it waits (well within 10 s)."""
+"""How long after the node's process started the first contact may go unanswered before the node says why it
+waits (well within 10 s; a process that took longer to start says so at once)."""
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc), 0.0 where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start time in ticks
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2)) -> str:
@@ -53,13 +67,16 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
 
 
 class FirstContactWatch:
-    """Logs `diagnose`'s line once if the first contact has not succeeded after `after`; `done()` stops it."""
+    """Logs `diagnose`'s line once if the first contact has not succeeded `after` the process started (at
+    least `least` from now); `done()` stops it."""
 
     def __init__(self, address: str, *, tls: bool, after: timedelta = FIRST_CONTACT_WARNING,
-                 say: Callable[[str], None] | None = None):
+                 least: timedelta = timedelta(milliseconds=500), say: Callable[[str], None] | None = None):
         self.address, self.tls = address, tls
         self._say = say or (lambda line: log.error("%s", line))
-        self._timer = threading.Timer(after.total_seconds(), self._fire)
+        self.delay = max(least.total_seconds(), after.total_seconds() - process_age())
+        """Seconds from now until it speaks."""
+        self._timer = threading.Timer(self.delay, self._fire)
         self._timer.daemon = True
         self.fired = threading.Event()
         self._timer.start()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from atoll.coordinator.reachability import plan_address
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
-from atoll.node.first_contact import FirstContactWatch, diagnose
+from atoll.node.first_contact import FirstContactWatch, diagnose, process_age
 from atoll.v1 import atoll_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +51,28 @@ def test_the_watch_speaks_once_after_its_delay_unless_done() -> None:
     done = FirstContactWatch(f"127.0.0.1:{_closed_port()}", tls=False, say=said.append)
     done.done()
     w = FirstContactWatch(f"127.0.0.1:{_closed_port()}", tls=False, say=said.append,
-                          after=__import__("datetime").timedelta(milliseconds=50))
+                          after=timedelta(milliseconds=50), least=timedelta(milliseconds=50))
     assert w.fired.wait(5)
     assert len(said) == 1 and "cannot reach the coordinator" in said[0] and "still retrying" in said[0]
 
 
-@pytest.mark.timeout(60)
-def test_a_node_pointed_at_nothing_says_so_within_ten_seconds(tmp_path: Path) -> None:
+def test_the_watch_counts_from_the_process_start() -> None:
+    """A node whose start-up (imports, profile set-up) took long speaks soon after it first calls, so the line
+    comes about FIRST_CONTACT_WARNING after the process started, whatever the machine's load."""
+    age = process_age()
+    assert 0.0 < age < 3600.0
+    w = FirstContactWatch("127.0.0.1:1", tls=False, say=lambda line: None, after=timedelta(seconds=age + 30))
+    w.done()
+    assert age + 30 - w.delay == pytest.approx(process_age(), abs=0.5)
+    late = FirstContactWatch("127.0.0.1:1", tls=False, say=lambda line: None, after=timedelta(seconds=1))
+    late.done()
+    assert late.delay == 0.5 if age > 1 else late.delay <= 1.0
+
+
+@pytest.mark.timeout(90)
+def test_a_node_pointed_at_nothing_says_so_and_what_to_check(tmp_path: Path) -> None:
+    """The line is due FIRST_CONTACT_WARNING (5 s) after the process started (see the test above); on a loaded
+    machine the interpreter alone may take longer to start, so this waits up to 60 s for it."""
     port = _closed_port()
     proc = subprocess.Popen([sys.executable, "-m", "atoll", "node", "--coordinator", f"127.0.0.1:{port}",
                              "--token", "t", "--insecure", "--state-dir", str(tmp_path / "node")],
@@ -67,11 +83,10 @@ def test_a_node_pointed_at_nothing_says_so_within_ten_seconds(tmp_path: Path) ->
     reader.start()
     start = time.monotonic()
     try:
-        while time.monotonic() - start < 10 and not any("cannot reach the coordinator" in x for x in lines):
+        while time.monotonic() - start < 60 and not any("cannot reach the coordinator" in x for x in lines):
             time.sleep(0.1)
         said = "".join(lines)
         assert "cannot reach the coordinator" in said, said
-        assert time.monotonic() - start < 10
         assert f"127.0.0.1 refuses connections on port {port}" in said and "coordinator running" in said
     finally:
         proc.kill()
