@@ -346,6 +346,7 @@ class ReverseDialer:
         self._closed = threading.Event()
         self._calls: set[grpc.Future] = set()
         self._lock = threading.Lock()
+        self._why: dict[str, str] = {}  # the last failure of each target's stream
         self.connected: dict[str, threading.Event] = {t: threading.Event() for t in targets}
         """Set once a stream to the target is open (for tests and logs)."""
         self._threads = [threading.Thread(target=self._keep, args=(t, a), name=f"atoll-dial-{t}", daemon=True)
@@ -378,8 +379,8 @@ class ReverseDialer:
                     if time.monotonic() - started < 1.0:
                         failures += 1
                         if failures == 1 or failures % 50 == 0:
-                            log.warning("cannot open a Connect stream to %s at %s (attempt %d); retrying", target,
-                                        address, failures)
+                            log.warning("cannot open a Connect stream to %s at %s (attempt %d: %s); retrying",
+                                        target, address, failures, self._why.get(target, "it ended at once"))
                         self._closed.wait(wait)
                         wait = min(2 * wait, cfg.retry[1].total_seconds())
                         continue
@@ -425,6 +426,7 @@ class ReverseDialer:
                     incoming.queue.put(None)
                     del calls[frame.call]
         except grpc.RpcError as e:
+            self._why[target] = f"{e.code().name}: {e.details()}"
             if not self._closed.is_set() and e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED,
                                                               grpc.StatusCode.CANCELLED):
                 log.debug("Connect stream to %s ended: %s: %s", target, e.code().name, e.details())
