@@ -976,5 +976,6 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
             replicator.close(timedelta(0))
     if next_step >= runner.last_step:
         log.info("the job has finished its %d steps", runner.last_step)
+        run.peer.state.forget_live()  # a node leaving now has nothing to hand over
         return True
     return False

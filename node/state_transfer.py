@@ -182,22 +182,32 @@ class StateHolder:
             self.served_live += 1
             self._cond.notify_all()
 
-    def wait_handed_over(self, *, most: timedelta, idle: timedelta) -> str:
+    def forget_live(self) -> None:
+        """Drop the live state (the job has finished: nobody will need it)."""
+        with self._cond:
+            self._live = None
+
+    def wait_handed_over(self, *, most: timedelta, idle: timedelta,
+                         unasked: timedelta = timedelta(seconds=10)) -> str:
         """A leaving node's wait: until its live state was served in full once, or nobody asked about it for
-        `idle` after the new plan's nodes asked (they took it from a replica), or `most` passed; says which."""
-        end = time.monotonic() + most.total_seconds()
+        `idle` after the new plan's nodes asked (they took it from a replica), or nobody asked at all within
+        `unasked` (no new plan needs it: the job is stopping), or `most` passed; says which."""
+        start = time.monotonic()
+        end = start + most.total_seconds()
         with self._cond:
             while self._running and time.monotonic() < end:  # the run ends at its next step boundary
                 self._cond.wait(min(0.5, max(0.0, end - time.monotonic())))
             if self._live is None:
                 return "no live state to hand over"
-            served = self.served_live
+            served, self._asked = self.served_live, False  # only the questions of the plan after this leave count
             while self.served_live == served:
                 now = time.monotonic()
                 if now >= end:
                     return f"nobody took the live state within {most.total_seconds():.0f}s"
                 if self._asked and now - self._last_asked >= idle.total_seconds():
                     return "the new plan's nodes took the state from another holder"
+                if not self._asked and now - start >= unasked.total_seconds():
+                    return f"no node asked for the live state within {unasked.total_seconds():.0f}s"
                 self._cond.wait(min(0.5, end - now))
             return "the live state was handed over"
 

@@ -322,3 +322,23 @@ def test_peer_rpcs_refuse_calls_without_a_deadline() -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "writer's node id" in e.value.details()
         finally:
             channel.close()
+
+
+def test_a_leaving_node_waits_for_its_state_to_be_taken_or_for_nobody_to_want_it() -> None:
+    module, opt = _trained(0, 2)
+    live = LiveState.of(slice_state(module, opt), step=4, epoch=1)
+    holder = StateHolder(node_id="a")
+    holder.end_run(1, live)
+    holder.held(1, wait=0.0)  # a question from before the leave does not count
+    started = time.monotonic()
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1),
+                                   unasked=timedelta(seconds=0.5)) == "no node asked for the live state within 0s"
+    assert time.monotonic() - started < 2.0
+    threading.Timer(0.3, lambda: list(holder.chunks(_request("live", 4, (0, 2))))).start()
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
+        "the live state was handed over"
+    threading.Timer(0.3, lambda: holder.held(2, wait=0.0)).start()  # asked, then fetched from a replica instead
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
+        "the new plan's nodes took the state from another holder"
+    holder.forget_live()
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == "no live state to hand over"
