@@ -333,8 +333,9 @@ def _run_in_process(job, tmp_path: Path, *, resume_step: int = 0, until: int | N
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tied", [False, True], ids=["vocab-parallel", "tied-replicated"])
-def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize("tied,qkv_bias", [(False, False), (True, False), (False, True)],
+                         ids=["vocab-parallel", "tied-replicated", "qkv-bias"])
+def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_bias: bool) -> None:
     """The sharding itself, two processes, no pipeline: the vocab-parallel embedding and head over an odd
     vocabulary (uneven shards; untied), or a tied embedding and head kept whole (tied), GQA and SwiGLU blocks,
     two of them recomputed in backward (their collectives run again); losses, the clipping norm (each element
@@ -343,6 +344,8 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool) -> No
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     model = {**GQA, "tied_head": tied, "seq_len": 32, "vocab_size": 255}  # an odd vocabulary: uneven shards
+    if qkv_bias:  # Qwen2's q/k/v biases are cut with the fused qkv rows
+        model["qkv_bias"] = True
     env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = [tmp_path / f"rank-{r}.log" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, "--module-worker",
