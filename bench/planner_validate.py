@@ -1,6 +1,6 @@
 """Planner validation: the cost model's predicted step times against measured and published ones.
 
-    python -m bench.planner_validate [--steps 8] [--only NAME] [--skip-live]
+    python -m bench.planner_validate [--steps 8] [--repeats 3] [--only NAME] [--skip-live]
 
 Live shapes, on this machine: each plan shape (stages, data-parallel width, unequal widths, several
 pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
@@ -12,7 +12,10 @@ the live cluster those measurements make (`Cluster.from_nodes`, `ProfileSet.from
 through the island parallelizer (ZeRO, recomputation and tensor parallelism held to what the run uses:
 none), the links' transfers, the all-reduces and the optimizer, simulated under 1F1B (several pipelines with
 the planner's cross-pipeline all-reduce). The measured step is the median interval between consecutive steps'
-completions (the last node to report a step ends it), after warm-up steps.
+completions (the last node to report a step ends it), after warm-up steps. Every shape runs `--repeats`
+times, interleaved (each round runs every shape once, odd rounds in reverse order), and its row gives the
+median of each reading over its runs, each run's gap taken against the prediction from that run's own
+measurements, with the range of those gaps beside it.
 
 A node here is a thread on a shared CPU, not a device of its own: on this 2-core machine, loaded by other
 work, a thread gets only a share of a core, and the profile (CPU time) does not see that. A node's device is
@@ -23,7 +26,11 @@ taken as that share of a core (its profiled times divided by it), read three way
 - `core run` (the targets' reading): what the run's own compute got, its forward and backward ops' CPU
   time over their wall time (mean over the nodes); the machine's load is taken out of the comparison and what
   the planner models of a step is left: fill, drain and imbalance of the pipeline, transfers, all-reduces,
-  optimizer, the profile's layer times;
+  optimizer, the profile's layer times. The runtime's own CPU work per forward or backward action beyond
+  the compute (`ms/action`: scheduling, the loss, serialising tensors for gRPC, the gloo calls on the stage's
+  thread; a step's thread CPU time less its compute ops' and optimizer's, over its actions, the median over
+  the run's steps and nodes) is added to every action at that share: on a CPU node with this small model it
+  is a sizeable part of an action, which the layer profile alone does not see;
 - `ops x`: how many times slower than the profile the run's compute ops were (wall time over the profile's
   time, mean over the nodes), so `replayed` keeps only the schedule, transfers, all-reduces and optimizer.
 On an idle machine with a core per node all three agree with the profile.
@@ -206,6 +213,31 @@ def full_recompute(times: StageTimes, cm: CostModel, island, start: int, end: in
     return replace(times, backward_s=times.backward_s + extra)
 
 
+def interleaved(shapes: Sequence[LiveShape], repeats: int) -> list[tuple[int, LiveShape]]:
+    """(round, shape) in the order the runs go: every round runs each shape once, odd rounds in reverse, so a
+    shape's runs are spread over the whole measurement and a change of the machine's load falls on every
+    shape alike rather than on the shapes that happened to run during it."""
+    out = []
+    for r in range(repeats):
+        out.extend((r, s) for s in (shapes if r % 2 == 0 else list(reversed(shapes))))
+    return out
+
+
+def combine(runs: Sequence[dict]) -> dict:
+    """One row of several runs of a shape: the median of each reading, and of each prediction's gap taken
+    against its own run's measured step (a run is compared with the prediction made from its own core share;
+    the median then drops a run the machine's load disturbed in a way no share reading caught)."""
+    if not runs:
+        raise ValueError("no runs to combine")
+    out = {k: statistics.median(r[k] for r in runs)
+           for k in ("before", "during", "replayed", "measured", "share", "seen", "factor", "overhead")}
+    for k in ("before", "during", "replayed"):
+        out[f"gap_{k}"] = statistics.median(gap(r[k], r["measured"]) for r in runs)
+    gaps = [gap(r["during"], r["measured"]) for r in runs]
+    out["spread"] = f"{min(gaps):+.0%}..{max(gaps):+.0%}" if len(runs) > 1 else "-"
+    return out
+
+
 # --- live shapes -------------------------------------------------------------------------------------
 
 
@@ -253,6 +285,19 @@ def op_factor(ops: dict[str, list[tuple[str, float, float]]], expected: dict[str
     return statistics.mean(factors)
 
 
+def action_overhead(steps: dict[str, list[tuple[float, float, float, int]]]) -> float:
+    """CPU seconds the runtime spends per schedule action (a micro-batch's forward or backward) beyond the
+    compute itself: per node and step (`steps`: node -> (the step's CPU seconds on the stage's thread, its
+    compute ops' CPU seconds, its optimizer step's CPU seconds, its actions)), what is left of the step's
+    CPU time over its actions (scheduling, the loss, serialising and handing tensors to gRPC, the gloo
+    calls' share on the stage's thread), the median over every node's steps."""
+    per = [max(0.0, cpu - compute - opt) / actions for v in steps.values() for cpu, compute, opt, actions in v
+           if actions > 0]
+    if not per:
+        raise ValueError("no steps were recorded")
+    return statistics.median(per)
+
+
 def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
     """Profile, probe, predict and run one shape; returns the predictions, the measurement and the shares."""
     import torch
@@ -293,16 +338,26 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
             return False
 
         ops: dict[str, list[tuple[str, float, float]]] = {}
+        cpu_steps: dict[str, list[tuple[float, float, float, int]]] = {}
 
         class Recording(runner.PipelineStage):  # type: ignore[name-defined,misc]
             """The runtime's stage, keeping each measured step's compute ops (CPU and wall seconds)."""
 
             def train_step(self, step, batch=None):
+                c0 = time.thread_time()
                 result = super().train_step(step, batch)
+                cpu = time.thread_time() - c0
                 if step >= warm:
+                    compute = [(t.op, t.cpu, t.compute) for t in result.timeline if t.compute > 0]
+                    wall = sum(w for _, _, w in compute)
+                    busy = sum(c for _, c, _ in compute) / wall if wall > 0 else 1.0
                     with lock:
-                        ops.setdefault(threading.current_thread().name, []).extend(
-                            (t.op, t.cpu, t.compute) for t in result.timeline if t.compute > 0)
+                        name = threading.current_thread().name
+                        ops.setdefault(name, []).extend(compute)
+                        # the optimizer step's CPU: its wall time at the share of a core the compute got
+                        cpu_steps.setdefault(name, []).append(
+                            (cpu, sum(c for _, c, _ in compute), result.optimizer_seconds * min(1.0, busy),
+                             len(result.timeline)))
                 return result
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -328,16 +383,17 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
         if errors:
             raise RuntimeError(f"shape {shape.name!r} failed to run: {errors[0]!r}")
         seen = run_share(ops)
-        during = predict_live(shape, *live_model(job, nodes, profile, 1.0 / seen, link))
+        overhead = action_overhead(cpu_steps)
+        during = predict_live(shape, *live_model(job, nodes, profile, 1.0 / seen, link), overhead / seen)
         cm, cluster = live_model(job, nodes, profile, 1.0, link)
         expected = {}
         for n, (a, e, rows) in node_slices(shape).items():
             t = cm.table(cluster.islands[0], rows)
             expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e)}
         factor = op_factor(ops, expected)
-        replayed = predict_live(shape, *live_model(job, nodes, profile, factor, link))
+        replayed = predict_live(shape, *live_model(job, nodes, profile, factor, link), overhead / seen)
         return {"before": before, "during": during, "replayed": replayed, "measured": measured_step(done, warm),
-                "share": share, "seen": seen, "factor": factor}
+                "share": share, "seen": seen, "factor": factor, "overhead": overhead}
     finally:
         for s in servers.values():
             s.stop()
@@ -357,8 +413,17 @@ def live_model(job, nodes: list[str], profile: NodeProfile, slower: float,
     return CostModel(job.model_spec, train, ProfileSet.from_node_profiles(islands, profiles), options), cluster
 
 
-def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster) -> float:
-    """The planner's predicted step of the shape on a live cluster (`live_model`)."""
+def with_action_overhead(times: PipelineTimes, seconds: float) -> PipelineTimes:
+    """The pipeline's times with `seconds` of the runtime's own work added to every forward and backward."""
+    if seconds <= 0:
+        return times
+    return replace(times, stages=tuple(replace(s, forward_s=s.forward_s + seconds, backward_s=s.backward_s + seconds)
+                                       for s in times.stages))
+
+
+def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster, overhead_s: float = 0.0) -> float:
+    """The planner's predicted step of the shape on a live cluster (`live_model`), every forward and backward
+    action of a stage taking `overhead_s` more for the runtime's own work (`action_overhead`)."""
     island = cluster.islands[0]
     pipes = []
     for mb, m, stages in shape.pipelines:
@@ -366,7 +431,7 @@ def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster) -> float:
         times = evaluate(cm, cluster, st, mb, mb * m)
         if times is None:
             raise ValueError(f"shape {shape.name!r} does not fit the cost model's memory")
-        pipes.append((times, st))
+        pipes.append((with_action_overhead(times, overhead_s), st))
     if len(pipes) > 1:
         link = slowest_link(cluster, [[island.id]] * len(pipes))
         assert link is not None
@@ -485,24 +550,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=2, help="warm-up steps left out of the measurement")
     ap.add_argument("--only", help="run only rows whose name contains this")
     ap.add_argument("--skip-live", action="store_true", help="only the published configurations")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every live shape, interleaved (round r runs every shape once); each row is the "
+                         "median over them")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.steps < args.warm + 3:
         ap.error("--steps must leave at least three steps after --warm")
     targets: list[tuple[str, bool]] = []
     print(f"live shapes: GPT d_model 128, 4 blocks, seq 128, global batch 32, fp32; {os.cpu_count()} CPUs, nodes as "
           "threads (one torch thread each); predicted from measured profiles and a probed loopback link")
     print(f"{'shape':<32} {'nodes':>5} {'core before':>11} {'predicted s':>11} {'gap':>6} {'core run':>8} "
-          f"{'predicted s':>11} {'measured s':>10} {'gap':>6} {'ops x':>6} {'replayed s':>10} {'gap':>6}")
+          f"{'predicted s':>11} {'measured s':>10} {'gap':>6} {'ops x':>6} {'replayed s':>10} {'gap':>6} "
+          f"{'gap range':>12} {'ms/action':>9}")
     if not args.skip_live:
-        for shape in SHAPES:
-            if args.only and args.only not in shape.name:
-                continue
+        shapes = [s for s in SHAPES if not args.only or args.only in s.name]
+        runs: dict[str, list[dict]] = {s.name: [] for s in shapes}
+        for rnd, shape in interleaved(shapes, args.repeats):
             r = run_live(shape, args.steps, args.warm)
-            g0, g = gap(r["before"], r["measured"]), gap(r["during"], r["measured"])
-            g2 = gap(r["replayed"], r["measured"])
+            runs[shape.name].append(r)
+            if args.repeats > 1:
+                print(f"  round {rnd + 1}/{args.repeats} {shape.name:<32} core run {r['seen']:.2f} predicted "
+                      f"{r['during']:.3f} s measured {r['measured']:.3f} s gap {gap(r['during'], r['measured']):+.0%}",
+                      flush=True)
+        for shape in shapes:
+            r = combine(runs[shape.name])
+            g0, g, g2 = r["gap_before"], r["gap_during"], r["gap_replayed"]
             print(f"{shape.name:<32} {shape.nodes:>5} {r['share']:>11.2f} {r['before']:>11.3f} {g0:>+6.0%} "
                   f"{r['seen']:>8.2f} {r['during']:>11.3f} {r['measured']:>10.3f} {g:>+6.0%} {r['factor']:>6.2f} "
-                  f"{r['replayed']:>10.3f} {g2:>+6.0%}", flush=True)
+                  f"{r['replayed']:>10.3f} {g2:>+6.0%} {r['spread']:>12} {r['overhead'] * 1e3:>9.2f}", flush=True)
             targets.append((f"live {shape.name}: within {LIVE_TOLERANCE:.0%}", abs(g) <= LIVE_TOLERANCE))
     print()
     print(f"{'published configuration':<48} {'published s':>11} {'predicted s':>12} {'gap':>7}  as predicted / source")

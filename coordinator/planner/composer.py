@@ -55,6 +55,8 @@ SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
 """Shares of an island's nodes its front part takes when a chain visits it twice (`Composer.split_setups`)."""
 SPLIT_SEEDS = 4
 """Best contiguous candidates whose chains are tried again with one island visited twice."""
+REFINE_BUDGET = 48
+"""Most simulations `Composer.refine` spends on one candidate (one layer moved across a boundary each)."""
 
 
 def split_island(island: Island, fraction: float) -> tuple[Island, Island] | None:
@@ -111,6 +113,8 @@ class Candidate:
     estimate_s: float
     step_s: float = 0.0
     """Simulated step time (0 until simulated)."""
+    placed: tuple[tuple[int, int, int, int], ...] = ()
+    """Per stage: (chain index of its island, first layer, end layer, in-flight micro-batches of strict 1F1B)."""
 
     @property
     def bottleneck_s(self) -> float:
@@ -513,7 +517,8 @@ class Composer:
                         for x in links),
             num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages))
         return Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
-                         stages=stages, links=links, times=times, estimate_s=closed_form_step(times))
+                         stages=stages, links=links, times=times, estimate_s=closed_form_step(times),
+                         placed=tuple(placed))
 
     def best_for(self, s: _Setup) -> Candidate | None:
         """The best candidate of any chain of the setup's islands in its order."""
@@ -574,4 +579,42 @@ class Composer:
                 best = min(best, cand.step_s)
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
-        return top[:self.cost_model.options.simulate_top]
+        top = top[:self.cost_model.options.simulate_top]
+        top = [self.refine(c, source[id(c)]) for c in top]
+        top.sort(key=lambda c: c.step_s)
+        return top
+
+    def refine(self, cand: Candidate, s: _Setup, budget: int = REFINE_BUDGET) -> Candidate:
+        """The candidate with its layer cuts tuned after its stages' islands and widths are fixed: one layer
+        at a time moves across a boundary (either way) while the simulated step improves, at most `budget`
+        simulations. The bisection balances the bottleneck alone; this sees what it does not: the first
+        stage's exposed all-reduce and optimizer, fill and drain, transfers that grow or shrink with the cut,
+        and stages whose time or memory (ZeRO, recomputation) jumps at a layer."""
+        best, tried = cand, 0
+        improved = True
+        while improved and tried < budget:
+            improved = False
+            placed = list(best.placed)
+            for t in range(len(placed) - 1):
+                for delta in (-1, 1):
+                    if tried >= budget:
+                        break
+                    (i, a, e, k), (j, _, e2, k2) = placed[t], placed[t + 1]
+                    cut = e + delta
+                    if not a < cut < e2:
+                        continue
+                    moved = placed[:t] + [(i, a, cut, k), (j, cut, e2, k2)] + placed[t + 2:]
+                    if any(self.parallelizer.cost(self._query(s, x, lo, hi, kk), s.order[x]) is None  # type: ignore[union-attr]
+                           for x, lo, hi, kk in moved[t:t + 2]):
+                        continue
+                    if math.isinf(self._fastest_link(s, i, j, cut)):
+                        continue
+                    c = self._evaluate(s, moved)
+                    if step_lower_bound(c.times) >= best.step_s:
+                        continue
+                    tried += 1
+                    c.step_s = simulate(c.times).step_time_s
+                    self.stats.simulated += 1
+                    if c.step_s < best.step_s * (1 - 1e-9):
+                        best, placed, improved = c, moved, True
+        return best
