@@ -2,14 +2,15 @@
 
 When a plan changes (a join, a leave, a failure), every node that ran the old plan still holds the state its
 run left: its layers' weights and AdamW state after the steps it completed (`StateHolder.live`). At the start
-of plan epoch e each node of the plan:
-1. asks every node of the plan, and every node that left gracefully (`Plan.handover`), which state it holds
+of plan epoch e:
+1. one node asks every node of the plan, and every node that left gracefully (`Plan.handover`), which state it holds
    (`Peer.HeldState`, answered once that node's older runs ended);
 2. computes the resume point, a pure function of those answers (`resume_point`): the newest step at which
    every layer of the model has a live copy; when none is newer than the last complete checkpoint, the
    checkpoint (`Plan.resume_step`);
 3. agrees with the others through the epoch's rendezvous store: the first node to publish its resume point
-   under the epoch's key wins and every node adopts that one (answers can differ when a node dies meanwhile);
+   under the epoch's key wins and every node adopts that one. Steps 1-2 run on one node of the plan
+   (`resume_leader`), so a plan of n nodes makes n HeldState calls, and the others read what it published;
 4. loads its layers: from its own live state where it holds them at that step, else fetched over gRPC
    from the nearest live holder (`sources`: same region first), else, on the checkpoint path, from its
    checkpoint folder or a node holding a copy (`atoll.node.replication.fetch_checkpoint`).
@@ -168,6 +169,20 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
         return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
                        region=plan.region_of(n) if n in plan.node_addresses else "")
                 for n, r in sorted(replies.items()) if r.holds]
+
+
+def resume_leader(plan: Plan) -> str:
+    """The node that asks the others which state they hold and publishes the resume point: the first node id
+    running a stage (every node of the plan computes the same one)."""
+    return min(n for p in plan.pipelines for st in p.stages for n in st.nodes)
+
+
+def await_point(store: dist.Store, key: str, timeout: timedelta) -> ResumePoint:
+    """The resume point the leader published under `key`, waiting at most `timeout` (longer than the leader's
+    questions may take; a leader that died meanwhile fails this run, and the next plan has another)."""
+    store.wait([key], timeout)
+    value = store.get(key)
+    return ResumePoint.from_json(value.decode("utf-8") if isinstance(value, bytes) else str(value))
 
 
 def agree(store: dist.Store | None, key: str, point: ResumePoint) -> ResumePoint:

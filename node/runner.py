@@ -34,8 +34,8 @@ import torch.distributed as dist
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_layers, step_dir
-from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, gather_held, resume_point, slice_part,
-                                   sources)
+from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, gather_held, resume_leader,
+                                   resume_point, slice_part, sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import load_slice, slice_state
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
@@ -521,10 +521,14 @@ class PlanRunner:
         assert pl is not None
         if held is None or self.plan.mode != "sync":
             return None
-        own = held.held(self.plan.epoch, wait=0.0)
-        found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
-        point = resume_point(found, total_layers=self.job.model.n_layers + 2, checkpoint_step=self.plan.resume_step)
-        point = agree(store, f"{self._group_prefix()}/resume", point)
+        key = f"{self._group_prefix()}/resume"
+        if store is None or ctx.node_id == resume_leader(self.plan):  # one node asks everyone (n calls, not n^2)
+            own = held.held(self.plan.epoch, wait=0.0)
+            found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
+            point = agree(store, key, resume_point(found, total_layers=self.job.model.n_layers + 2,
+                                                   checkpoint_step=self.plan.resume_step))
+        else:
+            point = await_point(store, key, 2 * ctx.timeout + timedelta(seconds=10))
         self.restore = report = RestoreReport(point=point)
         if not point.live:
             log.info("%s; %s", report.line(), point.reason)
