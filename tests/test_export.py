@@ -58,13 +58,19 @@ def _greedy(stages: list[StageModule], ids: torch.Tensor, n: int) -> torch.Tenso
     return ids
 
 
+LLAMA3 = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+          "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+          "tie_word_embeddings": True}
 # Atoll's own presets export too: the demo's tiny model (gpt style, exact GELU, untied) and a llama-style one
 TINY = replace(preset("tiny"), vocab_size=300)
 TINY_LLAMA = replace(preset("tiny"), style="llama", vocab_size=300, n_kv_heads=2, ffn_hidden=96)
 
 
-@pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5]), (TINY, [0, 3, 6]), (TINY_LLAMA, [0, 2, 6])],
-                         ids=["qwen2-two-stages", "gpt2-tied", "atoll-tiny", "atoll-tiny-llama"])
+@pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5]), (LLAMA3, [0, 4]), (TINY, [0, 3, 6]),
+                                        (TINY_LLAMA, [0, 2, 6])],
+                         ids=["qwen2-two-stages", "gpt2-tied", "llama3-rope-tied", "atoll-tiny", "atoll-tiny-llama"])
 def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path: Path, capsys) -> None:
     from atoll.node.tokenizer import train_bpe
 
