@@ -40,7 +40,7 @@ def loss_picture(base: dict[int, float], losses: dict[int, float], events: list[
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(sorted(base), [base[s] for s in sorted(base)], color="0.55", lw=1.2, label="undisturbed")
+    ax.plot(sorted(base), [base[s] for s in sorted(base)], color="0.6", lw=3.0, alpha=0.7, label="undisturbed")
     ax.plot(sorted(losses), [losses[s] for s in sorted(losses)], color="tab:blue", lw=1.0, label="with churn")
     colours = {"node-kill": "tab:red", "join": "tab:green", "leave": "tab:orange", "coordinator-kill": "tab:purple"}
     seen: set[str] = set()

@@ -182,8 +182,8 @@ class RunRecord:
     member_states: dict[str, str] = field(default_factory=dict)
     heard: dict[str, float] = field(default_factory=dict)
     """node id -> latest heartbeat time."""
-    joined: dict[str, float] = field(default_factory=dict)
-    """node id -> its latest join time."""
+    joined: dict[str, list[float]] = field(default_factory=dict)
+    """node id -> every join time the store has shown for it (a restarted node joins again)."""
     gone_times: dict[str, list[float]] = field(default_factory=dict)
     """node id -> every time the store was first seen marking it not alive."""
 
@@ -247,7 +247,9 @@ class Monitor:
                 self._newest = max(self._newest, m.unix_time)
             for m in members:
                 r.heard[m.node_id] = m.last_heartbeat_unix
-                r.joined[m.node_id] = m.joined_unix
+                times = r.joined.setdefault(m.node_id, [])
+                if m.joined_unix and m.joined_unix not in times:
+                    times.append(m.joined_unix)
                 if m.state != "alive":
                     if m.node_id not in r.left_alive:
                         r.left_alive[m.node_id] = now
@@ -261,7 +263,8 @@ class Monitor:
         with self.lock:
             r = self.record
             return RunRecord(steps=dict(r.steps), plans=list(r.plans), left_alive=dict(r.left_alive),
-                             member_states=dict(r.member_states), heard=dict(r.heard), joined=dict(r.joined),
+                             member_states=dict(r.member_states), heard=dict(r.heard),
+                             joined={k: list(v) for k, v in r.joined.items()},
                              gone_times={k: list(v) for k, v in r.gone_times.items()})
 
 
@@ -415,15 +418,17 @@ class FaultDriver:
         return len(rec.losses()) >= self.job.train.steps
 
     def recovered(self, rec: RunRecord, since: float) -> bool:
-        """Every node that should run is alive, the newest plan names only alive nodes, and whole steps of the
-        newest plan were trained after `since`."""
+        """Every node that should run is alive and heard from since `since`, the newest plan accounts for all of
+        them and runs no other, and `gap_steps` whole steps of it were trained after `since`."""
         if self.down or not rec.plans:
             return False
         ids = {self.node_id(n) for n in self.running}
         if any(rec.member_states.get(i) != "alive" or rec.heard.get(i, 0.0) < since for i in ids):
             return False
         created, plan, _ = rec.plans[-1]
-        if not plan_nodes(plan) <= ids:
+        # the plan accounts for every node (runs it, or leaves it idle on purpose) and runs only live ones
+        planned = {n for i in plan.islands for n in i.nodes}
+        if not plan_nodes(plan) <= ids or not ids <= planned:
             return False
         after = [s for t, s, e, _ in rec.whole_steps() if t > max(since, created) and e == plan.epoch]
         return len(after) >= self.cfg.gap_steps
@@ -547,7 +552,7 @@ class FaultDriver:
                 newer = [(t, s) for t, s, ep, _ in steps if t > e.at and (ep > e.epoch or not named)]
                 e.next_step_s = newer[0][0] - e.at if newer else None
             elif e.kind == "join":
-                joined = rec.joined.get(e.node_id, 0.0)
+                joined = min((t for t in rec.joined.get(e.node_id, []) if e.at <= t < e.until), default=0.0)
                 e.back_at = joined
                 naming = [(t, p) for t, p in later if e.node_id in plan_nodes(p)]
                 e.detection_s = naming[0][0] - joined if naming and joined else None
