@@ -1,6 +1,6 @@
 """Planner validation: the cost model's predicted step times against measured and published ones.
 
-    python -m bench.planner_validate [--steps 8] [--repeats 3] [--only NAME] [--skip-live]
+    python -m bench.planner_validate [--steps 8] [--repeats 5] [--only NAME] [--skip-live]
 
 Live shapes, on this machine: each plan shape (stages, data-parallel width, unequal widths, several
 pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=2, help="warm-up steps left out of the measurement")
     ap.add_argument("--only", help="run only rows whose name contains this")
     ap.add_argument("--skip-live", action="store_true", help="only the published configurations")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=int, default=5,
                     help="runs of every live shape, interleaved (round r runs every shape once); each row is the "
                          "median over them")
     args = ap.parse_args(argv)
