@@ -20,6 +20,11 @@ Free order: a chain may visit an island twice. After the island-contiguous chain
 again with one island of their region cut into two parts (between nodes) placed anywhere with other islands
 between them, so V100 / A100 / V100 can be found where it is better (`split_setups`).
 
+Refinement: the best candidates' cuts are then tuned with their islands, widths and micro-batch fixed, one
+layer at a time across a boundary while the simulated step improves (`refine`), for what the bottleneck
+alone does not see (the first stage's exposed all-reduce, fill and drain, a transfer that shrinks with the
+cut).
+
 Pruning keeps thousands of GPUs fast: per-island layer tables are memoised; chains only order regions and,
 within a region, islands by memory (the front of a 1F1B pipeline holds the most activations), a region
 alone also from the slowest class to the fastest (every order when the cluster has at most 4 islands),
