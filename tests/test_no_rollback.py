@@ -97,7 +97,7 @@ def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) 
         first = cluster.plan()
         cluster.kill("b2")
         killed_at = cluster.top_step()
-        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["b2"])
+        cluster.wait(lambda: cluster.top_step() >= STEPS - 1, 200, "the job to finish", dead=["b2"])
         later = cluster.plan()
         assert later.epoch > first.epoch and set(later.node_addresses) == {"a", "b1"}
         for n in ("a", "b1"):
@@ -112,8 +112,12 @@ def test_a_killed_replica_costs_no_step(tmp_path: Path, reference: list[float]) 
         assert {n: (s.restored_from, s.steps_rolled_back, s.step) for n, s in firsts.items()} == {
             "a": ("live", 0, step), "b1": ("live", 0, step)}
         assert firsts["b1"].restore_bytes == moved[0][0] and firsts["a"].restore_bytes == 0
-        # no step reported twice with another loss: every step trained once, as in one process
-        close(cluster.losses(), reference, range(STEPS), 1e-4)
+        # every step trained once, as in one process. The step b2 died in may have no loss: b1 finished it
+        # (its optimizer stepped, so the run resumes after it) but the loss all-reduce with b2 broke
+        losses = cluster.losses()
+        missing = [s for s in range(STEPS) if s not in losses]
+        assert missing in ([], [step - 1]), (missing, step)
+        close(losses, reference, [s for s in range(STEPS) if s in losses], 1e-4)
         print(f"\nkilled b2 at step {killed_at}; resumed at step {step} (0 rolled back); b1 fetched "
               f"{moved[0][0]} bytes from a")
     finally:
