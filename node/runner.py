@@ -59,7 +59,6 @@ from atoll.node.pretrained import load_pretrained
 from atoll.node.precision import LossScaleConfig, LossScaler, compute_dtype
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
 from atoll.node.tensorboard import TensorBoardLog
-from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
@@ -371,13 +370,10 @@ class PlanRunner:
                 log.info("loaded layers [%d, %d) from %d pretrained tensors in %s", *pl.layers, read, pretrained)
             restored = True
             restore = getattr(self, "restore", None)
-            if module.tied_copy is not None or module.ties_embedding:
-                check_tied_plan(self.plan, self._own_pipelines())
             if pl.tp > 1:
                 optimizer = self._tensor_parallel(store, module, optimizer, cfg)
             norm, averager, loss_group = self._groups(store, module)
             optimizer, averager = self._zero(optimizer, averager, cfg)
-            averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
@@ -702,22 +698,6 @@ class PlanRunner:
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
 
-    def _own_pipelines(self) -> list[int]:
-        """The pipelines this node's gradients meet in: its replica group's (outer mode) or all of them."""
-        pl = self.placement
-        if self.plan.mode == "outer" and pl is not None:
-            return sorted(self.plan.groups[pl.group].pipelines)
-        return list(range(len(self.plan.pipelines)))
-
-    def _tie(self, store: dist.Store | None, module: torch.nn.Module, averager):
-        """A tied model cut into stages: add the sum of the tied weight's copies to this stage's averaging
-        (`atoll.node.tied`)."""
-        def make(name: str, rank: int, size: int) -> dist.ProcessGroup:
-            assert store is not None
-            return _group(store, f"{self._group_prefix()}/{name}/", rank, size, self.ctx.timeout, self.ctx.device)
-
-        return tie_gradients(module, self.plan, self._own_pipelines(), self.ctx.node_id, averager, make)
-
     def _tensor_parallel(self, store: dist.Store | None, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          cfg: StageConfig) -> torch.optim.Optimizer:
         """Join this stage replica's tp group (`self.tp`) and shard the full slice, seeded or loaded, over it;
@@ -833,8 +813,6 @@ class PlanRunner:
         why = None
         if st.tp > 1:
             why = "its replicas are tensor parallel (ZeRO shards whole parameters, not tp shards)"
-        elif self.job.model.tied_head and pl.num_stages > 1 and (pl.is_first or pl.is_last):
-            why = "it holds a copy of the tied embedding weight, whose gradient is summed with the other copy's"
         elif averager is None or not segs:
             why = "no other node holds its layers"
         elif len(segs) != 1 or (segs[0].start, segs[0].end) != pl.layers or set(segs[0].holders) != set(st.nodes):
@@ -980,8 +958,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
     replicator = None
     if job.checkpoint.replicas > 0 and job.checkpoint.interval > 0:
         replicator = Replicator(node_id=run.node_id, address=plan.node_addresses.get(run.node_id) or run.peer.address,
-                                job_id=plan.job_id, token=token, rpc=rpc or RpcOptions(), report=report_copy,
-                                grant=run.peer.state_access.grant)
+                                job_id=plan.job_id, token=token, rpc=rpc or RpcOptions(), report=report_copy)
     ctx = RunContext(node_id=run.node_id, job=job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
