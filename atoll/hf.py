@@ -216,8 +216,10 @@ class HfTensor:
     """Names to use when `names` are absent (an untied head read from a tied checkpoint: the embedding)."""
 
 
-def param_map(config: ModelConfig, index: int) -> dict[str, HfTensor]:
-    """Atoll parameter names of layer `index` (without the ``layers.<index>.`` prefix) -> where they are."""
+def param_map(config: ModelConfig, index: int, *, tied_copy: bool = False) -> dict[str, HfTensor]:
+    """Atoll parameter names of layer `index` (without the ``layers.<index>.`` prefix) -> where they are.
+    `tied_copy`: the head of a tied model on a stage without the embedding, whose `lm.weight` is a copy of the
+    embedding's (read from the embedding's tensor)."""
     c = config
     gpt = c.style == "gpt"
     emb = "transformer.wte.weight" if gpt else "model.embed_tokens.weight"
@@ -233,6 +235,8 @@ def param_map(config: ModelConfig, index: int) -> dict[str, HfTensor]:
             out["norm.bias"] = HfTensor((f"{norm}.bias",))
         if not c.tied_head:
             out["lm.weight"] = HfTensor(("lm_head.weight",), fallback=(emb,))
+        elif tied_copy:
+            out["lm.weight"] = HfTensor((emb,))
         return out
     if not 0 < index <= c.n_layers:
         raise ValueError(f"layer {index} is outside the model's {c.n_layers + 2} layers")

@@ -270,8 +270,12 @@ class ModelSpec:
         return ModelSpec.from_config(replace(self.config, seq_len=seq_len))
 
     def slice_params(self, start: int, end: int) -> int:
+        """Parameters of layers [start, end); a tied head's stage without the embedding also holds a copy of
+        the tied weight (vocab x d_model, `atoll.node.tied`)."""
         self._check_slice(start, end)
-        return sum(layer.params for layer in self.layers[start:end])
+        c = self.config
+        copy = c.vocab_size * c.d_model if c.tied_head and start > 0 and end == len(self.layers) else 0
+        return sum(layer.params for layer in self.layers[start:end]) + copy
 
     def slice_flops_per_token(self, start: int, end: int) -> tuple[float, float]:
         """(forward, backward) FLOPs per token of layers [start, end)."""

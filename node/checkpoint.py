@@ -85,8 +85,14 @@ def load_layers_extra(module: StageModule, optimizer: torch.optim.Optimizer, roo
         raise CheckpointError(f"no checkpoint of step {step} holds layers [{module.start}, {module.end}) under "
                               f"{folder}; nodes that take over layers need the same --checkpoint-dir "
                               "(a shared file system)")
+    sources: list[Any] = list(files)
+    if module.tied_copy is not None:  # a tied head's copy missing from a cut that kept it with the embedding
+        sources = [read_slice(f) for f in files]
+        name = f"layers.{module.end - 1}.lm.weight"
+        if not any(name in st["tensors"] for st in sources):
+            sources += [read_slice(f) for f in _overlapping(folder, 0, 1) if f not in files]
     try:
-        extra = load_slice(module, files, optimizer)
+        extra = load_slice(module, sources, optimizer)
     except ValueError as e:
         raise CheckpointError(f"checkpoint of step {step} under {folder}: {e}") from e
     return dict(extra)

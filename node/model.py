@@ -129,17 +129,21 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final norm and LM head. Output: (batch, seq, vocab) logits."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tied_copy: bool = False):
         super().__init__()
         self.norm = _norm(config)
-        self.lm = None if config.tied_head else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # a tied head on a stage without the embedding holds its own copy of the shared weight (`lm.weight`,
+        # kept equal to the embedding's by `atoll.node.tied`); on the embedding's stage it uses that one
+        self.tied_copy = tied_copy
+        self.lm = nn.Linear(config.d_model, config.vocab_size, bias=False) \
+            if tied_copy or not config.tied_head else None
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(x)
         if self.lm is not None:
             return self.lm(h)
         if tied_weight is None:
-            raise RuntimeError("a tied head needs the embedding's weight: keep embedding and head on one stage")
+            raise RuntimeError("a tied head on the embedding's stage needs the embedding's weight")
         return F.linear(h, tied_weight)
 
 
@@ -154,6 +158,16 @@ def _init_layer(module: nn.Module, config: ModelConfig, seed: int, index: int) -
                 continue
             std = residual_std if name.startswith(("proj.", "out.")) else 0.02
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+
+
+def init_tied_copy(head: Head, config: ModelConfig, seed: int) -> None:
+    """Give a tied head's copy the embedding's initial weight: the first tensor `_init_layer` draws for layer 0
+    (its token table), so both stages start equal without either sending it."""
+    assert head.lm is not None
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + 0)
+    with torch.no_grad():
+        w = head.lm.weight
+        w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(0.02).to(w.dtype))
 
 
 def layer_kind(config: ModelConfig, index: int) -> str:
@@ -192,16 +206,19 @@ class StageModule(nn.Module):
         total = config.n_layers + 2
         if not 0 <= start < end <= total:
             raise ValueError(f"slice [{start}, {end}) is outside the model's {total} layers")
-        if config.tied_head and (start == 0) != (end == total):
-            raise ValueError("a tied head must sit on the same stage as the embedding; untie it (tied_head = false) "
-                             "or keep layers 0 and the last on one stage")
         self.config, self.start, self.end = config, start, end
+        # Megatron-style tied weights: the head's stage, when it is not the embedding's, holds a copy of the
+        # shared weight (initialised identically; its gradient summed with the embedding's, `atoll.node.tied`)
+        copy = config.tied_head and end == total and start > 0
         with torch.device("meta"):  # shapes only; the slice's own tensors are allocated below
-            layers = nn.ModuleDict({str(i): _new_layer(config, i) for i in range(start, end)})
+            layers = nn.ModuleDict({str(i): Head(config, tied_copy=True) if copy and i == total - 1
+                                    else _new_layer(config, i) for i in range(start, end)})
         self.layers = layers.to(dtype=dtype).to_empty(device=torch.device("cpu") if device is None else device)
         if init:
             for i in range(start, end):
                 _init_layer(self.layers[str(i)], config, seed, i)
+            if copy:
+                init_tied_copy(self.layers[str(total - 1)], config, seed)
         self.recompute: frozenset[int] = frozenset()
         self.set_recompute(recompute)
 
@@ -219,13 +236,26 @@ class StageModule(nn.Module):
         return self.start == 0
 
     @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The head's copy of the tied embedding weight when this slice holds the head but not the embedding."""
+        head = self.layers[str(self.end - 1)] if self.is_last else None
+        if isinstance(head, Head) and head.tied_copy and head.lm is not None:
+            return head.lm.weight
+        return None
+
+    @property
+    def ties_embedding(self) -> bool:
+        """Whether this slice holds the embedding of a tied model whose head is on another stage."""
+        return self.config.tied_head and self.is_first and not self.is_last
+
+    @property
     def is_last(self) -> bool:
         return self.end == self.config.n_layers + 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(self.start, self.end):
             layer = self.layers[str(i)]
-            if isinstance(layer, Head) and self.config.tied_head:
+            if isinstance(layer, Head) and layer.lm is None:
                 x = layer(x, tied_weight=self.layers["0"].tok.weight)
             elif i in self.recompute and torch.is_grad_enabled():
                 # non-reentrant: works with inputs that need no grad, nests under autocast and saved-tensor

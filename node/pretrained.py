@@ -105,8 +105,9 @@ def _sources(config: ModelConfig, start: int, end: int, folder: Path, files: Map
         return None
 
     wanted: dict[str, tuple[list[tuple[str, Path]], bool]] = {}
+    copy = config.tied_head and start > 0 and end == config.n_layers + 2  # the head holds the tied weight's copy
     for i in range(start, end):
-        for short, spec in param_map(config, i).items():
+        for short, spec in param_map(config, i, tied_copy=copy).items():
             found = [where(n) for n in spec.names]
             if any(f is None for f in found) and spec.fallback:
                 found = [where(n) for n in spec.fallback]

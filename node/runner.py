@@ -59,6 +59,7 @@ from atoll.node.pretrained import load_pretrained
 from atoll.node.precision import LossScaleConfig, LossScaler, compute_dtype
 from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optimizer
 from atoll.node.tensorboard import TensorBoardLog
+from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
@@ -370,10 +371,13 @@ class PlanRunner:
                 log.info("loaded layers [%d, %d) from %d pretrained tensors in %s", *pl.layers, read, pretrained)
             restored = True
             restore = getattr(self, "restore", None)
+            if module.tied_copy is not None or module.ties_embedding:
+                check_tied_plan(self.plan, self._own_pipelines())
             if pl.tp > 1:
                 optimizer = self._tensor_parallel(store, module, optimizer, cfg)
             norm, averager, loss_group = self._groups(store, module)
             optimizer, averager = self._zero(optimizer, averager, cfg)
+            averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step)
             transport = self._transport(pl)
@@ -389,9 +393,8 @@ class PlanRunner:
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
                               norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp)
         self.scaler = stage.scaler
-        # fp16: every node that resumes from a checkpoint reads the scale its layer files carry (one checkpoint's
-        # files all carry the same); a run from a live state or from scratch starts at train.loss_scale, as every
-        # node of the plan takes the same path
+        # fp16: every node that resumes from a checkpoint or from live state reads the scale its layers' state
+        # carries (the holders of one step all carry the same); a run from scratch starts at train.loss_scale
         saved = self._checkpoint_extra.get("loss_scale")
         if stage.scaler is not None and saved is not None:
             try:
@@ -546,7 +549,7 @@ class PlanRunner:
             if h.node_id not in blobs:
                 blobs[h.node_id] = self._fetch_live(point, h, rng, report)
             parts.append(slice_part(deserialize_state(blobs[h.node_id], h.node_id), rng))
-        load_slice(module, parts, optimizer)
+        self._checkpoint_extra = load_slice(module, parts, optimizer)  # fp16: the loss scale the state left with
         log.info("%s", report.line())
         return point.step
 
@@ -593,7 +596,8 @@ class PlanRunner:
         pl = self.placement
         if self.plan.mode != "sync" or pl is None or pl.tp > 1 or isinstance(optimizer, ZeroOptimizer):
             return None
-        return LiveState.of(slice_state(module, optimizer, extra={"step": step}), step=step, epoch=self.plan.epoch)
+        extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
+        return LiveState.of(slice_state(module, optimizer, extra=extra), step=step, epoch=self.plan.epoch)
 
     def _older_groups(self) -> list[int]:
         """Outer mode: the other replica groups that have trained since before this node's group formed."""
@@ -697,6 +701,22 @@ class PlanRunner:
             loss_group = _group(store, f"{base}/loss/", pl.loss_group.index(ctx.node_id), len(pl.loss_group),
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
+
+    def _own_pipelines(self) -> list[int]:
+        """The pipelines this node's gradients meet in: its replica group's (outer mode) or all of them."""
+        pl = self.placement
+        if self.plan.mode == "outer" and pl is not None:
+            return sorted(self.plan.groups[pl.group].pipelines)
+        return list(range(len(self.plan.pipelines)))
+
+    def _tie(self, store: dist.Store | None, module: torch.nn.Module, averager):
+        """A tied model cut into stages: add the sum of the tied weight's copies to this stage's averaging
+        (`atoll.node.tied`)."""
+        def make(name: str, rank: int, size: int) -> dist.ProcessGroup:
+            assert store is not None
+            return _group(store, f"{self._group_prefix()}/{name}/", rank, size, self.ctx.timeout, self.ctx.device)
+
+        return tie_gradients(module, self.plan, self._own_pipelines(), self.ctx.node_id, averager, make)
 
     def _tensor_parallel(self, store: dist.Store | None, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          cfg: StageConfig) -> torch.optim.Optimizer:
@@ -813,6 +833,8 @@ class PlanRunner:
         why = None
         if st.tp > 1:
             why = "its replicas are tensor parallel (ZeRO shards whole parameters, not tp shards)"
+        elif self.job.model.tied_head and pl.num_stages > 1 and (pl.is_first or pl.is_last):
+            why = "it holds a copy of the tied embedding weight, whose gradient is summed with the other copy's"
         elif averager is None or not segs:
             why = "no other node holds its layers"
         elif len(segs) != 1 or (segs[0].start, segs[0].end) != pl.layers or set(segs[0].holders) != set(st.nodes):
@@ -958,7 +980,8 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
     replicator = None
     if job.checkpoint.replicas > 0 and job.checkpoint.interval > 0:
         replicator = Replicator(node_id=run.node_id, address=plan.node_addresses.get(run.node_id) or run.peer.address,
-                                job_id=plan.job_id, token=token, rpc=rpc or RpcOptions(), report=report_copy)
+                                job_id=plan.job_id, token=token, rpc=rpc or RpcOptions(), report=report_copy,
+                                grant=run.peer.state_access.grant)
     ctx = RunContext(node_id=run.node_id, job=job, peer_server=run.peer, checkpoint_dir=Path(checkpoint_dir),
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),

@@ -95,6 +95,29 @@ def _model_dict(saved: Any) -> Any:
         return saved
 
 
+TIED_SOURCE = "layers.0.tok.weight"
+"""The tensor a tied head's copy (`Head.lm.weight` on a stage without the embedding) equals."""
+
+
+def _tied_copy_source(module: StageModule, states: Sequence[Mapping[str, Any]], owner: Mapping[int, Mapping[str, Any]],
+                      tensors: dict[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """A tied head's copy that the head's saved slice lacks (written by a cut that kept embedding and head on one
+    stage) is the embedding's weight: take it, in `tensors`, from the source holding layer 0. Returns (the
+    copy's name, that source), or None when nothing was taken."""
+    copy = module.tied_copy
+    if copy is None:
+        return None
+    name = next(n for n, p in module.named_parameters() if p is copy)
+    if tensors.get(name) is not None:
+        return None
+    for st in states:
+        if st["start"] == 0 and TIED_SOURCE in st["tensors"]:
+            tensors[name] = st["tensors"][TIED_SOURCE]
+            return name, st
+    raise SliceStateError(f"the saved slices lack {name} (the tied head's copy of the embedding weight) and hold no "
+                          "layer 0 to take it from; give the slice holding layer 0 too")
+
+
 def load_slice(module: StageModule, sources: Sequence[Mapping[str, Any] | Path | str],
                optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load layers [module.start, module.end) from saved slices of any cut of the same model.
@@ -120,6 +143,7 @@ def load_slice(module: StageModule, sources: Sequence[Mapping[str, Any] | Path |
         raise SliceStateError(f"no saved slice holds layer(s) {missing} of [{module.start}, {module.end})")
 
     tensors = {name: owner[layer_of(name)]["tensors"].get(name) for name in module.state_dict()}
+    copy = _tied_copy_source(module, states, owner, tensors)
     absent = [n for n, t in tensors.items() if t is None]
     if absent:
         raise SliceStateError(f"saved slices lack {absent}")
@@ -132,6 +156,8 @@ def load_slice(module: StageModule, sources: Sequence[Mapping[str, Any] | Path |
         params = dict(module.named_parameters())
         for name, p in params.items():
             saved = owner[layer_of(name)]["optimizer"].get(name)
+            if saved is None and copy is not None and name == copy[0]:
+                saved = copy[1]["optimizer"].get(TIED_SOURCE)
             if saved is None:
                 raise SliceStateError(f"no optimizer state saved for {name}; save with the optimizer, or load "
                                       "without one to start it afresh")

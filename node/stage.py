@@ -371,8 +371,11 @@ class PipelineStage:
         grad_norm = None
         if cfg.max_grad_norm is not None or scaler is not None:
             # with ZeRO: the owned shards' squares summed over the replicas, the stage's whole norm
+            # a tied head's copy of the embedding weight counts once: on the embedding's stage (`atoll.node.tied`)
+            copy = getattr(self.module, "tied_copy", None)
+            counted = [p for p in params if p is not copy]
             local = zero.squared_norm() if zero is not None else \
-                self.tp.squared_norm(params) if self.tp is not None else _squared_norm(params)
+                self.tp.squared_norm(counted) if self.tp is not None else _squared_norm(counted)
             if scaler is not None:  # +inf from an overflowed stage makes the pipeline's total non-finite
                 local = overflow_contribution(local)
             w0 = time.perf_counter()

@@ -138,7 +138,7 @@ def test_atoll_plan_reads_a_hugging_face_config(tmp_path: Path) -> None:
     assert load_model("Qwen2.5-0.5B").total_params == 494_032_768  # the published count
 
 
-def test_the_planner_keeps_a_tied_head_with_the_embedding() -> None:
+def test_the_planner_plans_tied_and_untied_heads() -> None:
     from atoll.coordinator.planner.cluster import load_cluster
     from atoll.coordinator.planner.options import TrainSpec
     from atoll.coordinator.planner.planjob import search_plan
@@ -147,7 +147,9 @@ def test_the_planner_keeps_a_tied_head_with_the_embedding() -> None:
     train = TrainSpec(global_batch=256, seq_len=1024)
     tied = preset("llama-3.2-1b")
     plan = search_plan(ModelSpec.from_config(replace(tied, seq_len=1024)), cluster, train).plan
-    assert all(len(p.stages) == 1 for p in plan.pipelines)
+    # a tied head may be cut from its embedding (tests/test_tied_pipeline.py); its pipelines are all cut or all whole
+    cuts = {len(p.stages) > 1 for p in plan.pipelines}
+    assert len(cuts) == 1
     untied = search_plan(ModelSpec.from_config(replace(tied, seq_len=1024, tied_head=False, n_layers=64)), cluster,
                          train).plan
     assert any(len(p.stages) > 1 for p in untied.pipelines)  # an untied (and deeper) one is cut

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from atoll.coordinator.planner.cluster import Cluster, Island
 from atoll.coordinator.planner.costmodel import WINDOW_TOLERANCE, CostModel, window_depth
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
+from atoll.coordinator.planner.tied import tied_sync_seconds
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
                                                  step_lower_bound)
 
@@ -502,6 +503,10 @@ class Composer:
             sync = cm.grad_sync_seconds(params, isl, c.dp, c.tp)
             opt = cm.optimizer_seconds(isl, params, c.zero, c.dp, c.tp)
             stages.append(StageChoice(island=isl, start=a, end=e, cost=c, sync_s=sync, optimizer_s=opt, in_flight=x))
+        if len(stages) > 1 and cm.model.config.tied_head:  # the tied weight's copies sum their gradients
+            tied = tied_sync_seconds(cm, self.cluster, stages[0].island, stages[-1].island)
+            for k in (0, -1):
+                stages[k] = replace(stages[k], sync_s=stages[k].sync_s + tied)
         cycle = max(st.cost.time_s for st in stages)
         links: list[LinkChoice] = []
         for n, ((i, _, e, _), (j, _, _, _), x, y) in enumerate(zip(placed, placed[1:], extras, extras[1:])):

@@ -15,6 +15,7 @@ from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.coordinator.planner.multipipe import SEVERAL_PIPELINES_MIN_GAIN, MultiCandidate, several_pipelines
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
+from atoll.coordinator.planner.tied import mixes_cuts
 from atoll.modelspec import ModelSpec
 from atoll.coordinator.planner.unused import explain_unused
 from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
@@ -98,10 +99,9 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
                  parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
-    if model.config.tied_head and options.max_stages > 1:
-        # a tied head shares the embedding's weight, and the runtime keeps the two on one stage: pipelines of one
-        # stage each (untie the head, model.tied_head = false, to let the planner cut the model)
-        options = replace(options, max_stages=1)
+    if model.config.tied_head and options.max_tp > 1:
+        # the runtime does not shard the stages holding the tied weight's copies (atoll.node.tied): tp = 1
+        options = replace(options, max_tp=1)
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
@@ -157,6 +157,8 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     for gr in groups:
         got = several_pipelines(cm, cluster, gr, parallelizer, beat_s=single / SEVERAL_PIPELINES_MIN_GAIN,
                                 refine_below_s=1.1 * single)
+        if got is not None and model.config.tied_head and mixes_cuts([len(p.stages) for p in got.pipelines]):
+            continue  # a tied head: every pipeline cut, or every one whole (coordinator.planner.tied)
         if got is not None and (multi is None or got.step_s < multi.step_s):
             multi = got
     # one pipeline unless several are measurably faster (multipipe.SEVERAL_PIPELINES_MIN_GAIN)
