@@ -129,8 +129,14 @@ class JobAuthority:
 
     def server_tls(self, token: str, server: TlsIdentity | None = None) -> MutualTls:
         """Server credentials: `server` (default: the CA-signed one) and client certificates required, signed by
-        the job CA (nodes) or by the token's bootstrap CA (joining nodes, `atoll status`)."""
-        return MutualTls(roots_pem=self.ca.cert_pem, identity=server or self.server,
+        the job CA (nodes) or by the token's bootstrap CA (joining nodes, `atoll status`). The CA-signed one is
+        presented with the CA after it, so a node given only the CA's fingerprint (`--ca-hash`) can take the CA
+        from the handshake and check it."""
+        if server is None:
+            server = self.server
+            if self.ca.cert_pem not in server.cert_pem:
+                server = TlsIdentity(server.key_pem, server.cert_pem + self.ca.cert_pem)
+        return MutualTls(roots_pem=self.ca.cert_pem, identity=server,
                          client_roots_pem=self.ca.cert_pem + bootstrap_ca(token).cert_pem)
 
     def caller(self, cert_pem: bytes | None) -> Caller:

@@ -299,10 +299,10 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         host, port = service.address.rsplit(":", 1)
         dial = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
         if service.authority is not None:
-            log.info("job CA %s (%s); nodes verify the coordinator and each other with a copy of it. Start nodes "
-                     "with: atoll node --coordinator %s:%s --token-file <copy of the token> --tls-ca <copy of %s> "
-                     "(token from %s)", service.authority.ca_path, service.authority.fingerprint, dial, port,
-                     service.authority.ca_path, origin)
+            log.info("job CA %s (%s); nodes verify the coordinator and each other with it. Start nodes with: "
+                     "atoll node --coordinator %s:%s --token-file <copy of the token> --ca-hash %s (or --tls-ca "
+                     "<copy of %s>; token from %s)", service.authority.ca_path, service.authority.fingerprint, dial,
+                     port, service.authority.fingerprint, service.authority.ca_path, origin)
         else:
             log.info("job token from %s; start nodes with: atoll node --coordinator %s:%s --token-file <file holding "
                      "the token> --insecure", origin, dial, port)

@@ -489,7 +489,7 @@ class NodeAgent:
             try:
                 result = probe_peer(target.address, nbytes=target.probe_bytes, token=self.config.token,
                                     rpc=self.peer_rpc, timeout=self.config.probe_timeout,
-                                    sender=self.node_id)
+                                    sender=self.node_id, node=target.node_id)
                 link = result.measurement(src=self.node_id, dst=target.node_id)
                 log.info("probed %s: %.1f MB/s, rtt %.2f ms", target.node_id, link.bandwidth_bytes_per_s / 1e6,
                          link.rtt_seconds * 1e3)
@@ -754,6 +754,7 @@ class NodeAgent:
                 t.join(timeout=5)
         if left and self.peer is not None and self.peer.state is not None:
             # a graceful leave hands the live state over: the next plan's nodes may fetch it from here
+            self.peer.state_access.hand_over()
             outcome = self.peer.state.wait_handed_over(most=self.config.handover, idle=timedelta(seconds=5))
             log.info("leaving: %s", outcome)
         if self.peer is not None:
@@ -789,6 +790,12 @@ def run_node_cli(args: argparse.Namespace) -> int:
         log.warning("INSECURE: --insecure talks plaintext gRPC to the coordinator and to peers: anyone on the network "
                     "reads the job token and every tensor. Use it only in a closed lab, with a coordinator that runs "
                     "--insecure too")
+    elif getattr(args, "ca_hash", None):
+        from atoll.node.ca_hash import fetch_ca
+
+        tls_ca = fetch_ca(args.coordinator, token=token, ca_hash=args.ca_hash)
+        log.info("verifying the coordinator and peers with the job CA it presented, which matches --ca-hash %s",
+                 fingerprint(cert_from_pem(tls_ca, "the fetched job CA")))
     else:
         ca_path = find_ca(args.tls_ca, args.token_file)
         tls_ca = ca_path.read_bytes()

@@ -23,6 +23,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "certificate; locked while the node runs, so each node on a machine needs its own")
     p.add_argument("--tls-ca", help="the job CA: a copy of the coordinator's STATE_DIR/ca.pem (default: ca.pem beside "
                    "--token-file). The coordinator and every peer are verified with it")
+    p.add_argument("--ca-hash", help="instead of --tls-ca: the job CA's fingerprint (sha256:..., printed in the join "
+                   "command of `atoll coordinator`); the node takes the CA from the coordinator and checks it")
     p.add_argument("--insecure", action="store_true",
                    help="closed labs only: plaintext gRPC to a coordinator that runs --insecure")
     p.add_argument("--region", help="site label of this machine (a lab, a datacenter, a cloud region); islands never "

@@ -27,7 +27,7 @@ from atoll.compression import CodecSpec, PolicyConfig
 from atoll.node.mailbox import Mailbox, MailboxClosed, ReceiveSpec
 from atoll.node.peer import PeerServer
 from atoll.node.peer_link import PeerLink
-from atoll.node.reverse import DialerConfig, ReverseDialer
+from atoll.node.reverse import RELAY_TARGET, DialerConfig, ReverseDialer
 from atoll.node.transport import Direction, TensorKey, Transport, TransportError
 from atoll.rpc import RpcOptions
 from atoll.serde import codec_id
@@ -282,7 +282,7 @@ class GrpcTransport(Transport):
                 if r.peer.route == "dial":
                     targets[r.peer.node_id] = r.peer.address
                 elif r.peer.route == "relay":
-                    targets[f"relay {r.peer.relay}"] = r.peer.relay
+                    targets[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay
                 else:
                     raise ValueError(f"{r.peer.node_id} and this node both accept no connections; the plan must "
                                      f"name a relay for their link")

@@ -150,7 +150,7 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
 
         try:
             reply = held_state(address, job_id=plan.job_id, epoch=plan.epoch, sender=node_id, token=token, rpc=rpc,
-                               timeout=timeout)
+                               timeout=timeout, node=node)
         except grpc.RpcError as e:
             log.info("node %s did not say which state it holds (%s: %s); leaving it out", node, e.code().name,
                      e.details())

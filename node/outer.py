@@ -43,6 +43,7 @@ from atoll.compression import ChunkAssembler, CodecSpec, EncodedTensor, ErrorFee
 from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -185,9 +186,11 @@ class OuterOutbox:
 
 
 def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | None, rpc: RpcOptions,
-                timeout: timedelta, latency: timedelta = timedelta(0)) -> tuple[dict[str, torch.Tensor], int, int]:
-    """The tensors a peer serves for `request`: ({name: tensor}, the round they belong to, wire bytes)."""
-    channel = make_channel(address, rpc, token=token)
+                timeout: timedelta, latency: timedelta = timedelta(0),
+                node: str | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+    """The tensors a peer serves for `request`: ({name: tensor}, the round they belong to, wire bytes).
+    With mutual TLS and `node`, the server's certificate must be that node's."""
+    channel = make_channel(address, rpc, token=token, server_name=node_dns_name(node) if node else None)
     try:
         stream = pb_grpc.PeerStub(channel).FetchOuter(request, timeout=timeout.total_seconds())
         if latency > timedelta(0):
@@ -497,7 +500,8 @@ class OuterSync:
         while True:
             try:
                 tensors, _, nbytes = fetch_outer(address, request, token=self.cfg.token, rpc=self.cfg.rpc,
-                                                 timeout=self.cfg.deadline, latency=self.cfg.latency_to(node))
+                                                 timeout=self.cfg.deadline, latency=self.cfg.latency_to(node),
+                                                 node=node)
                 return tensors, nbytes
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
@@ -569,7 +573,8 @@ class OuterSync:
                     wanted = [f"anchor/{n}" for n in names]
                     tensors, r, _ = fetch_outer(self.plan.node_addresses[node], pb.OuterFetchRequest(
                         job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state", names=wanted,
-                        sender=self.cfg.node_id), token=self.cfg.token, rpc=self.cfg.rpc, timeout=self.cfg.deadline)
+                        sender=self.cfg.node_id), token=self.cfg.token, rpc=self.cfg.rpc, timeout=self.cfg.deadline,
+                        node=node)
                     if round_ is not None and r != round_:
                         raise OuterSyncError(f"group {g}'s nodes hold outer state of rounds {round_} and {r}; "
                                              f"retry once it lands")

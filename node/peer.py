@@ -27,7 +27,7 @@ from atoll.node.probe import ProbeError, ProbeResult, ProbeTooLarge, probe_peer,
 from atoll.node.replication import take_copy
 from atoll.node.state_transfer import StateHolder, StateTransferError
 from atoll.node.reverse import RELAY_METADATA_KEY, ReverseRegistry, TunnelError, relay_transfer
-from atoll.node.peer_authz import Forbidden, PlanMembers, caller_id, check_dialer, check_sender
+from atoll.node.peer_authz import Forbidden, PlanMembers, StateAccess, caller_id, check_dialer, check_sender
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, ServerHandle, make_server, peer_certificate, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
@@ -87,6 +87,15 @@ class _PeerServicer(pb_grpc.PeerServicer):
             return caller_id(peer_certificate(context))
         except Forbidden as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
+    def _check_state(self, context: grpc.ServicerContext, check: str, request, remaining: float) -> None:
+        """With mutual TLS, the `StateAccess` rule `check` for the caller's certificate (PERMISSION_DENIED)."""
+        caller = self._caller(context)
+        if caller is not None:
+            try:
+                getattr(self._owner.state_access, check)(caller, request, wait=min(3.0, 0.3 * remaining))
+            except Forbidden as e:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
     def Transfer(self, request_iterator, context):
         remaining = self._admit(context, "Transfer")
@@ -166,7 +175,8 @@ class _PeerServicer(pb_grpc.PeerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def FetchState(self, request, context):
-        self._admit(context, "FetchState")
+        remaining = self._admit(context, "FetchState")
+        self._check_state(context, "check_fetch", request, remaining)
         holder = self._owner.state
         if holder is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self._owner.node_id} serves no state yet; retry")
@@ -180,6 +190,7 @@ class _PeerServicer(pb_grpc.PeerServicer):
 
     def HeldState(self, request, context):
         remaining = self._admit(context, "HeldState")
+        self._check_state(context, "check_held", request, remaining)
         holder = self._owner.state
         if holder is None:
             return pb.HeldStateReply(holds=False, node_id=self._owner.node_id)
@@ -190,6 +201,7 @@ class _PeerServicer(pb_grpc.PeerServicer):
 
     def Replicate(self, request, context):
         remaining = self._admit(context, "Replicate")
+        self._check_state(context, "check_replicate", request, remaining)
         holder = self._owner.state
         try:
             return take_copy(request, checkpoint_dir=holder.checkpoint_dir if holder is not None else None,
@@ -268,6 +280,8 @@ class PeerServer:
         """Connect streams open to this server (from nodes that accept no connections)."""
         self.plan_members = PlanMembers()
         """Members of the plans this node followed last (`note_plan`): who may fetch its outer state."""
+        self.state_access = StateAccess()
+        """Who may ask for its stage state or push it copies (`note_plan`; `grant` before each Replicate)."""
         servicer = _PeerServicer(self)
         self._handle: ServerHandle | None = None
         if listen is None:
@@ -297,6 +311,7 @@ class PeerServer:
     def note_plan(self, plan: Plan) -> None:
         """A plan this node follows: its members may fetch outer state here."""
         self.plan_members.note(plan)
+        self.state_access.note(plan)
 
     def attach(self, receiver: TransferReceiver) -> None:
         """Route Transfer calls to `receiver` (the running stage's mailbox), replacing any earlier one."""

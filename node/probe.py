@@ -15,6 +15,7 @@ from datetime import timedelta
 import grpc
 
 from atoll.rpc import RpcOptions, make_channel, wait_ready
+from atoll.tls import node_dns_name
 from atoll.types import LinkMeasurement
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
@@ -82,8 +83,10 @@ def _payload(nbytes: int, chunk_bytes: int, sender: str) -> Iterator[pb.ProbeChu
 
 
 def probe_peer(address: str, *, nbytes: int, token: str | None, rpc: RpcOptions | None = None,
-               timeout: timedelta, sender: str = "") -> ProbeResult:
+               timeout: timedelta, sender: str = "", node: str | None = None) -> ProbeResult:
     """Measure the link to the Peer server at `address`: RTT, then a timed transfer of `nbytes`.
+
+    With mutual TLS and `node`, the server's certificate must be that node's (not only any node's of the job).
 
     `timeout` bounds the whole probe, connecting included. Raises ProbeError on any failure.
     """
@@ -101,7 +104,7 @@ def probe_peer(address: str, *, nbytes: int, token: str | None, rpc: RpcOptions 
             raise ProbeError(f"probe of {address} ran past its timeout of {timeout.total_seconds():.1f}s")
         return remaining
 
-    channel = make_channel(address, rpc, token=token)
+    channel = make_channel(address, rpc, token=token, server_name=node_dns_name(node) if node else None)
     try:
         try:
             wait_ready(channel, timedelta(seconds=left()))

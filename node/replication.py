@@ -27,6 +27,7 @@ import grpc
 from atoll.node.state_transfer import FetchStats, StateTransferError, checkpoint_file, fetch_state_to_file
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -97,8 +98,11 @@ class Replicator:
     """
 
     def __init__(self, *, node_id: str, address: str, job_id: str, token: str | None, rpc: RpcOptions,
-                 report: Callable[[CopyMade], None], timeout: timedelta = timedelta(minutes=2)):
+                 report: Callable[[CopyMade], None], timeout: timedelta = timedelta(minutes=2),
+                 grant: Callable[[str, int, tuple[int, int]], None] | None = None):
         self.node_id, self.address, self.job_id = node_id, address, job_id
+        self.grant = grant
+        """`StateAccess.grant` of this node's Peer server: lets each target fetch the file it is asked to copy."""
         self.token, self.rpc, self.report, self.timeout = token, rpc, report, timeout
         self._queue: queue.Queue[tuple[Plan, int, tuple[int, int], int] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="atoll-replicator", daemon=True)
@@ -132,7 +136,9 @@ class Replicator:
                     log.error("copy of the checkpoint of step %d on %s not reported: %s", step, target, e)
 
     def copy_to(self, target: str, address: str, epoch: int, step: int, layers: tuple[int, int]) -> CopyMade:
-        channel = make_channel(address, self.rpc, token=self.token)
+        if self.grant is not None:  # the target may now fetch this file from this node's Peer server
+            self.grant(target, step, layers)
+        channel = make_channel(address, self.rpc, token=self.token, server_name=node_dns_name(target))
         try:
             reply = pb_grpc.PeerStub(channel).Replicate(pb.ReplicateRequest(
                 job_id=self.job_id, step=step, layer_start=layers[0], layer_end=layers[1], source=self.node_id,

@@ -33,9 +33,11 @@ import grpc
 
 from atoll.compression.wire import parse_chunk
 from atoll.node.mailbox import InvalidTransfer, NotReady, ReceiverBusy, TransferReceiver, UnexpectedTransfer
+from atoll.node.peer_authz import Forbidden, check_tunnelled
 from atoll.node.probe import ProbeTooLarge, receive_probe
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ RELAY_METADATA_KEY = "atoll-relay-to"
 """Header of a Transfer call a relay should forward: the node id of the receiver."""
 TUNNELLED = ("Transfer", "Probe")
 """The calls a Connect stream carries."""
+RELAY_TARGET = "relay "
+"""How a `ReverseDialer` target that is a relay is named (`relay HOST:PORT`); other targets are node ids."""
 
 
 class TunnelError(grpc.RpcError):
@@ -259,19 +263,25 @@ def peer_ref(plan: Plan, peer: str, me: str, listening: bool, added_latency: tim
 
 _STATUS = ((InvalidTransfer, grpc.StatusCode.INVALID_ARGUMENT), (UnexpectedTransfer, grpc.StatusCode.FAILED_PRECONDITION),
            (ReceiverBusy, grpc.StatusCode.RESOURCE_EXHAUSTED), (NotReady, grpc.StatusCode.UNAVAILABLE),
-           (ProbeTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED), (TunnelError, grpc.StatusCode.CANCELLED))
+           (ProbeTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED), (TunnelError, grpc.StatusCode.CANCELLED),
+           (Forbidden, grpc.StatusCode.PERMISSION_DENIED))
 
 
 def serve_call(method: str, messages: Iterator[bytes], *, node_id: str, peer: str, timeout: float,
-               receiver: TransferReceiver | None, max_probe_bytes: int) -> pb.ConnectFrame:
-    """Run one tunnelled call on the dialing node and return its answer frame (call number left to set)."""
+               receiver: TransferReceiver | None, max_probe_bytes: int,
+               check: Callable[[Iterator, object], Iterator] | None = None) -> pb.ConnectFrame:
+    """Run one tunnelled call on the dialing node and return its answer frame (call number left to set).
+    `check(chunks, receiver)` vets a Transfer's chunks as they come (`peer_authz.check_tunnelled`)."""
     try:
         if method == "Transfer":
             if receiver is None:
                 return pb.ConnectFrame(reply=True, code=grpc.StatusCode.UNAVAILABLE.value[0],
                                        details=f"node {node_id} runs no stage yet; retry once it has the plan")
             wait = timeout - min(0.5, 0.1 * timeout)
-            ack = receiver.receive((parse_chunk(m) for m in messages), peer=peer, deadline_seconds=wait)
+            chunks = (parse_chunk(m) for m in messages)
+            if check is not None:
+                chunks = check(chunks, receiver)
+            ack = receiver.receive(chunks, peer=peer, deadline_seconds=wait)
             return pb.ConnectFrame(reply=True, message=ack.SerializeToString())
         if method == "Probe":
             reply = receive_probe((pb.ProbeChunk.FromString(m) for m in messages), node_id=node_id,
@@ -357,7 +367,9 @@ class ReverseDialer:
     def _keep(self, target: str, address: str) -> None:
         """Open streams to `target` one after another, each for `stream_lifetime`, until closed."""
         cfg = self.config
-        channel = make_channel(address, cfg.rpc, token=cfg.token)
+        # a neighbour dialled by id must hold its own certificate: the calls made over the stream are its
+        channel = make_channel(address, cfg.rpc, token=cfg.token,
+                               server_name=None if target.startswith(RELAY_TARGET) else node_dns_name(target))
         connect = channel.stream_stream("/atoll.v1.Peer/Connect", request_serializer=pb.ConnectFrame.SerializeToString,
                                         response_deserializer=pb.ConnectFrame.FromString)
         wait = cfg.retry[0].total_seconds()
@@ -440,9 +452,15 @@ class ReverseDialer:
             done.set()
 
     def _serve(self, first: pb.ConnectFrame, incoming: _Incoming, out: queue.SimpleQueue, target: str) -> None:
+        check = None
+        if self.config.rpc.mtls is not None:  # the far end is `target` (its certificate), or a relay that vetted
+            dialled = None if target.startswith(RELAY_TARGET) else target  # the sender's certificate itself
+
+            def check(chunks: Iterator, receiver: object) -> Iterator:
+                return check_tunnelled(chunks, dialled, receiver)
         answer = serve_call(first.method, iter(incoming), node_id=self.config.node_id, peer=f"connect:{target}",
                             timeout=first.timeout_seconds or 60.0, receiver=self._receiver(),
-                            max_probe_bytes=self.config.max_probe_bytes)
+                            max_probe_bytes=self.config.max_probe_bytes, check=check)
         answer.call = first.call
         out.put(answer)
 

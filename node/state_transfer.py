@@ -33,6 +33,7 @@ from zlib_ng.zlib_ng import crc32
 from atoll.node.checkpoint import step_dir
 from atoll.node.slice_state import FORMAT, SliceStateError
 from atoll.rpc import RpcOptions, make_channel
+from atoll.tls import node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -281,7 +282,7 @@ def _fetch(address: str, request: pb.StateFetchRequest, sink: _Sink, *, source: 
     started, received = time.monotonic(), 0
     total = checksum = None
     last: Exception | None = None
-    channel = make_channel(address, rpc, token=token)
+    channel = make_channel(address, rpc, token=token, server_name=node_dns_name(source))  # the holder's own certificate
     try:
         stub = pb_grpc.PeerStub(channel)
         for attempt in range(1, attempts + 1):
@@ -365,9 +366,11 @@ def fetch_state_to_file(address: str, request: pb.StateFetchRequest, dest: Path,
 
 
 def held_state(address: str, *, job_id: str, epoch: int, sender: str, token: str | None,
-               rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=30)) -> pb.HeldStateReply:
-    """Ask a node which live state it holds (it answers once its runs of plans before `epoch` ended)."""
-    channel = make_channel(address, rpc or RpcOptions(), token=token)
+               rpc: RpcOptions | None = None, timeout: timedelta = timedelta(seconds=30),
+               node: str | None = None) -> pb.HeldStateReply:
+    """Ask a node which live state it holds (it answers once its runs of plans before `epoch` ended). With
+    mutual TLS and `node`, the server's certificate must be that node's."""
+    channel = make_channel(address, rpc or RpcOptions(), token=token, server_name=node_dns_name(node) if node else None)
     try:
         return pb_grpc.PeerStub(channel).HeldState(
             pb.HeldStateRequest(job_id=job_id, plan_epoch=epoch, sender=sender), timeout=timeout.total_seconds())

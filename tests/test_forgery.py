@@ -27,10 +27,14 @@ from atoll.node.credentials import NodeCredentials
 from atoll.node.identity import StateDirLock
 from atoll.node.mailbox import Mailbox, ReceiveSpec
 from atoll.node.peer import PeerServer
-from atoll.node.reverse import RELAY_METADATA_KEY
+from atoll.node.ca_hash import CaHashError, fetch_ca, parse_ca_hash
+from atoll.node.outer import fetch_outer
+from atoll.node.probe import ProbeError, probe_peer
+from atoll.node.reverse import RELAY_METADATA_KEY, RELAY_TARGET, DialerConfig, ReverseDialer, TunnelError, chunk_to_bytes
+from atoll.node.state_transfer import StateHolder, checkpoint_file, held_state
 from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.rpc import RpcOptions, make_channel
-from atoll.tls import bootstrap_rpc, make_csr, new_key, node_dns_name
+from atoll.tls import CertificateAuthority, bootstrap_rpc, cert_from_pem, fingerprint, make_csr, new_key, node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -300,3 +304,208 @@ def test_a_neighbour_dialled_by_name_must_hold_its_own_certificate(world: dict, 
         send("forger")  # s1's server is not the forger's
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert send("s1").tensors == 1
+
+
+# --- stage state, reverse streams, named servers and the CA hash ------------------------------------------
+
+
+@contextmanager
+def _server_of(who: Enrolled, plan: Plan, checkpoint_dir: Path) -> Iterator[PeerServer]:
+    """A node's Peer server that follows `plan` and keeps its checkpoints in `checkpoint_dir`."""
+    server = PeerServer(node_id=who.node_id, listen="127.0.0.1:0", token=TOKEN,
+                        rpc=who.credentials.peer_rpc(RpcOptions()))
+    server.state = StateHolder(node_id=who.node_id, checkpoint_dir=checkpoint_dir)
+    server.note_plan(plan)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _peer(who: Enrolled, address: str, server: str | None = None) -> tuple[grpc.Channel, pb_grpc.PeerStub]:
+    channel = make_channel(address, who.credentials.peer_rpc(RpcOptions()),
+                           server_name=node_dns_name(server) if server else None)
+    return channel, pb_grpc.PeerStub(channel)
+
+
+def _fetch_state(who: Enrolled, address: str, sender: str, step: int, layers: tuple[int, int]) -> bytes:
+    channel, stub = _peer(who, address)
+    try:
+        return b"".join(c.data for c in stub.FetchState(pb.StateFetchRequest(
+            job_id="j", kind="checkpoint", step=step, layer_start=layers[0], layer_end=layers[1], sender=sender),
+            timeout=10))
+    finally:
+        channel.close()
+
+
+def test_stage_state_goes_only_to_plan_members_for_their_own_layers(world: dict) -> None:
+    """FetchState and HeldState: a node outside the plan gets nothing; a member gets the state of its own layers
+    (or of a file this node asked it to copy), never another stage's, and asks only as itself."""
+    nodes, plan, tmp = world["nodes"], world["plan"], world["tmp"]
+    n = world["job"].model_spec.num_layers
+    s0, forger = nodes["s0"], nodes["forger"]
+    mine = (n // 2, n)  # s1's layers
+    with _server_of(nodes["s1"], plan, tmp / "ckpt-state-s1") as s1_server:
+        path = checkpoint_file(tmp / "ckpt-state-s1", 10, mine)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"stage 1's weights")
+        assert "none of the plans" in _denied(lambda: _fetch_state(forger, s1_server.address, "forger", 10, mine))
+        assert "fetches only the state of its own layers" in _denied(
+            lambda: _fetch_state(s0, s1_server.address, "s0", 10, mine))
+        assert "certificate is node forger's" in _denied(lambda: _fetch_state(forger, s1_server.address, "s0", 10,
+                                                                             (0, n // 2)))
+        # a file this node asked s0 to copy (the writer grants it before its Replicate call)
+        s1_server.state_access.grant("s0", 10, mine)
+        assert _fetch_state(s0, s1_server.address, "s0", 10, mine) == b"stage 1's weights"
+        # s0's own layers: allowed (it holds none here: NOT_FOUND, not PERMISSION_DENIED)
+        with pytest.raises(grpc.RpcError) as info:
+            _fetch_state(s0, s1_server.address, "s0", 10, (0, n // 2))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+        def held(who: Enrolled, sender: str) -> pb.HeldStateReply:
+            channel, stub = _peer(who, s1_server.address)
+            try:
+                return stub.HeldState(pb.HeldStateRequest(job_id="j", plan_epoch=plan.epoch, sender=sender),
+                                      timeout=10)
+            finally:
+                channel.close()
+
+        assert "none of the plans" in _denied(lambda: held(forger, "forger"))
+        assert "certificate is node forger's" in _denied(lambda: held(forger, "s0"))
+        assert held(s0, "s0").node_id == "s1"
+
+
+def test_replicate_is_taken_only_from_the_writer_of_its_own_layers(world: dict) -> None:
+    """Replicate: only the writer (its certificate) asks for copies, only of its own stage's layers, and the
+    copy is fetched only from a server holding the writer's own certificate (not from an address a forger
+    names)."""
+    nodes, plan, tmp = world["nodes"], world["plan"], world["tmp"]
+    n = world["job"].model_spec.num_layers
+    s0, forger = nodes["s0"], nodes["forger"]
+    layers = (0, n // 2)
+    with _server_of(s0, plan, tmp / "ckpt-rep-s0") as s0_server, \
+            _server_of(nodes["s1"], plan, tmp / "ckpt-rep-s1") as s1_server, \
+            _server_of(forger, plan, tmp / "ckpt-rep-forger") as forger_server:
+        for root, data in ((tmp / "ckpt-rep-s0", b"real"), (tmp / "ckpt-rep-forger", b"poison")):
+            path = checkpoint_file(root, 20, layers)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        forger_server.state_access.grant("s1", 20, layers)
+
+        def replicate(who: Enrolled, source: str, source_address: str, rng: tuple[int, int]) -> pb.ReplicateReply:
+            channel, stub = _peer(who, s1_server.address, "s1")
+            try:
+                return stub.Replicate(pb.ReplicateRequest(job_id="j", step=20, layer_start=rng[0], layer_end=rng[1],
+                                                          source=source, source_address=source_address,
+                                                          plan_epoch=plan.epoch), timeout=20)
+            finally:
+                channel.close()
+
+        copy = checkpoint_file(tmp / "ckpt-rep-s1", 20, layers)
+        # the forger, as s0, pointing s1 at its own server
+        assert "only the writer" in _denied(lambda: replicate(forger, "s0", forger_server.address, layers))
+        # s0 asking for a copy of a stage it does not run
+        assert "only its own stage's" in _denied(lambda: replicate(s0, "s0", s0_server.address, (n // 2, n)))
+        # s0 itself, but with a source address where another node answers: s1 expects s0's certificate there
+        with pytest.raises(grpc.RpcError) as info:
+            replicate(s0, "s0", forger_server.address, layers)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+        assert not copy.exists()
+        # s0 for its own layers without a grant: s1 may not fetch the file
+        with pytest.raises(grpc.RpcError) as info:
+            replicate(s0, "s0", s0_server.address, layers)
+        assert "PERMISSION_DENIED" in (info.value.details() or "")
+        # the real thing: the writer grants, asks, and s1 fetches from it
+        s0_server.state_access.grant("s1", 20, layers)
+        assert replicate(s0, "s0", s0_server.address, layers).bytes == 4
+        assert copy.read_bytes() == b"real"
+
+
+def _tunnel_send(server: PeerServer, to: str, claimed: str, epoch: int, job_id: str) -> pb.TransferAck:
+    meta = dict(job_id=job_id, plan_epoch=epoch, step=0, micro_batch=0, direction="forward", name="act",
+                sender=claimed, pipeline=0, stage=0, replica=0)
+    chunks = tensor_to_chunks(torch.ones(SHAPE), CodecSpec("identity"), meta, 1024)
+    return pb.TransferAck.FromString(server.reverse.call(to, "Transfer", (chunk_to_bytes(c) for c in chunks), 10.0))
+
+
+def test_tensors_over_a_nodes_own_connect_stream_are_checked_per_call(world: dict) -> None:
+    """A node that accepts no connections (s1 here) receives over the streams it opens: the node it dialled
+    sends only as itself, a relay only tensors of the plan's neighbours, and a server that is not the node
+    dialled gets no stream at all."""
+    nodes, plan, job, tmp = world["nodes"], world["plan"], world["job"], world["tmp"]
+    s0, s1, forger = nodes["s0"], nodes["s1"], nodes["forger"]
+    box = Mailbox(ReceiveSpec(job_id=job.id, plan_epoch=plan.epoch, pipeline=0, stage=1, upstream="s0",
+                              downstream=None, shape=SHAPE, micro_batches=4))
+    config = DialerConfig(node_id="s1", token=TOKEN, rpc=s1.credentials.peer_rpc(RpcOptions()))
+    with _server_of(s0, plan, tmp / "ckpt-rev-s0") as s0_server, \
+            _server_of(forger, plan, tmp / "ckpt-rev-forger") as forger_server:
+        # s1 dials s0 by name, s0's address held by the forger: no stream opens
+        dialer = ReverseDialer(config, {"s0": forger_server.address}, lambda: box)
+        try:
+            assert not dialer.wait_connected(2.0)
+            assert forger_server.reverse.get("s1") is None
+        finally:
+            dialer.close()
+        dialer = ReverseDialer(config, {"s0": s0_server.address, f"{RELAY_TARGET}{forger_server.address}":
+                                        forger_server.address}, lambda: box)
+        try:
+            assert dialer.wait_connected(10.0)
+            with pytest.raises(TunnelError) as info:  # the dialled s0 claiming another sender
+                _tunnel_send(s0_server, "s1", "forger", plan.epoch, job.id)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "only as itself" in info.value.details()
+            with pytest.raises(TunnelError) as info:  # a relay forwarding a tensor of no neighbour
+                _tunnel_send(forger_server, "s1", "forger", plan.epoch, job.id)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "neither upstream nor downstream" in info.value.details()
+            assert box.stats["forward"].tensors == 0
+            assert _tunnel_send(s0_server, "s1", "s0", plan.epoch, job.id).tensors == 1
+        finally:
+            dialer.close()
+
+
+def test_probes_and_fetches_by_node_expect_that_nodes_certificate(world: dict) -> None:
+    """Probes, outer fetches and HeldState name the node they dial: another node of the job at its address is
+    not taken for it."""
+    nodes, plan, tmp = world["nodes"], world["plan"], world["tmp"]
+    s0 = nodes["s0"]
+    rpc = s0.credentials.peer_rpc(RpcOptions())
+    with _server_of(nodes["s1"], plan, tmp / "ckpt-named-s1") as s1_server:
+        with pytest.raises(ProbeError):
+            probe_peer(s1_server.address, nbytes=1024, token=None, rpc=rpc, timeout=timedelta(seconds=3),
+                       sender="s0", node="forger")
+        assert probe_peer(s1_server.address, nbytes=1024, token=None, rpc=rpc, timeout=timedelta(seconds=10),
+                          sender="s0", node="s1").node_id == "s1"
+        request = pb.OuterFetchRequest(sender="s0", kind="delta")
+        with pytest.raises(grpc.RpcError) as info:
+            fetch_outer(s1_server.address, request, token=None, rpc=rpc, timeout=timedelta(seconds=3), node="forger")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as info:
+            held_state(s1_server.address, job_id="j", epoch=plan.epoch, sender="s0", token=None, rpc=rpc,
+                       timeout=timedelta(seconds=3), node="forger")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert held_state(s1_server.address, job_id="j", epoch=plan.epoch, sender="s0", token=None, rpc=rpc,
+                          timeout=timedelta(seconds=10), node="s1").node_id == "s1"
+
+
+def test_a_node_joins_with_the_ca_hash_alone(world: dict) -> None:
+    """`--ca-hash`: the CA the coordinator presents is kept only when its fingerprint is the one given."""
+    svc, ca_pem = world["svc"], world["ca_pem"]
+    good = fingerprint(cert_from_pem(ca_pem, "ca"))
+    assert fetch_ca(svc.address, token=TOKEN, ca_hash=good) == ca_pem
+    assert fetch_ca(svc.address, token=TOKEN, ca_hash=good.upper().replace("SHA256:", "sha256:")) == ca_pem
+    other = fingerprint(CertificateAuthority.create().cert)  # a CA someone in between would present
+    with pytest.raises(CaHashError, match="presents no CA with fingerprint"):
+        fetch_ca(svc.address, token=TOKEN, ca_hash=other)
+    with pytest.raises(CaHashError, match="not sha256"):
+        parse_ca_hash("md5:abc")
+    # the node command: no ca.pem anywhere near, a wrong hash is one clear line
+    folder = world["tmp"] / "hash-only"
+    folder.mkdir()
+    (folder / "token").write_text(TOKEN + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "atoll", "node", "--coordinator", svc.address, "--token-file", str(folder / "token"),
+         "--state-dir", str(folder / "state"), "--ca-hash", other],
+        capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if " I " not in ln[:12] and ln.strip()]
+    assert len(errors) == 1 and "presents no CA with fingerprint" in errors[0], proc.stderr
