@@ -110,8 +110,8 @@ def _tied_copy_source(module: StageModule, states: Sequence[Mapping[str, Any]], 
     name = next(n for n, p in module.named_parameters() if p is copy)
     if tensors.get(name) is not None:
         return None
-    for st in states:
-        if st["start"] == 0 and TIED_SOURCE in st["tensors"]:
+    for st in states:  # a slice that held layer 0 (a live state narrowed to other layers still carries it)
+        if TIED_SOURCE in st["tensors"]:
             tensors[name] = st["tensors"][TIED_SOURCE]
             return name, st
     raise SliceStateError(f"the saved slices lack {name} (the tied head's copy of the embedding weight) and hold no "

@@ -252,3 +252,22 @@ def test_tied_copies_with_unequal_widths_match_transformers(tmp_path: Path) -> N
         assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
     _, tensors, _ = read_checkpoint(tmp_path / "ckpt", STEPS)
     assert torch.equal(tensors["layers.0.tok.weight"], tensors[f"layers.{total - 1}.lm.weight"])
+
+
+def test_a_live_state_of_one_stage_gives_the_head_stage_its_copy() -> None:
+    """A plan that cuts a model another plan kept whole: the head's stage reads its layers from the whole
+    stage's live state, narrowed to its own layers, which still carries the embedding's weight."""
+    from atoll.node.live_state import slice_part
+    from atoll.node.slice_state import load_slice, slice_state
+
+    config = config_from_hf(TIED["llama"])
+    total = config.n_layers + 2
+    whole = build_slice(config, 0, total, seed=1)
+    opt = build_optimizer(whole, StageConfig(micro_batches=1))
+    whole(torch.randint(0, 256, (2, 8))).sum().backward()
+    opt.step()
+    head = build_slice(config, 4, total, seed=7)
+    head_opt = build_optimizer(head, StageConfig(micro_batches=1))
+    load_slice(head, [slice_part(slice_state(whole, opt), (4, total))], head_opt)
+    assert torch.equal(head.tied_copy, whole.layers["0"].tok.weight)
+    assert torch.equal(head_opt.state[head.tied_copy]["exp_avg_sq"], opt.state[whole.layers["0"].tok.weight]["exp_avg_sq"])
