@@ -159,8 +159,9 @@ class StateAccess:
 
     A node may hear of a new plan a moment after its members call it, so a check that fails waits (at most
     the `wait` it is given) for a newer plan before it refuses. A node that left the job (`hand_over`) hears
-    of no more plans, while the next plan's nodes, whose layers it cannot know, fetch its live state: it then
-    serves its live state to any member of the plans it followed.
+    of no more plans, while the next plan's nodes (idle ones and new joiners among them), whose names and
+    layers it cannot know, ask for its live state: it then answers HeldState and serves its live state to any
+    node of the job (TLS has checked the certificate); its checkpoint files stay under the rules.
     """
 
     def __init__(self) -> None:
@@ -232,7 +233,7 @@ class StateAccess:
         if sender != caller:
             raise Forbidden(f"HeldState: the caller's certificate is node {caller}'s, but the request names "
                             f"{sender[:80]!r}")
-        self._await(wait, lambda: self._member(caller, "HeldState"))
+        self._await(wait, lambda: None if self._handing_over else self._member(caller, "HeldState"))
 
     def check_fetch(self, caller: str, request: object, wait: float) -> None:
         sender = request.sender  # type: ignore[attr-defined]
@@ -246,11 +247,11 @@ class StateAccess:
             until = self._grants.get((caller, step, layers))
             if kind == "checkpoint" and until is not None and until > time.monotonic():
                 return None  # a copy this node asked it to take
+            if kind == "live" and self._handing_over:
+                return None
             not_member = self._member(caller, "FetchState")
             if not_member is not None:
                 return not_member
-            if kind == "live" and self._handing_over:
-                return None
             stages, copies = self._layers(caller)
             if any(_overlaps(layers, r) for r in stages | copies):
                 return None

@@ -76,16 +76,20 @@ def test_a_check_waits_for_the_plan_that_allows_it_then_refuses() -> None:
     assert time.monotonic() - started >= 0.3
 
 
-def test_a_node_that_left_hands_its_live_state_to_any_member() -> None:
-    """A node that left hears of no more plans: the next plan's nodes, on layers it cannot know, take its live
-    state; its checkpoint files stay under the layer rule."""
+def test_a_node_that_left_hands_its_live_state_to_the_next_plans_nodes() -> None:
+    """A node that left hears of no more plans: the next plan's nodes (an idle one, here x), on layers it
+    cannot know, take its live state; its checkpoint files stay under the rules."""
     access = StateAccess()
     access.note(_plan(1, 4))
     with pytest.raises(Forbidden):
         access.check_fetch("a", _fetch("a", (4, 8), kind="live"), wait=0)
+    with pytest.raises(Forbidden, match="none of the plans"):
+        access.check_held("x", pb.HeldStateRequest(job_id="j", plan_epoch=2, sender="x"), wait=0)
     access.hand_over()
     access.check_fetch("a", _fetch("a", (4, 8), kind="live"), wait=0)
+    access.check_fetch("x", _fetch("x", (4, 8), kind="live"), wait=0)
+    access.check_held("x", pb.HeldStateRequest(job_id="j", plan_epoch=2, sender="x"), wait=0)
     with pytest.raises(Forbidden):
         access.check_fetch("a", _fetch("a", (4, 8)), wait=0)
-    with pytest.raises(Forbidden, match="none of the plans"):
-        access.check_fetch("x", _fetch("x", (4, 8), kind="live"), wait=0)
+    with pytest.raises(Forbidden, match="request names 'a'"):
+        access.check_fetch("x", _fetch("a", (4, 8), kind="live"), wait=0)
