@@ -45,13 +45,14 @@ def test_initialisation_depends_on_layer_and_seed_only():
     assert not torch.equal(c.state_dict()["layers.2.qkv.weight"], b.state_dict()["layers.2.qkv.weight"])
 
 
-def test_tied_head_lives_with_the_embedding():
+def test_tied_head_uses_the_embedding_or_holds_a_copy():
     tied = replace(TINY, tied_head=True)
     m = build_slice(tied, 0, tied.n_layers + 2)
     assert m.layers[str(tied.n_layers + 1)].lm is None
     assert sum(p.numel() for p in m.parameters()) == ModelSpec.from_config(tied).total_params
-    with pytest.raises(ValueError, match="tied head"):
-        build_slice(tied, 3, tied.n_layers + 2)
+    # cut from the embedding, the head's stage holds a copy of the tied weight (atoll.node.tied), built equal
+    head = build_slice(tied, 3, tied.n_layers + 2)
+    assert head.tied_copy is not None and torch.equal(head.tied_copy, m.layers["0"].tok.weight)
 
 
 def test_slice_rejects_ranges_outside_the_model():

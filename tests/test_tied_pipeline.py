@@ -140,6 +140,35 @@ def test_the_planner_cuts_a_tied_model_and_prices_the_tied_sum() -> None:
     assert mixes_cuts([1, 2]) and not mixes_cuts([2, 3]) and not mixes_cuts([1, 1])
 
 
+
+def test_the_planner_counts_the_copy_in_memory_and_keeps_zero_off_the_copies() -> None:
+    from atoll.coordinator.planner.cluster import load_cluster
+    from atoll.coordinator.planner.costmodel import CostModel
+    from atoll.coordinator.planner.options import TrainSpec
+    from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
+    from atoll.coordinator.planner.tied import holds_tied_weight
+
+    repo = Path(__file__).resolve().parent.parent
+    island = load_cluster(repo / "examples" / "clusters" / "mixed-a100-v100.toml").islands[0]
+    train = TrainSpec(global_batch=64, seq_len=1024)
+    tied = replace(preset("llama-3.2-1b"), seq_len=1024)
+    total = tied.n_layers + 2
+    costs = {}
+    for t in (True, False):
+        cm = CostModel(ModelSpec.from_config(replace(tied, tied_head=t)), train)
+        par = DefaultParallelizer(cm)
+        head = SliceQuery(start=10, end=total, micro_batch=1, dp=4, in_flight=1)
+        costs[t] = par.evaluate(head, island, zero=0).memory_bytes, par.cost(head, island), cm
+        if t:
+            for a, e in ((0, 10), (10, total)):
+                got = par.cost(SliceQuery(start=a, end=e, micro_batch=1, dp=4, in_flight=1), island)
+                assert got is not None and got.zero == 0 and holds_tied_weight(cm.model, a, e)
+            whole = par.cost(SliceQuery(start=0, end=total, micro_batch=1, dp=4, in_flight=1), island)
+            assert whole is not None and not holds_tied_weight(cm.model, 0, total)
+    # the untied head's own weight and the tied head's copy weigh the same
+    assert costs[True][0] == pytest.approx(costs[False][0])
+
+
 # --- two stages over gRPC against transformers -----------------------------------------------------------
 
 

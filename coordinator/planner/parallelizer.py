@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atoll.coordinator.planner.cluster import Island
+from atoll.coordinator.planner.tied import holds_tied_weight, tied_copy_params
 from atoll.coordinator.planner.costmodel import CostModel, LayerTable
 
 
@@ -192,7 +193,10 @@ class DefaultParallelizer:
         a, e, k = query.start, query.end, query.in_flight
         best: IslandCost | None = None
         best_t = 0.0
+        copy = tied_copy_params(self.cm.model, a, e)  # a tied head's copy of the embedding (node/tied.py)
         for tp, dp, rows, zero, tpre, tc, states, acts, mc, _ in self._entries(island, query.dp, query.rows, False):
+            if zero > 0 and holds_tied_weight(self.cm.model, a, e):
+                continue  # the runtime trains a stage holding a copy of a tied weight with plain AdamW
             # time first (prefix sums; ZeRO 0-1 cost the same): a config that cannot beat the best needs no more,
             # and recomputation only adds time
             if best is not None and tpre[e] - tpre[a] + tc >= best_t * (1 - 1e-12):
@@ -200,12 +204,14 @@ class DefaultParallelizer:
             t = self.cm.table(island, rows, tp)
             first, last = self._blocks(a, e)
             upto: int | None = first
-            over = states[e] - states[a] + k * (acts[e] - acts[a] + self.cm.stage_output_bytes(e, rows)) + mc - cap
+            over = states[e] - states[a] + k * (acts[e] - acts[a] + self.cm.stage_output_bytes(e, rows)) + mc - cap \
+                + copy * self.cm.state_linear(zero, dp)[0]
             if over > 0:  # recompute the fewest blocks that make it fit
                 upto = self._recompute_upto(t, a, e, k, over) if self.recompute else None
                 if upto is None:
                     continue
             f, b, mem = self._eval(t, island, a, e, dp, tp, k, zero, rows, upto)
+            mem += copy * self.cm.state_linear(zero, dp)[0]
             if best is not None and f + b >= best_t * (1 - 1e-12):
                 continue
             best = IslandCost(forward_s=f, backward_s=b, memory_bytes=mem, dp=dp, zero=zero,
@@ -230,6 +236,7 @@ class DefaultParallelizer:
         upto = first + recompute_blocks
         f, b, mem = self._eval(self.cm.table(island, rows, tp), island, query.start, query.end, dp, tp,
                                query.in_flight, zero if dp > 1 else 0, rows, upto)
+        mem += tied_copy_params(self.cm.model, query.start, query.end) * self.cm.state_linear(zero if dp > 1 else 0, dp)[0]
         return IslandCost(forward_s=f, backward_s=b, memory_bytes=mem, dp=dp, zero=zero if dp > 1 else 0,
                           recompute=upto == last > first, micro_batch=rows, tp=tp,
                           recompute_layers=tuple(range(first, upto)))
@@ -269,17 +276,25 @@ class DefaultParallelizer:
         best = end
         skip = -1  # a split whose quickest configuration reached its time bound: the others cannot do better
         k = in_flight
-        for n, (tp, _, rows, _, tpre, tc, states, acts, mc, first) in enumerate(
+        # a tied model cut into stages (node/tied.py): the head's stage holds a copy of the tied weight (counted
+        # for every start, a little cautious for a = 0), and stages holding either copy run without ZeRO
+        copy = tied_copy_params(self.cm.model, 1, end)
+        tied = holds_tied_weight(self.cm.model, 0, end) or copy > 0
+        for n, (tp, _, rows, zero, tpre, tc, states, acts, mc, first) in enumerate(
                 self._entries(island, dp, batch or micro_batch * dp, True)):
             if first:
                 skip = -1
             elif skip >= 0:
                 continue
+            if tied and zero > 0 and copy > 0:
+                continue
             a_time = bisect_left(tpre, tpre[end] + tc - limit_s, 0, end)
+            if tied and zero > 0:  # [0, end) would hold the embedding's copy
+                a_time = max(a_time, 1)
             if a_time >= best:
                 continue
             # memory of [a, end) is states + k x activations, both prefix sums: the smallest a that fits
-            out = k * self.cm.stage_output_bytes(end, rows)
+            out = k * self.cm.stage_output_bytes(end, rows) + copy * self.cm.state_linear(zero, dp)[0]
             target = states[end] + k * acts[end] + out + mc - cap
             lo, hi = 0, end
             while lo < hi:

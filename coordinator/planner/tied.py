@@ -20,6 +20,18 @@ def tied_params(model) -> int:
     return c.vocab_size * c.d_model if c.tied_head else 0
 
 
+def tied_copy_params(model, start: int, end: int) -> int:
+    """Values of the tied weight's copy a stage of layers [start, end) holds besides its layers' own: vocab x
+    d_model on the head's stage of a cut model (the embedding's stage holds the weight as its own layer's)."""
+    return tied_params(model) if start > 0 and end == model.num_layers else 0
+
+
+def holds_tied_weight(model, start: int, end: int) -> bool:
+    """Whether a stage of layers [start, end) holds one of the tied weight's two copies (first or last stage of
+    a cut tied model), which the runtime trains with plain AdamW rather than ZeRO."""
+    return tied_params(model) > 0 and (start == 0) != (end == model.num_layers)
+
+
 def tied_sync_seconds(cm, cluster: Cluster, first: Island, last: Island) -> float:
     """The all-reduce of the tied weight's gradient between the first stage's island and the last's: a ring of
     two inside one island, else the pair's link carrying the gradient each way (one message of its bytes)."""
