@@ -116,3 +116,26 @@ def test_checkpoint_copies_and_their_fetch_pass_the_state_rules_over_mutual_tls(
         assert "PERMISSION_DENIED" not in "".join(cluster.log(n) for n in ("a1", "a2", "b1", "b2"))
     finally:
         cluster.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_joiner_takes_a_running_stages_live_state_over_mutual_tls(tmp_path: Path) -> None:
+    """b2 joins a running stage: b1 serves it its layers' live state once it too follows the plan naming b2."""
+    steps = 200  # a joining process starts, profiles and is probed before it is planned
+    layouts = {frozenset({"a", "b1"}): [((0, 3), ["a"]), ((3, 6), ["b1"])],
+               frozenset({"a", "b1", "b2"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"])]}
+    job = _job(2)
+    cluster = TlsCluster(job=replace(job, train=replace(job.train, steps=steps)), out=tmp_path, layouts=layouts)
+    try:
+        for n in ("a", "b1"):
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 3, 150, "step 3")
+        cluster.start_node("b2", region="lab")
+        cluster.wait(lambda: bool(cluster.resumes("b2")), 200, "b2 to resume")
+        step, how, was, back = cluster.resumes("b2")[0]
+        assert (how, back) == ("live state", 0), cluster.resumes("b2")
+        assert [src for _, src, _ in cluster.transfers("b2")] == ["b1"]
+        assert "PERMISSION_DENIED" not in "".join(cluster.log(n) for n in ("a", "b1", "b2"))
+    finally:
+        cluster.stop()
