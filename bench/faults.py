@@ -205,7 +205,6 @@ class Monitor:
         self.record = RunRecord()
         self.lock = threading.Lock()
         self._stop = threading.Event()
-        self._newest = 0.0
         self._thread = threading.Thread(target=self._run, name="fault-monitor", daemon=True)
 
     def start(self) -> "Monitor":
@@ -230,13 +229,17 @@ class Monitor:
         store = SqliteStore(self.db)
         try:
             limit = 256
-            while True:  # read back until the reports overlap what was read before
+            while True:  # read back until the oldest report read was read before (row order, not report times:
+                # the reports a node kept through a coordinator outage arrive late, stamped with their own times)
                 batch = store.recent_steps(limit=limit)
-                if len(batch) < limit or limit >= store.recent_steps_kept or batch[0].unix_time <= self._newest:
+                if (len(batch) < limit or limit >= store.recent_steps_kept
+                        or (batch[0].node_id, batch[0].plan_epoch, batch[0].step) in self.record.steps):
                     break
                 limit *= 4
             members = store.list_members()
-            plans = store.plan_history()
+            latest = store.latest_plan()  # the whole history is parsed again only when a plan was added
+            known = self.record.plans[-1][1].epoch if self.record.plans else 0
+            plans = store.plan_history() if latest is not None and latest.epoch != known else None
         finally:
             store.close()
         now = time.time()
@@ -244,7 +247,6 @@ class Monitor:
             r = self.record
             for m in batch:
                 r.steps[(m.node_id, m.plan_epoch, m.step)] = (m.unix_time, m.step, m.loss, m.plan_epoch)
-                self._newest = max(self._newest, m.unix_time)
             for m in members:
                 r.heard[m.node_id] = m.last_heartbeat_unix
                 times = r.joined.setdefault(m.node_id, [])
@@ -257,7 +259,8 @@ class Monitor:
                 else:
                     r.left_alive.pop(m.node_id, None)
                 r.member_states[m.node_id] = m.state
-            r.plans = [(p.created_unix, p.plan, p.reason) for p in plans]
+            if plans is not None:
+                r.plans = [(p.created_unix, p.plan, p.reason) for p in plans]
 
     def snapshot(self) -> RunRecord:
         with self.lock:
