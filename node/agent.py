@@ -742,6 +742,9 @@ class NodeAgent:
         if self._stream is not None:
             self._stream.cancel()
         left = False
+        if leave and self.joins and self.peer is not None and self.peer.state is not None:
+            # the run ends at its step boundary and sends its last step reports before the Leave makes them moot
+            self.peer.state.wait_idle(self.config.handover)
         if leave and self.joins:
             try:
                 self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),

@@ -183,6 +183,17 @@ class StateHolder:
             self.served_live += 1
             self._cond.notify_all()
 
+    def wait_idle(self, timeout: timedelta) -> bool:
+        """Wait until no run is active (a stopping node's run ends at its next step boundary); False on timeout."""
+        end = time.monotonic() + timeout.total_seconds()
+        with self._cond:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(0.5, left))
+            return True
+
     def forget_live(self) -> None:
         """Drop the live state (the job has finished: nobody will need it)."""
         with self._cond:
