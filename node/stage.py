@@ -33,6 +33,7 @@ from atoll.node.dataparallel import GradientAverager
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
+from atoll.node.tied import WithTiedGradients
 from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribution
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
@@ -230,6 +231,12 @@ class PipelineStage:
         if self.zero is not None and grad_averager is not None:
             raise ValueError("a ZeRO optimizer reduces the gradients over the stage's replicas itself; pass no "
                              "grad_averager with it")
+        tied = getattr(module, "tied_copy", None) is not None or getattr(module, "ties_embedding", False)
+        if tied and not isinstance(grad_averager, WithTiedGradients):
+            raise ValueError(f"stage {stage} holds a copy of a tied embedding weight (layers [{module.start}, "
+                             f"{module.end}) of a tied model cut into stages): its gradient must be summed with the "
+                             "other copy's; pass grad_averager=WithTiedGradients(...) (atoll.node.tied), or keep "
+                             "the embedding and head on one stage")
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches, extra_in_flight=config.in_flight)
         self.device = next(module.parameters()).device

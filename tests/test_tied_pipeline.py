@@ -300,3 +300,16 @@ def test_a_live_state_of_one_stage_gives_the_head_stage_its_copy() -> None:
     load_slice(head, [slice_part(slice_state(whole, opt), (4, total))], head_opt)
     assert torch.equal(head.tied_copy, whole.layers["0"].tok.weight)
     assert torch.equal(head_opt.state[head.tied_copy]["exp_avg_sq"], opt.state[whole.layers["0"].tok.weight]["exp_avg_sq"])
+
+
+def test_a_stage_holding_a_copy_refuses_to_train_without_the_sum() -> None:
+    from atoll.node.inprocess import InProcessLinks
+    from atoll.node.norm_exchange import InProcessNormGroup
+    from atoll.node.stage import PipelineStage
+
+    config = config_from_hf(TIED["gpt2"])
+    norms = InProcessNormGroup(2)
+    for s, (a, e) in enumerate(((0, 3), (3, config.n_layers + 2))):
+        with pytest.raises(ValueError, match="tied embedding weight"):
+            PipelineStage(build_slice(config, a, e), stage=s, num_stages=2, transport=InProcessLinks(2).transport(s),
+                          config=StageConfig(micro_batches=1), norm_exchange=norms.member(s))
