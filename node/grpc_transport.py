@@ -50,6 +50,9 @@ class PeerRef:
     the node at `relay`, which forwards it over the Connect stream this peer opened there)."""
     relay: str = ""
     """HOST:PORT of the relaying node (route "relay")."""
+    relay_node: str = ""
+    """Node id of the relaying node (route "relay"): the server at `relay` must hold its certificate (empty:
+    any node's of the job)."""
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -277,17 +280,19 @@ class GrpcTransport(Transport):
         server.attach(self.mailbox)
         self.dialer: ReverseDialer | None = None
         if not config.accepts_connections:
-            targets = {}
+            targets, names = {}, {}
             for r in config.routes("upstream") + config.routes("downstream"):
                 if r.peer.route == "dial":
                     targets[r.peer.node_id] = r.peer.address
                 elif r.peer.route == "relay":
                     targets[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay
+                    if r.peer.relay_node:
+                        names[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay_node
                 else:
                     raise ValueError(f"{r.peer.node_id} and this node both accept no connections; the plan must "
                                      f"name a relay for their link")
             self.dialer = ReverseDialer(DialerConfig(node_id=config.node_id, token=config.token, rpc=config.rpc),
-                                        targets, lambda: server.receiver)
+                                        targets, lambda: server.receiver, names=names)
 
     @property
     def _links(self) -> list[PeerLink]:

@@ -93,7 +93,8 @@ class PeerLink:
         # dialled directly, the server must hold the neighbour's own certificate (mutual TLS), not any node's
         self.channel = None if peer.route == "reverse" else \
             make_channel(peer.relay if peer.route == "relay" else peer.address, cfg.rpc, token=cfg.token,
-                         server_name=None if peer.route == "relay" else node_dns_name(peer.node_id))
+                         server_name=node_dns_name(peer.node_id) if peer.route != "relay" else
+                         node_dns_name(peer.relay_node) if peer.relay_node else None)
         self.metadata = ((RELAY_METADATA_KEY, peer.node_id),) if peer.route == "relay" else None
         # Peer.Transfer, fed the chunks already serialized (`chunk_frames`) to spare protobuf's copies
         self.transfer = None if self.channel is None else self.channel.stream_unary(

@@ -256,7 +256,8 @@ def peer_ref(plan: Plan, peer: str, me: str, listening: bool, added_latency: tim
     if via is None or not plan.node_addresses.get(via):
         raise ValueError(f"{peer} and this node ({me}) both accept no connections and plan epoch {plan.epoch} names no "
                          f"relay between them; a node that accepts connections must join to relay")
-    return PeerRef(node_id=peer, address="", route="relay", relay=plan.node_addresses[via], added_latency=added_latency)
+    return PeerRef(node_id=peer, address="", route="relay", relay=plan.node_addresses[via], relay_node=via,
+                   added_latency=added_latency)
 
 
 # --- the dialing side ---------------------------------------------------------------------------------
@@ -351,8 +352,12 @@ class ReverseDialer:
     """Keeps a Connect stream open to each of `targets` (node id -> HOST:PORT) and serves the calls made on
     them: Transfer into `receiver()` (the running stage's mailbox), Probe answered at once."""
 
-    def __init__(self, config: DialerConfig, targets: dict[str, str], receiver: Callable[[], TransferReceiver | None]):
+    def __init__(self, config: DialerConfig, targets: dict[str, str], receiver: Callable[[], TransferReceiver | None],
+                 names: dict[str, str] | None = None):
         self.config, self.targets, self._receiver = config, dict(targets), receiver
+        self._names = dict(names or {})
+        """Node id whose certificate each target's server must hold, where it is not the target's own name (a
+        relay's); a relay target without one is taken on any certificate of the job."""
         self._closed = threading.Event()
         self._calls: set[grpc.Future] = set()
         self._lock = threading.Lock()
@@ -368,8 +373,8 @@ class ReverseDialer:
         """Open streams to `target` one after another, each for `stream_lifetime`, until closed."""
         cfg = self.config
         # a neighbour dialled by id must hold its own certificate: the calls made over the stream are its
-        channel = make_channel(address, cfg.rpc, token=cfg.token,
-                               server_name=None if target.startswith(RELAY_TARGET) else node_dns_name(target))
+        name = self._names.get(target) or (None if target.startswith(RELAY_TARGET) else target)
+        channel = make_channel(address, cfg.rpc, token=cfg.token, server_name=node_dns_name(name) if name else None)
         connect = channel.stream_stream("/atoll.v1.Peer/Connect", request_serializer=pb.ConnectFrame.SerializeToString,
                                         response_deserializer=pb.ConnectFrame.FromString)
         wait = cfg.retry[0].total_seconds()

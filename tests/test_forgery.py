@@ -509,3 +509,24 @@ def test_a_node_joins_with_the_ca_hash_alone(world: dict) -> None:
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if " I " not in ln[:12] and ln.strip()]
     assert len(errors) == 1 and "presents no CA with fingerprint" in errors[0], proc.stderr
+
+
+def test_a_relay_named_by_the_plan_must_hold_its_own_certificate(world: dict) -> None:
+    """Another node of the job at the relay's address gets no stream from a node behind NAT, so it cannot pass
+    off tensors as the relayed neighbour's."""
+    nodes, plan, job, tmp = world["nodes"], world["plan"], world["job"], world["tmp"]
+    box = Mailbox(ReceiveSpec(job_id=job.id, plan_epoch=plan.epoch, pipeline=0, stage=1, upstream="s0",
+                              downstream=None, shape=SHAPE, micro_batches=4))
+    config = DialerConfig(node_id="s1", token=TOKEN, rpc=nodes["s1"].credentials.peer_rpc(RpcOptions()))
+    with _server_of(nodes["forger"], plan, tmp / "ckpt-relay-forger") as forger_server:
+        target = f"{RELAY_TARGET}{forger_server.address}"
+        dialer = ReverseDialer(config, {target: forger_server.address}, lambda: box, names={target: "s0"})
+        try:
+            assert not dialer.wait_connected(2.0)  # the plan's relay is s0; the forger answers at its address
+        finally:
+            dialer.close()
+        dialer = ReverseDialer(config, {target: forger_server.address}, lambda: box, names={target: "forger"})
+        try:
+            assert dialer.wait_connected(10.0)  # the named relay itself: the stream opens
+        finally:
+            dialer.close()
