@@ -107,7 +107,7 @@ def check_checkpoint(req: pb.CheckpointReport, state: CoordinatorState, plans: P
     plan = plans.get(state, req.plan_epoch) if req.plan_epoch else None
     if plan is None:
         return  # the handler refuses an epoch that never was, with the epochs that were
-    who = reporter or req.node_id
+    who = reporter or req.copy_of or req.node_id  # a copy is checked against the stage of the node that wrote it
     held = [tuple(stage.layers) for p in plan.pipelines for stage in p.stages if who in stage.nodes]
     if not any(a <= req.layer_start and req.layer_end <= b for a, b in held):
         raise PermissionDenied(
