@@ -7,6 +7,8 @@ initialised from a generator seeded by (seed, layer index), so every node builds
 layer whatever the cut (or left for pretrained weights to fill: `init=False`, `atoll.node.pretrained`).
 Parameters are named by global layer index (`layers.<i>.<...>`), so the state of a slice can be saved
 by layer and loaded into another cut of the same model; `atoll.hf` maps them to Hugging Face names.
+A tied head (`tied_head`) uses the embedding's weight on the embedding's stage; on a stage of its own it holds a
+copy (`layers.<last>.lm.weight`), drawn like the embedding's token table, which `atoll.node.tied` keeps equal.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ the shards are exactly the unsharded model's weights:
   logits per micro-batch, at the price of running every last-stage backward under its context).
 - a tied head (embedding and head share a weight) stays replicated whole: the head's matmul takes the
   embedding's weight as a plain argument, outside any parallel style (sharding it would need a head of its
-  own for tp); the blocks carry the sharding.
+  own for tp); the blocks carry the sharding. A tied model cut into stages keeps its first and last stage
+  (the copies of the tied weight, `atoll.node.tied`) at tp = 1.
 
 Runtime. Activations enter and leave a tp stage through its tp rank 0 only (`share` broadcasts what rank 0
 received to the others; only rank 0 sends), so the pipeline transport is unchanged. Every rank computes the

@@ -126,10 +126,22 @@ def test_the_planner_cuts_a_tied_model_and_prices_the_tied_sum() -> None:
     # pipelines of one stage each are the best plan here with ZeRO; without it the model is cut (it used to be
     # kept whole whatever the options), with the copies' sum priced and no tensor parallelism
     for opts in (PlannerOptions(), PlannerOptions(zero_stages=(0,), several_pipelines=False)):
-        plan = search_plan(ModelSpec.from_config(tied), cluster, train, options=opts).plan
+        result = search_plan(ModelSpec.from_config(tied), cluster, train, options=opts)
+        plan = result.plan
         assert not mixes_cuts([len(p.stages) for p in plan.pipelines])
         assert all(st.tp == 1 for p in plan.pipelines for st in p.stages)
     assert any(len(p.stages) > 1 for p in plan.pipelines)
+    # the first and last stage each wait on the copies' all-reduce besides their own gradient sync
+    cm = CostModel(ModelSpec.from_config(tied), train, None, PlannerOptions(zero_stages=(0,), max_tp=1))
+    stages = result.candidate.stages
+    tied_s = tied_sync_seconds(cm, cluster, stages[0].island, stages[-1].island)
+    assert tied_s > 0
+    for st in (stages[0], stages[-1]):
+        own = cm.grad_sync_seconds(cm.model.slice_params(st.start, st.end), st.island, st.cost.dp, st.cost.tp)
+        assert st.sync_s == pytest.approx(own + tied_s)
+    middle = stages[1]
+    assert middle.sync_s == pytest.approx(cm.grad_sync_seconds(cm.model.slice_params(middle.start, middle.end),
+                                                                middle.island, middle.cost.dp, middle.cost.tp))
     cm = CostModel(ModelSpec.from_config(tied), train)
     a, b = cluster.islands[0], cluster.islands[-1]
     nbytes = tied.vocab_size * tied.d_model * cm.grad_bytes_per_param
