@@ -460,11 +460,9 @@ class PlanRunner:
                 except Exception as e:  # a neighbour or a collective failed: this epoch cannot go on
                     if result is not None:  # the optimizer stepped: the state this run leaves is after this step
                         step += 1
-                        failed_step = self._metrics(step - 1, result, None, transport)
-                        if result.loss is not None:
-                            # the batch's mean could not be agreed: the step's loss is this last stage's rows'
-                            failed_step.loss = result.loss
-                        reporter.put(failed_step)
+                        # reported without a loss: the batch's mean could not be agreed (one replica's rows' loss
+                        # would not be the step's)
+                        reporter.put(self._metrics(step - 1, result, None, transport))
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break

@@ -118,7 +118,7 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
         cluster.resume(victim)
         resumed = time.time()
         victim = ""
-        final = cluster.wait_status(lambda s: len(cluster.losses()) >= steps, 200, "the job to finish", poll=0.2,
+        final = cluster.wait_status(lambda s: s.job_state == "finished", 200, "the job to finish", poll=0.2,
                                     dead=frozenset())
         assert _failed(cluster) == []
         reports, plans = _steps(cluster)
@@ -134,7 +134,11 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
               f"{first_new - (paused + bound):.1f}s; from the node's resumption: {first_new - resumed:.1f}s; "
               f"plan published {replan.created_unix - resumed:.1f}s after the resumption; final epoch "
               f"{final.plan.epoch}")
-        assert sorted(cluster.losses()) == list(range(steps))
+        # a step some replicas completed when the epoch failed is trained (the next epoch resumes after it) but
+        # its batch-mean loss was never agreed, so it has no loss: at most one such step per failed epoch
+        losses = cluster.losses()
+        missing = sorted(set(range(steps)) - set(losses))
+        assert set(losses) <= set(range(steps)) and len(missing) <= len(failed), (missing, len(failed))
     finally:
         if victim:
             cluster.resume(victim)
