@@ -160,21 +160,24 @@ class LocalCluster:
         return fetch_status(self.status_address or self.address, token=self.token, timeout=timedelta(seconds=timeout),
                             rpc=rpc)
 
-    def check_alive(self) -> None:
+    def check_alive(self, *, finished_ok: bool = False) -> None:
+        """Raise ProcessExited for a process that is gone; with `finished_ok`, a node that left cleanly (code 0:
+        nodes leave once the job is done) does not count."""
         for name, p in self.procs.items():
-            if p.poll() is not None:
+            if p.poll() is not None and not (finished_ok and name != "coordinator" and p.returncode == 0):
                 raise ProcessExited(f"{name} exited with code {p.returncode} ({_last_line(self.out / f'{name}.log')}); "
                                     f"see {self.out}/{name}.log")
 
     def wait_status(self, until, timeout: float, what: str, *, poll: float = 0.3,
                     dead: frozenset[str] | None = None):
         """Poll the coordinator's status until `until(status)` holds and return that status; AssertionError after
-        `timeout` seconds. Every process must stay up (`check_alive`); with `dead`, the named ones may be gone
-        and the others may exit cleanly, only an error exit fails the wait."""
+        `timeout` seconds. Every process must stay up (`check_alive`), except nodes leaving cleanly (a node exits
+        with code 0 once the job is done, which can come before the status shows the last step); with `dead`, the
+        named ones may be gone and the others may exit cleanly, only an error exit fails the wait."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if dead is None:
-                self.check_alive()
+                self.check_alive(finished_ok=True)
             else:
                 for name, p in self.procs.items():
                     if name not in dead and p.poll() is not None and p.returncode != 0:
