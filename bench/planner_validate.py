@@ -6,8 +6,11 @@ Live shapes, on this machine: each plan shape (stages, data-parallel width, uneq
 pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
 runtime's `PlanRunner`, as the thread-level tests run it), on a small GPT job of this script's own. Before
 each run the node profiles itself (`atoll.node.profiler.profile_node`: the job's layers forward and backward
-at the replica micro-batch sizes, in the thread's CPU time) and the loopback link is probed
-(`atoll.node.probe.probe_peer`). The prediction is the planner's for exactly that shape: the cost model on
+at the replica micro-batch sizes, in the thread's CPU time) and the loopback link is probed through the
+pipeline transport itself (`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's
+activation size and 4x and 16x it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted
+to them), so the per-message cost the runtime pays (serialising, the Transfer call, the receiver's checks) is
+in the link's latency rather than only an empty call's round trip. The prediction is the planner's for exactly that shape: the cost model on
 the live cluster those measurements make (`Cluster.from_nodes`, `ProfileSet.from_node_profiles`), every stage
 through the island parallelizer (ZeRO, recomputation and tensor parallelism held to what the run uses:
 none), the links' transfers, the all-reduces and the optimizer, simulated under 1F1B (several pipelines with
@@ -135,6 +138,13 @@ SHAPES = (
     LiveShape("2 pipelines, cut differently", ((4, 4, ((0, 6, 1),)), (4, 4, ((0, 3, 1), (3, 6, 1))))),
     LiveShape("2 stages x dp 2", ((8, 4, ((0, 3, 2), (3, 6, 2))),)),
 )
+
+
+def boundary_bytes(shape: LiveShape, job) -> int:
+    """Bytes of the largest activation one replica sends across a stage boundary of the shape (at least one
+    sequence's, for a shape without boundaries)."""
+    rows = max([mb // dp for mb, _, stages in shape.pipelines for _, _, dp in stages[:-1]] or [1])
+    return rows * job.train.seq_len * job.model_spec.config.d_model * 4  # fp32 activations
 
 
 def node_slices(shape: LiveShape) -> dict[str, tuple[int, int, int]]:
@@ -306,7 +316,7 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
     from atoll.job import JobSpec
     from atoll.node import runner
     from atoll.node.peer import PeerServer
-    from atoll.node.probe import probe_peer
+    from atoll.node.transport_probe import probe_transport
     from atoll.node.profiler import ProfileOptions, profile_node
     from atoll.node.runner import PlanRunner, RunContext
 
@@ -318,10 +328,12 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
     try:
         # measure: the node's layers (thread CPU time), the loopback link, a thread's share of a core
         profile = profile_node(job, "cpu", ProfileOptions(micro_batches=(2, 4, 8), budget=timedelta(seconds=2)))
-        probe = probe_peer(servers["probe"].address, nbytes=4 << 20, token="t", timeout=timedelta(seconds=20),
-                           sender=nodes[0])
-        link = LinkMeasurement(src=nodes[0], dst="probe", bandwidth_bytes_per_s=probe.bandwidth_bytes_per_s,
-                               rtt_seconds=probe.rtt_seconds)
+        # the link as the runtime pays for it: real tensors through the pipeline transport at the boundary's
+        # activation size and larger, one message's latency + size / bandwidth fitted to them
+        act = boundary_bytes(shape, job)
+        curve = probe_transport(servers[nodes[0]], servers["probe"], sizes=(act, 4 * act, 16 * act), repeats=9,
+                                token="t")
+        link = curve.measurement(src=nodes[0], dst="probe")
         share = core_share(len(nodes))
         before = predict_live(shape, *live_model(job, nodes, profile, 1.0 / share, link))
 

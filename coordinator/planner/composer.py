@@ -3,9 +3,11 @@
 A candidate (a *setup*) fixes an ordered chain of islands, the width w_i of a stage on each island (its
 data-parallel replicas) and the pipeline's micro-batch B, which every stage shares evenly among its replicas
 (B / w_i sequences each, FlashFlex's asymmetric shares); island i can then host up to floor(gpus_i / w_i)
-stages, and the step has m = global_batch / B micro-batches. Two families of setups are tried: one width
-for every stage (replica r feeds replica r), and every island cut into the same number d of stages, as wide
-as the island allows. For a candidate the composer finds the smallest bottleneck T (the
+stages, and the step has m = global_batch / B micro-batches. Three families of setups are tried: one width
+for every stage (replica r feeds replica r), every island cut into the same number d of stages, as wide
+as the island allows, and, in chains of two islands, each island cut into its own power-of-two number of
+stages (a slow island in a few wide stages, which the parallelizer may run tensor-parallel, a fast one in
+more narrow ones). For a candidate the composer finds the smallest bottleneck T (the
 largest of every stage's compute time per micro-batch and every boundary's time on the wire under its
 codec) by a parametric search: for a given T a greedy pass from the last layer backwards gives each stage as
 many layers as fit within T and its memory (the stage's position from the end fixes its 1F1B in-flight
@@ -55,6 +57,12 @@ all-reduce stays exposed, which the bottleneck alone does not see."""
 
 def _divisors(n: int) -> set[int]:
     return {d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)}
+
+
+MIXED_CUTS_UP_TO = 2
+"""Chains of at most this many islands also try every island cut into its own number of stages."""
+MIXED_CUTS_MAX = 16
+"""Most stages per island in those mixed cuts (powers of two up to it)."""
 
 
 SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
@@ -244,6 +252,13 @@ class Composer:
             for d in sorted({1 << k for k in range(int(math.log2(max_units)) + 1)} | common):
                 if d <= max_units:
                     out.append((tuple(max(1, i.gpus // d) for i in order), tuple(min(d, i.gpus) for i in order)))
+            # each island cut into its own number of stages (a slow island in few wide stages running tensor
+            # parallelism, a fast one in more narrow ones), in chains of a few islands
+            if 1 < len(order) <= MIXED_CUTS_UP_TO:
+                cuts = [1 << k for k in range(MIXED_CUTS_MAX.bit_length()) if (1 << k) <= max_units]
+                for ds in itertools.product(cuts, repeat=len(order)):
+                    if len(set(ds)) > 1 and all(d <= i.gpus for d, i in zip(ds, order)):
+                        out.append((tuple(i.gpus // d for d, i in zip(ds, order)), ds))
         batches = _divisors(g)
         return [(w, c, b) for w, c in dict.fromkeys(out) if c[-1] > 0 for b in sorted(batches)
                 if all(self._shares(isl, x, b) for isl, x in zip(order, w))]
