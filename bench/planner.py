@@ -133,22 +133,42 @@ SCENARIOS = [
 ]
 
 
-def ceiling(cm: CostModel, cluster: Cluster) -> float:
-    """Tokens/s of every GPU computing the whole model at its most efficient shape, nothing else: per island
-    the best sequences per second per GPU over every tensor-parallel degree the island parallelizer may use
+def best_rates(cm: CostModel, cluster: Cluster) -> dict[str, float]:
+    """Per island, the sequences per second one GPU computes through the whole model at its most efficient
+    shape: the best over every tensor-parallel degree the island parallelizer may use
     (`DefaultParallelizer.tps`, within a node) and every per-replica micro-batch it may give that degree (1 to
-    tp x the largest allowed), the tp collectives counted as the cost model counts them. An upper bound on
-    any plan: a plan's stage runs some of these shapes on part of the model, and adds to them."""
+    tp x the largest allowed), the tp collectives counted as the cost model counts them."""
     par = DefaultParallelizer(cm)
-    per_s = 0.0
+    rates = {}
     for isl in cluster.islands:
         rate = 0.0
         for tp in (t for t in par.tps if t <= isl.gpus_per_node):
             for b in range(1, max(cm.options.micro_batches) * tp + 1):
                 t = cm.table(isl, b, tp)
                 rate = max(rate, b / (t.pf[-1] + t.pb[-1]) / tp)
-        per_s += isl.gpus * rate
-    return per_s * cm.train.seq_len
+        rates[isl.id] = rate
+    return rates
+
+
+def ceiling(cm: CostModel, cluster: Cluster) -> float:
+    """Tokens/s of every GPU computing the whole model at its most efficient shape (`best_rates`), nothing
+    else. An upper bound on any plan: a plan's stage runs one of these shapes on part of the model, and adds
+    fill and drain, waiting, transfers, all-reduces and the optimizer to it."""
+    rates = best_rates(cm, cluster)
+    return sum(isl.gpus * rates[isl.id] for isl in cluster.islands) * cm.train.seq_len
+
+
+def busy_share(plan, cm: CostModel, cluster: Cluster) -> float:
+    """Share of the cluster's capacity over a step (each GPU weighted by its `best_rates` rate) that the plan's
+    stages spend computing forward and backward of every micro-batch; the rest is fill and drain, waiting on
+    a slower stage or a link, all-reduce, optimizer and GPUs left out."""
+    step = plan.predicted.step_time_s
+    if step <= 0:
+        return 0.0
+    rates = best_rates(cm, cluster)
+    work = sum(st.dp * st.tp * rates[st.island] * st.compute_s * pl.num_micro_batches
+               for pl in plan.pipelines for st in pl.stages)
+    return work / (step * sum(isl.gpus * rates[isl.id] for isl in cluster.islands))
 
 
 def run(s: Scenario) -> dict:
@@ -185,7 +205,9 @@ def run(s: Scenario) -> dict:
             region_best, region_sum = max(region_best, tps), region_sum + tps
     return {"base": base, "ref": ref, "published": published, "tokens": tokens, "plan": plan_tps, "secs": secs, "cpu": cpu, "region_best": region_best,
             "region_sum": region_sum, "outer": outer, "ceiling": ceiling(cm, cluster),
-            "gpus": cluster.total_gpus, "used": res.gpus if plan_tps else 0}
+            "gpus": cluster.total_gpus, "used": res.gpus if plan_tps else 0,
+            "busy": busy_share(res.plan, cm, cluster) if plan_tps else 0.0}
+
 
 
 def _out_of_reach(ceiling_ratio: float, target: float) -> str:
@@ -248,10 +270,16 @@ def main(argv: list[str] | None = None) -> int:
                             pub_ratio >= 1.15))
             if r["ceiling"] > 0 and best_pub > 0:
                 need = 1.15 * best_pub / r["ceiling"]
-                reach.append(f"  {s.name}: the plan reaches {r['plan'] / r['ceiling']:.0%} of the ceiling; 1.15x the "
+                share = r["plan"] / r["ceiling"]
+                busy = r["busy"]
+                reach.append(f"  {s.name}: the plan reaches {share:.0%} of the ceiling; 1.15x the "
                              f"best published baseline needs {need:.0%}"
                              + (" of it: more than any plan can reach, the target cannot be met here" if need > 1
-                                else ""))
+                                else "")
+                             + (f". Weighted by capacity, its GPUs compute {busy:.0%} of the step (the rest: fill and drain, waiting on "
+                                f"the slowest stage, all-reduce, optimizer) at {share / busy:.0%} of their best "
+                                "shape's rate (per-replica micro-batch, tensor parallelism, recomputation)"
+                                if busy > 0 else ""))
         if r["gpus"] >= 4096:
             targets.append((f"{s.name}: planned in <= 10 s of CPU time", r["cpu"] <= 10.0))
         wan = s.slowest_region_gbps
