@@ -7,7 +7,9 @@ of plan epoch e:
    (`Peer.HeldState`, answered once that node's older runs ended);
 2. computes the resume point, a pure function of those answers (`resume_point`): the newest step at which
    every layer of the model has a live copy; when none is newer than the last complete checkpoint, the
-   checkpoint (`Plan.resume_step`);
+   checkpoint (`Plan.resume_step`). A node whose last step's norm exchange failed (a replica died in it) while
+   others completed it holds that step's gradients: it counts at the next step, finished by whoever loads it
+   with the total those others saw (`finishable`, `atoll.node.roll_forward`);
 3. agrees with the others through the epoch's rendezvous store: the first node to publish its resume point
    under the epoch's key wins and every node adopts that one. Steps 1-2 run on one node of the plan
    (`resume_leader`), so a plan of n nodes makes n HeldState calls, and the others read what it published;
@@ -24,8 +26,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +52,20 @@ class Holder:
     step: int
     layers: tuple[int, int]
     region: str = ""
+    epoch: int = 0
+    """The plan epoch whose run left the state."""
+    pending: bool = False
+    """The state also holds the gradients of step `step`, whose norm exchange failed on this node."""
+    norm_total: float | None = None
+    """The norm exchange's total of step `step` - 1, when the run that left the state had one."""
+    finish: float | None = None
+    """Set in a resume point: the total with which a fetcher finishes the pending step `step`, so this holder
+    gives the state after `step` + 1 steps (`atoll.node.roll_forward`)."""
+
+    @property
+    def reaches(self) -> int:
+        """The step this holder's state stands at once fetched (and finished)."""
+        return self.step + (1 if self.finish is not None else 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,17 +101,37 @@ def _covered(ranges: Sequence[tuple[int, int]], total: int) -> list[int]:
     return [i for i in range(total) if i not in have]
 
 
+def finishable(held: Sequence[Holder]) -> list[Holder]:
+    """Each pending holder that a holder of the step after it can finish, with that exchange's total.
+
+    A node whose norm exchange of step s failed kept that step's final gradients, while other nodes of the
+    same run may have completed the exchange and stepped to s + 1: given the exchange's total (every member
+    of the exchange saw the same), the pending state becomes the state after s + 1 steps. The total is taken
+    from a holder of s + 1 left by the same run (same plan epoch); ties by node id."""
+    out = []
+    for h in held:
+        if not h.pending:
+            continue
+        done = sorted((c for c in held if c.step == h.step + 1 and c.epoch == h.epoch and c.norm_total is not None
+                       and not c.pending), key=lambda c: c.node_id)
+        if done:
+            out.append(replace(h, finish=done[0].norm_total))
+    return out
+
+
 def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: int) -> ResumePoint:
     """The newest step at which every layer has a live copy, when it is not older than the checkpoint;
-    otherwise the checkpoint step, with the reason (which layers have no live copy)."""
-    furthest = max((h.step for h in held), default=checkpoint_step)
-    steps = sorted({h.step for h in held}, reverse=True)
+    otherwise the checkpoint step, with the reason (which layers have no live copy). A pending holder
+    counts at its own step and, where a holder of the next step can finish it, at that one (`finishable`)."""
+    held = [*held, *finishable(held)]
+    furthest = max((h.reaches for h in held), default=checkpoint_step)
+    steps = sorted({h.reaches for h in held}, reverse=True)
     why = "no node holds live state"
     for s in steps:
         if s < checkpoint_step:
             why = f"the live copies (step {s} and older) are older than the checkpoint of step {checkpoint_step}"
             break
-        at = sorted((h for h in held if h.step == s), key=lambda h: h.node_id)
+        at = sorted((h for h in held if h.reaches == s), key=lambda h: (h.node_id, h.finish is not None))
         missing = _covered([h.layers for h in at], total_layers)
         if not missing:
             return ResumePoint(step=s, live=True, holders=tuple(at), furthest=max(furthest, s),
@@ -102,7 +139,14 @@ def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: 
         if s == steps[0]:
             why = (f"no live copy of layer(s) {_ranges(missing)} at step {s} (their holders left or failed)")
     return ResumePoint(step=checkpoint_step, live=False, furthest=max(furthest, checkpoint_step),
-                       reason=f"{why}; resuming from the checkpoint of step {checkpoint_step}")
+                       reason=f"{why}; resuming from the checkpoint of step {checkpoint_step} (live state held: "
+                              f"{_show_held(held)})")
+
+
+def _show_held(held: Sequence[Holder]) -> str:
+    return ", ".join(f"{h.node_id} layers [{h.layers[0]}, {h.layers[1]}) at step {h.step}"
+                     f"{' with the gradients of its failed step' if h.pending and h.finish is None else ''}"
+                     for h in sorted(held, key=lambda h: h.node_id) if h.finish is None) or "none"
 
 
 def _ranges(layers: list[int]) -> str:
@@ -136,7 +180,11 @@ def sources(point: ResumePoint, layers: tuple[int, int], node_id: str, region: s
 def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str | None, rpc: RpcOptions,
                 timeout: timedelta) -> list[Holder]:
     """The live state every node of the plan (and every node handing over) holds, asked in parallel.
-    A node that does not answer in `timeout` is left out (it failed; the plan after it will not name it).
+
+    A node of the plan answers once its run of the older plan ended; until `timeout` it is asked again
+    after an UNAVAILABLE (its server is not up yet, or its old run is still winding down), so a live holder
+    is never left out while it is alive. A node that does not answer in `timeout` is left out (it failed;
+    the plan after it will not name it); a node only handing over (it left) is asked once.
     Nodes without a Peer address (behind NAT) are not asked and this node's own state counts only when it
     has one, so every node weighs the same holders."""
     candidates: dict[str, str] = {**plan.handover, **{n: a for n, a in plan.node_addresses.items() if a}}
@@ -144,30 +192,40 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
     # others, so its own state does not count, here or anywhere
     replies: dict[str, pb.HeldStateReply] = {node_id: own} if candidates.pop(node_id, "") else {}
     lock = threading.Lock()
+    deadline = time.monotonic() + timeout.total_seconds()
 
     def ask(node: str, address: str) -> None:
         import grpc
 
-        try:
-            reply = held_state(address, job_id=plan.job_id, epoch=plan.epoch, sender=node_id, token=token, rpc=rpc,
-                               timeout=timeout, node=node)
-        except grpc.RpcError as e:
-            log.info("node %s did not say which state it holds (%s: %s); leaving it out", node, e.code().name,
-                     e.details())
+        again = node in plan.node_addresses
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                reply = held_state(address, job_id=plan.job_id, epoch=plan.epoch, sender=node_id, token=token,
+                                   rpc=rpc, timeout=timedelta(seconds=max(1.0, left)), node=node)
+            except grpc.RpcError as e:
+                if again and e.code() == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 1.0:
+                    log.info("node %s cannot say yet which state it holds (%s); asking again", node, e.details())
+                    time.sleep(0.5)
+                    continue
+                log.info("node %s did not say which state it holds (%s: %s); leaving it out", node, e.code().name,
+                         e.details())
+                return
+            with lock:
+                replies[node] = reply
             return
-        with lock:
-            replies[node] = reply
 
     threads = [threading.Thread(target=ask, args=(n, a), daemon=True, name=f"atoll-held-{n}")
                for n, a in sorted(candidates.items())]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout.total_seconds() + 5.0)
+        t.join(max(0.0, deadline - time.monotonic()) + 5.0)
     addresses = {**plan.handover, **plan.node_addresses}
     with lock:
         return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
-                       region=plan.region_of(n) if n in plan.node_addresses else "")
+                       region=plan.region_of(n) if n in plan.node_addresses else "", epoch=r.plan_epoch,
+                       pending=r.pending, norm_total=r.norm_total if r.has_norm_total else None)
                 for n, r in sorted(replies.items()) if r.holds]
 
 

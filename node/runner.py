@@ -38,6 +38,7 @@ from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, aw
                                    resume_point, slice_part, sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import load_slice, slice_state
+from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, cancel_collectives_on,
@@ -360,7 +361,7 @@ class PlanRunner:
         try:
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
                 else None
-            live = self._restore_live(module, optimizer, store)
+            live = self._restore_live(module, optimizer, store, cfg)
             if live is not None:
                 step = live
             elif step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
@@ -513,7 +514,7 @@ class PlanRunner:
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
             if held is not None:  # what this run leaves is served to the next plan's nodes
-                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step))
+                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage))
             if self.tp is not None:
                 self.tp.close()
         if reporter.stop_requested.is_set() and step < job.train.steps:
@@ -522,10 +523,12 @@ class PlanRunner:
 
     # --- set-up -----------------------------------------------------------------------------------
 
-    def _restore_live(self, module, optimizer, store: dist.Store | None) -> int | None:
+    def _restore_live(self, module, optimizer, store: dist.Store | None, cfg: StageConfig) -> int | None:
         """Agree with the plan's other nodes where to resume (`atoll.node.live_state`); when every layer has a
         live copy, load this stage's layers from the live holders and return the step to train from; None:
-        resume from the checkpoint of the plan's resume step. Only synchronous plans keep live state."""
+        resume from the checkpoint of the plan's resume step. Only synchronous plans keep live state. Layers
+        from a holder whose last step's norm exchange failed are finished to the resume step
+        (`atoll.node.roll_forward`)."""
         pl, ctx, held = self.placement, self.ctx, self.ctx.peer_server.state
         assert pl is not None
         if held is None or self.plan.mode != "sync":
@@ -543,20 +546,33 @@ class PlanRunner:
             log.info("%s; %s", report.line(), point.reason)
             return None
         mine = held.live
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, tuple[bytes, Holder]] = {}
         parts = []
         for h, rng in sources(point, pl.layers, ctx.node_id, self.plan.region_of(ctx.node_id)):
-            if h.node_id == ctx.node_id and mine is not None and mine.step == point.step and mine.layers == h.layers:
-                blobs[h.node_id] = mine.data
+            if h.node_id == ctx.node_id and mine is not None and mine.step == h.step and mine.layers == h.layers:
+                blobs[h.node_id] = (mine.data, h)
             if h.node_id not in blobs:
                 blobs[h.node_id] = self._fetch_live(point, h, rng, report)
-            parts.append(slice_part(deserialize_state(blobs[h.node_id], h.node_id), rng))
-        self._checkpoint_extra = load_slice(module, parts, optimizer)  # fp16: the loss scale the state left with
+            data, given = blobs[h.node_id]
+            parts.append((slice_part(deserialize_state(data, h.node_id), rng), given.finish))
+        self._checkpoint_extra = load_slice(module, [p for p, _ in parts], optimizer)  # fp16: the loss scale
+        pending = [(p, t) for p, t in parts if t is not None]
+        if pending:
+            found_inf = finish(module, optimizer, pending, lr=learning_rate(self.job, self.schedule_step(point.step - 1)),
+                               max_grad_norm=cfg.max_grad_norm, loss_scale=cfg.fp16_loss_scale)
+            if int(self._checkpoint_extra.get("step", point.step)) < point.step:  # the extra of a pending part
+                scale = finished_scale(self._checkpoint_extra.get("loss_scale"), cfg.fp16_loss_scale, found_inf)
+                self._checkpoint_extra = {**self._checkpoint_extra, "step": point.step,
+                                          **({"loss_scale": scale} if scale is not None else {})}
+            log.info("finished step %d of layers %s with the norm exchange total of the nodes that completed it",
+                     point.step - 1, ", ".join(f"[{p['start']}, {p['end']})" for p, _ in pending))
         log.info("%s", report.line())
         return point.step
 
-    def _fetch_live(self, point: ResumePoint, first: Holder, rng: tuple[int, int], report: RestoreReport) -> bytes:
-        """The live state of `first` (or, failing it, of another holder of `rng` at the same step)."""
+    def _fetch_live(self, point: ResumePoint, first: Holder, rng: tuple[int, int], report: RestoreReport
+                    ) -> tuple[bytes, Holder]:
+        """The live state of `first` (or, failing it, of another holder of `rng` at the same step), and the
+        holder that gave it."""
         ctx = self.ctx
         others = sorted((h for h in point.holders if h is not first and h.node_id != ctx.node_id
                          and h.layers[0] <= rng[0] and rng[1] <= h.layers[1]),
@@ -567,7 +583,7 @@ class PlanRunner:
         for h in [first, *others]:
             try:
                 data, stats = fetch_state(h.address, pb.StateFetchRequest(
-                    job_id=self.plan.job_id, kind="live", step=point.step, layer_start=h.layers[0],
+                    job_id=self.plan.job_id, kind="live", step=h.step, layer_start=h.layers[0],
                     layer_end=h.layers[1], sender=ctx.node_id), source=h.node_id, token=ctx.token, rpc=ctx.rpc,
                     timeout=ctx.timeout)
             except StateTransferError as e:
@@ -575,8 +591,8 @@ class PlanRunner:
                 continue
             report.transfers.append(stats)
             log.info("state transfer: %d bytes from %s in %.2f s (live state of step %d, layers [%d, %d))",
-                     stats.bytes, h.node_id, stats.seconds, point.step, *h.layers)
-            return data
+                     stats.bytes, h.node_id, stats.seconds, h.step, *h.layers)
+            return data, h
         raise RunFailed(f"no live holder could give layers [{rng[0]}, {rng[1]}) at step {point.step}: "
                         f"{'; '.join(errors)}")
 
@@ -592,14 +608,24 @@ class PlanRunner:
                 self.restore.transfers.extend(fetched)
         self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
 
-    def _snapshot(self, module, optimizer, step: int) -> LiveState | None:
+    def _snapshot(self, module, optimizer, step: int, stage: PipelineStage | None = None) -> LiveState | None:
         """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
-        spread over ranks (tensor-parallel shards, ZeRO) or belongs to a replica group (outer mode)."""
+        spread over ranks (tensor-parallel shards, ZeRO) or belongs to a replica group (outer mode). When the
+        norm exchange of step `step` failed here, the state keeps that step's gradients; it keeps the total of
+        the last exchange it completed (`atoll.node.roll_forward`)."""
         pl = self.placement
         if self.plan.mode != "sync" or pl is None or pl.tp > 1 or isinstance(optimizer, ZeroOptimizer):
             return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
-        return LiveState.of(slice_state(module, optimizer, extra=extra), step=step, epoch=self.plan.epoch)
+        state = slice_state(module, optimizer, extra=extra)
+        total = None
+        if stage is not None:
+            grads = pending_grads(module, stage.unexchanged, step)
+            if grads is not None:
+                state["grads"] = grads
+            if stage.exchanged is not None and stage.exchanged[0] == step - 1:
+                total = stage.exchanged[1]
+        return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total)
 
     def _older_groups(self) -> list[int]:
         """Outer mode: the other replica groups that have trained since before this node's group formed."""

@@ -244,6 +244,11 @@ class PipelineStage:
         """((rows, seq), bytes) of a recomputed block's working set, measured once per micro-batch shape."""
         self.scaler = LossScaler(config.fp16_loss_scale) if config.fp16_loss_scale is not None else None
         """fp16: the dynamic loss scale, equal on every stage and replica (they apply the same overflow flags)."""
+        self.exchanged: tuple[int, float] | None = None
+        """(step, total) of the last norm exchange this stage completed."""
+        self.unexchanged: int | None = None
+        """The step whose norm exchange failed here, its final gradients still on the parameters: other stages
+        may have completed that exchange and stepped (`atoll.node.roll_forward`)."""
 
     @classmethod
     def create(cls, model: ModelConfig, *, start: int, end: int, stage: int, num_stages: int,
@@ -386,7 +391,12 @@ class PipelineStage:
             if scaler is not None:  # +inf from an overflowed stage makes the pipeline's total non-finite
                 local = overflow_contribution(local)
             w0 = time.perf_counter()
-            total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
+            try:
+                total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
+            except BaseException:
+                self.unexchanged = step
+                raise
+            self.exchanged, self.unexchanged = (step, total), None
             wait += time.perf_counter() - w0
             found_inf = scaler is not None and not math.isfinite(total)
             grad_norm = math.sqrt(total)

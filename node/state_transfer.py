@@ -61,12 +61,17 @@ class LiveState:
     checksum: int
     epoch: int
     """The plan epoch whose run left this state."""
+    pending: bool = False
+    """`data` also holds the gradients of step `step`, whose norm exchange failed on this node before its
+    optimizer ran (`atoll.node.roll_forward`)."""
+    norm_total: float | None = None
+    """The norm exchange's total of step `step` - 1 (the last step this state took), when its run had one."""
 
     @classmethod
-    def of(cls, state: dict[str, Any], *, step: int, epoch: int) -> LiveState:
+    def of(cls, state: dict[str, Any], *, step: int, epoch: int, norm_total: float | None = None) -> LiveState:
         data = serialize_state(state)
         return cls(step=step, layers=(int(state["start"]), int(state["end"])), data=data, checksum=crc32(data),
-                   epoch=epoch)
+                   epoch=epoch, pending="grads" in state, norm_total=norm_total)
 
 
 def serialize_state(state: dict[str, Any]) -> bytes:
@@ -141,7 +146,9 @@ class StateHolder:
         if live is None:
             return pb.HeldStateReply(holds=False, node_id=self.node_id)
         return pb.HeldStateReply(holds=True, step=live.step, layer_start=live.layers[0], layer_end=live.layers[1],
-                                 bytes=len(live.data), plan_epoch=live.epoch, node_id=self.node_id)
+                                 bytes=len(live.data), plan_epoch=live.epoch, node_id=self.node_id,
+                                 pending=live.pending, has_norm_total=live.norm_total is not None,
+                                 norm_total=live.norm_total or 0.0)
 
     def chunks(self, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:
         """The chunks answering `request`. Raises KeyError (not held here), ValueError (a bad request)."""

@@ -973,7 +973,7 @@ class HeldStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class HeldStateReply(_message.Message):
-    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id")
+    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id", "pending", "has_norm_total", "norm_total")
     HOLDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -981,6 +981,9 @@ class HeldStateReply(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    HAS_NORM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NORM_TOTAL_FIELD_NUMBER: _ClassVar[int]
     holds: bool
     step: int
     layer_start: int
@@ -988,7 +991,10 @@ class HeldStateReply(_message.Message):
     bytes: int
     plan_epoch: int
     node_id: str
-    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    pending: bool
+    has_norm_total: bool
+    norm_total: float
+    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., pending: _Optional[bool] = ..., has_norm_total: _Optional[bool] = ..., norm_total: _Optional[float] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("job_id", "step", "layer_start", "layer_end", "source", "source_address", "plan_epoch")
