@@ -14,6 +14,7 @@ from atoll.coordinator import validation as v
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated)
 from atoll.coordinator.history import fill_status as fill_history
+from atoll.coordinator.islands import device_class
 from atoll.coordinator.membership import RunFailureRecord, join_decision
 from atoll.coordinator import job_control
 from atoll.coordinator.progress import summarize
@@ -91,7 +92,8 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
         last_heartbeat_unix=now, reason=decision.reason))
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
-            or existing.profile.unreachable != profile.unreachable:
+            or existing.profile.unreachable != profile.unreachable \
+            or device_class(existing.profile) != device_class(profile):  # its island and probe class
         state.membership_changed(now)
     return pb.JoinReply(node_id=node_id, job=_job_info(state),
                         lease_seconds=state.options.membership.lease.total_seconds(),

@@ -43,8 +43,10 @@ class ProbeOptions:
     """With more nodes: peers each node probes in every device class."""
     random_extra: int = 2
     """With more nodes: further random peers each node probes."""
-    max_per_round: int = 4
-    """Most probes handed to one node in one heartbeat reply."""
+    max_per_round: int = 12
+    """Most probes handed to one node in one heartbeat reply: a whole sample (`per_class` of up to five device
+    classes and the extras), so a joining node is measured after its first heartbeat rather than its third, and
+    thousands of nodes that join at once are planned a heartbeat after the last one, not several."""
     reprobe_after: timedelta = timedelta(minutes=10)
     """A measurement older than this is taken again."""
     in_flight_timeout: timedelta = timedelta(seconds=30)

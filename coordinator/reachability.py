@@ -89,6 +89,8 @@ def relay_links(links: list[LinkMeasurement], nodes: Iterable[str], unreachable:
     bandwidth. A pair with no relay gets no link (the planner treats it as unmeasured and slow).
     """
     nodes = set(nodes)
+    if len(unreachable & nodes) < 2:  # no pair to relay (the common case: no pass over every link)
+        return list(links), {}
     measured = _best(links)
     relays = nodes - unreachable
     extra: list[LinkMeasurement] = []

@@ -32,11 +32,10 @@ from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
 from atoll.preflight import check_listen, usable_state_dir
 from atoll.job import JobSpec, resolve_token
-from atoll.coordinator.watches import PlanWatches
+from atoll.coordinator.watches import PlanWatches, add_coordinator_to_server
 from atoll.coordinator.ca import JobAuthority
 from atoll.tls import CertificateError
 from atoll.rpc import AioServerHandle, RpcOptions, TlsIdentity, make_aio_server
-from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -175,7 +174,7 @@ class CoordinatorService:
         # past the watches, room for a queue of unary calls a few times the threads deep
         self._server = make_aio_server(
             self.config.listen,
-            [lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s),
+            [lambda s: add_coordinator_to_server(servicer, s),  # plans serialized once for every watch
              lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
             rpc, max_workers=self.config.max_workers,
             maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers)

@@ -21,13 +21,14 @@ from pathlib import Path
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
-from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_deficit, sample_targets
+from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
 from atoll.coordinator import job_control
 from atoll.coordinator.reachability import plan_address, separate_unreachable, unreachable_nodes
+from atoll.coordinator.sampling import SampleProgress
 from atoll.coordinator.store import JobControlRecord, JobRecord, MemberRecord, Store, StoreError
 from atoll.job import JobSpec
 from atoll.plan import IslandInfo, Plan
@@ -97,6 +98,14 @@ class CoordinatorState:
         for x in store.list_links():
             self._note_measured(x.src, x.dst, x.measured_unix)
         self._probe_index: _ProbeIndex = _ProbeIndex.of({})
+        self._index_version = -1
+        self._indexed: dict[str, str] = {}
+        """The members and classes of the probe index as last rebuilt."""
+        self._members_version = 0
+        """Counts membership changes (`membership_changed`): the probe index is rebuilt when it moved."""
+        self._in_flight_pruned = float("-inf")
+        self._samples = SampleProgress(self.options.probes)
+        """Which members' samples of links are complete, checked again only where that may have changed."""
         self._rng = random.Random()
         self._unreachable: set[str] = set()
         """Alive members that accept no connections: never dialed by a probe (they probe the others)."""
@@ -193,6 +202,7 @@ class CoordinatorState:
         with self._cond:
             self._last_change = now
             self._islands_dirty = True
+            self._members_version += 1
 
     def alive_members(self) -> dict[str, MemberRecord]:
         """Alive members by id: the store's own records (read them, do not change them)."""
@@ -243,6 +253,7 @@ class CoordinatorState:
                 self._in_flight.get(x.src, {}).pop(x.dst, None)
                 self._in_flight.get(x.dst, {}).pop(x.src, None)
                 self._note_measured(x.src, x.dst, x.measured_unix)
+                self._samples.measured((x.src, x.dst))
             self._islands_dirty = True
 
     def request_reprobe(self, now: float) -> None:
@@ -254,22 +265,42 @@ class CoordinatorState:
     def unprobed(self, alive: Mapping[str, MemberRecord], now: float, index: _ProbeIndex | None = None) -> set[str]:
         """Alive members whose sample of links is incomplete (probes in flight count as missing); `index`: the
         probe index of `alive`, when built already."""
-        index = index or _ProbeIndex.of(alive)
+        if index is None or index.class_of.keys() != alive.keys():
+            index = _ProbeIndex.of(alive)
         sizes = {c: len(v) for c, v in index.by_class.items()}
-        skip = unreachable_nodes(alive)
-        horizon = max(now - self.options.probes.reprobe_after.total_seconds(), self._stale_before)
-        with self._cond:  # a copy of the sample table, so handlers wait on the lock for a copy's time only
-            measured = {n: dict(peers) for n, peers in self._measured.items() if n in alive}
-        return {n for n in alive
-                if sample_deficit(n, index.class_of, sizes,
-                                  {p for p, t in measured.get(n, {}).items() if t >= horizon} | (skip - {n}),
-                                  self.options.probes)[1] > 0}
+        skip = unreachable_nodes(alive) if index is not self._probe_index else self._unreachable
+        # only the members whose answer may have changed are checked (`SampleProgress`), on a copy of their
+        # measurements, so heartbeats wait on the lock for the copy's time only
+        with self._cond:
+            todo, incomplete = self._samples.due(alive, index.class_of, sizes, skip, now, self._stale_before)
+            measured = {n: dict(self._measured.get(n, {})) for n in todo}
+            stale_before = self._stale_before
+        return incomplete | self._samples.check(todo, index.class_of, sizes, measured, skip, now, stale_before)
 
     def _refresh_probe_index(self, alive: Mapping[str, MemberRecord], now: float) -> None:
-        self._probe_index = _ProbeIndex.of(alive)
+        """Rebuild the probe index when membership changed (O(members)), and drop timed-out probes in flight
+        every quarter of their timeout (O(probes in flight)); a round with neither costs O(1)."""
         timeout = self.options.probes.in_flight_timeout.total_seconds()
         with self._cond:
-            self._unreachable = unreachable_nodes(alive)
+            version = self._members_version
+        old = self._probe_index
+        if version != self._index_version or old.class_of.keys() != alive.keys():
+            new = self._probe_index = _ProbeIndex.of(alive)
+            self._index_version = version
+            # (not the old index's own keys: `assign_probes` adds joiners to it between rebuilds)
+            before, self._indexed = self._indexed, dict(new.class_of)
+            with self._cond:
+                self._unreachable = unreachable_nodes(alive)
+                # a member that left, came back or changed class changes its own sample and those of the peers
+                # that measured it
+                for n in (before.keys() ^ new.class_of.keys()) | {
+                        n for n, c in new.class_of.items() if before.get(n, c) != c}:
+                    self._samples.forget(self._measured.get(n, {}))
+                    self._samples.forget((n,))
+        if now - self._in_flight_pruned < timeout / 4:
+            return
+        self._in_flight_pruned = now
+        with self._cond:
             for node in list(self._in_flight):
                 live = {p: t for p, t in self._in_flight[node].items() if now - t < timeout}
                 if live:
@@ -337,7 +368,7 @@ class CoordinatorState:
 
     def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None) -> list[IslandInfo]:
         if graph is None:  # (not `graph or ...`: a graph's length counts every pair)
-            graph = LinkGraph(alive, self.store.list_links())
+            graph = LinkGraph(alive, self.store.links_view())
         islands = form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
         return separate_unreachable(islands, alive)  # no data-parallel group has to dial a node behind NAT
 
@@ -359,7 +390,7 @@ class CoordinatorState:
         if dirty or self._islands_pending:
             started = time.monotonic()
             if started >= self._islands_next:
-                links = self.store.list_links()
+                links = self.store.links_view()
                 graph = LinkGraph(alive, links)
                 formed = (links, graph, self.islands_now(alive, graph))
                 self.store.put_islands(formed[2])
@@ -375,18 +406,19 @@ class CoordinatorState:
         else:
             # a plan from before a restart is replaced once all its members have been heard from since, and
             # a plan naming a member's old peer address once that member is back at its new one
-            heard = {n for n, m in alive.items() if m.last_heartbeat_unix >= self.started_unix}
-            stale = plan is not None and self._stale(plan) and planned is not None and planned <= heard
+            stale = plan is not None and self._stale(plan) and planned is not None and planned <= {
+                n for n, m in alive.items() if m.last_heartbeat_unix >= self.started_unix}
             moved = set() if plan is None else {
                 n for n, addr in plan.node_addresses.items() if n in alive and plan_address(alive[n]) != addr}
             # which members lack probes matters only while membership differs from the plan (O(links) to find)
-            unprobed = (self.unprobed(alive, now, self._probe_index) if planned is None or planned != set(alive)
-                        else set())
+            changed = planned is None or planned != alive.keys()
+            unprobed = self.unprobed(alive, now, self._probe_index) if changed else set()
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
                                      options=self.options.membership, stale=stale, moved=moved,
                                      first_join_unix=min((m.joined_unix for n, m in alive.items()
-                                                          if planned is not None and n not in planned), default=None))
+                                                          if planned is not None and n not in planned),
+                                                         default=None) if changed else None)
             failures = self.failures()
             if not decision.plan and plan is not None and plan.epoch in failures:
                 # every member alive, yet a run failed: only a new epoch (fresh groups, from the last
@@ -406,7 +438,7 @@ class CoordinatorState:
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str,
                 formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> str:
         if formed is None:
-            links = self.store.list_links()
+            links = self.store.links_view()
             matrix = LinkGraph(alive, links)
             islands = self.islands_now(alive, matrix)
             self.store.put_islands(islands)
@@ -423,7 +455,7 @@ class CoordinatorState:
                             failed=frozenset(failed),
                             checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
                                                                          if m.peer_address}),
-                            handover=handing_over(previous, self.store.list_members(), now))
+                            handover=handing_over(previous, self.store.members_view().values(), now))
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
