@@ -8,6 +8,15 @@ the bytes of state moved (what the nodes' logs say they fetched from live replic
 where they say nothing); then the loss curve against an undisturbed run of the same job on the same cluster
 (measured first, in this run), as figures and as a picture (`OUT/loss.png`).
 
+Steps rolled back per event are what the nodes said: each run of a plan logs where it resumed (`resume: step R
+(live state | checkpoint; ...); the job was at step M: K steps rolled back`), and an event costs the most any
+run resumed in its window rolled back (0 when no plan was made in it). The job's global batch (`--global-batch`,
+60 by default) lets the planner give each added node a share of the rows: the busiest replica's rows a step
+(at most 4 a micro-batch) fall with every width up to 8 (60, 30, 20, 15, 12, 10, 9, 8), so stages run
+data-parallel replicas (a kill usually hits a stage with a live replica) and a joining node becomes one more
+replica rather than an idle node. With the tiny job's 16 they fall only at widths 2, 3, 4, 6 and 8 (a fifth node
+leaves the busiest replica 4 rows, as with four), and the planner leaves such a node idle: no faster plan uses it.
+
 Targets: a kill of a node whose stage has a live replica rolls back 0 steps and trains the next step within
 15 s; a join rolls back 0 steps; the final loss is within 1% of the undisturbed run's.
 
@@ -17,19 +26,65 @@ Usage: python -m bench.churn [--node-kills 20 --joins 10 --leaves 2] [--quick]
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a path (python bench/churn.py): imports resolve from the checkout
     sys.path.insert(0, str(ROOT))
 
-from bench.faults import (DriverConfig, Event, FaultSchedule, RunFailed, event_table, final_loss, fmt,  # noqa: E402
-                          run_pair)
+from atoll.job import JobSpec  # noqa: E402
+from bench.faults import (TINY, DriverConfig, Event, FaultSchedule, RunFailed, _log_time,  # noqa: E402
+                          event_table, final_loss, fmt, run_pair)
 
 NEXT_STEP_TARGET_S = 15.0
 LOSS_TARGET = 0.01
+GLOBAL_BATCH = 60
+
+RESUME = re.compile(r"resume: step (\d+) \((live state|checkpoint);.*?\); the job was at step (\d+): (\d+) steps "
+                    r"rolled back")
+
+
+def resumes_in_logs(logs: list[Path], start: float, end: float) -> list[tuple[str, int, str, int]]:
+    """(node log, step resumed at, "live state" | "checkpoint", steps rolled back) of every run whose `resume:`
+    line is stamped within [start, end) (stamps have whole seconds: a line of the start's second counts)."""
+    out = []
+    for log in logs:
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            m = RESUME.search(line)
+            t = _log_time(line, start) if m else None
+            if m and t is not None and int(start) <= t < end:
+                out.append((log.stem, int(m[1]), m[2], int(m[4])))
+    return out
+
+
+def count_rollbacks(events: list[Event], logs: list[Path], end: float) -> None:
+    """Set each event's steps rolled back from what the runs resumed in its window said (see the docstring)."""
+    ordered = sorted(events, key=lambda e: e.at)
+    for i, e in enumerate(ordered):
+        until = ordered[i + 1].at if i + 1 < len(ordered) else end
+        runs = resumes_in_logs(logs, e.at, until)
+        e.rolled_back = max((back for _, _, _, back in runs), default=0)
+        kinds = sorted({how for _, _, how, _ in runs})
+        said = (f"{len(runs)} run(s) resumed from {' and '.join(kinds)}" if runs else "no run resumed")
+        e.note = "; ".join(x for x in (e.note, said) if x)
+
+
+def churn_job(out: Path, global_batch: int) -> Path:
+    """The tiny job with `global_batch` sequences a step (the rest as examples/tiny.toml)."""
+    job = JobSpec.load(TINY)
+    job = replace(job, train=replace(job.train, global_batch=global_batch))
+    path = out / "churn-job.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(job.to_toml())
+    return path
 
 
 def loss_picture(base: dict[int, float], losses: dict[int, float], events: list[Event], path: Path) -> None:
@@ -68,6 +123,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 node kills, 1 join and 1 leave on 3 nodes: a check that "
                                                          "fits a loaded machine")
     ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
+                    help="sequences a step (the tiny job's micro-batch is 4); see the module's docstring")
     ap.add_argument("--steps", type=int, default=None, help="the job's steps (default: enough for the events at the "
                                                             "step time a short calibration run measures)")
     ap.add_argument("--gap-steps", type=int, default=10, help="steps trained after a recovery before the next event")
@@ -83,8 +140,8 @@ def main() -> int:
         args.node_kills, args.joins, args.leaves, args.nodes = 2, 1, 1, 3
     schedule = FaultSchedule(node_kills=args.node_kills, joins=args.joins, leaves=args.leaves, seed=args.seed)
     cfg = DriverConfig(nodes=args.nodes, gap_steps=args.gap_steps, restart_after=args.restart_after, lease=args.lease,
-                       outage=min(5.0, args.lease / 2))
-    print(f"churn: tiny job on {cfg.nodes} nodes; {args.node_kills} node kill(s) (down {cfg.restart_after:g}s each), "
+                       outage=min(5.0, args.lease / 2), job=churn_job(args.out, args.global_batch))
+    print(f"churn: tiny job (global batch {args.global_batch}) on {cfg.nodes} nodes; {args.node_kills} node kill(s) (down {cfg.restart_after:g}s each), "
           f"{args.joins} join(s), {args.leaves} graceful leave(s); lease {cfg.lease:g}s; logs under {args.out}",
           flush=True)
     try:
@@ -95,6 +152,7 @@ def main() -> int:
         print("targets met: 0/3 (missed: the undisturbed run did not finish)")
         return 1
     events, losses, base = res.driver.events, res.losses, res.base
+    count_rollbacks(events, sorted((args.out / "disturbed").glob("node*.log")), float("inf"))
     print(f"disturbed run: {len(events)} of {len(schedule.events())} event(s) in {res.wall_s:.0f}s"
           + (f"; FAILED: {res.error}" if res.error else ""))
     for line in event_table(events):
