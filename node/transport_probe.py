@@ -9,7 +9,7 @@ the upstream side times the round trip (two messages). Every size is timed `repe
 round trip kept; a line latency + size / bandwidth is then fitted to the one-way times (least squares), the
 message-size curve the planner's cost model prices a transfer with (`CostModel.transfer_seconds`).
 
-`fit_transfer_curve` is the pure part (tested without a network). `probe_transport` needs both ends' peer
+`fit_transfer_curve` (`atoll.node.probe`) is the pure part (tested without a network). `probe_transport` needs both ends' peer
 servers in this process: testbeds, benchmarks and a node probing its own loopback; a link between two
 machines is measured by `probe_peer`.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -27,59 +26,14 @@ import torch
 from atoll.compression import CodecSpec
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
 from atoll.node.peer import PeerServer
+from atoll.node.probe import TransferCurve, fit_transfer_curve
 from atoll.node.transport import TensorKey
-from atoll.types import LinkMeasurement
+
+__all__ = ["DEFAULT_SIZES", "TransferCurve", "fit_transfer_curve", "probe_transport"]
 
 DEFAULT_SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Payload bytes timed by default: from a small activation to a large one (a curve needs two at least; on a
 loopback link the per-message cost hides the size's effect below about a megabyte)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferCurve:
-    """One message's time on a link as latency + bytes / bandwidth, and the medians it was fitted to."""
-
-    latency_s: float
-    """Fixed seconds of one message (network latency plus the transport's per-message work)."""
-    bandwidth_bytes_per_s: float
-    """Bytes per second of a message's size-dependent part."""
-    samples: tuple[tuple[int, float], ...] = ()
-    """(payload bytes, median one-way seconds) per size timed."""
-
-    def seconds(self, nbytes: float) -> float:
-        """Predicted one-way time of a message of `nbytes`."""
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
-    def measurement(self, *, src: str, dst: str) -> LinkMeasurement:
-        """The curve as the link record the planner reads (`rtt_seconds` twice the one-way latency)."""
-        largest = max((n for n, _ in self.samples), default=0)
-        return LinkMeasurement(src=src, dst=dst, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-                               rtt_seconds=2 * self.latency_s, probe_bytes=largest, measured_unix=time.time())
-
-
-def fit_transfer_curve(samples: Sequence[tuple[int, float]]) -> TransferCurve:
-    """Least-squares latency + size / bandwidth through (payload bytes, one-way seconds) samples of at least
-    two distinct sizes. A fitted negative latency is taken as zero (the line refitted through the origin).
-    Where the times do not grow with size (the per-message cost and the machine's noise hide the size's
-    effect over the sizes timed), the latency is their mean and the bandwidth the largest size over the
-    quickest time, a rate the link at least reached (time larger sizes for a better figure)."""
-    sizes = sorted({n for n, _ in samples})
-    if len(sizes) < 2:
-        raise ValueError(f"a transfer curve needs samples of at least two sizes, got {sizes}")
-    if any(n <= 0 or s <= 0 for n, s in samples):
-        raise ValueError("samples need positive sizes and times")
-    xs = [float(n) for n, _ in samples]
-    ys = [s for _, s in samples]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    latency = my - slope * mx
-    if latency < 0:
-        latency, slope = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    if slope <= 0:
-        latency, slope = my, min(ys) / max(xs)
-    return TransferCurve(latency_s=latency, bandwidth_bytes_per_s=1.0 / slope,
-                         samples=tuple(sorted((int(n), s) for n, s in samples)))
 
 
 def probe_transport(upstream: PeerServer, downstream: PeerServer, *, sizes: Sequence[int] = DEFAULT_SIZES,

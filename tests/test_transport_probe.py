@@ -68,3 +68,29 @@ def test_probe_arguments_are_checked() -> None:
             probe_transport(a, a, sizes=(2,))
     finally:
         a.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_probe_fits_the_curve_to_three_sizes(monkeypatch) -> None:
+    from datetime import timedelta
+
+    from atoll.node import probe
+
+    fitted: list[list[tuple[int, float]]] = []
+    real = probe.fit_transfer_curve
+
+    def spy(samples):
+        fitted.append(list(samples))
+        return real(samples)
+
+    monkeypatch.setattr(probe, "fit_transfer_curve", spy)
+    server = PeerServer(node_id="b", listen="127.0.0.1:0", token="t")
+    try:
+        r = probe.probe_peer(server.address, nbytes=256 << 10, token="t", timeout=timedelta(seconds=20))
+        assert [n for n, _ in fitted[0]] == [16 << 10, 64 << 10, 256 << 10]
+        assert r.bytes == 256 << 10 and r.rtt_seconds > 0 and r.bandwidth_bytes_per_s > 0
+        # a small probe times one transfer, as before
+        small = probe.probe_peer(server.address, nbytes=1024, token="t", timeout=timedelta(seconds=20))
+        assert len(fitted) == 1 and small.bytes == 1024
+    finally:
+        server.stop()
