@@ -153,7 +153,11 @@ def best_rates(cm: CostModel, cluster: Cluster) -> dict[str, float]:
 def ceiling(cm: CostModel, cluster: Cluster) -> float:
     """Tokens/s of every GPU computing the whole model at its most efficient shape (`best_rates`), nothing
     else. An upper bound on any plan: a plan's stage runs one of these shapes on part of the model, and adds
-    fill and drain, waiting, transfers, all-reduces and the optimizer to it."""
+    fill and drain, waiting, transfers, all-reduces and the optimizer to it. It holds layer by layer too,
+    which a plan that gives each device class the layers it is relatively best at would need: with catalog
+    devices every layer's time is its FLOPs at one rate per device and shape, so the shape best for the whole
+    model is best for each layer, and no device is relatively faster at some layers (a measured profile could
+    break this; the scenarios here use none)."""
     rates = best_rates(cm, cluster)
     return sum(isl.gpus * rates[isl.id] for isl in cluster.islands) * cm.train.seq_len
 
