@@ -1014,7 +1014,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
                      coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
-                     target_steps=lambda: target[0],
+                     target_steps=lambda: target[0] or getattr(run.agent, "target_steps", 0),
                      wait_bound=lambda: run.wait_timeout(timeout),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
                      replicate=None if replicator is None else
@@ -1033,7 +1033,9 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
     finally:
         if replicator is not None:  # copies still queued finish on its thread, which then ends
             replicator.close(timedelta(0))
-    if next_step >= runner.last_step:
+    # a node the plan left idle has no last step of its own: the coordinator says when the job is done
+    # (`exit_when_idle_and_done`); its run returns the plan's resume step, which may be past the spec's end
+    if runner.placement is not None and next_step >= runner.last_step:
         log.info("the job has finished its %d steps", runner.last_step)
         run.peer.state.forget_live()  # a node leaving now has nothing to hand over
         return True
