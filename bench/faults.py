@@ -10,17 +10,28 @@ machine) and injects events while it trains:
 - `leave`: SIGTERM a random node (a graceful leave); it is not restarted.
 
 Events follow the cluster, not the clock: the first comes once the job has trained `first_at` steps, each
-next one once the cluster has recovered from the one before (every node it should have is alive, and
-`gap_steps` whole steps are trained in the newest plan since). The job is made long enough for all of them
-from the step time of a short calibration run (`calibrate`, `steps_for`); should it end first, the events
-left are reported as not injected.
+next one once the cluster is past the one before (`DriverConfig.pace`):
+
+- "recovery": every node it should have is alive (a killed node restarted `restart_after` s after its kill),
+  the newest plan accounts for all of them, and `gap_steps` whole steps are trained in it since;
+- "detection": the event was detected (the killed node marked gone, or planned out) and the job trained
+  `gap_steps` whole steps again since (in a newer plan when the node ran a stage); a killed node is restarted
+  `restart_after` s after its death was detected, while the next events go on, and only nodes that joined
+  since their start are picked. A coordinator kill still waits for a whole cluster, so that no join of a
+  restarted node falls in its window.
+
+The job's spec gives its learning-rate schedule (`train.steps`); while events remain, the driver keeps
+`room_seconds` of training ahead of the newest step at the measured step rate (`atoll job extend`: steps past
+the spec's train at its final rate), and once the last event is past it ends the job a few steps later
+(`atoll job stop`). The undisturbed run of the same spec, run afterwards, is extended to the same end at its
+start, so both train the same steps on the same batches at the same rates.
 
 A monitor thread reads the coordinator's SQLite store (it stays readable while the coordinator is down)
 every `poll` seconds: step reports, members and plans. From them, per event:
 
 - detection: from the event until the coordinator marks the node gone/left, or publishes a plan without it
-  (node kills and leaves); from the join until a plan names the new node (joins); coordinator kills: the
-  outage, until every member has heartbeated the new coordinator;
+  (node kills and leaves); from the join until a plan names the new node (joins); coordinator kills: from the
+  kill until every member has heartbeated the restarted coordinator;
 - time to the next step: from the event (a join: its join) until the first whole step (one with a loss) is
   trained after it; for a node that ran a stage, in a newer plan than the one it ran;
 - steps rolled back: how far the trained step went back in the event's window (`rolled_back`);
@@ -30,13 +41,17 @@ every `poll` seconds: step reports, members and plans. From them, per event:
 
 from __future__ import annotations
 
+import argparse
+import math
 import random
 import re
 import signal
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 
 from atoll.coordinator.store import SqliteStore
@@ -48,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "tiny.toml"
 
 KINDS = ("node-kill", "coordinator-kill", "join", "leave")
+PACES = ("recovery", "detection")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +101,21 @@ class DriverConfig:
     min_steps: int = 150
     """Shortest job."""
     restart_after: float = 10.0
-    """Seconds a killed node stays down before it is started again (longer than the lease: its death is
-    detected as a death, not as a restart at a new address)."""
+    """Seconds a killed node stays down before it is started again: after its kill (pace "recovery"; longer than
+    the lease, so its death is detected as a death, not as a restart at a new address), or after its death was
+    detected (pace "detection")."""
     outage: float = 5.0
     """Seconds the coordinator stays down (shorter than the lease: nodes keep their membership)."""
     lease: float = 8.0
     """The coordinator's lease (`atoll coordinator --lease`)."""
     recover_timeout: float = 300.0
     """Longest wait for the cluster to recover from an event before the run is given up."""
+    pace: str = "recovery"
+    """When the next event comes: "recovery" (the cluster whole again) or "detection" (the event detected and
+    training going again); see the module's docstring."""
+    room_seconds: float = 60.0
+    """Seconds of training kept ahead of the newest step while events remain (`atoll job extend`), and the job
+    stopped a few steps after the last event is past (`atoll job stop`). 0: the job's length is the spec's."""
     poll: float = 0.25
     """Seconds between two readings of the coordinator's store."""
     threads_per_node: int = 1
@@ -106,22 +129,25 @@ class DriverConfig:
             raise ValueError("gap_steps and first_at must be >= 1 and min_steps >= 10")
         if not 0 < self.outage < self.lease:
             raise ValueError(f"outage ({self.outage}s) must be positive and shorter than the lease ({self.lease}s)")
-        for name in ("restart_after", "recover_timeout", "poll", "profile_seconds"):
+        for name in ("recover_timeout", "poll", "profile_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.pace not in PACES:
+            raise ValueError(f"pace must be one of {PACES}, got {self.pace!r}")
+        if self.restart_after < 0 or self.room_seconds < 0:
+            raise ValueError("restart_after and room_seconds must be >= 0")
+        if 0 < self.room_seconds <= self.outage:
+            raise ValueError(f"room_seconds ({self.room_seconds}) must be longer than the outage ({self.outage}s): "
+                             f"the job is not extended while the coordinator is away")
 
     def event_seconds(self, kind: str) -> float:
-        """A generous guess of the wall time an event of `kind` takes until the cluster has recovered from it (a
-        node's start: imports, profile, join; a plan; its set-up)."""
+        """A generous guess of the wall time an event of `kind` takes until the cluster is past it (a node's
+        start: imports, profile, join; a plan; its set-up), for the run's time bound."""
         start = 15.0 + self.profile_seconds
-        return {"node-kill": self.restart_after + start + 10.0, "coordinator-kill": self.outage + 10.0,
+        detect = self.lease + 10.0
+        kill = detect if self.pace == "detection" else self.restart_after + start + 10.0
+        return {"node-kill": kill, "coordinator-kill": self.outage + 10.0 + (start if self.pace == "detection" else 0),
                 "join": start + 10.0, "leave": 20.0}[kind]
-
-    def steps_for(self, kinds: list[str], step_seconds: float) -> int:
-        """A job long enough for `kinds` at `step_seconds` a step, with half as much again to spare."""
-        seconds = sum(self.event_seconds(k) for k in kinds)
-        steps = self.first_at + len(kinds) * self.gap_steps + 1.5 * seconds / max(step_seconds, 1e-3)
-        return max(self.min_steps, int(steps) + self.gap_steps)
 
 
 def write_job(cfg: DriverConfig, steps: int, path: Path) -> Path:
@@ -166,6 +192,8 @@ class Event:
     state_bytes: int | None = None
     trained_while_down: int | None = None
     """Coordinator kills: whole steps trained while it was down."""
+    detected_at: float = 0.0
+    """Unix time the driver saw the event detected (0: not yet); the figures are measured after the run."""
     note: str = ""
 
 
@@ -186,6 +214,17 @@ class RunRecord:
     """node id -> every join time the store has shown for it (a restarted node joins again)."""
     gone_times: dict[str, list[float]] = field(default_factory=dict)
     """node id -> every time the store was first seen marking it not alive."""
+    heard_log: dict[str, list[float]] = field(default_factory=dict)
+    """node id -> every heartbeat time the store was seen holding (one per reading at most)."""
+    target: int = 0
+    """The step the job ends at, as the coordinator keeps it (the spec's, or as extended or stopped)."""
+    finished: float = 0.0
+    """When the coordinator recorded the job finished (0: not yet)."""
+
+    def reported(self) -> set[int]:
+        """Steps some node reported trained (with a loss or without: a step whose loss all-reduce failed when a
+        replica died has its optimizer step done but no loss)."""
+        return {s for (_, s, _, _) in self.steps.values()}
 
     def whole_steps(self) -> list[tuple[float, int, int, float]]:
         """(unix time, step, epoch, loss) of every step with a loss, in time order."""
@@ -237,6 +276,7 @@ class Monitor:
                     break
                 limit *= 4
             members = store.list_members()
+            control = store.get_control()
             latest = store.latest_plan()  # the whole history is parsed again only when a plan was added
             known = self.record.plans[-1][1].epoch if self.record.plans else 0
             plans = store.plan_history() if latest is not None and latest.epoch != known else None
@@ -247,8 +287,13 @@ class Monitor:
             r = self.record
             for m in batch:
                 r.steps[(m.node_id, m.plan_epoch, m.step)] = (m.unix_time, m.step, m.loss, m.plan_epoch)
+            r.target = control.target_steps or r.target
+            r.finished = control.finished_unix
             for m in members:
                 r.heard[m.node_id] = m.last_heartbeat_unix
+                log_ = r.heard_log.setdefault(m.node_id, [])
+                if m.last_heartbeat_unix and (not log_ or log_[-1] != m.last_heartbeat_unix):
+                    log_.append(m.last_heartbeat_unix)
                 times = r.joined.setdefault(m.node_id, [])
                 if m.joined_unix and m.joined_unix not in times:
                     times.append(m.joined_unix)
@@ -268,7 +313,9 @@ class Monitor:
             return RunRecord(steps=dict(r.steps), plans=list(r.plans), left_alive=dict(r.left_alive),
                              member_states=dict(r.member_states), heard=dict(r.heard),
                              joined={k: list(v) for k, v in r.joined.items()},
-                             gone_times={k: list(v) for k, v in r.gone_times.items()})
+                             gone_times={k: list(v) for k, v in r.gone_times.items()},
+                             heard_log={k: list(v) for k, v in r.heard_log.items()}, target=r.target,
+                             finished=r.finished)
 
 
 def plan_nodes(plan: Plan) -> set[str]:
@@ -352,12 +399,16 @@ class RunFailed(RuntimeError):
 
 
 class FaultDriver:
-    """One run of the job under `out` with the events of `schedule` (none: the undisturbed run)."""
+    """One run of the job under `out` with the events of `schedule` (none: the undisturbed run). `target`: the
+    step the job ends at, when it is to end later than its spec says (extended at the start)."""
 
-    def __init__(self, cfg: DriverConfig, job_path: Path, out: Path, *, seed: int = 0,
+    def __init__(self, cfg: DriverConfig, job_path: Path, out: Path, *, seed: int = 0, target: int | None = None,
                  say=print):
         self.cfg, self.job_path, self.out = cfg, job_path, Path(out)
         self.job = JobSpec.load(job_path)
+        self.target = self.job.train.steps
+        """The step the job ends at (the spec's, or as this driver extended or stopped it)."""
+        self._fixed_target = target
         self.rng = random.Random(seed)
         self.say = say
         clear_run(self.out)
@@ -367,13 +418,18 @@ class FaultDriver:
         self.monitor = Monitor(self.cluster.state_db, cfg.poll)
         self.running: list[str] = []
         """Names of the node processes that should be up."""
+        self.started_at: dict[str, float] = {}
+        """name -> when its process was (last) started."""
         self.down: dict[str, float] = {}
-        """Killed nodes waiting for their restart: name -> when to start it."""
+        """Killed nodes waiting for their restart: name -> when to start it (inf: once its death is detected)."""
         self._next_name = 1
         self.events: list[Event] = []
         self.started = 0.0
         self.finished: float | None = None
         self.not_injected = 0
+        self._managed = False
+        """Whether this driver moves the job's end (`room_seconds`): it then stops the job after the last event."""
+        self._last_extend = 0.0
 
     # --- processes -----------------------------------------------------------------------------------
 
@@ -382,6 +438,7 @@ class FaultDriver:
             name = f"node{self._next_name}"
             self._next_name += 1
         self.cluster.start_node(name)
+        self.started_at[name] = time.time()
         if name not in self.running:
             self.running.append(name)
         return name
@@ -401,16 +458,51 @@ class FaultDriver:
             if proc.poll() is not None and (name == "coordinator" or (name in self.running and proc.returncode != 0)):
                 raise RunFailed(f"{name} exited with code {proc.returncode}; see {self.out}/{name}.log")
 
-    def _restart_due(self) -> None:
+    def _restart_due(self, rec: RunRecord) -> None:
         now = time.time()
         for name, when in list(self.down.items()):
+            e = next((e for e in reversed(self.events) if e.target == name and e.kind == "node-kill"), None)
+            if math.isinf(when) and e is not None:  # pace "detection": restarted once its death was detected
+                seen = detected_at(e, rec)
+                if seen is None:
+                    continue
+                when = self.down[name] = seen + self.cfg.restart_after
             if now >= when:
                 del self.down[name]
                 self._start_node(name)
-                for e in reversed(self.events):
-                    if e.target == name and e.kind == "node-kill":
-                        e.back_at = time.time()
-                        break
+                if e is not None:
+                    e.back_at = time.time()
+
+    # --- the job's end ---------------------------------------------------------------------------------
+
+    def _control(self, action: str, steps: int = 0):
+        from atoll.launch.job import control_job
+        from atoll.tls import bootstrap_rpc
+
+        token = self.cluster.token
+        rpc = None if self.cluster.insecure else bootstrap_rpc(token, self.cluster.ca_file.read_bytes())
+        reply = control_job(self.cluster.address, action, steps=steps, token=token, rpc=rpc,
+                            timeout=timedelta(seconds=10))
+        self.target = reply.target_steps
+        return reply
+
+    def _keep_room(self, rec: RunRecord) -> None:
+        """While events remain: extend the job when fewer than `room_seconds` of training are left at the rate
+        of the last seconds."""
+        if not self._managed or time.monotonic() - self._last_extend < 2.0:
+            return
+        steps = rec.whole_steps()
+        high = self.high_step(rec)
+        recent = [(t, s) for t, s, _, _ in steps if t >= time.time() - 10.0]
+        rate = (len({s for _, s in recent}) / max(1.0, recent[-1][0] - recent[0][0])) if len(recent) > 1 else 5.0
+        room = max(4 * self.cfg.gap_steps, int(rate * self.cfg.room_seconds))
+        if self.target - (high + 1) >= room:
+            return
+        self._last_extend = time.monotonic()
+        try:
+            self._control("extend", room)
+        except (ValueError, ConnectionError) as e:  # near the end already, or the coordinator is away
+            self.say(f"  could not extend the job (at step {high} of {self.target}): {e}")
 
     # --- progress --------------------------------------------------------------------------------------
 
@@ -418,7 +510,8 @@ class FaultDriver:
         return max((s for _, s, _, _ in rec.whole_steps()), default=-1)
 
     def complete(self, rec: RunRecord) -> bool:
-        return len(rec.losses()) >= self.job.train.steps
+        """The coordinator recorded the job finished (its last step reported)."""
+        return rec.finished > 0
 
     def recovered(self, rec: RunRecord, since: float) -> bool:
         """Every node that should run is alive and heard from since `since`, the newest plan accounts for all of
@@ -436,21 +529,69 @@ class FaultDriver:
         after = [s for t, s, e, _ in rec.whole_steps() if t > max(since, created) and e == plan.epoch]
         return len(after) >= self.cfg.gap_steps
 
+    def joined_since_start(self, rec: RunRecord) -> list[str]:
+        """Running nodes that are alive members and joined since their (re)start: the ones a kill may pick."""
+        out = []
+        for name in self.running:
+            i = self.node_id(name)
+            if rec.member_states.get(i) == "alive" and any(t >= self.started_at[name] - 1.0
+                                                           for t in rec.joined.get(i, [])):
+                out.append(name)
+        return out
+
+    def past(self, e: Event, rec: RunRecord) -> bool:
+        """Pace "detection": `e` was detected and the job trained `gap_steps` whole steps again since (in a plan
+        newer than the one the killed node ran); a coordinator kill: every member heard the new process."""
+        steps = rec.whole_steps()
+        if e.kind == "coordinator-kill":
+            ids = {self.node_id(n) for n in self.running}
+            if any(rec.heard.get(i, 0.0) < e.back_at for i in ids):
+                return False
+            e.detected_at = e.detected_at or time.time()
+            after = [s for t, s, _, _ in steps if t > e.back_at]
+        elif e.kind in ("node-kill", "leave"):
+            seen = detected_at(e, rec)
+            if seen is None:
+                return False
+            e.detected_at = seen
+            named = e.role.startswith("pipeline")
+            after = [s for t, s, ep, _ in steps if t > seen and (ep > e.epoch or not named)]
+        else:  # a join: a plan names the node
+            naming = [t for t, p, _ in rec.plans if t >= e.at and e.node_id in plan_nodes(p)]
+            if not naming:
+                return False
+            after = [s for t, s, _, _ in steps if t > naming[0]]
+        return len(after) >= self.cfg.gap_steps
+
+    def ready_for(self, kind: str, rec: RunRecord, last_action: float) -> bool:
+        """Whether the next event, of `kind`, may come now."""
+        if self.high_step(rec) < self.cfg.first_at:
+            return False
+        if self.cfg.pace == "recovery" or not self.events or kind == "coordinator-kill":
+            # a coordinator kill waits for a whole cluster: no join of a restarted node in its window
+            return self.recovered(rec, last_action) and (not self.events or self.past(self.events[-1], rec)
+                                                         or self.cfg.pace == "recovery")
+        if not self.past(self.events[-1], rec):
+            return False
+        return kind not in ("node-kill", "leave") or len(self.joined_since_start(rec)) >= 2
+
     def _wait(self, what: str, until, timeout: float) -> RunRecord:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             self._check_processes()
-            self._restart_due()
             rec = self.monitor.snapshot()
+            self._restart_due(rec)
             if until(rec):
                 return rec
+            self._keep_room(rec)
             time.sleep(self.cfg.poll)
         raise RunFailed(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}")
 
     # --- events ----------------------------------------------------------------------------------------
 
-    def _pick(self) -> str:
-        return self.rng.choice(sorted(self.running))
+    def _pick(self, rec: RunRecord) -> str:
+        names = self.joined_since_start(rec) if self.cfg.pace == "detection" else self.running
+        return self.rng.choice(sorted(names))
 
     def _event(self, kind: str, rec: RunRecord) -> Event:
         plan = rec.plans[-1][1] if rec.plans else None
@@ -458,7 +599,7 @@ class FaultDriver:
         e = Event(index=len(self.events) + 1, kind=kind, at=0.0, epoch=plan.epoch if plan else 0,
                   step=self.high_step(rec))
         if kind in ("node-kill", "leave"):
-            name = self._pick()
+            name = self._pick(rec)
             e.target, e.node_id = name, self.node_id(name)
             e.role, e.live_replica = role_of(plan, e.node_id, alive)
             proc = self.cluster.procs[name]
@@ -467,7 +608,8 @@ class FaultDriver:
             if kind == "node-kill":
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait(10)
-                self.down[name] = time.time() + self.cfg.restart_after
+                self.down[name] = (math.inf if self.cfg.pace == "detection"
+                                   else time.time() + self.cfg.restart_after)
             else:
                 _signal_group(proc, signal.SIGTERM)
                 try:
@@ -500,32 +642,46 @@ class FaultDriver:
         deadline = time.monotonic() + timeout
         try:
             self.cluster.start_coordinator(extra=self.coordinator_args)
+            if self._fixed_target is not None and self._fixed_target > self.target:
+                self._control("extend", self._fixed_target - self.target)  # before any node hears the spec's end
+            self._managed = bool(kinds) and cfg.room_seconds > 0
             self.monitor.start()
             for _ in range(cfg.nodes):
                 self._start_node()
             last_action = time.time()
             for k, kind in enumerate(kinds):
                 left = deadline - time.monotonic()
-                rec = self._wait(f"the cluster to recover and train {cfg.gap_steps} steps (before event {k + 1}, "
-                                 f"{kind})", lambda r: self.complete(r) or (self.high_step(r) >= cfg.first_at
-                                                                            and self.recovered(r, last_action)),
+                what = (f"the cluster to recover and train {cfg.gap_steps} steps" if cfg.pace == "recovery" or
+                        kind == "coordinator-kill" else f"the event before to be detected and {cfg.gap_steps} "
+                        f"steps trained since")
+                rec = self._wait(f"{what} (before event {k + 1}, {kind})",
+                                 lambda r: self.complete(r) or self.ready_for(kind, r, last_action),
                                  min(left, cfg.recover_timeout))
                 if self.complete(rec):
                     self.not_injected = len(kinds) - k
                     self.say(f"the job finished before event {k + 1}; {self.not_injected} event(s) not injected "
-                             f"(a longer job: --steps)")
+                             f"(a longer job: --steps, or more room: room_seconds)")
                     break
                 e = self._event(kind, rec)
                 self.events.append(e)
                 self.say(f"  event {e.index}/{len(kinds)}: {e.kind} {e.target} at step {e.step} ({e.role or 'n/a'})")
                 last_action = e.back_at or e.at
-                if kind == "node-kill":
+                if kind == "node-kill" and cfg.pace == "recovery":
                     # recovered means restarted too: wait for the restart before counting from it
                     self._wait("the killed node's restart", lambda r: e.target not in self.down,
                                cfg.restart_after + 30)
                     last_action = e.back_at
+            if self._managed and self.events and not self.not_injected:
+                last = self.events[-1]
+                self._wait(f"the last event ({last.kind}) to be past", lambda r: self.complete(r)
+                           or self.past(last, r), min(deadline - time.monotonic(), cfg.recover_timeout))
+                self._managed = False
+                if not self.complete(self.monitor.snapshot()):
+                    reply = self._control("stop")
+                    self.say(f"  every event injected: the job ends at step {reply.target_steps}")
             self._wait("the job to finish", self.complete, max(30.0, deadline - time.monotonic()))
             self.finished = time.time()
+            self.target = self.monitor.snapshot().target or self.target
         finally:
             self.monitor.stop()
             self.cluster.stop()
@@ -546,12 +702,9 @@ class FaultDriver:
             e.state_bytes = state_bytes_in_logs(logs, e.at, e.until)
             later = [(t, p) for t, p, _ in rec.plans if t >= e.at]
             if e.kind in ("node-kill", "leave"):
-                gone = [t for t in rec.gone_times.get(e.node_id, []) if e.at <= t < e.until]
-                without = [t for t, p in later if e.node_id not in plan_nodes(p)]
-                # a plan that never named the node: its absence is no detection
+                seen = detected_at(e, rec, e.until)
+                e.detection_s = seen - e.at if seen is not None else None
                 named = e.role.startswith("pipeline")
-                seen = gone + (without if named else [])
-                e.detection_s = min(seen) - e.at if seen else None
                 newer = [(t, s) for t, s, ep, _ in steps if t > e.at and (ep > e.epoch or not named)]
                 e.next_step_s = newer[0][0] - e.at if newer else None
             elif e.kind == "join":
@@ -567,9 +720,11 @@ class FaultDriver:
                 else:
                     e.note = (e.note + "; " if e.note else "") + "no plan named the node (idle or still joining)"
                     e.rolled_back = 0
-            else:  # coordinator kill: the outage, and then until every member heartbeated the new process
+            else:  # coordinator kill: from the kill until every member heartbeated the restarted process
                 back = e.back_at
-                e.detection_s = None
+                members = [i for i, ts in rec.heard_log.items() if any(t < e.at for t in ts)]
+                firsts = [next((t for t in rec.heard_log[i] if t >= back), None) for i in members]
+                e.detection_s = (max(firsts) - e.at) if members and None not in firsts else None
                 e.next_step_s = next((t - e.at for t, _, _, _ in steps if t > e.at), None)
                 during = [s for t, s, _, _ in steps if e.at <= t < back]
                 e.trained_while_down = len(during)
@@ -579,6 +734,16 @@ class FaultDriver:
 
     def summary_losses(self) -> dict[int, float]:
         return self.monitor.snapshot().losses()
+
+
+def detected_at(e: Event, rec: RunRecord, until: float = math.inf) -> float | None:
+    """When the coordinator was seen to know of node kill or leave `e`: it marked the node not alive, or (a node
+    the plan ran) published a plan without it; None: not (yet) within [e.at, until)."""
+    gone = [t for t in rec.gone_times.get(e.node_id, []) if e.at <= t < until]
+    named = e.role.startswith("pipeline")
+    without = [t for t, p, _ in rec.plans if e.at <= t < until and e.node_id not in plan_nodes(p)] if named else []
+    seen = gone + without  # a plan that never named the node: its absence is no detection
+    return min(seen) if seen else None
 
 
 def final_loss(losses: dict[int, float], last: int = 10) -> float:
@@ -600,63 +765,55 @@ def event_table(events: list[Event]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def calibrate(cfg: DriverConfig, out: Path, timeout: float, steps: int = 60, say=print) -> float:
-    """Seconds a step of the job takes on this cluster undisturbed: the median interval between consecutive whole
-    steps over the second half of a short run."""
-    job = write_job(cfg, steps, out / "job.toml")
-    driver = FaultDriver(cfg, job, out, say=say)
-    driver.run(FaultSchedule(), timeout)
-    steps_ = [(t, s) for t, s, _, _ in driver.monitor.snapshot().whole_steps()]
-    gaps = [b[0] - a[0] for a, b in zip(steps_, steps_[1:]) if b[1] == a[1] + 1]
-    if not gaps:
-        raise RunFailed(f"the calibration run reported no consecutive steps; logs in {out}")
-    return statistics.median(gaps[len(gaps) // 2:])
-
-
-def undisturbed(cfg: DriverConfig, job_path: Path, out: Path, timeout: float, say=print) -> dict[int, float]:
-    """The same job on the same cluster without events: its losses by step."""
-    driver = FaultDriver(cfg, job_path, out, say=say)
+def undisturbed(cfg: DriverConfig, job_path: Path, out: Path, timeout: float, *, target: int | None = None,
+                say=print) -> dict[int, float]:
+    """The same job on the same cluster without events, ending at `target` (default: the spec's end): its losses
+    by step."""
+    driver = FaultDriver(cfg, job_path, out, target=target, say=say)
     driver.run(FaultSchedule(), timeout)
     return driver.summary_losses()
 
 
 @dataclass
 class Outcome:
-    """An undisturbed run and a disturbed run of the same job."""
+    """A disturbed run and an undisturbed run of the same job to the same end."""
 
     steps: int
-    step_seconds: float | None
-    """Calibrated seconds a step (None: `--steps` was given)."""
+    """The step the disturbed job ended at (the undisturbed one ends there too)."""
     base: dict[int, float]
-    """The undisturbed run's loss by step."""
+    """The undisturbed run's loss by step ({} when it failed: `base_error`)."""
     driver: FaultDriver
     error: str
     """Why the disturbed run stopped short ("" when it finished)."""
     wall_s: float
+    """Seconds the disturbed run took."""
+    base_error: str = ""
+    base_wall_s: float = 0.0
 
     @property
     def losses(self) -> dict[int, float]:
         return self.driver.summary_losses()
 
     @property
+    def missing(self) -> list[int]:
+        """Steps of the job no node reported trained."""
+        reported = self.driver.monitor.snapshot().reported()
+        return [s for s in range(self.steps) if s not in reported]
+
+    @property
     def completed(self) -> bool:
-        return not self.error and len(self.losses) >= self.steps
+        """The coordinator recorded the job finished, through every event, and every step was reported."""
+        return (not self.error and not self.driver.not_injected and self.driver.monitor.snapshot().finished > 0
+                and not self.missing)
 
 
 def run_pair(cfg: DriverConfig, schedule: FaultSchedule, out: Path, *, steps: int | None = None,
              timeout: float | None = None, say=print) -> Outcome:
-    """Calibrate the step time (unless `steps` is given), then run the job undisturbed and with the events."""
+    """Run the job (`steps`: its spec's steps, default `cfg.min_steps`) with the events of `schedule`, then
+    undisturbed to the same end (skipped when the disturbed run failed)."""
     kinds = schedule.events()
     timeout = timeout or 600.0 + sum(cfg.event_seconds(k) for k in kinds) * 3
-    step_s = None
-    if steps is None:
-        step_s = calibrate(cfg, out / "calibration", min(timeout, 600.0), say=say)
-        steps = cfg.steps_for(kinds, step_s)
-        say(f"calibration: {step_s * 1e3:.0f} ms a step undisturbed; the job gets {steps} steps")
-    job = write_job(cfg, steps, out / "job.toml")
-    t0 = time.monotonic()
-    base = undisturbed(cfg, job, out / "undisturbed", timeout, say=say)
-    say(f"undisturbed run: {len(base)} steps in {time.monotonic() - t0:.0f}s, final loss {final_loss(base):.4f}")
+    job = write_job(cfg, steps or cfg.min_steps, out / "job.toml")
     driver = FaultDriver(cfg, job, out / "disturbed", seed=schedule.seed, say=say)
     t0 = time.monotonic()
     error = ""
@@ -665,5 +822,69 @@ def run_pair(cfg: DriverConfig, schedule: FaultSchedule, out: Path, *, steps: in
     except RunFailed as e:
         error = str(e)
         driver.measure()
-    return Outcome(steps=steps, step_seconds=step_s, base=base, driver=driver, error=error,
-                   wall_s=time.monotonic() - t0)
+    res = Outcome(steps=driver.target, base={}, driver=driver, error=error, wall_s=time.monotonic() - t0)
+    say(f"disturbed run: {len(driver.events)} of {len(kinds)} event(s) in {res.wall_s:.0f}s, "
+        f"{len(res.losses)} steps with a loss of {res.steps}" + (f"; FAILED: {error}" if error else ""))
+    if error:
+        res.base_error = "not run: the disturbed run failed"
+        return res
+    t0 = time.monotonic()
+    try:
+        res.base = undisturbed(cfg, job, out / "undisturbed", res.wall_s + 600.0, target=res.steps, say=say)
+    except RunFailed as e:
+        res.base_error = str(e)
+    res.base_wall_s = time.monotonic() - t0
+    say(f"undisturbed run to step {res.steps}: " + (f"FAILED: {res.base_error}" if res.base_error else
+                                                   f"{len(res.base)} steps in {res.base_wall_s:.0f}s, final loss "
+                                                   f"{final_loss(res.base):.4f}"))
+    return res
+
+
+# --- the command line both benchmarks share -------------------------------------------------------------
+
+def bench_parser(doc: str, *, node_kills: int, restart_after: float, lease: float, out: str,
+                 quick_help: str) -> argparse.ArgumentParser:
+    """The arguments of a fault benchmark (`bench.chaos`, `bench.churn`); each adds its own events' counts."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--node-kills", "--kills", type=int, default=node_kills)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="the job spec's steps (its learning-rate schedule; "
+                                                            "default 150): the job is extended while events remain "
+                                                            "and ends a few steps after the last")
+    ap.add_argument("--gap-steps", type=int, default=10, help="steps trained after an event before the next")
+    ap.add_argument("--restart-after", type=float, default=restart_after, help="seconds a killed node stays down")
+    ap.add_argument("--lease", type=float, default=lease, help="the coordinator's lease (seconds)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=None, help="bound of each run in seconds (default: from the "
+                                                                "number of events)")
+    ap.add_argument("--out", type=Path, default=Path("runs") / out)
+    return ap
+
+
+def run_bench(cfg: DriverConfig, schedule: FaultSchedule, args: argparse.Namespace, header: str,
+              targets: int) -> Outcome | None:
+    """Run a fault benchmark's pair of runs and print its event table; None (with `targets met: 0/N` printed)
+    when the disturbed run failed before any event."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's processes are stopped too
+    say = lambda s: print(s, flush=True)  # noqa: E731
+    say(f"{header}; logs under {args.out}")
+    res = run_pair(cfg, schedule, args.out, steps=args.steps, timeout=args.timeout, say=say)
+    if res.error and not res.driver.events:
+        print(f"targets met: 0/{targets} (missed: the disturbed run failed before its first event)")
+        return None
+    for line in event_table(res.driver.events):
+        print(line)
+    if res.missing:
+        print(f"steps no node reported trained: {res.missing[:20]}{' ...' if len(res.missing) > 20 else ''}")
+    return res
+
+
+def print_targets(targets: dict[str, bool], res: Outcome) -> int:
+    """Print the notes and `targets met: N/M`; the exit status (0: the run went through, whatever it met)."""
+    if res.driver.not_injected:
+        print(f"note: {res.driver.not_injected} event(s) were not injected: the job ended first")
+    missed = [name for name, ok in targets.items() if not ok]
+    print(f"targets met: {len(targets) - len(missed)}/{len(targets)}"
+          + (f" (missed: {'; '.join(missed)})" if missed else ""))
+    return 0

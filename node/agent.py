@@ -125,11 +125,15 @@ class AgentConfig:
 
     handover: timedelta = timedelta(seconds=30)
     """A graceful leave serves this node's live state until the next plan's nodes took it, at most this long."""
+    final_reports: timedelta = timedelta(minutes=2)
+    """How long a node whose job is done waits for the coordinator to take its last reports (the job's last steps
+    and checkpoints) before it exits: a job that ends while the coordinator is away is recorded complete once it
+    is back. A stop for any other reason (a signal) waits 5 s."""
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("the node needs the job token: --token, --token-file or ATOLL_TOKEN")
-        for name in ("call_timeout", "connect_timeout", "watch_timeout", "probe_timeout"):
+        for name in ("call_timeout", "connect_timeout", "watch_timeout", "probe_timeout", "final_reports"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
         if self.wan_latency < timedelta(0):
@@ -171,8 +175,9 @@ class PlanRun:
     def report_checkpoint(self, report: pb.CheckpointReport, on_delivered: Callable[[], None] | None = None) -> None:
         """Queue a checkpoint report; the agent delivers it, retrying until the coordinator takes it, the
         plan is superseded or the coordinator refuses it for good. `on_delivered` runs once it is taken."""
-        self.agent.send_later("ReportCheckpoint", report, epoch=self.current.epoch,
-                              what=f"checkpoint of step {report.step}", on_delivered=on_delivered)
+        what = f"checkpoint of step {report.step}" + (f" (the copy on {report.node_id})" if report.copy_of else "")
+        self.agent.send_later("ReportCheckpoint", report, epoch=self.current.epoch, what=what,
+                              on_delivered=on_delivered)
 
     def report_failure(self, *, step: int, reason: str) -> None:
         """Queue a report that this node's run of the plan failed at `step`, so the coordinator replans."""
@@ -562,8 +567,11 @@ class NodeAgent:
             except ValueError:  # the channel was closed by stop()
                 return
             except grpc.RpcError as e:
-                if e.code() in _REFUSED:
-                    (log.debug if item.method == "ReportStep" else log.error)(
+                # a copy is indexed as the node that took it: once that node left or was marked gone, the report
+                # is never accepted (this node's own NOT_FOUND is a re-join, which the heartbeat does)
+                lost_holder = e.code() == grpc.StatusCode.NOT_FOUND and getattr(item.request, "copy_of", "")
+                if e.code() in _REFUSED or lost_holder:
+                    (log.debug if item.method == "ReportStep" else log.warning if lost_holder else log.error)(
                         "the coordinator refused the report of the %s (%s: %s); dropping it", item.what,
                         e.code().name, e.details())
                     self._outbox_done(item)
@@ -598,16 +606,21 @@ class NodeAgent:
                     queue_.popleft()
             self._outbox_cond.notify_all()
 
+    def undelivered(self) -> int:
+        """Reports queued for the coordinator and not delivered yet."""
+        with self._outbox_cond:
+            return len(self._outbox) + len(self._step_backlog)
+
     def flush_outbox(self, timeout: timedelta) -> bool:
         """Wait until every queued report is delivered or dropped; False when `timeout` passed first."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._outbox_cond:
-            while self._outbox or self._step_backlog:
+            while (self._outbox or self._step_backlog) and not self._stop.is_set():  # stopped: no one delivers
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._outbox_cond.wait(min(left, 0.5))
-            return True
+            return not (self._outbox or self._step_backlog)
 
     def _watch_loop(self) -> None:
         wait = self.config.backoff[0].total_seconds()
@@ -728,11 +741,12 @@ class NodeAgent:
             else:
                 superseded.set()
 
-    def stop(self, leave: bool = True) -> None:
-        """Stop the loops and the peer server; with `leave`, tell the coordinator (best effort)."""
+    def stop(self, leave: bool = True, flush: timedelta = timedelta(seconds=5)) -> None:
+        """Stop the loops and the peer server; with `leave`, first deliver the queued reports (at most `flush`)
+        and tell the coordinator (best effort)."""
         if self._stop.is_set():
             return
-        if leave and self.joins and not self.flush_outbox(timedelta(seconds=5)):
+        if leave and self.joins and not self.flush_outbox(flush):
             log.warning("stopping with %d report(s) undelivered", len(self._outbox) + len(self._step_backlog))
         self._stop.set()
         with self._cond:
@@ -846,7 +860,11 @@ def run_node_cli(args: argparse.Namespace) -> int:
                                tensorboard=tensorboard["log"])
         if finished and not args.stay:
             log.info("the job is done; this node leaves and exits (--stay keeps it)")
-            threading.Thread(target=agent.stop, daemon=True).start()
+            waiting = agent.undelivered()
+            if waiting:  # the coordinator is away: it learns of the job's end from these once it is back
+                log.info("waiting up to %.0fs for the coordinator to take this node's last %d report(s)",
+                         config.final_reports.total_seconds(), waiting)
+            threading.Thread(target=agent.stop, kwargs={"flush": config.final_reports}, daemon=True).start()
 
     def exit_when_idle_and_done() -> None:
         # a node the plan leaves idle has no last step of its own: it exits once the coordinator says the job
