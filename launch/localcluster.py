@@ -134,11 +134,17 @@ class LocalCluster:
         raise TimeoutError(f"the coordinator did not start listening within {timeout:.0f}s")
 
     def start_node(self, name: str, *, region: str | None = None, extra: list[str] | None = None,
-                   host: Host | None = None) -> None:
+                   host: Host | None = None, node_id: str | None = None) -> None:
         """Start a node; on `host` it listens on the host's address, in its region (unless `region` says
-        otherwise), emulating the host's latency to other regions."""
+        otherwise), emulating the host's latency to other regions. `node_id` gives it that id (kept in its state
+        dir, so a plan written before it starts can name it); without, it keeps the one it has or makes one."""
         if not self.address:
             raise RuntimeError("start the coordinator first")
+        if node_id is not None:
+            from atoll.node.identity import save_node_id
+
+            (self.out / name).mkdir(parents=True, exist_ok=True)
+            save_node_id(self.out / name, node_id)
         listen = f"{host.ip}:0" if host is not None else "127.0.0.1:0"
         args = ["node", "--coordinator", self.address, "--token-file", str(self.token_file), "--listen",
                 listen, "--state-dir", str(self.out / name), "--checkpoint-dir", str(self.checkpoints),
@@ -191,6 +197,17 @@ class LocalCluster:
                 return status
             time.sleep(poll)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}")
+
+    def wait_losses(self, steps: int, timeout: float, *, poll: float = 0.5) -> dict[int, float]:
+        """Poll the coordinator's store until `steps` steps have reported a loss and return every loss so far;
+        TimeoutError after `timeout` seconds. Every process must stay up, except nodes leaving cleanly."""
+        end = time.monotonic() + timeout
+        while len(losses := self.losses()) < steps:
+            self.check_alive(finished_ok=True)
+            if time.monotonic() > end:
+                raise TimeoutError(f"{len(losses)} of {steps} steps reported within {timeout:.0f}s; logs in {self.out}")
+            time.sleep(poll)
+        return losses
 
     def losses(self) -> dict[int, float]:
         """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store.

@@ -152,17 +152,14 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first", "node2": "second", "node3": "spare", "node4": "keeper"}
-    for name, node_id in ids.items():
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(node_id + "\n")
     plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
         micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="a", layers=(0, 3), nodes=["first"]),
                                                    StagePlan(island="b", layers=(3, 6), nodes=["second"])])])
     plan.save(plan_path)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
-        for name in ids:
-            cluster.start_node(name, extra=["--stay"] if name == "node4" else [])
+        for name, node_id in ids.items():
+            cluster.start_node(name, node_id=node_id, extra=["--stay"] if name == "node4" else [])
         _wait("step 3", lambda: cluster.status().step >= 3, 200, cluster)
         base = [sys.executable, "-m", "atoll", "job"]
         auth = ["--coordinator", cluster.address, "--token-file", str(cluster.token_file),

@@ -4,7 +4,6 @@ a deeper in-flight window, and a tensor-parallel (tp = 2) second stage. Its loss
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,9 +29,6 @@ def test_a_plan_mixing_every_feature_runs_through_the_coordinator(tmp_path: Path
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first-0", "node2": "first-1", "node3": "second-tp0", "node4": "second-tp1"}
-    for name, node_id in ids.items():  # ids known before the nodes start, so the plan can name them
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(node_id + "\n")
     plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
         micro_batch=4, num_micro_batches=4, stages=[
             StagePlan(island="a", layers=(0, 3), dp=2, zero=1, recompute_layers=[1, 2], in_flight=1,
@@ -43,15 +39,10 @@ def test_a_plan_mixing_every_feature_runs_through_the_coordinator(tmp_path: Path
     expected, _ = train_local(job)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
-        for name in ids:
-            cluster.start_node(name)
-        end = time.monotonic() + 200
-        while len(cluster.losses()) < STEPS:
-            cluster.check_alive()
-            assert time.monotonic() < end, f"timed out waiting for {STEPS} steps; logs in {out}"
-            time.sleep(0.5)
+        for name, node_id in ids.items():  # known before the nodes start, so the plan can name them
+            cluster.start_node(name, node_id=node_id)
+        losses = cluster.wait_losses(STEPS, 200)
         status = cluster.status()
-        losses = cluster.losses()
     stages = status.plan.pipelines[0].stages
     assert [(s.dp, s.tp, s.zero, list(s.recompute_layers), s.in_flight) for s in stages] == [
         (2, 1, 1, [1, 2], 1), (1, 2, 0, [], 0)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from dataclasses import replace
 from datetime import timedelta
@@ -160,8 +159,8 @@ def test_the_norm_exchange_meets_at_the_store_when_a_member_accepts_no_connectio
 
 
 def _pinned_three_stage_job(tmp: Path, steps: int):
-    """A job and a pinned plan of three one-node stages (first, middle, last); returns (job, job path, plan path,
-    out folder with the nodes' ids written)."""
+    """A job and a pinned plan of three one-node stages (first, middle, last: the nodes' names and ids); returns
+    (job, job path, plan path, out folder)."""
     from atoll.job import JobSpec
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
@@ -172,9 +171,6 @@ def _pinned_three_stage_job(tmp: Path, steps: int):
                   cluster=replace(job.cluster, expected_nodes=3, min_nodes=3), outer=replace(job.outer, mode="sync"))
     job_path, plan_path, out = tmp / "job.toml", tmp / "plan.json", tmp / "cluster"
     job_path.write_text(job.to_toml())
-    for name in ("first", "middle", "last"):
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(name + "\n")
     plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
         micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="a", layers=(0, 2), nodes=["first"]),
                                                    StagePlan(island="b", layers=(2, 4), nodes=["middle"]),
@@ -182,15 +178,6 @@ def _pinned_three_stage_job(tmp: Path, steps: int):
     plan.validate(job.model.n_layers + 2)
     plan.save(plan_path)
     return job, job_path, plan_path, out
-
-
-def _train(cluster, steps: int, timeout: float) -> dict[int, float]:
-    end = time.monotonic() + timeout
-    while len(cluster.losses()) < steps:
-        cluster.check_alive()
-        assert time.monotonic() < end, f"timed out waiting for {steps} steps; logs in {cluster.out}"
-        time.sleep(0.5)
-    return cluster.losses()
 
 
 @pytest.mark.integration
@@ -207,8 +194,8 @@ def test_a_no_listen_node_serves_a_middle_stage(tmp_path: Path) -> None:
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
         for name in ("first", "middle", "last"):
-            cluster.start_node(name, extra=["--no-listen"] if name == "middle" else [])
-        losses = _train(cluster, steps, 200)
+            cluster.start_node(name, node_id=name, extra=["--no-listen"] if name == "middle" else [])
+        losses = cluster.wait_losses(steps, 200)
         status = cluster.status()
     assert status.plan.node_addresses["middle"] == "" and status.plan.node_addresses["first"]
     assert [m.profile.unreachable for m in sorted(status.members, key=lambda m: m.node_id)] == [False, False, True]
@@ -250,8 +237,8 @@ def test_two_no_listen_neighbours_train_through_a_relay(tmp_path: Path) -> None:
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
         for name in ("first", "middle", "last"):
-            cluster.start_node(name, extra=["--no-listen"] if name != "last" else [])
-        losses = _train(cluster, steps, 200)
+            cluster.start_node(name, node_id=name, extra=["--no-listen"] if name != "last" else [])
+        losses = cluster.wait_losses(steps, 200)
         status = cluster.status()
     assert [(r.a, r.b, r.via) for r in status.plan.relays] == [("first", "middle", "last")]
     assert status.plan.relays[0].bandwidth_bytes_per_s > 0
@@ -315,8 +302,8 @@ def test_a_node_in_an_outbound_only_namespace_serves_a_middle_stage(tmp_path: Pa
         with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
             cluster.start_coordinator(host=tb.coordinator, extra=["--plan", str(plan_path)])
             for name, host in zip(("first", "middle", "last"), tb.hosts):
-                cluster.start_node(name, host=host)
-            losses = _train(cluster, steps, 240)
+                cluster.start_node(name, node_id=name, host=host)
+            losses = cluster.wait_losses(steps, 240)
             status = cluster.status()
     assert status.plan.node_addresses["middle"] == "" and status.plan.node_addresses["last"]
     log = (out / "middle.log").read_text()

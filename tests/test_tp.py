@@ -277,23 +277,15 @@ def test_coordinator_and_nodes_run_a_pinned_plan_with_a_tp_stage(tmp_path: Path)
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first-0", "node2": "second-tp0", "node3": "second-tp1"}
-    for name, node_id in ids.items():  # the nodes' ids, known before they start, so the plan can name them
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(node_id + "\n")
     Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
         _stage((0, 3), ["first-0"]), _stage((3, 6), ["second-tp0", "second-tp1"], tp=2)])]).save(plan_path)
     expected, _ = train_local(job)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
-        for name in ids:
-            cluster.start_node(name)
-        end = time.monotonic() + 120
-        while len(cluster.losses()) < steps:
-            cluster.check_alive()
-            assert time.monotonic() < end, f"timed out waiting for {steps} steps; logs in {out}"
-            time.sleep(0.5)
+        for name, node_id in ids.items():  # known before the nodes start, so the plan can name them
+            cluster.start_node(name, node_id=node_id)
+        losses = cluster.wait_losses(steps, 120)
         status = cluster.status()
-        losses = cluster.losses()
     stages = status.plan.pipelines[0].stages
     assert [(list(s.node_ids), s.dp, s.tp) for s in stages] == [(["first-0"], 1, 1),
                                                                 (["second-tp0", "second-tp1"], 1, 2)]
