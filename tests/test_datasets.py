@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import torch.distributed as dist
+from pipeline_harness import run_pinned_plan, stage, tiny_job
 
 from atoll.job import DataSpec, JobSpec, JobSpecError
 from atoll.node.data import ByteTokenizer, TokenDataset, load_text
@@ -22,6 +20,7 @@ from atoll.node.datasets import DataError, StreamingDataset, check_data, held_ou
 from atoll.node.local import train_local
 from atoll.node.model import lm_loss
 from atoll.node.tokenizer import train_bpe
+from atoll.plan import PipelinePlan
 
 REPO = Path(__file__).resolve().parent.parent
 B, L = 4, 32
@@ -267,56 +266,19 @@ def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
 # --- through the pipeline ---------------------------------------------------------------------------------
 
 def _pipeline_job(tmp_path: Path, steps: int, interval: int = 0) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    src = _jsonl(tmp_path / "c.jsonl", _docs(300))
-    return replace(job, data=DataSpec(source=str(src), validation_fraction=0.2),
-                   train=replace(job.train, steps=steps, warmup=1, eval_every=2, eval_batches=2),
-                   checkpoint=replace(job.checkpoint, interval=interval),
-                   compression=replace(job.compression, mode="identity"))
+    job = tiny_job(steps, interval=interval, warmup=1)
+    return replace(job, data=DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs(300))), validation_fraction=0.2),
+                   train=replace(job.train, eval_every=2, eval_batches=2))  # together: eval_every needs held-out data
 
 
 def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int | None = None,
          widths: tuple[str, ...] = ("a", "b")) -> dict[int, tuple[float, float | None]]:
-    """Two stages, the nodes of each given by `widths` ("a", "bc": a second stage two replicas wide), as threads
-    with real gRPC peers and gloo groups; step -> (loss, val_loss)."""
-    from atoll.node.peer import PeerServer
-    from atoll.node.runner import PlanRunner, RunContext
-    from atoll.plan import PipelinePlan, Plan, StagePlan
-
-    names = "".join(widths)
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in names}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    stages = [StagePlan(island="i", layers=(0, 3), dp=len(widths[0]), nodes=list(widths[0])),
-              StagePlan(island="i", layers=(3, 6), dp=len(widths[1]), nodes=list(widths[1]))]
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
-                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], resume_step=resume_step,
-                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
-    got: dict[int, tuple[float, float | None]] = {}
-    errors: list[BaseException] = []
-
-    def node(n: str) -> None:
-        def report(m) -> bool:
-            if m.loss is not None:
-                got[m.step] = (m.loss, m.val_loss)
-            return False
-
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event(), until_step=stop_after)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return got
+    """Two stages, the nodes of each given by `widths` ("a", "bc": a second stage two replicas wide); step ->
+    (loss, val_loss)."""
+    pipeline = PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 3), widths[0]),
+                                                                      stage((3, 6), widths[1])])
+    run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", resume_step=resume_step, until_step=stop_after)
+    return {m.step: (m.loss, m.val_loss) for m in run.reports if m.loss is not None}
 
 
 def _one_process_val_loss(job: JobSpec, module: torch.nn.Module) -> float:

@@ -9,14 +9,12 @@ process, and a shorter step.
 from __future__ import annotations
 
 import statistics
-import threading
-import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
+from pipeline_harness import assert_losses_match, run_pinned_plan, tiny_job
 
 from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, search_plan
 from atoll.coordinator.planner.costmodel import window_depth
@@ -25,13 +23,10 @@ from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, Stage
 from atoll.job import JobSpec
 from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.node.local import train_local
-from atoll.node.peer import PeerServer
-from atoll.node.runner import PlanRunner, RunContext
 from atoll.node.schedule import schedule
 from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.serde import plan_from_proto, plan_to_proto
 
-REPO = Path(__file__).resolve().parent.parent
 LATENCY = timedelta(milliseconds=50)
 
 
@@ -175,61 +170,23 @@ def test_the_window_is_bounded_by_memory() -> None:
 # --- runtime: two stages over gRPC, 50 ms each way -------------------------------------------------------------
 
 
-def _job(steps: int) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, warmup=2, micro_batch=2),
-                   checkpoint=replace(job.checkpoint, interval=0),
-                   compression=replace(job.compression, mode="identity"))
-
-
 def _run(job: JobSpec, stages: list[StagePlan], micro_batch: int, latency: timedelta
          ) -> tuple[dict[int, float], dict[int, float]]:
     """Per-step losses and per-step wall time (the slower node's) of a plan run by nodes as threads."""
-    nodes = [n for s in stages for n in s.nodes]
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
-                pipelines=[PipelinePlan(micro_batch=micro_batch,
-                                        num_micro_batches=job.train.global_batch // micro_batch, stages=stages)],
-                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
-    losses: dict[int, float] = {}
+    pipeline = PipelinePlan(micro_batch=micro_batch, num_micro_batches=job.train.global_batch // micro_batch,
+                            stages=stages)
+    run = run_pinned_plan(job, [pipeline], Path("/nonexistent"), join=60, wan_latency=lambda plan, peer: latency)
     seconds: dict[int, float] = {}
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def report(m) -> bool:
-        with lock:
-            if m.loss is not None:
-                losses[m.step] = m.loss
-            seconds[m.step] = max(seconds.get(m.step, 0.0), m.step_seconds)
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=Path("/nonexistent"),
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30), wan_latency=lambda plan, peer: latency)
-        try:
-            PlanRunner(ctx, plan).run(threading.Event())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a node did not finish"
-    return losses, seconds
+    for m in run.reports:
+        seconds[m.step] = max(seconds.get(m.step, 0.0), m.step_seconds)
+    return run.losses, seconds
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(90)
 def test_a_deep_window_matches_one_process_and_beats_strict_1f1b_behind_a_50ms_link() -> None:
     steps = 6
-    job = _job(steps)
+    job = tiny_job(steps, micro_batch=2)
     expected, _ = train_local(job)
     m = job.train.global_batch // 2
     strict_losses, strict_s = _run(job, [StagePlan(island="east", layers=(0, 3), nodes=["a"]),
@@ -239,8 +196,7 @@ def test_a_deep_window_matches_one_process_and_beats_strict_1f1b_behind_a_50ms_l
                                      StagePlan(island="west", layers=(3, 6), nodes=["d"])], 2, LATENCY)
     for got in (strict_losses, deep_losses):
         assert sorted(got) == list(range(steps))
-        for s in range(steps):
-            assert abs(got[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
+        assert_losses_match(got, expected, 1e-4, range(steps))
     # the first step warms up (connections, allocations); the median of the others
     strict = statistics.median(strict_s[s] for s in range(1, steps))
     deep = statistics.median(deep_s[s] for s in range(1, steps))
@@ -258,16 +214,12 @@ def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_pat
     from atoll.launch.localcluster import LocalCluster
 
     steps = 5
-    job = _job(steps)
+    job = tiny_job(steps, micro_batch=2)
     job = replace(job, cluster=replace(job.cluster, expected_nodes=2, min_nodes=2),
                   outer=replace(job.outer, mode="sync"))
     m = job.train.global_batch // 2
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
-    ids = {"near": "east-0", "far": "west-0"}
-    for name, node_id in ids.items():  # known before the nodes start, so the plan can name them
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(node_id + "\n")
     Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=[PipelinePlan(
         micro_batch=2, num_micro_batches=m, stages=[StagePlan(island="east", layers=(0, 3), nodes=["east-0"],
                                                               in_flight=m - 1),
@@ -276,15 +228,10 @@ def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_pat
     expected, _ = train_local(job)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
-        cluster.start_node("near", region="east", extra=["--wan-latency-ms", "50"])
-        cluster.start_node("far", region="west", extra=["--wan-latency-ms", "50"])
-        end = time.monotonic() + 100
-        while len(cluster.losses()) < steps:
-            cluster.check_alive()
-            assert time.monotonic() < end, f"timed out waiting for {steps} steps; logs in {out}"
-            time.sleep(0.5)
+        cluster.start_node("near", node_id="east-0", region="east", extra=["--wan-latency-ms", "50"])
+        cluster.start_node("far", node_id="west-0", region="west", extra=["--wan-latency-ms", "50"])
+        losses = cluster.wait_losses(steps, 100)
         status = cluster.status()
-        losses = cluster.losses()
         from atoll.coordinator.store import SqliteStore
 
         store = SqliteStore(cluster.state_db)
@@ -296,5 +243,4 @@ def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_pat
     # the link holds every tensor: no step is shorter than one round trip
     assert min(r.step_seconds for r in reports) >= 2 * LATENCY.total_seconds(), reports
     assert {i.group for i in status.plan.islands} == {"east", "west"}
-    for s in range(steps):
-        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
+    assert_losses_match(losses, expected, 1e-4, range(steps))

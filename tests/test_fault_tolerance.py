@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_harness import run_pinned_plan, tiny_job
 
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.service import CoordinatorService, ServiceConfig
@@ -27,9 +27,8 @@ from atoll.job import JobSpec
 from atoll.node.agent import AgentConfig, NodeAgent
 from atoll.node.dataparallel import (CollectiveCancelled, CollectiveError, GradientAverager, arrive,
                                      cancel_collectives_on, release_later, wait_collective)
-from atoll.node.peer import PeerServer
-from atoll.node.runner import PlanRunner, RunContext, RunFailed
-from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.node.runner import RunFailed
+from atoll.plan import PipelinePlan, StagePlan
 from atoll.types import NodeProfile
 from atoll.v1 import atoll_pb2 as pb
 
@@ -105,50 +104,28 @@ def test_a_rendezvous_waits_for_every_rank_and_ends_when_the_plan_is_superseded(
 def _dp_run(tmp_path: Path, *, wait_bound: timedelta | None, supersede_after: float | None):
     """Nodes a and b as threads, the tiny model as one stage with two replicas. b goes silent after a few steps
     while holding its groups (a hung machine); returns (how a's run ended, seconds from b's silence to it)."""
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=200, warmup=2),
-                  checkpoint=replace(job.checkpoint, interval=0), compression=replace(job.compression, mode="identity"))
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in ("a", "b")}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    stage = StagePlan(island="i", layers=(0, job.model.n_layers + 2), dp=2, nodes=["a", "b"])
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len,
-                pipelines=[PipelinePlan(micro_batch=job.train.micro_batch * 2,
-                                        num_micro_batches=job.train.num_micro_batches // 2, stages=[stage])],
-                epoch=1, job_id="job", node_addresses={n: s.address for n, s in servers.items()},
-                rendezvous=f"127.0.0.1:{store.port}")
-    stops = {n: threading.Event() for n in servers}
+    job = tiny_job(200)
+    stops = {n: threading.Event() for n in ("a", "b")}
     silent_at: list[float] = []
-    ended: dict[str, tuple[str, float]] = {}
 
-    def report(n: str, m) -> bool:
-        if n == "b" and m.step >= 2 and not stops["b"].is_set():
+    def report(m) -> None:
+        if m.node_id == "b" and m.step >= 2 and not stops["b"].is_set():
             silent_at.append(time.monotonic())
             stops["b"].set()
             if supersede_after is not None:
                 threading.Timer(supersede_after, stops["a"].set).start()
-        return False
 
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=lambda m: report(n, m), report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=60),
-                         wait_bound=(lambda: wait_bound) if wait_bound is not None and n == "a" else None)
-        try:
-            PlanRunner(ctx, plan).run(stops[n])
-            ended[n] = ("returned", time.monotonic())
-        except RunFailed as e:
-            ended[n] = (f"failed: {e}", time.monotonic())
-
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(45)
-    for s in servers.values():
-        s.stop()
-    assert "a" in ended, "node a's run hung"
-    how, when = ended["a"]
-    return how, when - silent_at[0]
+    stage = StagePlan(island="i", layers=(0, job.model.n_layers + 2), dp=2, nodes=["a", "b"])
+    pipeline = PipelinePlan(micro_batch=job.train.micro_batch * 2, num_micro_batches=job.train.num_micro_batches // 2,
+                            stages=[stage])
+    run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", timeout=timedelta(seconds=60), join=45, stops=stops,
+                          on_report=report, check=False, node_context=lambda n: {"wait_bound": lambda: wait_bound}
+                          if wait_bound is not None and n == "a" else {})
+    assert "a" in run.ended, "node a's run hung"
+    error, when = run.ended["a"]
+    if error is not None and not isinstance(error, RunFailed):
+        raise error
+    return "returned" if error is None else f"failed: {error}", when - silent_at[0]
 
 
 @pytest.mark.timeout(90)

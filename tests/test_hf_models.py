@@ -9,7 +9,6 @@ one whole batch; measured differences are about 1e-7).
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from pipeline_harness import assert_losses_match
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.hf import HF_PRESETS, HfConfigError, config_from_hf, hf_config, param_map
@@ -301,46 +301,13 @@ def _job(folder: Path) -> JobSpec:
 
 def _pipeline(job: JobSpec, cut: int, tmp_path: Path) -> dict[int, float]:
     """The job on two nodes (threads with real gRPC peers and a TCPStore), layers [0, cut) and [cut, end)."""
-    import torch.distributed as dist
+    from pipeline_harness import run_pinned_plan, stage
 
-    from atoll.node.peer import PeerServer
-    from atoll.node.runner import PlanRunner, RunContext
-    from atoll.plan import PipelinePlan, Plan, StagePlan
+    from atoll.plan import PipelinePlan
 
-    total = job.model.n_layers + 2
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in ("a", "b")}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    stages = [StagePlan(island="i", layers=(0, cut), dp=1, nodes=["a"]),
-              StagePlan(island="i", layers=(cut, total), dp=1, nodes=["b"])]
-    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
-                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], epoch=1, job_id="job",
-                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
-    losses: dict[int, float] = {}
-    errors: list[BaseException] = []
-
-    def report(m) -> bool:
-        if m.loss is not None:
-            losses[m.step] = m.loss
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return losses
+    stages = [stage((0, cut), ["a"]), stage((cut, job.model.n_layers + 2), ["b"])]
+    return run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], tmp_path / "ckpt",
+                           join=120).losses
 
 
 def _transformers_losses(hf, job: JobSpec) -> list[float]:
@@ -379,8 +346,7 @@ def test_two_stage_pipeline_matches_transformers_per_step(family: str, tmp_path:
     got = _pipeline(job, 3, tmp_path)
     want = _transformers_losses(hf, job)
     assert sorted(got) == list(range(STEPS))
-    for s in range(STEPS):
-        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    assert_losses_match(got, want, 1e-5, range(STEPS))
     assert want[-1] < want[0]  # it trained
 
 

@@ -10,31 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from pipeline_harness import run_pinned_plan, stage, tiny_job
 
 from atoll.coordinator.outer import GroupInfo, OuterRounds
 from atoll.job import JobSpec
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.model import build_slice
 from atoll.node.outer import group_holders, responsible
-from atoll.node.peer import PeerServer
-from atoll.node.runner import PlanRunner, RunContext, learning_rate, stage_config
+from atoll.node.runner import learning_rate, stage_config
 from atoll.node.stage import PipelineStage
 from atoll.node.inprocess import InProcessLinks
-from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup, StagePlan
+from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup
 from atoll.v1 import atoll_pb2 as pb
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _job(steps: int) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, warmup=2),
-                   checkpoint=replace(job.checkpoint, interval=0), compression=replace(job.compression, mode="identity"))
-
-
-def _stage(layers, nodes):
-    return StagePlan(island="i", layers=layers, dp=len(nodes), nodes=list(nodes))
 
 
 def _arbiter(plan: Plan):
@@ -58,53 +45,22 @@ def _arbiter(plan: Plan):
 
 
 def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan, tmp_path: Path):
+    """Each list of `groups` a replica group: the plan as run, (group, step) -> loss, node -> its outer
+    parameters at the end, and the coordinator's rounds."""
     pipelines = [p for g in groups for p in g]
-    nodes = sorted({n for p in pipelines for s in p.stages for n in s.nodes})
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     rgroups, k = [], 0
     for gi, g in enumerate(groups):
         rgroups.append(ReplicaGroup(name=f"region-{gi}", pipelines=list(range(k, k + len(g))),
                                     inner_steps=outer.inner_steps, since_epoch=1))
         k += len(g)
     plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
-                epoch=1, job_id="job", node_addresses={n: s.address for n, s in servers.items()},
-                rendezvous=f"127.0.0.1:{store.port}", mode="outer", groups=rgroups, outer=outer)
+                epoch=1, job_id="job", mode="outer", groups=rgroups, outer=outer)
     plan.validate(job.model.n_layers + 2)
     call, rounds = _arbiter(plan)
-    losses: dict[tuple[int, int], float] = {}
-    params: dict[str, dict[str, torch.Tensor]] = {}
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def node(n: str) -> None:
-        def report(m):
-            if m.loss is not None:
-                with lock:
-                    losses[(plan.group_of(m.pipeline), m.step)] = m.loss
-            return False
-
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30), outer_sync=call)
-        try:
-            runner = PlanRunner(ctx, plan)
-            runner.run(threading.Event())
-            assert runner.outer is not None
-            with lock:
-                params[n] = {k: v.detach().clone() for k, v in runner.outer.params.items()}
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return plan, losses, params, rounds
+    run = run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call)
+    losses = {(plan.group_of(m.pipeline), m.step): m.loss for m in run.reports if m.loss is not None}
+    assert all(r.outer is not None for r in run.runners.values())
+    return run.plan, losses, {n: dict(r.outer.params) for n, r in run.runners.items()}, rounds
 
 
 def _sync_data_parallel(job: JobSpec, groups: int) -> list[float]:
@@ -131,10 +87,10 @@ def test_outer_mode_with_h1_plain_averaging_tracks_synchronous_data_parallel(tmp
     every step. Each group keeps its own AdamW moments, so this is not bit-equal to synchronous data parallel
     (one AdamW step on the averaged gradient); the losses stay within 2% over 8 steps."""
     steps = 8
-    job = _job(steps)
+    job = tiny_job(steps)
     outer = OuterPlan(inner_steps=1, codec="identity", lr=1.0, momentum=0.0, overlap=False, deadline_s=30.0)
-    whole = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["a"])])]
-    other = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["b"])])]
+    whole = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["a"])])]
+    other = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["b"])])]
     _, losses, params, rounds = _run_outer(job, [whole, other], outer, tmp_path)
     expected = _sync_data_parallel(job, groups=2)
     for s in range(steps):
@@ -153,11 +109,11 @@ def test_groups_cut_differently_sync_compressed_and_overlapped(tmp_path: Path) -
     parameter is exchanged by one responsible node per group, int8 pseudo-gradients, one round of delay;
     every holder ends on the same parameters, and the loss falls."""
     steps = 12
-    job = _job(steps)
+    job = tiny_job(steps)
     job = replace(job, outer=replace(job.outer, apply_after=2))  # applied two steps into the next round
     outer = OuterPlan(inner_steps=3, codec="int8", lr=0.8, momentum=0.5, overlap=True, deadline_s=30.0)
-    g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[_stage((0, 3), ["a", "c"]), _stage((3, 6), ["b", "d"])])]
-    g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 2), ["e"]), _stage((2, 6), ["f"])])]
+    g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[stage((0, 3), ["a", "c"]), stage((3, 6), ["b", "d"])])]
+    g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 2), ["e"]), stage((2, 6), ["f"])])]
     plan, losses, params, rounds = _run_outer(job, [g0, g1], outer, tmp_path)
     # the work is spread: both replicas of a stage exchange a share of its parameters
     holders = group_holders(plan, 0)

@@ -216,27 +216,23 @@ def test_fp16_job_through_the_runner_resumes_its_loss_scale_from_the_checkpoint(
     """Real gRPC peers and gloo groups: an fp16 job with a loss scale that overflows for real at step 4 (after
     growing from 2^18 every 2 good steps) checkpoints at step 4 under one cut and resumes under another. Only a
     restored scale skips step 4 again, as the one-process run does, and gives the same losses."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from test_runner import _run, _stage
+    from pipeline_harness import run_pinned_plan, stage, tiny_job
 
     from atoll.node.local import train_local
     from atoll.plan import PipelinePlan
 
-    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=8, warmup=2, dtype="fp16", loss_scale=2.0 ** 18,
-                                     loss_scale_window=2),
-                  checkpoint=replace(job.checkpoint, interval=4), compression=replace(job.compression, mode="identity"))
+    job = tiny_job(8, interval=4, dtype="fp16", loss_scale=2.0 ** 18, loss_scale_window=2)
     local: list[StepResult] = []
     expected, _ = train_local(job, on_step=lambda k, r: local.append(r))
     assert [r.skipped for r in local][:5] == [False, False, False, False, True], "the scale overflows at step 4"
-    first = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                    stages=[_stage((0, 2), ["a"]), _stage((2, 6), ["b"])])], tmp_path, stop_after=4)
+    first = run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                               stages=[stage((0, 2), ["a"]), stage((2, 6), ["b"])])],
+                            tmp_path / "ckpt", until_step=4).losses
     for f in sorted((tmp_path / "ckpt" / "step-00000004").glob("layers-*.pt")):  # every stage's file carries it
         assert torch.load(f, weights_only=False)["extra"]["loss_scale"] == {"scale": 2.0 ** 20, "good_steps": 0}
-    second = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                     stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])], tmp_path, resume_step=4)
+    second = run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                                stages=[stage((0, 4), ["a"]), stage((4, 6), ["b"])])],
+                             tmp_path / "ckpt", resume_step=4).losses
     got = {**first, **second}
     assert sorted(got) == list(range(8))
     for s in range(8):
@@ -251,12 +247,10 @@ def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_re
     node b's gradients (stage 0, replica 1) at step 3 reaches every node through the data-parallel reduction and
     the pipeline's norm exchange, so all skip it, like one process given the same overflow; without the
     agreement the stages or replicas would step apart."""
-    from dataclasses import replace
-    from pathlib import Path
-
     import atoll.node.local as local_mod
     import atoll.node.runner as runner_mod
-    from test_zero import _run, _two_stages
+    from pipeline_harness import run_pinned_plan, tiny_job
+    from test_zero import _two_stages
 
     from atoll.node.local import train_local
 
@@ -288,16 +282,14 @@ def test_an_injected_overflow_skips_the_step_on_every_node_of_a_two_stage_two_re
     monkeypatch.setattr(PipelineStage, "train_step", tracked_step)
     monkeypatch.setattr(runner_mod.PlanRunner, "run", tracked_run)
 
-    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=6, warmup=2, dtype="fp16", loss_scale=2.0 ** 10,
-                                     loss_scale_window=1000),
-                  checkpoint=replace(job.checkpoint, interval=0), compression=replace(job.compression, mode="identity"))
+    job = tiny_job(6, dtype="fp16", loss_scale=2.0 ** 10, loss_scale_window=1000)
     where.node = "local"
     local: list[StepResult] = []
     expected, _ = train_local(job, on_step=lambda k, r: local.append(r))
     assert [r.skipped for r in local] == [k == at for k in range(6)]
     assert [r.loss_scale for r in local] == [1024.0] * 4 + [512.0] * 2
-    got, reports = _run(job, _two_stages((zero, zero)), tmp_path)
+    run = run_pinned_plan(job, _two_stages((zero, zero)), tmp_path)
+    got, reports = run.losses, run.reports
     assert sorted(got) == list(range(6))
     for s in range(6):
         assert got[s] == pytest.approx(expected[s], rel=1e-3), (s, got[s], expected[s])

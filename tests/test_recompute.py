@@ -7,27 +7,20 @@ within 1e-4 relative (as every pipelined run is).
 
 from __future__ import annotations
 
-import threading
-from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from pipeline_harness import assert_losses_match, run_pinned_plan, tiny_job
 
 from atoll import serde
 from atoll.job import JobSpec
 from atoll.modelspec import ModelConfig, ModelSpec, preset
 from atoll.node.local import train_local
 from atoll.node.model import build_slice, lm_loss
-from atoll.node.peer import PeerServer
-from atoll.node.runner import PlanRunner, RunContext
 from atoll.node.stage import SavedBytesCounter
 from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.types import StepMetrics
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _saved_bytes(module, ids: torch.Tensor) -> int:
@@ -83,52 +76,10 @@ def test_stage_plan_recompute_layers_round_trip_and_mean_all_blocks_when_recompu
     assert serde.step_metrics_from_proto(serde.step_metrics_to_proto(m)).peak_memory_bytes == 123_456_789
 
 
-def _job(steps: int) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, warmup=2),
-                   checkpoint=replace(job.checkpoint, interval=0),
-                   compression=replace(job.compression, mode="identity"))
-
-
 def _run(job: JobSpec, stages: list[StagePlan], tmp_path: Path) -> tuple[dict[int, float], dict[str, int]]:
-    """One pipeline, nodes as threads with real gRPC peers and gloo groups: losses by step, each node's peak
-    reported memory."""
-    nodes = [n for s in stages for n in s.nodes]
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len,
-                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], epoch=1, job_id="job",
-                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
-    losses: dict[int, float] = {}
-    peaks: dict[str, int] = {}
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def report(m: StepMetrics) -> bool:
-        with lock:
-            if m.loss is not None:
-                losses[m.step] = m.loss
-            peaks[m.node_id] = max(peaks.get(m.node_id, 0), m.peak_memory_bytes)
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return losses, peaks
+    """One pipeline: losses by step, each node's peak reported memory."""
+    run = run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], tmp_path / "ckpt")
+    return run.losses, run.peaks()
 
 
 @pytest.mark.timeout(120)
@@ -136,14 +87,13 @@ def test_pipeline_with_a_stage_recomputing_some_blocks_matches_one_process(tmp_p
     """Stage 0 recomputes block 1 of its blocks 1-2, stage 1 keeps everything: the one-process losses, and
     stage 0's reported peak memory drops by what block 1 no longer keeps for its in-flight micro-batches, less
     the working set its recomputation needs."""
-    job = _job(steps=4)
+    job = tiny_job(4)
     expected, _ = train_local(job)
     got, peaks = _run(job, [StagePlan(island="i", layers=(0, 3), nodes=["a"], recompute_layers=[1]),
                             StagePlan(island="i", layers=(3, 6), nodes=["b"])], tmp_path / "rc")
     _, plain = _run(job, [StagePlan(island="i", layers=(0, 3), nodes=["a"]),
                           StagePlan(island="i", layers=(3, 6), nodes=["b"])], tmp_path / "plain")
-    for s in range(4):
-        assert abs(got[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
+    assert_losses_match(got, expected, 1e-4, range(4))
     block = ModelSpec.from_config(job.model).layers[1]
     # 1F1B: stage 0 of 2 holds 2 micro-batches of 4 rows at once
     drop = 2 * (block.activation_bytes(4, job.train.seq_len) - block.activation_bytes(4, job.train.seq_len,

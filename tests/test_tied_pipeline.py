@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+from pipeline_harness import assert_losses_match
 
 from atoll.hf import config_from_hf
 from atoll.modelspec import ModelSpec, preset
@@ -200,8 +200,7 @@ def test_two_stage_tied_pipeline_matches_transformers_and_exports(family: str, t
     got = _pipeline(job, 3, tmp_path)
     want = _transformers_losses(hf, job)
     assert sorted(got) == list(range(STEPS))
-    for s in range(STEPS):
-        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    assert_losses_match(got, want, 1e-5, range(STEPS))
     assert want[-1] < want[0]  # it trained
 
     # the copies are equal after training, and equal to the reference's tied weight
@@ -229,53 +228,12 @@ def test_two_stage_tied_pipeline_matches_transformers_and_exports(family: str, t
         torch.testing.assert_close(back(ids).logits, hf.eval()(ids).logits, rtol=0, atol=1e-4)
 
 
-
-def _run_plan(job, plan: Plan, nodes: list[str], tmp_path: Path) -> dict[int, float]:
-    """Run `plan` of `job` on `nodes` (threads with real gRPC peers and a TCPStore); the reported losses."""
-    import threading
-
-    import torch.distributed as dist
-
-    from atoll.node.peer import PeerServer
-    from atoll.node.runner import PlanRunner, RunContext
-
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = replace(plan, node_addresses={n: s.address for n, s in servers.items()},
-                   rendezvous=f"127.0.0.1:{store.port}")
-    losses: dict[int, float] = {}
-    errors: list[BaseException] = []
-
-    def report(m) -> bool:
-        if m.loss is not None:
-            losses[m.step] = m.loss
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return losses
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_tied_copies_with_unequal_widths_match_transformers(tmp_path: Path) -> None:
     """Two replicas of the embedding's stage and one of the head's: each copy's holders average, then the group of
     all three sums each side once (1/2 from each embedding holder, 1/1 from the head holder)."""
+    from pipeline_harness import run_pinned_plan
     from test_hf_models import STEPS, _hf_model, _job, _save, _transformers_losses
 
     hf = _hf_model(TIED["llama"], seed=4)
@@ -284,13 +242,11 @@ def test_tied_copies_with_unequal_widths_match_transformers(tmp_path: Path) -> N
     total = job.model.n_layers + 2
     stages = [StagePlan(island="i", layers=(0, 3), dp=2, nodes=["a", "b"]),
               StagePlan(island="i", layers=(3, total), dp=1, nodes=["c"])]
-    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
-                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], epoch=1, job_id="job")
-    got = _run_plan(job, plan, ["a", "b", "c"], tmp_path)
+    got = run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=stages)], tmp_path / "ckpt",
+                          join=150).losses
     want = _transformers_losses(hf, job)
     assert sorted(got) == list(range(STEPS))
-    for s in range(STEPS):
-        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    assert_losses_match(got, want, 1e-5, range(STEPS))
     _, tensors, _ = read_checkpoint(tmp_path / "ckpt", STEPS)
     assert torch.equal(tensors["layers.0.tok.weight"], tensors[f"layers.{total - 1}.lm.weight"])
 

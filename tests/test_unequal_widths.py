@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from pipeline_harness import assert_losses_match, run_pinned_plan, stage, tiny_job
 
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
@@ -22,24 +22,12 @@ from atoll.node import local, runner
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef, RowPeer
 from atoll.node.local import train_local
 from atoll.node.peer import PeerServer
-from atoll.node.runner import PlanRunner, RunContext
 from atoll.node.stage import PipelineStage
 from atoll.node.transport import TensorKey, TransportError
 from atoll.plan import PipelinePlan, Plan, StagePlan
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
-
-
-def _job(steps: int = STEPS) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, warmup=2),
-                   checkpoint=replace(job.checkpoint, interval=0),
-                   compression=replace(job.compression, mode="identity"))
-
-
-def _stage(layers, nodes):
-    return StagePlan(island="i", layers=layers, dp=len(nodes), nodes=list(nodes))
 
 
 class _Grads:
@@ -64,55 +52,15 @@ class _Grads:
         return Recording
 
 
-def _run(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path) -> dict[int, float]:
-    nodes = sorted({n for p in pipelines for s in p.stages for n in s.nodes})
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
-                epoch=1, job_id="job", node_addresses={n: s.address for n, s in servers.items()},
-                rendezvous=f"127.0.0.1:{store.port}")
-    losses: dict[int, float] = {}
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def report(m):
-        if m.loss is not None:
-            with lock:
-                losses[m.step] = m.loss
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=40))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event())
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-    finally:
-        for s in servers.values():
-            s.stop()
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a node thread did not finish"
-    return losses
-
-
 def _check(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, monkeypatch) -> None:
     ref, got = _Grads(), _Grads()
     monkeypatch.setattr(local, "PipelineStage", ref.stage_class())
     expected, _ = train_local(job)
     monkeypatch.setattr(runner, "PipelineStage", got.stage_class())
-    losses = _run(job, pipelines, tmp_path)
+    losses = run_pinned_plan(job, pipelines, tmp_path / "ckpt", timeout=timedelta(seconds=40)).losses
     assert sorted(losses) == list(range(job.train.steps))
+    assert_losses_match(losses, expected, 1e-4, range(job.train.steps))
     for s in range(job.train.steps):
-        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
         want = {name: g[0] for name, g in ref.by_step[s].items()}
         have = got.by_step[s]
         assert set(have) == set(want), sorted(set(have) ^ set(want))
@@ -126,16 +74,16 @@ def _check(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, monkeypa
 @pytest.mark.timeout(150)
 def test_two_replicas_feed_one(tmp_path: Path, monkeypatch) -> None:
     """Widths 2 then 1: the second stage assembles each micro-batch from two senders' row slices."""
-    _check(_job(), [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                 stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c"])])], tmp_path, monkeypatch)
+    _check(tiny_job(STEPS), [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                 stages=[stage((0, 3), ["a", "b"]), stage((3, 6), ["c"])])], tmp_path, monkeypatch)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_one_replica_feeds_two(tmp_path: Path, monkeypatch) -> None:
     """Widths 1 then 2: the first stage splits each activation by rows and assembles the gradients."""
-    _check(_job(), [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                 stages=[_stage((0, 2), ["a"]), _stage((2, 6), ["b", "c"])])], tmp_path, monkeypatch)
+    _check(tiny_job(STEPS), [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                 stages=[stage((0, 2), ["a"]), stage((2, 6), ["b", "c"])])], tmp_path, monkeypatch)
 
 
 @pytest.mark.integration
@@ -143,8 +91,8 @@ def test_one_replica_feeds_two(tmp_path: Path, monkeypatch) -> None:
 def test_two_replicas_feed_three_with_uneven_shares(tmp_path: Path, monkeypatch) -> None:
     """Widths 2 then 3 on micro-batches of 8 rows: shares 4+4 then 3+3+2, so the middle replica of the
     second stage takes rows from both senders, and the replicas train different numbers of rows."""
-    _check(_job(), [PipelinePlan(micro_batch=8, num_micro_batches=2,
-                                 stages=[_stage((0, 3), ["a", "b"]), _stage((3, 6), ["c", "d", "e"])])],
+    _check(tiny_job(STEPS), [PipelinePlan(micro_batch=8, num_micro_batches=2,
+                                 stages=[stage((0, 3), ["a", "b"]), stage((3, 6), ["c", "d", "e"])])],
            tmp_path, monkeypatch)
 
 
@@ -153,10 +101,10 @@ def test_two_replicas_feed_three_with_uneven_shares(tmp_path: Path, monkeypatch)
 def test_three_stages_of_widths_one_two_one_beside_a_second_pipeline(tmp_path: Path, monkeypatch) -> None:
     """A middle stage wider than its neighbours, and a second pipeline cut elsewhere: segment averaging
     weighted by rows and the norm exchange stay exact."""
-    _check(_job(), [
+    _check(tiny_job(STEPS), [
         PipelinePlan(micro_batch=4, num_micro_batches=3,
-                     stages=[_stage((0, 2), ["a"]), _stage((2, 4), ["b", "c"]), _stage((4, 6), ["d"])]),
-        PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[_stage((0, 3), ["e"]), _stage((3, 6), ["f"])]),
+                     stages=[stage((0, 2), ["a"]), stage((2, 4), ["b", "c"]), stage((4, 6), ["d"])]),
+        PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[stage((0, 3), ["e"]), stage((3, 6), ["f"])]),
     ], tmp_path, monkeypatch)
 
 
@@ -331,36 +279,23 @@ E2E_STEPS = 8
 def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Path) -> None:
     """`atoll coordinator --plan` and three `atoll node` processes: two nodes run the first stage, one the
     second; the losses match one process."""
-    import time
 
     from atoll.launch.localcluster import LocalCluster
 
-    base = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(base, train=replace(base.train, steps=E2E_STEPS, warmup=2),
-                  checkpoint=replace(base.checkpoint, interval=0),
-                  compression=replace(base.compression, mode="identity"),
-                  cluster=replace(base.cluster, expected_nodes=3, min_nodes=3),
+    base = tiny_job(E2E_STEPS)
+    job = replace(base, cluster=replace(base.cluster, expected_nodes=3, min_nodes=3),
                   outer=replace(base.outer, mode="sync"))
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "wide-0", "node2": "wide-1", "node3": "narrow-0"}
-    for name, node_id in ids.items():  # the nodes' ids, known before they start, so the plan can name them
-        (out / name).mkdir(parents=True)
-        (out / name / "node_id").write_text(node_id + "\n")
     _pinned((["wide-0", "wide-1"], ["narrow-0"])).save(plan_path)
     expected, _ = train_local(job)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
-        for name in ids:
-            cluster.start_node(name)
-        end = time.monotonic() + 120
-        while len(cluster.losses()) < E2E_STEPS:
-            cluster.check_alive()
-            assert time.monotonic() < end, f"timed out waiting for {E2E_STEPS} steps; logs in {out}"
-            time.sleep(0.5)
+        for name, node_id in ids.items():  # known before the nodes start, so the plan can name them
+            cluster.start_node(name, node_id=node_id)
+        losses = cluster.wait_losses(E2E_STEPS, 120)
         status = cluster.status()
-        losses = cluster.losses()
     stages = status.plan.pipelines[0].stages
     assert [(list(s.node_ids), s.dp) for s in stages] == [(["wide-0", "wide-1"], 2), (["narrow-0"], 1)]
-    for s in range(E2E_STEPS):
-        assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
+    assert_losses_match(losses, expected, 1e-4, range(E2E_STEPS))

@@ -16,21 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_harness import REPO, assert_losses_match, run_pinned_plan, stage, tiny_job
 
-from atoll.job import JobSpec
 from atoll.modelspec import preset
 from atoll.node.checkpoint import step_dir
 from atoll.node.dataparallel import gloo_group
 from atoll.node.local import train_local
 from atoll.node.model import build_slice, lm_loss
-from atoll.node.peer import PeerServer
 from atoll.node.runner import PlanRunner, RunContext
 from atoll.node.slice_state import read_slice
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
-from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.plan import PipelinePlan, Plan
 from atoll.types import StepMetrics
 
-REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 
 
@@ -180,73 +178,10 @@ def test_consolidated_state_is_adamws_and_loads_back_into_other_shards() -> None
             torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-6, msg=n)
 
 
-def _job(steps: int = 6, interval: int = 0) -> JobSpec:
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, warmup=2),
-                   checkpoint=replace(job.checkpoint, interval=interval),
-                   compression=replace(job.compression, mode="identity"))
-
-
-def _stage(layers, nodes, zero: int = 0, memory_gb: float = 0.0) -> StagePlan:
-    return StagePlan(island="i", layers=layers, dp=len(nodes), nodes=list(nodes), zero=zero,
-                     memory_gb_per_device=memory_gb)
-
-
-def _run(job: JobSpec, pipelines: list[PipelinePlan], tmp_path: Path, resume_step: int = 0,
-         stop_after: int | None = None) -> tuple[dict[int, float], list[StepMetrics]]:
-    """Nodes as threads (real gRPC peers, gloo groups over one TCPStore): losses by step and every report."""
-    nodes = sorted({n for p in pipelines for s in p.stages for n in s.nodes})
-    servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in nodes}
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
-                epoch=1, job_id="job", resume_step=resume_step,
-                node_addresses={n: s.address for n, s in servers.items()}, rendezvous=f"127.0.0.1:{store.port}")
-    reports: list[StepMetrics] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def report(m: StepMetrics) -> bool:
-        with lock:
-            reports.append(m)
-        return False
-
-    def node(n: str) -> None:
-        ctx = RunContext(node_id=n, job=job, peer_server=servers[n], checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t",
-                         timeout=timedelta(seconds=30))
-        try:
-            PlanRunner(ctx, plan).run(threading.Event(), until_step=stop_after)
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=node, args=(n,)) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    for s in servers.values():
-        s.stop()
-    assert not errors, errors
-    return {m.step: m.loss for m in reports if m.loss is not None}, reports
-
-
-def _close(got: dict[int, float], expected: list[float], steps) -> None:
-    for s in steps:
-        assert abs(got[s] - expected[s]) <= TOL * abs(expected[s]), (s, got[s], expected[s])
-
-
-def _peaks(reports: list[StepMetrics]) -> dict[str, int]:
-    """node -> its highest reported peak memory."""
-    out: dict[str, int] = {}
-    for m in reports:
-        out[m.node_id] = max(out.get(m.node_id, 0), m.peak_memory_bytes)
-    return out
-
-
 def _two_stages(zero: tuple[int, int], cut: int = 3) -> list[PipelinePlan]:
     """One pipeline of two stages, two replicas each (micro-batches of 4 rows, 2 per replica)."""
     return [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
-        _stage((0, cut), ["a", "b"], zero=zero[0]), _stage((cut, 6), ["c", "d"], zero=zero[1])])]
+        stage((0, cut), ["a", "b"], zero=zero[0]), stage((cut, 6), ["c", "d"], zero=zero[1])])]
 
 
 @pytest.mark.timeout(120)
@@ -254,15 +189,15 @@ def _two_stages(zero: tuple[int, int], cut: int = 3) -> list[PipelinePlan]:
 def test_zero_dp2_pipeline_matches_one_process(tmp_path: Path, zero: int) -> None:
     """Both stages of a two-stage pipeline shard over their two replicas: the one-process losses, and the
     optimizer states (ZeRO-1), then the gradients too (ZeRO-2), off each replica's reported peak memory."""
-    job = _job(steps=4)
+    job = tiny_job(4)
     expected, _ = train_local(job)
-    plain_losses, plain = _run(job, _two_stages((0, 0)), tmp_path / "plain")
-    got, reports = _run(job, _two_stages((zero, zero)), tmp_path / "zero")
-    _close(plain_losses, expected, range(4))
-    _close(got, expected, range(4))
+    plain = run_pinned_plan(job, _two_stages((0, 0)), tmp_path / "plain")
+    sharded = run_pinned_plan(job, _two_stages((zero, zero)), tmp_path / "zero")
+    assert_losses_match(plain.losses, expected, TOL, range(4))
+    assert_losses_match(sharded.losses, expected, TOL, range(4))
     params = {n: sum(p.numel() for p in build_slice(job.model, *layers).parameters())
               for layers, nodes in (((0, 3), "ab"), ((3, 6), "cd")) for n in nodes}
-    before, after = _peaks(plain), _peaks(reports)
+    before, after = plain.peaks(), sharded.peaks()
     for n, count in params.items():
         # fp32: AdamW's two moments are 8 bytes a parameter, the gradient 4; each replica keeps half of the
         # moments, and with ZeRO-2 half of the gradient less the few buckets it stages at a time (here
@@ -277,27 +212,27 @@ def test_zero_dp2_pipeline_matches_one_process(tmp_path: Path, zero: int) -> Non
 def test_checkpoint_under_zero_resumes_under_another_cut(tmp_path: Path) -> None:
     """Checkpoint after 3 steps with ZeRO-2 and ZeRO-1 stages over two replicas each; the files hold whole
     AdamW states; resume on two single nodes cut elsewhere: the losses of training straight through."""
-    job = _job(steps=6, interval=3)
+    job = tiny_job(6, interval=3)
     expected, _ = train_local(job)
-    first, _ = _run(job, _two_stages((2, 1), cut=2), tmp_path, stop_after=3)
+    first = run_pinned_plan(job, _two_stages((2, 1), cut=2), tmp_path / "ckpt", until_step=3).losses
     assert sorted(first) == [0, 1, 2]
     saved = read_slice(step_dir(tmp_path / "ckpt", 3) / "layers-0002-0006.pt")
     whole = build_slice(job.model, 2, 6)
     assert set(saved["optimizer"]) == {n for n, _ in whole.named_parameters()}
     for n, p in whole.named_parameters():
         assert saved["optimizer"][n]["exp_avg"].shape == p.shape
-    second, _ = _run(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
-                                        stages=[_stage((0, 4), ["a"]), _stage((4, 6), ["b"])])],
-                     tmp_path, resume_step=3)
-    _close({**first, **second}, expected, range(6))
+    second = run_pinned_plan(job, [PipelinePlan(micro_batch=4, num_micro_batches=4,
+                                                stages=[stage((0, 4), ["a"]), stage((4, 6), ["b"])])],
+                             tmp_path / "ckpt", resume_step=3).losses
+    assert_losses_match({**first, **second}, expected, TOL, range(6))
 
 
 # --- measured memory against the plan ------------------------------------------------------------------
 
 def test_a_stage_over_its_planned_memory_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    job = _job()
+    job = tiny_job(6)
     plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=1, job_id="job", pipelines=[PipelinePlan(
-        micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["a"], memory_gb=0.002)])])
+        micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["a"], memory_gb_per_device=0.002)])])
     ctx = RunContext(node_id="a", job=job, peer_server=None, checkpoint_dir=Path("unused"),  # type: ignore[arg-type]
                      report_step=lambda m: False, report_checkpoint=lambda c: None)
     runner = PlanRunner(ctx, plan)
@@ -330,11 +265,12 @@ def test_zero_stages_in_outer_mode_keep_their_replicas_identical_and_sync(tmp_pa
     from atoll.plan import OuterPlan
 
     steps = 9
-    job = replace(_job(steps), outer=replace(_job(steps).outer, apply_after=2))
+    job = tiny_job(steps)
+    job = replace(job, outer=replace(job.outer, apply_after=2))
     outer = OuterPlan(inner_steps=3, codec="int8", lr=0.8, momentum=0.5, overlap=True, deadline_s=30.0)
-    g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[_stage((0, 3), ["a", "c"], zero=2),
-                                                                   _stage((3, 6), ["b", "d"], zero=1)])]
-    g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[_stage((0, 6), ["e"])])]
+    g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[stage((0, 3), ["a", "c"], zero=2),
+                                                                   stage((3, 6), ["b", "d"], zero=1)])]
+    g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["e"])])]
     _, losses, params, rounds = _run_outer(job, [g0, g1], outer, tmp_path)
     for a, c in (("a", "c"), ("b", "d")):
         for n in params[a]:
@@ -350,16 +286,16 @@ def test_zero_falls_back_to_adamw_where_other_pipelines_hold_the_layers(tmp_path
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Two pipelines cut differently average per layer segment: their ZeRO request is declined with the reason,
     and the run is the one-process run."""
-    job = _job(steps=3)
+    job = tiny_job(3)
     expected, _ = train_local(job)
     with caplog.at_level("INFO", logger="atoll.node.runner"):
-        got, _ = _run(job, [
-            PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[_stage((0, 3), ["a"], zero=1),
-                                                                     _stage((3, 6), ["b"], zero=2)]),
-            PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[_stage((0, 2), ["c"], zero=1),
-                                                                     _stage((2, 6), ["d"], zero=1)]),
-        ], tmp_path)
-    _close(got, expected, range(3))
+        got = run_pinned_plan(job, [
+            PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[stage((0, 3), ["a"], zero=1),
+                                                                     stage((3, 6), ["b"], zero=2)]),
+            PipelinePlan(micro_batch=2, num_micro_batches=2, stages=[stage((0, 2), ["c"], zero=1),
+                                                                     stage((2, 6), ["d"], zero=1)]),
+        ], tmp_path).losses
+    assert_losses_match(got, expected, TOL, range(3))
     declined = [r.getMessage() for r in caplog.records if "training with plain AdamW" in r.getMessage()]
     assert len(declined) == 4 and all("average per layer segment" in m for m in declined), declined
 
