@@ -195,6 +195,22 @@ class DecodeGuard(grpc.ServerInterceptor):
 class AioDecodeGuard(grpc.aio.ServerInterceptor):
     """For `grpc.aio` servers: requests that do not parse are answered INVALID_ARGUMENT."""
 
+    def __init__(self) -> None:
+        self._guarded: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        """Each method's guarded handler, made once: a server's handlers do not change, and making it anew cost
+        every call (thousands of heartbeats a second) a few inspections and closures."""
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        return None if handler is None else _guard_aio(handler, handler_call_details.method)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        key = (method, id(handler))
+        known = self._guarded.get(key)
+        if known is not None and known[0] is handler:
+            return known[1]
+        guarded = _guard_aio(handler, method)
+        if len(self._guarded) >= 1024:  # handlers made per call (not this server's) would only churn the table
+            self._guarded.clear()
+        self._guarded[key] = (handler, guarded)
+        return guarded

@@ -48,7 +48,7 @@ def _check_job(job_id: str, state: CoordinatorState) -> None:
 
 def _known(node_id: str, state: CoordinatorState) -> MemberRecord:
     v.check_node_id(node_id)
-    member = state.store.get_member(node_id)
+    member = state.store.peek_member(node_id)  # (the store's record, read only: no copy per heartbeat)
     if member is None:
         raise NotFound(f"node {node_id} is not a member of job {state.job.id}; join first")
     if member.state != "alive":

@@ -42,6 +42,12 @@ class SampleProgress:
         """Check `nodes` again (a peer they counted left, say)."""
         self._dirty.update(nodes)
 
+    def complete(self, node: str, now: float) -> bool:
+        """Whether `node`'s sample was complete at the last `check` and nothing since may have changed that (a
+        heartbeat of a complete node then needs no look at its links)."""
+        until = self._until.get(node)
+        return until is not None and until != INCOMPLETE and now <= until and node not in self._dirty
+
     def _rule_signature(self, class_of: Mapping[str, str], class_sizes: Mapping[str, int],
                         unreachable: Set[str], stale_before: float) -> tuple:
         o = self.options

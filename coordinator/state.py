@@ -236,6 +236,8 @@ class CoordinatorState:
                     self._unreachable.add(node_id)
         timeout = self.options.probes.in_flight_timeout.total_seconds()
         with self._cond:
+            if self._samples.complete(node_id, now):  # most heartbeats, once the links are measured: O(1)
+                return []
             counted = self._fresh_peers(node_id, now) | {
                 p for p, t in self._in_flight.get(node_id, {}).items() if now - t < timeout} | \
                 (self._unreachable - {node_id})  # see `atoll.coordinator.reachability`

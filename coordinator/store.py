@@ -142,6 +142,10 @@ class Store(ABC):
         """Insert or replace a member (profile, address, state and times)."""
     @abstractmethod
     def get_member(self, node_id: str) -> MemberRecord | None: ...
+    def peek_member(self, node_id: str) -> MemberRecord | None:
+        """The store's own record of a member (read it, do not change it): no copy, for the checks every
+        heartbeat makes."""
+        return self.get_member(node_id)
     @abstractmethod
     def list_members(self) -> list[MemberRecord]:
         """All members, ordered by node id."""
@@ -238,7 +242,7 @@ def _renew(members: dict[str, MemberRecord], node_id: str, now: float, plan_epoc
     m = members.get(node_id)
     if m is None:
         return False
-    m = members[node_id] = copy.copy(m)
+    m = members[node_id] = _shallow(m)  # (not copy.copy: a tenth of its time, on every heartbeat)
     m.last_heartbeat_unix, m.plan_epoch, m.step = now, plan_epoch, step
     return True
 
@@ -283,6 +287,10 @@ class MemoryStore(Store):
         with self._lock:
             m = self._s.members.get(node_id)
             return copy_member(m) if m is not None else None
+
+    def peek_member(self, node_id: str) -> MemberRecord | None:
+        with self._lock:
+            return self._s.members.get(node_id)
 
     def list_members(self) -> list[MemberRecord]:
         with self._lock:
@@ -524,6 +532,10 @@ class SqliteStore(Store):
         with self._mem:
             m = self._members.get(node_id)
         return copy_member(m) if m is not None else None
+
+    def peek_member(self, node_id: str) -> MemberRecord | None:
+        with self._mem:  # records are replaced on update, never changed under a reader
+            return self._members.get(node_id)
 
     def list_members(self) -> list[MemberRecord]:
         with self._mem:

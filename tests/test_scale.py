@@ -185,3 +185,36 @@ def test_the_coordinator_loop_writes_heartbeats_each_round(tmp_path: Path) -> No
     assert disk.get_member(node).last_heartbeat_unix == 104.0  # type: ignore[union-attr]
     disk.close()
     store.close()
+
+
+def test_lease_expiry_follows_the_lease_deadline_rule() -> None:
+    from atoll.coordinator.membership import MembershipOptions, expire_leases, lease_deadline
+
+    r = random.Random(3)
+    for _ in range(200):
+        options = MembershipOptions(lease=timedelta(seconds=r.choice([1, 10, 30])),
+                                    restart_grace=r.choice([None, timedelta(0), timedelta(seconds=20)]))
+        started = 1000.0
+        members = [MemberRecord(node_id=f"n{i}", peer_address="", profile=NodeProfile(),
+                                state=r.choice(["alive", "alive", "gone", "left"]),
+                                last_heartbeat_unix=started + r.uniform(-40, 60)) for i in range(30)]
+        now = started + r.uniform(0, 90)
+        want = [m.node_id for m in members if m.state == "alive" and now > lease_deadline(m, started, options)]
+        assert [t.node_id for t in expire_leases(now, members, started, options)] == want
+
+
+def test_store_views_are_the_stored_records_in_list_order(tmp_path: Path) -> None:
+    from atoll.coordinator.store import MemoryStore
+
+    for store in (MemoryStore(), SqliteStore(tmp_path / "state.db")):
+        store.put_job(JobRecord(job_id="j", name="n", spec_toml="x"))
+        store.put_links([LinkMeasurement(src=f"n{i % 7}", dst=f"n{(i * 3 + 1) % 7}", rtt_seconds=1e-3,
+                                         bandwidth_bytes_per_s=float(i + 1)) for i in range(20)])
+        assert [(x.src, x.dst, x.bandwidth_bytes_per_s) for x in store.links_view()] == \
+            [(x.src, x.dst, x.bandwidth_bytes_per_s) for x in store.list_links()]
+        store.put_member(MemberRecord(node_id="a", peer_address="127.0.0.1:1", profile=NodeProfile(hostname="h")))
+        seen = store.peek_member("a")
+        store.heartbeat("a", 5.0, plan_epoch=1, step=2)
+        assert seen.last_heartbeat_unix == 0.0  # a heartbeat replaces the record: a peeked one stays as read
+        assert store.peek_member("a").last_heartbeat_unix == 5.0 and store.peek_member("b") is None
+        store.close()
