@@ -132,7 +132,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
         kind = f"{what} {e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else f"{what} {type(e).__name__}"
         stats["error_kinds"][kind] = stats["error_kinds"].get(kind, 0) + 1
         if len(stats["examples"]) < 3:
-            stats["examples"].append(f"{kind}: {e.details() if isinstance(e, grpc.aio.AioRpcError) else e}"
+            stats["examples"].append(f"{kind}: {e.details() if isinstance(e, grpc.aio.AioRpcError) else e} "
+                                     f"{e.debug_error_string() if isinstance(e, grpc.aio.AioRpcError) else ''}"
                                      f"{' (while measuring)' if stats['measuring'] else ''}")
 
     async def join(i: int, rpc) -> tuple[str, float]:
@@ -203,9 +204,12 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             stats["measuring"] = True
             stats["lat"].clear()
             stats["lag"].clear()
+            stats["cpu0"] = (time.process_time(), time.monotonic())
             stats["lapses_before"] = stats["lapses"]
         if p >= 2:
             break
+    cpu0, wall0 = stats.get("cpu0", (time.process_time(), time.monotonic()))
+    stats["cpu"] = (time.process_time() - cpu0) / max(1e-9, time.monotonic() - wall0)
     stop.set()
     await loop.run_in_executor(None, lambda: None)
     for t in tasks:
@@ -215,7 +219,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
         await ch.close()
     listener.close()
     out.put(("done", first, stats["lat"], stats["lapses"], stats["errors"], stats["error_kinds"],
-             min(stats["joined"], default=0.0), stats["examples"], stats["lag"]))
+             min(stats["joined"], default=0.0), stats["examples"], stats["lag"], stats["cpu"]))
 
 
 # --- one size -------------------------------------------------------------------------------------------
@@ -284,9 +288,11 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         time.sleep(measure)
         cpu_steady = (_proc_cpu_seconds(coord.pid) - cpu0) / (time.monotonic() - w0)
         rss = _proc_rss_mb(coord.pid)
+        load = os.getloadavg()[0]
         phase.value = 2
         lat: list[float] = []
         lag: list[float] = []
+        client_cpu = 0.0
         lapses = errors = 0
         kinds: dict[str, int] = {}
         firsts = []
@@ -306,6 +312,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             firsts.append(msg[6])
             examples += msg[7]
             lag += msg[8]
+            client_cpu += msg[9]
         lat.sort()
         lag.sort()
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
@@ -315,6 +322,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
                 "p50_ms": pct(0.5), "p99_ms": pct(0.99), "heartbeats": len(lat), "lapses": lapses,
                 "lag_p99_ms": lag[min(len(lag) - 1, int(0.99 * len(lag)))] * 1000 if lag else float("nan"),
                 "errors": errors, "error_kinds": kinds, "cpu_steady": cpu_steady, "cpu_join_s": cpu_join,
+                "client_cpu": client_cpu, "load": load,
                 "rss_mb": rss, "pinned": bool(server_cpus), "examples": examples[:3]}
     finally:
         for p in procs:
@@ -348,13 +356,15 @@ def main() -> int:
         r = run_size(n, args.clients, args.measure, args.timeout, not args.no_pin, root / f"n{n}")
         results.append(r)
         print(f"\n{n:>6} nodes  joined {r['joined']}, planned {r['planned']}  (coordinator "
-              f"{'pinned to CPU 0' if r['pinned'] else 'sharing CPUs with the clients'})")
+              f"{'pinned to CPU 0' if r['pinned'] else 'sharing CPUs with the clients'}; load average "
+              f"{r['load']:.1f} while measuring)")
         print(f"  join of all nodes           {r['join_s']:8.1f} s   (coordinator CPU during joins {r['cpu_join_s']:.1f} s)")
         print(f"  last join -> plan at all    {r['plan_after_last_join_s']:8.1f} s")
         print(f"  heartbeat p50 / p99         {r['p50_ms']:8.1f} / {r['p99_ms']:.1f} ms  ({r['heartbeats']} heartbeats; "
               f"the clients' own loop lag p99 {r['lag_p99_ms']:.1f} ms)")
         print(f"  false lapses                {r['lapses']:8d}     errors {r['errors']} {r['error_kinds'] or ''}")
-        print(f"  coordinator CPU, RSS        {100 * r['cpu_steady']:8.0f} % of a core, {r['rss_mb']:.0f} MB")
+        print(f"  coordinator CPU, RSS        {100 * r['cpu_steady']:8.0f} % of a core, {r['rss_mb']:.0f} MB   "
+              f"(the simulated nodes: {100 * r['client_cpu']:.0f} % of a core)")
         for e in r["examples"]:
             print(f"  e.g. {e[:300]}")
     base, big = results[0], results[-1]
