@@ -27,13 +27,19 @@ REPO = Path(__file__).resolve().parent.parent
 TOKEN = "t"
 
 
-def tiny_job(steps: int, *, interval: int = 0, mode: str = "identity", **train) -> JobSpec:
+def tiny_job(steps: int, *, interval: int = 0, mode: str = "identity", nodes: int | None = None,
+             **train) -> JobSpec:
     """examples/tiny.toml for `steps` steps (warm-up 2, or `train`'s), a checkpoint every `interval` steps (0:
-    none), activations sent with codec `mode`; `train` overrides further [train] fields."""
+    none), activations sent with codec `mode`; `train` overrides further [train] fields. With `nodes`, a job of
+    one synchronous step that waits for exactly that many nodes (what a pinned plan of an end-to-end test runs)."""
     job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    return replace(job, train=replace(job.train, steps=steps, **{"warmup": 2, **train}),
-                   checkpoint=replace(job.checkpoint, interval=interval),
-                   compression=replace(job.compression, mode=mode))
+    job = replace(job, train=replace(job.train, steps=steps, **{"warmup": 2, **train}),
+                  checkpoint=replace(job.checkpoint, interval=interval),
+                  compression=replace(job.compression, mode=mode))
+    if nodes is None:
+        return job
+    return replace(job, cluster=replace(job.cluster, expected_nodes=nodes, min_nodes=nodes),
+                   outer=replace(job.outer, mode="sync"))
 
 
 def stage(layers: tuple[int, int], nodes, **fields) -> StagePlan:

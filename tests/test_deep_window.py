@@ -214,9 +214,7 @@ def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_pat
     from atoll.launch.localcluster import LocalCluster
 
     steps = 5
-    job = tiny_job(steps, micro_batch=2)
-    job = replace(job, cluster=replace(job.cluster, expected_nodes=2, min_nodes=2),
-                  outer=replace(job.outer, mode="sync"))
+    job = tiny_job(steps, micro_batch=2, nodes=2)
     m = job.train.global_batch // 2
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())

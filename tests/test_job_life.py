@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pipeline_harness import tiny_job
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator import job_control as jc
@@ -144,11 +145,7 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
     from atoll.launch.localcluster import LocalCluster
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
-    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=200, warmup=2),
-                  checkpoint=replace(job.checkpoint, interval=1000),
-                  compression=replace(job.compression, mode="identity"),
-                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4), outer=replace(job.outer, mode="sync"))
+    job = tiny_job(200, interval=1000, nodes=4)
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first", "node2": "second", "node3": "spare", "node4": "keeper"}

@@ -4,28 +4,22 @@ a deeper in-flight window, and a tensor-parallel (tp = 2) second stage. Its loss
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pipeline_harness import tiny_job
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 5
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_plan_mixing_every_feature_runs_through_the_coordinator(tmp_path: Path) -> None:
-    from atoll.job import JobSpec
     from atoll.launch.localcluster import LocalCluster
     from atoll.node.local import train_local
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=STEPS, warmup=2),
-                  checkpoint=replace(job.checkpoint, interval=0),
-                  compression=replace(job.compression, mode="identity"),
-                  cluster=replace(job.cluster, expected_nodes=4, min_nodes=4), outer=replace(job.outer, mode="sync"))
+    job = tiny_job(STEPS, nodes=4)
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first-0", "node2": "first-1", "node3": "second-tp0", "node4": "second-tp1"}

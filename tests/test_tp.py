@@ -24,19 +24,15 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from pipeline_harness import tiny_job
 
-REPO = Path(__file__).resolve().parent.parent
 RTOL = 1e-4
 
 
 def _job(steps: int, interval: int = 0, model: dict | None = None):
-    from atoll.job import JobSpec
     from atoll.modelspec import ModelConfig
 
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=steps, warmup=2),
-                  checkpoint=replace(job.checkpoint, interval=interval),
-                  compression=replace(job.compression, mode="identity"))
+    job = tiny_job(steps, interval=interval)
     if model is not None:
         job = replace(job, model=ModelConfig(**model), model_preset=None)
     return job
@@ -271,9 +267,7 @@ def test_coordinator_and_nodes_run_a_pinned_plan_with_a_tp_stage(tmp_path: Path)
     from atoll.plan import PipelinePlan, Plan
 
     steps = 5
-    job = _job(steps=steps)
-    job = replace(job, cluster=replace(job.cluster, expected_nodes=3, min_nodes=3),
-                  outer=replace(job.outer, mode="sync"))
+    job = tiny_job(steps, nodes=3)
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "first-0", "node2": "second-tp0", "node3": "second-tp1"}

@@ -8,7 +8,6 @@ constant factor on a stage's gradients from the losses; the gradients do not).
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -282,9 +281,7 @@ def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Pa
 
     from atoll.launch.localcluster import LocalCluster
 
-    base = tiny_job(E2E_STEPS)
-    job = replace(base, cluster=replace(base.cluster, expected_nodes=3, min_nodes=3),
-                  outer=replace(base.outer, mode="sync"))
+    job = tiny_job(E2E_STEPS, nodes=3)
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "wide-0", "node2": "wide-1", "node3": "narrow-0"}
