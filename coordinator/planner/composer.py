@@ -5,7 +5,7 @@ data-parallel replicas) and the pipeline's micro-batch B, which every stage shar
 (B / w_i sequences each, FlashFlex's asymmetric shares); island i can then host up to floor(gpus_i / w_i)
 stages, and the step has m = global_batch / B micro-batches. Three families of setups are tried: one width
 for every stage (replica r feeds replica r), every island cut into the same number d of stages, as wide
-as the island allows, and, in chains of two islands, each island cut into its own power-of-two number of
+as the island allows, and, in chains of two islands of one region, each island cut into its own power-of-two number of
 stages (a slow island in a few wide stages, which the parallelizer may run tensor-parallel, a fast one in
 more narrow ones). For a candidate the composer finds the smallest bottleneck T (the
 largest of every stage's compute time per micro-batch and every boundary's time on the wire under its
@@ -60,7 +60,8 @@ def _divisors(n: int) -> set[int]:
 
 
 MIXED_CUTS_UP_TO = 2
-"""Chains of at most this many islands also try every island cut into its own number of stages."""
+"""Chains of at most this many islands, all of one region, also try every island cut into its own number of
+stages."""
 MIXED_CUTS_MAX = 16
 """Most stages per island in those mixed cuts (powers of two up to it)."""
 
@@ -253,8 +254,8 @@ class Composer:
                 if d <= max_units:
                     out.append((tuple(max(1, i.gpus // d) for i in order), tuple(min(d, i.gpus) for i in order)))
             # each island cut into its own number of stages (a slow island in few wide stages running tensor
-            # parallelism, a fast one in more narrow ones), in chains of a few islands
-            if 1 < len(order) <= MIXED_CUTS_UP_TO:
+            # parallelism, a fast one in more narrow ones), in chains of a few islands of one region
+            if 1 < len(order) <= MIXED_CUTS_UP_TO and len({i.region for i in order}) == 1:
                 cuts = [1 << k for k in range(MIXED_CUTS_MAX.bit_length()) if (1 << k) <= max_units]
                 for ds in itertools.product(cuts, repeat=len(order)):
                     if len(set(ds)) > 1 and all(d <= i.gpus for d, i in zip(ds, order)):
