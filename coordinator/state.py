@@ -267,13 +267,13 @@ class CoordinatorState:
     def unprobed(self, alive: Mapping[str, MemberRecord], now: float, index: _ProbeIndex | None = None) -> set[str]:
         """Alive members whose sample of links is incomplete (probes in flight count as missing); `index`: the
         probe index of `alive`, when built already."""
-        if index is None or index.class_of.keys() != alive.keys():
-            index = _ProbeIndex.of(alive)
-        sizes = {c: len(v) for c, v in index.by_class.items()}
-        skip = unreachable_nodes(alive) if index is not self._probe_index else self._unreachable
-        # only the members whose answer may have changed are checked (`SampleProgress`), on a copy of their
-        # measurements, so heartbeats wait on the lock for the copy's time only
-        with self._cond:
+        with self._cond:  # (handlers add joiners to the probe index and the unreachable set under it)
+            if index is None or index.class_of.keys() != alive.keys():
+                index = _ProbeIndex.of(alive)
+            sizes = {c: len(v) for c, v in index.by_class.items()}
+            skip = frozenset(unreachable_nodes(alive) if index is not self._probe_index else self._unreachable)
+            # only the members whose answer may have changed are checked (`SampleProgress`), on a copy of their
+            # measurements, so heartbeats wait on the lock for the copy's time only
             todo, incomplete = self._samples.due(alive, index.class_of, sizes, skip, now, self._stale_before)
             measured = {n: dict(self._measured.get(n, {})) for n in todo}
             stale_before = self._stale_before
@@ -283,10 +283,10 @@ class CoordinatorState:
         """Rebuild the probe index when membership changed (O(members)), and drop timed-out probes in flight
         every quarter of their timeout (O(probes in flight)); a round with neither costs O(1)."""
         timeout = self.options.probes.in_flight_timeout.total_seconds()
-        with self._cond:
+        with self._cond:  # (handlers add joiners to the index under it)
             version = self._members_version
-        old = self._probe_index
-        if version != self._index_version or old.class_of.keys() != alive.keys():
+            changed = version != self._index_version or self._probe_index.class_of.keys() != alive.keys()
+        if changed:
             new = self._probe_index = _ProbeIndex.of(alive)
             self._index_version = version
             # (not the old index's own keys: `assign_probes` adds joiners to it between rebuilds)
