@@ -5,17 +5,21 @@ restarted on its state dir after `--restart-after` s), `--joins` new nodes start
 random node (a graceful leave, not restarted), in a random order, each once the cluster has recovered from the
 one before. Per event it prints the detection time, the time to the next whole step, the steps rolled back and
 the bytes of state moved (what the nodes' logs say they fetched from live replicas or checkpoint copies; "n/a"
-where they say nothing); then the loss curve against an undisturbed run of the same job on the same cluster
-(measured first, in this run), as figures and as a picture (`OUT/loss.png`).
+where they say nothing); then the loss curve against an undisturbed run of the same job to the same step on the
+same cluster (run afterwards, in this run), as figures and as a picture (`OUT/loss.png`).
 
 Steps rolled back per event are what the nodes said: each run of a plan logs where it resumed (`resume: step R
 (live state | checkpoint; ...); the job was at step M: K steps rolled back`), and an event costs the most any
-run resumed in its window rolled back (0 when no plan was made in it). The job's global batch (`--global-batch`,
-60 by default) lets the planner give each added node a share of the rows: the busiest replica's rows a step
-(at most 4 a micro-batch) fall with every width up to 8 (60, 30, 20, 15, 12, 10, 9, 8), so stages run
-data-parallel replicas (a kill usually hits a stage with a live replica) and a joining node becomes one more
-replica rather than an idle node. With the tiny job's 16 they fall only at widths 2, 3, 4, 6 and 8 (a fifth node
-leaves the busiest replica 4 rows, as with four), and the planner leaves such a node idle: no faster plan uses it.
+run resumed in its window rolled back (0 when no plan was made in it).
+
+The job's global batch (`--global-batch`, 240 by default) lets the planner give an added node a share of the
+rows: the busiest replica's rows a step (at most 4 a micro-batch) fall with every width up to 8 (240, 120, 80,
+60, 48, 40, 36, 30), where with the tiny job's 16 they fall only at widths 2, 3, 4, 6 and 8 (a fifth replica
+leaves the busiest one 4 rows, as with four), and the compute a step makes the data-parallel all-reduce cheap
+beside it. Stages then run data-parallel replicas, so a kill usually hits a stage with a live replica. A joining
+node may still be left idle: the planner cuts one island into stages of equal width (5 nodes: one stage of 5, or
+two of 2 and one node idle) and may take the 5-way all-reduce to be slower when the probes measured
+milliseconds of latency (a loaded machine); the event table says so for such a join.
 
 Targets: a kill of a node whose stage has a live replica rolls back 0 steps and trains the next step within
 15 s; a join rolls back 0 steps; the final loss is within 1% of the undisturbed run's.
@@ -25,9 +29,7 @@ Usage: python -m bench.churn [--node-kills 20 --joins 10 --leaves 2] [--quick]
 
 from __future__ import annotations
 
-import argparse
 import re
-import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,12 +39,12 @@ if str(ROOT) not in sys.path:  # run as a path (python bench/churn.py): imports 
     sys.path.insert(0, str(ROOT))
 
 from atoll.job import JobSpec  # noqa: E402
-from bench.faults import (TINY, DriverConfig, Event, FaultSchedule, RunFailed, _log_time,  # noqa: E402
-                          event_table, final_loss, fmt, run_pair)
+from bench.faults import (TINY, DriverConfig, Event, FaultSchedule, _log_time, bench_parser,  # noqa: E402
+                          final_loss, fmt, print_targets, run_bench)
 
 NEXT_STEP_TARGET_S = 15.0
 LOSS_TARGET = 0.01
-GLOBAL_BATCH = 60
+GLOBAL_BATCH = 240
 
 RESUME = re.compile(r"resume: step (\d+) \((live state|checkpoint);.*?\); the job was at step (\d+): (\d+) steps "
                     r"rolled back")
@@ -116,47 +118,26 @@ def loss_picture(base: dict[int, float], losses: dict[int, float], events: list[
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--node-kills", type=int, default=20)
+    ap = bench_parser(__doc__, node_kills=20, restart_after=10.0, lease=8.0, out="bench-churn",
+                      quick_help="2 node kills, 1 join and 1 leave on 3 nodes: a check that fits a loaded machine")
     ap.add_argument("--joins", type=int, default=10)
     ap.add_argument("--leaves", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="2 node kills, 1 join and 1 leave on 3 nodes: a check that "
-                                                         "fits a loaded machine")
-    ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
                     help="sequences a step (the tiny job's micro-batch is 4); see the module's docstring")
-    ap.add_argument("--steps", type=int, default=None, help="the job's steps (default: enough for the events at the "
-                                                            "step time a short calibration run measures)")
-    ap.add_argument("--gap-steps", type=int, default=10, help="steps trained after a recovery before the next event")
-    ap.add_argument("--restart-after", type=float, default=10.0, help="seconds a killed node stays down")
-    ap.add_argument("--lease", type=float, default=8.0, help="the coordinator's lease (seconds)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=None, help="bound of each run in seconds (default: from the "
-                                                                "number of events)")
-    ap.add_argument("--out", type=Path, default=Path("runs") / "bench-churn")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's processes are stopped too
     if args.quick:
         args.node_kills, args.joins, args.leaves, args.nodes = 2, 1, 1, 3
     schedule = FaultSchedule(node_kills=args.node_kills, joins=args.joins, leaves=args.leaves, seed=args.seed)
     cfg = DriverConfig(nodes=args.nodes, gap_steps=args.gap_steps, restart_after=args.restart_after, lease=args.lease,
                        outage=min(5.0, args.lease / 2), job=churn_job(args.out, args.global_batch))
-    print(f"churn: tiny job (global batch {args.global_batch}) on {cfg.nodes} nodes; {args.node_kills} node kill(s) (down {cfg.restart_after:g}s each), "
-          f"{args.joins} join(s), {args.leaves} graceful leave(s); lease {cfg.lease:g}s; logs under {args.out}",
-          flush=True)
-    try:
-        res = run_pair(cfg, schedule, args.out, steps=args.steps, timeout=args.timeout,
-                       say=lambda s: print(s, flush=True))
-    except RunFailed as e:
-        print(f"the calibration or undisturbed run failed: {e}")
-        print("targets met: 0/3 (missed: the undisturbed run did not finish)")
+    res = run_bench(cfg, schedule, args, f"churn: tiny job (global batch {args.global_batch}) on {cfg.nodes} nodes; "
+                    f"{args.node_kills} node kill(s) (down {cfg.restart_after:g}s each), {args.joins} join(s), "
+                    f"{args.leaves} graceful leave(s); lease {cfg.lease:g}s", targets=3,
+                    before_table=lambda r: count_rollbacks(r.driver.events, sorted((args.out / "disturbed").glob(
+                        "node*.log")), float("inf")))
+    if res is None:
         return 1
     events, losses, base = res.driver.events, res.losses, res.base
-    count_rollbacks(events, sorted((args.out / "disturbed").glob("node*.log")), float("inf"))
-    print(f"disturbed run: {len(events)} of {len(schedule.events())} event(s) in {res.wall_s:.0f}s"
-          + (f"; FAILED: {res.error}" if res.error else ""))
-    for line in event_table(events):
-        print(line)
 
     kills = [e for e in events if e.kind == "node-kill"]
     replicated = [e for e in kills if e.live_replica]
@@ -192,12 +173,7 @@ def main() -> int:
     }
     if not replicated:
         print("note: no kill hit a node whose stage had a live replica")
-    if res.driver.not_injected:
-        print(f"note: {res.driver.not_injected} event(s) were not injected: the job ended first (give --steps)")
-    missed = [name for name, ok in targets.items() if not ok]
-    print(f"targets met: {len(targets) - len(missed)}/{len(targets)}"
-          + (f" (missed: {'; '.join(missed)})" if missed else ""))
-    return 0
+    return print_targets(targets, res)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -556,8 +557,8 @@ class FaultDriver:
             e.detected_at = seen
             named = e.role.startswith("pipeline")
             after = [s for t, s, ep, _ in steps if t > seen and (ep > e.epoch or not named)]
-        else:  # a join: a plan names the node
-            naming = [t for t, p, _ in rec.plans if t >= e.at and e.node_id in plan_nodes(p)]
+        else:  # a join: a plan accounts for the node (runs it, or leaves it idle on purpose, as `recovered`)
+            naming = [t for t, p, _ in rec.plans if t >= e.at and e.node_id in {n for i in p.islands for n in i.nodes}]
             if not naming:
                 return False
             after = [s for t, s, _, _ in steps if t > naming[0]]
@@ -643,7 +644,10 @@ class FaultDriver:
         try:
             self.cluster.start_coordinator(extra=self.coordinator_args)
             if self._fixed_target is not None and self._fixed_target > self.target:
-                self._control("extend", self._fixed_target - self.target)  # before any node hears the spec's end
+                try:  # before any node hears the spec's end
+                    self._control("extend", self._fixed_target - self.target)
+                except (ValueError, ConnectionError, PermissionError) as e:
+                    raise RunFailed(f"could not extend the job to step {self._fixed_target}: {e}") from None
             self._managed = bool(kinds) and cfg.room_seconds > 0
             self.monitor.start()
             for _ in range(cfg.nodes):
@@ -677,8 +681,12 @@ class FaultDriver:
                            or self.past(last, r), min(deadline - time.monotonic(), cfg.recover_timeout))
                 self._managed = False
                 if not self.complete(self.monitor.snapshot()):
-                    reply = self._control("stop")
-                    self.say(f"  every event injected: the job ends at step {reply.target_steps}")
+                    try:
+                        reply = self._control("stop")
+                        self.say(f"  every event injected: the job ends at step {reply.target_steps}")
+                    except (ValueError, ConnectionError) as e:  # ending already: it ends at its target
+                        self.say(f"  every event injected; the job was not stopped ({e}): it ends at step "
+                                 f"{self.target}")
             self._wait("the job to finish", self.complete, max(30.0, deadline - time.monotonic()))
             self.finished = time.time()
             self.target = self.monitor.snapshot().target or self.target
@@ -722,7 +730,8 @@ class FaultDriver:
                     e.rolled_back = 0
             else:  # coordinator kill: from the kill until every member heartbeated the restarted process
                 back = e.back_at
-                members = [i for i, ts in rec.heard_log.items() if any(t < e.at for t in ts)]
+                # the members alive at the kill: heard within a lease before it
+                members = [i for i, ts in rec.heard_log.items() if any(e.at - self.cfg.lease <= t < e.at for t in ts)]
                 firsts = [next((t for t in rec.heard_log[i] if t >= back), None) for i in members]
                 e.detection_s = (max(firsts) - e.at) if members and None not in firsts else None
                 e.next_step_s = next((t - e.at for t, _, _, _ in steps if t > e.at), None)
@@ -863,9 +872,9 @@ def bench_parser(doc: str, *, node_kills: int, restart_after: float, lease: floa
 
 
 def run_bench(cfg: DriverConfig, schedule: FaultSchedule, args: argparse.Namespace, header: str,
-              targets: int) -> Outcome | None:
-    """Run a fault benchmark's pair of runs and print its event table; None (with `targets met: 0/N` printed)
-    when the disturbed run failed before any event."""
+              targets: int, before_table: Callable[[Outcome], None] | None = None) -> Outcome | None:
+    """Run a fault benchmark's pair of runs and print its event table (`before_table` may refine the events'
+    figures first); None (with `targets met: 0/N` printed) when the disturbed run failed before any event."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the cluster's processes are stopped too
     say = lambda s: print(s, flush=True)  # noqa: E731
     say(f"{header}; logs under {args.out}")
@@ -873,6 +882,8 @@ def run_bench(cfg: DriverConfig, schedule: FaultSchedule, args: argparse.Namespa
     if res.error and not res.driver.events:
         print(f"targets met: 0/{targets} (missed: the disturbed run failed before its first event)")
         return None
+    if before_table is not None:
+        before_table(res)
     for line in event_table(res.driver.events):
         print(line)
     if res.missing:

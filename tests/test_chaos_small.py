@@ -126,7 +126,7 @@ def test_the_report_of_a_copy_on_a_node_that_left_is_dropped_and_the_reports_beh
 @pytest.mark.timeout(240)
 def test_the_job_survives_a_coordinator_kill_and_a_node_kill(tmp_path: Path) -> None:
     cfg = DriverConfig(nodes=3, gap_steps=5, first_at=10, min_steps=10, restart_after=5.0, outage=3.0, lease=4.0,
-                       recover_timeout=120.0, room_seconds=20.0)
+                       recover_timeout=120.0, room_seconds=60.0)
     job = write_job(cfg, 100, tmp_path / "job.toml")
     # seed 1 orders the two: the coordinator first, while the first plan trains
     schedule = FaultSchedule(node_kills=1, coordinator_kills=1, seed=1)
@@ -137,7 +137,8 @@ def test_the_job_survives_a_coordinator_kill_and_a_node_kill(tmp_path: Path) -> 
     print("\n".join(f"{e.kind} {e.target} at step {e.step}: detection {e.detection_s}, next step {e.next_step_s}, "
                     f"rolled back {e.rolled_back}; {e.role}; {e.note}" for e in events))
     assert [e.kind for e in events] == ["coordinator-kill", "node-kill"], "the job ended before every event"
-    # extended while the events came (20 s of training ahead), stopped a few steps after the last
+    # extended while the events came (a minute of training ahead: more than a loaded machine's coordinator
+    # restart), stopped a few steps after the last
     assert driver.target >= events[-1].step and rec.finished > 0
     assert sorted(rec.reported()) == list(range(driver.target)), "the job did not complete"
     # a step whose loss all-reduce failed when a replica died is trained without a loss: at most one
