@@ -131,8 +131,8 @@ class CoordinatorState:
 
     @property
     def epoch(self) -> int:
-        plan = self.current_plan()
-        return plan.epoch if plan is not None else 0
+        plan = self._plan  # one reference read, atomic: every heartbeat asks, and a publish holds the lock while
+        return plan.epoch if plan is not None else 0  # it writes the plan to disk
 
     def publish(self, plan: Plan, reason: str) -> None:
         with self._cond:
