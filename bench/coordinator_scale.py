@@ -7,7 +7,9 @@ and answers the probes it is handed with a measurement of the simulated topology
 slow across). The benchmark prints per size:
 - join: wall time from the first join to the last join acknowledged;
 - heartbeat p50/p99 (client-measured round trips, steady state after the plan) and the errors;
-- false lapses: a heartbeat answered NOT_FOUND, i.e. a live simulated node was marked gone;
+- false lapses: a heartbeat answered NOT_FOUND although the node's previous heartbeat was sent within the lease,
+  i.e. a live simulated node was marked gone; a NOT_FOUND after the simulated node itself went longer than the
+  lease between heartbeats (its process starved of CPU) is counted apart, as the node's own late heartbeat;
 - time from the last join to the plan reaching every node's watch, and the plan epoch;
 - the coordinator's CPU (share of one core, steady state) and RSS.
 The first size is the baseline the others are set against (a heartbeat should cost the same at any size).
@@ -106,7 +108,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                                      request_serializer=pb.WatchPlanRequest.SerializeToString,
                                      response_deserializer=len),
         })
-    stats = {"joined": [], "plan": {}, "lat": [], "lag": [], "lapses": 0, "errors": 0, "error_kinds": {},
+    stats = {"joined": [], "plan": {}, "lat": [], "lag": [], "lapses": 0, "late": 0, "errors": 0, "error_kinds": {},
              "measuring": False, "examples": []}
     stop = asyncio.Event()
     join_gate = asyncio.Semaphore(64)
@@ -143,7 +145,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                     r = await rpc["join"](pb.JoinRequest(token=token, node_id=f"sim{i:05d}", profile=profile(i),
                                                          peer_address=peer_address),
                                           metadata=meta, timeout=60)
-                    return r.node_id, r.heartbeat_interval_seconds
+                    return r.node_id, r.heartbeat_interval_seconds, r.lease_seconds
                 except grpc.aio.AioRpcError as e:
                     error(e, "join")
                     await asyncio.sleep(1.0)
@@ -161,7 +163,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
 
     async def node(i: int) -> None:
         rpc = rpcs[i % len(rpcs)]
-        node_id, interval = await join(i, rpc)
+        node_id, interval, lease = await join(i, rpc)
+        sent = time.perf_counter()  # when the lease was last renewed from this side (the join, then each heartbeat)
         stats["joined"].append(time.time())
         watcher = asyncio.ensure_future(watch(node_id, rpc))
         request = pb.HeartbeatRequest(node_id=node_id).SerializeToString()
@@ -182,12 +185,15 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                              for t in reply.probe]
                     await rpc["probes"](pb.ProbeReport(node_id=node_id, links=links), metadata=meta, timeout=30)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.NOT_FOUND:  # marked gone while alive: a false lapse; join again
-                    stats["lapses"] += 1
-                    node_id, interval = await join(i, rpc)
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # marked gone while alive; join again
+                    # a false lapse when this node renewed its lease in time; else its own heartbeat came late
+                    stats["lapses" if t0 - sent <= lease else "late"] += 1
+                    node_id, interval, lease = await join(i, rpc)
                     request = pb.HeartbeatRequest(node_id=node_id).SerializeToString()
+                    t0 = time.perf_counter()
                 elif not stop.is_set():
                     error(e, "heartbeat")
+            sent = t0
             due = t0 + interval
             await asyncio.sleep(max(0.0, due - time.perf_counter()))  # (no timer task per beat: stop is seen next)
         watcher.cancel()
@@ -219,7 +225,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
         await ch.close()
     listener.close()
     out.put(("done", first, stats["lat"], stats["lapses"], stats["errors"], stats["error_kinds"],
-             min(stats["joined"], default=0.0), stats["examples"], stats["lag"], stats["cpu"]))
+             min(stats["joined"], default=0.0), stats["examples"], stats["lag"], stats["cpu"], stats["late"]))
 
 
 # --- one size -------------------------------------------------------------------------------------------
@@ -293,7 +299,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         lat: list[float] = []
         lag: list[float] = []
         client_cpu = 0.0
-        lapses = errors = 0
+        lapses = errors = late = 0
         kinds: dict[str, int] = {}
         firsts = []
         examples: list[str] = []
@@ -313,6 +319,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             examples += msg[7]
             lag += msg[8]
             client_cpu += msg[9]
+            late += msg[10]
         lat.sort()
         lag.sort()
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
@@ -320,6 +327,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
                 "join_s": last_join - min(firsts or [started]) if last_join else float("nan"),
                 "plan_after_last_join_s": last_plan - last_join if planned >= n else float("inf"),
                 "p50_ms": pct(0.5), "p99_ms": pct(0.99), "heartbeats": len(lat), "lapses": lapses,
+                "late": late,
                 "lag_p99_ms": lag[min(len(lag) - 1, int(0.99 * len(lag)))] * 1000 if lag else float("nan"),
                 "errors": errors, "error_kinds": kinds, "cpu_steady": cpu_steady, "cpu_join_s": cpu_join,
                 "client_cpu": client_cpu, "load": load,
@@ -363,6 +371,8 @@ def main() -> int:
         print(f"  heartbeat p50 / p99         {r['p50_ms']:8.1f} / {r['p99_ms']:.1f} ms  ({r['heartbeats']} heartbeats; "
               f"the clients' own loop lag p99 {r['lag_p99_ms']:.1f} ms)")
         print(f"  false lapses                {r['lapses']:8d}     errors {r['errors']} {r['error_kinds'] or ''}")
+        print(f"  lapses after a late beat    {r['late']:8d}     (the simulated node itself sent none within the "
+              f"lease: this machine's CPU, not the coordinator)")
         print(f"  coordinator CPU, RSS        {100 * r['cpu_steady']:8.0f} % of a core, {r['rss_mb']:.0f} MB   "
               f"(the simulated nodes: {100 * r['client_cpu']:.0f} % of a core)")
         for e in r["examples"]:
