@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from pipeline_harness import tiny_job
 
 from atoll.compression import CodecSpec
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
@@ -161,14 +161,9 @@ def test_the_norm_exchange_meets_at_the_store_when_a_member_accepts_no_connectio
 def _pinned_three_stage_job(tmp: Path, steps: int):
     """A job and a pinned plan of three one-node stages (first, middle, last: the nodes' names and ids); returns
     (job, job path, plan path, out folder)."""
-    from atoll.job import JobSpec
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
-    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=steps, warmup=2),
-                  checkpoint=replace(job.checkpoint, interval=0),
-                  compression=replace(job.compression, mode="identity"),
-                  cluster=replace(job.cluster, expected_nodes=3, min_nodes=3), outer=replace(job.outer, mode="sync"))
+    job = tiny_job(steps, nodes=3)
     job_path, plan_path, out = tmp / "job.toml", tmp / "plan.json", tmp / "cluster"
     job_path.write_text(job.to_toml())
     plan = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
