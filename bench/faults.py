@@ -4,7 +4,8 @@ A `FaultDriver` runs one job on a `LocalCluster` (a coordinator and nodes as rea
 machine) and injects events while it trains:
 
 - `node-kill`: SIGKILL a random running node (its whole process group); restarted on its state dir (same node
-  id) `restart_after` seconds later, so the cluster keeps its size;
+  id) `restart_after` seconds after its kill or its detection (see the pace below), so the cluster keeps its
+  size;
 - `coordinator-kill`: SIGKILL the coordinator, restart it on the same state dir and address after `outage` s;
 - `join`: start a new node;
 - `leave`: SIGTERM a random node (a graceful leave); it is not restarted.
@@ -221,6 +222,7 @@ class RunRecord:
     """The step the job ends at, as the coordinator keeps it (the spec's, or as extended or stopped)."""
     finished: float = 0.0
     """When the coordinator recorded the job finished (0: not yet)."""
+    _whole: tuple[int, list[tuple[float, int, int, float]]] | None = field(default=None, repr=False, compare=False)
 
     def reported(self) -> set[int]:
         """Steps some node reported trained (with a loss or without: a step whose loss all-reduce failed when a
@@ -228,9 +230,12 @@ class RunRecord:
         return {s for (_, s, _, _) in self.steps.values()}
 
     def whole_steps(self) -> list[tuple[float, int, int, float]]:
-        """(unix time, step, epoch, loss) of every step with a loss, in time order."""
-        out = [(t, s, e, loss) for (t, s, loss, e) in self.steps.values() if loss is not None]
-        return sorted(out)
+        """(unix time, step, epoch, loss) of every step with a loss, in time order (computed once per record: a
+        long run has tens of thousands, and the driver asks several times a poll)."""
+        if self._whole is None or self._whole[0] != len(self.steps):
+            out = [(t, s, e, loss) for (t, s, loss, e) in self.steps.values() if loss is not None]
+            self._whole = (len(self.steps), sorted(out))
+        return self._whole[1]
 
     def losses(self) -> dict[int, float]:
         """Each step's loss as last trained."""
@@ -801,7 +806,9 @@ class Outcome:
 
     @property
     def losses(self) -> dict[int, float]:
-        return self.driver.summary_losses()
+        """The disturbed run's loss by step, up to its end (a plan that failed may have trained past the step
+        a stop then ended the job at, and been rolled back)."""
+        return {s: loss for s, loss in self.driver.summary_losses().items() if s < self.steps}
 
     @property
     def missing(self) -> list[int]:

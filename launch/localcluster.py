@@ -73,7 +73,9 @@ class LocalCluster:
     status_address: str = ""
     """Where this process asks the coordinator for its status: `address`, or a relay into its host."""
     _losses: dict[int, float] = field(default_factory=dict, repr=False)
-    _newest: float = field(default=0.0, repr=False)
+    _loss_times: dict[int, float] = field(default_factory=dict, repr=False)
+    _merged: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
+    """(node id, plan epoch, step) of every report `losses` has merged."""
     _previous_sigterm: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -222,19 +224,24 @@ class LocalCluster:
             return dict(self._losses)
         store = SqliteStore(self.state_db)
         try:
-            # read back until the reports overlap the newest one already merged
+            # read back until the oldest report read was merged before (row order, not report times: the reports
+            # a node kept through a coordinator outage arrive late, stamped with their own times)
             limit = 256
             while True:
                 batch = store.recent_steps(limit=limit)
-                if len(batch) < limit or limit >= store.recent_steps_kept or batch[0].unix_time <= self._newest:
+                if (len(batch) < limit or limit >= store.recent_steps_kept
+                        or (batch[0].node_id, batch[0].plan_epoch, batch[0].step) in self._merged):
                     break
                 limit *= 4
         finally:
             store.close()
-        for s in sorted(batch, key=lambda s: s.unix_time):
-            if s.loss is not None:
-                self._losses[s.step] = s.loss
-            self._newest = max(self._newest, s.unix_time)
+        for s in batch:
+            key = (s.node_id, s.plan_epoch, s.step)
+            if key in self._merged:
+                continue
+            self._merged.add(key)
+            if s.loss is not None and s.unix_time >= self._loss_times.get(s.step, float("-inf")):
+                self._losses[s.step], self._loss_times[s.step] = s.loss, s.unix_time
         return dict(self._losses)
 
     def kill_coordinator(self) -> None:

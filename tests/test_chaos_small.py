@@ -54,6 +54,37 @@ def test_driver_config_says_what_to_change() -> None:
         DriverConfig(outage=5.0, lease=8.0, room_seconds=4.0)
 
 
+def test_local_cluster_losses_keep_the_reports_a_coordinator_outage_delivered_late(tmp_path: Path) -> None:
+    """300 reports kept through an outage arrive at once after newer ones, stamped with their own (older) times:
+    none is missed, and a step retrained later keeps its later loss."""
+    from atoll.coordinator.store import SqliteStore
+    from atoll.launch.localcluster import LocalCluster
+    from atoll.types import StepMetrics
+
+    cluster = LocalCluster(job_path=tmp_path / "job.toml", out=tmp_path)
+    cluster.state_db.parent.mkdir(parents=True)
+    store = SqliteStore(cluster.state_db)
+
+    def report(node: str, step: int, t: float, loss: float) -> None:
+        store.add_step(StepMetrics(job_id="j", node_id=node, plan_epoch=1, step=step, loss=loss, unix_time=t))
+
+    try:
+        for step in range(10):
+            report("a", step, 1000.0 + step, 5.0)
+        assert sorted(cluster.losses()) == list(range(10))
+        report("a", 400, 2000.0, 1.0)  # live, newer, read before the backlog arrives
+        assert sorted(cluster.losses()) == list(range(10)) + [400]
+        for step in range(10, 310):  # the backlog of the outage, older
+            report("b", step, 1100.0 + step, 4.0)
+        report("c", 5, 3000.0, 0.5)  # step 5 retrained after a rollback
+        report("b", 5, 1500.0, 9.0)  # ... and an older report of it, late
+        losses = cluster.losses()
+    finally:
+        store.close()
+    assert sorted(losses) == list(range(310)) + [400]
+    assert losses[5] == 0.5 and losses[300] == 4.0
+
+
 class _Away(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
@@ -140,9 +171,10 @@ def test_the_job_survives_a_coordinator_kill_and_a_node_kill(tmp_path: Path) -> 
     # extended while the events came (a minute of training ahead: more than a loaded machine's coordinator
     # restart), stopped a few steps after the last
     assert driver.target >= events[-1].step and rec.finished > 0
-    assert sorted(rec.reported()) == list(range(driver.target)), "the job did not complete"
+    # (a plan the kill failed may have trained past the stop's end before it was rolled back)
+    assert set(range(driver.target)) <= rec.reported(), "the job did not complete"
     # a step whose loss all-reduce failed when a replica died is trained without a loss: at most one
-    assert len(rec.losses()) >= driver.target - 1
+    assert len([s for s in rec.losses() if s < driver.target]) >= driver.target - 1
     coordinator, node = events
     assert coordinator.rolled_back == 0, coordinator.note
     assert coordinator.trained_while_down, coordinator.note  # neighbours trained on while it was away
