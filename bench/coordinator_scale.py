@@ -132,6 +132,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
     def error(e: Exception, what: str) -> None:
         stats["errors"] += 1
         kind = f"{what} {e.code().name}" if isinstance(e, grpc.aio.AioRpcError) else f"{what} {type(e).__name__}"
+        kind += " (steady state)" if stats["measuring"] else " (joins and plan)"
         stats["error_kinds"][kind] = stats["error_kinds"].get(kind, 0) + 1
         if len(stats["examples"]) < 3:
             stats["examples"].append(f"{kind}: {e.details() if isinstance(e, grpc.aio.AioRpcError) else e} "
