@@ -292,13 +292,16 @@ def make_aio_server(
     max_workers: int = 16,
     maximum_concurrent_rpcs: int | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_pending_calls: int | None = None,
 ) -> AioServerHandle:
     """Start a `grpc.aio` server on `listen` (HOST:PORT; port 0 picks a free one) on an event loop thread of its own.
 
     `async def` handlers run on the loop, so a call that mostly waits (a long server stream) holds no thread;
     plain `def` handlers run unchanged on a pool of `max_workers` threads, which is also the loop's default
     executor (`loop.run_in_executor(None, ...)`) for the blocking work of async handlers. Calls beyond
-    `maximum_concurrent_rpcs` (None: no bound) are refused with RESOURCE_EXHAUSTED.
+    `maximum_concurrent_rpcs` (None: no bound) are refused with RESOURCE_EXHAUSTED. `max_pending_calls` (None: gRPC's
+    own, 1,000 then 3,000 at most): calls gRPC may hold before the server's loop takes them; beyond it gRPC drops
+    them (the caller sees CANCELLED), so a server that thousands of clients call at once raises it.
     """
     options = options or RpcOptions()
     pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="atoll-rpc")
@@ -309,7 +312,9 @@ def make_aio_server(
 
     async def start() -> tuple[grpc.aio.Server, int]:
         # the server belongs to the loop it is made on, so it is made there
-        server = grpc.aio.server(migration_thread_pool=pool, options=options.server_options(),
+        pending = [] if max_pending_calls is None else [("grpc.server.max_pending_requests", max_pending_calls),
+                                                        ("grpc.server.max_pending_requests_hard_limit", max_pending_calls)]
+        server = grpc.aio.server(migration_thread_pool=pool, options=options.server_options() + pending,
                                  interceptors=[*interceptors, AioDecodeGuard()],
                                  maximum_concurrent_rpcs=maximum_concurrent_rpcs)
         for reg in register:

@@ -177,7 +177,10 @@ class CoordinatorService:
             [lambda s: add_coordinator_to_server(servicer, s),  # plans serialized once for every watch
              lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
             rpc, max_workers=self.config.max_workers,
-            maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers)
+            maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers,
+            # a heartbeat from every node may arrive while the loop is busy (a plan sent to every watch): gRPC holds
+            # them for the loop instead of dropping those past its default 1,000 (which the nodes saw as CANCELLED)
+            max_pending_calls=self.config.max_watches + 4 * self.config.max_workers)
         for name in ("", SERVICE_NAME):
             self._server.run(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
         if self.config.metrics_port is not None:
