@@ -280,19 +280,30 @@ class GrpcTransport(Transport):
         server.attach(self.mailbox)
         self.dialer: ReverseDialer | None = None
         if not config.accepts_connections:
-            targets, names = {}, {}
-            for r in config.routes("upstream") + config.routes("downstream"):
+            targets, names, senders = {}, {}, {}
+            routes = config.routes("upstream") + config.routes("downstream")
+            for r in routes:
                 if r.peer.route == "dial":
                     targets[r.peer.node_id] = r.peer.address
-                elif r.peer.route == "relay":
-                    targets[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay
-                    if r.peer.relay_node:
-                        names[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay_node
-                else:
+                elif r.peer.route != "relay":
                     raise ValueError(f"{r.peer.node_id} and this node both accept no connections; the plan must "
                                      f"name a relay for their link")
+            by_address = {a: t for t, a in targets.items()}
+            for r in routes:
+                if r.peer.route != "relay":
+                    continue
+                # a relay that is also a neighbour gets one stream, carrying its own tensors and those it relays
+                # (the relay's server keys streams by the dialing node's id, so a second one would replace the first)
+                mine = r.peer.relay_node if r.peer.relay_node in targets else by_address.get(r.peer.relay)
+                if mine is not None:
+                    senders.setdefault(mine, {mine}).add(r.peer.node_id)
+                    continue
+                targets[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay
+                if r.peer.relay_node:
+                    names[f"{RELAY_TARGET}{r.peer.relay}"] = r.peer.relay_node
             self.dialer = ReverseDialer(DialerConfig(node_id=config.node_id, token=config.token, rpc=config.rpc),
-                                        targets, lambda: server.receiver, names=names)
+                                        targets, lambda: server.receiver, names=names,
+                                        senders={t: frozenset(s) for t, s in senders.items()})
 
     @property
     def _links(self) -> list[PeerLink]:

@@ -114,17 +114,18 @@ class PlanMembers:
                             f"(epochs {', '.join(map(str, epochs)) or 'none yet'}); only plan members are served")
 
 
-def check_tunnelled(chunks: Iterator[C], dialled: str | None, receiver: object) -> Iterator[C]:
-    """Tensors of a call over a Connect stream this node opened to `dialled` (None: to a relay), refusing
-    (Forbidden) one that names another sender than the node dialled, or that the receiver's plan epoch does
-    not put upstream or downstream of its stage."""
+def check_tunnelled(chunks: Iterator[C], dialled: str | frozenset[str] | None, receiver: object) -> Iterator[C]:
+    """Tensors of a call over a Connect stream this node opened to `dialled` (None: to a relay; a set: to a
+    neighbour that also relays the others in it), refusing (Forbidden) one that names another sender than
+    those, or that the receiver's plan epoch does not put upstream or downstream of its stage."""
     spec = getattr(receiver, "spec", None)
+    allowed = frozenset((dialled,)) if isinstance(dialled, str) else dialled
     for chunk in chunks:
         if chunk.HasField("meta"):  # type: ignore[attr-defined]
             meta = chunk.meta  # type: ignore[attr-defined]
-            if dialled is not None and meta.sender != dialled:
-                raise Forbidden(f"Transfer over the Connect stream to {dialled}: the tensor claims to come from "
-                                f"{meta.sender[:80]!r}; a node sends only as itself")
+            if allowed is not None and meta.sender not in allowed:
+                raise Forbidden(f"Transfer over the Connect stream to {', '.join(sorted(allowed))}: the tensor "
+                                f"claims to come from {meta.sender[:80]!r}; a node sends only as itself")
             if spec is not None and meta.plan_epoch == spec.plan_epoch:
                 senders = set(spec.senders("forward")) | set(spec.senders("backward"))
                 if meta.sender not in senders:

@@ -353,11 +353,14 @@ class ReverseDialer:
     them: Transfer into `receiver()` (the running stage's mailbox), Probe answered at once."""
 
     def __init__(self, config: DialerConfig, targets: dict[str, str], receiver: Callable[[], TransferReceiver | None],
-                 names: dict[str, str] | None = None):
+                 names: dict[str, str] | None = None, senders: dict[str, frozenset[str]] | None = None):
         self.config, self.targets, self._receiver = config, dict(targets), receiver
         self._names = dict(names or {})
         """Node id whose certificate each target's server must hold, where it is not the target's own name (a
         relay's); a relay target without one is taken on any certificate of the job."""
+        self._senders = dict(senders or {})
+        """Who may send tensors over a neighbour's stream besides the neighbour itself: the nodes it relays to this
+        node (a relay that is also a neighbour). Default: the neighbour alone."""
         self._closed = threading.Event()
         self._calls: set[grpc.Future] = set()
         self._lock = threading.Lock()
@@ -459,7 +462,8 @@ class ReverseDialer:
     def _serve(self, first: pb.ConnectFrame, incoming: _Incoming, out: queue.SimpleQueue, target: str) -> None:
         check = None
         if self.config.rpc.mtls is not None:  # the far end is `target` (its certificate), or a relay that vetted
-            dialled = None if target.startswith(RELAY_TARGET) else target  # the sender's certificate itself
+            dialled = (None if target.startswith(RELAY_TARGET)  # the sender's certificate itself
+                       else self._senders.get(target, frozenset((target,))))
 
             def check(chunks: Iterator, receiver: object) -> Iterator:
                 return check_tunnelled(chunks, dialled, receiver)

@@ -530,3 +530,22 @@ def test_a_relay_named_by_the_plan_must_hold_its_own_certificate(world: dict) ->
             assert dialer.wait_connected(10.0)  # the named relay itself: the stream opens
         finally:
             dialer.close()
+
+
+def test_a_neighbour_that_also_relays_may_send_as_itself_and_as_those_it_relays() -> None:
+    """A node behind NAT keeps one Connect stream to a neighbour that is also its relay (the neighbour's server
+    keys streams by the dialing node, so two would replace each other): tensors over it may name the neighbour
+    or a node it relays here, nobody else."""
+    from types import SimpleNamespace
+
+    from atoll.node.peer_authz import Forbidden, check_tunnelled
+
+    def chunk(sender: str):
+        return pb.TensorChunk(meta=pb.TensorMeta(sender=sender))
+
+    both = frozenset(("last", "first"))
+    assert len(list(check_tunnelled(iter([chunk("last"), chunk("first")]), both, SimpleNamespace()))) == 2
+    with pytest.raises(Forbidden, match="claims to come from 'other'"):
+        list(check_tunnelled(iter([chunk("other")]), both, SimpleNamespace()))
+    with pytest.raises(Forbidden, match="claims to come from 'first'"):
+        list(check_tunnelled(iter([chunk("first")]), "last", SimpleNamespace()))

@@ -239,6 +239,8 @@ def test_two_no_listen_neighbours_train_through_a_relay(tmp_path: Path) -> None:
     assert status.plan.relays[0].bandwidth_bytes_per_s > 0
     log = (out / "first.log").read_text()
     assert "Connect stream to relay" in log
+    # middle's neighbour is also its relay: one stream carries both, so neither replaces the other at the relay
+    assert "(replacing one)" not in (out / "last.log").read_text()
     for s in range(steps):
         assert abs(losses[s] - expected[s]) <= 1e-4 * abs(expected[s]), (s, losses[s], expected[s])
 
