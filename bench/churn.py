@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a path (python bench/churn.py): imports 
     sys.path.insert(0, str(ROOT))
 
 from atoll.job import JobSpec  # noqa: E402
-from bench.faults import (TINY, DriverConfig, Event, FaultSchedule, _log_time, bench_parser,  # noqa: E402
+from bench.faults import (TINY, DriverConfig, Event, FaultSchedule, _log_time, bench_parser, log_lines,  # noqa: E402
                           final_loss, fmt, print_targets, run_bench)
 
 NEXT_STEP_TARGET_S = 15.0
@@ -54,16 +54,11 @@ def resumes_in_logs(logs: list[Path], start: float, end: float) -> list[tuple[st
     """(node log, step resumed at, "live state" | "checkpoint", steps rolled back) of every run whose `resume:`
     line is stamped within [start, end) (stamps have whole seconds: a line of the start's second counts)."""
     out = []
-    for log in logs:
-        try:
-            lines = log.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            m = RESUME.search(line)
-            t = _log_time(line, start) if m else None
-            if m and t is not None and int(start) <= t < end:
-                out.append((log.stem, int(m[1]), m[2], int(m[4])))
+    for log, line in log_lines(logs):
+        m = RESUME.search(line)
+        t = _log_time(line, start) if m else None
+        if m and t is not None and int(start) <= t < end:
+            out.append((log.stem, int(m[1]), m[2], int(m[4])))
     return out
 
 

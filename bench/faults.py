@@ -377,26 +377,32 @@ def _log_time(line: str, near: float) -> float | None:
     return min((day - 86400, day, day + 86400), key=lambda t: abs(t - near))
 
 
-def state_bytes_in_logs(logs: list[Path], start: float, end: float) -> int | None:
-    """Bytes of state the nodes' logs say they fetched, received or handed over within [start, end) (a line
-    such as "state transfer: 123456 bytes from ..."), or None when no line in the window says so."""
-    total, seen = 0, False
+def log_lines(logs: list[Path]):
+    """(log, line) of every line of the nodes' logs that exist (a node that never started has none)."""
     for log in logs:
         try:
             lines = log.read_text(errors="replace").splitlines()
         except FileNotFoundError:
             continue
         for line in lines:
-            if not _STATE_LINE.search(line):
-                continue
-            size = _SIZE.search(line)
-            t = _log_time(line, start)
-            if size is None or t is None:
-                continue
-            # stamps have whole seconds: a line of the event's first second counts
-            if int(start) <= t < end:
-                seen = True
-                total += int(float(size.group(1)) * _UNITS[size.group(2).lower()])
+            yield log, line
+
+
+def state_bytes_in_logs(logs: list[Path], start: float, end: float) -> int | None:
+    """Bytes of state the nodes' logs say they fetched, received or handed over within [start, end) (a line
+    such as "state transfer: 123456 bytes from ..."), or None when no line in the window says so."""
+    total, seen = 0, False
+    for _, line in log_lines(logs):
+        if not _STATE_LINE.search(line):
+            continue
+        size = _SIZE.search(line)
+        t = _log_time(line, start)
+        if size is None or t is None:
+            continue
+        # stamps have whole seconds: a line of the event's first second counts
+        if int(start) <= t < end:
+            seen = True
+            total += int(float(size.group(1)) * _UNITS[size.group(2).lower()])
     return total if seen else None
 
 
