@@ -701,6 +701,12 @@ class FaultDriver:
             self._wait("the job to finish", self.complete, max(30.0, deadline - time.monotonic()))
             self.finished = time.time()
             self.target = self.monitor.snapshot().target or self.target
+            # nodes leave on their own once the job is done, after their last reports reach the coordinator
+            # (a replica's may come later than the step's first): stopping them at once would cut those off
+            leave_by = time.monotonic() + 30.0
+            while time.monotonic() < leave_by and any(
+                    p.poll() is None for name, p in self.cluster.procs.items() if name != "coordinator"):
+                time.sleep(0.2)
         finally:
             self.monitor.stop()
             self.cluster.stop()

@@ -52,6 +52,12 @@ def cancel_collectives_on(event: threading.Event) -> Iterator[None]:
         _cancel.event = outer
 
 
+def cancel_event() -> threading.Event | None:
+    """The event `cancel_collectives_on` set for this thread (None outside it): waits that are not collectives
+    (the resume agreement) end on it too."""
+    return getattr(_cancel, "event", None)
+
+
 CANCEL_POLL_S = 0.05
 """How often a wait looks at its cancel event; the wait itself wakes the moment the collective completes."""
 

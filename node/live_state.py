@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from atoll.node.dataparallel import CANCEL_POLL_S, CollectiveCancelled, CollectiveError, cancel_event
 from atoll.node.state_transfer import FetchStats, held_state
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions
@@ -193,6 +194,7 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
     replies: dict[str, pb.HeldStateReply] = {node_id: own} if candidates.pop(node_id, "") else {}
     lock = threading.Lock()
     deadline = time.monotonic() + timeout.total_seconds()
+    cancelled = cancel_event() or threading.Event()  # the plan superseded: nobody waits for its answers
 
     def ask(node: str, address: str) -> None:
         import grpc
@@ -204,9 +206,10 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
                 reply = held_state(address, job_id=plan.job_id, epoch=plan.epoch, sender=node_id, token=token,
                                    rpc=rpc, timeout=timedelta(seconds=max(1.0, left)), node=node)
             except grpc.RpcError as e:
-                if again and e.code() == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 1.0:
+                if (again and e.code() == grpc.StatusCode.UNAVAILABLE and deadline - time.monotonic() > 1.0
+                        and not cancelled.is_set()):
                     log.info("node %s cannot say yet which state it holds (%s); asking again", node, e.details())
-                    time.sleep(0.5)
+                    cancelled.wait(0.5)
                     continue
                 log.info("node %s did not say which state it holds (%s: %s); leaving it out", node, e.code().name,
                          e.details())
@@ -219,8 +222,11 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
                for n, a in sorted(candidates.items())]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 5.0)
+    end = deadline + 5.0
+    while (alive := [t for t in threads if t.is_alive()]) and time.monotonic() < end and not cancelled.is_set():
+        alive[0].join(min(CANCEL_POLL_S, max(0.0, end - time.monotonic())))
+    if cancelled.is_set():  # what was gathered may lack a holder that stopped being asked
+        raise CollectiveCancelled("the resume agreement was abandoned: the plan it belongs to was superseded")
     addresses = {**plan.handover, **plan.node_addresses}
     with lock:
         return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
@@ -238,7 +244,17 @@ def resume_leader(plan: Plan) -> str:
 def await_point(store: dist.Store, key: str, timeout: timedelta) -> ResumePoint:
     """The resume point the leader published under `key`, waiting at most `timeout` (longer than the leader's
     questions may take; a leader that died meanwhile fails this run, and the next plan has another)."""
-    store.wait([key], timeout)
+    cancelled = cancel_event()
+    if cancelled is None:
+        store.wait([key], timeout)
+    else:  # a store wait cannot be interrupted: poll, so a superseded plan's run ends at once
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not store.check([key]):
+            if cancelled.is_set():
+                raise CollectiveCancelled("the resume agreement was abandoned: the plan it belongs to was superseded")
+            if time.monotonic() >= deadline:
+                raise CollectiveError(f"no resume point was published within {timeout} (the resume leader failed)")
+            cancelled.wait(CANCEL_POLL_S)
     value = store.get(key)
     return ResumePoint.from_json(value.decode("utf-8") if isinstance(value, bytes) else str(value))
 

@@ -76,15 +76,23 @@ def test_collectives_time_out_with_a_clear_error():
     assert torch.equal(p.grad, torch.zeros(3))  # type: ignore[arg-type]
 
     short = timedelta(milliseconds=300)
+    checked = threading.Event()
 
     def member(r: int) -> str:
-        g = gloo_group(store, "pair", rank=r, size=2, timeout=short)
+        # the group itself is built with time to spare (a loaded machine connects slowly); the collectives get
+        # the short timeout
+        g = gloo_group(store, "pair", rank=r, size=2, timeout=TIMEOUT)
         if r == 1:
-            return "absent"  # joins the group but never enters the all-reduce
-        with pytest.raises(CollectiveError, match="timed out"):
-            GradientAverager(g).average_([torch.nn.Parameter(torch.ones(2))], short)
-        with pytest.raises(NormExchangeError, match="timed out"):
-            DistNormExchange(g).all_sum(1.0, short)
+            checked.wait(50)  # joins the group, never enters the all-reduce, and stays until rank 0 has seen it
+            del g
+            return "absent"
+        try:
+            with pytest.raises(CollectiveError, match="timed out"):
+                GradientAverager(g).average_([torch.nn.Parameter(torch.ones(2))], short)
+            with pytest.raises(NormExchangeError, match="timed out"):
+                DistNormExchange(g).all_sum(1.0, short)
+        finally:
+            checked.set()
         return "ok"
 
     assert _in_threads(2, member) == ["ok", "absent"]

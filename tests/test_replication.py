@@ -305,6 +305,34 @@ def test_nodes_agree_on_the_first_published_point_and_gather_over_grpc() -> None
         assert [h.node_id for h in held] == ["a"]
 
 
+def test_a_superseded_plan_abandons_its_resume_agreement_at_once() -> None:
+    """A plan that names a node which is gone (a restarted coordinator republishes the plan of the nodes that
+    died) would keep its resume leader asking it for the whole timeout, and every other node waiting on the
+    store for the point: a newer plan ends both at once."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from atoll.node.dataparallel import CollectiveCancelled, cancel_collectives_on
+    from atoll.node.live_state import await_point
+
+    with _server("gone") as gone:
+        gone_address, rpc = gone.address, gone.rpc
+        gone.stop()
+    plan = _plan({"gone": "x", "me": "x"}, [((0, 6), ["gone", "me"])], {"gone": gone_address, "me": "unused"})
+    own = pb.HeldStateReply(holds=False, node_id="me")
+    store = dist.HashStore()
+    for wait in (lambda: gather_held(plan, "me", own, token=TOKEN, rpc=rpc, timeout=timedelta(seconds=60)),
+                 lambda: await_point(store, "resume", timedelta(seconds=60))):
+        superseded = threading.Event()
+        threading.Timer(0.5, superseded.set).start()
+        started = time.monotonic()
+        with cancel_collectives_on(superseded), pytest.raises(CollectiveCancelled, match="superseded"):
+            wait()
+        assert time.monotonic() - started < 5.0
+
+
 def test_peer_rpcs_refuse_calls_without_a_deadline() -> None:
     with _server("a") as server:
         from atoll.rpc import make_channel
