@@ -85,25 +85,36 @@ def test_local_cluster_losses_keep_the_reports_a_coordinator_outage_delivered_la
     assert losses[5] == 0.5 and losses[300] == 4.0
 
 
-class _Away(grpc.RpcError):
+class _Failed(grpc.RpcError):
+    """What a stub raises for a call the coordinator answered with `code`."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self) -> str:
-        return "connection refused"
+        return self._details
+
+
+def _agent(state_dir: Path) -> NodeAgent:
+    """An agent whose outbox retries fast, for calls stubbed in its `call`."""
+    return NodeAgent(AgentConfig(coordinator="127.0.0.1:1", token="t", state_dir=state_dir,
+                                 backoff=(timedelta(milliseconds=10), timedelta(milliseconds=40))))
 
 
 @pytest.mark.timeout(30)
 def test_a_stop_at_the_job_end_waits_for_the_coordinator_to_take_the_last_reports(tmp_path: Path) -> None:
-    agent = NodeAgent(AgentConfig(coordinator="127.0.0.1:1", token="t", state_dir=tmp_path,
-                                  backoff=(timedelta(milliseconds=10), timedelta(milliseconds=40))))
+    agent = _agent(tmp_path)
     agent.joins = 1  # joined: a stop leaves
     back = threading.Event()
     taken: list[int] = []
 
     def call(method: str, request, timeout=None):
         if not back.is_set():
-            raise _Away()
+            raise _Failed(grpc.StatusCode.UNAVAILABLE, "connection refused")
         if method == "ReportStep":
             taken.append(request.step)
         return pb.Ack(message="ok")
@@ -120,23 +131,14 @@ def test_a_stop_at_the_job_end_waits_for_the_coordinator_to_take_the_last_report
     assert 0.9 < time.monotonic() - t0 < 15
 
 
-class _Gone(grpc.RpcError):
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.NOT_FOUND
-
-    def details(self) -> str:
-        return "node b was marked left (node stopped); join again"
-
-
 @pytest.mark.timeout(30)
 def test_the_report_of_a_copy_on_a_node_that_left_is_dropped_and_the_reports_behind_it_go_on(tmp_path: Path) -> None:
-    agent = NodeAgent(AgentConfig(coordinator="127.0.0.1:1", token="t", state_dir=tmp_path,
-                                  backoff=(timedelta(milliseconds=10), timedelta(milliseconds=40))))
+    agent = _agent(tmp_path)
     taken: list[str] = []
 
     def call(method: str, request, timeout=None):
         if method == "ReportCheckpoint" and request.node_id != "a":
-            raise _Gone()
+            raise _Failed(grpc.StatusCode.NOT_FOUND, "node b was marked left (node stopped); join again")
         taken.append(f"{method} {request.step}")
         return pb.Ack(message="ok")
 
