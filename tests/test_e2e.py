@@ -120,4 +120,10 @@ def test_a_node_dies_and_the_rest_finish_the_job(tmp_path: Path, reference: list
         assert victim not in status.plan.node_addresses
         resumed = status.plan.resume_step
         assert resumed >= 5
-        _close(cluster.losses(), reference, range(resumed, STEPS), 1e-4)
+        # a step some replicas completed when the kill failed the epoch is trained (the next epoch goes on after
+        # it, from live state) but its batch-mean loss was never agreed: at most one such step (as in
+        # test_e2e_faults); every other step's loss equals one process's
+        losses = cluster.losses()
+        missing = [s for s in range(resumed, STEPS) if s not in losses]
+        assert len(missing) <= 1, missing
+        _close(losses, reference, [s for s in range(resumed, STEPS) if s in losses], 1e-4)
