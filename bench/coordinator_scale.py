@@ -2,7 +2,8 @@
 
 For each size N (`--nodes 1000,10000`), a fresh coordinator process (SQLite state, default lease) serves N
 simulated nodes driven from `--clients` processes over grpc.aio. Each simulated node joins with a profile
-(an H100 in one of four regions), opens its plan watch, heartbeats at the cadence the coordinator asks for,
+(an H100 in one of four regions), opens its plan watch, heartbeats at the cadence the coordinator asks for (on
+one heartbeat stream per node, as `atoll node` does; `--unary-heartbeats`: a unary call each),
 and answers the probes it is handed with a measurement of the simulated topology (fast inside a region,
 slow across). The benchmark prints per size:
 - join: wall time from the first join to the last join acknowledged;
@@ -21,7 +22,7 @@ connection, and the simulated nodes share a few connections, so it would not cha
 much while each simulated node would need a certificate of its own. Ends with `targets met: N/M` for the largest size: 10,000 nodes served, heartbeat
 p99 < 100 ms, 0 false lapses, a plan within 10 s of the last join.
 
-Usage: python -m bench.coordinator_scale [--nodes 1000,10000] [--clients 3] [--measure 30]
+Usage: python -m bench.coordinator_scale [--nodes 1000,10000] [--clients 3] [--measure 30] [--unary-heartbeats]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,13 +80,24 @@ def _region(i: int) -> int:
 # --- the simulated nodes (one client process) -----------------------------------------------------------
 
 
-def _client(address: str, token: str, first: int, count: int, channels: int, phase, out, cpus) -> None:
+def _client(address: str, token: str, first: int, count: int, channels: int, phase, out, cpus,
+            streams: bool) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
-    asyncio.run(_client_main(address, token, first, count, channels, phase, out))
+    # thousands of simulated nodes keep hundreds of thousands of objects (coroutines, calls, messages) alive: with
+    # Python's default thresholds the collector's full scans of them stalled this process's loop for hundreds of
+    # milliseconds, which the heartbeats' round trips then counted. As the coordinator does (atoll.coordinator.heap):
+    # start-up's objects are frozen out of collection and collections are spaced out.
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    asyncio.run(_client_main(address, token, first, count, channels, phase, out, streams))
 
 
-async def _client_main(address: str, token: str, first: int, count: int, channels: int, phase, out) -> None:
+async def _client_main(address: str, token: str, first: int, count: int, channels: int, phase, out,
+                       streams: bool) -> None:
     import grpc
 
     from atoll.v1 import atoll_pb2 as pb
@@ -100,6 +113,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             # each node's heartbeat request is serialized once, up front: the clients' CPU is the coordinator's
             "hb": ch.unary_unary("/atoll.v1.Coordinator/Heartbeat", request_serializer=None,
                                  response_deserializer=pb.HeartbeatReply.FromString),
+            "hbs": ch.stream_stream("/atoll.v1.Coordinator/HeartbeatStream", request_serializer=None,
+                                    response_deserializer=pb.HeartbeatReply.FromString),
             "probes": ch.unary_unary("/atoll.v1.Coordinator/ReportProbes",
                                      request_serializer=pb.ProbeReport.SerializeToString,
                                      response_deserializer=pb.Ack.FromString),
@@ -171,12 +186,22 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
         request = pb.HeartbeatRequest(node_id=node_id).SerializeToString()
         due = time.perf_counter() + random.random() * interval
         await asyncio.sleep(due - time.perf_counter())
+        stream = None  # a real node's one heartbeat stream (atoll.node.heartbeat_stream), opened at the first beat
         while not stop.is_set():
             t0 = time.perf_counter()
             if stats["measuring"]:  # how late this process's loop woke the node: its own queueing, not the server's
                 stats["lag"].append(t0 - due)
             try:
-                reply = await rpc["hb"](request, metadata=meta, timeout=30)
+                if streams:
+                    if stream is None:
+                        stream = rpc["hbs"](metadata=meta, timeout=3600)
+                    await stream.write(request)
+                    reply = await stream.read()
+                    if reply is grpc.aio.EOF:  # the stream's life ended: the next beat opens another
+                        stream = None
+                        continue
+                else:
+                    reply = await rpc["hb"](request, metadata=meta, timeout=30)
                 if stats["measuring"]:
                     stats["lat"].append(time.perf_counter() - t0)
                 if reply.probe:
@@ -186,6 +211,9 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                              for t in reply.probe]
                     await rpc["probes"](pb.ProbeReport(node_id=node_id, links=links), metadata=meta, timeout=30)
             except grpc.aio.AioRpcError as e:
+                if stream is not None:
+                    stream.cancel()
+                    stream = None
                 if e.code() == grpc.StatusCode.NOT_FOUND:  # marked gone while alive; join again
                     # a false lapse when this node renewed its lease in time; else its own heartbeat came late
                     stats["lapses" if t0 - sent <= lease else "late"] += 1
@@ -197,16 +225,21 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             sent = t0
             due = t0 + interval
             await asyncio.sleep(max(0.0, due - time.perf_counter()))  # (no timer task per beat: stop is seen next)
+        if stream is not None:
+            stream.cancel()
         watcher.cancel()
 
     tasks = [asyncio.ensure_future(node(i)) for i in range(first, first + count)]
     loop = asyncio.get_running_loop()
+    parent = os.getppid()
     # the parent steps the phases: 1 measure heartbeats, 2 stop; progress is reported every half second
     while True:
         await asyncio.sleep(0.5)
         out.put(("progress", first, len(stats["joined"]), len(stats["plan"]),
                  max(stats["joined"], default=0.0), max(stats["plan"].values(), default=0.0)))
         p = phase.value
+        if os.getppid() != parent:  # the benchmark was killed: stop instead of calling a coordinator that is gone
+            p = 2
         if p >= 1 and not stats["measuring"]:
             stats["measuring"] = True
             stats["lat"].clear()
@@ -232,8 +265,11 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
 # --- one size -------------------------------------------------------------------------------------------
 
 
-def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, work: Path) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
+def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, work: Path,
+             streams: bool = True) -> dict:
+    if work.exists():  # a kept folder from an earlier run: its state and address are not this run's
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     (work / "job.toml").write_text(JOB.format(n=n))
     token = "scale-bench-token"
     (work / "token").write_text(token + "\n")
@@ -265,8 +301,8 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             first, count = k * per, min(per, n - k * per)
             if count <= 0:
                 break
-            p = ctx.Process(target=_client, args=(address, token, first, count, channels, phase, out, client_cpus),
-                            daemon=True)
+            p = ctx.Process(target=_client, daemon=True,
+                            args=(address, token, first, count, channels, phase, out, client_cpus, streams))
             p.start()
             procs.append(p)
         progress: dict[int, tuple] = {}
@@ -355,14 +391,18 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="most seconds to wait for joins and the plan")
     ap.add_argument("--no-pin", action="store_true", help="let the coordinator and clients share every CPU")
     ap.add_argument("--keep", help="folder to keep each run's state and coordinator log in")
+    ap.add_argument("--unary-heartbeats", action="store_true",
+                    help="heartbeat with one unary call each (as a coordinator without heartbeat streams is heard) "
+                         "instead of on each node's heartbeat stream")
     args = ap.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="atoll-scale-"))
     print(f"coordinator scale: sizes {sizes}, {args.clients} client processes, {args.measure:g}s of steady "
-          f"heartbeats each; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; runs in {root}")
+          f"heartbeats each ({'unary calls' if args.unary_heartbeats else 'one stream per node'}); {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; runs in {root}")
     results = []
     for n in sizes:
-        r = run_size(n, args.clients, args.measure, args.timeout, not args.no_pin, root / f"n{n}")
+        r = run_size(n, args.clients, args.measure, args.timeout, not args.no_pin, root / f"n{n}",
+                     streams=not args.unary_heartbeats)
         results.append(r)
         print(f"\n{n:>6} nodes  joined {r['joined']}, planned {r['planned']}  (coordinator "
               f"{'pinned to CPU 0' if r['pinned'] else 'sharing CPUs with the clients'}; load average "

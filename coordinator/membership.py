@@ -77,20 +77,24 @@ def lease_deadline(member: MemberRecord, started_unix: float, options: Membershi
 
 
 def expire_leases(now: float, members: Iterable[MemberRecord], started_unix: float,
-                  options: MembershipOptions) -> list[Transition]:
+                  options: MembershipOptions, stalled: float = 0.0) -> list[Transition]:
     """Alive members whose lease has lapsed at `now`, with the reason for each.
 
+    `stalled`: the longest the coordinator itself answered late within the last lease (`LoopLag.recent`); a
+    heartbeat may have waited that long in its own queue, so a lease lapses only that much later.
     The loop asks this four times a second of every member: `lease_deadline`'s rule with its constants worked
     out once, so a member costs a comparison or two (10,000 members, a few milliseconds).
     """
     lease = options.lease.total_seconds()
     if now <= started_unix + options.grace.total_seconds():
         return []  # restart grace: nobody lapses yet
+    limit = lease + max(0.0, stalled)
     out = []
     for m in members:
-        if now > m.last_heartbeat_unix + lease and m.state == "alive":
+        if now > m.last_heartbeat_unix + limit and m.state == "alive":
             silent = now - max(m.last_heartbeat_unix, started_unix)
-            out.append(Transition(m.node_id, "gone", f"no heartbeat for {silent:.1f}s (lease {lease:g}s)"))
+            allowed = f"; allowing {stalled:.1f}s the coordinator ran late" if stalled >= 0.05 else ""
+            out.append(Transition(m.node_id, "gone", f"no heartbeat for {silent:.1f}s (lease {lease:g}s{allowed})"))
     return out
 
 

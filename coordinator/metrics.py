@@ -36,6 +36,8 @@ class CoordinatorMetrics:
         self.val_loss_step = Gauge("atoll_val_loss_step", "Step of atoll_val_loss", registry=r)
         self.loss_scale = Gauge("atoll_loss_scale", "fp16: the loss scale of the latest step reported (absent under "
                                 "fp32 and bf16)", registry=r)
+        self.loop_lag = Gauge("atoll_coordinator_loop_lag_seconds", "How late the coordinator's server loop ran "
+                              "(the largest over the last minute); lease expiry allows for it", registry=r)
 
     def update(self, state: CoordinatorState) -> None:
         counts = {"alive": 0, "gone": 0, "left": 0}

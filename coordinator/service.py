@@ -33,6 +33,8 @@ from atoll.inputs import input_path
 from atoll.preflight import check_listen, usable_state_dir
 from atoll.job import JobSpec, resolve_token
 from atoll.coordinator.watches import PlanWatches, add_coordinator_to_server
+from atoll.coordinator.heartbeats import HeartbeatStreams
+from atoll.coordinator.looplag import LoopLag
 from atoll.coordinator.ca import JobAuthority
 from atoll.tls import CertificateError
 from atoll.rpc import AioServerHandle, RpcOptions, TlsIdentity, make_aio_server
@@ -69,6 +71,9 @@ class ServiceConfig:
     RESOURCE_EXHAUSTED."""
     max_watch_life: timedelta = timedelta(minutes=10)
     """Longest life of one plan watch; it then ends and the node opens the next. Nodes' own deadline is shorter."""
+    max_heartbeat_streams: int = 20_000
+    """Heartbeat streams open at once (each node holds one, two while it reconnects); more are refused with
+    RESOURCE_EXHAUSTED (a node then heartbeats with unary calls)."""
     rendezvous_host: str | None = None
     """Address the rendezvous store (torch's TCPStore, which cannot authenticate) binds and plans name: one only
     the nodes' private network reaches. None: the listen host (every interface for a wildcard listen)."""
@@ -88,6 +93,8 @@ class ServiceConfig:
             raise ValueError(f"max_watches must be at least 1, got {self.max_watches}")
         if self.max_watch_life <= timedelta(0):
             raise ValueError(f"max_watch_life must be positive, got {self.max_watch_life}")
+        if self.max_heartbeat_streams < 1:
+            raise ValueError(f"max_heartbeat_streams must be at least 1, got {self.max_heartbeat_streams}")
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -150,6 +157,10 @@ class CoordinatorService:
         self.health = health_aio.HealthServicer()
         self.watches = PlanWatches(self.state, max_watches=self.config.max_watches,
                                    max_life=self.config.max_watch_life)
+        self.heartbeats = HeartbeatStreams(self.state, max_streams=self.config.max_heartbeat_streams,
+                                           max_life=self.config.max_watch_life)
+        self.loop_lag = LoopLag()
+        """How late the server's event loop runs (heartbeats are answered there): lease expiry allows for it."""
         self._server: AioServerHandle | None = None
         self._metrics_server = None
         self.metrics_address: str | None = None
@@ -165,24 +176,27 @@ class CoordinatorService:
     def start(self) -> CoordinatorService:
         from atoll.coordinator.servicer import CoordinatorServicer
 
-        servicer = CoordinatorServicer(self.state, self.watches, self.authority)
+        servicer = CoordinatorServicer(self.state, self.watches, self.authority, self.heartbeats)
         rpc = self.config.rpc
         if self.authority is not None:  # the operator's own server certificate (--tls-cert), else the CA's
             own = (TlsIdentity(Path(rpc.tls_key).read_bytes(), Path(rpc.tls_cert).read_bytes())
                    if rpc.tls_cert is not None and rpc.tls_key is not None else None)
             rpc = replace(rpc, mtls=self.authority.server_tls(self.state.token, own))
-        # past the watches, room for a queue of unary calls a few times the threads deep
+        # past the watches and heartbeat streams, room for a queue of unary calls a few times the threads deep
+        streams = self.config.max_watches + self.config.max_heartbeat_streams
         self._server = make_aio_server(
             self.config.listen,
             [lambda s: add_coordinator_to_server(servicer, s),  # plans serialized once for every watch
              lambda s: health_pb2_grpc.add_HealthServicer_to_server(self.health, s)],
             rpc, max_workers=self.config.max_workers,
-            maximum_concurrent_rpcs=self.config.max_watches + 4 * self.config.max_workers,
+            maximum_concurrent_rpcs=streams + 4 * self.config.max_workers,
             # a heartbeat from every node may arrive while the loop is busy (a plan sent to every watch): gRPC holds
             # them for the loop instead of dropping those past its default 1,000 (which the nodes saw as CANCELLED)
-            max_pending_calls=self.config.max_watches + 4 * self.config.max_workers)
+            max_pending_calls=streams + 4 * self.config.max_workers)
         for name in ("", SERVICE_NAME):
             self._server.run(self.health.set(name, health_pb2.HealthCheckResponse.SERVING))
+        self.loop_lag.start(self._server.loop)
+        self.state.stalled = self.loop_lag.recent
         if self.config.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -208,12 +222,14 @@ class CoordinatorService:
                 # make an update cost a good part of a core)
                 if self._metrics_server is not None and (events or now - last_metrics >= METRICS_PERIOD_S):
                     self.metrics.update(self.state)
+                    self.metrics.loop_lag.set(self.loop_lag.recent(60.0))
                     last_metrics = now
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the log says what failed
                 log.exception("coordinator loop round failed")
 
     def stop(self) -> None:
         self._stop.set()
+        self.loop_lag.stop()
         if self._server is not None:
             self._server.run(self.health.enter_graceful_shutdown())
         self.state.close()  # ends plan watches, so the server's grace period is not spent waiting on them

@@ -22,6 +22,7 @@ from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPre
                                       Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
+from atoll.coordinator.heartbeats import HeartbeatStreams, StreamReplaced, TooManyHeartbeatStreams
 from atoll.coordinator.dialback import dial_back
 from atoll.rpc import peer_certificate, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
@@ -37,6 +38,8 @@ STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     TooManyWatches: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooManyHeartbeatStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StreamReplaced: grpc.StatusCode.ABORTED,
     WatchReplaced: grpc.StatusCode.ABORTED,
     authz.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
@@ -59,9 +62,12 @@ def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, state: CoordinatorState, watches: PlanWatches, authority: JobAuthority | None = None):
+    def __init__(self, state: CoordinatorState, watches: PlanWatches, authority: JobAuthority | None = None,
+                 heartbeats: HeartbeatStreams | None = None):
         self.state = state
         self.watches = watches
+        self.heartbeats = heartbeats or HeartbeatStreams(state, max_streams=watches.max_watches,
+                                                         max_life=watches.max_life)
         self.authority = authority
         """The job CA when the server runs mutual TLS (callers are told apart by certificate); None: plaintext."""
         self._plans = authz.PlanLookup()
@@ -111,6 +117,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return self._call("Heartbeat", handlers.handle_heartbeat, request, context)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status, never a crash
             await context.abort(*_status("Heartbeat", e))
+
+    async def HeartbeatStream(self, requests: AsyncIterator[pb.HeartbeatRequest],
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.HeartbeatReply]:
+        # the token and the caller's certificate are checked once, at the stream's start; each heartbeat is then
+        # checked to speak for the stream's node (its first message's, which the certificate must name)
+        try:
+            if self.state.closed:
+                raise Unavailable("the coordinator is shutting down; retry shortly")
+            handlers.check_token(token_from_metadata(context), self.state)
+            caller = self._caller(context)
+
+            def check(req: pb.HeartbeatRequest) -> None:
+                authz.authorize("Heartbeat", req, caller, self.state, self.authority)
+
+            async with aclosing(self.heartbeats.serve(requests, check)) as replies:
+                async for reply in replies:
+                    yield reply
+        except Exception as e:  # noqa: BLE001
+            await context.abort(*_status("HeartbeatStream", e))
 
     def ReportProbes(self, request: pb.ProbeReport, context: grpc.ServicerContext) -> pb.Ack:
         return self._unary("ReportProbes", handlers.handle_report_probes, request, context)

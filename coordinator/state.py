@@ -78,6 +78,9 @@ class CoordinatorState:
         """`atoll job stop/extend` and the job's end (`atoll.coordinator.job_control`); changed by `set_control`."""
         self.options = options or CoordinatorOptions()
         self.clock, self.planner = clock, planner
+        self.stalled: Callable[[float], float] = lambda window: 0.0
+        """The longest the coordinator's server answered late within the last `window` seconds (the service sets it
+        to its loop's `LoopLag.recent`); lease expiry allows for it."""
         self.rendezvous = rendezvous
         """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
         stored = store.get_job()
@@ -379,7 +382,9 @@ class CoordinatorState:
         now = self.clock() if now is None else now
         events: list[str] = []
         self.store.flush()
-        for t in expire_leases(now, self.store.members_view().values(), self.started_unix, self.options.membership):
+        stalled = self.stalled(self.options.membership.lease.total_seconds())
+        for t in expire_leases(now, self.store.members_view().values(), self.started_unix, self.options.membership,
+                               stalled):
             self.store.set_member_state(t.node_id, t.state, t.reason)
             self.membership_changed(now)
             events.append(f"node {t.node_id} is {t.state}: {t.reason}")

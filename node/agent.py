@@ -31,6 +31,7 @@ from atoll.job import TOKEN_ENV, JobSpec, resolve_token
 from atoll.node.credentials import NodeCredentials
 from atoll.node.identity import StateDirLock, load_or_create_node_id
 from atoll.node.first_contact import FirstContactWatch, diagnose
+from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.plan import Plan
@@ -244,6 +245,10 @@ class NodeAgent:
         self._channel = make_channel(config.coordinator, self._coordinator_rpc(), token=config.token)
         self._old_channels: list[grpc.Channel] = []
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._heartbeats = HeartbeatSender(
+            lambda requests, life: self._stub.HeartbeatStream(requests, timeout=life),
+            lambda req, seconds: self.call("Heartbeat", req, timeout=timedelta(seconds=seconds)))
+        """Heartbeats on one stream to the coordinator (unary calls where it has none)."""
         self._stop = threading.Event()
         self._cond = threading.Condition()
         self._join_lock = threading.Lock()
@@ -294,6 +299,7 @@ class NodeAgent:
             self._old_channels.append(self._channel)
             self._channel = make_channel(self.config.coordinator, self._coordinator_rpc(), token=self.config.token)
             self._stub = pb_grpc.CoordinatorStub(self._channel)
+            self._heartbeats.reset()  # the next heartbeat stream opens on the certificate's channel
 
     def call(self, method: str, request, timeout: timedelta | None = None):
         """One unary call to the coordinator with the configured deadline."""
@@ -432,6 +438,7 @@ class NodeAgent:
             # is. Set before joining, so no plan watch opened after the join asks only for newer epochs.
             self._after_rejoin = True
         self.join()
+        self._heartbeats.reset()  # the next heartbeat stream speaks for the node as it joined now
         stream = self._stream
         if stream is not None:
             stream.cancel()  # a watch opened before the join reconnects, asking for the current plan
@@ -461,7 +468,7 @@ class NodeAgent:
             # deadline by two intervals, so an outage is retried well within the lease
             deadline = min(self.config.call_timeout, timedelta(seconds=max(1.0, 2 * self.heartbeat_interval)))
             try:
-                reply = self.call("Heartbeat", req, timeout=deadline)
+                reply = self._heartbeats.beat(req, deadline.total_seconds())
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._rejoin(e.details() or "")
@@ -755,6 +762,7 @@ class NodeAgent:
             self._outbox_cond.notify_all()
         if self._stream is not None:
             self._stream.cancel()
+        self._heartbeats.reset()
         left = False
         if leave and self.joins and self.peer is not None and self.peer.state is not None:
             # the run ends at its step boundary and sends its last step reports before the Leave makes them moot

@@ -113,6 +113,21 @@ def test_heartbeats_for_another_node_are_refused(world: dict) -> None:
     forger.stub.Heartbeat(pb.HeartbeatRequest(node_id="forger"), timeout=5)  # its own is fine
 
 
+def test_heartbeat_streams_for_another_node_are_refused(world: dict) -> None:
+    forger, svc = world["nodes"]["forger"], world["svc"]
+    before = svc.store.get_member("s0").last_heartbeat_unix
+    details = _denied(lambda: list(forger.stub.HeartbeatStream(iter([pb.HeartbeatRequest(node_id="s0")]), timeout=5)))
+    assert "forger" in details and "s0" in details
+    # nor by opening the stream as itself and then speaking for the victim
+    with pytest.raises(grpc.RpcError) as info:
+        list(forger.stub.HeartbeatStream(iter([pb.HeartbeatRequest(node_id="forger"), pb.HeartbeatRequest(node_id="s0")]),
+                                         timeout=5))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "one node" in info.value.details()
+    assert svc.store.get_member("s0").last_heartbeat_unix == before  # the victim's lease was not renewed
+    replies = list(forger.stub.HeartbeatStream(iter([pb.HeartbeatRequest(node_id="forger")] * 2), timeout=5))
+    assert len(replies) == 2  # its own are fine
+
+
 def test_a_spoofed_leave_is_refused(world: dict) -> None:
     forger, svc = world["nodes"]["forger"], world["svc"]
     _denied(lambda: forger.stub.Leave(pb.LeaveRequest(node_id="s1", reason="spoofed"), timeout=5))
@@ -136,6 +151,8 @@ def test_a_join_under_a_live_nodes_id_is_refused(world: dict) -> None:
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # a token-only certificate may not heartbeat at all
         _denied(lambda: pb_grpc.CoordinatorStub(boot).Heartbeat(pb.HeartbeatRequest(node_id="s0"), timeout=5))
+        _denied(lambda: list(pb_grpc.CoordinatorStub(boot).HeartbeatStream(
+            iter([pb.HeartbeatRequest(node_id="s0")]), timeout=5)))
     finally:
         boot.close()
     # under its own certificate

@@ -112,3 +112,12 @@ def test_members_back_at_new_addresses_get_a_new_plan_after_settling() -> None:
     assert not plan_decision(10.5, last_change_unix=10.0, **kw).plan  # settling
     d = plan_decision(12.0, last_change_unix=10.0, **kw)
     assert d.plan and "new peer addresses: b" in d.reason
+
+
+def test_a_lease_lapses_later_by_what_the_coordinator_itself_ran_late() -> None:
+    members = [_m("a", 100.0)]
+    assert [t.node_id for t in expire_leases(111.0, members, 0.0, OPTS)] == ["a"]
+    # the coordinator's loop ran 3 s late within the lease: a heartbeat may have waited that long in its queue
+    assert expire_leases(111.0, members, 0.0, OPTS, stalled=3.0) == []
+    out = expire_leases(113.5, members, 0.0, OPTS, stalled=3.0)
+    assert [t.node_id for t in out] == ["a"] and "ran late" in out[0].reason

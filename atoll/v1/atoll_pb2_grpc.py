@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/atoll.v1.Coordinator/HeartbeatStream',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
         self.ReportProbes = channel.unary_unary(
                 '/atoll.v1.Coordinator/ReportProbes',
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.ProbeReport.SerializeToString,
@@ -102,6 +107,16 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream per node: a reply for every request, in order. A message
+        on an open stream costs the coordinator about a third of a unary call, which is what lets one
+        coordinator hear 10,000 nodes. Every request names the stream's first node; the coordinator ends a
+        stream after its life (the node opens the next one) and answers NOT_FOUND for a node it no longer knows.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -170,6 +185,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.SerializeToString,
             ),
@@ -271,6 +291,33 @@ class Coordinator:
             request,
             target,
             '/atoll.v1.Coordinator/Heartbeat',
+            atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/atoll.v1.Coordinator/HeartbeatStream',
             atoll_dot_v1_dot_atoll__pb2.HeartbeatRequest.SerializeToString,
             atoll_dot_v1_dot_atoll__pb2.HeartbeatReply.FromString,
             options,
