@@ -203,7 +203,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                 else:
                     reply = await rpc["hb"](request, metadata=meta, timeout=30)
                 if stats["measuring"]:
-                    stats["lat"].append(time.perf_counter() - t0)
+                    done_at = time.perf_counter()
+                    stats["lat"].append((time.time(), done_at - t0))
                 if reply.probe:
                     links = [pb.LinkMeasurement(src=node_id, dst=t.node_id, rtt_seconds=1e-3,
                                                 bandwidth_bytes_per_s=(FAST if _region(int(t.node_id[3:])) == _region(i)
@@ -266,7 +267,7 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
 
 
 def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, work: Path,
-             streams: bool = True) -> dict:
+             streams: bool = True, settle: float = 0.0) -> dict:
     if work.exists():  # a kept folder from an earlier run: its state and address are not this run's
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -325,6 +326,8 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         last_plan = max((p[3] for p in progress.values()), default=0.0)
         cpu_join = _proc_cpu_seconds(coord.pid) - cpu_join0
         # steady state: heartbeats only (plans are out, probes done)
+        # the plan went to every watch at once (each receives all of it): let that wave pass before measuring
+        time.sleep(settle)
         phase.value = 1
         time.sleep(1.0)
         cpu0, w0 = _proc_cpu_seconds(coord.pid), time.monotonic()
@@ -333,7 +336,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         rss = _proc_rss_mb(coord.pid)
         load = os.getloadavg()[0]
         phase.value = 2
-        lat: list[float] = []
+        samples: list[tuple[float, float]] = []  # (wall time answered, round trip s)
         lag: list[float] = []
         client_cpu = 0.0
         lapses = errors = late = 0
@@ -347,7 +350,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             if msg[0] != "done":
                 continue
             done += 1
-            lat += msg[2]
+            samples += msg[2]
             lapses += msg[3]
             errors += msg[4]
             for k, v in msg[5].items():
@@ -357,13 +360,21 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             lag += msg[8]
             client_cpu += msg[9]
             late += msg[10]
-        lat.sort()
+        lat = sorted(x for _, x in samples)
         lag.sort()
+        # the p99 of each tenth of the measurement: a transient (a stall, a late wave) shows in one, load in all
+        t_first = min((t for t, _ in samples), default=0.0)
+        width = max(1e-9, measure / 10)
+        windows: dict[int, list[float]] = {}
+        for t, x in samples:
+            windows.setdefault(min(9, int((t - t_first) / width)), []).append(x)
+        window_p99 = [sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))] * 1000 for _, xs in sorted(windows.items())]
         pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: float("nan"))
         return {"n": n, "joined": joined, "planned": planned,
                 "join_s": last_join - min(firsts or [started]) if last_join else float("nan"),
                 "plan_after_last_join_s": last_plan - last_join if planned >= n else float("inf"),
                 "p50_ms": pct(0.5), "p99_ms": pct(0.99), "heartbeats": len(lat), "lapses": lapses,
+                "window_p99_ms": window_p99,
                 "late": late,
                 "lag_p99_ms": lag[min(len(lag) - 1, int(0.99 * len(lag)))] * 1000 if lag else float("nan"),
                 "errors": errors, "error_kinds": kinds, "cpu_steady": cpu_steady, "cpu_join_s": cpu_join,
@@ -388,6 +399,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)),
                     help="client processes simulating the nodes")
     ap.add_argument("--measure", type=float, default=30.0, help="seconds of steady-state heartbeats per size")
+    ap.add_argument("--settle", type=float, default=20.0,
+                    help="seconds between the plan reaching every node and the measurement (its delivery to every "
+                         "watch is a wave of its own)")
     ap.add_argument("--timeout", type=float, default=600.0, help="most seconds to wait for joins and the plan")
     ap.add_argument("--no-pin", action="store_true", help="let the coordinator and clients share every CPU")
     ap.add_argument("--keep", help="folder to keep each run's state and coordinator log in")
@@ -402,7 +416,7 @@ def main() -> int:
     results = []
     for n in sizes:
         r = run_size(n, args.clients, args.measure, args.timeout, not args.no_pin, root / f"n{n}",
-                     streams=not args.unary_heartbeats)
+                     streams=not args.unary_heartbeats, settle=args.settle)
         results.append(r)
         print(f"\n{n:>6} nodes  joined {r['joined']}, planned {r['planned']}  (coordinator "
               f"{'pinned to CPU 0' if r['pinned'] else 'sharing CPUs with the clients'}; load average "
@@ -411,6 +425,7 @@ def main() -> int:
         print(f"  last join -> plan at all    {r['plan_after_last_join_s']:8.1f} s")
         print(f"  heartbeat p50 / p99         {r['p50_ms']:8.1f} / {r['p99_ms']:.1f} ms  ({r['heartbeats']} heartbeats; "
               f"the clients' own loop lag p99 {r['lag_p99_ms']:.1f} ms)")
+        print(f"  p99 by tenth of the window  {' '.join(f'{x:.0f}' for x in r['window_p99_ms'])} ms")
         print(f"  false lapses                {r['lapses']:8d}     errors {r['errors']} {r['error_kinds'] or ''}")
         print(f"  lapses after a late beat    {r['late']:8d}     (the simulated node itself sent none within the "
               f"lease: this machine's CPU, not the coordinator)")

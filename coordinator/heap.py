@@ -20,6 +20,3 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*THRESHOLDS)
-    import os, sys
-    if os.environ.get("ATOLL_SWI"):
-        sys.setswitchinterval(float(os.environ["ATOLL_SWI"]))
