@@ -194,6 +194,33 @@ def _plan_to_proto(p: Plan) -> pb.Plan:
     )
 
 
+def plan_from_packed(m: pb.PackedPlan, max_bytes: int) -> Plan:
+    """The plan of a `PackedPlan` (WatchPlanPacked): its zstd frame unpacked to at most `max_bytes` (the channel's
+    message limit, as if it had come as a `Plan`), parsed and converted. ValueError says what is wrong with it."""
+    import zstandard
+    from google.protobuf.message import DecodeError
+
+    if m.plan_bytes > max_bytes:
+        raise ValueError(f"a packed plan of {m.plan_bytes} bytes is over this node's message limit ({max_bytes})")
+    try:
+        # the frame states its size, and decompression allocates that: checked against the stated length first
+        size = zstandard.frame_content_size(m.plan_zstd)
+        if size != m.plan_bytes:
+            raise ValueError(f"a packed plan's frame holds {size} bytes, not the {m.plan_bytes} it states")
+        raw = zstandard.ZstdDecompressor().decompress(m.plan_zstd, max_output_size=max(1, m.plan_bytes))
+    except zstandard.ZstdError as e:
+        raise ValueError(f"a packed plan does not unpack: {e}") from None
+    if len(raw) != m.plan_bytes:
+        raise ValueError(f"a packed plan unpacked to {len(raw)} bytes, not the {m.plan_bytes} it states")
+    try:
+        plan = pb.Plan.FromString(raw)
+    except DecodeError as e:
+        raise ValueError(f"a packed plan is not a Plan message: {e}") from None
+    if plan.epoch != m.epoch:
+        raise ValueError(f"a packed plan says epoch {m.epoch} but holds epoch {plan.epoch}")
+    return plan_from_proto(plan)
+
+
 def plan_from_proto(m: pb.Plan) -> Plan:
     return Plan(
         model=m.model, global_batch=m.global_batch, seq_len=m.seq_len,

@@ -118,8 +118,8 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
             "probes": ch.unary_unary("/atoll.v1.Coordinator/ReportProbes",
                                      request_serializer=pb.ProbeReport.SerializeToString,
                                      response_deserializer=pb.Ack.FromString),
-            # the plan is counted, not parsed: the clients' CPU goes to heartbeats
-            "watch": ch.unary_stream("/atoll.v1.Coordinator/WatchPlan",
+            # the plan is counted, not parsed: the clients' CPU goes to heartbeats (packed, as nodes watch)
+            "watch": ch.unary_stream("/atoll.v1.Coordinator/WatchPlanPacked",
                                      request_serializer=pb.WatchPlanRequest.SerializeToString,
                                      response_deserializer=len),
         })

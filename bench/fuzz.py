@@ -38,7 +38,7 @@ from atoll.v1 import atoll_pb2 as pb
 
 TOKEN = "fuzz-token"
 KNOWN_NODES = ("n1", "n2", "n3")
-LONG_LIVED = {"/atoll.v1.Coordinator/WatchPlan", "/atoll.v1.Peer/Connect"}
+LONG_LIVED = {"/atoll.v1.Coordinator/WatchPlan", "/atoll.v1.Coordinator/WatchPlanPacked", "/atoll.v1.Peer/Connect"}
 """Streams that wait for news by design: running into the deadline is their normal end, not a hang."""
 WRONG = {"INTERNAL", "UNKNOWN"}
 CALL_DEADLINE_S = 10.0

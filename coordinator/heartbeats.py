@@ -8,20 +8,20 @@ checked once when the stream opens, and each message only that it speaks for the
 `handlers.handle_heartbeat` checks of any heartbeat).
 
 Streams are bounded in number and in life, and a node holds one, two while it reconnects before the server has
-noticed the first one gone: a third replaces the oldest, whose next heartbeat is answered ABORTED (a node closes
-its old stream when it opens a new one, so an idle replaced stream is a client's that is gone, and ends with its
-connection).
+noticed the first one gone: a third ends the oldest (ABORTED). A stream waits for its node's next heartbeat most of
+the time; to end one at once (replaced, or the coordinator stopping: UNAVAILABLE, so the server's grace period is
+not spent waiting for heartbeats) its handler's task is cancelled and the cancellation answered with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from atoll.coordinator import handlers
-from atoll.coordinator.errors import CoordinatorError, InvalidArgument
+from atoll.coordinator.errors import CoordinatorError, InvalidArgument, Unavailable
 from atoll.coordinator.state import CoordinatorState
 from atoll.v1 import atoll_pb2 as pb
 
@@ -40,7 +40,9 @@ class StreamReplaced(CoordinatorError):
 @dataclass(eq=False)
 class _Stream:
     node_id: str = ""
-    replaced: bool = False
+    task: asyncio.Task | None = field(default=None, repr=False)
+    ending: CoordinatorError | None = None
+    """Why this side ends the stream (replaced, shutting down); its task is then cancelled."""
 
 
 class HeartbeatStreams:
@@ -70,14 +72,11 @@ class HeartbeatStreams:
                 f"the coordinator holds {len(self._open)} heartbeat streams, its limit (max_heartbeat_streams); "
                 f"retry later, or raise the limit if this many nodes are expected")
         loop = asyncio.get_running_loop()
-        s = _Stream()
+        s = _Stream(task=asyncio.current_task())
         self._open.add(s)
         end = loop.time() + self.max_life.total_seconds()
         try:
             async for req in requests:
-                if s.replaced:
-                    raise StreamReplaced(f"a newer heartbeat stream of node {s.node_id} replaced this one; a node "
-                                         f"keeps at most {STREAMS_PER_NODE}")
                 if not s.node_id:
                     check(req)
                     self._claim(s, req.node_id)
@@ -87,14 +86,29 @@ class HeartbeatStreams:
                 yield handlers.handle_heartbeat(req, self.state)
                 if loop.time() >= end:
                     return  # the node opens its next stream at once
+        except asyncio.CancelledError:
+            if s.ending is None:
+                raise  # the node cancelled the call
+            raise s.ending from None  # answered with the reason (the servicer turns it into a status)
         finally:
             self._release(s)
+
+    def close_all(self) -> None:
+        """End every open stream at once with UNAVAILABLE (the coordinator is stopping); on the server's loop."""
+        for s in list(self._open):
+            self._end(s, Unavailable("the coordinator is shutting down; retry shortly"))
+
+    def _end(self, s: _Stream, why: CoordinatorError) -> None:
+        if s.ending is None and s.task is not None and s.task is not asyncio.current_task():
+            s.ending = why
+            s.task.cancel()
 
     def _claim(self, s: _Stream, node_id: str) -> None:
         s.node_id = node_id
         mine = self._by_node.setdefault(node_id, [])
         while len(mine) >= STREAMS_PER_NODE:
-            mine.pop(0).replaced = True
+            self._end(mine.pop(0), StreamReplaced(f"a newer heartbeat stream of node {node_id} replaced this one; a "
+                                                  f"node keeps at most {STREAMS_PER_NODE}"))
         mine.append(s)
 
     def _release(self, s: _Stream) -> None:

@@ -233,6 +233,8 @@ class CoordinatorService:
         if self._server is not None:
             self._server.run(self.health.enter_graceful_shutdown())
         self.state.close()  # ends plan watches, so the server's grace period is not spent waiting on them
+        if self._server is not None:  # and heartbeat streams, which wait for their nodes' next heartbeat
+            self._server.loop.call_soon_threadsafe(self.heartbeats.close_all)
         if self._server is not None:
             self._server.stop()
         self.watches.close()

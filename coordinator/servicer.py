@@ -160,13 +160,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def WatchPlan(self, request: pb.WatchPlanRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Plan]:
+        async for plan in self._watch("WatchPlan", request, context, packed=False):
+            yield plan
+
+    async def WatchPlanPacked(self, request: pb.WatchPlanRequest,
+                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PackedPlan]:
+        async for plan in self._watch("WatchPlanPacked", request, context, packed=True):
+            yield plan
+
+    async def _watch(self, method: str, request: pb.WatchPlanRequest, context: grpc.aio.ServicerContext, *,
+                     packed: bool) -> AsyncIterator[pb.Plan | pb.PackedPlan]:
         try:
             if self.state.closed:
                 raise Unavailable("the coordinator is shutting down; retry shortly")
             handlers.check_token(token_from_metadata(context), self.state)
             authz.authorize("WatchPlan", request, self._caller(context), self.state, self.authority)
-            async with aclosing(self.watches.watch(request)) as plans:
+            async with aclosing(self.watches.watch(request, packed=packed)) as plans:
                 async for plan in plans:
                     yield plan
         except Exception as e:  # noqa: BLE001
-            await context.abort(*_status("WatchPlan", e))
+            await context.abort(*_status(method, e))

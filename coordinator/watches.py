@@ -6,7 +6,9 @@ calls keep the server's thread pool to themselves. Watches are bounded in number
 
 A new plan goes to every open watch at once: converted to its message once (`_to_message`) and serialized once
 (`add_coordinator_to_server` registers WatchPlan with a serializer that remembers the last message's bytes), so
-10,000 watches cost one serialization of a plan that names 10,000 nodes, not 10,000.
+10,000 watches cost one serialization of a plan that names 10,000 nodes, not 10,000. Nodes watch with
+WatchPlanPacked, which sends that serialization as one zstd frame (`PackedPlan`), also made once: each watch then
+carries ~14 KB instead of ~200 KB, and the plan's wave through 10,000 watches moves 140 MB instead of 2 GB.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+
+import zstandard
 
 from atoll.coordinator import handlers
 from atoll.coordinator.errors import CoordinatorError
@@ -55,6 +59,7 @@ class PlanWatches:
         self._open: set[_Watch] = set()
         self._by_node: dict[str, list[_Watch]] = {}
         self._message: tuple[Plan, pb.Plan] | None = None
+        self._packed: tuple[Plan, pb.PackedPlan] | None = None
         self._remove_listener = state.add_plan_listener(self._wake_threadsafe)
 
     @property
@@ -64,9 +69,9 @@ class PlanWatches:
     def close(self) -> None:
         self._remove_listener()
 
-    async def watch(self, req: pb.WatchPlanRequest) -> AsyncIterator[pb.Plan]:
-        """Plans newer than `req.known_epoch` as they are published, until the watch's life ends, a newer watch
-        of the same node replaces it, or the state closes."""
+    async def watch(self, req: pb.WatchPlanRequest, *, packed: bool = False) -> AsyncIterator[pb.Plan | pb.PackedPlan]:
+        """Plans newer than `req.known_epoch` as they are published (`packed`: as `PackedPlan`s), until the watch's
+        life ends, a newer watch of the same node replaces it, or the state closes."""
         loop = asyncio.get_running_loop()
         self._loop = loop
         w = self._admit(req.node_id)
@@ -82,7 +87,7 @@ class PlanWatches:
                 plan = self.state.newer_plan(known)
                 if plan is not None:
                     known = plan.epoch
-                    yield self._to_message(plan)
+                    yield self._to_packed(plan) if packed else self._to_message(plan)
                     continue
                 left = end - loop.time()
                 if left <= 0:
@@ -122,6 +127,13 @@ class PlanWatches:
         if self._message is None or self._message[0] is not plan:
             self._message = (plan, plan_to_proto(plan))
         return self._message[1]
+
+    def _to_packed(self, plan: Plan) -> pb.PackedPlan:
+        if self._packed is None or self._packed[0] is not plan:
+            raw = self._to_message(plan).SerializeToString()
+            self._packed = (plan, pb.PackedPlan(epoch=plan.epoch, plan_bytes=len(raw),
+                                                plan_zstd=zstandard.ZstdCompressor(level=3).compress(raw)))
+        return self._packed[1]
 
     def _wake_threadsafe(self) -> None:
         loop = self._loop
@@ -175,9 +187,10 @@ def add_coordinator_to_server(servicer: pb_grpc.CoordinatorServicer, server) -> 
     taken = _Registrations()
     pb_grpc.add_CoordinatorServicer_to_server(servicer, taken)
     handlers = dict(taken.handlers)
-    watch = handlers["WatchPlan"]
-    handlers["WatchPlan"] = grpc.unary_stream_rpc_method_handler(
-        watch.unary_stream, request_deserializer=watch.request_deserializer, response_serializer=SerializeOnce())
+    for name in ("WatchPlan", "WatchPlanPacked"):
+        watch = handlers[name]
+        handlers[name] = grpc.unary_stream_rpc_method_handler(
+            watch.unary_stream, request_deserializer=watch.request_deserializer, response_serializer=SerializeOnce())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 

@@ -152,4 +152,8 @@ def test_two_replica_processes_match_one_process_with_the_full_batch(tmp_path):
     want_state = ref.module.state_dict()
     for name, want in want_state.items():
         assert torch.equal(states[0][name], states[1][name]), f"replicas diverged on {name}"
-        torch.testing.assert_close(states[0][name], want, rtol=1e-4, atol=5e-5)
+        # half batches summed by the all-reduce round differently from the full batch; where a weight's gradient is
+        # that rounding's size (an embedding row of a token seen once or twice), AdamW's normalised step still moves
+        # it by a fair part of the learning rate, either way: up to lr / 10 apart, on AVX-512 kernels for one
+        # element of 12,288 (1.1e-4). A wrong average would move every element far more.
+        torch.testing.assert_close(states[0][name], want, rtol=1e-4, atol=CONFIG.lr / 10)

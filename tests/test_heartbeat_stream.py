@@ -122,13 +122,15 @@ def test_a_node_holds_two_streams_at_most(coordinator: CoordinatorService) -> No
     senders = [_sender(stub) for _ in range(3)]
     for s in senders:
         s.beat(pb.HeartbeatRequest(node_id=node), 5)
+    # the third stream of the node ended the first at once, though it waited idle for its next heartbeat
+    _wait(lambda: coordinator.heartbeats.open == 2, f"{coordinator.heartbeats.open} streams open, not 2")
     for s in senders[1:]:
         s.beat(pb.HeartbeatRequest(node_id=node), 5)
-    # the third stream of the node replaced the first: its next heartbeat ends it
+    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         senders[0].beat(pb.HeartbeatRequest(node_id=node), 5)
     assert info.value.code() == grpc.StatusCode.ABORTED and "replaced" in info.value.details()
-    _wait(lambda: coordinator.heartbeats.open == 2, f"{coordinator.heartbeats.open} streams open, not 2")
+    assert time.monotonic() - t0 < 2  # the answer was there already, not the beat's deadline
     senders[0].beat(pb.HeartbeatRequest(node_id=node), 5)  # the failure reset its stream: the next beat opens one
     for s in senders:
         s.reset()
@@ -207,3 +209,18 @@ def test_a_beat_with_no_reply_times_out_and_closes_its_stream() -> None:
         assert sender._stream is None  # the next beat opens a fresh stream
     finally:
         server.stop(0)
+
+
+def test_a_stopping_coordinator_ends_its_heartbeat_streams_at_once() -> None:
+    svc = _service()
+    stub = _stub(svc)
+    node = _join(stub, "h6")
+    sender = _sender(stub)
+    sender.beat(pb.HeartbeatRequest(node_id=node), 5)
+    t0 = time.monotonic()
+    svc.stop()
+    # the stream waited for the next heartbeat; the stop did not spend its grace period (2 s) on it
+    assert time.monotonic() - t0 < 1.5
+    with pytest.raises(grpc.RpcError) as info:
+        sender.beat(pb.HeartbeatRequest(node_id=node), 2)
+    assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)

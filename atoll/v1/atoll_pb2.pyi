@@ -592,6 +592,16 @@ class WatchPlanRequest(_message.Message):
     known_epoch: int
     def __init__(self, node_id: _Optional[str] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
+class PackedPlan(_message.Message):
+    __slots__ = ("epoch", "plan_bytes", "plan_zstd")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ZSTD_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    plan_bytes: int
+    plan_zstd: bytes
+    def __init__(self, epoch: _Optional[int] = ..., plan_bytes: _Optional[int] = ..., plan_zstd: _Optional[bytes] = ...) -> None: ...
+
 class StepAck(_message.Message):
     __slots__ = ("plan_epoch", "stop", "target_steps")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.Plan.FromString,
                 _registered_method=True)
+        self.WatchPlanPacked = channel.unary_stream(
+                '/atoll.v1.Coordinator/WatchPlanPacked',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.PackedPlan.FromString,
+                _registered_method=True)
         self.ReportStep = channel.unary_unary(
                 '/atoll.v1.Coordinator/ReportStep',
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.StepMetrics.SerializeToString,
@@ -133,6 +138,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchPlanPacked(self, request, context):
+        """The same plans, packed (PackedPlan): what nodes use; WatchPlan stays for tools and older nodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -202,6 +214,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchPlan,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.Plan.SerializeToString,
+            ),
+            'WatchPlanPacked': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPlanPacked,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.PackedPlan.SerializeToString,
             ),
             'ReportStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportStep,
@@ -374,6 +391,33 @@ class Coordinator:
             '/atoll.v1.Coordinator/WatchPlan',
             atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.SerializeToString,
             atoll_dot_v1_dot_atoll__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPlanPacked(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/atoll.v1.Coordinator/WatchPlanPacked',
+            atoll_dot_v1_dot_atoll__pb2.WatchPlanRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.PackedPlan.FromString,
             options,
             channel_credentials,
             insecure,
