@@ -5,13 +5,16 @@ simulated nodes driven from `--clients` processes over grpc.aio. Each simulated 
 (an H100 in one of four regions), opens its plan watch, heartbeats at the cadence the coordinator asks for (on
 one heartbeat stream per node, as `atoll node` does; `--unary-heartbeats`: a unary call each),
 and answers the probes it is handed with a measurement of the simulated topology (fast inside a region,
-slow across). The benchmark prints per size:
+slow across). The cadence is the coordinator's: past its heartbeat budget (`--heartbeat-budget`, 2,000 a second
+by default) the interval and the lease stretch with the membership, and the simulated nodes follow what each
+heartbeat reply announces, as `atoll node` does. The benchmark prints per size:
 - join: wall time from the first join to the last join acknowledged;
 - heartbeat p50/p99 (client-measured round trips, steady state after the plan) and the errors;
 - false lapses: a heartbeat answered NOT_FOUND although the node's previous heartbeat was sent within the lease,
   i.e. a live simulated node was marked gone; a NOT_FOUND after the simulated node itself went longer than the
   lease between heartbeats (its process starved of CPU) is counted apart, as the node's own late heartbeat;
 - time from the last join to the plan reaching every node's watch, and the plan epoch;
+- the cadence the coordinator announced (interval, lease) and the heartbeats a second it took;
 - the coordinator's CPU (share of one core, steady state) and RSS.
 The first size is the baseline the others are set against (a heartbeat should cost the same at any size).
 
@@ -23,6 +26,7 @@ much while each simulated node would need a certificate of its own. Ends with `t
 p99 < 100 ms, 0 false lapses, a plan within 10 s of the last join.
 
 Usage: python -m bench.coordinator_scale [--nodes 1000,10000] [--clients 3] [--measure 30] [--unary-heartbeats]
+       [--heartbeat-budget PER_SECOND (0: a fixed cadence)]
 """
 
 from __future__ import annotations
@@ -205,6 +209,9 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
                 if stats["measuring"]:
                     done_at = time.perf_counter()
                     stats["lat"].append((time.time(), done_at - t0))
+                if reply.heartbeat_interval_seconds > 0:  # the cadence stretches with the membership
+                    interval, lease = reply.heartbeat_interval_seconds, reply.lease_seconds
+                    stats["cadence"] = (interval, lease)
                 if reply.probe:
                     links = [pb.LinkMeasurement(src=node_id, dst=t.node_id, rtt_seconds=1e-3,
                                                 bandwidth_bytes_per_s=(FAST if _region(int(t.node_id[3:])) == _region(i)
@@ -260,14 +267,15 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
         await ch.close()
     listener.close()
     out.put(("done", first, stats["lat"], stats["lapses"], stats["errors"], stats["error_kinds"],
-             min(stats["joined"], default=0.0), stats["examples"], stats["lag"], stats["cpu"], stats["late"]))
+             min(stats["joined"], default=0.0), stats["examples"], stats["lag"], stats["cpu"], stats["late"],
+             stats.get("cadence")))
 
 
 # --- one size -------------------------------------------------------------------------------------------
 
 
 def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, work: Path,
-             streams: bool = True, settle: float = 0.0) -> dict:
+             streams: bool = True, settle: float = 0.0, budget: float | None = None) -> dict:
     if work.exists():  # a kept folder from an earlier run: its state and address are not this run's
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -282,7 +290,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
     coord = subprocess.Popen(
         [sys.executable, "-m", "atoll", "coordinator", "--job", str(work / "job.toml"), "--listen", "127.0.0.1:0",
          "--state-dir", str(work / "state"), "--token-file", str(work / "token"), "--address-file", str(addr_file),
-         "--insecure"],
+         "--insecure"] + ([] if budget is None else ["--heartbeat-budget", f"{budget:g}"]),
         stdout=log, stderr=subprocess.STDOUT,
         preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
     procs: list[mp.Process] = []
@@ -340,6 +348,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         lag: list[float] = []
         client_cpu = 0.0
         lapses = errors = late = 0
+        cadence = None  # (interval, lease) the coordinator last announced
         kinds: dict[str, int] = {}
         firsts = []
         examples: list[str] = []
@@ -360,6 +369,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
             lag += msg[8]
             client_cpu += msg[9]
             late += msg[10]
+            cadence = msg[11] or cadence
         lat = sorted(x for _, x in samples)
         lag.sort()
         # the p99 of each tenth of the measurement: a transient (a stall, a late wave) shows in one, load in all
@@ -378,7 +388,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
                 "late": late,
                 "lag_p99_ms": lag[min(len(lag) - 1, int(0.99 * len(lag)))] * 1000 if lag else float("nan"),
                 "errors": errors, "error_kinds": kinds, "cpu_steady": cpu_steady, "cpu_join_s": cpu_join,
-                "client_cpu": client_cpu, "load": load,
+                "client_cpu": client_cpu, "load": load, "cadence": cadence, "rate": len(lat) / measure,
                 "rss_mb": rss, "pinned": bool(server_cpus), "examples": examples[:3]}
     finally:
         for p in procs:
@@ -408,6 +418,9 @@ def main() -> int:
     ap.add_argument("--unary-heartbeats", action="store_true",
                     help="heartbeat with one unary call each (as a coordinator without heartbeat streams is heard) "
                          "instead of on each node's heartbeat stream")
+    ap.add_argument("--heartbeat-budget", type=float,
+                    help="the coordinator's --heartbeat-budget (heartbeats a second; 0: a fixed cadence at any size); "
+                         "default: the coordinator's own")
     args = ap.parse_args()
     sizes = [int(x) for x in args.nodes.split(",")]
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="atoll-scale-"))
@@ -416,13 +429,16 @@ def main() -> int:
     results = []
     for n in sizes:
         r = run_size(n, args.clients, args.measure, args.timeout, not args.no_pin, root / f"n{n}",
-                     streams=not args.unary_heartbeats, settle=args.settle)
+                     streams=not args.unary_heartbeats, settle=args.settle, budget=args.heartbeat_budget)
         results.append(r)
         print(f"\n{n:>6} nodes  joined {r['joined']}, planned {r['planned']}  (coordinator "
               f"{'pinned to CPU 0' if r['pinned'] else 'sharing CPUs with the clients'}; load average "
               f"{r['load']:.1f} while measuring)")
         print(f"  join of all nodes           {r['join_s']:8.1f} s   (coordinator CPU during joins {r['cpu_join_s']:.1f} s)")
         print(f"  last join -> plan at all    {r['plan_after_last_join_s']:8.1f} s")
+        if r["cadence"]:
+            print(f"  heartbeat cadence           {r['cadence'][0]:8.1f} s   (lease {r['cadence'][1]:.1f} s, as the "
+                  f"coordinator announced it for this size; {r['rate']:.0f} heartbeats/s)")
         print(f"  heartbeat p50 / p99         {r['p50_ms']:8.1f} / {r['p99_ms']:.1f} ms  ({r['heartbeats']} heartbeats; "
               f"the clients' own loop lag p99 {r['lag_p99_ms']:.1f} ms)")
         print(f"  p99 by tenth of the window  {' '.join(f'{x:.0f}' for x in r['window_p99_ms'])} ms")

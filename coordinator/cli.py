@@ -32,6 +32,10 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="closed labs only: plaintext gRPC, no node certificates (any token holder can speak as any "
                    "node). By default the coordinator is a CA (STATE_DIR/ca.pem) and every call is mutual TLS")
     p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
+    p.add_argument("--heartbeat-budget", type=float, default=2000.0, metavar="PER_SECOND",
+                   help="heartbeats a second the coordinator takes from all nodes (default 2000): with more than "
+                   "budget x lease/4 nodes the heartbeat interval and the lease stretch with the membership, so a "
+                   "large job costs the coordinator the same; 0: a fixed cadence at any size")
     p.add_argument("--join-settle", type=float, default=10.0,
                    help="joins alone replan once no node has joined for this many seconds (at most 60 s after the "
                    "first), so a trickle of joins makes one new plan")

@@ -79,7 +79,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     now = state.clock()
     existing = state.store.get_member(node_id)
     decision = join_decision(now, existing, hostname=req.profile.hostname, started_unix=state.started_unix,
-                             options=state.options.membership)
+                             options=state.membership_options(now))
     if decision.kind == "conflict":
         raise AlreadyExists(decision.reason)
     profile = profile_from_proto(req.profile)
@@ -95,9 +95,9 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
             or existing.profile.unreachable != profile.unreachable \
             or device_class(existing.profile) != device_class(profile):  # its island and probe class
         state.membership_changed(now)
-    return pb.JoinReply(node_id=node_id, job=_job_info(state),
-                        lease_seconds=state.options.membership.lease.total_seconds(),
-                        heartbeat_interval_seconds=state.options.heartbeat.total_seconds(),
+    cadence = state.cadence.current
+    return pb.JoinReply(node_id=node_id, job=_job_info(state), lease_seconds=cadence.lease,
+                        heartbeat_interval_seconds=cadence.interval,
                         reachable=not profile.unreachable, reachability=reachability)
 
 
@@ -108,8 +108,9 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
     # still runs its old plan until the new one arrives
     state.store.heartbeat(req.node_id, now, req.plan_epoch, req.step)
     probe_bytes = state.options.probes.probe_bytes
+    cadence = state.cadence.current  # (stretched with the membership: the node follows it)
     return pb.HeartbeatReply(
-        lease_seconds=state.options.membership.lease.total_seconds(), plan_epoch=state.epoch,
+        lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval, plan_epoch=state.epoch,
         probe=[pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
                for m in state.assign_probes(req.node_id, now)],
         job_finished=bool(state.control.finished_unix), target_steps=state.target_steps)

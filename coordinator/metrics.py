@@ -38,6 +38,11 @@ class CoordinatorMetrics:
                                 "fp32 and bf16)", registry=r)
         self.loop_lag = Gauge("atoll_coordinator_loop_lag_seconds", "How late the coordinator's server loop ran "
                               "(the largest over the last minute); lease expiry allows for it", registry=r)
+        self.heartbeat_interval = Gauge("atoll_coordinator_heartbeat_interval_seconds", "The heartbeat interval "
+                                        "the coordinator announces (it stretches with the membership to keep "
+                                        "heartbeats within --heartbeat-budget)", registry=r)
+        self.lease = Gauge("atoll_coordinator_lease_seconds", "The lease the coordinator expires members by",
+                           registry=r)
 
     def update(self, state: CoordinatorState) -> None:
         counts = {"alive": 0, "gone": 0, "left": 0}
@@ -47,6 +52,8 @@ class CoordinatorMetrics:
             self.members.labels(state=s).set(n)
         self.islands.set(len(state.store.get_islands()))
         self.plan_epoch.set(state.epoch)
+        self.heartbeat_interval.set(state.cadence.current.interval)
+        self.lease.set(state.cadence.expiry_lease(state.clock()))
         recent_steps = state.store.recent_steps(256)
         step, tps = throughput(recent_steps, state.epoch)
         scaled = [m for m in recent_steps if m.loss_scale is not None]

@@ -283,7 +283,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     options = CoordinatorOptions(membership=MembershipOptions(
                                      lease=timedelta(seconds=args.lease),
                                      join_settle=timedelta(seconds=min(args.join_settle, 60.0))),
-                                 islands=IslandOptions(relative_threshold=args.island_threshold))
+                                 islands=IslandOptions(relative_threshold=args.island_threshold),
+                                 heartbeat_budget=args.heartbeat_budget or None)
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
                            rendezvous_host=args.rendezvous_host)

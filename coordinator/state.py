@@ -14,10 +14,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
+from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
@@ -51,6 +52,9 @@ class CoordinatorOptions:
     """The island clustering threshold."""
     heartbeat_interval: timedelta | None = None
     """How often nodes heartbeat; None means a quarter of the lease."""
+    heartbeat_budget: float | None = 2000.0
+    """Heartbeats a second the coordinator takes from all nodes together: past `budget x interval` members the
+    interval and the lease stretch with the membership (`atoll.coordinator.cadence`). None: a fixed cadence."""
     dial_back: bool = True
     """Dial each joining node's advertised address back (`atoll.coordinator.dialback`) and run one that does
     not answer as a node that accepts no connections. False trusts every advertised address."""
@@ -60,6 +64,9 @@ class CoordinatorOptions:
                 timedelta(0) < self.heartbeat_interval < self.membership.lease):
             raise ValueError(f"heartbeat_interval ({self.heartbeat_interval}) must be positive and shorter than the "
                              f"lease ({self.membership.lease})")
+        if self.heartbeat_budget is not None and not self.heartbeat_budget > 0:
+            raise ValueError(f"heartbeat_budget must be positive (heartbeats a second) or None, "
+                             f"got {self.heartbeat_budget}")
 
     @property
     def heartbeat(self) -> timedelta:
@@ -125,6 +132,10 @@ class CoordinatorState:
         self.outer = OuterRounds()
         """Outer-sync rounds of the replica groups (outer-mode plans)."""
         self._plan_listeners: list[Callable[[], None]] = []
+        self.cadence = HeartbeatCadence(self.options.heartbeat.total_seconds(),
+                                        self.options.membership.lease.total_seconds(), self.options.heartbeat_budget)
+        """How often nodes heartbeat and how long a lease lasts, for the membership's size (updated by `tick`)."""
+        self.cadence.update(sum(1 for m in store.members_view().values() if m.state == "alive"), self.started_unix)
 
     # --- plan ---------------------------------------------------------------------------------------
 
@@ -377,18 +388,28 @@ class CoordinatorState:
         islands = form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
         return separate_unreachable(islands, alive)  # no data-parallel group has to dial a node behind NAT
 
+    def membership_options(self, now: float) -> MembershipOptions:
+        """The membership options with the lease that expiry uses at `now` (`HeartbeatCadence.expiry_lease`)."""
+        lease = self.cadence.expiry_lease(now)
+        base = self.options.membership
+        return base if lease == base.lease.total_seconds() else replace(base, lease=timedelta(seconds=lease))
+
     def tick(self, now: float | None = None) -> list[str]:
         """One round of decisions at `now`; returns what changed, as readable lines."""
         now = self.clock() if now is None else now
         events: list[str] = []
         self.store.flush()
-        stalled = self.stalled(self.options.membership.lease.total_seconds())
-        for t in expire_leases(now, self.store.members_view().values(), self.started_unix, self.options.membership,
-                               stalled):
+        membership = self.membership_options(now)
+        stalled = self.stalled(membership.lease.total_seconds())
+        for t in expire_leases(now, self.store.members_view().values(), self.started_unix, membership, stalled):
             self.store.set_member_state(t.node_id, t.state, t.reason)
             self.membership_changed(now)
             events.append(f"node {t.node_id} is {t.state}: {t.reason}")
         alive = self.alive_members()
+        cadence = self.cadence.update(len(alive), now)
+        if cadence is not None:
+            events.append(f"{len(alive)} members: nodes heartbeat every {cadence.interval:.1f}s, lease "
+                          f"{cadence.lease:.1f}s (heartbeat budget {self.options.heartbeat_budget:g}/s)")
         self._refresh_probe_index(alive, now)
         with self._cond:
             dirty, self._islands_dirty = self._islands_dirty, False
@@ -422,7 +443,7 @@ class CoordinatorState:
             unprobed = self.unprobed(alive, now, self._probe_index) if changed else set()
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
-                                     options=self.options.membership, stale=stale, moved=moved,
+                                     options=membership, stale=stale, moved=moved,
                                      first_join_unix=min((m.joined_unix for n, m in alive.items()
                                                           if planned is not None and n not in planned),
                                                          default=None) if changed else None)
@@ -432,7 +453,7 @@ class CoordinatorState:
                 # complete checkpoint) gets the job going again
                 decision = failure_decision(
                     now, epoch=plan.epoch, failures=failures, alive=set(alive), planned=planned or set(),
-                    last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=self.options.membership)
+                    last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=membership)
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason, formed))
         elif decision.reason != self._last_reason:

@@ -268,6 +268,7 @@ class NodeAgent:
         self.step = 0
         self.joins = 0
         self._stream: grpc.Future | None = None
+        self._watch_wake = threading.Event()  # set when the coordinator is reachable again, and on stop
         self._packed_plans = True
         """Watch with WatchPlanPacked; False once the coordinator said it has none."""
         self._outbox: deque[_Outgoing] = deque()
@@ -486,6 +487,12 @@ class NodeAgent:
                 unavailable_since = None
                 with self._outbox_cond:
                     self._outbox_cond.notify_all()  # deliver what waited for the coordinator now
+                self._watch_wake.set()  # and reopen the plan watch if it is waiting to retry
+            if 0 < reply.heartbeat_interval_seconds < 3600 and reply.heartbeat_interval_seconds != self.heartbeat_interval:
+                # the coordinator stretches the cadence with the membership's size (and back)
+                log.info("the coordinator asks for a heartbeat every %.1fs (was %.1fs; lease %.1fs)",
+                         reply.heartbeat_interval_seconds, self.heartbeat_interval, reply.lease_seconds)
+                self.heartbeat_interval = reply.heartbeat_interval_seconds
             for target in reply.probe:
                 if target.node_id not in self._queued:
                     self._queued.add(target.node_id)
@@ -640,9 +647,13 @@ class NodeAgent:
             # packed plans (a zstd frame each, ~14x smaller at thousands of nodes); a coordinator without them
             # answers UNIMPLEMENTED, and is watched with WatchPlan from then on
             method = self._stub.WatchPlanPacked if self._packed_plans else self._stub.WatchPlan
+            # wait_for_ready: through an outage the call waits for the channel and opens the moment the
+            # coordinator is back, rather than at the next retry of a backoff
             stream = method(pb.WatchPlanRequest(node_id=self.node_id, known_epoch=known),
-                            timeout=self.config.watch_timeout.total_seconds())
+                            timeout=self.config.watch_timeout.total_seconds(), wait_for_ready=True)
             self._stream = stream
+            if self._stop.is_set():  # stop() may have looked at the previous stream
+                stream.cancel()
             try:
                 for message in stream:
                     wait = self.config.backoff[0].total_seconds()
@@ -676,8 +687,11 @@ class NodeAgent:
                     raise AgentError(f"plan watch refused: {e.details()}") from None
                 else:
                     log.debug("plan watch ended (%s), reconnecting in %.1fs", code.name, wait)
-            self._stop.wait(wait)
-            wait = min(2 * wait, self._backoff_cap())
+            if self._watch_wake.wait(wait):  # a heartbeat got through again (or stop): reopen now
+                self._watch_wake.clear()
+                wait = self.config.backoff[0].total_seconds()
+            else:
+                wait = min(2 * wait, self._backoff_cap())
 
     def _new_plan(self, plan: Plan) -> None:
         with self._cond:
@@ -780,6 +794,7 @@ class NodeAgent:
             self._cond.notify_all()
         with self._outbox_cond:
             self._outbox_cond.notify_all()
+        self._watch_wake.set()
         if self._stream is not None:
             self._stream.cancel()
         self._heartbeats.reset()

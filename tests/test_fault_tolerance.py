@@ -175,7 +175,7 @@ def test_calls_to_the_coordinator_resume_within_a_heartbeat_interval_after_an_ou
         time.sleep(6.0)
         delivered = threading.Event()
         agents[0].send_later("ReportProbes", pb.ProbeReport(node_id=agents[0].node_id), epoch=epoch,
-                             what="an empty probe report", on_delivered=delivered.set)
+                             what="empty probe report", on_delivered=delivered.set)
         service = _service(tmp_path, address)
         back = time.monotonic()
         while service.watches.open < 3:

@@ -557,18 +557,20 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
     job_finished: bool
     target_steps: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ...) -> None: ...
+    heartbeat_interval_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
