@@ -10,9 +10,14 @@ counting still frees almost everything at once, and the collector still finds cy
 from __future__ import annotations
 
 import gc
+import sys
 
 THRESHOLDS = (50_000, 20, 100)
 """Allocations before a young collection, and young (then middle) collections before an older one."""
+
+
+SWITCH_INTERVAL = 0.001
+"""Seconds a thread holds the GIL before another that waits for it gets a turn (Python's default: 0.005)."""
 
 
 def settle_heap() -> None:
@@ -20,3 +25,6 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*THRESHOLDS)
+    # the background loop (leases, islands, plans) is pure Python over every member: with the default 5 ms
+    # switch interval each of its turns held heartbeats on the server loop for that long, many times a round
+    sys.setswitchinterval(SWITCH_INTERVAL)

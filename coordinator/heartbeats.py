@@ -63,10 +63,12 @@ class HeartbeatStreams:
         return len(self._open)
 
     async def serve(self, requests: AsyncIterator[pb.HeartbeatRequest],
-                    check: Callable[[pb.HeartbeatRequest], None]) -> AsyncIterator[pb.HeartbeatReply]:
+                    check: Callable[[pb.HeartbeatRequest], None],
+                    every: Callable[[], None] | None = None) -> AsyncIterator[pb.HeartbeatReply]:
         """A reply for every heartbeat of `requests`, in order, until the node closes the stream, the stream's life
         ends (the node opens the next), or a newer stream of the same node replaces it. `check(request)` raises for
-        a request the caller may not send (its certificate is another node's)."""
+        a request the caller may not send (its certificate is another node's), on the first; `every()` raises
+        before any heartbeat the stream may no longer send (its token is no longer the job's)."""
         if len(self._open) >= self.max_streams:
             raise TooManyHeartbeatStreams(
                 f"the coordinator holds {len(self._open)} heartbeat streams, its limit (max_heartbeat_streams); "
@@ -77,6 +79,8 @@ class HeartbeatStreams:
         end = loop.time() + self.max_life.total_seconds()
         try:
             async for req in requests:
+                if every is not None:
+                    every()
                 if not s.node_id:
                     check(req)
                     self._claim(s, req.node_id)

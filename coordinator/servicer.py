@@ -120,18 +120,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def HeartbeatStream(self, requests: AsyncIterator[pb.HeartbeatRequest],
                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.HeartbeatReply]:
-        # the token and the caller's certificate are checked once, at the stream's start; each heartbeat is then
-        # checked to speak for the stream's node (its first message's, which the certificate must name)
+        # the token and the caller's certificate are read once, at the stream's start; each heartbeat is then
+        # checked to speak for the stream's node (its first message's, which the certificate must name), and the
+        # stream's token against the job's (a comparison: a token changed since still refuses the next beat)
         try:
             if self.state.closed:
                 raise Unavailable("the coordinator is shutting down; retry shortly")
-            handlers.check_token(token_from_metadata(context), self.state)
+            token = token_from_metadata(context)
+            handlers.check_token(token, self.state)
             caller = self._caller(context)
 
             def check(req: pb.HeartbeatRequest) -> None:
                 authz.authorize("Heartbeat", req, caller, self.state, self.authority)
 
-            async with aclosing(self.heartbeats.serve(requests, check)) as replies:
+            async with aclosing(self.heartbeats.serve(requests, check,
+                                                      lambda: handlers.check_token(token, self.state))) as replies:
                 async for reply in replies:
                     yield reply
         except Exception as e:  # noqa: BLE001

@@ -466,10 +466,16 @@ class CoordinatorState:
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str,
                 formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> str:
         if formed is None:
+            started = time.monotonic()
             links = self.store.links_view()
             matrix = LinkGraph(alive, links)
             islands = self.islands_now(alive, matrix)
             self.store.put_islands(islands)
+            # what this tick left pending is formed now: not again (for the status) once its wait is over, unless
+            # probes arrive meanwhile (at 10,000 members forming them holds the server's loop back for seconds)
+            took = time.monotonic() - started
+            self._islands_pending = False
+            self._islands_next = started + (10 * took if took > 0.2 else 0.0)
         else:  # formed this round from the same members (thousands of them take seconds to form again)
             links, matrix, islands = formed
         previous = self.current_plan()

@@ -465,7 +465,11 @@ class NodeAgent:
 
     def _heartbeat_loop(self) -> None:
         unavailable_since: float | None = None
-        while not self._stop.wait(self.heartbeat_interval):
+        # the first heartbeat goes at once: its reply hands this node the peers to probe, and a plan waits for
+        # every member's probes (after a full interval, the last node to join held the plan back by as long)
+        wait = 0.0
+        while not self._stop.wait(wait):
+            wait = self.heartbeat_interval
             with self._cond:
                 req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
             # a heartbeat stuck on a reconnecting channel is not worth more than the next one: bound its

@@ -131,3 +131,34 @@ def test_nodes_follow_the_cadence_their_coordinator_announces(tmp_path) -> None:
         for a in agents:
             a.stop(leave=False)
         service.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_node_heartbeats_at_once_after_joining(tmp_path) -> None:
+    """Its first heartbeat's reply hands it the peers to probe, and a plan waits for every member's probes: with a
+    40 s lease (a beat every 10 s) the first one still comes within a couple of seconds of the join."""
+    from atoll.coordinator.service import CoordinatorService, ServiceConfig
+    from atoll.node.agent import AgentConfig, NodeAgent
+
+    options = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=40)))
+    service = CoordinatorService(job=JobSpec.load(REPO / "examples" / "tiny.toml"), token="tok", options=options,
+                                 config=ServiceConfig(listen="127.0.0.1:0", state_dir=tmp_path / "state")).start()
+    agent = None
+    try:
+        cfg = AgentConfig(coordinator=service.address, token="tok", state_dir=tmp_path / "n0", listen="127.0.0.1:0")
+        agent = NodeAgent(cfg, profile=NodeProfile(hostname="h0", device_kind="cpu", device_name="c",
+                                                   memory_total_bytes=1 << 30, cpu_count=1)).start()
+        assert agent.heartbeat_interval == 10.0
+        end = time.monotonic() + 3.0
+        while True:
+            service.store.flush()
+            (m,) = service.store.list_members()
+            if m.last_heartbeat_unix > m.joined_unix:
+                break
+            assert time.monotonic() < end, "no heartbeat within 3 s of the join"
+            time.sleep(0.05)
+    finally:
+        if agent is not None:
+            agent.stop(leave=False)
+        service.stop()

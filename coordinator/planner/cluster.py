@@ -166,31 +166,33 @@ class Cluster:
         (bandwidth bytes/s, latency seconds). Inside an island the slowest measured link counts; between
         islands the median of the measured pairs. Unmeasured pairs fall back to the slowest measured link.
         """
-        pairs: dict[frozenset[str], list[tuple[float, float]]] = {}
         if isinstance(links, Mapping):
             items = [(s, d, bw, lat) for (s, d), (bw, lat) in links.items()]
         else:
             items = [(m.src, m.dst, m.bandwidth_bytes_per_s, m.rtt_seconds / 2) for m in links]
-        for s, d, bw, lat in items:
-            if bw <= 0:
-                raise ValueError(f"link {s} -> {d}: bandwidth must be positive, got {bw}")
-            pairs.setdefault(frozenset((s, d)), []).append((bw, lat))
-        if not pairs:
+        if not items:
             raise ValueError("no link measurements: probe at least one pair of nodes before planning")
-        floor_bw = min(bw for v in pairs.values() for bw, _ in v)
-        floor_lat = max(lat for v in pairs.values() for _, lat in v)
+        floor_bw, floor_lat = float("inf"), 0.0
 
-        # the measurements inside each island and between each pair of islands, in one pass over the pairs
+        # the measurements inside each island and between each pair of islands, in one pass over the links
         # (not over every pair of nodes: thousands of nodes make millions of pairs, and few are measured)
         island_of = {n: iid for iid, node_ids in islands.items() for n in node_ids}
         grouped: dict[str | frozenset[str], list[tuple[float, float]]] = {}
-        for pair, values in pairs.items():
-            if len(pair) != 2:
+        between_keys: dict[tuple[str, str], frozenset[str]] = {}
+        for s, d, bw, lat in items:
+            if bw <= 0:
+                raise ValueError(f"link {s} -> {d}: bandwidth must be positive, got {bw}")
+            floor_bw, floor_lat = min(floor_bw, bw), max(floor_lat, lat)
+            if s == d:
                 continue
-            x, y = pair
-            ia, ib = island_of.get(x), island_of.get(y)
-            if ia is not None and ib is not None:
-                grouped.setdefault(ia if ia == ib else frozenset((ia, ib)), []).extend(values)
+            ia, ib = island_of.get(s), island_of.get(d)
+            if ia is None or ib is None:
+                continue
+            if ia == ib:
+                key: str | frozenset[str] = ia
+            else:
+                key = between_keys.get((ia, ib)) or between_keys.setdefault((ia, ib), frozenset((ia, ib)))
+            grouped.setdefault(key, []).append((bw, lat))
 
         built: list[Island] = []
         for iid, node_ids in islands.items():

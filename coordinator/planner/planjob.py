@@ -149,8 +149,9 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     if cm.options.several_pipelines:
         if 1 < len(cluster.regions) <= 4:
             groups.append([[i.id for i in cluster.islands if i.region == r] for r in cluster.regions])
-        if 1 < len(cluster.islands) <= 4:
-            groups.append([[i.id] for i in cluster.islands])
+        by_island = [[i.id] for i in cluster.islands]
+        if 1 < len(cluster.islands) <= 4 and by_island not in groups:  # (an island a region: searched once)
+            groups.append(by_island)
     multi: MultiCandidate | None = None
     # splits more than 10% behind the best single pipeline are not refined
     single = top[0].step_s if top else math.inf
