@@ -278,6 +278,10 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     if args.metrics_port:
         check_listen(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
+    if not args.heartbeat_budget >= 0:
+        log.error("--heartbeat-budget must be a number of heartbeats a second, or 0 for a fixed cadence; got %s",
+                  args.heartbeat_budget)
+        return 2
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
                      tls_key=Path(args.tls_key) if args.tls_key else None)
     options = CoordinatorOptions(membership=MembershipOptions(

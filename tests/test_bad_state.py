@@ -179,7 +179,7 @@ def test_a_busy_port_is_one_clear_error() -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("flag", ["--listen", "--metrics-port", "--state-dir"])
+@pytest.mark.parametrize("flag", ["--listen", "--metrics-port", "--state-dir", "--heartbeat-budget"])
 def test_the_coordinator_command_prints_one_line_for_setup_mistakes(tmp_path: Path, flag: str) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -190,7 +190,9 @@ def test_the_coordinator_command_prints_one_line_for_setup_mistakes(tmp_path: Pa
         args = {"--listen": ["--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "s")],
                 "--metrics-port": ["--listen", "127.0.0.1:0", "--metrics-port", str(port),
                                    "--state-dir", str(tmp_path / "s")],
-                "--state-dir": ["--listen", "127.0.0.1:0", "--state-dir", str(afile)]}[flag]
+                "--state-dir": ["--listen", "127.0.0.1:0", "--state-dir", str(afile)],
+                "--heartbeat-budget": ["--listen", "127.0.0.1:0", "--heartbeat-budget", "-5",
+                                       "--state-dir", str(tmp_path / "s")]}[flag]
         out = subprocess.run([sys.executable, "-m", "atoll", "coordinator", "--job",
                               str(ROOT / "examples" / "tiny.toml"), "--insecure", *args],
                              capture_output=True, text=True, timeout=100)
