@@ -47,18 +47,12 @@ class HeartbeatCadence:
         self._lock = threading.Lock()
         self._stretch = 0  # the current cadence is the base one times STEP ** _stretch
         self._holds: list[tuple[float, float]] = []  # (lease, until): longer leases still honoured after a shrink
-        self._members = 0
 
     @property
     def current(self) -> Cadence:
         """What join and heartbeat replies announce."""
         with self._lock:
             return self._of(self._stretch)
-
-    @property
-    def members(self) -> int:
-        """The membership size of the last `update`."""
-        return self._members
 
     def _of(self, stretch: int) -> Cadence:
         f = self.STEP ** stretch
@@ -77,7 +71,6 @@ class HeartbeatCadence:
         """Set the cadence for `members` alive nodes at `now`; the new cadence when it changed, else None."""
         want = self.needed(members)
         with self._lock:
-            self._members = members
             self._holds = [(lease, until) for lease, until in self._holds if until > now]
             if want == self._stretch:
                 return None

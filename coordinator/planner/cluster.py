@@ -177,22 +177,19 @@ class Cluster:
         # the measurements inside each island and between each pair of islands, in one pass over the links
         # (not over every pair of nodes: thousands of nodes make millions of pairs, and few are measured)
         island_of = {n: iid for iid, node_ids in islands.items() for n in node_ids}
-        grouped: dict[str | frozenset[str], list[tuple[float, float]]] = {}
-        between_keys: dict[tuple[str, str], frozenset[str]] = {}
+        inside: dict[str, list[tuple[float, float]]] = {}
+        across: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (lower island id, higher)
         for s, d, bw, lat in items:
             if bw <= 0:
                 raise ValueError(f"link {s} -> {d}: bandwidth must be positive, got {bw}")
             floor_bw, floor_lat = min(floor_bw, bw), max(floor_lat, lat)
-            if s == d:
-                continue
             ia, ib = island_of.get(s), island_of.get(d)
-            if ia is None or ib is None:
+            if s == d or ia is None or ib is None:
                 continue
             if ia == ib:
-                key: str | frozenset[str] = ia
+                inside.setdefault(ia, []).append((bw, lat))
             else:
-                key = between_keys.get((ia, ib)) or between_keys.setdefault((ia, ib), frozenset((ia, ib)))
-            grouped.setdefault(key, []).append((bw, lat))
+                across.setdefault((ia, ib) if ia < ib else (ib, ia), []).append((bw, lat))
 
         built: list[Island] = []
         for iid, node_ids in islands.items():
@@ -211,7 +208,7 @@ class Cluster:
                 dev = replace(base, memory_gb=mem_gb)
             except ValueError:
                 dev = DeviceSpec(name=name, tflops_16=0.0, tflops_32=0.0, memory_gb=mem_gb, source="node profile")
-            inner = grouped.get(iid, [])
+            inner = inside.get(iid, [])
             bw = min((b for b, _ in inner), default=floor_bw)
             lat = max((t for _, t in inner), default=floor_lat)
             built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=1,
@@ -222,7 +219,7 @@ class Cluster:
             for b in built:
                 if a.id >= b.id:
                     continue
-                got = sorted(grouped.get(frozenset((a.id, b.id)), []))
+                got = sorted(across.get((a.id, b.id), []))
                 if got:
                     bw, lat = got[len(got) // 2]
                 else:
