@@ -136,19 +136,10 @@ SCENARIOS = [
 
 def best_rates(cm: CostModel, cluster: Cluster) -> dict[str, float]:
     """Per island, the sequences per second one GPU computes through the whole model at its most efficient
-    shape: the best over every tensor-parallel degree the island parallelizer may use
-    (`DefaultParallelizer.tps`, within a node) and every per-replica micro-batch it may give that degree (1 to
-    tp x the largest allowed), the tp collectives counted as the cost model counts them."""
+    shape (`DefaultParallelizer.best_rate`: every tensor-parallel degree within a node and every per-replica
+    micro-batch, the tp collectives counted as the cost model counts them)."""
     par = DefaultParallelizer(cm)
-    rates = {}
-    for isl in cluster.islands:
-        rate = 0.0
-        for tp in (t for t in par.tps if t <= isl.gpus_per_node):
-            for b in range(1, max(cm.options.micro_batches) * tp + 1):
-                t = cm.table(isl, b, tp)
-                rate = max(rate, b / (t.pf[-1] + t.pb[-1]) / tp)
-        rates[isl.id] = rate
-    return rates
+    return {isl.id: par.best_rate(isl) for isl in cluster.islands}
 
 
 def ceiling(cm: CostModel, cluster: Cluster) -> float:

@@ -264,6 +264,49 @@ inter_node_gbps = 25
     assert several_pipelines(cm, cluster, [["a100"], ["v100"]], beat_s=0.5 * fine.step_s) is None
 
 
+def test_the_capacity_bound_gives_up_on_several_pipelines_before_composing_them(monkeypatch) -> None:
+    from atoll.coordinator.planner import multipipe
+    from atoll.coordinator.planner.multipipe import capacity_bound_s, several_pipelines, slowest_link
+
+    two_regions = """
+[[group]]
+name = "a100"
+device = "A100-40GB"
+count = 4
+region = "east"
+[[group]]
+name = "v100"
+device = "V100-16GB"
+count = 4
+region = "west"
+[[link]]
+between = ["east", "west"]
+gbps = 1
+latency_ms = 40
+"""
+    cluster = parse_cluster(two_regions)
+    groups = [["a100"], ["v100"]]
+    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024))
+    multi = several_pipelines(cm, cluster, groups)
+    assert multi is not None
+    bound = capacity_bound_s(cm, cluster, groups, None, slowest_link(cluster, groups))
+    # no split beats it: every GPU at its best shape, plus the gradients over the shared region link
+    assert 0 < bound <= multi.step_s
+    link = slowest_link(cluster, groups)
+    assert link.shared and bound > 2 * 0.5 * cm.model.total_params * cm.grad_bytes_per_param / link.bandwidth
+    # a target under the bound is given up without composing a single pipeline
+    composed = []
+    monkeypatch.setattr(multipipe, "Composer", lambda **kw: composed.append(kw) or pytest.fail("composed"))
+    assert several_pipelines(cm, cluster, groups, beat_s=0.99 * bound) is None and not composed
+    # measured profiles may make a device relatively faster at some layers: no bound then
+    from atoll.coordinator.planner import ProfileSet
+    ps = ProfileSet.from_dict({"devices": {"V100-16GB": {"layers": {k: [{"micro_batch": 1, "seq_len": 1024,
+                                                                          "forward_s": 0.001, "backward_s": 0.002}]
+                                                                      for k in ("embedding", "block", "head")}}}})
+    measured = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024), ps)
+    assert capacity_bound_s(measured, cluster, groups, None, link) == 0.0
+
+
 def test_island_chains_also_run_from_the_slowest_class_to_the_fastest() -> None:
     # the fast island has more memory, so the memory order puts it first; the other order puts it last
     cluster = _two_islands(40, 20, fast=4, slow=8)

@@ -28,7 +28,7 @@ from atoll.coordinator.planner.cluster import Cluster, Link
 from atoll.coordinator.planner.composer import Candidate, Composer
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.options import TrainSpec
-from atoll.coordinator.planner.parallelizer import IslandParallelizer
+from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandParallelizer
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
 
 
@@ -112,6 +112,32 @@ def _round_shares(g: int, weights: list[float], q: int) -> list[int]:
     return [x * q for x in got]
 
 
+def capacity_bound_s(cm: CostModel, cluster: Cluster, groups: Sequence[Sequence[str]],
+                     parallelizer: IslandParallelizer | None, link: Link) -> float:
+    """A step no split over these groups can beat, found before composing any of them: the global batch
+    computed by every GPU of the groups at its most efficient shape (`DefaultParallelizer.best_rate`), plus,
+    over a shared link (a region link every pipeline's gradients cross at once), the all-reduce of the whole
+    model's gradients across the pipelines. With catalog devices every layer's time is its FLOPs at one rate
+    per device and shape, so no device is relatively faster at some layers and the rate bounds any cut of the
+    model; a measured profile could break that, and another parallelizer's stage costs need not follow the
+    cost model's tables: 0 (no bound) for either."""
+    if parallelizer is not None and not isinstance(parallelizer, DefaultParallelizer):
+        return 0.0
+    ids = {i for gr in groups for i in gr}
+    if any(cm.profiles.get(isl.timing_key) for isl in cluster.islands if isl.id in ids):
+        return 0.0
+    par = parallelizer or DefaultParallelizer(cm)
+    rate = sum(isl.gpus * par.best_rate(isl) for isl in cluster.islands if isl.id in ids)
+    if rate <= 0:
+        return 0.0
+    p = len(groups)
+    cross = 0.0
+    if link.shared:
+        total_grad = cm.model.total_params * cm.grad_bytes_per_param
+        cross = 2 * (p - 1) / p * total_grad / link.bandwidth + 2 * math.ceil(math.log2(p)) * link.latency_s
+    return cm.train.global_batch / rate + cross
+
+
 def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
                       parallelizer: IslandParallelizer | None = None, *,
                       beat_s: float = math.inf, refine_below_s: float = math.inf) -> MultiCandidate | None:
@@ -127,6 +153,8 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     g = cm.train.global_batch
     q = _granule(g, len(groups))
     if g // q < len(groups):
+        return None
+    if capacity_bound_s(cm, cluster, groups, parallelizer, link) >= beat_s:
         return None
     found: dict[tuple[int, int], Candidate | None] = {}
 

@@ -129,6 +129,23 @@ class DefaultParallelizer:
             self._split_cache[key] = got
         return got
 
+    def best_rate(self, island: Island) -> float:
+        """Sequences per second one device of the island computes through the whole model (forward and
+        backward) at its most efficient shape: the best over every tensor-parallel degree it may use (within a
+        node) and every per-replica micro-batch that degree may take (1 to tp x the largest allowed), the tp
+        collectives counted as the cost model counts them. No stage of any plan computes faster per device:
+        a bound for the search and the benchmark's ceiling."""
+        key = (island.id, "rate")
+        got = self._floor_cache.get(key)
+        if got is None:
+            got = 0.0
+            for tp in (t for t in self.tps if t <= island.gpus_per_node):
+                for b in range(1, self.max_rows * tp + 1):
+                    t = self.cm.table(island, b, tp)
+                    got = max(got, b / max(1e-12, t.pf[-1] + t.pb[-1]) / tp)
+            self._floor_cache[key] = got
+        return got
+
     def compute_floor(self, island: Island, gpus: int, batch: int) -> float:
         """The least time a micro-batch can take through the whole model on a stage of `gpus` devices of the
         island (any split; inf when none is allowed): a ranking key and lower bound for the composer."""
