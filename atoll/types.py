@@ -5,6 +5,7 @@ Their wire forms are the `atoll.v1` messages of the same names; `atoll.serde` co
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -39,6 +40,15 @@ class NodeProfile:
     unreachable: bool = False
     """The node accepts no connections (`--no-listen`, or the coordinator could not dial its advertised address
     back at join): its neighbours send to it over the streams it opens (`atoll.node.reverse`)."""
+
+    def scaled(self, factor: float) -> "NodeProfile":
+        """The profile of a device `factor` times slower: every layer timing and the optimizer step."""
+        if factor == 1.0:
+            return self
+        timings = [dataclasses.replace(t, forward_seconds=t.forward_seconds * factor,
+                                       backward_seconds=t.backward_seconds * factor) for t in self.layer_timings]
+        return dataclasses.replace(self, layer_timings=timings,
+                                   optimizer_step_seconds=self.optimizer_step_seconds * factor)
 
 
 @dataclass(kw_only=True)

@@ -5,9 +5,10 @@
 Live shapes, on this machine: each plan shape (stages, data-parallel width, unequal widths, several
 pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
 runtime's `PlanRunner`, as the thread-level tests run it), on a small GPT job of this script's own. Before
-each run the node profiles itself (`atoll.node.profiler.profile_node`: the job's layers forward and backward
-at the replica micro-batch sizes, in the thread's CPU time) and the loopback link is probed through the
-pipeline transport itself (`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's
+each run every node profiles itself (`atoll.node.profiler.profile_node`: the job's layers forward and backward
+at the replica micro-batch sizes, in the thread's CPU time), all at the same moment as nodes that share a
+machine and join together do (`profile_together`; the island's slowest node counts, as in the coordinator),
+and the loopback link is probed through the pipeline transport itself (`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's
 activation size and 4x and 16x it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted
 to them), so the per-message cost the runtime pays (serialising, the Transfer call, the receiver's checks) is
 in the link's latency rather than only an empty call's round trip. The prediction is the planner's for exactly that shape: the cost model on
@@ -35,8 +36,11 @@ taken as that share of a core (its profiled times divided by it), read three way
   the run's steps and nodes) is added to every action at that share: on a CPU node with this small model it
   is a sizeable part of an action, which the layer profile alone does not see;
 - `ops x`: how many times slower than the profile the run's compute ops were (wall time over the profile's
-  time, mean over the nodes), so `replayed` keeps only the schedule, transfers, all-reduces and optimizer.
-On an idle machine with a core per node all three agree with the profile.
+  time, mean over the nodes), so `replayed` keeps only the schedule, transfers, all-reduces and optimizer;
+- `calibrated` (from a shape's second run on, with its own targets): the prediction made before the run from
+  the speed the shape's previous run measured (its `ops x` and work per action), as the coordinator plans
+  again with each node's measured compute over its predicted compute (`atoll.coordinator.calibration`).
+On an idle machine with a core per node they all agree with the profile.
 
 Published: step times from papers for named configurations, predicted by the cost model on catalog devices
 (no profile) for the configuration as published (its pipeline depth, data-parallel width, micro-batch, and
@@ -189,13 +193,6 @@ def gap(predicted: float, measured: float) -> float:
     return predicted / measured - 1.0
 
 
-def scaled_profile(profile: NodeProfile, factor: float) -> NodeProfile:
-    """The profile of a device `factor` times slower (every layer timing and the optimizer step)."""
-    timings = [replace(t, forward_seconds=t.forward_seconds * factor, backward_seconds=t.backward_seconds * factor)
-               for t in profile.layer_timings]
-    return replace(profile, layer_timings=timings, optimizer_step_seconds=profile.optimizer_step_seconds * factor)
-
-
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """FLOPs of one iteration of a GPT model with full activation recomputation, as Megatron-LM counts them
     (Narayanan et al., SC'21, eq. 3): 96 B s l h^2 (1 + s / 6h + V / 16lh)."""
@@ -243,6 +240,9 @@ def combine(runs: Sequence[dict]) -> dict:
            for k in ("before", "during", "replayed", "measured", "share", "seen", "factor", "overhead")}
     for k in ("before", "during", "replayed"):
         out[f"gap_{k}"] = statistics.median(gap(r[k], r["measured"]) for r in runs)
+    later = [gap(r["calibrated"], r["measured"]) for r in runs if r.get("calibrated") is not None]
+    out["gap_calibrated"] = statistics.median(later) if later else None
+    out["spread_calibrated"] = f"{min(later):+.0%}..{max(later):+.0%}" if len(later) > 1 else "-"
     gaps = [gap(r["during"], r["measured"]) for r in runs]
     out["spread"] = f"{min(gaps):+.0%}..{max(gaps):+.0%}" if len(runs) > 1 else "-"
     return out
@@ -308,8 +308,38 @@ def action_overhead(steps: dict[str, list[tuple[float, float, float, int]]]) -> 
     return statistics.median(per)
 
 
-def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
-    """Profile, probe, predict and run one shape; returns the predictions, the measurement and the shares."""
+def profile_together(job, nodes: Sequence[str]) -> dict[str, NodeProfile]:
+    """Every node's profile (`atoll.node.profiler.profile_node`), all taken at the same moment, a thread each,
+    as nodes that share a machine and join together profile: a node's layers are timed while the others
+    compute beside it, as they will in the run (two threads on two cores still slow each other's ops, through
+    the caches, memory and the host under the VM; one thread alone profiles faster than any of them runs)."""
+    from atoll.node.profiler import ProfileOptions, profile_node
+
+    start = threading.Barrier(len(nodes))
+    out: dict[str, NodeProfile] = {}
+    errors: list[BaseException] = []
+
+    def one(n: str) -> None:
+        try:
+            start.wait(60)
+            out[n] = profile_node(job, "cpu", ProfileOptions(micro_batches=(2, 4, 8), budget=timedelta(seconds=2)))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(n,), name=f"profile-{n}", daemon=True) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors or len(out) < len(nodes):
+        raise RuntimeError(f"profiling the nodes failed: {errors[0]!r}" if errors else "profiling the nodes hung")
+    return out
+
+
+def run_live(shape: LiveShape, steps: int, warm: int, prior: dict | None = None) -> dict:
+    """Profile, probe, predict and run one shape; returns the predictions, the measurement and the shares.
+    `prior`: the same shape's previous run, whose measured speed (`ops x`, the runtime's work per action) the
+    `calibrated` prediction starts from, as the coordinator's next plan does (`atoll.coordinator.calibration`)."""
     import torch
     import torch.distributed as dist
 
@@ -317,7 +347,6 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
     from atoll.node import runner
     from atoll.node.peer import PeerServer
     from atoll.node.transport_probe import probe_transport
-    from atoll.node.profiler import ProfileOptions, profile_node
     from atoll.node.runner import PlanRunner, RunContext
 
     torch.set_num_threads(1)
@@ -327,7 +356,7 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
     servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token="t") for n in [*nodes, "probe"]}
     try:
         # measure: the node's layers (thread CPU time), the loopback link, a thread's share of a core
-        profile = profile_node(job, "cpu", ProfileOptions(micro_batches=(2, 4, 8), budget=timedelta(seconds=2)))
+        profiles = profile_together(job, nodes)
         # the link as the runtime pays for it: real tensors through the pipeline transport at the boundary's
         # activation size and larger, one message's latency + size / bandwidth fitted to them
         act = boundary_bytes(shape, job)
@@ -335,7 +364,7 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
                                 token="t")
         link = curve.measurement(src=nodes[0], dst="probe")
         share = core_share(len(nodes))
-        before = predict_live(shape, *live_model(job, nodes, profile, 1.0 / share, link))
+        before = predict_live(shape, *live_model(job, nodes, profiles, 1.0 / share, link))
 
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         plan = replace(plan, epoch=1, job_id="validate", rendezvous=f"127.0.0.1:{store.port}",
@@ -396,27 +425,33 @@ def run_live(shape: LiveShape, steps: int, warm: int) -> dict:
             raise RuntimeError(f"shape {shape.name!r} failed to run: {errors[0]!r}")
         seen = run_share(ops)
         overhead = action_overhead(cpu_steps)
-        during = predict_live(shape, *live_model(job, nodes, profile, 1.0 / seen, link), overhead / seen)
-        cm, cluster = live_model(job, nodes, profile, 1.0, link)
+        during = predict_live(shape, *live_model(job, nodes, profiles, 1.0 / seen, link), overhead / seen)
+        cm, cluster = live_model(job, nodes, profiles, 1.0, link)
         expected = {}
         for n, (a, e, rows) in node_slices(shape).items():
             t = cm.table(cluster.islands[0], rows)
             expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e)}
         factor = op_factor(ops, expected)
-        replayed = predict_live(shape, *live_model(job, nodes, profile, factor, link), overhead / seen)
-        return {"before": before, "during": during, "replayed": replayed, "measured": measured_step(done, warm),
-                "share": share, "seen": seen, "factor": factor, "overhead": overhead}
+        replayed = predict_live(shape, *live_model(job, nodes, profiles, factor, link), overhead / seen)
+        calibrated = None
+        if prior is not None:
+            calibrated = predict_live(shape, *live_model(job, nodes, profiles, prior["factor"], link),
+                                      prior["overhead"] / prior["seen"])
+        return {"before": before, "during": during, "replayed": replayed, "calibrated": calibrated,
+                "measured": measured_step(done, warm), "share": share, "seen": seen, "factor": factor,
+                "overhead": overhead}
     finally:
         for s in servers.values():
             s.stop()
 
 
-def live_model(job, nodes: list[str], profile: NodeProfile, slower: float,
+def live_model(job, nodes: list[str], measured: dict[str, NodeProfile], slower: float,
                link: LinkMeasurement) -> tuple[CostModel, Cluster]:
-    """The cost model and cluster the planner would make of the nodes (one island), every node's device
-    `slower` times slower than the profile measured."""
+    """The cost model and cluster the planner would make of the nodes (one island, each node's layers timed
+    by its own profile, the island by its slowest: `ProfileSet.from_node_profiles`), every node's device
+    `slower` times slower than its profile measured."""
     islands = {"cpu": nodes}
-    profiles = {n: scaled_profile(profile, slower) for n in nodes}
+    profiles = {n: measured[n].scaled(slower) for n in nodes}
     cluster = Cluster.from_nodes(islands, profiles, [link])
     # the run uses no ZeRO, recomputation, tensor parallelism or compression: hold the cost model to that
     options = PlannerOptions(micro_batches=(1, 2, 4, 8), activation_codecs=("identity",), zero_stages=(0,),
@@ -575,12 +610,12 @@ def main(argv: list[str] | None = None) -> int:
           "threads (one torch thread each); predicted from measured profiles and a probed loopback link")
     print(f"{'shape':<32} {'nodes':>5} {'core before':>11} {'predicted s':>11} {'gap':>6} {'core run':>8} "
           f"{'predicted s':>11} {'measured s':>10} {'gap':>6} {'ops x':>6} {'replayed s':>10} {'gap':>6} "
-          f"{'gap range':>12} {'ms/action':>9}")
+          f"{'gap range':>12} {'ms/action':>9} {'calibrated':>10} {'its range':>12}")
     if not args.skip_live:
         shapes = [s for s in SHAPES if not args.only or args.only in s.name]
         runs: dict[str, list[dict]] = {s.name: [] for s in shapes}
         for rnd, shape in interleaved(shapes, args.repeats):
-            r = run_live(shape, args.steps, args.warm)
+            r = run_live(shape, args.steps, args.warm, runs[shape.name][-1] if runs[shape.name] else None)
             runs[shape.name].append(r)
             if args.repeats > 1:
                 print(f"  round {rnd + 1}/{args.repeats} {shape.name:<32} core run {r['seen']:.2f} predicted "
@@ -591,8 +626,13 @@ def main(argv: list[str] | None = None) -> int:
             g0, g, g2 = r["gap_before"], r["gap_during"], r["gap_replayed"]
             print(f"{shape.name:<32} {shape.nodes:>5} {r['share']:>11.2f} {r['before']:>11.3f} {g0:>+6.0%} "
                   f"{r['seen']:>8.2f} {r['during']:>11.3f} {r['measured']:>10.3f} {g:>+6.0%} {r['factor']:>6.2f} "
-                  f"{r['replayed']:>10.3f} {g2:>+6.0%} {r['spread']:>12} {r['overhead'] * 1e3:>9.2f}", flush=True)
+                  f"{r['replayed']:>10.3f} {g2:>+6.0%} {r['spread']:>12} {r['overhead'] * 1e3:>9.2f} "
+                  + (f"{r['gap_calibrated']:>+10.0%} {r['spread_calibrated']:>12}" if r["gap_calibrated"] is not None
+                     else f"{'-':>10} {'-':>12}"), flush=True)
             targets.append((f"live {shape.name}: within {LIVE_TOLERANCE:.0%}", abs(g) <= LIVE_TOLERANCE))
+            if r["gap_calibrated"] is not None:
+                targets.append((f"live {shape.name}: calibrated on its previous run, within {LIVE_TOLERANCE:.0%}",
+                                abs(r["gap_calibrated"]) <= LIVE_TOLERANCE))
     print()
     print(f"{'published configuration':<48} {'published s':>11} {'predicted s':>12} {'gap':>7}  as predicted / source")
     for p in PUBLISHED:

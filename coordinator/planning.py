@@ -50,6 +50,9 @@ class PlanInputs:
     """Alive nodes' copies of the `resume_step` checkpoint (checkpoint folders are local to each node)."""
     handover: Mapping[str, str] = field(default_factory=dict)
     """Nodes of the previous plan that left gracefully and serve their live state: node id -> Peer address."""
+    speed: Mapping[str, float] = field(default_factory=dict)
+    """Per node, how many times slower than its profile its device computed in the runs so far
+    (`atoll.coordinator.calibration`); the planner sees each profile scaled by it (1: as profiled)."""
 
 
 HANDOVER_SECONDS = 120.0
@@ -174,7 +177,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
 
     job = inputs.job
     islands = {i.id: list(i.nodes) for i in inputs.islands}
-    profiles = {n: m.profile for n, m in inputs.members.items()}
+    # each device as fast as its runs showed it to be, not only as it profiled at join
+    profiles = {n: m.profile.scaled(inputs.speed.get(n, 1.0)) for n, m in inputs.members.items()}
     # an unreachable pair (a failed probe, bandwidth 0) is left to the planner's fallback for unmeasured pairs
     links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
     # two nodes that accept no connections talk through a relay: the planner sees that link at the slower leg

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from atoll.coordinator.cadence import HeartbeatCadence
+from atoll.coordinator.calibration import calibration_note, compound, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands
@@ -90,6 +91,9 @@ class CoordinatorState:
         to its loop's `LoopLag.recent`); lease expiry allows for it."""
         self.rendezvous = rendezvous
         """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
+        self.speed: dict[str, float] = {}
+        """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`);
+        kept in memory: after a restart the profiles start again from how they were measured at join."""
         stored = store.get_job()
         if stored is not None and stored.job_id != job.id:
             raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id}: the job spec changed since "
@@ -482,7 +486,8 @@ class CoordinatorState:
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
         records = self.store.list_checkpoints()
         resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
-        inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links,
+        speed = self._calibrated(previous)
+        inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links, speed=speed,
                             epoch=self.store.latest_epoch() + 1, resume_step=resume,
                             rendezvous=self.rendezvous,
                             previous=previous if previous is not None and not self._stale(previous) else None,
@@ -492,8 +497,24 @@ class CoordinatorState:
                             handover=handing_over(previous, self.store.members_view().values(), now))
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
+        self.speed = speed
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
-        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}"
+        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, alive)}"
+
+    def _calibrated(self, previous: Plan | None) -> dict[str, float]:
+        """Each node's speed factor for the next plan: the one the previous plan was made with, times what the
+        runs of that plan measured against its prediction (`calibration.speed_factors`)."""
+        if previous is None:
+            return dict(self.speed)
+        nodes = sum(len(s.nodes) for p in previous.pipelines for s in p.stages)
+        steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
+        return compound(self.speed, speed_factors(previous, steps))
+
+
+CALIBRATION_REPORTS_PER_NODE = 24
+"""Step reports read per node of the previous plan to calibrate its devices' speed when planning again."""
+CALIBRATION_REPORTS_MAX = 50_000
+"""At most this many (a very large job calibrates the nodes whose reports are among the newest)."""
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,7 @@ def test_pure_helpers() -> None:
 
 def test_validation_helpers() -> None:
     from bench.planner_validate import (PUBLISHED, SHAPES, gap, measured_step, megatron_flops, megatron_layers,
-                                        node_slices, op_factor, predict_published, run_share, scaled_profile,
-                                        shape_plan)
+                                        node_slices, op_factor, predict_published, run_share, shape_plan)
 
     from atoll.types import LayerTiming, NodeProfile
 
@@ -100,10 +99,11 @@ def test_validation_helpers() -> None:
     prof = NodeProfile(device_kind="cpu", device_name="cpu", optimizer_step_seconds=0.01,
                        layer_timings=[LayerTiming(layer_kind="block", micro_batch=4, seq_len=128, forward_seconds=0.1,
                                                   backward_seconds=0.2)])
-    slow = scaled_profile(prof, 2.5)
+    slow = prof.scaled(2.5)
     assert slow.layer_timings[0].forward_seconds == pytest.approx(0.25)
     assert slow.layer_timings[0].backward_seconds == pytest.approx(0.5)
     assert slow.optimizer_step_seconds == pytest.approx(0.025) and prof.layer_timings[0].forward_seconds == 0.1
+    assert prof.scaled(1.0) is prof
 
     # every live shape is a valid plan sharing the global batch, each node in one stage
     for shape in SHAPES:

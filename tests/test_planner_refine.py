@@ -79,6 +79,12 @@ def test_validation_repeats_interleave_and_take_medians() -> None:
     assert r["gap_during"] == pytest.approx(0.0)
     assert r["measured"] == pytest.approx(1.0) and r["spread"] == "-50%..+10%"
     assert combine([run(1.2, 1.0)])["spread"] == "-"
+    assert r["gap_calibrated"] is None and r["spread_calibrated"] == "-"
+    # the calibrated reading: the runs after the first, each predicted from its previous run's speed
+    later = [run(1.0, 1.0), {**run(1.0, 1.0), "calibrated": 1.3}, {**run(1.0, 1.0), "calibrated": 0.9},
+             {**run(1.0, 1.0), "calibrated": 1.05}]
+    c = combine(later)
+    assert c["gap_calibrated"] == pytest.approx(0.05) and c["spread_calibrated"] == "-10%..+30%"
     with pytest.raises(ValueError):
         combine([])
 

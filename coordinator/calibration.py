@@ -1,0 +1,85 @@
+"""Device speed as the run measures it: each node's compute per step against what its plan predicted.
+
+A node's profile is measured once, at join, in a few seconds; the device it describes then trains for hours,
+beside co-tenants, under thermal limits, behind a driver that warms up. Every step each node reports the
+seconds its forward and backward passes took (`StepMetrics.compute_seconds`), and the plan it ran says what
+the cost model expected of them (`StagePlan.compute_s` per micro-batch of its busiest replica, times the
+pipeline's micro-batches). `speed_factors` turns the reports of one plan epoch into a factor per node:
+measured over predicted, the median over its steps after the first (which warms up). When the coordinator
+plans again (a join, a leave, a failure) it scales each node's profile by its factor, compounded with the
+factor that plan was made with (`compound`), so the next plan and its predicted step start from what the
+devices did rather than what they measured at join. A node without enough steps keeps the factor it had.
+
+Factors are clamped to [1 / MAX_FACTOR, MAX_FACTOR]: a report far outside that is a stall (a node paused,
+swapping), not a speed, and the next plan should not be built around it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+
+from atoll.plan import Plan
+from atoll.types import StepMetrics
+
+MIN_STEPS = 5
+"""Steps of a plan epoch a node must have reported (after its first) before its factor counts."""
+MAX_FACTOR = 4.0
+"""Factors are clamped to [1 / MAX_FACTOR, MAX_FACTOR]."""
+
+
+def predicted_compute(plan: Plan) -> dict[str, float]:
+    """Per node of the plan, the seconds of forward and backward compute the cost model predicted for one
+    step: its stage's `compute_s` (the busiest replica's micro-batch) scaled to the rows its own replica takes
+    (the runtime shares a micro-batch's rows as evenly as possible, the first replicas one more), times the
+    pipeline's micro-batches. Stages without a prediction (a pinned or fallback plan) are left out."""
+    out: dict[str, float] = {}
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            if st.compute_s <= 0 or not st.nodes:
+                continue
+            base, extra = divmod(pipe.micro_batch, st.dp)
+            busiest = base + (1 if extra else 0)
+            for k, node in enumerate(st.nodes):
+                replica = k // max(1, st.tp)  # nodes[r * tp + k] is tp rank k of replica r
+                rows = base + (1 if replica < extra else 0)
+                out[node] = st.compute_s * rows / busiest * pipe.num_micro_batches
+    return out
+
+
+def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = MIN_STEPS) -> dict[str, float]:
+    """Measured over predicted compute per step for every node of `plan` with at least `min_steps` reports of
+    its epoch after its first, the median over them (clamped, see the module)."""
+    expected = predicted_compute(plan)
+    seen: dict[str, list[tuple[int, float]]] = {}
+    for m in steps:
+        if m.plan_epoch == plan.epoch and m.node_id in expected and m.compute_seconds > 0 and not m.skipped:
+            seen.setdefault(m.node_id, []).append((m.step, m.compute_seconds))
+    out: dict[str, float] = {}
+    for node, rows in seen.items():
+        rows.sort()
+        kept = [c for _, c in rows[1:]]  # the epoch's first step warms up (allocations, kernels, connections)
+        if len(kept) >= min_steps:
+            ratio = statistics.median(kept) / expected[node]
+            out[node] = min(MAX_FACTOR, max(1.0 / MAX_FACTOR, ratio))
+    return out
+
+
+def compound(applied: Mapping[str, float], measured: Mapping[str, float]) -> dict[str, float]:
+    """The factors for the next plan: each node's factor its last plan was made with times what that plan's
+    run measured (a node with no measurement keeps its factor), clamped."""
+    out = dict(applied)
+    for node, f in measured.items():
+        out[node] = min(MAX_FACTOR, max(1.0 / MAX_FACTOR, applied.get(node, 1.0) * f))
+    return out
+
+
+def calibration_note(speed: Mapping[str, float], members: Iterable[str]) -> str:
+    """A log line's tail saying how far the runs moved the members' speed from their profiles ("" if nowhere
+    by 5% or more)."""
+    alive = set(members)
+    moved = sorted(f for n, f in speed.items() if n in alive and abs(f - 1.0) >= 0.05)
+    if not moved:
+        return ""
+    return (f"; {len(moved)} node{'s' if len(moved) > 1 else ''} planned at {moved[0]:.2f}x"
+            + (f"-{moved[-1]:.2f}x" if f"{moved[-1]:.2f}" != f"{moved[0]:.2f}" else "") + " their profiled compute time, as their runs measured")
