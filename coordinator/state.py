@@ -513,7 +513,7 @@ class CoordinatorState:
 
 CALIBRATION_REPORTS_PER_NODE = 24
 """Step reports read per node of the previous plan to calibrate its devices' speed when planning again."""
-CALIBRATION_REPORTS_MAX = 50_000
+CALIBRATION_REPORTS_MAX = 20_000
 """At most this many (a very large job calibrates the nodes whose reports are among the newest)."""
 
 
