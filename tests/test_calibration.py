@@ -19,6 +19,7 @@ from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 from test_coordinator_planning import _inputs
+from test_failure_replan import Clock
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
@@ -81,14 +82,6 @@ def test_the_planner_sees_profiles_scaled_by_the_factors() -> None:
         for s in p.stages:
             layers[s.nodes[0][0]] = layers.get(s.nodes[0][0], 0) + s.layers[1] - s.layers[0]
     assert layers.get("a", 0) < layers.get("b", 0)
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _profile(host: str) -> pb.NodeProfile:
