@@ -63,6 +63,8 @@ def test_factors_are_the_median_after_the_first_step_of_the_epoch() -> None:
     # compounded with the factors the plan was made with; a node without a measurement keeps its own
     assert compound({"a": 1.5, "b": 1.2}, got) == pytest.approx({"a": 3.0, "b": 1.2, "c": 0.5, "d": MAX_FACTOR})
     assert compound({"a": 3.0}, {"a": 3.0})["a"] == MAX_FACTOR
+    from dataclasses import replace
+    assert speed_factors(replace(plan, mode="outer"), reports) == {}  # kept groups keep their old predictions
     assert calibration_note({"a": 2.0, "c": 0.5, "z": 3.0, "e": 1.01}, ["a", "c", "e"]) == (
         "; 2 nodes planned at 0.50x-2.00x their profiled compute time, as their runs measured")
     assert calibration_note({"a": 1.02}, ["a"]) == ""
