@@ -49,7 +49,7 @@ def predicted_compute(plan: Plan) -> dict[str, float]:
 
 def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = MIN_STEPS) -> dict[str, float]:
     """Measured over predicted compute per step for every node of `plan` with at least `min_steps` reports of
-    its epoch after its first, the median over them (clamped, see the module). None for an outer-mode plan:
+    its epoch after its first, the median over them (clamped, see the module). Nothing for an outer-mode plan:
     a replan there keeps the replica groups that still run as they were planned, predictions and all, so
     their nodes' factors would be compounded with a ratio they already hold."""
     if plan.mode == "outer":
