@@ -301,6 +301,8 @@ class PlanRunner:
         """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
         self._checkpoint_extra: dict = {}
+        self._finished_loss: tuple[int, float] | None = None
+        """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         self._data: object | None = None
@@ -420,6 +422,12 @@ class PlanRunner:
                  self.plan.epoch, pl.pipeline, pl.stage, pl.num_stages, pl.replica, *pl.layers,
                  pl.num_micro_batches, pl.micro_batch, step)
         reporter = _Reporter(ctx.report_step)
+        finished_loss, self._finished_loss = self._finished_loss, None
+        if finished_loss is not None:  # the loss of the step this node finished for a holder that computed it
+            reporter.put(StepMetrics(job_id=self.plan.job_id, node_id=ctx.node_id, plan_epoch=self.plan.epoch,
+                                     step=finished_loss[0], pipeline=pl.pipeline, stage=pl.stage,
+                                     loss=finished_loss[1], unix_time=time.time()))
+            log.info("step %d: loss %.4f, computed by the node whose step this node finished", *finished_loss)
         last = self.last_step if until_step is None else min(until_step, self.last_step)
         outer = self.outer
         # outer mode: each replica group reads its own shard (steps interleaved by group), so no sample is
@@ -566,6 +574,9 @@ class PlanRunner:
                                           **({"loss_scale": scale} if scale is not None else {})}
             log.info("finished step %d of layers %s with the norm exchange total of the nodes that completed it",
                      point.step - 1, ", ".join(f"[{p['start']}, {p['end']})" for p, _ in pending))
+            losses = [float(p["extra"]["pending_loss"]) for p, _ in pending if "pending_loss" in p.get("extra", {})]
+            if losses and pl.is_last and pl.loss_group and pl.loss_group[0] == ctx.node_id:
+                self._finished_loss = (point.step - 1, losses[0])
         log.info("%s", report.line())
         return point.step
 
@@ -623,6 +634,9 @@ class PlanRunner:
             grads = pending_grads(module, stage.unexchanged, step)
             if grads is not None:
                 state["grads"] = grads
+                if stage.unexchanged_loss is not None and len(pl.loss_group) <= 1:
+                    # this node's loss is the whole batch's: whoever finishes the step reports it
+                    state["extra"]["pending_loss"] = stage.unexchanged_loss
             if stage.exchanged is not None and stage.exchanged[0] == step - 1:
                 total = stage.exchanged[1]
         return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total)

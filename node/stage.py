@@ -249,6 +249,9 @@ class PipelineStage:
         self.unexchanged: int | None = None
         """The step whose norm exchange failed here, its final gradients still on the parameters: other stages
         may have completed that exchange and stepped (`atoll.node.roll_forward`)."""
+        self.unexchanged_loss: float | None = None
+        """A last stage's mean loss over the micro-batches of the `unexchanged` step (the step was computed; the
+        node that finishes it reports the loss, `atoll.node.roll_forward`)."""
 
     @classmethod
     def create(cls, model: ModelConfig, *, start: int, end: int, stage: int, num_stages: int,
@@ -395,8 +398,9 @@ class PipelineStage:
                 total = self.norm_exchange.all_sum(local, cfg.collective_timeout)
             except BaseException:
                 self.unexchanged = step
+                self.unexchanged_loss = sum(losses) / m if self.is_last and losses else None
                 raise
-            self.exchanged, self.unexchanged = (step, total), None
+            self.exchanged, self.unexchanged, self.unexchanged_loss = (step, total), None, None
             wait += time.perf_counter() - w0
             found_inf = scaler is not None and not math.isfinite(total)
             grad_norm = math.sqrt(total)

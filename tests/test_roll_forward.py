@@ -51,16 +51,20 @@ def test_a_pending_step_finished_with_the_completers_total_equals_the_step_taken
     for step in range(3):
         done.train_step(step, BATCHES[step])
         failed.train_step(step, BATCHES[step])
-    done.train_step(3, BATCHES[3])
+    taken = done.train_step(3, BATCHES[3])
     with pytest.raises(NormExchangeError):
         failed.train_step(3, BATCHES[3])
     assert done.exchanged[0] == 3 and done.unexchanged is None and failed.unexchanged == 3
+    # the failed step was computed: its loss is kept for whoever finishes the step to report
+    assert failed.unexchanged_loss == pytest.approx(taken.loss) and done.unexchanged_loss is None
     assert pending_grads(failed.module, failed.unexchanged, 4) is None  # only the failed step's own gradients
     grads = pending_grads(failed.module, failed.unexchanged, 3)
-    pending = {**slice_state(failed.module, failed.optimizer, extra={"step": 3}), "grads": grads}
+    pending = {**slice_state(failed.module, failed.optimizer,
+                             extra={"step": 3, "pending_loss": failed.unexchanged_loss}), "grads": grads}
     live = LiveState.of(pending, step=3, epoch=1)
     assert live.pending and not LiveState.of(slice_state(done.module, done.optimizer), step=4, epoch=1).pending
     pending = deserialize_state(live.data, "b1")  # as fetched
+    assert pending["extra"]["pending_loss"] == pytest.approx(taken.loss)
     after = slice_state(done.module, done.optimizer, extra={"step": 4})
     # a new cut [2, TOTAL): layer 2 from a node that completed the step, the rest from the pending holder
     module = build_slice(TINY, 2, TOTAL, seed=5)
