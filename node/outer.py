@@ -52,6 +52,9 @@ log = logging.getLogger("atoll.node.outer")
 KEEP_ROUNDS = 4
 """Rounds of payloads a node keeps to serve: a group up to a few rounds late can still fetch them."""
 MAX_NAMES_PER_FETCH = 4096
+STATE_ROUND_RETRIES = 8
+"""Times a joining group fetches again the parts of a group's outer state that came from an older round than
+the rest (waits of 0.05 s doubling to 1 s between them, about 4.5 s in all, within the deadline)."""
 
 
 class OuterSyncError(RuntimeError):
@@ -558,7 +561,12 @@ class OuterSync:
 
     def fetch_state(self, groups: Sequence[int], epochs: Mapping[int, int]) -> int:
         """Take the outer state (anchor and momentum of this node's parameters) from a live group; start the
-        parameters from it; return the round it belongs to. Tries the groups in order."""
+        parameters from it; return the round it belongs to. Tries the groups in order.
+
+        A group's nodes apply each round on their own, a step or so apart (the first stage finishes its inner
+        steps before the last), so the parts fetched from its nodes may come from two rounds: the parts of the
+        older round are fetched again, a moment later, until every part is of one round or the deadline
+        passes (`STATE_ROUND_RETRIES`)."""
         last: Exception | None = None
         for g in groups:
             holders = self.holders[g]
@@ -566,22 +574,28 @@ class OuterSync:
             for n in self.params:
                 by_node.setdefault(responsible(n, holders), []).append(n)
             try:
-                anchor: dict[str, torch.Tensor] = {}
-                momentum: dict[str, torch.Tensor] = {}
-                round_ = None
-                for node, names in by_node.items():
-                    wanted = [f"anchor/{n}" for n in names]
-                    tensors, r, _ = fetch_outer(self.plan.node_addresses[node], pb.OuterFetchRequest(
-                        job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state", names=wanted,
-                        sender=self.cfg.node_id), token=self.cfg.token, rpc=self.cfg.rpc, timeout=self.cfg.deadline,
-                        node=node)
-                    if round_ is not None and r != round_:
-                        raise OuterSyncError(f"group {g}'s nodes hold outer state of rounds {round_} and {r}; "
-                                             f"retry once it lands")
-                    round_ = r
-                    anchor.update({k[len("anchor/"):]: t for k, t in tensors.items()})
-                assert round_ is not None
-                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": momentum}, params_too=True)
+                parts: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+                give_up = time.monotonic() + self.cfg.deadline.total_seconds()
+                for attempt in range(STATE_ROUND_RETRIES + 1):
+                    newest = max((r for r, _ in parts.values()), default=-1)
+                    for node, names in by_node.items():
+                        if node in parts and parts[node][0] == newest:
+                            continue  # already of the newest round seen
+                        tensors, r, _ = fetch_outer(self.plan.node_addresses[node], pb.OuterFetchRequest(
+                            job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state",
+                            names=[f"anchor/{n}" for n in names], sender=self.cfg.node_id), token=self.cfg.token,
+                            rpc=self.cfg.rpc, timeout=self.cfg.deadline, node=node)
+                        parts[node] = (r, tensors)
+                    rounds = sorted({r for r, _ in parts.values()})
+                    if len(rounds) == 1:
+                        break
+                    if attempt == STATE_ROUND_RETRIES or time.monotonic() >= give_up:
+                        raise OuterSyncError(f"group {g}'s nodes hold outer state of rounds "
+                                             f"{' and '.join(map(str, rounds))}; retry once it lands")
+                    time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, give_up - time.monotonic())))
+                round_ = next(iter(parts.values()))[0]
+                anchor = {k[len("anchor/"):]: t for _, tensors in parts.values() for k, t in tensors.items()}
+                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": {}}, params_too=True)
                 log.info("took the outer state of round %d from group %d", round_, g)
                 return round_
             except (grpc.RpcError, OuterSyncError, KeyError) as e:

@@ -148,3 +148,41 @@ def test_round_decision_waits_for_every_group_then_the_deadline() -> None:
     late = RoundArrivals(epoch=4, nodes={"a1": (0, 1), "a2": (0, 1)}, completed={0: 1.0})
     d = round_decision(11.5, late, groups, 10.0)
     assert d.decided and [p.group for p in d.participants] == [0] and "lab-b" in d.reason
+
+
+def test_a_rejoining_group_fetches_again_the_parts_of_an_older_round(monkeypatch) -> None:
+    """The running group's nodes apply each round a step or so apart: a part of round 7 beside one of round 8
+    is fetched again until both are of round 8, not failed at once (which cost whole replans in a row)."""
+    from types import SimpleNamespace
+
+    from atoll.compression import CodecSpec
+    from atoll.node import outer as outer_mod
+
+    params = {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)}
+    sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync.params = params
+    sync.holders = {0: {0: ["a"], 1: ["b"]}}
+    sync.plan = SimpleNamespace(node_addresses={"a": "a:1", "b": "b:1"})
+    sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="c", group=1, inner_steps=2, codec=CodecSpec("identity"),
+                                     deadline=timedelta(seconds=5))
+    rounds = {"a": [7, 8], "b": [8]}  # a lags one round on the first fetch
+    calls: list[str] = []
+
+    def fetch(address, request, *, node, **kw):
+        calls.append(node)
+        r = rounds[node].pop(0) if len(rounds[node]) > 1 else rounds[node][0]
+        return {n: torch.full((2,), float(r)) for n in request.names}, r, 0
+
+    loaded = {}
+    monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
+    monkeypatch.setattr(sync, "load_state_dict", lambda state, params_too: loaded.update(state), raising=False)
+    monkeypatch.setattr(outer_mod, "layer_of", lambda name: int(name.split(".")[1]))
+    assert sync.fetch_state([0], {0: 3}) == 8
+    assert sorted(calls) == ["a", "a", "b"]  # only the lagging part is fetched again
+    assert loaded["round"] == 8 and all(float(t[0]) == 8.0 for t in loaded["anchor"].values())
+    # a group whose nodes never agree within the retries is given up, saying which rounds it saw
+    rounds.update(a=[1, 3, 5, 7, 9, 11, 13, 15, 17, 19], b=[2, 4, 6, 8, 10, 12, 14, 16, 18, 20])
+    monkeypatch.setattr(outer_mod, "STATE_ROUND_RETRIES", 3)
+    monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
+    with pytest.raises(outer_mod.OuterSyncError, match="no live group gave its outer state: .*rounds"):
+        sync.fetch_state([0], {0: 3})
