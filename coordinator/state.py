@@ -91,9 +91,9 @@ class CoordinatorState:
         to its loop's `LoopLag.recent`); lease expiry allows for it."""
         self.rendezvous = rendezvous
         """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
-        self.speed: dict[str, float] = {}
-        """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`);
-        kept in memory: after a restart the profiles start again from how they were measured at join."""
+        self.speed: dict[str, float] = store.get_speed()
+        """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`),
+        kept in the store beside the plan so a restarted coordinator compounds from the same factors."""
         stored = store.get_job()
         if stored is not None and stored.job_id != job.id:
             raise StoreError(f"the state dir holds job {stored.job_id}, not {job.id}: the job spec changed since "
@@ -497,6 +497,8 @@ class CoordinatorState:
                             handover=handing_over(previous, self.store.members_view().values(), now))
         plan, how = self.planner(inputs)
         self.publish(plan, reason)
+        if speed != self.speed:  # (a row per node: written only when a run moved them)
+            self.store.put_speed(speed)
         self.speed = speed
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, alive)}"

@@ -233,6 +233,15 @@ class Store(ABC):
     def put_control(self, control: JobControlRecord) -> None:
         self._control = copy.copy(control)
 
+    # the devices' measured speed (atoll.coordinator.calibration): non-abstract, kept in memory here
+    def get_speed(self) -> dict[str, float]:
+        """Per node, the factor its profile was scaled by for the newest plan."""
+        return dict(getattr(self, "_speed", None) or {})
+
+    def put_speed(self, speed: Mapping[str, float]) -> None:
+        """Replace the factors (those of the plan just published)."""
+        self._speed = dict(speed)
+
     def close(self) -> None:
         """Release files."""
 
@@ -413,6 +422,7 @@ CREATE TABLE IF NOT EXISTS history (
 CREATE TABLE IF NOT EXISTS control (
     one INTEGER PRIMARY KEY CHECK (one = 1), target_steps INTEGER NOT NULL, stopped_unix REAL NOT NULL,
     finished_unix REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS speed (node_id TEXT PRIMARY KEY, factor REAL NOT NULL);
 """
 
 
@@ -682,6 +692,14 @@ class SqliteStore(Store):
     def put_control(self, control: JobControlRecord) -> None:
         self._write("INSERT OR REPLACE INTO control VALUES (1, ?, ?, ?)",
                     (control.target_steps, control.stopped_unix, control.finished_unix))
+
+    def get_speed(self) -> dict[str, float]:
+        return {n: float(f) for n, f in self._read("SELECT node_id, factor FROM speed")}
+
+    def put_speed(self, speed: Mapping[str, float]) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM speed")
+            db.executemany("INSERT INTO speed VALUES (?, ?)", sorted(speed.items()))
 
     def close(self) -> None:
         try:

@@ -122,6 +122,25 @@ def test_the_coordinator_plans_again_with_the_speed_its_nodes_ran_at() -> None:
     events = state.tick()
     assert state.epoch == 2, events
     assert state.speed == pytest.approx({n: 1.6 for n in expected})
+    assert state.store.get_speed() == pytest.approx(state.speed)
     assert any("planned at 1.60x their profiled compute time" in e for e in events), events
     second = state.current_plan()
     assert second.predicted.step_time_s > 1.3 * first.predicted.step_time_s
+
+
+def test_the_factors_survive_a_coordinator_restart(tmp_path) -> None:
+    from atoll.coordinator.store import SqliteStore
+
+    path = tmp_path / "coordinator.db"
+    store = SqliteStore(path)
+    assert store.get_speed() == {}
+    store.put_speed({"a": 1.6, "b": 0.8})
+    store.put_speed({"a": 1.5, "c": 2.0})  # replaced as a whole
+    store.close()
+    again = SqliteStore(path)
+    assert again.get_speed() == {"a": 1.5, "c": 2.0}
+    state = CoordinatorState(store=again, job=JobSpec.load(ROOT / "examples" / "tiny.toml"), token=TOKEN,
+                             clock=Clock())
+    assert state.speed == {"a": 1.5, "c": 2.0}  # the next replan compounds from these
+    again.close()
+    assert MemoryStore().get_speed() == {}
