@@ -75,6 +75,20 @@ def _codec(codec: int) -> str:
     return pb.Codec.Name(codec).removeprefix("CODEC_").lower()
 
 
+def _predicted_compute(s: pb.StatusReply) -> dict[str, float]:
+    """Per node, the compute seconds per step its plan predicted (`calibration.predicted_compute`); {} without
+    a plan or one that cannot be read."""
+    if not s.HasField("plan") or not s.plan.pipelines:
+        return {}
+    from atoll.coordinator.calibration import predicted_compute
+    from atoll.serde import plan_from_proto
+
+    try:
+        return predicted_compute(plan_from_proto(s.plan))
+    except (ValueError, KeyError, TypeError):
+        return {}
+
+
 def _progress_lines(s: pb.StatusReply) -> list[str]:
     predicted = s.plan.predicted.step_time_seconds if s.HasField("plan") else 0.0
     measured = s.measured_step_seconds
@@ -88,10 +102,16 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
         out.append("\nstages (means per step over the recent steps; OTHER-S: all-reduce, optimizer, checkpoints; "
                    "PEAK-MEMORY: the highest measured, MEMORY-BYTES-PER-DEVICE: the plan's prediction):")
         planned = {(p.index, st.index): st.memory_bytes_per_device for p in s.plan.pipelines for st in p.stages}
-        rows = [["PIPELINE", "STAGE", "NODE-ID", "STEPS", "STEP-S", "COMPUTE-S", "WAIT-S", "OTHER-S", "PEAK-MEMORY",
-                 "MEMORY-BYTES-PER-DEVICE", "UTILISATION"]]
+        expected = _predicted_compute(s)
+        rows = [["PIPELINE", "STAGE", "NODE-ID", "STEPS", "STEP-S", "COMPUTE-S", "COMPUTE-VS-PLAN", "WAIT-S", "OTHER-S",
+                 "PEAK-MEMORY", "MEMORY-BYTES-PER-DEVICE", "UTILISATION"]]
         worst: tuple[float, str] | None = None
+        speed: list[float] = []
         for u in s.stage_usage:
+            vs = u.compute_seconds / expected[u.node_id] if expected.get(u.node_id, 0) > 0 and u.compute_seconds > 0 \
+                else 0.0
+            if vs > 0:
+                speed.append(vs)
             other = u.step_seconds - u.compute_seconds - u.wait_seconds
             plan_bytes = planned.get((u.pipeline, u.stage), 0.0)
             if u.peak_memory_bytes and plan_bytes > 0:
@@ -99,11 +119,16 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
                 if worst is None or ratio > worst[0]:
                     worst = (ratio, f"pipeline {u.pipeline} stage {u.stage}, node {u.node_id}")
             rows.append([str(u.pipeline), str(u.stage), u.node_id, str(u.steps), _seconds(u.step_seconds),
-                         _seconds(u.compute_seconds), _seconds(u.wait_seconds), _seconds(other),
+                         _seconds(u.compute_seconds), f"{vs:.2f}x" if vs > 0 else "-", _seconds(u.wait_seconds),
+                         _seconds(other),
                          _bytes(u.peak_memory_bytes) if u.peak_memory_bytes else "-",
                          _bytes(plan_bytes) if plan_bytes > 0 else "-", f"{100 * u.utilisation:.0f}%"])
         if worst is not None:
             out.insert(1, f"peak memory: measured / predicted up to {worst[0]:.2f} ({worst[1]})")
+        if speed:
+            spread = f"{min(speed):.2f}" + (f"-{max(speed):.2f}" if f"{max(speed):.2f}" != f"{min(speed):.2f}" else "")
+            out.insert(1, f"compute: measured / predicted {spread} per node (COMPUTE-VS-PLAN; a replan starts "
+                          "from these speeds)")
         out += _table(rows)
     if s.link_usage:
         out.append("\nlinks (means per step over the recent steps; SECONDS: time on the wire; ESTIMATE: the sender's "
@@ -205,7 +230,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     left off where the cell shows one (`_bytes_per_s`, `_bytes`, `_unix`) and `_seconds` written `-S`:
     PEER-ADDRESS is `peer_address`, INNER-BANDWIDTH `inner_bandwidth_bytes_per_s`, STEP-S `step_seconds`.
     Exceptions: DEVICES is an island's `gpus` (its devices, GPUs or CPUs), PROFILE the member's
-    `profile.device_kind`, `device_count` and `device_name`; RATIO and OTHER-S are derived.
+    `profile.device_kind`, `device_count` and `device_name`; RATIO and OTHER-S are derived, and so is
+    COMPUTE-VS-PLAN (a node's `compute_seconds` over what the plan's stage predicted for its rows).
     """
     now = time.time() if now is None else now
     loss = f"loss {s.loss:.4f} (step {s.loss_step})   " if s.has_loss else ""

@@ -181,6 +181,9 @@ def status_reply() -> pb.StatusReply:
                                  achieved_bytes_per_s=1048576e2, estimate_bytes_per_s=9e7)])
     s.plan.epoch = 1
     s.plan.predicted.step_time_seconds = 0.4
+    # a's stage: 0.1 s per micro-batch predicted, 2 micro-batches a step
+    s.plan.pipelines.append(pb.Pipeline(index=0, micro_batch=4, num_micro_batches=2, stages=[
+        pb.Stage(index=0, island="x", node_ids=["a"], layer_start=0, layer_end=6, dp=1, tp=1, compute_seconds=0.1)]))
     return s
 
 
@@ -190,6 +193,8 @@ def test_the_table_shows_progress_stages_and_links() -> None:
     assert "measured 500.0 ms (median of 5 steps), predicted 400.0 ms; measured / predicted 1.25" in text
     stage = next(line for line in text.splitlines() if line.split()[:3] == ["0", "0", "a"])
     assert stage.split()[-1] == "75%" and "300.0 ms" in stage and "50.0 ms" in stage
+    # 300 ms of compute a step against the plan's 2 x 100 ms
+    assert "1.50x" in stage.split() and "compute: measured / predicted 1.50 per node" in text
     link = next(line for line in text.splitlines() if " forward " in line)
     assert "int8_block" in link and "4.0 MiB" in link and "33.0 KiB" in link and "124.12x" in link
     assert "104.86 MB/s" in link and "90.00 MB/s" in link
@@ -328,13 +333,14 @@ def test_table_headers_are_the_json_field_names() -> None:
                                          memory_total_bytes=1 << 30))
     s.islands.add(id="cpu0", device_name="EPYC", node_ids=["a"], gpus=1, inner_bandwidth_bytes_per_s=1e9,
                   outer_bandwidth_bytes_per_s=0.0)
+    del s.plan.pipelines[:]  # one pipeline of one stage
     stage = s.plan.pipelines.add(index=0, micro_batch=2, num_micro_batches=2).stages.add(
         index=0, island="cpu0", layer_start=0, layer_end=6, dp=1, node_ids=["a"], dp_rendezvous="tcp://h:1")
     assert stage.island == "cpu0"
     text = format_status(s, now=2.0)
     # every field of the schema, zeros included (the JSON leaves out fields at their zero value)
     keys = _keys(MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
-    derived = {"RATIO", "OTHER-S", "LAYERS", "SEND", "DEVICES", "PROFILE"}  # documented in format_status
+    derived = {"RATIO", "OTHER-S", "COMPUTE-VS-PLAN", "LAYERS", "SEND", "DEVICES", "PROFILE"}  # format_status says
     headers = [line.split() for line in text.splitlines() if line.strip().split()[:1] and line.strip().isupper()]
     assert len(headers) == 5  # stages, links, members, islands, the plan's stages
     for header in (x for row in headers for x in row if x not in derived):
