@@ -426,7 +426,8 @@ class PlanRunner:
         if finished_loss is not None:  # the loss of the step this node finished for a holder that computed it
             reporter.put(StepMetrics(job_id=self.plan.job_id, node_id=ctx.node_id, plan_epoch=self.plan.epoch,
                                      step=finished_loss[0], pipeline=pl.pipeline, stage=pl.stage,
-                                     loss=finished_loss[1], unix_time=time.time()))
+                                     loss=finished_loss[1], tokens=(pl.rows[1] - pl.rows[0]) * job.train.seq_len,
+                                     unix_time=time.time()))
             log.info("step %d: loss %.4f, computed by the node whose step this node finished", *finished_loss)
         last = self.last_step if until_step is None else min(until_step, self.last_step)
         outer = self.outer
