@@ -301,10 +301,10 @@ class PlanRunner:
         """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
         self._checkpoint_extra: dict = {}
-        self._finished_loss: tuple[int, float] | None = None
-        """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
+        self._finished_loss: tuple[int, float] | None = None
+        """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         self._data: object | None = None
         """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
         with the first stage's checkpoints."""
