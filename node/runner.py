@@ -300,9 +300,9 @@ class PlanRunner:
         self.wait = ctx.timeout
         """The bound of each wait on a neighbour or a collective now: `ctx.timeout`, shrunk by `ctx.wait_bound`."""
         self.scaler: LossScaler | None = None
+        """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         self._checkpoint_extra: dict = {}
         """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
-        """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         self._finished_loss: tuple[int, float] | None = None
         """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         self._data: object | None = None
