@@ -8,9 +8,9 @@ runtime's `PlanRunner`, as the thread-level tests run it), on a small GPT job of
 each run every node profiles itself (`atoll.node.profiler.profile_node`: the job's layers forward and backward
 at the replica micro-batch sizes, in the thread's CPU time), all at the same moment as nodes that share a
 machine and join together do (`profile_together`; the island's slowest node counts, as in the coordinator),
-and the loopback link is probed through the pipeline transport itself (`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's
-activation size and 4x and 16x it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted
-to them), so the per-message cost the runtime pays (serialising, the Transfer call, the receiver's checks) is
+and the loopback link is probed through the pipeline transport itself
+(`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's activation size and 4x and 16x
+it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted to them), so the per-message cost the runtime pays (serialising, the Transfer call, the receiver's checks) is
 in the link's latency rather than only an empty call's round trip. The prediction is the planner's for exactly that shape: the cost model on
 the live cluster those measurements make (`Cluster.from_nodes`, `ProfileSet.from_node_profiles`), every stage
 through the island parallelizer (ZeRO, recomputation and tensor parallelism held to what the run uses:
@@ -310,9 +310,9 @@ def action_overhead(steps: dict[str, list[tuple[float, float, float, int]]]) -> 
 
 def profile_together(job, nodes: Sequence[str]) -> dict[str, NodeProfile]:
     """Every node's profile (`atoll.node.profiler.profile_node`), all taken at the same moment, a thread each,
-    as nodes that share a machine and join together profile: a node's layers are timed while the others
-    compute beside it, as they will in the run (two threads on two cores still slow each other's ops, through
-    the caches, memory and the host under the VM; one thread alone profiles faster than any of them runs)."""
+    as nodes that share a machine and join together profile: each node's layers are timed while the others
+    compute beside it, as in the run, and each node has a profile of its own (the island takes its slowest)
+    instead of one profile taken alone standing for all of them."""
     from atoll.node.profiler import ProfileOptions, profile_node
 
     start = threading.Barrier(len(nodes))
