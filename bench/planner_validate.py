@@ -10,8 +10,9 @@ at the replica micro-batch sizes, in the thread's CPU time), all at the same mom
 machine and join together do (`profile_together`; the island's slowest node counts, as in the coordinator),
 and the loopback link is probed through the pipeline transport itself
 (`atoll.node.transport_probe.probe_transport`: real tensors at the boundary's activation size and 4x and 16x
-it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted to them), so the per-message cost the runtime pays (serialising, the Transfer call, the receiver's checks) is
-in the link's latency rather than only an empty call's round trip. The prediction is the planner's for exactly that shape: the cost model on
+it, round trips through two `GrpcTransport`s, latency + size / bandwidth fitted to them), so the per-message
+cost the runtime pays (serialising, the Transfer call, the receiver's checks) is in the link's latency rather
+than only an empty call's round trip. The prediction is the planner's for exactly that shape: the cost model on
 the live cluster those measurements make (`Cluster.from_nodes`, `ProfileSet.from_node_profiles`), every stage
 through the island parallelizer (ZeRO, recomputation and tensor parallelism held to what the run uses:
 none), the links' transfers, the all-reduces and the optimizer, simulated under 1F1B (several pipelines with

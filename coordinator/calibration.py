@@ -85,5 +85,6 @@ def calibration_note(speed: Mapping[str, float], members: Iterable[str]) -> str:
     moved = sorted(f for n, f in speed.items() if n in alive and abs(f - 1.0) >= 0.05)
     if not moved:
         return ""
-    return (f"; {len(moved)} node{'s' if len(moved) > 1 else ''} planned at {moved[0]:.2f}x"
-            + (f"-{moved[-1]:.2f}x" if f"{moved[-1]:.2f}" != f"{moved[0]:.2f}" else "") + " their profiled compute time, as their runs measured")
+    spread = f"{moved[0]:.2f}x" + (f"-{moved[-1]:.2f}x" if f"{moved[-1]:.2f}" != f"{moved[0]:.2f}" else "")
+    return (f"; {len(moved)} node{'s' if len(moved) > 1 else ''} planned at {spread} their profiled compute time, "
+            "as their runs measured")
