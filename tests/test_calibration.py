@@ -19,7 +19,7 @@ from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 from test_coordinator_planning import _inputs
-from test_failure_replan import Clock
+from test_failure_replan import Clock, plan_three
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
@@ -95,16 +95,7 @@ def _profile(host: str) -> pb.NodeProfile:
 
 
 def test_the_coordinator_plans_again_with_the_speed_its_nodes_ran_at() -> None:
-    state = CoordinatorState(store=MemoryStore(), job=JobSpec.load(ROOT / "examples" / "tiny.toml"), token=TOKEN,
-                             clock=Clock())
-    ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
-                         state).node_id for i in range(3)]
-    for n in ids:
-        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
-        h.handle_report_probes(pb.ProbeReport(node_id=n, links=[
-            pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=2e9, rtt_seconds=1e-4)
-            for t in reply.probe]), state)
-    state.tick()
+    state, _, ids = plan_three(_profile)
     first = state.current_plan()
     assert state.epoch == 1 and first is not None and state.speed == {}
     expected = predicted_compute(first)

@@ -97,12 +97,13 @@ def _profile(host: str) -> pb.NodeProfile:
                                                         forward_seconds=0.01, backward_seconds=0.02)])
 
 
-@pytest.fixture
-def planned() -> tuple[CoordinatorState, Clock, list[str]]:
+def plan_three(profile=_profile) -> tuple[CoordinatorState, Clock, list[str]]:
+    """A state with three nodes joined (each with `profile(hostname)`), heart-beating and probed, and its first
+    plan made."""
     clock = Clock()
     state = CoordinatorState(store=MemoryStore(), job=JobSpec.load(ROOT / "examples" / "tiny.toml"), token=TOKEN,
                              clock=clock)
-    ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
+    ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
                          state).node_id for i in range(3)]
     for n in ids:
         reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
@@ -112,6 +113,11 @@ def planned() -> tuple[CoordinatorState, Clock, list[str]]:
     state.tick()
     assert state.epoch == 1
     return state, clock, ids
+
+
+@pytest.fixture
+def planned() -> tuple[CoordinatorState, Clock, list[str]]:
+    return plan_three()
 
 
 def _report(state: CoordinatorState, node: str, epoch: int, **kw) -> pb.Ack:
