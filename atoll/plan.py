@@ -40,6 +40,20 @@ from atoll.fsutil import atomic_write_text
 GB = 1e9
 
 
+def shares(micro_batch: int, dp: int) -> list[tuple[int, int]]:
+    """Rows [first, last) of a micro-batch of `micro_batch` rows for each of `dp` replicas: consecutive, as
+    even as possible (the first `micro_batch % dp` replicas take one row more): how a stage's replicas share each micro-batch of its pipeline."""
+    if dp < 1 or micro_batch < dp:
+        raise ValueError(f"{dp} replicas cannot share a micro-batch of {micro_batch} rows")
+    base, extra = divmod(micro_batch, dp)
+    out, row = [], 0
+    for r in range(dp):
+        n = base + (1 if r < extra else 0)
+        out.append((row, row + n))
+        row += n
+    return out
+
+
 @dataclass(kw_only=True)
 class SendPlan:
     """The link from a stage to the next: codec of the activations and the predicted transfer."""

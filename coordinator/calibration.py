@@ -19,13 +19,24 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Mapping
 
-from atoll.plan import Plan
+from atoll.plan import Plan, shares
 from atoll.types import StepMetrics
 
 MIN_STEPS = 5
 """Steps of a plan epoch a node must have reported (after its first) before its factor counts."""
 MAX_FACTOR = 4.0
 """Factors are clamped to [1 / MAX_FACTOR, MAX_FACTOR]."""
+
+
+def _clamp(factor: float) -> float:
+    return min(MAX_FACTOR, max(1.0 / MAX_FACTOR, factor))
+
+
+def spread(values: Iterable[float], unit: str = "x") -> str:
+    """The range of `values` at two decimals ("1.20x-1.60x"; one figure when both ends print alike)."""
+    vs = sorted(values)
+    lo, hi = f"{vs[0]:.2f}{unit}", f"{vs[-1]:.2f}{unit}"
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def predicted_compute(plan: Plan) -> dict[str, float]:
@@ -38,12 +49,11 @@ def predicted_compute(plan: Plan) -> dict[str, float]:
         for st in pipe.stages:
             if st.compute_s <= 0 or not st.nodes:
                 continue
-            base, extra = divmod(pipe.micro_batch, st.dp)
-            busiest = base + (1 if extra else 0)
+            split = shares(pipe.micro_batch, st.dp)  # the rows of each replica, as the runtime shares them
+            busiest = max(b - a for a, b in split)
             for k, node in enumerate(st.nodes):
-                replica = k // max(1, st.tp)  # nodes[r * tp + k] is tp rank k of replica r
-                rows = base + (1 if replica < extra else 0)
-                out[node] = st.compute_s * rows / busiest * pipe.num_micro_batches
+                a, b = split[k // max(1, st.tp)]  # nodes[r * tp + k] is tp rank k of replica r
+                out[node] = st.compute_s * (b - a) / busiest * pipe.num_micro_batches
     return out
 
 
@@ -65,7 +75,7 @@ def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = 
         kept = [c for _, c in rows[1:]]  # the epoch's first step warms up (allocations, kernels, connections)
         if len(kept) >= min_steps:
             ratio = statistics.median(kept) / expected[node]
-            out[node] = min(MAX_FACTOR, max(1.0 / MAX_FACTOR, ratio))
+            out[node] = _clamp(ratio)
     return out
 
 
@@ -74,7 +84,7 @@ def compound(applied: Mapping[str, float], measured: Mapping[str, float]) -> dic
     run measured (a node with no measurement keeps its factor), clamped."""
     out = dict(applied)
     for node, f in measured.items():
-        out[node] = min(MAX_FACTOR, max(1.0 / MAX_FACTOR, applied.get(node, 1.0) * f))
+        out[node] = _clamp(applied.get(node, 1.0) * f)
     return out
 
 
@@ -85,6 +95,5 @@ def calibration_note(speed: Mapping[str, float], members: Iterable[str]) -> str:
     moved = sorted(f for n, f in speed.items() if n in alive and abs(f - 1.0) >= 0.05)
     if not moved:
         return ""
-    spread = f"{moved[0]:.2f}x" + (f"-{moved[-1]:.2f}x" if f"{moved[-1]:.2f}" != f"{moved[0]:.2f}" else "")
-    return (f"; {len(moved)} node{'s' if len(moved) > 1 else ''} planned at {spread} their profiled compute time, "
-            "as their runs measured")
+    return (f"; {len(moved)} node{'s' if len(moved) > 1 else ''} planned at {spread(moved)} their profiled "
+            "compute time, as their runs measured")

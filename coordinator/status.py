@@ -14,8 +14,10 @@ from typing import TextIO
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from atoll.coordinator.calibration import predicted_compute, spread
 from atoll.coordinator.history import draw_history, from_proto, sparkline
 from atoll.job import resolve_token
+from atoll.serde import plan_from_proto
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import bootstrap_rpc, find_ca
 from atoll.v1 import atoll_pb2 as pb
@@ -80,9 +82,6 @@ def _predicted_compute(s: pb.StatusReply) -> dict[str, float]:
     a plan or one that cannot be read."""
     if not s.HasField("plan") or not s.plan.pipelines:
         return {}
-    from atoll.coordinator.calibration import predicted_compute
-    from atoll.serde import plan_from_proto
-
     try:
         return predicted_compute(plan_from_proto(s.plan))
     except (ValueError, KeyError, TypeError):
@@ -126,9 +125,8 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
         if worst is not None:
             out.insert(1, f"peak memory: measured / predicted up to {worst[0]:.2f} ({worst[1]})")
         if speed:
-            spread = f"{min(speed):.2f}" + (f"-{max(speed):.2f}" if f"{max(speed):.2f}" != f"{min(speed):.2f}" else "")
-            out.insert(1, f"compute: measured / predicted {spread} per node (COMPUTE-VS-PLAN; a replan starts "
-                          "from these speeds)")
+            out.insert(1, f"compute: measured / predicted {spread(speed, '')} per node (COMPUTE-VS-PLAN; a replan "
+                          "starts from these speeds)")
         out += _table(rows)
     if s.link_usage:
         out.append("\nlinks (means per step over the recent steps; SECONDS: time on the wire; ESTIMATE: the sender's "

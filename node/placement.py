@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atoll.plan import PipelinePlan, Plan
+from atoll.plan import PipelinePlan, Plan, shares
 
 
 class PlacementError(ValueError):
@@ -59,20 +59,6 @@ class Neighbour:
     rows: tuple[int, int]
     """The rows [first, last) of every pipeline micro-batch that replica trains (its whole share; what it
     exchanges with this node is the overlap with this node's rows)."""
-
-
-def shares(micro_batch: int, dp: int) -> list[tuple[int, int]]:
-    """Rows [first, last) of a micro-batch of `micro_batch` rows for each of `dp` replicas: consecutive, as
-    even as possible (the first `micro_batch % dp` replicas take one row more)."""
-    if dp < 1 or micro_batch < dp:
-        raise ValueError(f"{dp} replicas cannot share a micro-batch of {micro_batch} rows")
-    base, extra = divmod(micro_batch, dp)
-    out, row = [], 0
-    for r in range(dp):
-        n = base + (1 if r < extra else 0)
-        out.append((row, row + n))
-        row += n
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -104,6 +104,7 @@ class DefaultParallelizer:
         self._mem_cache: dict[tuple, tuple[list[float], tuple[int, ...], float]] = {}
         self._split_cache: dict[tuple, list[tuple[int, int, int]]] = {}
         self._floor_cache: dict[tuple, float] = {}
+        self._rate_cache: dict[str, float] = {}
         self._entry_cache: dict[tuple, list[tuple]] = {}
         self._saving_cache: dict[int, list[int]] = {}
 
@@ -135,15 +136,14 @@ class DefaultParallelizer:
         node) and every per-replica micro-batch that degree may take (1 to tp x the largest allowed), the tp
         collectives counted as the cost model counts them. No stage of any plan computes faster per device:
         a bound for the search and the benchmark's ceiling."""
-        key = (island.id, "rate")
-        got = self._floor_cache.get(key)
+        got = self._rate_cache.get(island.id)
         if got is None:
             got = 0.0
             for tp in (t for t in self.tps if t <= island.gpus_per_node):
                 for b in range(1, self.max_rows * tp + 1):
                     t = self.cm.table(island, b, tp)
                     got = max(got, b / max(1e-12, t.pf[-1] + t.pb[-1]) / tp)
-            self._floor_cache[key] = got
+            self._rate_cache[island.id] = got
         return got
 
     def compute_floor(self, island: Island, gpus: int, batch: int) -> float:
