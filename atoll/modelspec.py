@@ -195,6 +195,12 @@ class LayerSpec:
     """Elements saved for backward per token without recomputation."""
     saved_fp32_elems_per_token: int = 0
     """Extra fp32 elements saved per token (the head's log-probabilities for the loss)."""
+    flops_wgrad_per_token: float = 0.0
+    """Of the backward, the linear layers' weight-gradient products (what a zero-bubble schedule defers,
+    `atoll.node.wgrad`)."""
+    wgrad_elems_per_token: int = 0
+    """Elements per token a deferred weight gradient holds until it is computed: each linear layer's input and
+    output gradient."""
 
     def out_bytes_per_token(self, dtype: str = "fp32") -> int:
         return self.out_elems_per_token * dtype_bytes(dtype)
@@ -238,14 +244,21 @@ class ModelSpec:
         if not gpt:
             # q and k before and after RoPE, k and v repeated to every head (GQA), SiLU's output
             saved += (d + kv) + (2 * d if kv != d else 0) + f
+        # deferred weight gradients: per linear layer its input and its output's gradient (qkv, proj, fc, out)
+        fc_out = f if gpt else 2 * f
+        stash = (d + (d + 2 * kv)) + (d + d) + (d + fc_out) + (f + d)
         for i in range(1, c.n_layers + 1):
-            layers.append(LayerSpec(i, "block", block_params, fwd, 2.0 * fwd, d, saved_elems_per_token=saved))
+            layers.append(LayerSpec(i, "block", block_params, fwd, 2.0 * fwd, d, saved_elems_per_token=saved,
+                                    flops_wgrad_per_token=2.0 * (attn_w + mlp_w), wgrad_elems_per_token=stash))
 
         head_params = norm_params + (0 if c.tied_head else d * v)
         head_fwd = 2.0 * d * v
+        # a tied head's product uses the embedding's weight and is computed in backward (not deferred)
         layers.append(
             LayerSpec(c.n_layers + 1, "head", head_params, head_fwd, 2.0 * head_fwd, 1,
-                      saved_elems_per_token=2 * d, saved_fp32_elems_per_token=v)
+                      saved_elems_per_token=2 * d, saved_fp32_elems_per_token=v,
+                      flops_wgrad_per_token=0.0 if c.tied_head else head_fwd,
+                      wgrad_elems_per_token=0 if c.tied_head else d + v)
         )
         return cls(config=c, layers=tuple(layers))
 

@@ -9,7 +9,8 @@ and what `atoll plan --json` writes. Its JSON shape:
      "pipelines": [{"micro_batch": int, "num_micro_batches": int,
        "stages": [{"island": str, "layers": [first, last_exclusive], "dp": int, "tp": int, "zero": int,
                    "recompute": bool, "recompute_layers": [int], "compute_s": float, "memory_gb_per_device": float,
-                   "in_flight": int, "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
+                   "in_flight": int, "defer_weights": int,
+                   "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
 `nodes` and `dp_rendezvous`.
@@ -93,6 +94,10 @@ class StagePlan:
     """Extra micro-batches this stage keeps in flight beyond strict 1F1B (a deep window: that many more
     warm-up forwards) so a slow or distant link downstream does not stall it; never more than one above
     the previous stage's (`Plan.validate`)."""
+    defer_weights: int = 0
+    """Zero-bubble: backward computes the input's gradient first, and the weight gradients of the stage's linear
+    layers wait this many micro-batches for an action of their own (`atoll.node.schedule`); 0: computed in
+    backward, as 1F1B does."""
 
     def __post_init__(self) -> None:
         a, b = self.layers
@@ -101,6 +106,9 @@ class StagePlan:
         self.layers = (int(a), int(b))
         if self.in_flight < 0:
             raise ValueError(f"stage in_flight (extra micro-batches in flight) must be >= 0, got {self.in_flight}")
+        if self.defer_weights < 0:
+            raise ValueError(f"stage defer_weights (micro-batches whose weight gradients wait) must be >= 0, got "
+                             f"{self.defer_weights}")
         outside = [i for i in self.recompute_layers if not a <= i < b]
         if outside:
             raise ValueError(f"recompute_layers {outside} are outside the stage's layers [{a}, {b})")

@@ -124,7 +124,8 @@ def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
     m = pb.Stage(index=index, island=s.island, node_ids=s.nodes, layer_start=s.layers[0], layer_end=s.layers[1],
                  dp=s.dp, tp=s.tp, zero=s.zero, recompute=s.recompute, compute_seconds=s.compute_s,
                  memory_bytes_per_device=s.memory_gb_per_device * 1e9, dp_rendezvous=s.dp_rendezvous,
-                 recompute_layers=s.recompute_layers, in_flight=s.in_flight)
+                 recompute_layers=s.recompute_layers, in_flight=s.in_flight,
+                 defer_weights=s.defer_weights)
     if s.send is not None:
         m.send.CopyFrom(_send_to_proto(s.send))
     return m
@@ -135,7 +136,8 @@ def stage_from_proto(m: pb.Stage) -> StagePlan:
                      recompute=m.recompute, recompute_layers=list(m.recompute_layers), compute_s=m.compute_seconds,
                      memory_gb_per_device=m.memory_bytes_per_device / 1e9,
                      send=_send_from_proto(m.send) if m.HasField("send") else None,
-                     nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous, in_flight=m.in_flight)
+                     nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous, in_flight=m.in_flight,
+                     defer_weights=m.defer_weights)
 
 
 def group_to_proto(g: ReplicaGroup) -> pb.ReplicaGroup:

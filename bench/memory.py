@@ -1,5 +1,6 @@
 """Memory benchmark: each stage's measured peak memory against the planner's prediction, for ZeRO 0/1/2
-with recomputation off, on some blocks and on every block.
+with recomputation off, on some blocks and on every block, and a few of them again with deferred weight
+gradients (zero-bubble: stage s holds back s + 1 micro-batches' linear-layer inputs and output gradients).
 
     .venv/bin/python -m bench.memory [--model 125m --seq 128 --vocab 256 --steps 2 --only 0,1,2]
 
@@ -60,6 +61,12 @@ class Config:
     zero: int
     recompute: str
     """"off", "some" (the first half of each stage's blocks) or "all"."""
+    zero_bubble: bool = False
+    """Stage s defers its weight gradients s + 1 micro-batches (`StagePlan.defer_weights`)."""
+
+    @property
+    def name(self) -> str:
+        return f"zero {self.zero} recompute {self.recompute}" + (" zero-bubble" if self.zero_bubble else "")
 
 
 @dataclass
@@ -135,11 +142,14 @@ def run_config(job: JobSpec, config: Config, cut: int, par: DefaultParallelizer,
                        in_flight=min(len(layers) - s, micro_batches))
         cost = par.evaluate(q, island, zero=config.zero, recompute_blocks=len(chosen))
         assert list(cost.recompute_layers) == chosen
-        predicted.append(cost.memory_bytes)
+        defer = min(s + 1, micro_batches) if config.zero_bubble else 0
+        memory = cost.memory_bytes + par.cm.deferred_bytes(par.cm.table(island, cost.micro_batch), a, b,
+                                                           cost.recompute_layers, defer)
+        predicted.append(memory)
         recomputed.append(len(chosen))
         stages.append(StagePlan(island=island.id, layers=(a, b), dp=dp, zero=config.zero,
                                 recompute_layers=chosen, nodes=[f"s{s}r{r}" for r in range(dp)],
-                                compute_s=cost.time_s, memory_gb_per_device=cost.memory_bytes / GB))
+                                compute_s=cost.time_s, memory_gb_per_device=memory / GB, defer_weights=defer))
     with TemporaryDirectory() as folder:
         reports = _run_plan(job, stages, micro_batch, micro_batches, Path(folder))
     measured = [max(m.peak_memory_bytes for m in reports if m.stage == s) for s in range(len(layers))]
@@ -157,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per configuration (the first is a warm-up for time)")
     ap.add_argument("--only", default="0,1,2", help="ZeRO stages to run, comma-separated")
     ap.add_argument("--recompute", default="off,some,all", help="recomputation settings to run: off, some, all")
+    ap.add_argument("--zero-bubble", default="0/off,1/off,0/all",
+                    help="ZeRO stage/recomputation pairs to run again with deferred weight gradients (\"\": none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # one core per node thread, as nodes of their own
@@ -179,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                            "gpus_per_node = 4\n").islands[0]
     par = DefaultParallelizer(cm)
     configs = [Config(int(z), rc) for rc in args.recompute.split(",") for z in args.only.split(",")]
+    configs += [Config(int(z), rc, zero_bubble=True)
+                for z, rc in (x.split("/") for x in args.zero_bubble.split(",") if x)]
     t0 = time.perf_counter()
     rows = []
     for c in configs:
         rows.append(run_config(job, c, cut, par, island, micro_batch=micro_batch, micro_batches=micro_batches))
         r = rows[-1]
-        print(f"  ran zero {c.zero} recompute {c.recompute}: {', '.join(f'{m / 2**20:.0f}' for m in r.measured)} "
+        print(f"  ran {c.name}: {', '.join(f'{m / 2**20:.0f}' for m in r.measured)} "
               f"MiB measured, {', '.join(f'{p / 2**20:.0f}' for p in r.predicted)} MiB predicted, "
               f"{r.step_seconds:.1f} s/step", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - t0
@@ -193,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
           f"cut at layer {cut} x 2 replicas, micro-batches of {micro_batch} x {micro_batches}, fp32 AdamW, "
           f"{args.steps} steps each, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, {elapsed:.0f} s")
     print("measured: each stage's reported peak (CPU: its tensors' bytes); predicted: the planner's cost model")
-    hdr = (f"{'zero':>4} {'recompute':<9} {'stage':>5} {'layers':<9} {'blocks rc':>9} {'measured MiB':>12} "
+    hdr = (f"{'zero':>4} {'recompute':<9} {'zb':>3} {'stage':>5} {'layers':<9} {'blocks rc':>9} {'measured MiB':>12} "
            f"{'predicted MiB':>13} {'error':>7} {'step s':>7}")
     print(hdr)
     print("-" * len(hdr))
@@ -201,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         for s, (layers, m, p) in enumerate(zip(r.layers, r.measured, r.predicted)):
             err = m / p - 1
-            print(f"{r.config.zero:>4} {r.config.recompute:<9} {s:>5} {str(list(layers)):<9} {r.recomputed[s]:>9} "
+            zb = s + 1 if r.config.zero_bubble else "-"
+            print(f"{r.config.zero:>4} {r.config.recompute:<9} {zb:>3} {s:>5} {str(list(layers)):<9} {r.recomputed[s]:>9} "
                   f"{m / 2**20:>12.1f} {p / 2**20:>13.1f} {100 * err:>+6.1f}% "
                   + (f"{r.step_seconds:>7.2f}" if s == 0 else ""))
-            checks.append((f"zero {r.config.zero} recompute {r.config.recompute} stage {s}: measured "
+            checks.append((f"{r.config.name} stage {s}: measured "
                            f"{m / 2**20:.1f} MiB within {TARGET:.0%} of predicted {p / 2**20:.1f} MiB",
                            abs(err) <= TARGET))
     for name, ok in checks:

@@ -27,8 +27,14 @@ What is measured and how:
   micro-batch is in flight). Process-wide counters cannot separate threads, and this is what differs
   between stages; the baseline is the unsplit model under the same accounting.
 
+Zero-bubble: every multi-stage configuration runs again with each stage's weight gradients deferred (stage s
+holds back s + 1 micro-batches', `atoll.node.schedule`), and a second table sets its replayed step against
+1F1B's beside what the planner's simulator predicts from the run's own mean action times, with the peak
+memory per stage (the deferred products included).
+
 Targets: the 2- and 4-stage bubble fractions of the 125M-class model within 20% of the theoretical
-ones, and no stage's peak memory above that of the unsplit model (both models).
+ones, and no stage's peak memory above that of the unsplit model (both models); the 125M-class model's
+zero-bubble step shorter than its 1F1B step by at least half of what the simulator predicts.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ import torch
 
 from atoll.modelspec import ModelConfig, ModelSpec, preset
 from atoll.node.inprocess import ThreadedRun, train_threaded
-from atoll.node.schedule import schedule, theoretical_bubble
+from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
+from atoll.node.schedule import schedule, theoretical_bubble, zero_bubble_depths
 from atoll.node.stage import PipelineStage, StageConfig, StepResult
 from atoll.node.synthetic import synthetic_batch
 
@@ -71,9 +78,18 @@ def balanced_cuts(spec: ModelSpec, num_stages: int) -> list[int]:
     return cuts[::-1]
 
 
-def replay_bubble(results: list[StepResult], num_stages: int, micro_batches: int, *, cpu: bool = True) -> list[float]:
+def replay_bubble(results: list[StepResult], num_stages: int, micro_batches: int, *, cpu: bool = True,
+                  defer: list[int] | None = None) -> list[float]:
     """Per-stage idle fraction of one step replayed with each action's measured time, one core per stage."""
-    acts = [schedule("1f1b", stage=s, num_stages=num_stages, micro_batches=micro_batches) for s in range(num_stages)]
+    return replay(results, num_stages, micro_batches, cpu=cpu, defer=defer)[1]
+
+
+def replay(results: list[StepResult], num_stages: int, micro_batches: int, *, cpu: bool = True,
+           defer: list[int] | None = None) -> tuple[float, list[float]]:
+    """(makespan, per-stage idle fraction) of one step replayed with each action's measured time, one core per
+    stage; `defer`: the stages' zero-bubble depths (their weight actions need no neighbour)."""
+    acts = [schedule("1f1b", stage=s, num_stages=num_stages, micro_batches=micro_batches,
+                     defer_weights=defer[s] if defer else 0) for s in range(num_stages)]
     dur = [{(t.op, t.micro_batch): (t.cpu if cpu else t.compute) for t in r.timeline} for r in results]
     done: dict[tuple[str, int, int], float] = {}
     pos, clock = [0] * num_stages, [0.0] * num_stages
@@ -86,6 +102,8 @@ def replay_bubble(results: list[StepResult], num_stages: int, micro_batches: int
             a = acts[s][pos[s]]
             if a.op == "forward":
                 dep = ("forward", s - 1, a.micro_batch) if s > 0 else None
+            elif a.op == "weight":
+                dep = None
             else:
                 dep = ("backward", s + 1, a.micro_batch) if s < num_stages - 1 else None
             if dep is not None and dep not in done:
@@ -99,7 +117,7 @@ def replay_bubble(results: list[StepResult], num_stages: int, micro_batches: int
         if not moved:
             raise RuntimeError("replayed schedules deadlock")
     makespan = max(clock)  # every stage waits for the last one in the norm exchange
-    return [1.0 - b / makespan for b in busy]
+    return makespan, [1.0 - b / makespan for b in busy]
 
 
 def state_bytes(stage: PipelineStage) -> int:
@@ -123,10 +141,35 @@ class Row:
     bubble_replay: float
     mode: str
     peak_mem: list[int]
+    schedule: str = "1f1b"
+    replay_s: float = 0.0
+    """The replayed step (one core per stage, each action's own CPU time), mean over measured steps."""
+    predicted_s: float = 0.0
+    """The planner's simulator on the same measured action times (means over micro-batches and steps)."""
+
+
+def _mean_op(results: list[StepResult], op: str) -> float:
+    times = [t.cpu for r in results for t in r.timeline if t.op == op]
+    return sum(times) / len(times) if times else 0.0
+
+
+def predicted_step(per_stage: list[list[StepResult]], measured: range, micro_batches: int,
+                   defer: list[int] | None) -> float:
+    """The simulator's pipelined step (no links, no all-reduce) on each stage's mean measured action times."""
+    stages = []
+    for results in per_stage:
+        rs = [results[k] for k in measured]
+        w = _mean_op(rs, "weight")
+        stages.append(StageTimes(forward_s=_mean_op(rs, "forward"), backward_s=_mean_op(rs, "backward") + w,
+                                 weight_s=w))
+    p = len(stages)
+    return simulate(PipelineTimes(stages=tuple(stages), links=(LinkTimes(forward_s=0, backward_s=0),) * (p - 1),
+                                  num_micro_batches=micro_batches, defer=tuple(defer) if defer else ())
+                    ).pipeline_time_s
 
 
 def run_config(config: ModelConfig, stages: int, *, micro_batches: int, rows_per_mb: int, steps: int,
-               cores: int) -> Row:
+               cores: int, zero_bubble: bool = False) -> Row:
     spec = ModelSpec.from_config(config)
     cuts = balanced_cuts(spec, stages)
     live = cores >= 2 * stages
@@ -135,21 +178,25 @@ def run_config(config: ModelConfig, stages: int, *, micro_batches: int, rows_per
                       recv_timeout=StageConfig().recv_timeout * 10)
     batches = [synthetic_batch(vocab_size=config.vocab_size, batch=micro_batches * rows_per_mb,
                                seq_len=config.seq_len, seed=0, step=i) for i in range(steps + 1)]
-    run: ThreadedRun = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches)
+    defer = zero_bubble_depths(stages) if zero_bubble else None
+    run: ThreadedRun = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=defer)
     per_stage = run.results[0]
     measured = range(1, steps + 1)
     tokens = micro_batches * rows_per_mb * config.seq_len
     step_times = [max(per_stage[s][k].step_seconds for s in range(stages)) for k in measured]
     live_bubbles = [sum(per_stage[s][k].bubble_fraction for s in range(stages)) / stages for k in measured]
-    replayed = [sum(replay_bubble([per_stage[s][k] for s in range(stages)], stages, micro_batches, cpu=True))
-                / stages for k in measured]
+    replays = [replay([per_stage[s][k] for s in range(stages)], stages, micro_batches, cpu=True, defer=defer)
+               for k in measured]
+    replayed = [sum(idle) / stages for _, idle in replays]
     peak = [state_bytes(run.stages[0][s]) + max(per_stage[s][k].peak_activation_bytes for k in measured)
             for s in range(stages)]
     bubble_live = sum(live_bubbles) / len(live_bubbles)
     return Row(model=config.name, stages=stages, cuts=cuts, tokens_per_s=tokens * len(step_times) / sum(step_times),
                bubble=bubble_live if live else sum(replayed) / len(replayed),
                bubble_theory=theoretical_bubble(stages, micro_batches), bubble_live=bubble_live,
-               bubble_replay=sum(replayed) / len(replayed), mode="live" if live else "replay", peak_mem=peak)
+               bubble_replay=sum(replayed) / len(replayed), mode="live" if live else "replay", peak_mem=peak,
+               schedule="zb" if zero_bubble else "1f1b", replay_s=sum(t for t, _ in replays) / len(replays),
+               predicted_s=predicted_step(per_stage, measured, micro_batches, defer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,12 +216,17 @@ def main(argv: list[str] | None = None) -> int:
         big = replace(big, name=f"{big.name}-v{args.big_vocab}", vocab_size=args.big_vocab)
     models = [(preset("tiny"), 4), (big, 1)]
     rows: list[Row] = []
+    zb_rows: list[tuple[Row, Row]] = []  # (1F1B, zero-bubble) of each multi-stage configuration
     t0 = time.perf_counter()
     run_config(preset("tiny"), 2, micro_batches=2, rows_per_mb=1, steps=1, cores=args.cores)  # warm torch up
     for config, rows_per_mb in models:
         for p in (1, 2, 4):
             rows.append(run_config(config, p, micro_batches=args.micro_batches, rows_per_mb=rows_per_mb,
                                    steps=args.steps, cores=args.cores))
+            if p > 1:
+                zb_rows.append((rows[-1], run_config(config, p, micro_batches=args.micro_batches,
+                                                     rows_per_mb=rows_per_mb, steps=args.steps, cores=args.cores,
+                                                     zero_bubble=True)))
     elapsed = time.perf_counter() - t0
 
     m = args.micro_batches
@@ -205,6 +257,22 @@ def main(argv: list[str] | None = None) -> int:
             ok = max(r.peak_mem) <= unsplit
             checks.append((f"{r.model} {r.stages}-stage peak memory {max(r.peak_mem) / 2**20:.1f} MiB <= unsplit "
                            f"{unsplit / 2**20:.1f} MiB", ok))
+    print()
+    print("zero-bubble (weight gradients deferred s + 1 micro-batches on stage s) against 1F1B, same cuts and batch; "
+          "step: replayed (each action's own CPU time, one core per stage), predicted: the planner's simulator on "
+          "the run's mean action times")
+    hdr = (f"{'model':<9} {'stages':>6} {'1f1b step s':>11} {'zb step s':>9} {'gain':>6} {'predicted':>9} "
+           f"{'1f1b idle':>9} {'zb idle':>7} {'zb peak MiB per stage':<26} {'1f1b peak':<26}")
+    print(hdr)
+    print("-" * len(hdr))
+    for a, z in zb_rows:
+        gain, want = 1 - z.replay_s / a.replay_s, 1 - z.predicted_s / a.predicted_s
+        print(f"{a.model:<9} {a.stages:>6} {a.replay_s:>11.3f} {z.replay_s:>9.3f} {gain:>6.1%} {want:>9.1%} "
+              f"{a.bubble_replay:>9.3f} {z.bubble_replay:>7.3f} "
+              f"{' '.join(f'{x / 2**20:.1f}' for x in z.peak_mem):<26} {' '.join(f'{x / 2**20:.1f}' for x in a.peak_mem):<26}")
+        if a.model == big:  # the model whose stages are large enough to time
+            checks.append((f"{a.model} {a.stages}-stage zero-bubble step {gain:.1%} shorter than 1F1B's, at least half "
+                           f"the {want:.1%} the simulator predicts from the run's action times", gain >= want / 2 > 0))
     for name, ok in checks:
         print(f"  [{'ok' if ok else 'MISSED'}] {name}")
     met = sum(ok for _, ok in checks)

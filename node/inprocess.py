@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -120,7 +120,8 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
                    batches: Sequence[Batch], first_step: int = 0, replicas: int = 1, seed: int = 0,
                    stage_groups: Sequence[dist.ProcessGroup] | None = None,
                    resume_from: Sequence[Mapping[str, Any] | Path] | None = None,
-                   join_timeout: timedelta = timedelta(minutes=5)) -> ThreadedRun:
+                   join_timeout: timedelta = timedelta(minutes=5),
+                   defer_weights: Sequence[int] | None = None) -> ThreadedRun:
     """Train `len(batches)` steps with one thread per (replica, stage) of a pipeline cut at `cuts`.
 
     Each batch is the global batch of a step; replica r trains on its r-th share of the rows, and
@@ -128,7 +129,8 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     (one process group per stage, whose other members are in other processes) this process runs one
     pipeline replica (`replicas` must be 1), is given its own share of the data in `batches`, and
     averages each stage's gradients over that stage's group. With `resume_from` (saved slices of
-    any cut) every stage loads its layers and optimizer state before the first step.
+    any cut) every stage loads its layers and optimizer state before the first step. `defer_weights` gives
+    each stage its zero-bubble depth (`StageConfig.defer_weights`; `atoll.node.schedule.zero_bubble_depths`).
     """
     if stage_groups is not None and (replicas != 1 or len(stage_groups) != len(cuts) - 1):
         raise ValueError(f"stage_groups needs replicas=1 and one group per stage ({len(cuts) - 1}), got "
@@ -138,6 +140,8 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != total or any(a >= b for a, b in zip(cuts, cuts[1:])):
         raise ValueError(f"cuts must rise strictly from 0 to {total} (the model's layers), got {cuts}")
     p = len(cuts) - 1
+    if defer_weights is not None and len(defer_weights) != p:
+        raise ValueError(f"defer_weights needs one depth per stage ({p}), got {list(defer_weights)}")
     stages: list[list[PipelineStage]] = []
     links = [InProcessLinks(p) for _ in range(replicas)]
     store = dist.HashStore()
@@ -146,8 +150,9 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
         row = []
         for s in range(p):
             module = build_slice(config, cuts[s], cuts[s + 1], seed=seed)
+            cfg = stage_config if defer_weights is None else replace(stage_config, defer_weights=defer_weights[s])
             stage = PipelineStage(module, stage=s, num_stages=p, transport=links[r].transport(s),
-                                  config=stage_config, norm_exchange=norms.member(s))
+                                  config=cfg, norm_exchange=norms.member(s))
             if resume_from is not None:
                 load_slice(module, resume_from, stage.optimizer)
             row.append(stage)

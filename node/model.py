@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from atoll.modelspec import ModelConfig
+from atoll.node.wgrad import DeferrableLinear
 
 
 def _norm(config: ModelConfig) -> nn.Module:
@@ -78,14 +79,14 @@ class Block(nn.Module):
         gpt = c.style == "gpt"
         self.gpt = gpt
         self.norm1 = _norm(c)
-        self.qkv = nn.Linear(c.d_model, c.d_model + 2 * c.kv_dim, bias=c.has_qkv_bias)
-        self.proj = nn.Linear(c.d_model, c.d_model, bias=gpt)
+        self.qkv = DeferrableLinear(c.d_model, c.d_model + 2 * c.kv_dim, bias=c.has_qkv_bias)
+        self.proj = DeferrableLinear(c.d_model, c.d_model, bias=gpt)
         self.norm2 = _norm(c)
         if gpt:
-            self.fc = nn.Linear(c.d_model, c.ffn, bias=True)
+            self.fc = DeferrableLinear(c.d_model, c.ffn, bias=True)
         else:
-            self.fc = nn.Linear(c.d_model, 2 * c.ffn, bias=False)  # gate and up, fused
-        self.out = nn.Linear(c.ffn, c.d_model, bias=gpt)
+            self.fc = DeferrableLinear(c.d_model, 2 * c.ffn, bias=False)  # gate and up, fused
+        self.out = DeferrableLinear(c.ffn, c.d_model, bias=gpt)
         self.gelu = "tanh" if c.gelu_tanh else "none"
         self.config = c
         # rotary angles for the sequence length last seen, made on first use (so a block built on the meta
@@ -137,8 +138,9 @@ class Head(nn.Module):
         # a tied head on a stage without the embedding holds its own copy of the shared weight (`lm.weight`,
         # kept equal to the embedding's by `atoll.node.tied`); on the embedding's stage it uses that one
         self.tied_copy = tied_copy
-        self.lm = nn.Linear(config.d_model, config.vocab_size, bias=False) \
-            if tied_copy or not config.tied_head else None
+        # the tied copy's gradient is summed with the embedding's after backward: computed there, not deferred
+        self.lm = nn.Linear(config.d_model, config.vocab_size, bias=False) if tied_copy else \
+            DeferrableLinear(config.d_model, config.vocab_size, bias=False) if not config.tied_head else None
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(x)

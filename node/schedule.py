@@ -38,6 +38,17 @@ exhaustively for small ``p``, ``m`` and depths with a simulator of blocking rece
 
 With uniform stage times and free links, strict 1F1B and gpipe both have the bubble (idle) fraction
 ``(p - 1) / (m + p - 1)``.
+
+Deferred weight gradients (zero-bubble, ``defer_weights = k >= 1``). A backward action then computes only the
+gradients of its input (and of what is cheap: biases, norms, embeddings), what the upstream stage waits for; the
+weight-gradient products of its linear layers (`atoll.node.wgrad`) become a ``weight`` action of their own,
+placed after the backward ``k`` micro-batches later (``W_j`` right after ``B_{j+k}``; the last ``k`` after the
+last backward). A weight action needs nothing from a neighbour, so the proof above holds unchanged: the order of
+forwards and backwards is 1F1B's. With ``k_s = s + 1`` (`zero_bubble_depths`) every stage's backward chain is
+its input-gradient half alone, and a balanced pipeline's step takes ``m (F + B + W) + (p - 1) (F + B - W)``
+against 1F1B's ``(m + p - 1) (F + B + W)``, the zero-bubble schedule ZB-H1's bound (Qi et al., *Zero Bubble
+Pipeline Parallelism*, ICLR 2024) at 1F1B's in-flight activations; stage ``s`` holds the deferred products
+(each layer's input and output gradient) of ``k_s`` micro-batches besides.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ from typing import Literal
 
 ScheduleKind = Literal["1f1b", "gpipe"]
 SCHEDULES: tuple[ScheduleKind, ...] = ("1f1b", "gpipe")
-Op = Literal["forward", "backward"]
+Op = Literal["forward", "backward", "weight"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +68,8 @@ class Action:
     micro_batch: int
 
 
-def _check(kind: str, stage: int, num_stages: int, micro_batches: int, extra_in_flight: int = 0) -> None:
+def _check(kind: str, stage: int, num_stages: int, micro_batches: int, extra_in_flight: int = 0,
+           defer_weights: int = 0) -> None:
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; use one of {', '.join(SCHEDULES)}")
     if num_stages < 1:
@@ -68,6 +80,8 @@ def _check(kind: str, stage: int, num_stages: int, micro_batches: int, extra_in_
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     if extra_in_flight < 0:
         raise ValueError(f"extra_in_flight must be >= 0 (extra micro-batches in flight), got {extra_in_flight}")
+    if defer_weights < 0:
+        raise ValueError(f"defer_weights must be >= 0 (micro-batches whose weight gradients wait), got {defer_weights}")
 
 
 def warmup_forwards(kind: ScheduleKind, *, stage: int, num_stages: int, micro_batches: int,
@@ -80,24 +94,44 @@ def warmup_forwards(kind: ScheduleKind, *, stage: int, num_stages: int, micro_ba
 
 
 def schedule(kind: ScheduleKind, *, stage: int, num_stages: int, micro_batches: int,
-             extra_in_flight: int = 0) -> list[Action]:
+             extra_in_flight: int = 0, defer_weights: int = 0) -> list[Action]:
     """The actions of `stage` (0-based) for one training step of `micro_batches` micro-batches.
 
     `extra_in_flight` deepens a 1F1B stage's window by that many micro-batches (more warm-up forwards,
     bounded by `micro_batches`); the stages of one pipeline must pass `check_depths`. gpipe ignores it (it
-    already holds every micro-batch).
+    already holds every micro-batch). `defer_weights` k >= 1 splits each backward: a ``weight`` action for
+    micro-batch j follows the backward of micro-batch j + k (the module docstring); 0 keeps them whole.
     """
+    _check(kind, stage, num_stages, micro_batches, extra_in_flight, defer_weights)
     m = micro_batches
     warmup = warmup_forwards(kind, stage=stage, num_stages=num_stages, micro_batches=m,
                              extra_in_flight=extra_in_flight)
     if kind == "gpipe":
-        return [Action("forward", i) for i in range(m)] + [Action("backward", i) for i in reversed(range(m))]
-    actions = [Action("forward", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions.append(Action("forward", warmup + i))
-        actions.append(Action("backward", i))
-    actions.extend(Action("backward", i) for i in range(m - warmup, m))
+        order = [Action("forward", i) for i in range(m)] + [Action("backward", i) for i in reversed(range(m))]
+    else:
+        order = [Action("forward", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order.append(Action("forward", warmup + i))
+            order.append(Action("backward", i))
+        order.extend(Action("backward", i) for i in range(m - warmup, m))
+    if not defer_weights:
+        return order
+    actions: list[Action] = []
+    waiting: list[int] = []
+    for a in order:
+        actions.append(a)
+        if a.op == "backward":
+            waiting.append(a.micro_batch)
+            if len(waiting) > defer_weights:
+                actions.append(Action("weight", waiting.pop(0)))
+    actions.extend(Action("weight", i) for i in waiting)
     return actions
+
+
+def zero_bubble_depths(num_stages: int) -> list[int]:
+    """`defer_weights` per stage for the zero-bubble schedule: stage s holds back s + 1 micro-batches' weight
+    gradients (the depth at which a balanced pipeline reaches ZB-H1's bound, the module docstring)."""
+    return [s + 1 for s in range(num_stages)]
 
 
 def stage_depths(boundary_depths: Sequence[int]) -> list[int]:
@@ -133,7 +167,24 @@ def max_in_flight(actions: list[Action]) -> int:
     """The largest number of micro-batches forwarded but not yet backwarded at once."""
     live = peak = 0
     for a in actions:
+        if a.op == "weight":
+            continue
         live += 1 if a.op == "forward" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def max_deferred(actions: list[Action]) -> int:
+    """The largest number of micro-batches whose weight gradients wait at once (after a backward, before its
+    weight action)."""
+    if not any(a.op == "weight" for a in actions):
+        return 0
+    live = peak = 0
+    for a in actions:
+        if a.op == "backward":
+            live += 1
+        elif a.op == "weight":
+            live -= 1
         peak = max(peak, live)
     return peak
 

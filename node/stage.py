@@ -37,6 +37,7 @@ from atoll.node.tied import WithTiedGradients
 from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribution
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.transport import TensorKey, Transport
+from atoll.node.wgrad import WeightGradients, attach
 from atoll.node.zero import ZeroOptimizer
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ class StageConfig:
     """``1f1b`` (bounded activation memory) or ``gpipe`` (all forwards, then all backwards)."""
     in_flight: int = 0
     """Extra micro-batches in flight beyond strict 1F1B (a deep window behind a slow link; the plan's)."""
+    defer_weights: int = 0
+    """Zero-bubble: backward computes the input's gradient first and the linear layers' weight gradients wait
+    this many micro-batches for a ``weight`` action of their own (`atoll.node.schedule`, `atoll.node.wgrad`;
+    the plan's); 0: backward computes them at once."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -91,6 +96,9 @@ class StageConfig:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.in_flight < 0:
             raise ValueError(f"in_flight (extra micro-batches in flight) must be >= 0, got {self.in_flight}")
+        if self.defer_weights < 0:
+            raise ValueError(f"defer_weights (micro-batches whose weight gradients wait) must be >= 0, got "
+                             f"{self.defer_weights}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
@@ -237,8 +245,19 @@ class PipelineStage:
                              f"{module.end}) of a tied model cut into stages): its gradient must be summed with the "
                              "other copy's; pass grad_averager=WithTiedGradients(...) (atoll.node.tied), or keep "
                              "the embedding and head on one stage")
+        self.weight_grads: WeightGradients | None = None
+        """Zero-bubble: where backward leaves the linear layers' weight-gradient products for the weight actions.
+        Not with ZeRO-2 (its hooks reduce each gradient as backward produces it) or tensor parallelism (sharded
+        weights); their stages run the weight actions as no-ops, with the gradients computed in backward."""
+        if config.defer_weights and tp is None and (self.zero is None or self.zero.stage < 2):
+            sink = WeightGradients()
+            if attach(module, sink):
+                self.weight_grads = sink
+        else:  # a module kept from an earlier stage of another plan computes its gradients in backward again
+            attach(module, None)
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
-                                              micro_batches=config.micro_batches, extra_in_flight=config.in_flight)
+                                              micro_batches=config.micro_batches, extra_in_flight=config.in_flight,
+                                              defer_weights=config.defer_weights if self.weight_grads else 0)
         self.device = next(module.parameters()).device
         self._working_set: tuple[tuple[int, int], int] | None = None
         """((rows, seq), bytes) of a recomputed block's working set, measured once per micro-batch shape."""
@@ -288,6 +307,10 @@ class PipelineStage:
         sync = 0.0
         mb_shape = (0, 0)  # (rows, seq) of a micro-batch
         saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}  # micro-batch -> (input, output)
+        deferred: dict[int, list] = {}  # micro-batch -> its weight-gradient products (zero-bubble)
+        wg = self.weight_grads
+        if wg is not None:
+            wg.clear()
         mb_bytes: dict[int, int] = {}
         live_bytes = peak_bytes = 0
         losses: list[float] = []
@@ -299,7 +322,16 @@ class PipelineStage:
         for action in self.actions:
             a_start = time.perf_counter()
             i = action.micro_batch
-            if action.op == "forward":
+            if action.op == "weight":
+                c0, cpu0 = time.perf_counter(), time.thread_time()
+                pending = deferred.pop(i)
+                WeightGradients.apply(pending)
+                self._sync()
+                a_wait, a_compute, a_cpu = 0.0, time.perf_counter() - c0, time.thread_time() - cpu0
+                compute += a_compute
+                if cfg.track_memory:
+                    live_bytes -= mb_bytes.pop(i)
+            elif action.op == "forward":
                 if self.is_first:
                     x: torch.Tensor | None = None
                     h_in = inputs[i].to(self.device)
@@ -348,6 +380,8 @@ class PipelineStage:
                     a_wait = time.perf_counter() - w0
                 c0, cpu0 = time.perf_counter(), time.thread_time()
                 out.backward(grad)
+                if wg is not None:
+                    deferred[i] = wg.take()
                 self._sync()
                 a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
                 compute += a_compute
@@ -361,6 +395,10 @@ class PipelineStage:
                     sync += time.perf_counter() - s0
                 if cfg.track_memory:
                     live_bytes -= mb_bytes.pop(i)
+                    if wg is not None:  # the deferred products live on until the weight action
+                        mb_bytes[i] = WeightGradients.nbytes(deferred[i])
+                        live_bytes += mb_bytes[i]
+                        peak_bytes = max(peak_bytes, live_bytes)
             wait += a_wait
             timeline.append(OpTiming(action.op, i, a_start - t0, time.perf_counter() - t0, a_wait,
                                      a_compute, a_cpu))

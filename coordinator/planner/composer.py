@@ -88,6 +88,20 @@ def split_island(island: Island, fraction: float) -> tuple[Island, Island] | Non
     return replace(island, gpus=front), replace(island, gpus=island.gpus - front)
 
 
+def _distinct(cands: list[Candidate]) -> list[Candidate]:
+    """`cands` without repeats of one pipeline (the same stages on the same islands and devices, reached from
+    different chain orders), first kept: each refinement slot goes to a different pipeline."""
+    seen: set[tuple] = set()
+    out = []
+    for c in cands:
+        key = (c.micro_batch, c.num_micro_batches,
+               tuple((st.island.id, st.island.gpus, st.start, st.end, st.cost.dp, st.cost.tp) for st in c.stages))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
 class NoFeasiblePlan(ValueError):
     """No arrangement of the model fits the cluster; the message names the shortfall."""
 
@@ -102,6 +116,16 @@ class StageChoice:
     optimizer_s: float
     in_flight: int = 0
     """Extra micro-batches in flight beyond strict 1F1B (deep window; `StagePlan.in_flight`)."""
+    defer: int = 0
+    """Micro-batches whose weight gradients wait for their own action (zero-bubble; `StagePlan.defer_weights`)."""
+    weight_s: float = 0.0
+    """Of the backward per micro-batch, the weight-gradient part the stage defers (0 when it does not)."""
+    defer_bytes: float = 0.0
+    """Memory per device the deferred weight gradients hold at most (on top of `cost.memory_bytes`)."""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.cost.memory_bytes + self.defer_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -523,6 +547,8 @@ class Composer:
             tied = tied_sync_seconds(cm, self.cluster, stages[0].island, stages[-1].island)
             for k in (0, -1):
                 stages[k] = replace(stages[k], sync_s=stages[k].sync_s + tied)
+        if cm.options.zero_bubble and len(stages) > 1:
+            stages = [self._deferred(st, n, s.m) for n, st in enumerate(stages)]
         cycle = max(st.cost.time_s for st in stages)
         links: list[LinkChoice] = []
         for n, ((i, _, e, _), (j, _, _, _), x, y) in enumerate(zip(placed, placed[1:], extras, extras[1:])):
@@ -538,13 +564,34 @@ class Composer:
                                     latency_s=min(lat, sec)))
         times = PipelineTimes(
             stages=tuple(StageTimes(forward_s=st.cost.forward_s, backward_s=st.cost.backward_s, sync_s=st.sync_s,
-                                    optimizer_s=st.optimizer_s) for st in stages),
+                                    optimizer_s=st.optimizer_s, weight_s=st.weight_s) for st in stages),
             links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s, latency_s=x.latency_s)
                         for x in links),
-            num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages))
+            num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages),
+            defer=tuple(st.defer for st in stages) if any(st.defer for st in stages) else ())
         return Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
                          stages=stages, links=links, times=times, estimate_s=closed_form_step(times),
                          placed=tuple(placed))
+
+    def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
+        """Stage `n` of its pipeline with its weight gradients deferred `n + 1` micro-batches deep (the
+        zero-bubble depth, `atoll.node.schedule.zero_bubble_depths`), or less as its memory allows; unchanged
+        where the runtime computes them in backward (tensor parallelism, ZeRO-2 and above) or none fits."""
+        c, cm = st.cost, self.cost_model
+        if c.tp != 1 or c.zero >= 2:
+            return st
+        t = cm.table(st.island, c.micro_batch)
+        w = t.weight(st.start, st.end)
+        if w <= 0:
+            return st
+        room = cm.memory_capacity(st.island) - c.memory_bytes
+        k = min(n + 1, m)
+        while k >= 1 and cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k) > room:
+            k -= 1
+        if k < 1:
+            return st
+        return replace(st, defer=k, weight_s=min(w, c.backward_s),
+                       defer_bytes=cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k))
 
     def best_for(self, s: _Setup) -> Candidate | None:
         """The best candidate of any chain of the setup's islands in its order."""
@@ -605,7 +652,7 @@ class Composer:
                 best = min(best, cand.step_s)
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
-        top = top[:self.cost_model.options.simulate_top]
+        top = _distinct(top)[:self.cost_model.options.simulate_top]
         top = [self.refine(c, source[id(c)]) for c in top]
         top.sort(key=lambda c: c.step_s)
         return top

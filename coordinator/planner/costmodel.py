@@ -34,7 +34,8 @@ per-replica micro-batches are counted in sequences.
   window), each with the activation the stage sent (held for its backward); ZeRO-2 also holds a few of
   its gradient buckets staged (`ZERO2_STAGED_FRACTION`). The runtime recomputes blocks only, a chosen
   prefix of a stage's blocks: each keeps its input instead of its activations, plus one block's working
-  set in backward. A CPU stage reports the same accounting from its real tensors (`atoll.node.stage`; it
+  set in backward. A stage that defers its weight gradients (zero-bubble) also holds each deferred
+  micro-batch's linear-layer inputs and output gradients (`deferred_bytes`). A CPU stage reports the same accounting from its real tensors (`atoll.node.stage`; it
   does not see that transient working set); a CUDA stage reports the allocator's peak.
 - In-flight depth of a boundary (`window_depth`): the extra micro-batches in flight that keep a slow or
   distant link's round trip (latency both ways plus both transfers) off the pipeline's cycle, about
@@ -155,6 +156,10 @@ class LayerTable:
     pact_rc: tuple[int, ...]
     max_layer_act: int
     """Largest block's full activation (the working set of a recomputed block in backward)."""
+    pw: tuple[float, ...] = ()
+    """Prefix sums of each layer's weight-gradient part of `bwd` (what a zero-bubble stage defers)."""
+    pstash: tuple[int, ...] = ()
+    """Prefix sums of the bytes one micro-batch's deferred weight gradients hold per layer."""
 
     def forward(self, a: int, b: int) -> float:
         return self.pf[b] - self.pf[a]
@@ -164,6 +169,14 @@ class LayerTable:
 
     def params_of(self, a: int, b: int) -> int:
         return self.pparams[b] - self.pparams[a]
+
+    def weight(self, a: int, b: int) -> float:
+        """Of `backward(a, b)`, the weight-gradient products a zero-bubble stage defers."""
+        return self.pw[b] - self.pw[a] if self.pw else 0.0
+
+    def stash(self, a: int, b: int) -> int:
+        """Bytes one micro-batch's deferred weight gradients of [a, b) hold until they are computed."""
+        return self.pstash[b] - self.pstash[a] if self.pstash else 0
 
 
 def _largest_block(model: ModelSpec, act: tuple[int, ...]) -> int:
@@ -237,6 +250,7 @@ class CostModel:
             bwd.append(b / speed + cb)
             params.append(-(-p // tp))
             act.append(kept_whole + (a - kept_whole) // tp if layer.kind == "block" else a)
+        # no deferred weight gradients under tensor parallelism (the runtime computes them in backward)
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=tuple(params), act=tuple(act),
                           act_recompute=base.act_recompute, pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)),
                           pparams=_prefix(tuple(params)), pact=_prefix(tuple(act)), pact_rc=base.pact_rc,
@@ -251,6 +265,7 @@ class CostModel:
         eff = tokens / (tokens + o.half_efficiency_tokens)
         fwd: list[float] = []
         bwd: list[float] = []
+        wgt: list[float] = []
         for layer in self.model.layers:
             measured = prof.layer_seconds(layer.kind, tokens) if prof else None
             if measured is not None:
@@ -263,14 +278,18 @@ class CostModel:
                 b = layer.flops_bwd_per_token * tokens / (peak * eff)
             fwd.append(f)
             bwd.append(b)
+            # the weight-gradient products' share of the backward, by FLOPs (of a measured backward too)
+            wgt.append(b * layer.flops_wgrad_per_token / layer.flops_bwd_per_token if layer.flops_bwd_per_token else 0.0)
         d = self.train.dtype
+        stash = tuple(tokens * layer.wgrad_elems_per_token * self.elem_bytes for layer in self.model.layers)
         params = tuple(layer.params for layer in self.model.layers)
         act = tuple(layer.activation_bytes(micro_batch, seq, d) for layer in self.model.layers)
         act_rc = tuple(layer.activation_bytes(micro_batch, seq, d, recompute=layer.kind == "block")
                        for layer in self.model.layers)
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=params, act=act, act_recompute=act_rc,
                           pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)), pparams=_prefix(params),
-                          pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=_largest_block(self.model, act))
+                          pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=_largest_block(self.model, act),
+                          pw=_prefix(tuple(wgt)), pstash=_prefix(stash))
 
     # --- memory --------------------------------------------------------------------------------------
 
@@ -296,6 +315,19 @@ class CostModel:
     def state_bytes(self, params: int, zero: int, group: int) -> float:
         per, const = self.state_linear(zero, group)
         return params * per + const
+
+    def deferred_bytes(self, t: LayerTable, a: int, e: int, recompute_layers: tuple[int, ...] | list[int],
+                       depth: int) -> float:
+        """Memory per device a stage [a, e) adds by deferring its weight gradients `depth` micro-batches (zero-bubble,
+        `atoll.node.schedule`), on top of its 1F1B memory: each deferred micro-batch holds S bytes (every linear
+        layer's input and output gradient), and right after a backward the stage holds one in-flight micro-batch
+        fewer (A bytes of activations, less where blocks are recomputed) and one deferred more: depth x S +
+        max(0, S - A)."""
+        if depth <= 0:
+            return 0.0
+        per = t.stash(a, e)
+        act = t.pact[e] - t.pact[a] - sum(t.act[i] - t.act_recompute[i] for i in recompute_layers)
+        return depth * per + max(0, per - act)
 
     def stage_output_bytes(self, end: int, micro_batch: int) -> int:
         """Bytes a stage ending before layer `end` keeps per micro-batch in flight beyond its layers' saved

@@ -15,7 +15,9 @@ from atoll.coordinator.planner.simulator import PipelineTimes, simulate, simulat
 from atoll.fsutil import atomic_write
 from atoll.plan import Plan
 
-KIND_COLOR = {"F": "#4c9be8", "B": "#f28e2b", "sync": "#59a14f", "opt": "#9c755f"}
+KIND_COLOR = {"F": "#4c9be8", "B": "#f28e2b", "W": "#edc948", "sync": "#59a14f", "opt": "#9c755f"}
+KIND_NAME = {"F": "forward", "B": "backward", "W": "weight gradients (deferred)", "sync": "all-reduce",
+             "opt": "optimizer"}
 ROUND_COLOR = {"inner": "#4c9be8", "outer": "#e15759"}
 
 
@@ -222,10 +224,12 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
     bottom.invert_yaxis()
     bottom.set_xlabel("seconds")
     which = f" of pipeline 0 (group {plan.groups[0].name})" if outer else ""
-    bottom.set_title(f"1F1B timeline of one step{which} (simulated): forward, backward, all-reduce, optimizer",
-                     fontsize=9)
-    handles = [Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOR.values()]
-    bottom.legend(handles, ["forward", "backward", "all-reduce", "optimizer"], loc="lower right", fontsize=7)
+    kinds = [k for k in KIND_COLOR if any(e.kind == k for e in sim.events)]
+    zb = " with deferred weight gradients (zero-bubble)" if "W" in kinds else ""
+    bottom.set_title(f"1F1B timeline of one step{which}{zb} (simulated): "
+                     f"{', '.join(KIND_NAME[k] for k in kinds)}", fontsize=9)
+    handles = [Rectangle((0, 0), 1, 1, color=KIND_COLOR[k]) for k in kinds]
+    bottom.legend(handles, [KIND_NAME[k] for k in kinds], loc="lower right", fontsize=7)
     fig.tight_layout()
     _stage_arrows(top, plan, boxes)  # after the layout: it measures the drawn boxes
     buf = io.BytesIO()

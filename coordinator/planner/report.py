@@ -66,17 +66,20 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     lines += _unused_lines(plan, unused, devices)
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
+        zb = ("; weight gradients deferred where the wgrad column gives a depth (zero-bubble: backward "
+              "computes what the previous stage waits for first)") if any(s.defer_weights for s in pl.stages) else ""
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
                      f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
-                     f"possible{owner})")
+                     f"possible{owner}){zb}")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp x tp':>13} {'zero':>4} {'recomp':>6} "
-                     f"{'compute':>9} {'mem/dev':>8}  send")
+                     f"{'wgrad':>5} {'compute':>9} {'mem/dev':>8}  send")
         for j, s in enumerate(pl.stages):
             send = "-"
             if s.send is not None:
                 send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
                          + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {_recomputed(s):>6} "
+                         f"{s.defer_weights or '-':>5} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
 

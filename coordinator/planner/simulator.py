@@ -12,6 +12,11 @@ step ends when the last stage is done.
 With equal stages and free links the step takes (m + p - 1) x (forward + backward) before all-reduce, the
 closed form the tests check.
 
+A stage with deferred weight gradients (zero-bubble, `PipelineTimes.defer`, as `atoll.node.schedule` places
+them) runs each backward as its input-gradient part (`backward_s - weight_s`), which is what its upstream
+waits for, and the weight-gradient part as an action of its own that needs no input; with every stage
+deferring (`zero_bubble_depths`) equal stages take m (F + B + W) + (p - 1) (F + B - W) instead.
+
 `simulate_outer` predicts outer mode over rounds: replica groups of given step times and inner steps, and
 an exchange of pseudo-gradients every round, overlapped with the next round or not.
 """
@@ -33,6 +38,14 @@ class StageTimes:
     """Gradient all-reduce after the last backward."""
     optimizer_s: float = 0.0
     """Optimizer step after the all-reduce."""
+    weight_s: float = 0.0
+    """Of `backward_s`, the linear layers' weight-gradient products: what a stage that defers them runs as an
+    action of its own (`PipelineTimes.defer`)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.weight_s <= self.backward_s:
+            raise ValueError(f"weight_s must be in [0, backward_s] (part of the backward), got {self.weight_s} of "
+                             f"{self.backward_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +73,9 @@ class PipelineTimes:
     in_flight: tuple[int, ...] = ()
     """Extra micro-batches in flight per stage beyond strict 1F1B (deep windows, `StagePlan.in_flight`);
     empty: strict 1F1B everywhere."""
+    defer: tuple[int, ...] = ()
+    """Per stage, the micro-batches whose weight gradients wait for their own action (zero-bubble,
+    `StagePlan.defer_weights`; 0: none); empty: none anywhere."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -76,10 +92,21 @@ class PipelineTimes:
             if any(b > a for a, b in zip(w, w[1:])):
                 raise ValueError(f"in_flight {self.in_flight} gives warm-ups {w} that grow downstream, which "
                                  "deadlocks; a stage may keep at most one extra micro-batch more than its upstream")
+        if self.defer and (len(self.defer) != len(self.stages) or min(self.defer) < 0):
+            raise ValueError(f"defer needs one depth >= 0 per stage ({len(self.stages)}), got {self.defer}")
 
     def extra(self, stage: int) -> int:
         """Extra in-flight depth of `stage` (0 under strict 1F1B)."""
         return self.in_flight[stage] if self.in_flight else 0
+
+    def deferred(self, stage: int) -> int:
+        """Micro-batches whose weight gradients `stage` defers (0: computed in backward)."""
+        return self.defer[stage] if self.defer else 0
+
+    def backward_part(self, stage: int) -> float:
+        """What `stage`'s backward action takes: without the weight gradients when it defers them."""
+        s = self.stages[stage]
+        return s.backward_s - s.weight_s if self.deferred(stage) else s.backward_s
 
     def warmups(self) -> list[int]:
         """Warm-up forwards per stage: min(p - i - 1 + extra, m)."""
@@ -113,20 +140,32 @@ class SimResult:
         return 1 - max(self.busy_s) / self.pipeline_time_s if self.pipeline_time_s > 0 else 0.0
 
 
-def one_f_one_b_order(stage: int, num_stages: int, m: int, extra: int = 0) -> list[tuple[str, int]]:
-    """The order of a 1F1B stage, `extra` micro-batches deeper than strict (the node's schedule)."""
+def one_f_one_b_order(stage: int, num_stages: int, m: int, extra: int = 0, defer: int = 0) -> list[tuple[str, int]]:
+    """The order of a 1F1B stage, `extra` micro-batches deeper than strict, with the weight gradients ("W")
+    of micro-batch j after the backward of j + `defer` when it defers them (the node's schedule)."""
     warm = min(num_stages - stage - 1 + extra, m)
     ops = [("F", j) for j in range(warm)]
     for j in range(m - warm):
         ops.append(("F", warm + j))
         ops.append(("B", j))
     ops.extend(("B", j) for j in range(m - warm, m))
-    return ops
+    if not defer:
+        return ops
+    out: list[tuple[str, int]] = []
+    waiting: list[int] = []
+    for op in ops:
+        out.append(op)
+        if op[0] == "B":
+            waiting.append(op[1])
+            if len(waiting) > defer:
+                out.append(("W", waiting.pop(0)))
+    out.extend(("W", j) for j in waiting)
+    return out
 
 
 def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     n, m = len(p.stages), p.num_micro_batches
-    orders = [one_f_one_b_order(i, n, m, p.extra(i)) for i in range(n)]
+    orders = [one_f_one_b_order(i, n, m, p.extra(i), p.deferred(i)) for i in range(n)]
     nxt = [0] * n
     free = [0.0] * n
     f_in: list[dict[int, float]] = [dict() for _ in range(n)]  # activation arrival at stage i
@@ -152,9 +191,11 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
             if kind == "F":
                 ready = f_in[i].get(j)
                 dur = s.forward_s
-            else:
+            elif kind == "B":
                 ready = f_done[i].get(j) if i == n - 1 else b_in[i].get(j)
-                dur = s.backward_s
+                dur = p.backward_part(i)
+            else:  # a deferred weight gradient: needs nothing from a neighbour
+                ready, dur = 0.0, s.weight_s
             if ready is None:
                 break
             start = max(free[i], ready)
@@ -176,8 +217,10 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
                     if not queued[i + 1]:
                         queue.append(i + 1)
                         queued[i + 1] = True
+            elif kind == "W":
+                last_b[i] = max(last_b[i], end)
             else:
-                last_b[i] = end
+                last_b[i] = max(last_b[i], end)
                 if i > 0:
                     x = p.links[i - 1]
                     t0 = max(link_b[i - 1], end)
@@ -214,12 +257,16 @@ def closed_form_step(p: PipelineTimes) -> float:
     """
     m = p.num_micro_batches
     # window of boundary i: 2 + e_i - e_{i+1} micro-batches (a window clamped by m never reaches a steady state)
-    loops = [(a.forward_s + a.backward_s + b.forward_s + b.backward_s + 2 * x.latency_s)
+    loops = [(a.forward_s + p.backward_part(i) + b.forward_s + p.backward_part(i + 1) + 2 * x.latency_s)
              / (2 + p.extra(i) - p.extra(i + 1)) for i, (a, b, x) in enumerate(zip(p.stages, p.stages[1:], p.links))]
     cycle = max(max(s.forward_s + s.backward_s for s in p.stages),
                 max((max(x.forward_s, x.backward_s) - x.latency_s for x in p.links), default=0.0),
                 max(loops, default=0.0))
-    fill = sum(s.forward_s + s.backward_s for s in p.stages) + sum(x.forward_s + x.backward_s for x in p.links)
+    # deferred weight gradients fill the fill and drain: each deferring stage's share of them shrinks by 2 W,
+    # but the last micro-batch's weight gradients still end the step (m (F + B + W) + (p - 1) (F + B - W))
+    deferred = [s.weight_s if p.deferred(i) else 0.0 for i, s in enumerate(p.stages)]
+    fill = sum(s.forward_s + s.backward_s - 2 * w for s, w in zip(p.stages, deferred)) + 2 * max(deferred) \
+        + sum(x.forward_s + x.backward_s for x in p.links)
     tail = max(s.sync_s + s.optimizer_s for s in p.stages)
     return fill + (m - 1) * cycle + tail
 
@@ -233,13 +280,16 @@ def step_lower_bound(p: PipelineTimes) -> float:
     through_first = after_own = 0.0
     for i, s in enumerate(p.stages):
         done = reach + m * (s.forward_s + s.backward_s)
-        through_first = max(through_first, done + back)
+        # a deferring stage runs its last min(k + 1, m) weight gradients after its last backward
+        trailing = min(p.deferred(i) + 1, m) * s.weight_s if p.deferred(i) else 0.0
+        through_first = max(through_first, done - trailing + back)
         after_own = max(after_own, done + s.sync_s + s.optimizer_s)
         if i < len(p.links):
             reach += s.forward_s + p.links[i].forward_s
-            back += s.backward_s + p.links[i].backward_s
+            back += p.backward_part(i) + p.links[i].backward_s
     first = p.stages[0]
-    return max(through_first + first.sync_s + first.optimizer_s, after_own)
+    first_trailing = min(p.deferred(0) + 1, m) * first.weight_s if p.deferred(0) else 0.0
+    return max(through_first + first_trailing + first.sync_s + first.optimizer_s, after_own)
 
 
 # --- outer mode: replica groups syncing every round ------------------------------------------------------

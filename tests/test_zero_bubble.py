@@ -1,0 +1,271 @@
+"""Zero-bubble pipelining: backward split into the input's gradient and the deferred weight gradients.
+
+The schedule (every action once, 1F1B's order of forwards and backwards kept), the deferred products (the same
+gradients as autograd's, under recomputation and bf16 autocast), the simulator (ZB-H1's bound on balanced
+pipelines, a lower bound it never beats), the planner (depths, memory, the plan's fields on the wire) and the
+runtime: threads and real gRPC nodes train the same losses as one process, with ZeRO-1 and data parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from pipeline_harness import assert_losses_match, run_pinned_plan, stage, tiny_job
+
+from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, search_plan
+from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step,
+                                                 one_f_one_b_order, simulate, step_lower_bound)
+from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.node.inprocess import train_threaded
+from atoll.node.local import train_local
+from atoll.node.model import build_slice, lm_loss
+from atoll.node.schedule import max_deferred, max_in_flight, schedule, zero_bubble_depths
+from atoll.node.stage import StageConfig
+from atoll.node.synthetic import synthetic_batch
+from atoll.node.wgrad import WeightGradients, attach
+from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.serde import plan_from_proto, plan_to_proto
+
+# --- schedule ------------------------------------------------------------------------------------------------
+
+
+def test_weight_actions_follow_their_backward_k_micro_batches_later() -> None:
+    for p in range(1, 5):
+        for m in range(1, 7):
+            for k in range(1, p + 2):
+                for s in range(p):
+                    acts = schedule("1f1b", stage=s, num_stages=p, micro_batches=m, defer_weights=k)
+                    plain = schedule("1f1b", stage=s, num_stages=p, micro_batches=m)
+                    assert [a for a in acts if a.op != "weight"] == plain  # 1F1B's order, so no deadlock
+                    ws = [a.micro_batch for a in acts if a.op == "weight"]
+                    assert ws == list(range(m))
+                    backs = [a.micro_batch for a in plain if a.op == "backward"]
+                    for j in range(m):
+                        w = acts.index(type(acts[0])("weight", j))
+                        assert acts.index(type(acts[0])("backward", j)) < w
+                        if j + k < m:  # right after the backward k micro-batches later
+                            assert acts[w - 1] == type(acts[0])("backward", backs[j + k])
+                    assert max_deferred(acts) <= min(k + 1, m)
+                    assert max_in_flight(acts) == max_in_flight(plain)
+    assert zero_bubble_depths(4) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="defer_weights"):
+        schedule("1f1b", stage=0, num_stages=2, micro_batches=4, defer_weights=-1)
+
+
+def test_the_simulator_runs_the_nodes_zero_bubble_schedule() -> None:
+    for p in range(1, 5):
+        for m in range(1, 7):
+            for k in range(0, 4):
+                for s in range(p):
+                    node = [(a.op[0].upper(), a.micro_batch) for a in
+                            schedule("1f1b", stage=s, num_stages=p, micro_batches=m, defer_weights=k)]
+                    assert one_f_one_b_order(s, p, m, 0, k) == node
+
+
+# --- simulator -----------------------------------------------------------------------------------------------
+
+
+def _balanced(p: int, m: int, f: float, b: float, w: float, defer: bool) -> PipelineTimes:
+    st = StageTimes(forward_s=f, backward_s=b + w, weight_s=w)
+    return PipelineTimes(stages=(st,) * p, links=(LinkTimes(forward_s=0, backward_s=0),) * (p - 1),
+                         num_micro_batches=m, defer=tuple(zero_bubble_depths(p)) if defer else ())
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 16), (8, 64), (16, 32)])
+def test_a_balanced_pipeline_reaches_zb_h1s_bound(p: int, m: int) -> None:
+    for f, b, w in [(1, 1, 1), (1, 1.3, 0.7), (1, 1.5, 0.5)]:
+        zb = simulate(_balanced(p, m, f, b, w, True)).step_time_s
+        plain = simulate(_balanced(p, m, f, b, w, False)).step_time_s
+        assert plain == pytest.approx((m + p - 1) * (f + b + w))
+        assert zb == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))
+        assert closed_form_step(_balanced(p, m, f, b, w, True)) == pytest.approx(zb)
+    # nothing to defer: the same step as 1F1B
+    assert simulate(_balanced(p, m, 1, 2, 0, True)).step_time_s == pytest.approx((m + p - 1) * 3)
+
+
+def test_the_lower_bound_holds_with_deferred_weights() -> None:
+    rng = random.Random(3)
+    for _ in range(1500):
+        p, m = rng.randint(1, 5), rng.randint(1, 9)
+        stages = []
+        for _ in range(p):
+            b = rng.uniform(0.1, 3)
+            stages.append(StageTimes(forward_s=rng.uniform(0.1, 2), backward_s=b, weight_s=rng.uniform(0, b),
+                                     sync_s=rng.uniform(0, 1), optimizer_s=rng.uniform(0, 1)))
+        links = []
+        for _ in range(p - 1):
+            lat = rng.uniform(0, 0.3)
+            links.append(LinkTimes(forward_s=lat + rng.uniform(0, 1), backward_s=lat + rng.uniform(0, 1),
+                                   latency_s=lat))
+        t = PipelineTimes(stages=tuple(stages), links=tuple(links), num_micro_batches=m,
+                          defer=tuple(rng.randint(0, p + 1) for _ in range(p)))
+        sim = simulate(t, record=True)
+        assert step_lower_bound(t) <= sim.step_time_s + 1e-9
+        # every weight action after its own backward, and the stage's all-reduce after its last one
+        for i in range(p):
+            ev = {(e.kind, e.micro_batch): e for e in sim.events if e.stage == i}
+            if t.deferred(i):
+                for j in range(m):
+                    assert ev[("W", j)].start >= ev[("B", j)].end - 1e-12
+                assert ev[("sync", -1)].start >= max(ev[("W", j)].end for j in range(m)) - 1e-12
+    with pytest.raises(ValueError, match="weight_s"):
+        StageTimes(forward_s=1, backward_s=1, weight_s=2)
+    with pytest.raises(ValueError, match="defer"):
+        PipelineTimes(stages=(StageTimes(forward_s=1, backward_s=1),) * 2, links=(LinkTimes(forward_s=0, backward_s=0),),
+                      num_micro_batches=4, defer=(1,))
+
+
+# --- the deferred products -----------------------------------------------------------------------------------
+
+
+LLAMA = ModelConfig(name="tiny-llama", style="llama", vocab_size=256, d_model=64, n_layers=3, n_heads=4,
+                    n_kv_heads=2, ffn_hidden=128, seq_len=32)
+
+
+@pytest.mark.parametrize("config", [preset("tiny"), LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deferred_weight_gradients_equal_autograds(config: ModelConfig, recompute: bool, dtype) -> None:
+    n = config.n_layers + 2
+    plain = build_slice(config, 0, n, seed=1, recompute=range(1, n - 1) if recompute else ())
+    split = copy.deepcopy(plain)
+    sink = WeightGradients()
+    assert attach(split, sink) == 4 * config.n_layers + 1  # qkv, proj, fc, out per block and the head
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    tgt = torch.roll(ids, -1, dims=1)
+
+    def loss(module: torch.nn.Module) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            return lm_loss(module(ids), tgt)
+
+    loss(plain).backward()
+    loss(split).backward()
+    pending = sink.take()
+    assert len(pending) == 4 * config.n_layers + 1
+    deferred = {id(p.weight) for p in pending}
+    for p in split.parameters():  # the deferred weights have no gradient yet, the rest have theirs
+        assert (p.grad is None) == (id(p) in deferred)
+    assert WeightGradients.nbytes(pending) > 0
+    WeightGradients.apply(pending)
+    for a, b in zip(plain.parameters(), split.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)
+    # detached: backward computes them again
+    attach(split, None)
+    split.zero_grad(set_to_none=True)
+    loss(split).backward()
+    assert all(p.grad is not None for p in split.parameters())
+    assert not sink.take()
+
+
+def test_a_tied_heads_copy_is_not_deferred() -> None:
+    config = replace(preset("tiny"), tied_head=True)
+    head = build_slice(config, 3, config.n_layers + 2, seed=0)  # the head's stage holds a copy of the weight
+    assert attach(head, WeightGradients()) == 4 * (config.n_layers + 2 - 3 - 1)
+
+
+def test_the_planners_stash_is_what_the_runtime_holds() -> None:
+    """The cost model's bytes of one micro-batch's deferred products equal what the runtime's hold."""
+    config = preset("tiny")
+    spec = ModelSpec.from_config(config)
+    cm = CostModel(spec, TrainSpec(global_batch=8, seq_len=config.seq_len, dtype="fp32"))
+    island = parse_cluster('[[group]]\nname = "g"\ndevice = "A100-80GB"\ncount = 1\n').islands[0]
+    n = config.n_layers + 2
+    module = build_slice(config, 0, n, seed=0)
+    sink = WeightGradients()
+    attach(module, sink)
+    ids = torch.randint(0, config.vocab_size, (2, config.seq_len))
+    lm_loss(module(ids), ids).backward()
+    held = WeightGradients.nbytes(sink.take())
+    assert cm.table(island, 2).stash(0, n) == pytest.approx(held, rel=0.02)
+
+
+# --- runtime -------------------------------------------------------------------------------------------------
+
+
+def test_threads_with_deferred_weights_train_as_1f1b_does() -> None:
+    config = preset("tiny")
+    m, steps = 4, 3
+    batches = [synthetic_batch(vocab_size=config.vocab_size, batch=2 * m, seq_len=config.seq_len, seed=0, step=i)
+               for i in range(steps)]
+    cfg = StageConfig(micro_batches=m, lr=1e-3, track_memory=True)
+    cuts = [0, 2, 4, 6]
+    plain = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches)
+    zb = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=zero_bubble_depths(3))
+    assert zb.losses() == pytest.approx(plain.losses(), rel=1e-5)
+    for a, b in zip(plain.stages[0], zb.stages[0]):
+        for x, y in zip(a.module.parameters(), b.module.parameters()):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+    last = zb.results[0]
+    for s in range(3):
+        ops = [t.op for t in last[s][-1].timeline]
+        assert ops.count("weight") == m and ops.count("backward") == m
+        assert all(t.compute > 0 for t in last[s][-1].timeline if t.op == "weight")
+    # the last stage holds its deferred products besides its single in-flight micro-batch
+    assert last[2][-1].peak_activation_bytes > plain.results[0][2][-1].peak_activation_bytes
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_nodes_with_deferred_weights_match_one_process(tmp_path: Path) -> None:
+    """Real gRPC peers and gloo groups: a 3-stage plan, the middle stage 2 replicas under ZeRO-1 (its products
+    added into the flat gradient buffer) and the first 2 under ZeRO-2 (computes them in backward)."""
+    steps = 4
+    job = tiny_job(steps, micro_batch=2)
+    expected, _ = train_local(job)
+    m = job.train.global_batch // 2
+    plan = [PipelinePlan(micro_batch=2, num_micro_batches=m, stages=[
+        stage((0, 2), ["a", "b"], zero=2, defer_weights=1), stage((2, 4), ["c", "d"], zero=1, defer_weights=2),
+        stage((4, 6), ["e"], defer_weights=3)])]
+    run = run_pinned_plan(job, plan, tmp_path / "ckpt")
+    assert sorted(run.losses) == list(range(steps))
+    assert_losses_match(run.losses, expected, 1e-4, range(steps))
+
+
+# --- planner -------------------------------------------------------------------------------------------------
+
+
+MIXED = """
+[[group]]
+name = "a100"
+device = "A100-80GB"
+count = 8
+gpus_per_node = 8
+[[group]]
+name = "v100"
+device = "V100-32GB"
+count = 8
+gpus_per_node = 8
+"""
+
+
+def test_the_planner_defers_weights_where_the_runtime_can_and_it_fits() -> None:
+    spec = ModelSpec.from_preset("1.3b")
+    train = TrainSpec(global_batch=256, seq_len=1024)
+    cluster = parse_cluster(MIXED)
+    zb = search_plan(spec, cluster, train, options=PlannerOptions(max_tp=1))
+    off = search_plan(spec, cluster, train, options=PlannerOptions(max_tp=1, zero_bubble=False))
+    stages = [s for p in zb.plan.pipelines for s in p.stages]
+    assert len(stages) > 1 and any(s.defer_weights for s in stages)
+    for p in zb.plan.pipelines:
+        for n, s in enumerate(p.stages):
+            assert 0 <= s.defer_weights <= n + 1
+            if s.defer_weights:
+                assert s.tp == 1 and s.zero <= 1
+    assert all(s.defer_weights == 0 for p in off.plan.pipelines for s in p.stages)
+    assert zb.plan.predicted.step_time_s < off.plan.predicted.step_time_s
+    usable = {i.id: i.device.memory_gb * (1 - PlannerOptions().memory_reserve_fraction) for i in cluster.islands}
+    for s in stages:
+        assert s.memory_gb_per_device <= usable[s.island] + 1e-9
+    # a plan's depths travel on the wire and in JSON
+    back = plan_from_proto(plan_to_proto(zb.plan))
+    assert [s.defer_weights for p in back.pipelines for s in p.stages] == [s.defer_weights for s in stages]
+    assert [s.defer_weights for p in Plan.from_json(zb.plan.to_json()).pipelines for s in p.stages] == \
+        [s.defer_weights for s in stages]
+    with pytest.raises(ValueError, match="defer_weights"):
+        StagePlan(island="a", layers=(0, 3), defer_weights=-1)
