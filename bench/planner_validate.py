@@ -127,6 +127,9 @@ class LiveShape:
     name: str
     pipelines: tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
     """Per pipeline: (micro-batch, micro-batches per step, stages as (first layer, end layer, replicas))."""
+    zero_bubble: bool = False
+    """Stage s defers its weight gradients s + 1 micro-batches (`StagePlan.defer_weights`), as the planner
+    plans them."""
 
     @property
     def nodes(self) -> int:
@@ -142,6 +145,7 @@ SHAPES = (
     LiveShape("unequal widths 2+1", ((8, 4, ((0, 3, 2), (3, 6, 1))),)),
     LiveShape("2 pipelines, cut differently", ((4, 4, ((0, 6, 1),)), (4, 4, ((0, 3, 1), (3, 6, 1))))),
     LiveShape("2 stages x dp 2", ((8, 4, ((0, 3, 2), (3, 6, 2))),)),
+    LiveShape("3 stages, zero-bubble", ((4, 8, ((0, 2, 1), (2, 4, 1), (4, 6, 1))),), zero_bubble=True),
 )
 
 
@@ -169,8 +173,9 @@ def shape_plan(shape: LiveShape, global_batch: int, seq_len: int) -> Plan:
     pipelines = []
     for mb, m, stages in shape.pipelines:
         plans = []
-        for a, e, dp in stages:
-            plans.append(StagePlan(island="cpu", layers=(a, e), dp=dp, nodes=[f"n{k + i}" for i in range(dp)]))
+        for n, (a, e, dp) in enumerate(stages):
+            plans.append(StagePlan(island="cpu", layers=(a, e), dp=dp, nodes=[f"n{k + i}" for i in range(dp)],
+                                   defer_weights=n + 1 if shape.zero_bubble else 0))
             k += dp
         pipelines.append(PipelinePlan(micro_batch=mb, num_micro_batches=m, stages=plans))
     plan = Plan(model="validate", global_batch=global_batch, seq_len=seq_len, pipelines=pipelines)
@@ -431,7 +436,8 @@ def run_live(shape: LiveShape, steps: int, warm: int, prior: dict | None = None)
         expected = {}
         for n, (a, e, rows) in node_slices(shape).items():
             t = cm.table(cluster.islands[0], rows)
-            expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e)}
+            w = t.weight(a, e) if shape.zero_bubble else 0.0  # zero-bubble: a weight action of its own
+            expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e) - w, "weight": w}
         factor = op_factor(ops, expected)
         replayed = predict_live(shape, *live_model(job, nodes, profiles, factor, link), overhead / seen)
         calibrated = None
@@ -462,11 +468,26 @@ def live_model(job, nodes: list[str], measured: dict[str, NodeProfile], slower: 
 
 
 def with_action_overhead(times: PipelineTimes, seconds: float) -> PipelineTimes:
-    """The pipeline's times with `seconds` of the runtime's own work added to every forward and backward."""
+    """The pipeline's times with `seconds` of the runtime's own work added to every forward, backward and
+    (zero-bubble) weight action."""
     if seconds <= 0:
         return times
-    return replace(times, stages=tuple(replace(s, forward_s=s.forward_s + seconds, backward_s=s.backward_s + seconds)
-                                       for s in times.stages))
+    stages = []
+    for i, s in enumerate(times.stages):
+        w = seconds if times.deferred(i) else 0.0  # a weight action of its own
+        stages.append(replace(s, forward_s=s.forward_s + seconds, backward_s=s.backward_s + seconds + w,
+                              weight_s=s.weight_s + w))
+    return replace(times, stages=tuple(stages))
+
+
+def with_deferred_weights(times: PipelineTimes, cm: CostModel, island, stages: Sequence[tuple[int, int, int]],
+                          micro_batch: int) -> PipelineTimes:
+    """The pipeline's times with stage s deferring its weight gradients s + 1 micro-batches, their share of each
+    backward from the cost model (as the planner's composer sets them)."""
+    weights = [min(st.backward_s, cm.table(island, -(-micro_batch // dp)).weight(a, e))
+               for st, (a, e, dp) in zip(times.stages, stages)]
+    return replace(times, stages=tuple(replace(st, weight_s=w) for st, w in zip(times.stages, weights)),
+                   defer=tuple(range(1, len(stages) + 1)))
 
 
 def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster, overhead_s: float = 0.0) -> float:
@@ -479,6 +500,8 @@ def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster, overhead_s: 
         times = evaluate(cm, cluster, st, mb, mb * m)
         if times is None:
             raise ValueError(f"shape {shape.name!r} does not fit the cost model's memory")
+        if shape.zero_bubble:
+            times = with_deferred_weights(times, cm, island, stages, mb)
         pipes.append((with_action_overhead(times, overhead_s), st))
     if len(pipes) > 1:
         link = slowest_link(cluster, [[island.id]] * len(pipes))
