@@ -25,6 +25,7 @@ from atoll.modelspec import ModelConfig, ModelSpec, preset
 from atoll.node.inprocess import train_threaded
 from atoll.node.local import train_local
 from atoll.node.model import build_slice, lm_loss
+from atoll.node.precision import LossScaleConfig
 from atoll.node.schedule import max_deferred, max_in_flight, schedule, zero_bubble_depths
 from atoll.node.stage import StageConfig
 from atoll.node.synthetic import synthetic_batch
@@ -188,12 +189,14 @@ def test_the_planners_stash_is_what_the_runtime_holds() -> None:
 # --- runtime -------------------------------------------------------------------------------------------------
 
 
-def test_threads_with_deferred_weights_train_as_1f1b_does() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_threads_with_deferred_weights_train_as_1f1b_does(precision: str) -> None:
     config = preset("tiny")
     m, steps = 4, 3
     batches = [synthetic_batch(vocab_size=config.vocab_size, batch=2 * m, seq_len=config.seq_len, seed=0, step=i)
                for i in range(steps)]
-    cfg = StageConfig(micro_batches=m, lr=1e-3, track_memory=True)
+    cfg = StageConfig(micro_batches=m, lr=1e-3, track_memory=True, bf16_autocast=precision == "bf16",
+                      fp16_loss_scale=LossScaleConfig(init_scale=2.0 ** 10) if precision == "fp16" else None)
     cuts = [0, 2, 4, 6]
     plain = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches)
     zb = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=zero_bubble_depths(3))
