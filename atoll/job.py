@@ -13,7 +13,8 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
                   validation_fraction | validation (a held-out source)
     [train]       global_batch, seq_len, micro_batch, steps, lr, weight_decay, warmup, grad_clip,
                   precision ("fp32" | "bf16" | "fp16"; also spelt dtype), loss_scale, loss_scale_window (fp16),
-                  seed, schedule ("1f1b" | "gpipe"), tensorboard_dir, eval_every, eval_batches
+                  seed, schedule ("1f1b" | "gpipe"), zero_bubble (true | false), tensorboard_dir, eval_every,
+                  eval_batches
     [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all),
                   replicas (other nodes that take a copy of each checkpoint; default 1)
     [compression] mode ("adaptive" | "identity" | a codec name)
@@ -147,6 +148,10 @@ class TrainSpec:
     """Seed of the initial weights and the data order."""
     schedule: str = "1f1b"
     """Pipeline schedule: "1f1b" or "gpipe"."""
+    zero_bubble: bool = True
+    """Let the planner defer the linear layers' weight gradients of the stages where that fits (each backward
+    first computes what the previous stage waits for, and the weight gradients fill the pipeline's idle time);
+    false: every stage computes them in backward."""
     eval_every: int = 0
     """Steps between validation passes over held-out data (0: none; needs data.validation_fraction or
     data.validation); a pass also runs after the last step."""
@@ -415,7 +420,8 @@ class JobSpec:
         return replace(self, id=job_id)
 
 
-_TRAIN_WRITTEN_WHEN_SET = ("loss_scale", "loss_scale_window", "tensorboard_dir", "eval_every", "eval_batches")
+_TRAIN_WRITTEN_WHEN_SET = ("loss_scale", "loss_scale_window", "tensorboard_dir", "eval_every", "eval_batches",
+                           "zero_bubble")
 _DATA_WRITTEN_WHEN_SET = ("format", "field", "validation_fraction", "validation")
 """[train] fields written only when they differ from their defaults, so jobs without them keep their ids."""
 

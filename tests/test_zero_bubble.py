@@ -272,3 +272,24 @@ def test_the_planner_defers_weights_where_the_runtime_can_and_it_fits() -> None:
         [s.defer_weights for s in stages]
     with pytest.raises(ValueError, match="defer_weights"):
         StagePlan(island="a", layers=(0, 3), defer_weights=-1)
+
+
+def test_the_job_and_the_cli_can_turn_it_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from atoll.launch.cli import main
+    from atoll.job import JobSpec
+
+    job = JobSpec.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
+    assert job.train.zero_bubble and "zero_bubble" not in job.to_toml()  # the default keeps old jobs' ids
+    off = replace(job, train=replace(job.train, zero_bubble=False))
+    path = tmp_path / "job.toml"
+    path.write_text(off.to_toml())
+    assert "zero_bubble = false" in off.to_toml() and not JobSpec.load(path).train.zero_bubble
+    cluster = tmp_path / "mixed.toml"
+    cluster.write_text(MIXED)
+    for flag, deferred in (([], True), (["--no-zero-bubble"], False)):
+        out = tmp_path / "plan.json"
+        assert main(["plan", "--model", "1.3b", "--cluster", str(cluster), "--global-batch", "256", "--seq-len", "1024",
+                     "--json", str(out), *flag]) == 0
+        capsys.readouterr()
+        stages = [s for p in Plan.from_json(out.read_text()).pipelines for s in p.stages]
+        assert any(s.defer_weights for s in stages) == deferred
