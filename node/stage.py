@@ -246,10 +246,10 @@ class PipelineStage:
                              "other copy's; pass grad_averager=WithTiedGradients(...) (atoll.node.tied), or keep "
                              "the embedding and head on one stage")
         self.weight_grads: WeightGradients | None = None
-        """Zero-bubble: where backward leaves the linear layers' weight-gradient products for the weight actions.
-        Not with ZeRO-2 (its hooks reduce each gradient as backward produces it) or tensor parallelism (sharded
-        weights); their stages run the weight actions as no-ops, with the gradients computed in backward."""
-        if config.defer_weights and tp is None and (self.zero is None or self.zero.stage < 2):
+        """Zero-bubble: where backward leaves the linear layers' weight-gradient products for the weight actions
+        (under tensor parallelism each rank's products of its shards, as DTensors). Not with ZeRO-2 (its hooks
+        reduce each gradient as backward produces it): its stages compute them in backward."""
+        if config.defer_weights and (self.zero is None or self.zero.stage < 2):
             sink = WeightGradients()
             if attach(module, sink):
                 self.weight_grads = sink

@@ -17,8 +17,10 @@ dtype too, then added in the weight's dtype.
 
 The attachment is a module attribute, not a thread-local, so a recomputed block (`torch.utils.checkpoint`)
 takes the same path in the recomputation as in the original forward, on whatever thread autograd runs it.
-A stage attaches only when nothing else acts on a parameter's gradient as it is produced: not with ZeRO-2's
-gradient hooks, and not with tensor parallelism's sharded (DTensor) weights.
+Under tensor parallelism (`atoll.node.tp`) the weights, inputs and gradients are DTensors: the products keep
+their placements (a column-parallel layer's weight gradient is sharded by rows, as the weight is), so each tp
+rank defers and computes its own shards' gradients. A stage attaches only when nothing else acts on a
+parameter's gradient as it is produced: not with ZeRO-2's gradient hooks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,13 @@ class WeightGradients:
 
     @staticmethod
     def nbytes(pending: list[_Pending]) -> int:
-        """Bytes the deferred products hold until they are applied (each storage once)."""
+        """Bytes the deferred products hold until they are applied (each storage once; a DTensor's local shard)."""
         seen: dict[int, int] = {}
         for p in pending:
             for t in (p.grad_out, p.inputs):
+                while is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor holds the storage
+                    inner, _ = t.__tensor_flatten__()
+                    t = getattr(t, inner[0])
                 s = t.untyped_storage()
                 seen[s.data_ptr()] = s.nbytes()
         return sum(seen.values())

@@ -125,8 +125,33 @@ def _module_worker(args: dict) -> None:
         rows.append([float(a), float(b.detach()), whole_norm, float(norm)])
         whole_opt.step()
         opt.step()
+    # zero-bubble: a twin of the sharded model deferring its weight gradients gets the same ones, DTensors placed
+    # as the weights are, and holds what the planner's cost model counts per tp rank until they are applied
+    from torch.distributed.tensor import DTensor
+
+    from atoll.node.wgrad import WeightGradients, attach
+
+    plain = build_slice(config, 0, config.n_layers + 2, seed=5, recompute=[1, 2])
+    tp.shard(plain, adamw(plain), adamw)
+    split = build_slice(config, 0, config.n_layers + 2, seed=5, recompute=[1, 2])
+    tp.shard(split, adamw(split), adamw)
+    sink = WeightGradients()
+    attach(split, sink)
+    lm_loss(plain(ids), tgt).backward()
+    lm_loss(split(ids), tgt).backward()
+    pending = sink.take()
+    stash = WeightGradients.nbytes(pending)
+    WeightGradients.apply(pending)
+    deferred_err = 0.0
+    for a, b in zip(plain.parameters(), split.parameters()):
+        assert isinstance(a.grad, DTensor) == isinstance(b.grad, DTensor)
+        if isinstance(a.grad, DTensor):
+            assert a.grad.placements == b.grad.placements
+        ga, gb = (g.to_local() if isinstance(g, DTensor) else g for g in (a.grad, b.grad))
+        deferred_err = max(deferred_err, float((ga - gb).abs().max()))
     state = tp.full_state(sharded, opt)
-    out: dict = {"rank": args["rank"], "steps": rows, "exact": exact}
+    out: dict = {"rank": args["rank"], "steps": rows, "exact": exact, "deferred": len(pending),
+                 "deferred_err": deferred_err, "stash": stash}
     if state is not None:
         ref = {n: p.detach() for n, p in whole.state_dict().items()}
         out["same_names"] = sorted(state["tensors"]) == sorted(ref)
@@ -152,9 +177,10 @@ def _read(proc: subprocess.Popen, deadline: float, log: Path) -> dict:
             return json.loads(line)
 
 
-def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1):
+def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1, defer_weights: int = 0):
     from atoll.plan import StagePlan
-    return StagePlan(island="i", layers=layers, dp=len(nodes) // tp, tp=tp, nodes=list(nodes))
+    return StagePlan(island="i", layers=layers, dp=len(nodes) // tp, tp=tp, nodes=list(nodes),
+                     defer_weights=defer_weights)
 
 
 def run_processes(job, pipelines, tmp_path: Path, *, resume_step: int = 0, until: int | None = None
@@ -213,7 +239,8 @@ def _assert_match(got: dict[int, float], expected: list[float], steps) -> None:
 @pytest.mark.timeout(180)
 def test_tp2_second_stage_matches_one_process_and_its_checkpoint_resumes_under_tp1(tmp_path: Path) -> None:
     """Stage 1 of a two-stage pipeline sharded over two processes (the tiny GPT: biases, learned positions, a
-    vocab-parallel head); its checkpoint holds whole layers, so one unsharded process resumes from it."""
+    vocab-parallel head), both stages deferring their weight gradients (zero-bubble; the tp stage's products
+    are of its shards, DTensors); its checkpoint holds whole layers, so one unsharded process resumes from it."""
     from atoll.node.local import train_local
     from atoll.node.slice_state import read_slice
     from atoll.plan import PipelinePlan
@@ -222,7 +249,8 @@ def test_tp2_second_stage_matches_one_process_and_its_checkpoint_resumes_under_t
     expected, _ = train_local(job)
     t0 = time.monotonic()
     got = run_processes(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
-        _stage((0, 3), ["a"]), _stage((3, 6), ["b", "c"], tp=2)])], tmp_path, until=3)
+        _stage((0, 3), ["a"], defer_weights=1), _stage((3, 6), ["b", "c"], tp=2, defer_weights=2)])], tmp_path,
+        until=3)
     print(f"tp=2 as the second stage of two: 3 steps in {time.monotonic() - t0:.1f} s (3 processes)")
     _assert_match(got, expected, range(3))
 
@@ -354,6 +382,18 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
         assert abs(sharded - whole) <= (1e-6 if k == 0 else 1e-4) * whole, (k, sharded, whole, out[0])
         assert abs(norm - whole_norm) <= (1e-6 if k == 0 else 1e-3) * whole_norm, (k, norm, whole_norm, out[0])
     assert out[0]["steps"] == out[1]["steps"]  # the ranks agree exactly
+    # zero-bubble under tp: every linear layer's product deferred, the same gradients, the planner's bytes
+    from atoll.coordinator.planner import TrainSpec, parse_cluster
+    from atoll.coordinator.planner.costmodel import CostModel
+    from atoll.modelspec import ModelConfig, ModelSpec
+
+    spec = ModelSpec.from_config(ModelConfig(**model))
+    cm = CostModel(spec, TrainSpec(global_batch=4, seq_len=model["seq_len"], dtype="fp32"))
+    island = parse_cluster('[[group]]\nname = "g"\ndevice = "A100-80GB"\ncount = 2\n').islands[0]
+    predicted = cm.table(island, 4, 2).stash(0, spec.num_layers)
+    for o in out:
+        assert o["deferred"] == 4 * GQA["n_layers"] + (0 if tied else 1) and o["deferred_err"] <= 1e-6, o
+        assert abs(o["stash"] - predicted) <= 0.02 * predicted, (o["stash"], predicted)
     # weights are ~0.02; a shard put back in the wrong place would be off by that much
     assert out[0]["same_names"] and out[0]["weights"] < 2e-3 and out[0]["exp_avg"] < 1e-5, out[0]
     assert "weights" not in out[1]  # rank 0 alone holds the gathered state

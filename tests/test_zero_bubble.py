@@ -259,7 +259,7 @@ def test_the_planner_defers_weights_where_the_runtime_can_and_it_fits() -> None:
         for n, s in enumerate(p.stages):
             assert 0 <= s.defer_weights <= n + 1
             if s.defer_weights:
-                assert s.tp == 1 and s.zero <= 1
+                assert s.zero <= 1
     assert all(s.defer_weights == 0 for p in off.plan.pipelines for s in p.stages)
     assert zb.plan.predicted.step_time_s < off.plan.predicted.step_time_s
     usable = {i.id: i.device.memory_gb * (1 - PlannerOptions().memory_reserve_fraction) for i in cluster.islands}

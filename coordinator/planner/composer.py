@@ -576,11 +576,11 @@ class Composer:
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
         """Stage `n` of its pipeline with its weight gradients deferred `n + 1` micro-batches deep (the
         zero-bubble depth, `atoll.node.schedule.zero_bubble_depths`), or less as its memory allows; unchanged
-        where the runtime computes them in backward (tensor parallelism, ZeRO-2 and above) or none fits."""
+        where the runtime computes them in backward (ZeRO-2 and above) or none fits."""
         c, cm = st.cost, self.cost_model
-        if c.tp != 1 or c.zero >= 2:
+        if c.zero >= 2:
             return st
-        t = cm.table(st.island, c.micro_batch)
+        t = cm.table(st.island, c.micro_batch, c.tp)
         w = t.weight(st.start, st.end)
         if w <= 0:
             return st

@@ -170,6 +170,10 @@ class LayerTable:
     def params_of(self, a: int, b: int) -> int:
         return self.pparams[b] - self.pparams[a]
 
+    def wgt(self, n: int) -> float:
+        """Layer n's weight-gradient part of its backward."""
+        return self.pw[n + 1] - self.pw[n] if self.pw else 0.0
+
     def weight(self, a: int, b: int) -> float:
         """Of `backward(a, b)`, the weight-gradient products a zero-bubble stage defers."""
         return self.pw[b] - self.pw[a] if self.pw else 0.0
@@ -243,18 +247,25 @@ class CostModel:
         comm = {"block": (2 * ar, 2 * ar), "embedding": (ar, 0.0), "head": (gather, ar)}
         speed = tp * self.tp_efficiency(tp)
         kept_whole = 2 * out  # a block's two norm inputs, saved whole on every rank
-        fwd, bwd, params, act = [], [], [], []
-        for layer, f, b, p, a in zip(self.model.layers, base.fwd, base.bwd, base.params, base.act):
+        fwd, bwd, params, act, wgt, stash = [], [], [], [], [], []
+        for n, (layer, f, b, p, a) in enumerate(zip(self.model.layers, base.fwd, base.bwd, base.params, base.act)):
             cf, cb = comm[layer.kind]
             fwd.append(f / speed + cf)
             bwd.append(b / speed + cb)
             params.append(-(-p // tp))
             act.append(kept_whole + (a - kept_whole) // tp if layer.kind == "block" else a)
-        # no deferred weight gradients under tensor parallelism (the runtime computes them in backward)
+            # deferred weight gradients: each rank's products of its shards; a column-parallel layer keeps its whole
+            # input and its shard of the output gradient, a row-parallel one the reverse (a block's qkv, fc | proj,
+            # out: d whole per token in each of the four; the head: its input)
+            wgt.append(base.wgt(n) / speed)
+            s = base.pstash[n + 1] - base.pstash[n] if base.pstash else 0
+            whole = (4 if layer.kind == "block" else 1) * tokens * c.d_model * self.elem_bytes if s else 0
+            stash.append(whole + (s - whole) // tp)
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=tuple(params), act=tuple(act),
                           act_recompute=base.act_recompute, pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)),
                           pparams=_prefix(tuple(params)), pact=_prefix(tuple(act)), pact_rc=base.pact_rc,
-                          max_layer_act=_largest_block(self.model, act))
+                          max_layer_act=_largest_block(self.model, act), pw=_prefix(tuple(wgt)),
+                          pstash=_prefix(tuple(stash)))
 
     def _build_table(self, island: Island, micro_batch: int) -> LayerTable:
         seq = self.train.seq_len

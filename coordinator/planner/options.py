@@ -81,9 +81,8 @@ class PlannerOptions:
     allow_recompute: bool = True
     """Let the island parallelizer recompute activations in backward to save memory."""
     zero_bubble: bool = True
-    """Defer the linear layers' weight gradients of every stage that can (no tensor parallelism, ZeRO 0 or 1,
-    and the memory for what they hold) to fill the pipeline's fill and drain (`atoll.node.schedule`); False:
-    plain 1F1B."""
+    """Defer the linear layers' weight gradients of every stage that can (ZeRO 0 or 1, and the memory for what
+    they hold) to fill the pipeline's fill and drain (`atoll.node.schedule`); False: plain 1F1B."""
     optimizer_bytes_per_s: float = 1.0e12
     """Memory bandwidth of the optimizer step's state updates when no profile gives its time."""
     refine_factors: tuple[float, ...] = (1.0, 1.15, 1.4)
