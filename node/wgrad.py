@@ -102,12 +102,14 @@ class _DeferredWeightLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None,
                 sink: WeightGradients) -> torch.Tensor:
         device = x.device.type
-        dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        xc = x.to(dt) if dt is not None else x
-        wc = weight.to(dt) if dt is not None else weight
-        bc = bias.to(dt) if dt is not None and bias is not None else bias
-        with torch.autocast(device, enabled=False):
-            out = F.linear(xc, wc, bc)
+        if torch.is_autocast_enabled(device):  # compute as autocast's linear would: in its dtype
+            dt = torch.get_autocast_dtype(device)
+            xc, wc = x.to(dt), weight.to(dt)
+            with torch.autocast(device, enabled=False):
+                out = F.linear(xc, wc, bias.to(dt) if bias is not None else None)
+        else:
+            xc, wc = x, weight
+            out = F.linear(x, weight, bias)
         ctx.save_for_backward(xc, wc)
         ctx.weight, ctx.sink, ctx.has_bias = weight, sink, bias is not None
         return out
