@@ -62,6 +62,8 @@ class Holder:
     finish: float | None = None
     """Set in a resume point: the total with which a fetcher finishes the pending step `step`, so this holder
     gives the state after `step` + 1 steps (`atoll.node.roll_forward`)."""
+    pending_loss: tuple[float, float] | None = None
+    """A pending last stage's (loss share, row weight) of step `step` (`LiveState.pending_loss`)."""
 
     @property
     def reaches(self) -> int:
@@ -86,7 +88,9 @@ class ResumePoint:
     @classmethod
     def from_json(cls, text: str) -> ResumePoint:
         d = json.loads(text)
-        holders = tuple(Holder(**{**h, "layers": tuple(h["layers"])}) for h in d.pop("holders"))
+        holders = tuple(Holder(**{**h, "layers": tuple(h["layers"]),
+                                  "pending_loss": tuple(h["pending_loss"]) if h.get("pending_loss") else None})
+                        for h in d.pop("holders"))
         return cls(**d, holders=holders)
 
     @property
@@ -231,8 +235,20 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
     with lock:
         return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
                        region=plan.region_of(n) if n in plan.node_addresses else "", epoch=r.plan_epoch,
-                       pending=r.pending, norm_total=r.norm_total if r.has_norm_total else None)
+                       pending=r.pending, norm_total=r.norm_total if r.has_norm_total else None,
+                       pending_loss=(r.pending_loss, r.pending_weight) if r.has_pending_loss else None)
                 for n, r in sorted(replies.items()) if r.holds]
+
+
+def finished_loss(point: ResumePoint, total_layers: int) -> float | None:
+    """The loss of the step a resume point finishes (its step - 1): the shares of the pending last stages it
+    finishes, when they cover the whole global batch (every replica's rows); None otherwise."""
+    shares = {h.node_id: h.pending_loss for h in point.holders
+              if h.finish is not None and h.layers[1] == total_layers and h.pending_loss is not None}
+    weight = sum(w for _, w in shares.values())
+    if not shares or abs(weight - 1.0) > 1e-6:
+        return None
+    return sum(x for x, _ in shares.values())
 
 
 def resume_leader(plan: Plan) -> str:

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_layers, step_dir
-from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, gather_held, resume_leader,
-                                   resume_point, slice_part, sources)
+from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
+                                   resume_leader, resume_point, slice_part, sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
@@ -575,9 +575,9 @@ class PlanRunner:
                                           **({"loss_scale": scale} if scale is not None else {})}
             log.info("finished step %d of layers %s with the norm exchange total of the nodes that completed it",
                      point.step - 1, ", ".join(f"[{p['start']}, {p['end']})" for p, _ in pending))
-            losses = [float(p["extra"]["pending_loss"]) for p, _ in pending if "pending_loss" in p.get("extra", {})]
-            if losses and pl.is_last and pl.loss_group and pl.loss_group[0] == ctx.node_id:
-                self._finished_loss = (point.step - 1, losses[0])
+            loss = finished_loss(point, self.job.model.n_layers + 2)
+            if loss is not None and pl.is_last and pl.loss_group and pl.loss_group[0] == ctx.node_id:
+                self._finished_loss = (point.step - 1, loss)
         log.info("%s", report.line())
         return point.step
 
@@ -630,17 +630,19 @@ class PlanRunner:
             return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
         state = slice_state(module, optimizer, extra=extra)
-        total = None
+        total = loss = None
         if stage is not None:
             grads = pending_grads(module, stage.unexchanged, step)
             if grads is not None:
                 state["grads"] = grads
-                if stage.unexchanged_loss is not None and len(pl.loss_group) <= 1:
-                    # this node's loss is the whole batch's: whoever finishes the step reports it
-                    state["extra"]["pending_loss"] = stage.unexchanged_loss
+                if stage.unexchanged_loss is not None:
+                    # this replica's share of the batch's loss: whoever finishes the step adds up the shares of
+                    # every last-stage replica and reports it (`live_state.finished_loss`)
+                    weight = self._row_weight() if len(pl.loss_group) > 1 else 1.0
+                    loss = (stage.unexchanged_loss * weight, weight)
             if stage.exchanged is not None and stage.exchanged[0] == step - 1:
                 total = stage.exchanged[1]
-        return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total)
+        return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total, pending_loss=loss)
 
     def _older_groups(self) -> list[int]:
         """Outer mode: the other replica groups that have trained since before this node's group formed."""

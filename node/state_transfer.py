@@ -66,12 +66,17 @@ class LiveState:
     optimizer ran (`atoll.node.roll_forward`)."""
     norm_total: float | None = None
     """The norm exchange's total of step `step` - 1 (the last step this state took), when its run had one."""
+    pending_loss: tuple[float, float] | None = None
+    """A pending last stage's (loss share, row weight) of step `step`: its mean loss over its rows times their
+    share of the global batch, and that share (the shares of all last-stage replicas add up to the batch's loss)."""
 
     @classmethod
-    def of(cls, state: dict[str, Any], *, step: int, epoch: int, norm_total: float | None = None) -> LiveState:
+    def of(cls, state: dict[str, Any], *, step: int, epoch: int, norm_total: float | None = None,
+           pending_loss: tuple[float, float] | None = None) -> LiveState:
         data = serialize_state(state)
         return cls(step=step, layers=(int(state["start"]), int(state["end"])), data=data, checksum=crc32(data),
-                   epoch=epoch, pending="grads" in state, norm_total=norm_total)
+                   epoch=epoch, pending="grads" in state, norm_total=norm_total,
+                   pending_loss=pending_loss if "grads" in state else None)
 
 
 def serialize_state(state: dict[str, Any]) -> bytes:
@@ -148,7 +153,9 @@ class StateHolder:
         return pb.HeldStateReply(holds=True, step=live.step, layer_start=live.layers[0], layer_end=live.layers[1],
                                  bytes=len(live.data), plan_epoch=live.epoch, node_id=self.node_id,
                                  pending=live.pending, has_norm_total=live.norm_total is not None,
-                                 norm_total=live.norm_total or 0.0)
+                                 norm_total=live.norm_total or 0.0, has_pending_loss=live.pending_loss is not None,
+                                 pending_loss=live.pending_loss[0] if live.pending_loss else 0.0,
+                                 pending_weight=live.pending_loss[1] if live.pending_loss else 0.0)
 
     def chunks(self, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:
         """The chunks answering `request`. Raises KeyError (not held here), ValueError (a bad request)."""

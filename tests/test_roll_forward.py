@@ -59,12 +59,11 @@ def test_a_pending_step_finished_with_the_completers_total_equals_the_step_taken
     assert failed.unexchanged_loss == pytest.approx(taken.loss) and done.unexchanged_loss is None
     assert pending_grads(failed.module, failed.unexchanged, 4) is None  # only the failed step's own gradients
     grads = pending_grads(failed.module, failed.unexchanged, 3)
-    pending = {**slice_state(failed.module, failed.optimizer,
-                             extra={"step": 3, "pending_loss": failed.unexchanged_loss}), "grads": grads}
-    live = LiveState.of(pending, step=3, epoch=1)
+    pending = {**slice_state(failed.module, failed.optimizer, extra={"step": 3}), "grads": grads}
+    live = LiveState.of(pending, step=3, epoch=1, pending_loss=(failed.unexchanged_loss, 1.0))
     assert live.pending and not LiveState.of(slice_state(done.module, done.optimizer), step=4, epoch=1).pending
+    assert live.pending_loss[0] == pytest.approx(taken.loss)
     pending = deserialize_state(live.data, "b1")  # as fetched
-    assert pending["extra"]["pending_loss"] == pytest.approx(taken.loss)
     after = slice_state(done.module, done.optimizer, extra={"step": 4})
     # a new cut [2, TOTAL): layer 2 from a node that completed the step, the rest from the pending holder
     module = build_slice(TINY, 2, TOTAL, seed=5)
@@ -132,3 +131,24 @@ def test_held_state_says_the_state_is_pending_and_carries_the_last_total() -> No
     holder.end_run(2, LiveState.of(slice_state(module), step=13, epoch=2))
     reply = holder.held(3, wait=0.0)
     assert (reply.step, reply.pending, reply.has_norm_total) == (13, False, False)
+
+
+def test_the_finished_steps_loss_adds_every_last_stage_replicas_share() -> None:
+    """Two replicas of the last stage each held half the batch and a share of its loss; the loss is reported only
+    when every share is there."""
+    from atoll.node.live_state import Holder, ResumePoint, finished_loss
+
+    def holder(node: str, layers: tuple[int, int], share: tuple[float, float] | None, finish: float | None = 2.0,
+               step: int = 3) -> Holder:
+        return Holder(node_id=node, address="", step=step, layers=layers, pending=share is not None, finish=finish,
+                      pending_loss=share)
+
+    first = holder("a", (0, 3), None, finish=None, step=4)
+    both = ResumePoint(step=4, live=True, reason="", holders=(
+        first, holder("b1", (3, TOTAL), (0.5 * 2.0, 0.5)), holder("b2", (3, TOTAL), (0.5 * 3.0, 0.5))))
+    assert finished_loss(both, TOTAL) == pytest.approx(2.5)
+    assert finished_loss(ResumePoint.from_json(both.to_json()), TOTAL) == pytest.approx(2.5)  # as agreed
+    one = ResumePoint(step=4, live=True, reason="", holders=(first, holder("b1", (3, TOTAL), (1.0, 0.5))))
+    assert finished_loss(one, TOTAL) is None  # the other half of the batch's loss is lost with its node
+    alone = ResumePoint(step=4, live=True, reason="", holders=(first, holder("b", (3, TOTAL), (2.25, 1.0))))
+    assert finished_loss(alone, TOTAL) == pytest.approx(2.25)

@@ -987,7 +987,7 @@ class HeldStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class HeldStateReply(_message.Message):
-    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id", "pending", "has_norm_total", "norm_total")
+    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id", "pending", "has_norm_total", "norm_total", "has_pending_loss", "pending_loss", "pending_weight")
     HOLDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -998,6 +998,9 @@ class HeldStateReply(_message.Message):
     PENDING_FIELD_NUMBER: _ClassVar[int]
     HAS_NORM_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NORM_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HAS_PENDING_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     holds: bool
     step: int
     layer_start: int
@@ -1008,7 +1011,10 @@ class HeldStateReply(_message.Message):
     pending: bool
     has_norm_total: bool
     norm_total: float
-    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., pending: _Optional[bool] = ..., has_norm_total: _Optional[bool] = ..., norm_total: _Optional[float] = ...) -> None: ...
+    has_pending_loss: bool
+    pending_loss: float
+    pending_weight: float
+    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., pending: _Optional[bool] = ..., has_norm_total: _Optional[bool] = ..., norm_total: _Optional[float] = ..., has_pending_loss: _Optional[bool] = ..., pending_loss: _Optional[float] = ..., pending_weight: _Optional[float] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("job_id", "step", "layer_start", "layer_end", "source", "source_address", "plan_epoch")
