@@ -42,8 +42,8 @@ With uniform stage times and free links, strict 1F1B and gpipe both have the bub
 Deferred weight gradients (zero-bubble, ``defer_weights = k >= 1``). A backward action then computes only the
 gradients of its input (and of what is cheap: biases, norms, embeddings), what the upstream stage waits for; the
 weight-gradient products of its linear layers (`atoll.node.wgrad`) become a ``weight`` action of their own,
-placed after the backward ``k`` micro-batches later (``W_j`` right after ``B_{j+k}``; the last ``k`` after the
-last backward). A weight action needs nothing from a neighbour, so the proof above holds unchanged: the order of
+placed after the backward ``k`` micro-batches later (``W_j`` right after ``B_{j+k}``; the last ``k + 1`` after
+the last backward). A weight action needs nothing from a neighbour, so the proof above holds unchanged: the order of
 forwards and backwards is 1F1B's. With ``k_s = s + 1`` (`zero_bubble_depths`) every stage's backward chain is
 its input-gradient half alone, and a balanced pipeline's step takes ``m (F + B + W) + (p - 1) (F + B - W)``
 against 1F1B's ``(m + p - 1) (F + B + W)``, the zero-bubble schedule ZB-H1's bound (Qi et al., *Zero Bubble

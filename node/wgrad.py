@@ -42,10 +42,6 @@ class _Pending:
     inputs: torch.Tensor
     """(..., in_features): the layer's input, as the product used it."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.grad_out.numel() * self.grad_out.element_size() + self.inputs.numel() * self.inputs.element_size()
-
 
 class WeightGradients:
     """The weight-gradient products a stage's backward passes deferred, by micro-batch."""

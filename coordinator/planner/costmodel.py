@@ -35,8 +35,12 @@ per-replica micro-batches are counted in sequences.
   its gradient buckets staged (`ZERO2_STAGED_FRACTION`). The runtime recomputes blocks only, a chosen
   prefix of a stage's blocks: each keeps its input instead of its activations, plus one block's working
   set in backward. A stage that defers its weight gradients (zero-bubble) also holds each deferred
-  micro-batch's linear-layer inputs and output gradients (`deferred_bytes`). A CPU stage reports the same accounting from its real tensors (`atoll.node.stage`; it
-  does not see that transient working set); a CUDA stage reports the allocator's peak.
+  micro-batch's linear-layer inputs and output gradients (`deferred_bytes`). A CPU stage reports the same
+  accounting from its real tensors (`atoll.node.stage`; it does not see that transient working set); a CUDA
+  stage reports the allocator's peak.
+- Weight gradients: of a layer's backward, the share of its FLOPs that are the linear layers' weight-gradient
+  products (`LayerSpec.flops_wgrad_per_token`), of a measured backward too; a zero-bubble stage runs them as
+  actions of their own.
 - In-flight depth of a boundary (`window_depth`): the extra micro-batches in flight that keep a slow or
   distant link's round trip (latency both ways plus both transfers) off the pipeline's cycle, about
   ceil(round trip / cycle).
