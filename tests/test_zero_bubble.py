@@ -293,3 +293,37 @@ def test_the_job_and_the_cli_can_turn_it_off(tmp_path: Path, capsys: pytest.Capt
         capsys.readouterr()
         stages = [s for p in Plan.from_json(out.read_text()).pipelines for s in p.stages]
         assert any(s.defer_weights for s in stages) == deferred
+
+
+def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> None:
+    """Deferring never costs a plan: where the weight actions would land on a stage's critical path (here a first
+    stage whose backward is all weight gradients), the same pipeline without deferral is kept."""
+    from atoll.coordinator.planner.composer import Candidate, Composer, StageChoice
+    from atoll.coordinator.planner.parallelizer import IslandCost
+
+    cluster = parse_cluster(MIXED)
+    island = cluster.islands[0]
+    composer = Composer(cost_model=CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=8, seq_len=512)),
+                        cluster=cluster)
+
+    def choice(f: float, b: float, w: float, defer: int) -> StageChoice:
+        cost = IslandCost(forward_s=f, backward_s=b, memory_bytes=0.0, dp=1, zero=0, recompute=False, micro_batch=1)
+        return StageChoice(island=island, start=0, end=1, cost=cost, sync_s=0.0, optimizer_s=0.0, defer=defer,
+                           weight_s=w, defer_bytes=1.0)
+
+    stages = [choice(1, 6, 6, 1), choice(2, 4, 0, 2)]
+    times = PipelineTimes(stages=tuple(StageTimes(forward_s=s.cost.forward_s, backward_s=s.cost.backward_s,
+                                                  weight_s=s.weight_s) for s in stages),
+                          links=(LinkTimes(forward_s=0, backward_s=0),), num_micro_batches=2, defer=(1, 2))
+    worse = Candidate(order=("a100",), micro_batch=1, num_micro_batches=2, stages=stages, links=[], times=times,
+                      estimate_s=closed_form_step(times))
+    kept = composer._simulated(worse)
+    plain = simulate(replace(times, defer=())).step_time_s
+    assert kept.step_s == pytest.approx(plain) and plain < simulate(times).step_time_s
+    assert not kept.times.defer and all(s.defer == 0 and s.defer_bytes == 0 for s in kept.stages)
+    # a balanced pipeline keeps its deferral
+    even = [choice(1, 2, 1, 1), choice(1, 2, 1, 2)]
+    t2 = replace(times, stages=tuple(StageTimes(forward_s=1, backward_s=2, weight_s=1) for _ in even), num_micro_batches=4)
+    got = composer._simulated(Candidate(order=("a100",), micro_batch=1, num_micro_batches=4, stages=even, links=[],
+                                        times=t2, estimate_s=closed_form_step(t2)))
+    assert got.times.defer == (1, 2) and got.step_s < simulate(replace(t2, defer=())).step_time_s

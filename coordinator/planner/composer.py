@@ -593,6 +593,20 @@ class Composer:
         return replace(st, defer=k, weight_s=min(w, c.backward_s),
                        defer_bytes=cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k))
 
+    def _simulated(self, cand: Candidate) -> Candidate:
+        """The candidate with its simulated step; where its stages defer weight gradients and plain 1F1B simulates
+        faster (a pipeline whose deferred work lands where a stage would otherwise start its next micro-batch),
+        the same pipeline without the deferral."""
+        cand.step_s = simulate(cand.times).step_time_s
+        if not cand.times.defer:
+            return cand
+        plain = replace(cand.times, defer=())
+        step = simulate(plain).step_time_s
+        if step >= cand.step_s:
+            return cand
+        stages = [replace(st, defer=0, weight_s=0.0, defer_bytes=0.0) for st in cand.stages]
+        return replace(cand, stages=stages, times=plain, estimate_s=closed_form_step(plain), step_s=step)
+
     def best_for(self, s: _Setup) -> Candidate | None:
         """The best candidate of any chain of the setup's islands in its order."""
         got = [c for p in self.prefixes(s) if (c := self.chain_best(p)) is not None]
@@ -645,7 +659,7 @@ class Composer:
                     continue
                 if step_lower_bound(cand.times) >= best:
                     continue
-                cand.step_s = simulate(cand.times).step_time_s
+                cand = self._simulated(cand)
                 self.stats.simulated += 1
                 top.append(cand)
                 source[id(cand)] = s
@@ -686,7 +700,7 @@ class Composer:
                     if step_lower_bound(c.times) >= best.step_s:
                         continue
                     tried += 1
-                    c.step_s = simulate(c.times).step_time_s
+                    c = self._simulated(c)
                     self.stats.simulated += 1
                     if c.step_s < best.step_s * (1 - 1e-9):
                         best, placed, improved = c, moved, True
