@@ -596,11 +596,14 @@ class Composer:
     def _simulated(self, cand: Candidate) -> Candidate:
         """The candidate with its simulated step; where its stages defer weight gradients and plain 1F1B simulates
         faster (a pipeline whose deferred work lands where a stage would otherwise start its next micro-batch),
-        the same pipeline without the deferral."""
+        the same pipeline without the deferral. The search ranks candidates with their deferral and asks this of
+        the ones it returns."""
         cand.step_s = simulate(cand.times).step_time_s
         if not cand.times.defer:
             return cand
         plain = replace(cand.times, defer=())
+        if step_lower_bound(plain) >= cand.step_s:  # plain 1F1B cannot be faster: no need to simulate it
+            return cand
         step = simulate(plain).step_time_s
         if step >= cand.step_s:
             return cand
@@ -659,7 +662,7 @@ class Composer:
                     continue
                 if step_lower_bound(cand.times) >= best:
                     continue
-                cand = self._simulated(cand)
+                cand.step_s = simulate(cand.times).step_time_s
                 self.stats.simulated += 1
                 top.append(cand)
                 source[id(cand)] = s
@@ -667,7 +670,7 @@ class Composer:
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
         top = _distinct(top)[:self.cost_model.options.simulate_top]
-        top = [self.refine(c, source[id(c)]) for c in top]
+        top = [self._simulated(self.refine(c, source[id(c)])) for c in top]
         top.sort(key=lambda c: c.step_s)
         return top
 
@@ -700,7 +703,7 @@ class Composer:
                     if step_lower_bound(c.times) >= best.step_s:
                         continue
                     tried += 1
-                    c = self._simulated(c)
+                    c.step_s = simulate(c.times).step_time_s
                     self.stats.simulated += 1
                     if c.step_s < best.step_s * (1 - 1e-9):
                         best, placed, improved = c, moved, True
