@@ -327,3 +327,16 @@ def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> Non
     got = composer._simulated(Candidate(order=("a100",), micro_batch=1, num_micro_batches=4, stages=even, links=[],
                                         times=t2, estimate_s=closed_form_step(t2)))
     assert got.times.defer == (1, 2) and got.step_s < simulate(replace(t2, defer=())).step_time_s
+
+
+def test_a_stage_whose_weight_gradients_are_too_short_keeps_them_in_backward() -> None:
+    """A weight action costs something of its own: below `min_deferred_s` of weight gradients per micro-batch a
+    stage keeps them in backward."""
+    spec = ModelSpec.from_preset("1.3b")
+    train = TrainSpec(global_batch=256, seq_len=1024)
+    cluster = parse_cluster(MIXED)
+    options = PlannerOptions(max_tp=1)
+    assert any(s.defer_weights for p in search_plan(spec, cluster, train, options=options).plan.pipelines
+               for s in p.stages)
+    never = search_plan(spec, cluster, train, options=replace(options, min_deferred_s=1e3)).plan
+    assert not any(s.defer_weights for p in never.pipelines for s in p.stages)

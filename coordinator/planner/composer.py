@@ -582,7 +582,7 @@ class Composer:
             return st
         t = cm.table(st.island, c.micro_batch, c.tp)
         w = t.weight(st.start, st.end)
-        if w <= 0:
+        if w <= 0 or w < cm.options.min_deferred_s:  # too short to pay for an action of its own
             return st
         room = cm.memory_capacity(st.island) - c.memory_bytes
         k = min(n + 1, m)
