@@ -638,7 +638,7 @@ class PlanRunner:
                 if stage.unexchanged_loss is not None:
                     # this replica's share of the batch's loss: whoever finishes the step adds up the shares of
                     # every last-stage replica and reports it (`live_state.finished_loss`)
-                    weight = self._row_weight() if len(pl.loss_group) > 1 else 1.0
+                    weight = self._row_weight()
                     loss = (stage.unexchanged_loss * weight, weight)
             if stage.exchanged is not None and stage.exchanged[0] == step - 1:
                 total = stage.exchanged[1]

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from atoll.node.dataparallel import GradientAverager
 from atoll.modelspec import ModelConfig
@@ -36,6 +35,7 @@ from atoll.node.norm_exchange import LocalNormExchange, NormExchange
 from atoll.node.tied import WithTiedGradients
 from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribution
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
+from atoll.node.storage import storage, storage_bytes
 from atoll.node.transport import TensorKey, Transport
 from atoll.node.wgrad import WeightGradients, attach
 from atoll.node.zero import ZeroOptimizer
@@ -199,11 +199,11 @@ class SavedBytesCounter:
         self.bytes = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = _storage(t)
-        ptr = storage.data_ptr()
+        st = storage(t)
+        ptr = st.data_ptr()
         if ptr not in self.params and ptr not in self.seen:
             self.seen.add(ptr)
-            self.bytes += storage.nbytes()
+            self.bytes += st.nbytes()
         return t
 
 
@@ -317,7 +317,7 @@ class PipelineStage:
         tokens = 0
         compute = wait = 0.0
         timeline: list[OpTiming] = []
-        param_ptrs = {_storage(p).data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
+        param_ptrs = {storage(p).data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
 
         for action in self.actions:
             a_start = time.perf_counter()
@@ -492,8 +492,8 @@ class PipelineStage:
         if self.zero is not None:
             params = self.zero.flat.numel() * self.zero.flat.element_size()
             return params + grad_bytes + self.zero.optimizer_state_bytes()
-        params = _storage_bytes(self.module.parameters())
-        opt = _storage_bytes(v for st in self.optimizer.state.values() for v in st.values()
+        params = storage_bytes(self.module.parameters())
+        opt = storage_bytes(v for st in self.optimizer.state.values() for v in st.values()
                              if torch.is_tensor(v) and v.ndim > 0)
         return params + grad_bytes + opt
 
@@ -541,25 +541,8 @@ def _widen(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
 
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    # tensor parallelism: a DTensor (a shard) or an AsyncCollectiveTensor (a collective's result) has no
-    # storage of its own; its inner tensor has
-    while is_traceable_wrapper_subclass(t):
-        inner, _ = t.__tensor_flatten__()
-        t = getattr(t, inner[0])
-    return t.untyped_storage()
-
-
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = _storage(t)
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def _grad_bytes(params: list[nn.Parameter]) -> int:
-    return _storage_bytes(p.grad for p in params if p.grad is not None)
+    return storage_bytes(p.grad for p in params if p.grad is not None)
 
 
 def _squared_norm(params: list[nn.Parameter]) -> float:

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from atoll.node.storage import storage_bytes
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,7 @@ class WeightGradients:
     @staticmethod
     def nbytes(pending: list[_Pending]) -> int:
         """Bytes the deferred products hold until they are applied (each storage once; a DTensor's local shard)."""
-        seen: dict[int, int] = {}
-        for p in pending:
-            for t in (p.grad_out, p.inputs):
-                while is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor holds the storage
-                    inner, _ = t.__tensor_flatten__()
-                    t = getattr(t, inner[0])
-                s = t.untyped_storage()
-                seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())
+        return storage_bytes(t for p in pending for t in (p.grad_out, p.inputs))
 
     @staticmethod
     def apply(pending: list[_Pending]) -> None:

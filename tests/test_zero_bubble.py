@@ -316,16 +316,17 @@ def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> Non
                                                   weight_s=s.weight_s) for s in stages),
                           links=(LinkTimes(forward_s=0, backward_s=0),), num_micro_batches=2, defer=(1, 2))
     worse = Candidate(order=("a100",), micro_batch=1, num_micro_batches=2, stages=stages, links=[], times=times,
-                      estimate_s=closed_form_step(times))
-    kept = composer._simulated(worse)
+                      estimate_s=closed_form_step(times), step_s=simulate(times).step_time_s)
+    kept = composer._plain_if_faster(worse)
     plain = simulate(replace(times, defer=())).step_time_s
     assert kept.step_s == pytest.approx(plain) and plain < simulate(times).step_time_s
     assert not kept.times.defer and all(s.defer == 0 and s.defer_bytes == 0 for s in kept.stages)
     # a balanced pipeline keeps its deferral
     even = [choice(1, 2, 1, 1), choice(1, 2, 1, 2)]
     t2 = replace(times, stages=tuple(StageTimes(forward_s=1, backward_s=2, weight_s=1) for _ in even), num_micro_batches=4)
-    got = composer._simulated(Candidate(order=("a100",), micro_batch=1, num_micro_batches=4, stages=even, links=[],
-                                        times=t2, estimate_s=closed_form_step(t2)))
+    got = composer._plain_if_faster(Candidate(order=("a100",), micro_batch=1, num_micro_batches=4, stages=even,
+                                              links=[], times=t2, estimate_s=closed_form_step(t2),
+                                              step_s=simulate(t2).step_time_s))
     assert got.times.defer == (1, 2) and got.step_s < simulate(replace(t2, defer=())).step_time_s
 
 

@@ -585,20 +585,17 @@ class Composer:
         if w <= 0 or w < cm.options.min_deferred_s:  # too short to pay for an action of its own
             return st
         room = cm.memory_capacity(st.island) - c.memory_bytes
-        k = min(n + 1, m)
-        while k >= 1 and cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k) > room:
-            k -= 1
-        if k < 1:
-            return st
-        return replace(st, defer=k, weight_s=min(w, c.backward_s),
-                       defer_bytes=cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k))
+        for k in range(min(n + 1, m), 0, -1):
+            held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k)
+            if held <= room:
+                return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held)
+        return st
 
-    def _simulated(self, cand: Candidate) -> Candidate:
-        """The candidate with its simulated step; where its stages defer weight gradients and plain 1F1B simulates
-        faster (a pipeline whose deferred work lands where a stage would otherwise start its next micro-batch),
-        the same pipeline without the deferral. The search ranks candidates with their deferral and asks this of
-        the ones it returns."""
-        cand.step_s = simulate(cand.times).step_time_s
+    def _plain_if_faster(self, cand: Candidate) -> Candidate:
+        """A simulated candidate (`step_s` set), or, where its stages defer weight gradients and plain 1F1B
+        simulates faster (a pipeline whose deferred work lands where a stage would otherwise start its next
+        micro-batch), the same pipeline without the deferral. The search ranks candidates with their deferral and
+        asks this of the ones it returns."""
         if not cand.times.defer:
             return cand
         plain = replace(cand.times, defer=())
@@ -670,7 +667,7 @@ class Composer:
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
         top = _distinct(top)[:self.cost_model.options.simulate_top]
-        top = [self._simulated(self.refine(c, source[id(c)])) for c in top]
+        top = [self._plain_if_faster(self.refine(c, source[id(c)])) for c in top]
         top.sort(key=lambda c: c.step_s)
         return top
 

@@ -174,10 +174,6 @@ class LayerTable:
     def params_of(self, a: int, b: int) -> int:
         return self.pparams[b] - self.pparams[a]
 
-    def wgt(self, n: int) -> float:
-        """Layer n's weight-gradient part of its backward."""
-        return self.pw[n + 1] - self.pw[n] if self.pw else 0.0
-
     def weight(self, a: int, b: int) -> float:
         """Of `backward(a, b)`, the weight-gradient products a zero-bubble stage defers."""
         return self.pw[b] - self.pw[a] if self.pw else 0.0
@@ -261,8 +257,8 @@ class CostModel:
             # deferred weight gradients: each rank's products of its shards; a column-parallel layer keeps its whole
             # input and its shard of the output gradient, a row-parallel one the reverse (a block's qkv, fc | proj,
             # out: d whole per token in each of the four; the head: its input)
-            wgt.append(base.wgt(n) / speed)
-            s = base.pstash[n + 1] - base.pstash[n] if base.pstash else 0
+            wgt.append(base.weight(n, n + 1) / speed)
+            s = base.stash(n, n + 1)
             whole = (4 if layer.kind == "block" else 1) * tokens * c.d_model * self.elem_bytes if s else 0
             stash.append(whole + (s - whole) // tp)
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=tuple(params), act=tuple(act),
