@@ -9,7 +9,7 @@ and what `atoll plan --json` writes. Its JSON shape:
      "pipelines": [{"micro_batch": int, "num_micro_batches": int,
        "stages": [{"island": str, "layers": [first, last_exclusive], "dp": int, "tp": int, "zero": int,
                    "recompute": bool, "recompute_layers": [int], "compute_s": float, "memory_gb_per_device": float,
-                   "in_flight": int, "defer_weights": int,
+                   "in_flight": int, "defer_weights": int, "defer_layers": [int],
                    "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
@@ -98,6 +98,9 @@ class StagePlan:
     """Zero-bubble: backward computes the input's gradient first, and the weight gradients of the stage's linear
     layers wait this many micro-batches for an action of their own (`atoll.node.schedule`); 0: computed in
     backward, as 1F1B does."""
+    defer_layers: list[int] = field(default_factory=list)
+    """With `defer_weights`, the global indices of the layers whose weight gradients wait (the others compute
+    theirs in backward: what memory allows); empty: every layer of the stage."""
 
     def __post_init__(self) -> None:
         a, b = self.layers
@@ -113,6 +116,13 @@ class StagePlan:
         if outside:
             raise ValueError(f"recompute_layers {outside} are outside the stage's layers [{a}, {b})")
         self.recompute_layers = sorted({int(i) for i in self.recompute_layers})
+        outside = [i for i in self.defer_layers if not a <= i < b]
+        if outside:
+            raise ValueError(f"defer_layers {outside} are outside the stage's layers [{a}, {b})")
+        if self.defer_layers and not self.defer_weights:
+            raise ValueError(f"defer_layers {self.defer_layers} name layers whose weight gradients wait, but "
+                             "defer_weights is 0 (nothing waits): set defer_weights or leave defer_layers empty")
+        self.defer_layers = sorted({int(i) for i in self.defer_layers})
 
     def recomputed(self, num_layers: int) -> list[int]:
         """The blocks this stage recomputes: `recompute_layers`, or every block of it when `recompute` is set

@@ -121,7 +121,9 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
                    stage_groups: Sequence[dist.ProcessGroup] | None = None,
                    resume_from: Sequence[Mapping[str, Any] | Path] | None = None,
                    join_timeout: timedelta = timedelta(minutes=5),
-                   defer_weights: Sequence[int] | None = None) -> ThreadedRun:
+                   defer_weights: Sequence[int] | None = None,
+                   defer_layers: Sequence[Sequence[int]] | None = None,
+                   in_flight: Sequence[int] | None = None) -> ThreadedRun:
     """Train `len(batches)` steps with one thread per (replica, stage) of a pipeline cut at `cuts`.
 
     Each batch is the global batch of a step; replica r trains on its r-th share of the rows, and
@@ -130,7 +132,9 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     pipeline replica (`replicas` must be 1), is given its own share of the data in `batches`, and
     averages each stage's gradients over that stage's group. With `resume_from` (saved slices of
     any cut) every stage loads its layers and optimizer state before the first step. `defer_weights` gives
-    each stage its zero-bubble depth (`StageConfig.defer_weights`; `atoll.node.schedule.zero_bubble_depths`).
+    each stage its zero-bubble depth (`StageConfig.defer_weights`; `atoll.node.schedule.zero_bubble_depths`),
+    `defer_layers` the layers that defer (`StageConfig.defer_layers`; empty: all) and `in_flight` its extra
+    warm-up forwards (`StageConfig.in_flight`), one entry per stage.
     """
     if stage_groups is not None and (replicas != 1 or len(stage_groups) != len(cuts) - 1):
         raise ValueError(f"stage_groups needs replicas=1 and one group per stage ({len(cuts) - 1}), got "
@@ -140,8 +144,9 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != total or any(a >= b for a, b in zip(cuts, cuts[1:])):
         raise ValueError(f"cuts must rise strictly from 0 to {total} (the model's layers), got {cuts}")
     p = len(cuts) - 1
-    if defer_weights is not None and len(defer_weights) != p:
-        raise ValueError(f"defer_weights needs one depth per stage ({p}), got {list(defer_weights)}")
+    for name, per in (("defer_weights", defer_weights), ("defer_layers", defer_layers), ("in_flight", in_flight)):
+        if per is not None and len(per) != p:
+            raise ValueError(f"{name} needs one entry per stage ({p}), got {list(per)}")
     stages: list[list[PipelineStage]] = []
     links = [InProcessLinks(p) for _ in range(replicas)]
     store = dist.HashStore()
@@ -150,7 +155,13 @@ def train_threaded(config: ModelConfig, *, cuts: Sequence[int], stage_config: St
         row = []
         for s in range(p):
             module = build_slice(config, cuts[s], cuts[s + 1], seed=seed)
-            cfg = stage_config if defer_weights is None else replace(stage_config, defer_weights=defer_weights[s])
+            cfg = stage_config
+            if defer_weights is not None:
+                cfg = replace(cfg, defer_weights=defer_weights[s])
+            if defer_layers is not None:
+                cfg = replace(cfg, defer_layers=tuple(defer_layers[s]))
+            if in_flight is not None:
+                cfg = replace(cfg, in_flight=in_flight[s])
             stage = PipelineStage(module, stage=s, num_stages=p, transport=links[r].transport(s),
                                   config=cfg, norm_exchange=norms.member(s))
             if resume_from is not None:

@@ -347,7 +347,8 @@ class PlanRunner:
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         # off CUDA the reported peak memory counts the bytes saved for backward (one hook per saved tensor)
         cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda",
-                      in_flight=stage_plan.in_flight, defer_weights=stage_plan.defer_weights)
+                      in_flight=stage_plan.in_flight, defer_weights=stage_plan.defer_weights,
+                      defer_layers=tuple(stage_plan.defer_layers))
         step = self.plan.resume_step
         pretrained = job.pretrained if step == 0 else None  # a resume takes the checkpoint's weights instead
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,

@@ -58,6 +58,9 @@ class StageConfig:
     """Zero-bubble: backward computes the input's gradient first and the linear layers' weight gradients wait
     this many micro-batches for a ``weight`` action of their own (`atoll.node.schedule`, `atoll.node.wgrad`;
     the plan's); 0: backward computes them at once."""
+    defer_layers: tuple[int, ...] = ()
+    """With `defer_weights`, the global indices of the layers whose weight gradients wait (the others compute
+    theirs in backward, as memory allows: the plan's `StagePlan.defer_layers`); empty: every layer."""
     lr: float = 1e-3
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
@@ -249,12 +252,20 @@ class PipelineStage:
         """Zero-bubble: where backward leaves the linear layers' weight-gradient products for the weight actions
         (under tensor parallelism each rank's products of its shards, as DTensors). Not with ZeRO-2 (its hooks
         reduce each gradient as backward produces it): its stages compute them in backward."""
+        attach(module, None)  # a module kept from an earlier stage of another plan computes them in backward again
         if config.defer_weights and (self.zero is None or self.zero.stage < 2):
             sink = WeightGradients()
-            if attach(module, sink):
+            if config.defer_layers:
+                layers = getattr(module, "layers", None)
+                missing = [i for i in config.defer_layers if layers is None or str(i) not in layers]
+                if missing:
+                    raise ValueError(f"defer_layers {missing} are not layers of stage {stage}'s module "
+                                     f"(layers [{getattr(module, 'start', '?')}, {getattr(module, 'end', '?')}))")
+                reached = sum(attach(layers[str(i)], sink) for i in config.defer_layers)  # type: ignore[index]
+            else:
+                reached = attach(module, sink)
+            if reached:
                 self.weight_grads = sink
-        else:  # a module kept from an earlier stage of another plan computes its gradients in backward again
-            attach(module, None)
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches, extra_in_flight=config.in_flight,
                                               defer_weights=config.defer_weights if self.weight_grads else 0)

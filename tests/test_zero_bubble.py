@@ -213,6 +213,50 @@ def test_threads_with_deferred_weights_train_as_1f1b_does(precision: str) -> Non
     assert last[2][-1].peak_activation_bytes > plain.results[0][2][-1].peak_activation_bytes
 
 
+def test_some_layers_defer_and_the_rest_compute_in_backward() -> None:
+    """`defer_layers`: where memory holds only part of a stage's products, the named layers defer theirs and the
+    others compute them in backward; the step is the same, and a stage holds less than deferring every layer."""
+    config = preset("tiny")
+    m = 4
+    batches = [synthetic_batch(vocab_size=config.vocab_size, batch=2 * m, seq_len=config.seq_len, seed=0, step=i)
+               for i in range(2)]
+    cfg = StageConfig(micro_batches=m, lr=1e-3, track_memory=True)
+    cuts = [0, 2, 4, 6]
+    depths = zero_bubble_depths(3)
+    plain = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches)
+    every = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=depths)
+    part = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=depths,
+                          defer_layers=[[1], [3], [5]])
+    assert part.losses() == pytest.approx(plain.losses(), rel=1e-5)
+    for a, b in zip(plain.stages[0], part.stages[0]):
+        for x, y in zip(a.module.parameters(), b.module.parameters()):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+    mid = part.stages[0][1]
+    deferring = {n for n, mod in mid.module.named_modules() if getattr(mod, "deferred", None) is not None}
+    assert deferring and all(n.startswith("layers.3.") for n in deferring)
+    assert part.results[0][1][-1].peak_activation_bytes < every.results[0][1][-1].peak_activation_bytes
+    with pytest.raises(ValueError, match="defer_layers"):
+        train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches[:1], defer_weights=depths,
+                       defer_layers=[[1], [5], [5]])
+
+
+def test_threads_with_deeper_warm_ups_and_deferred_weights_train_as_1f1b_does() -> None:
+    """Extra warm-up forwards (`in_flight`, as the composer fills a pipeline's wait with them) on top of deferred
+    weight gradients: the same step."""
+    config = preset("tiny")
+    m = 6
+    batches = [synthetic_batch(vocab_size=config.vocab_size, batch=m, seq_len=config.seq_len, seed=1, step=i)
+               for i in range(2)]
+    cfg = StageConfig(micro_batches=m, lr=1e-3)
+    cuts = [0, 2, 4, 6]
+    plain = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches)
+    filled = train_threaded(config, cuts=cuts, stage_config=cfg, batches=batches, defer_weights=zero_bubble_depths(3),
+                            in_flight=[2, 1, 0])
+    assert filled.losses() == pytest.approx(plain.losses(), rel=1e-5)
+    first = [t.op for t in filled.results[0][0][-1].timeline]
+    assert first[:5] == ["forward"] * 5  # p - 1 + 2 warm-up forwards before the first backward
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_nodes_with_deferred_weights_match_one_process(tmp_path: Path) -> None:
@@ -224,7 +268,7 @@ def test_nodes_with_deferred_weights_match_one_process(tmp_path: Path) -> None:
     m = job.train.global_batch // 2
     plan = [PipelinePlan(micro_batch=2, num_micro_batches=m, stages=[
         stage((0, 2), ["a", "b"], zero=2, defer_weights=1), stage((2, 4), ["c", "d"], zero=1, defer_weights=2),
-        stage((4, 6), ["e"], defer_weights=3)])]
+        stage((4, 6), ["e"], defer_weights=3, defer_layers=[5])])]  # the last stage defers its head's alone
     run = run_pinned_plan(job, plan, tmp_path / "ckpt")
     assert sorted(run.losses) == list(range(steps))
     assert_losses_match(run.losses, expected, 1e-4, range(steps))
@@ -272,6 +316,14 @@ def test_the_planner_defers_weights_where_the_runtime_can_and_it_fits() -> None:
         [s.defer_weights for s in stages]
     with pytest.raises(ValueError, match="defer_weights"):
         StagePlan(island="a", layers=(0, 3), defer_weights=-1)
+    with pytest.raises(ValueError, match="outside"):
+        StagePlan(island="a", layers=(0, 3), defer_weights=1, defer_layers=[3])
+    with pytest.raises(ValueError, match="defer_weights is 0"):
+        StagePlan(island="a", layers=(0, 3), defer_layers=[1])
+    part = Plan(model="m", global_batch=2, seq_len=8, pipelines=[PipelinePlan(micro_batch=1, num_micro_batches=2, stages=[
+        StagePlan(island="a", layers=(0, 3), defer_weights=1, defer_layers=[2, 1])])])
+    assert plan_from_proto(plan_to_proto(part)).pipelines[0].stages[0].defer_layers == [1, 2]
+    assert Plan.from_json(part.to_json()).pipelines[0].stages[0].defer_layers == [1, 2]
 
 
 def test_the_job_and_the_cli_can_turn_it_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -341,3 +393,63 @@ def test_a_stage_whose_weight_gradients_are_too_short_keeps_them_in_backward() -
                for s in p.stages)
     never = search_plan(spec, cluster, train, options=replace(options, min_deferred_s=1e3)).plan
     assert not any(s.defer_weights for p in never.pipelines for s in p.stages)
+
+
+def test_where_memory_holds_part_of_the_products_some_layers_defer() -> None:
+    """The composer defers as many layers' weight gradients as the stage's memory holds, at the deepest depth that
+    holds them: the bytes it counts are the chosen layers', within the room left, and the time it defers theirs."""
+    from atoll.coordinator.planner.composer import Composer, StageChoice
+
+    cluster = parse_cluster(MIXED)
+    island = cluster.islands[0]
+    cm = CostModel(ModelSpec.from_preset("7b"), TrainSpec(global_batch=64, seq_len=2048))
+    composer = Composer(cost_model=cm, cluster=cluster)
+    start, end = 1, 9
+    t = cm.table(island, 2)  # a 7b block's weight gradients: 11 ms per micro-batch, above `min_deferred_s`
+    one = cm.deferred_bytes(t, start, end, (), 1, [start])
+    full = cm.deferred_bytes(t, start, end, (), 1)
+    assert one < full
+    for room in (2.5 * one, 0.5 * full):
+        cost = cm_cost = replace(_cost(t, start, end), memory_bytes=cm.memory_capacity(island) - room)
+        st = StageChoice(island=island, start=start, end=end, cost=cost, sync_s=0.0, optimizer_s=0.0)
+        got = composer._deferred(st, 0, 8)
+        assert got.defer == 1 and got.defer_layers and set(got.defer_layers) < set(range(start, end))
+        assert got.defer_bytes == pytest.approx(cm.deferred_bytes(t, start, end, (), 1, got.defer_layers))
+        assert got.defer_bytes <= room and cm_cost.memory_bytes + got.defer_bytes <= cm.memory_capacity(island)
+        assert got.weight_s == pytest.approx(sum(t.weight(i, i + 1) for i in got.defer_layers))
+    # with room for every layer at the zero-bubble depth, all of them (the plan's empty list)
+    roomy = replace(_cost(t, start, end), memory_bytes=0.0)
+    got = composer._deferred(StageChoice(island=island, start=start, end=end, cost=roomy, sync_s=0.0,
+                                         optimizer_s=0.0), 2, 8)
+    assert got.defer == 3 and got.defer_layers == () and got.weight_s == pytest.approx(t.weight(start, end))
+    # room for nothing: unchanged
+    tight = replace(_cost(t, start, end), memory_bytes=cm.memory_capacity(island) - 0.5 * one)
+    got = composer._deferred(StageChoice(island=island, start=start, end=end, cost=tight, sync_s=0.0,
+                                         optimizer_s=0.0), 2, 8)
+    assert got.defer == 0 and got.defer_bytes == 0
+
+
+def _cost(t, start: int, end: int):
+    from atoll.coordinator.planner.parallelizer import IslandCost
+
+    return IslandCost(forward_s=t.forward(start, end), backward_s=t.backward(start, end), memory_bytes=0.0, dp=1,
+                      zero=0, recompute=False, micro_batch=2)
+
+
+def test_the_composer_fills_the_wait_for_the_first_gradient_where_memory_allows() -> None:
+    """Deeper warm-ups (ZB-H2's idea): on a cluster with room to spare, the plan's stages run extra warm-up forwards
+    beyond any deep window, within their memory, and the plan simulates faster than without them."""
+    spec = ModelSpec.from_preset("350m")
+    cluster = parse_cluster(MIXED)
+    train = TrainSpec(global_batch=512, seq_len=1024)
+    filled = search_plan(spec, cluster, train)
+    plain = search_plan(spec, cluster, train, options=PlannerOptions(fill_warmup=False))
+    extra = [s.in_flight for p in filled.plan.pipelines for s in p.stages]
+    assert sum(extra) > sum(s.in_flight for p in plain.plan.pipelines for s in p.stages)
+    assert filled.plan.predicted.step_time_s < plain.plan.predicted.step_time_s
+    filled.plan.validate()
+    usable = {i.id: i.device.memory_gb * (1 - PlannerOptions().memory_reserve_fraction) for i in cluster.islands}
+    for p in filled.plan.pipelines:
+        for n, s in enumerate(p.stages):
+            assert s.in_flight <= len(p.stages) - n - 1 or s.in_flight == 0
+            assert s.memory_gb_per_device <= usable[s.island] + 1e-9

@@ -118,6 +118,9 @@ class StageChoice:
     """Extra micro-batches in flight beyond strict 1F1B (deep window; `StagePlan.in_flight`)."""
     defer: int = 0
     """Micro-batches whose weight gradients wait for their own action (zero-bubble; `StagePlan.defer_weights`)."""
+    defer_layers: tuple[int, ...] = ()
+    """The layers whose weight gradients the stage defers when not all of them (`StagePlan.defer_layers`; empty:
+    all, when `defer` is set)."""
     weight_s: float = 0.0
     """Of the backward per micro-batch, the weight-gradient part the stage defers (0 when it does not)."""
     defer_bytes: float = 0.0
@@ -574,9 +577,13 @@ class Composer:
                          placed=tuple(placed))
 
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
-        """Stage `n` of its pipeline with its weight gradients deferred `n + 1` micro-batches deep (the
-        zero-bubble depth, `atoll.node.schedule.zero_bubble_depths`), or less as its memory allows; unchanged
-        where the runtime computes them in backward (ZeRO-2 and above) or none fits."""
+        """Stage `n` of its pipeline with its weight gradients deferred: as much of them as memory allows, as
+        deep as helps (`n + 1` micro-batches, the zero-bubble depth, `atoll.node.schedule.zero_bubble_depths`).
+        Where every layer's products do not fit at that depth, some layers defer theirs and the rest compute
+        them in backward (`StagePlan.defer_layers`); the depth and layers chosen maximise the deferred work
+        times the depth (a deferring stage fills up to depth x W of its fill and drain with weight actions),
+        as the memory they hold grows with the same product. Unchanged where the runtime computes them in
+        backward (ZeRO-2 and above) or nothing worth an action of its own fits."""
         c, cm = st.cost, self.cost_model
         if c.zero >= 2:
             return st
@@ -585,11 +592,32 @@ class Composer:
         if w <= 0 or w < cm.options.min_deferred_s:  # too short to pay for an action of its own
             return st
         room = cm.memory_capacity(st.island) - c.memory_bytes
+        full = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, min(n + 1, m))
+        if full <= room:  # the common case: every layer at the full depth
+            return replace(st, defer=min(n + 1, m), weight_s=min(w, c.backward_s), defer_bytes=full)
+        # the layers that give the most weight-gradient time per byte held first (blocks alike; the head's
+        # output gradient is large for its time)
+        layers = sorted((i for i in range(st.start, st.end) if t.stash(i, i + 1) > 0),
+                        key=lambda i: -t.weight(i, i + 1) / t.stash(i, i + 1))
+        best: tuple[float, int, tuple[int, ...], float, float] | None = None
         for k in range(min(n + 1, m), 0, -1):
-            held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k)
-            if held <= room:
-                return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held)
-        return st
+            chosen: list[int] = []
+            for i in layers:  # the bytes held grow with each layer added: keep those that still fit
+                if cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, [*chosen, i]) <= room:
+                    chosen.append(i)
+            wk = sum(t.weight(i, i + 1) for i in chosen)
+            if not chosen or wk < cm.options.min_deferred_s:
+                continue
+            if best is None or wk > best[0] * (1 + 1e-9):
+                part = () if len(chosen) == len(layers) else tuple(sorted(chosen))
+                held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, chosen)
+                best = (wk, k, part, min(wk, c.backward_s), held)
+            if len(chosen) == len(layers):
+                break  # every layer fits at this depth: a shallower one defers no more
+        if best is None:
+            return st
+        _, k, part, wk, held = best
+        return replace(st, defer=k, defer_layers=part, weight_s=wk, defer_bytes=held)
 
     def _plain_if_faster(self, cand: Candidate) -> Candidate:
         """A simulated candidate (`step_s` set), or, where its stages defer weight gradients and plain 1F1B
@@ -604,8 +632,76 @@ class Composer:
         step = simulate(plain).step_time_s
         if step >= cand.step_s:
             return cand
-        stages = [replace(st, defer=0, weight_s=0.0, defer_bytes=0.0) for st in cand.stages]
+        stages = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) for st in cand.stages]
         return replace(cand, stages=stages, times=plain, estimate_s=closed_form_step(plain), step_s=step)
+
+    def _filled_if_faster(self, cand: Candidate, s: _Setup) -> Candidate:
+        """A simulated candidate, or the same pipeline with deeper warm-ups where that simulates faster: stage i
+        runs up to p - i - 1 more forwards before its first backward (`StagePlan.in_flight`), as far as its
+        memory holds them at the same cost. Under strict 1F1B a stage waits from its warm-up's end until its
+        first gradient comes back; the extra forwards fill that wait, and with deferred weight gradients filling
+        the drain (zero-bubble) little of either is left (ZB-H2, Qi et al., ICLR 2024, which doubles the first
+        stage's activations for it).
+
+        Both compete for the same memory, so two ways are tried: the warm-ups in what the deferred weight
+        gradients leave, and the warm-ups first with the deferral then fitted in what they leave; each at the
+        full depth and at half of it. The search's own deep windows (slow links) are kept as a floor."""
+        n = len(cand.stages)
+        if n < 2 or not self.cost_model.options.fill_warmup:
+            return cand
+        best = cand
+        tried: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = {
+            tuple((st.in_flight, st.defer, st.defer_layers) for st in cand.stages)}
+        for warmups_first in (False, True):
+            base = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) if warmups_first else st
+                    for st in cand.stages]
+            costs = [self._deeper(s, st, placed) for st, placed in zip(base, cand.placed)]
+            caps = [st.in_flight + len(got) - 1 for st, got in zip(base, costs)]
+            for idx in range(1, n):  # warm-ups may not grow downstream (`PipelineTimes`): one more extra at most
+                caps[idx] = min(caps[idx], caps[idx - 1] + 1)
+            for half in (False, True):
+                extra = [max(st.in_flight, (x + 1) // 2 if half else x) for st, x in zip(base, caps)]
+                for idx in range(1, n):
+                    extra[idx] = min(extra[idx], extra[idx - 1] + 1)
+                stages = [replace(st, in_flight=x, cost=got[x - st.in_flight])
+                          for st, x, got in zip(base, extra, costs)]
+                if warmups_first and self.cost_model.options.zero_bubble:
+                    stages = [self._deferred(st, k, s.m) for k, st in enumerate(stages)]
+                key = tuple((st.in_flight, st.defer, st.defer_layers) for st in stages)
+                if key in tried:
+                    continue
+                tried.add(key)
+                times = replace(cand.times, in_flight=tuple(extra),
+                                stages=tuple(replace(t, weight_s=st.weight_s)
+                                             for t, st in zip(cand.times.stages, stages)),
+                                defer=tuple(st.defer for st in stages) if any(st.defer for st in stages) else ())
+                if step_lower_bound(times) >= best.step_s:
+                    continue
+                step = simulate(times).step_time_s
+                self.stats.simulated += 1
+                if step < best.step_s * (1 - 1e-9):
+                    best = replace(cand, stages=stages, times=times, estimate_s=closed_form_step(times),
+                                   step_s=step)
+        return best
+
+    def _deeper(self, s: _Setup, st: StageChoice, placed: tuple[int, int, int, int]) -> list[IslandCost]:
+        """The stage's cost at its own extra depth and at each further extra micro-batch in flight, up to p - i - 1
+        of them (i its place), while the parallelizer keeps its time and shape and the memory holds them beside
+        its deferred weight gradients."""
+        i, a, e, k = placed
+        c, cm, par = st.cost, self.cost_model, self.parallelizer
+        assert par is not None
+        room = cm.memory_capacity(st.island) - st.defer_bytes
+        shape = (c.dp, c.tp, c.zero, tuple(c.recompute_layers))
+        got = [c]
+        want = min(k - 1, s.m - k)  # strict 1F1B holds p - i micro-batches (`placed`): p - i - 1 more at most
+        for x in range(st.in_flight + 1, want + 1):
+            g = par.cost(self._query(s, i, a, e, min(k + x, s.m)), st.island)
+            if (g is None or g.time_s > c.time_s * (1 + 1e-12) or g.memory_bytes > room
+                    or (g.dp, g.tp, g.zero, tuple(g.recompute_layers)) != shape):
+                break  # memory grows with depth: the first miss ends it
+            got.append(g)
+        return got
 
     def best_for(self, s: _Setup) -> Candidate | None:
         """The best candidate of any chain of the setup's islands in its order."""
@@ -667,7 +763,8 @@ class Composer:
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
         top = _distinct(top)[:self.cost_model.options.simulate_top]
-        top = [self._plain_if_faster(self.refine(c, source[id(c)])) for c in top]
+        top = [self._filled_if_faster(self._plain_if_faster(self.refine(c, source[id(c)])), source[id(c)])
+               for c in top]
         top.sort(key=lambda c: c.step_s)
         return top
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
+from collections.abc import Sequence
 from typing import Protocol
 
 from atoll.coordinator.planner.cluster import INTRA_NODE_LATENCY_S, Island, Link
@@ -328,15 +329,15 @@ class CostModel:
         return params * per + const
 
     def deferred_bytes(self, t: LayerTable, a: int, e: int, recompute_layers: tuple[int, ...] | list[int],
-                       depth: int) -> float:
+                       depth: int, layers: Sequence[int] = ()) -> float:
         """Memory per device a stage [a, e) adds by deferring its weight gradients `depth` micro-batches (zero-bubble,
-        `atoll.node.schedule`), on top of its 1F1B memory: each deferred micro-batch holds S bytes (every linear
-        layer's input and output gradient), and right after a backward the stage holds one in-flight micro-batch
-        fewer (A bytes of activations, less where blocks are recomputed) and one deferred more: depth x S +
-        max(0, S - A)."""
+        `atoll.node.schedule`), on top of its 1F1B memory: each deferred micro-batch holds S bytes (every deferring
+        linear layer's input and output gradient; of `layers` alone where given, else of every layer), and right
+        after a backward the stage holds one in-flight micro-batch fewer (A bytes of activations, less where
+        blocks are recomputed) and one deferred more: depth x S + max(0, S - A)."""
         if depth <= 0:
             return 0.0
-        per = t.stash(a, e)
+        per = sum(t.stash(i, i + 1) for i in layers) if layers else t.stash(a, e)
         act = t.pact[e] - t.pact[a] - sum(t.act[i] - t.act_recompute[i] for i in recompute_layers)
         return depth * per + max(0, per - act)
 

@@ -87,6 +87,10 @@ class PlannerOptions:
     """Least weight-gradient time per micro-batch for a stage to defer it: a weight action has a cost of its own
     that the layer profile does not see (measured on CPU nodes: the tiny demo model's weight actions of about
     1 ms made its steps 30% slower, the 125M model's of about 100 ms made them 11-22% faster)."""
+    fill_warmup: bool = True
+    """Let a stage run up to p - i - 1 more warm-up forwards where its memory holds them and the simulated step
+    is shorter (filling the wait for its first gradient: `StagePlan.in_flight`); False: only the deep windows a
+    slow link asks for."""
     optimizer_bytes_per_s: float = 1.0e12
     """Memory bandwidth of the optimizer step's state updates when no profile gives its time."""
     refine_factors: tuple[float, ...] = (1.0, 1.15, 1.4)

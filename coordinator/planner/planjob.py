@@ -275,7 +275,8 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
                                     recompute_layers=[] if st.cost.recompute else list(st.cost.recompute_layers),
                                     compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.memory_bytes / GB, send=send, nodes=nodes,
-                                    in_flight=st.in_flight, defer_weights=st.defer))
+                                    in_flight=st.in_flight, defer_weights=st.defer,
+                                    defer_layers=list(st.defer_layers)))
         assert c.micro_batch * c.num_micro_batches == share
         pipelines.append(PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
                                       stages=stages))
