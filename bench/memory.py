@@ -1,6 +1,8 @@
 """Memory benchmark: each stage's measured peak memory against the planner's prediction, for ZeRO 0/1/2
 with recomputation off, on some blocks and on every block, and a few of them again with deferred weight
-gradients (zero-bubble: stage s holds back s + 1 micro-batches' linear-layer inputs and output gradients).
+gradients (zero-bubble: stage s holds back s + 1 micro-batches' linear-layer inputs and output gradients),
+one of them with only half of each stage's layers deferring and the first stage's warm-up one deeper (the
+planner's partial deferral and filled warm-up).
 
     .venv/bin/python -m bench.memory [--model 125m --seq 128 --vocab 256 --steps 2 --only 0,1,2]
 
@@ -63,10 +65,18 @@ class Config:
     """"off", "some" (the first half of each stage's blocks) or "all"."""
     zero_bubble: bool = False
     """Stage s defers its weight gradients s + 1 micro-batches (`StagePlan.defer_weights`)."""
+    part: bool = False
+    """With `zero_bubble`: only the first half of each stage's layers with weight gradients defer
+    (`StagePlan.defer_layers`), as the planner chooses where memory holds only part of them."""
+    fill: bool = False
+    """Stage s of p runs p - s - 1 extra warm-up forwards (`StagePlan.in_flight`), as the planner fills the
+    wait for the first gradient where memory allows."""
 
     @property
     def name(self) -> str:
-        return f"zero {self.zero} recompute {self.recompute}" + (" zero-bubble" if self.zero_bubble else "")
+        extra = [x for x, on in (("zero-bubble", self.zero_bubble), ("half the layers", self.part),
+                                 ("filled warm-up", self.fill)) if on]
+        return f"zero {self.zero} recompute {self.recompute}" + "".join(f" {x}" for x in extra)
 
 
 @dataclass
@@ -138,18 +148,22 @@ def run_config(job: JobSpec, config: Config, cut: int, par: DefaultParallelizer,
     for s, (a, b) in enumerate(layers):
         blocks = [i for i in range(a, b) if 0 < i < total - 1]
         chosen = {"off": [], "some": blocks[:len(blocks) // 2], "all": blocks}[config.recompute]
+        extra = len(layers) - s - 1 if config.fill else 0
         q = SliceQuery(start=a, end=b, micro_batch=micro_batch // dp, dp=dp,
-                       in_flight=min(len(layers) - s, micro_batches))
+                       in_flight=min(len(layers) - s + extra, micro_batches))
         cost = par.evaluate(q, island, zero=config.zero, recompute_blocks=len(chosen))
         assert list(cost.recompute_layers) == chosen
         defer = min(s + 1, micro_batches) if config.zero_bubble else 0
-        memory = cost.memory_bytes + par.cm.deferred_bytes(par.cm.table(island, cost.micro_batch), a, b,
-                                                           cost.recompute_layers, defer)
+        t = par.cm.table(island, cost.micro_batch)
+        with_w = [i for i in range(a, b) if t.stash(i, i + 1) > 0]
+        part = with_w[:max(1, len(with_w) // 2)] if defer and config.part else []
+        memory = cost.memory_bytes + par.cm.deferred_bytes(t, a, b, cost.recompute_layers, defer, part)
         predicted.append(memory)
         recomputed.append(len(chosen))
         stages.append(StagePlan(island=island.id, layers=(a, b), dp=dp, zero=config.zero,
                                 recompute_layers=chosen, nodes=[f"s{s}r{r}" for r in range(dp)],
-                                compute_s=cost.time_s, memory_gb_per_device=memory / GB, defer_weights=defer))
+                                compute_s=cost.time_s, memory_gb_per_device=memory / GB, defer_weights=defer,
+                                defer_layers=part, in_flight=extra))
     with TemporaryDirectory() as folder:
         reports = _run_plan(job, stages, micro_batch, micro_batches, Path(folder))
     measured = [max(m.peak_memory_bytes for m in reports if m.stage == s) for s in range(len(layers))]
@@ -167,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per configuration (the first is a warm-up for time)")
     ap.add_argument("--only", default="0,1,2", help="ZeRO stages to run, comma-separated")
     ap.add_argument("--recompute", default="off,some,all", help="recomputation settings to run: off, some, all")
-    ap.add_argument("--zero-bubble", default="0/off,1/off,0/all",
-                    help="ZeRO stage/recomputation pairs to run again with deferred weight gradients (\"\": none)")
+    ap.add_argument("--zero-bubble", default="0/off,1/off,0/all,1/off/part+fill",
+                    help="ZeRO stage/recomputation pairs to run again with deferred weight gradients, each with an "
+                         "optional third field of part (half the layers defer) and fill (deeper warm-ups) joined by "
+                         "+ (\"\": none)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # one core per node thread, as nodes of their own
@@ -191,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                            "gpus_per_node = 4\n").islands[0]
     par = DefaultParallelizer(cm)
     configs = [Config(int(z), rc) for rc in args.recompute.split(",") for z in args.only.split(",")]
-    configs += [Config(int(z), rc, zero_bubble=True)
-                for z, rc in (x.split("/") for x in args.zero_bubble.split(",") if x)]
+    for x in (x for x in args.zero_bubble.split(",") if x):
+        z, rc, *more = x.split("/")
+        flags = set(more[0].split("+")) if more else set()
+        if flags - {"part", "fill"}:
+            ap.error(f"--zero-bubble {x}: the third field takes part and fill, got {more[0]}")
+        configs.append(Config(int(z), rc, zero_bubble=True, part="part" in flags, fill="fill" in flags))
     t0 = time.perf_counter()
     rows = []
     for c in configs:
@@ -207,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
           f"cut at layer {cut} x 2 replicas, micro-batches of {micro_batch} x {micro_batches}, fp32 AdamW, "
           f"{args.steps} steps each, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}, {elapsed:.0f} s")
     print("measured: each stage's reported peak (CPU: its tensors' bytes); predicted: the planner's cost model")
+    print("zb: the stage's zero-bubble depth; h: half its layers defer (defer_layers); f: its warm-up filled "
+          "(in_flight p - s - 1)")
     hdr = (f"{'zero':>4} {'recompute':<9} {'zb':>3} {'stage':>5} {'layers':<9} {'blocks rc':>9} {'measured MiB':>12} "
            f"{'predicted MiB':>13} {'error':>7} {'step s':>7}")
     print(hdr)
@@ -215,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         for s, (layers, m, p) in enumerate(zip(r.layers, r.measured, r.predicted)):
             err = m / p - 1
-            zb = s + 1 if r.config.zero_bubble else "-"
+            zb = f"{s + 1}{'h' if r.config.part else ''}{'f' if r.config.fill else ''}" if r.config.zero_bubble else "-"
             print(f"{r.config.zero:>4} {r.config.recompute:<9} {zb:>3} {s:>5} {str(list(layers)):<9} {r.recomputed[s]:>9} "
                   f"{m / 2**20:>12.1f} {p / 2**20:>13.1f} {100 * err:>+6.1f}% "
                   + (f"{r.step_seconds:>7.2f}" if s == 0 else ""))

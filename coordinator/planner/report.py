@@ -67,21 +67,33 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
         zb = ("; weight gradients deferred where the wgrad column gives a depth (zero-bubble: backward "
-              "computes what the previous stage waits for first)") if any(s.defer_weights for s in pl.stages) else ""
+              "computes what the previous stage waits for first; 'of n' where only n layers' defer, as memory "
+              "allows)") if any(s.defer_weights for s in pl.stages) else ""
+        if any(s.in_flight for s in pl.stages):
+            zb += ("; the warm column: extra forwards a stage runs before its first backward (a deep window behind "
+                   "a slow link, or filling its wait for the first gradient)")
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
                      f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
                      f"possible{owner}){zb}")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp x tp':>13} {'zero':>4} {'recomp':>6} "
-                     f"{'wgrad':>5} {'compute':>9} {'mem/dev':>8}  send")
+                     f"{'wgrad':>8} {'warm':>4} {'compute':>9} {'mem/dev':>8}  send")
         for j, s in enumerate(pl.stages):
             send = "-"
             if s.send is not None:
                 send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
                          + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {_recomputed(s):>6} "
-                         f"{s.defer_weights or '-':>5} "
+                         f"{_deferred(s):>8} {s.in_flight or '-':>4} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
+
+
+def _deferred(s: StagePlan) -> str:
+    """The wgrad column: the depth of a stage's deferred weight gradients, with how many layers defer when not
+    all of them, or none."""
+    if not s.defer_weights:
+        return "-"
+    return f"{s.defer_weights} of {len(s.defer_layers)}" if s.defer_layers else str(s.defer_weights)
 
 
 def _recomputed(s: StagePlan) -> str:
