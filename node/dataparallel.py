@@ -64,17 +64,30 @@ CANCEL_POLL_S = 0.05
 
 def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:
     """Wait for `work` at most `timeout`, and raise what it raised. Inside `cancel_collectives_on(event)` the wait
-    ends as soon as `event` is set: CollectiveCancelled, the operation left to its group's own timeout."""
+    ends as soon as `event` is set: CollectiveCancelled, the operation left to its group's own timeout.
+
+    An operation without a future (gloo's reduce-scatter runs inside `wait()`) is waited for on a thread of its
+    own, so that it can be abandoned too: that thread ends when the operation does, or at its timeout."""
     event: threading.Event | None = getattr(_cancel, "event", None)
     if event is None:
         work.wait(timeout)
         return
     done = threading.Event()
+    failed: list[BaseException] = []
     try:
         work.get_future().add_done_callback(lambda _: done.set())
-    except RuntimeError:  # an operation without a future (gloo's reduce-scatter runs in wait()): plain wait
-        work.wait(timeout)
-        return
+        waiter = None
+    except RuntimeError:
+        def wait_here() -> None:
+            try:
+                work.wait(timeout)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                failed.append(e)
+            finally:
+                done.set()
+
+        waiter = threading.Thread(target=wait_here, name=f"wait: {what}", daemon=True)
+        waiter.start()
     deadline = time.monotonic() + timeout.total_seconds()
     while not done.is_set():
         if event.is_set():
@@ -83,6 +96,10 @@ def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:
         if left <= 0:
             raise CollectiveError(f"{what} timed out after {timeout}")
         done.wait(min(CANCEL_POLL_S, left))
+    if waiter is not None:
+        if failed:
+            raise failed[0]
+        return
     work.wait(timeout)  # done: returns at once, or raises the collective's error
 
 

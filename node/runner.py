@@ -629,6 +629,8 @@ class PlanRunner:
         pl = self.placement
         if self.plan.mode != "sync" or pl is None or pl.tp > 1 or isinstance(optimizer, ZeroOptimizer):
             return None
+        if step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh from the seed as well
+            return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
         state = slice_state(module, optimizer, extra=extra)
         total = loss = None

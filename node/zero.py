@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from atoll.node.dataparallel import CollectiveError
+from atoll.node.dataparallel import CollectiveError, wait_collective
 
 ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
@@ -408,8 +408,10 @@ class ZeroOptimizer:
             self._hooks = []
 
     def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(self.timeout)
+        try:  # a collective this replica waits on ends when a newer plan arrives (`cancel_collectives_on`)
+            wait_collective(work, self.timeout, f"ZeRO-{self.config.stage} {what} over {self.world} replicas")
+        except CollectiveError:
+            raise
         except RuntimeError as e:
             raise CollectiveError(f"ZeRO-{self.config.stage} {what} over {self.world} replicas failed or timed out "
                                   f"after {self.timeout}: {e}") from e

@@ -595,10 +595,11 @@ class Composer:
         full = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, min(n + 1, m))
         if full <= room:  # the common case: every layer at the full depth
             return replace(st, defer=min(n + 1, m), weight_s=min(w, c.backward_s), defer_bytes=full)
-        # the layers that give the most weight-gradient time per byte held first (blocks alike; the head's
-        # output gradient is large for its time)
-        layers = sorted((i for i in range(st.start, st.end) if t.stash(i, i + 1) > 0),
-                        key=lambda i: -t.weight(i, i + 1) / t.stash(i, i + 1))
+        # the layers that give the most weight-gradient time per byte held first (blocks alike, in their order;
+        # the head's output gradient is large for its time)
+        ratio = {i: t.weight(i, i + 1) / t.stash(i, i + 1) for i in range(st.start, st.end) if t.stash(i, i + 1) > 0}
+        top = max(ratio.values(), default=1.0)
+        layers = sorted(ratio, key=lambda i: (-round(ratio[i] / top, 6), i))
         best: tuple[float, int, tuple[int, ...], float, float] | None = None
         for k in range(min(n + 1, m), 0, -1):
             chosen: list[int] = []
