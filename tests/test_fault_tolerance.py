@@ -83,6 +83,25 @@ def test_wait_collective_completes_times_out_and_needs_no_cancel_event() -> None
     release_later(groups, timedelta(seconds=1))
 
 
+@pytest.mark.timeout(60)
+def test_a_zero_reduce_scatter_on_a_silent_peer_ends_when_the_plan_is_superseded() -> None:
+    """gloo's reduce-scatter has no future (it runs inside wait()): the ZeRO-1 step's wait on it still ends when a
+    newer plan arrives, rather than at the collective's timeout, and names what it abandoned."""
+    from atoll.node.zero import ZeroConfig, ZeroOptimizer
+
+    groups = _pair(timedelta(seconds=20))
+    module = torch.nn.Linear(4, 4)
+    zero = ZeroOptimizer(module.parameters(), groups[0], ZeroConfig(stage=1, lr=1e-3), timeout=timedelta(seconds=15))
+    module(torch.ones(2, 4)).sum().backward()
+    superseded = threading.Event()
+    threading.Timer(0.3, superseded.set).start()
+    t0 = time.monotonic()
+    with cancel_collectives_on(superseded), pytest.raises(CollectiveCancelled, match="ZeRO-1 .*superseded"):
+        zero.reduce_gradients()  # rank 1 never comes
+    assert time.monotonic() - t0 < 3.0
+    release_later(groups, timedelta(seconds=25))
+
+
 @pytest.mark.timeout(30)
 def test_a_rendezvous_waits_for_every_rank_and_ends_when_the_plan_is_superseded() -> None:
     store = dist.HashStore()

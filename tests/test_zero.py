@@ -317,3 +317,24 @@ def test_memory_benchmark_measures_what_the_planner_predicts(capsys: pytest.Capt
     finally:
         torch.set_num_threads(threads)  # the benchmark runs one thread per node
     assert "targets met: 20/20" in capsys.readouterr().out  # 12 without the zero-bubble runs
+
+
+def test_the_parallelizer_takes_zero_1_at_equal_time_and_none_under_tensor_parallelism() -> None:
+    """ZeRO-1 costs the time of ZeRO-0 (a reduce-scatter and an all-gather move an all-reduce's bytes) for less
+    memory and a shorter optimizer step, so a data-parallel stage gets it; a tensor-parallel one never gets ZeRO,
+    which the runtime trains with plain AdamW (`PlanRunner._zero`)."""
+    from atoll.coordinator.planner import TrainSpec, parse_cluster
+    from atoll.coordinator.planner.costmodel import CostModel
+    from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
+    from atoll.modelspec import ModelSpec
+
+    cluster = parse_cluster('[[group]]\nname = "a100"\ndevice = "A100-80GB"\ncount = 8\ngpus_per_node = 8\n')
+    island = cluster.islands[0]
+    par = DefaultParallelizer(CostModel(ModelSpec.from_preset("1.3b"), TrainSpec(global_batch=64, seq_len=1024)))
+    got = par.cost(SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8), island)
+    assert got is not None and got.dp == 8 and got.tp == 1 and got.zero == 1
+    zero0 = par.evaluate(SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8), island, zero=0)
+    assert got.time_s == pytest.approx(zero0.time_s) and got.memory_bytes < zero0.memory_bytes
+    entries = par._entries(island, 8, 8, False)  # (tp, dp, rows, zero, ...) of every split of 8 devices
+    assert {e[0] for e in entries} >= {1, 2, 4, 8} and {e[3] for e in entries if e[0] == 1} == {0, 1, 2, 3}
+    assert {e[3] for e in entries if e[0] > 1} == {0}
