@@ -579,11 +579,12 @@ class Composer:
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
         """Stage `n` of its pipeline with its weight gradients deferred: as much of them as memory allows, as
         deep as helps (`n + 1` micro-batches, the zero-bubble depth, `atoll.node.schedule.zero_bubble_depths`).
-        Where every layer's products do not fit at that depth, some layers defer theirs and the rest compute
-        them in backward (`StagePlan.defer_layers`); the depth and layers chosen maximise the deferred work
-        times the depth (a deferring stage fills up to depth x W of its fill and drain with weight actions),
-        as the memory they hold grows with the same product. Unchanged where the runtime computes them in
-        backward (ZeRO-2 and above) or nothing worth an action of its own fits."""
+        Every layer at the deepest depth that holds them; where not even one micro-batch of every layer's fits,
+        as many layers as fit one deep defer theirs and the rest compute them in backward
+        (`StagePlan.defer_layers`), as deep as those fit (a shorter input-gradient backward shortens the
+        pipeline's critical path more than a deeper deferral of less, as the simulator shows on the benchmark's
+        memory-bound plans). Unchanged where the runtime computes them in backward (ZeRO-2 and above) or nothing
+        worth an action of its own fits."""
         c, cm = st.cost, self.cost_model
         if c.zero >= 2:
             return st
@@ -592,33 +593,31 @@ class Composer:
         if w <= 0 or w < cm.options.min_deferred_s:  # too short to pay for an action of its own
             return st
         room = cm.memory_capacity(st.island) - c.memory_bytes
-        full = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, min(n + 1, m))
-        if full <= room:  # the common case: every layer at the full depth
-            return replace(st, defer=min(n + 1, m), weight_s=min(w, c.backward_s), defer_bytes=full)
-        # the layers that give the most weight-gradient time per byte held first (blocks alike, in their order;
+        deepest = min(n + 1, m)
+        for k in range(deepest, 0, -1):  # every layer, as deep as fits (the zero-bubble depth when it does)
+            held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k)
+            if held <= room:
+                return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held)
+        # not every layer fits even one micro-batch deep: as many layers as fit, then as deep as they fit. The
+        # layers that give the most weight-gradient time per byte held come first (blocks alike, in their order;
         # the head's output gradient is large for its time)
         ratio = {i: t.weight(i, i + 1) / t.stash(i, i + 1) for i in range(st.start, st.end) if t.stash(i, i + 1) > 0}
         top = max(ratio.values(), default=1.0)
-        layers = sorted(ratio, key=lambda i: (-round(ratio[i] / top, 6), i))
-        best: tuple[float, int, tuple[int, ...], float, float] | None = None
-        for k in range(min(n + 1, m), 0, -1):
-            chosen: list[int] = []
-            for i in layers:  # the bytes held grow with each layer added: keep those that still fit
-                if cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, [*chosen, i]) <= room:
-                    chosen.append(i)
-            wk = sum(t.weight(i, i + 1) for i in chosen)
-            if not chosen or wk < cm.options.min_deferred_s:
-                continue
-            if best is None or wk > best[0] * (1 + 1e-9):
-                part = () if len(chosen) == len(layers) else tuple(sorted(chosen))
-                held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, chosen)
-                best = (wk, k, part, min(wk, c.backward_s), held)
-            if len(chosen) == len(layers):
-                break  # every layer fits at this depth: a shallower one defers no more
-        if best is None:
+        act = t.pact[st.end] - t.pact[st.start] - sum(t.act[i] - t.act_recompute[i] for i in c.recompute_layers)
+        chosen: list[int] = []
+        per = 0
+        for i in sorted(ratio, key=lambda i: (-round(ratio[i] / top, 6), i)):
+            more = per + t.stash(i, i + 1)
+            if more + max(0, more - act) <= room:  # `deferred_bytes` at depth 1, which grows with each layer
+                chosen.append(i)
+                per = more
+        wk = sum(t.weight(i, i + 1) for i in chosen)
+        if not chosen or wk < cm.options.min_deferred_s:
             return st
-        _, k, part, wk, held = best
-        return replace(st, defer=k, defer_layers=part, weight_s=wk, defer_bytes=held)
+        k = max(1, min(deepest, int((room - max(0, per - act)) // per)))
+        held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, chosen)
+        return replace(st, defer=k, defer_layers=tuple(sorted(chosen)), weight_s=min(wk, c.backward_s),
+                       defer_bytes=held)
 
     def _plain_if_faster(self, cand: Candidate) -> Candidate:
         """A simulated candidate (`step_s` set), or, where its stages defer weight gradients and plain 1F1B
@@ -654,13 +653,20 @@ class Composer:
         tried: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = {
             tuple((st.in_flight, st.defer, st.defer_layers) for st in cand.stages)}
         for warmups_first in (False, True):
+            if warmups_first and not any(st.defer for st in cand.stages):
+                break  # nothing deferred competes for the memory
             base = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) if warmups_first else st
                     for st in cand.stages]
             costs = [self._deeper(s, st, placed) for st, placed in zip(base, cand.placed)]
             caps = [st.in_flight + len(got) - 1 for st, got in zip(base, costs)]
+            if warmups_first and all(len(got) - 1 == min(k - 1, s.m - k) - st.in_flight
+                                     for st, got, (_, _, _, k) in zip(cand.stages, costs, cand.placed)):
+                break  # memory held every stage's full warm-up beside its deferred products: nothing to trade
             for idx in range(1, n):  # warm-ups may not grow downstream (`PipelineTimes`): one more extra at most
                 caps[idx] = min(caps[idx], caps[idx - 1] + 1)
             for half in (False, True):
+                if half and best is not cand:
+                    break  # the full depth gained: half of it fills less
                 extra = [max(st.in_flight, (x + 1) // 2 if half else x) for st, x in zip(base, caps)]
                 for idx in range(1, n):
                     extra[idx] = min(extra[idx], extra[idx - 1] + 1)
