@@ -7,7 +7,8 @@ every share still divides into micro-batches), and rebalanced once on the shares
 A coarse granule can leave a fast group idle (4 A100 and 4 V100 sharing 512 sequences in granules of 64
 get 384 and 128, where their speeds ask for about 364 and 148), so when the split is close enough to the
 best single pipeline to matter, granules a quarter and a sixteenth as large are tried too.
-Every stage then also all-reduces its gradients with the other pipelines: a ring over the P pipelines on
+Every stage then also all-reduces its gradients with the other pipelines (with plain AdamW: the runtime runs
+no ZeRO over holders from several pipelines, so none is planned): a ring over the P pipelines on
 the slowest link between their islands, 2 (P-1)/P x the stage's gradient bytes, carried by all the
 stage's hosts at once on per-host links, or by the whole shared capacity of a region link.
 
@@ -157,11 +158,15 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     if capacity_bound_s(cm, cluster, groups, parallelizer, link) >= beat_s:
         return None
     found: dict[tuple[int, int], Candidate | None] = {}
+    # every stage averages its gradients with the other pipelines' holders of its layers, per layer segment,
+    # which the runtime does with plain AdamW (ZeRO needs a stage's replicas to be exactly the holders of its
+    # layers: `PlanRunner._zero`), so the pipelines are planned without ZeRO
+    options = replace(cm.options, zero_stages=(0,))
 
     def best(k: int, share: int) -> Candidate | None:
         if (k, share) not in found:
             sub_cm = CostModel(cm.model, TrainSpec(global_batch=share, seq_len=cm.train.seq_len, dtype=cm.train.dtype,
-                                                    optimizer=cm.train.optimizer), cm.profiles, cm.options, cm.codecs)
+                                                    optimizer=cm.train.optimizer), cm.profiles, options, cm.codecs)
             top = Composer(cost_model=sub_cm, cluster=cluster.subset(groups[k]), parallelizer=parallelizer).search()
             found[k, share] = top[0] if top else None
         return found[k, share]
