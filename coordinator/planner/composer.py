@@ -652,16 +652,14 @@ class Composer:
         best = cand
         tried: set[tuple[tuple[int, int, tuple[int, ...]], ...]] = {
             tuple((st.in_flight, st.defer, st.defer_layers) for st in cand.stages)}
+        full = [max(st.in_flight, min(k - 1, s.m - k)) for st, (_, _, _, k) in zip(cand.stages, cand.placed)]
         for warmups_first in (False, True):
-            if warmups_first and not any(st.defer for st in cand.stages):
-                break  # nothing deferred competes for the memory
             base = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) if warmups_first else st
                     for st in cand.stages]
             costs = [self._deeper(s, st, placed) for st, placed in zip(base, cand.placed)]
             caps = [st.in_flight + len(got) - 1 for st, got in zip(base, costs)]
-            if warmups_first and all(len(got) - 1 == min(k - 1, s.m - k) - st.in_flight
-                                     for st, got, (_, _, _, k) in zip(cand.stages, costs, cand.placed)):
-                break  # memory held every stage's full warm-up beside its deferred products: nothing to trade
+            # the warm-ups first too only where a stage's deferred products left it short of its full warm-up
+            trade = not warmups_first and caps != full and any(st.defer for st in cand.stages)
             for idx in range(1, n):  # warm-ups may not grow downstream (`PipelineTimes`): one more extra at most
                 caps[idx] = min(caps[idx], caps[idx - 1] + 1)
             for half in (False, True):
@@ -689,6 +687,8 @@ class Composer:
                 if step < best.step_s * (1 - 1e-9):
                     best = replace(cand, stages=stages, times=times, estimate_s=closed_form_step(times),
                                    step_s=step)
+            if not trade:
+                break
         return best
 
     def _deeper(self, s: _Setup, st: StageChoice, placed: tuple[int, int, int, int]) -> list[IslandCost]:
