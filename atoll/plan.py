@@ -91,9 +91,10 @@ class StagePlan:
     dp_rendezvous: str = ""
     """torch.distributed init address (tcp://HOST:PORT) of this stage's replicas."""
     in_flight: int = 0
-    """Extra micro-batches this stage keeps in flight beyond strict 1F1B (a deep window: that many more
-    warm-up forwards) so a slow or distant link downstream does not stall it; never more than one above
-    the previous stage's (`Plan.validate`)."""
+    """Extra micro-batches this stage keeps in flight beyond strict 1F1B (that many more warm-up forwards): a
+    deep window, so a slow or distant link downstream does not stall it, or the wait for the first gradient
+    filled with forwards where memory holds them; never more than one above the previous stage's
+    (`Plan.validate`)."""
     defer_weights: int = 0
     """Zero-bubble: backward computes the input's gradient first, and the weight gradients of the stage's linear
     layers wait this many micro-batches for an action of their own (`atoll.node.schedule`); 0: computed in

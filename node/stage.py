@@ -53,7 +53,8 @@ class StageConfig:
     schedule: ScheduleKind = "1f1b"
     """``1f1b`` (bounded activation memory) or ``gpipe`` (all forwards, then all backwards)."""
     in_flight: int = 0
-    """Extra micro-batches in flight beyond strict 1F1B (a deep window behind a slow link; the plan's)."""
+    """Extra micro-batches in flight beyond strict 1F1B (a deep window behind a slow link, or a filled wait for
+    the first gradient; the plan's)."""
     defer_weights: int = 0
     """Zero-bubble: backward computes the input's gradient first and the linear layers' weight gradients wait
     this many micro-batches for a ``weight`` action of their own (`atoll.node.schedule`, `atoll.node.wgrad`;
@@ -102,6 +103,9 @@ class StageConfig:
         if self.defer_weights < 0:
             raise ValueError(f"defer_weights (micro-batches whose weight gradients wait) must be >= 0, got "
                              f"{self.defer_weights}")
+        if self.defer_layers and (not self.defer_weights or min(self.defer_layers) < 0):
+            raise ValueError(f"defer_layers {list(self.defer_layers)} must be layer indices (>= 0) of a stage that "
+                             f"defers its weight gradients (defer_weights >= 1, got {self.defer_weights})")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas) or len(self.betas) != 2:
