@@ -150,8 +150,10 @@ class TrainSpec:
     """Pipeline schedule: "1f1b" or "gpipe"."""
     zero_bubble: bool = True
     """Let the planner defer the linear layers' weight gradients of the stages where that fits (each backward
-    first computes what the previous stage waits for, and the weight gradients fill the pipeline's idle time);
-    false: every stage computes them in backward."""
+    first computes what the previous stage waits for, and the weight gradients fill the pipeline's idle time),
+    and fill a stage's wait for its first gradient with extra warm-up forwards where memory holds them and the
+    step is shorter; false: plain 1F1B (every stage computes them in backward, and warms up only as deep as a
+    slow link asks)."""
     eval_every: int = 0
     """Steps between validation passes over held-out data (0: none; needs data.validation_fraction or
     data.validation); a pass also runs after the last step."""

@@ -192,6 +192,7 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              outer_topk_fraction=outer.topk_fraction, outer_overlap=outer.overlap, outer_lr=outer.lr,
                              outer_momentum=outer.momentum, outer_nesterov=outer.nesterov,
                              outer_deadline_s=outer.deadline_seconds, zero_bubble=job.train.zero_bubble,
+                             fill_warmup=job.train.zero_bubble,  # off: plain 1F1B, nothing filled either
                              # the runtime shards optimizer state and gradients (ZeRO-1/2), never the weights
                              zero_stages=(0, 1, 2))
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)

@@ -345,6 +345,8 @@ def test_the_job_and_the_cli_can_turn_it_off(tmp_path: Path, capsys: pytest.Capt
         capsys.readouterr()
         stages = [s for p in Plan.from_json(out.read_text()).pipelines for s in p.stages]
         assert any(s.defer_weights for s in stages) == deferred
+        if not deferred:  # plain 1F1B: no filled warm-up either (this cluster's fast links ask no deep window)
+            assert all(s.in_flight == 0 for s in stages)
 
 
 def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> None:

@@ -36,7 +36,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="outer mode: block at each round's end until the exchange lands (default: overlap it with "
                    "the next round)")
     p.add_argument("--no-zero-bubble", action="store_true",
-                   help="plain 1F1B: no stage defers its weight gradients (the wgrad column)")
+                   help="plain 1F1B: no stage defers its weight gradients (the wgrad column) or fills its wait for "
+                   "the first gradient with extra warm-up forwards (the warm column keeps only deep windows)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     p.add_argument("--picture", metavar="FILE.png", help="also draw the plan and a 1F1B timeline to FILE.png")
     p.set_defaults(func=_run_plan)
@@ -75,7 +76,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len or model.config.seq_len, dtype=args.dtype)
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap,
-                             zero_bubble=not args.no_zero_bubble)
+                             zero_bubble=not args.no_zero_bubble, fill_warmup=not args.no_zero_bubble)
     result = search_plan(model, cluster, train, profiles, options)
     print(format_plan(result.plan, cluster, search_seconds=result.seconds))
     if result.note and result.plan.mode == "sync":
