@@ -181,21 +181,25 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     queue = deque(range(n))
     queued = [True] * n
     remaining = sum(len(o) for o in orders)
+    # per stage, what each kind of action takes (looked up once, not per action)
+    dur_f = [s.forward_s for s in p.stages]
+    dur_b = [p.backward_part(i) for i in range(n)]
+    dur_w = [s.weight_s for s in p.stages]
     while queue:
         i = queue.popleft()
         queued[i] = False
         progressed = False
-        while nxt[i] < len(orders[i]):
-            kind, j = orders[i][nxt[i]]
-            s = p.stages[i]
+        order, count = orders[i], len(orders[i])
+        while nxt[i] < count:
+            kind, j = order[nxt[i]]
             if kind == "F":
                 ready = f_in[i].get(j)
-                dur = s.forward_s
+                dur = dur_f[i]
             elif kind == "B":
                 ready = f_done[i].get(j) if i == n - 1 else b_in[i].get(j)
-                dur = p.backward_part(i)
+                dur = dur_b[i]
             else:  # a deferred weight gradient: needs nothing from a neighbour
-                ready, dur = 0.0, s.weight_s
+                ready, dur = 0.0, dur_w[i]
             if ready is None:
                 break
             start = max(free[i], ready)
@@ -229,7 +233,7 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
                     if not queued[i - 1]:
                         queue.append(i - 1)
                         queued[i - 1] = True
-        if progressed and nxt[i] < len(orders[i]) and not queued[i]:
+        if progressed and nxt[i] < count and not queued[i]:
             queue.append(i)
             queued[i] = True
     if remaining:
