@@ -42,7 +42,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.cluster import Cluster, Island
-from atoll.coordinator.planner.costmodel import WINDOW_TOLERANCE, CostModel, window_depth
+from atoll.coordinator.planner.costmodel import (WINDOW_TOLERANCE, CostModel, deepest_deferral, held_deferred,
+                                                window_depth)
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCost, IslandParallelizer, SliceQuery
 from atoll.coordinator.planner.tied import tied_sync_seconds
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
@@ -129,6 +130,11 @@ class StageChoice:
     @property
     def memory_bytes(self) -> float:
         return self.cost.memory_bytes + self.defer_bytes
+
+
+def _undeferred(st: StageChoice) -> StageChoice:
+    """The stage computing its weight gradients in backward (no deferral, nothing held for it)."""
+    return replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -594,30 +600,28 @@ class Composer:
             return st
         room = cm.memory_capacity(st.island) - c.memory_bytes
         deepest = min(n + 1, m)
-        for k in range(deepest, 0, -1):  # every layer, as deep as fits (the zero-bubble depth when it does)
-            held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k)
-            if held <= room:
-                return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held)
+        per, act = cm.deferred_parts(t, st.start, st.end, c.recompute_layers)
+        k = deepest_deferral(per, act, room, deepest)  # every layer, as deep as fits (the zero-bubble depth when it does)
+        if k:
+            return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held_deferred(per, act, k))
         # not every layer fits even one micro-batch deep: as many layers as fit, then as deep as they fit. The
         # layers that give the most weight-gradient time per byte held come first (blocks alike, in their order;
         # the head's output gradient is large for its time)
         ratio = {i: t.weight(i, i + 1) / t.stash(i, i + 1) for i in range(st.start, st.end) if t.stash(i, i + 1) > 0}
         top = max(ratio.values(), default=1.0)
-        act = t.pact[st.end] - t.pact[st.start] - sum(t.act[i] - t.act_recompute[i] for i in c.recompute_layers)
         chosen: list[int] = []
         per = 0
         for i in sorted(ratio, key=lambda i: (-round(ratio[i] / top, 6), i)):
             more = per + t.stash(i, i + 1)
-            if more + max(0, more - act) <= room:  # `deferred_bytes` at depth 1, which grows with each layer
+            if deepest_deferral(more, act, room, 1):  # the bytes held grow with each layer added
                 chosen.append(i)
                 per = more
         wk = sum(t.weight(i, i + 1) for i in chosen)
         if not chosen or wk < cm.options.min_deferred_s:
             return st
-        k = max(1, min(deepest, int((room - max(0, per - act)) // per)))
-        held = cm.deferred_bytes(t, st.start, st.end, c.recompute_layers, k, chosen)
+        k = deepest_deferral(per, act, room, deepest)
         return replace(st, defer=k, defer_layers=tuple(sorted(chosen)), weight_s=min(wk, c.backward_s),
-                       defer_bytes=held)
+                       defer_bytes=held_deferred(per, act, k))
 
     def _plain_if_faster(self, cand: Candidate) -> Candidate:
         """A simulated candidate (`step_s` set), or, where its stages defer weight gradients and plain 1F1B
@@ -632,7 +636,7 @@ class Composer:
         step = simulate(plain).step_time_s
         if step >= cand.step_s:
             return cand
-        stages = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) for st in cand.stages]
+        stages = [_undeferred(st) for st in cand.stages]
         return replace(cand, stages=stages, times=plain, estimate_s=closed_form_step(plain), step_s=step)
 
     def _filled_if_faster(self, cand: Candidate, s: _Setup) -> Candidate:
@@ -654,8 +658,7 @@ class Composer:
             tuple((st.in_flight, st.defer, st.defer_layers) for st in cand.stages)}
         full = [max(st.in_flight, min(k - 1, s.m - k)) for st, (_, _, _, k) in zip(cand.stages, cand.placed)]
         for warmups_first in (False, True):
-            base = [replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0) if warmups_first else st
-                    for st in cand.stages]
+            base = [_undeferred(st) if warmups_first else st for st in cand.stages]
             costs = [self._deeper(s, st, placed) for st, placed in zip(base, cand.placed)]
             caps = [st.in_flight + len(got) - 1 for st, got in zip(base, costs)]
             # the warm-ups first too only where a stage's deferred products left it short of its full warm-up
@@ -665,9 +668,8 @@ class Composer:
             for half in (False, True):
                 if half and best is not cand:
                     break  # the full depth gained: half of it fills less
+                # the floor and the halving keep the one-more-at-most rule that both `caps` and the floor hold
                 extra = [max(st.in_flight, (x + 1) // 2 if half else x) for st, x in zip(base, caps)]
-                for idx in range(1, n):
-                    extra[idx] = min(extra[idx], extra[idx - 1] + 1)
                 stages = [replace(st, in_flight=x, cost=got[x - st.in_flight])
                           for st, x, got in zip(base, extra, costs)]
                 if warmups_first and self.cost_model.options.zero_bubble:

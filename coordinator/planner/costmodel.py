@@ -192,6 +192,21 @@ def _prefix(xs: tuple[float, ...] | tuple[int, ...]) -> tuple:
     return (0, *accumulate(xs))
 
 
+def held_deferred(per: int, act: int, depth: int) -> float:
+    """What deferring weight gradients `depth` micro-batches deep adds to a stage's memory, from its `deferred_parts`
+    (S, A): depth x S + max(0, S - A) (`CostModel.deferred_bytes`)."""
+    return depth * per + max(0, per - act)
+
+
+def deepest_deferral(per: int, act: int, room: float, most: int) -> int:
+    """The most micro-batches, up to `most`, whose deferred products (`deferred_parts` S, A) fit in `room`
+    bytes; 0 when not even one does."""
+    k = most
+    while k >= 1 and held_deferred(per, act, k) > room:
+        k -= 1
+    return k
+
+
 class CostModel:
     """Costs of layers, links and memory for one model, training spec and set of profiles."""
 
@@ -337,9 +352,16 @@ class CostModel:
         blocks are recomputed) and one deferred more: depth x S + max(0, S - A)."""
         if depth <= 0:
             return 0.0
+        return held_deferred(*self.deferred_parts(t, a, e, recompute_layers, layers), depth)
+
+    def deferred_parts(self, t: LayerTable, a: int, e: int, recompute_layers: tuple[int, ...] | list[int],
+                       layers: Sequence[int] = ()) -> tuple[int, int]:
+        """(S, A) of `deferred_bytes`: the bytes one deferred micro-batch of the stage [a, e) holds (of `layers`
+        alone where given), and the activations one in-flight micro-batch holds (less where blocks are
+        recomputed)."""
         per = sum(t.stash(i, i + 1) for i in layers) if layers else t.stash(a, e)
         act = t.pact[e] - t.pact[a] - sum(t.act[i] - t.act_recompute[i] for i in recompute_layers)
-        return depth * per + max(0, per - act)
+        return per, act
 
     def stage_output_bytes(self, end: int, micro_batch: int) -> int:
         """Bytes a stage ending before layer `end` keeps per micro-batch in flight beyond its layers' saved
