@@ -214,6 +214,26 @@ def run_config(config: ModelConfig, stages: int, *, micro_batches: int, rows_per
                predicted_s=predicted_step(per_stage, measured, micro_batches, defer, extra))
 
 
+def compare(pairs: list[tuple[Row, Row]], before: str, after: str) -> list[tuple[Row, Row, float, float]]:
+    """Print a table setting each pair's second schedule against its first (replayed steps, the gain, the gain the
+    simulator predicts, idle shares, peak memory per stage); return (first, second, gain, predicted gain) per pair."""
+    w_before, w_after = len(before) + 7, len(after) + 7  # each column as wide as its "<name> step s" head
+    hdr = (f"{'model':<9} {'stages':>6} {before + ' step s':>{w_before}} {after + ' step s':>{w_after}} {'gain':>6} "
+           f"{'predicted':>9} {before + ' idle':>{w_before - 2}} {after + ' idle':>{w_after - 2}} "
+           f"{after + ' peak MiB per stage':<26} {before + ' peak':<26}")
+    print(hdr)
+    print("-" * len(hdr))
+    out = []
+    for a, z in pairs:
+        gain, want = 1 - z.replay_s / a.replay_s, 1 - z.predicted_s / a.predicted_s
+        print(f"{a.model:<9} {a.stages:>6} {a.replay_s:>{w_before}.3f} {z.replay_s:>{w_after}.3f} {gain:>6.1%} "
+              f"{want:>9.1%} {a.bubble_replay:>{w_before - 2}.3f} {z.bubble_replay:>{w_after - 2}.3f} "
+              f"{' '.join(f'{x / 2**20:.1f}' for x in z.peak_mem):<26} "
+              f"{' '.join(f'{x / 2**20:.1f}' for x in a.peak_mem):<26}")
+        out.append((a, z, gain, want))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=2, help="measured steps per run (after one warm-up step)")
@@ -276,30 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     print("zero-bubble (weight gradients deferred s + 1 micro-batches on stage s) against 1F1B, same cuts and batch; "
           "step: replayed (each action's own CPU time, one core per stage), predicted: the planner's simulator on "
           "the run's mean action times")
-    hdr = (f"{'model':<9} {'stages':>6} {'1f1b step s':>11} {'zb step s':>9} {'gain':>6} {'predicted':>9} "
-           f"{'1f1b idle':>9} {'zb idle':>7} {'zb peak MiB per stage':<26} {'1f1b peak':<26}")
-    print(hdr)
-    print("-" * len(hdr))
-    for a, z, _ in zb_rows:
-        gain, want = 1 - z.replay_s / a.replay_s, 1 - z.predicted_s / a.predicted_s
-        print(f"{a.model:<9} {a.stages:>6} {a.replay_s:>11.3f} {z.replay_s:>9.3f} {gain:>6.1%} {want:>9.1%} "
-              f"{a.bubble_replay:>9.3f} {z.bubble_replay:>7.3f} "
-              f"{' '.join(f'{x / 2**20:.1f}' for x in z.peak_mem):<26} {' '.join(f'{x / 2**20:.1f}' for x in a.peak_mem):<26}")
+    for a, z, gain, want in compare([(a, z) for a, z, _ in zb_rows], "1f1b", "zb"):
         if a.model == big:  # the model whose stages are large enough to time
             checks.append((f"{a.model} {a.stages}-stage zero-bubble step {gain:.1%} shorter than 1F1B's, at least half "
                            f"the {want:.1%} the simulator predicts from the run's action times", gain >= want / 2 > 0))
     print()
     print("deeper warm-ups on top (stage s runs p - s - 1 extra forwards before its first backward, as the planner "
           "fills the wait for the first gradient where memory allows) against zero-bubble alone")
-    hdr = (f"{'model':<9} {'stages':>6} {'zb step s':>9} {'filled s':>8} {'gain':>6} {'predicted':>9} "
-           f"{'zb idle':>7} {'filled idle':>11} {'filled peak MiB per stage':<26} {'zb peak':<26}")
-    print(hdr)
-    print("-" * len(hdr))
-    for a, z, f in zb_rows:
-        gain, want = 1 - f.replay_s / z.replay_s, 1 - f.predicted_s / z.predicted_s
-        print(f"{a.model:<9} {a.stages:>6} {z.replay_s:>9.3f} {f.replay_s:>8.3f} {gain:>6.1%} {want:>9.1%} "
-              f"{z.bubble_replay:>7.3f} {f.bubble_replay:>11.3f} "
-              f"{' '.join(f'{x / 2**20:.1f}' for x in f.peak_mem):<26} {' '.join(f'{x / 2**20:.1f}' for x in z.peak_mem):<26}")
+    for a, _, gain, want in compare([(z, f) for _, z, f in zb_rows], "zb", "filled"):
         if a.model == big:  # the planner fills only where the simulator says it gains: it must say so truly
             checks.append((f"{a.model} {a.stages}-stage filled step's gain over zero-bubble {gain:.1%} on the same side "
                            f"of zero as, and within 10 points of, the {want:.1%} the simulator predicts from the run's "
