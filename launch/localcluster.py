@@ -56,6 +56,15 @@ def _last_line(log: Path) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def _tail(log: Path, lines: int, width: int = 220) -> list[str]:
+    """The last `lines` lines a process logged, each cut to `width` characters."""
+    try:
+        text = [line.rstrip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+    return [line if len(line) <= width else line[:width] + " ..." for line in text[-lines:]]
+
+
 @dataclass
 class LocalCluster:
     """Processes of one job under `out`: coordinator state, node state dirs, shared checkpoints, logs."""
@@ -176,6 +185,16 @@ class LocalCluster:
                 raise ProcessExited(f"{name} exited with code {p.returncode} ({_last_line(self.out / f'{name}.log')}); "
                                     f"see {self.out}/{name}.log")
 
+    def log_tails(self, lines: int = 8) -> str:
+        """The last lines of every process's log, for a failure message that shows what each was doing (the
+        logs themselves may be gone with the run's temporary folder)."""
+        parts = []
+        for name, p in self.procs.items():
+            state = "running" if p.poll() is None else f"exited {p.returncode}"
+            parts.append(f"--- {name} ({state}):")
+            parts.extend(f"  {line}" for line in _tail(self.out / f"{name}.log", lines))
+        return "\n".join(parts)
+
     def wait_status(self, until, timeout: float, what: str, *, poll: float = 0.3,
                     dead: frozenset[str] | None = None):
         """Poll the coordinator's status until `until(status)` holds and return that status; AssertionError after
@@ -198,7 +217,8 @@ class LocalCluster:
             if until(status):
                 return status
             time.sleep(poll)
-        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}")
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.out}\n"
+                             + self.log_tails())
 
     def wait_losses(self, steps: int, timeout: float, *, poll: float = 0.5) -> dict[int, float]:
         """Poll the coordinator's store until `steps` steps have reported a loss and return every loss so far;
@@ -207,7 +227,8 @@ class LocalCluster:
         while len(losses := self.losses()) < steps:
             self.check_alive(finished_ok=True)
             if time.monotonic() > end:
-                raise TimeoutError(f"{len(losses)} of {steps} steps reported within {timeout:.0f}s; logs in {self.out}")
+                raise TimeoutError(f"{len(losses)} of {steps} steps reported within {timeout:.0f}s; logs in {self.out}\n"
+                                   + self.log_tails())
             time.sleep(poll)
         return losses
 

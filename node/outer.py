@@ -32,6 +32,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -288,8 +289,12 @@ class OuterSync:
 
     def __init__(self, config: OuterConfig, plan: Plan, params: Mapping[str, torch.nn.Parameter], *,
                  outbox: OuterOutbox, arrive: Arrive, segment_groups: Sequence[tuple[list[str], dist.ProcessGroup]] = (),
-                 timeout: timedelta = timedelta(seconds=120), plan_source: Callable[[], Plan] | None = None):
+                 timeout: timedelta = timedelta(seconds=120), plan_source: Callable[[], Plan] | None = None,
+                 stop: threading.Event | None = None):
         self.cfg, self.plan = config, plan
+        self.stop = stop
+        """Set when the run ends (a newer plan that does not keep this group): a wait for an exchange gives up at
+        once instead of running out its deadline (the exchange may wait on a group that is gone)."""
         self.plan_source = plan_source
         """The newest plan this node has adopted (read from the exchange thread): a round may be decided under a
         plan newer than `self.plan`, whose groups are then found there."""
@@ -369,7 +374,7 @@ class OuterSync:
         assert self._pending is not None
         t0 = time.perf_counter()
         try:
-            result = self._pending.result(timeout=self.timeout.total_seconds() + self.cfg.deadline.total_seconds())
+            result = self._wait_pending(self._pending, self.timeout.total_seconds() + self.cfg.deadline.total_seconds())
         finally:
             self._pending = None
         result.stats.late_seconds = time.perf_counter() - t0
@@ -382,6 +387,20 @@ class OuterSync:
         if result.stats.late_seconds > 0.05:
             log.info("outer round %d landed %.2fs late (the exchange outlasted a round)", result.round,
                      result.stats.late_seconds)
+
+    def _wait_pending(self, pending: Future[_Result], seconds: float) -> _Result:
+        """The exchange's result, waiting at most `seconds`; OuterSyncError once the run is stopped."""
+        if self.stop is None:
+            return pending.result(timeout=seconds)
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                return pending.result(timeout=min(0.25, max(0.0, end - time.monotonic())))
+            except FutureTimeout:
+                if self.stop.is_set():
+                    raise OuterSyncError("the run was stopped while an outer exchange was in flight") from None
+                if time.monotonic() >= end:
+                    raise
 
     # --- the exchange (background thread) ------------------------------------------------------------
 
@@ -447,6 +466,7 @@ class OuterSync:
                 return decision
             if time.monotonic() > deadline:
                 raise OuterSyncError(f"the coordinator did not decide outer round {round_} in time")
+            self._check_stop()
             time.sleep(wait)
             wait = min(wait * 1.5, 0.2)
 
@@ -463,10 +483,15 @@ class OuterSync:
                 if g is not None:
                     return group_holders(plan, g), plan.node_addresses
             self._check_gone(part, round_)
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise OuterSyncError(f"outer round {round_}: no plan of this node has group {part.group} "
                                      f"(since epoch {part.since_epoch}, nodes {', '.join(part.nodes)})")
             time.sleep(0.1)
+
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise OuterSyncError("the run was stopped while an outer exchange was in flight")
 
     def _check_gone(self, part: Participant, round_: int) -> None:
         """Raise ParticipantGone when the newest adopted plan is at least as new as `part`'s group, yet has it no
@@ -513,6 +538,7 @@ class OuterSync:
                                          f"({address}) failed: {e.code().name}: {e.details()}") from None
                 if part is not None:  # a participant whose group was replanned away (a node died) serves no more
                     self._check_gone(part, request.round)
+                self._check_stop()
                 time.sleep(wait)
                 wait = min(2 * wait, 2.0)
 

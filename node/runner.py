@@ -383,7 +383,7 @@ class PlanRunner:
             optimizer, averager = self._zero(optimizer, averager, cfg)
             averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
-                step = self._start_outer(store, module, step)
+                step = self._start_outer(store, module, step, stop)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
             cancelling.__exit__(None, None, None)
@@ -654,7 +654,8 @@ class PlanRunner:
             return []
         return [g for g, grp in enumerate(plan.groups) if g != pl.group and 0 < grp.since_epoch < self.run_epoch]
 
-    def _start_outer(self, store: dist.Store | None, module: torch.nn.Module, step: int) -> int:
+    def _start_outer(self, store: dist.Store | None, module: torch.nn.Module, step: int,
+                     stop: threading.Event | None = None) -> int:
         """Set up the outer sync of this node's layers; return the step to train from.
 
         Its outer state comes from the checkpoint of `step` (a whole-job resume), or, for a group that
@@ -687,7 +688,7 @@ class PlanRunner:
         arrive = _arrive_via(ctx.outer_sync, self.current_plan, ctx.node_id)
         self.outer = outer = OuterSync(cfg, plan, dict(module.named_parameters()), outbox=outbox, arrive=arrive,
                                        segment_groups=segment_groups, timeout=ctx.timeout,
-                                       plan_source=self.current_plan)
+                                       plan_source=self.current_plan, stop=stop)
         older = self._older_groups()
         if older:
             epochs = {g: plan.groups[g].since_epoch for g in older}

@@ -44,6 +44,28 @@ def test_losses_follow_a_job_longer_than_the_store_keeps(tmp_path: Path) -> None
     assert sorted(losses) == list(range(160)) and losses[159] == pytest.approx(8.41)
 
 
+def test_a_timed_out_wait_shows_the_end_of_every_log(tmp_path: Path) -> None:
+    """A wait that times out (in CI, where the run's folder is gone afterwards) says what each process last
+    logged, and whether it is still running."""
+    cluster = LocalCluster(job_path=tmp_path / "job.toml", out=tmp_path / "run")
+    cluster.out.mkdir(parents=True, exist_ok=True)
+    (cluster.out / "a0.log").write_text("".join(f"line {i}\n" for i in range(20)) + "x" * 500 + "\n")
+    cluster.procs["a0"] = subprocess.Popen([sys.executable, "-c", "pass"])
+    cluster.procs["a0"].wait()
+    cluster.procs["coordinator"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(AssertionError) as e:
+            cluster.wait_status(lambda s: True, 0.0, "nothing", dead=frozenset())
+    finally:
+        cluster.procs["coordinator"].kill()
+        cluster.procs["coordinator"].wait()
+    text = str(e.value)
+    assert "timed out after 0s waiting for nothing" in text
+    assert "--- a0 (exited 0):" in text and "--- coordinator (running):" in text
+    assert "line 13" in text and "line 12" not in text  # the last 8 lines
+    assert "x" * 220 + " ..." in text and "x" * 221 not in text
+
+
 def test_an_unfinished_run_still_gets_its_loss_curve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = JobSpec.load(REPO / "examples" / "tiny.toml")
     _draw(job, {0: 5.0, 1: 4.5, 2: 4.0}, tmp_path, None, steps=1500, elapsed=61.0)

@@ -4,6 +4,7 @@ decisions made by the coordinator's own `OuterRounds`, against synchronous data 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -186,3 +187,57 @@ def test_a_rejoining_group_fetches_again_the_parts_of_an_older_round(monkeypatch
     monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
     with pytest.raises(outer_mod.OuterSyncError, match="no live group gave its outer state: .*rounds"):
         sync.fetch_state([0], {0: 3})
+
+
+def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
+    """A run that a newer plan ends (its group is not kept) stops waiting for an outer exchange stuck on a peer
+    that is gone: the wait and the fetch's retries end within a moment, not after their minutes-long deadline."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import grpc
+
+    from atoll.compression import CodecSpec
+    from atoll.node import outer as outer_mod
+
+    sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync.plan = SimpleNamespace(node_addresses={"b1": "b1:1"})
+    sync.plan_source = None
+    sync.timeout = timedelta(seconds=120)
+    sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
+                                     deadline=timedelta(seconds=30))
+    sync.stop = threading.Event()
+
+    class Gone(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    tries = []
+
+    def fetch(*a, **kw):
+        tries.append(1)
+        if len(tries) == 3:
+            sync.stop.set()
+        raise Gone()
+
+    monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
+    monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
+    with pytest.raises(outer_mod.OuterSyncError, match="stopped"):
+        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"))
+    assert len(tries) == 3
+
+    # the runner's wait for the pending exchange: without a stop it waits its bound, with one it ends at once
+    pending: Future = Future()
+    sync.stop.clear()
+    with pytest.raises(outer_mod.FutureTimeout):
+        sync._wait_pending(pending, 0.3)
+    threading.Timer(0.2, sync.stop.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(outer_mod.OuterSyncError, match="stopped"):
+        sync._wait_pending(pending, 120.0)
+    assert time.monotonic() - t0 < 5.0
+    pending.set_result("done")
+    assert sync._wait_pending(pending, 1.0) == "done"

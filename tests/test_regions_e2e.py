@@ -69,7 +69,7 @@ def _latest(cluster: LocalCluster, ids: list[str]) -> int:
 
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
     with geo_testbed(regions={"lab-a": 2, "lab-b": 2}, wan_bits_per_s=20e6, wan_latency_ms=50,
                      cpu_quota=0.45) as tb, LocalCluster(job_path=_job(tmp_path), out=tmp_path / "run") as cluster:
@@ -109,8 +109,9 @@ def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
         a_soon = _latest(cluster, a_ids)
         soon_s = time.monotonic() - killed_at
 
-        # the job finishes: lab-a reports its last step
-        final = cluster.wait_status(lambda s: _latest(cluster, a_ids) >= a_last, 100, f"lab-a's last step {a_last}",
+        # the job finishes: lab-a reports its last step (each round may wait out the deadline for the replanned
+        # lab-b, whose speed the coordinator has not measured yet: on a slow machine that is minutes)
+        final = cluster.wait_status(lambda s: _latest(cluster, a_ids) >= a_last, 150, f"lab-a's last step {a_last}",
                                     dead=dead)
         replanned = plan_from_proto(final.plan)
         reports = _reports(cluster)
