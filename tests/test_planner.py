@@ -162,7 +162,24 @@ def test_live_cluster_errors_are_clear() -> None:
         Cluster.from_nodes({"a": ["x"]}, {}, [LinkMeasurement(src="x", dst="y", bandwidth_bytes_per_s=1,
                                                               rtt_seconds=0)])
     with pytest.raises(ValueError, match="no link measurements"):
-        Cluster.from_nodes({"a": ["x"]}, {"x": NodeProfile(memory_total_bytes=1)}, [])
+        Cluster.from_nodes({"a": ["x", "y"]}, {n: NodeProfile(memory_total_bytes=1) for n in "xy"}, [])
+
+
+def test_a_lone_node_is_planned_without_link_measurements() -> None:
+    """One node has no pair to probe (a region left with one node after a failure): the planner places it,
+    where it had fallen back to an even split for want of a link figure."""
+    from atoll.coordinator.planner import ProfileSet
+
+    tiny = ModelSpec.from_preset("tiny")
+    timings = [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01, backward_seconds=0.02)
+               for k in ("embedding", "block", "head")]
+    profiles = {"x": NodeProfile(device_kind="cpu", device_name="cpu", memory_total_bytes=8 * 10**9,
+                                 layer_timings=timings)}
+    cluster = Cluster.from_nodes({"a": ["x"]}, profiles, [])
+    plan = plan_job(tiny, cluster, TrainSpec(global_batch=8, seq_len=64),
+                    ProfileSet.from_node_profiles({"a": ["x"]}, profiles))
+    plan.validate(tiny.num_layers)
+    assert [s.nodes for s in plan.pipelines[0].stages] == [["x"]] and plan.predicted.step_time_s > 0
 
 
 def test_options_are_validated() -> None:

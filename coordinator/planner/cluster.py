@@ -52,6 +52,8 @@ else:  # pragma: no cover
 GBPS = 1e9 / 8  # bytes/s in one Gbit/s
 INTRA_NODE_LATENCY_S = 5e-6
 INTER_NODE_LATENCY_S = 2e-5
+LONE_NODE_BANDWIDTH = 100 * GBPS
+"""The link figure of a cluster of one node, which has no link to measure (none of it is ever used)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,9 +172,11 @@ class Cluster:
             items = [(s, d, bw, lat) for (s, d), (bw, lat) in links.items()]
         else:
             items = [(m.src, m.dst, m.bandwidth_bytes_per_s, m.rtt_seconds / 2) for m in links]
-        if not items:
+        alone = sum(len(v) for v in islands.values()) == 1
+        if not items and not alone:
             raise ValueError("no link measurements: probe at least one pair of nodes before planning")
-        floor_bw, floor_lat = float("inf"), 0.0
+        # a lone node talks to no one: its (unused) links get a figure that constrains nothing
+        floor_bw, floor_lat = (float("inf"), 0.0) if items else (LONE_NODE_BANDWIDTH, 0.0)
 
         # the measurements inside each island and between each pair of islands, in one pass over the links
         # (not over every pair of nodes: thousands of nodes make millions of pairs, and few are measured)
