@@ -121,10 +121,12 @@ def test_a_quota_bounds_a_hosts_cpu(tb) -> None:
     limited = tb.hosts[0].popen([sys.executable, "-c", _SPIN, seconds], stdout=subprocess.PIPE, text=True)
     free_work, free_share = map(float, free.communicate(timeout=20)[0].split())
     limited_work, limited_share = map(float, limited.communicate(timeout=20)[0].split())
-    # the quota caps the limited loop's share of a core whatever else runs; the unconstrained one gets a whole
-    # core only on an idle machine, so its work is scaled to a whole core (its work per CPU second)
+    # the quota caps the limited loop's share of a core whatever else runs (the tight check); the unconstrained
+    # one gets a whole core only on an idle machine, so its work is scaled to a whole core (its work per CPU
+    # second). Two processes' work per CPU second differs by a third on a shared VM (hyper-threads, clock), so
+    # the work only has to show the loop far from a whole core.
     assert 0.1 < limited_share < 1.3 * QUOTA, limited_share
-    assert 0.1 < limited_work / (free_work / free_share) < 1.3 * QUOTA, (limited_work, free_work, free_share)
+    assert 0.1 < limited_work / (free_work / free_share) < 2 * QUOTA, (limited_work, free_work, free_share)
     assert int((tb.hosts[0].cgroup / "cpu.stat").read_text().split("nr_throttled")[1].split()[0]) > 0
 
 
