@@ -208,7 +208,8 @@ class LocalCluster:
             else:
                 for name, p in self.procs.items():
                     if name not in dead and p.poll() is not None and p.returncode != 0:
-                        raise AssertionError(f"{name} exited with code {p.returncode}: see {self.out}/{name}.log")
+                        raise AssertionError(f"{name} exited with code {p.returncode}: see {self.out}/{name}.log\n"
+                                             + self.log_tails())
             try:
                 status = self.status()
             except Exception:  # noqa: BLE001 - busy or restarting: ask again
