@@ -47,22 +47,18 @@ class ProcessExited(RuntimeError):
     """A process of the cluster exited while it was still needed; the message names it and its log."""
 
 
-def _last_line(log: Path) -> str:
-    """The last line a process logged (its error, when it failed), for a one-line report."""
-    try:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except FileNotFoundError:
-        return ""
-    return lines[-1].strip() if lines else ""
-
-
-def _tail(log: Path, lines: int, width: int = 220) -> list[str]:
-    """The last `lines` lines a process logged, each cut to `width` characters."""
+def _tail(log: Path, lines: int, width: int | None = 220) -> list[str]:
+    """The last `lines` non-blank lines a process logged, each cut to `width` characters (None: whole)."""
     try:
         text = [line.rstrip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     except FileNotFoundError:
         return []
-    return [line if len(line) <= width else line[:width] + " ..." for line in text[-lines:]]
+    return [line if width is None or len(line) <= width else line[:width] + " ..." for line in text[-lines:]]
+
+
+def _last_line(log: Path) -> str:
+    """The last line a process logged (its error, when it failed), for a one-line report."""
+    return "".join(_tail(log, 1, width=None)).strip()
 
 
 @dataclass

@@ -397,8 +397,7 @@ class OuterSync:
             try:
                 return pending.result(timeout=min(0.25, max(0.0, end - time.monotonic())))
             except FutureTimeout:
-                if self.stop.is_set():
-                    raise OuterSyncError("the run was stopped while an outer exchange was in flight") from None
+                self._check_stop()
                 if time.monotonic() >= end:
                     raise
 
