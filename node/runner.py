@@ -879,14 +879,14 @@ class PlanRunner:
         if st.zero < 1:
             return optimizer, averager
         segs = pl.segments
+        # under tensor parallelism the holders of this node's shards are the replicas' nodes of its tp rank
+        peers = {st.nodes[r * st.tp + pl.tp_rank] for r in range(st.dp)} if st.tp > 1 else set(st.nodes)
         why = None
-        if st.tp > 1:
-            why = "its replicas are tensor parallel (ZeRO shards whole parameters, not tp shards)"
-        elif self.job.model.tied_head and pl.num_stages > 1 and (pl.is_first or pl.is_last):
+        if self.job.model.tied_head and pl.num_stages > 1 and (pl.is_first or pl.is_last):
             why = "it holds a copy of the tied embedding weight, whose gradient is summed with the other copy's"
         elif averager is None or not segs:
             why = "no other node holds its layers"
-        elif len(segs) != 1 or (segs[0].start, segs[0].end) != pl.layers or set(segs[0].holders) != set(st.nodes):
+        elif len(segs) != 1 or (segs[0].start, segs[0].end) != pl.layers or set(segs[0].holders) != peers:
             why = ("other pipelines' stages hold some of its layers too, and the holders average per layer segment "
                    "(ZeRO needs the stage's replicas to be exactly the holders of its layers)")
         if why is not None:
@@ -900,11 +900,13 @@ class PlanRunner:
                         pl.stage, st.zero)
         assert averager is not None
         group = averager.parts[0][1].group
+        # a tp rank's ZeRO shards its own shards over its peers; replicated parameters count in the clipping
+        # norm on tp rank 0 only, as without ZeRO (`atoll.node.tp`)
         zero = ZeroOptimizer.from_adamw(optimizer, group, ZeroConfig(
             stage=stage, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            grad_scale=self._row_weight()), timeout=cfg.collective_timeout)
-        log.info("pipeline %d stage %d: ZeRO-%d over its %d replicas (%d buckets)", pl.pipeline, pl.stage, stage,
-                 zero.world, len(zero.buckets))
+            grad_scale=self._row_weight()), timeout=cfg.collective_timeout, count_replicated=pl.tp_rank == 0)
+        log.info("pipeline %d stage %d: ZeRO-%d over its %d replicas (%d buckets)%s", pl.pipeline, pl.stage, stage,
+                 zero.world, len(zero.buckets), f", of tp rank {pl.tp_rank}'s shards" if st.tp > 1 else "")
         return zero, None
 
     def _check_memory(self, step: int, measured: int) -> None:

@@ -297,24 +297,36 @@ class TensorParallel:
 
     # --- checkpoints -------------------------------------------------------------------------------
 
-    def full_state(self, module: StageModule, optimizer: torch.optim.Optimizer | None = None,
+    def full_state(self, module: StageModule,
+                   optimizer: torch.optim.Optimizer | Mapping[nn.Parameter, Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """The whole layers' state (`atoll.node.slice_state` format) on rank 0, None on the others.
 
-        A collective: every rank of the tp group calls it, in the same step.
+        `optimizer` is the stage's AdamW over the shards, or the per-parameter states a ZeRO optimizer gathered
+        (`ZeroOptimizer.consolidated_state`: each state tensor of a shard's local shape, placed here as the
+        parameter is). A collective: every rank of the tp group calls it, in the same step, with the same
+        parameters holding state.
         """
         def whole(name: str, t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, DTensor):
                 t = _unorder(t.full_tensor(), self.orders.get(name))
             return t.detach().cpu().clone()
 
+        def placed(p: nn.Parameter, v: Any) -> Any:
+            if not torch.is_tensor(v) or isinstance(v, DTensor) or not isinstance(p, DTensor) or v.ndim == 0:
+                return v
+            return DTensor.from_local(v.to(self.device), p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+
         tensors = {k: whole(k, v) for k, v in module.state_dict().items()}
         opt: dict[str, dict[str, torch.Tensor]] = {}
         if optimizer is not None:
+            states = optimizer.state if isinstance(optimizer, torch.optim.Optimizer) else optimizer
             for name, p in module.named_parameters():
-                st = optimizer.state.get(p)
+                st = states.get(p)
                 if st:
-                    opt[name] = {k: whole(name, v) if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()}
+                    opt[name] = {k: whole(name, placed(p, v)) if torch.is_tensor(v) else torch.tensor(v)
+                                 for k, v in st.items()}
         if not self.is_leader:
             return None
         return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,

@@ -31,6 +31,15 @@ loss even when the replicas train different numbers of rows.
 Clipping stays exact: `squared_norm` sums the owned chunks' squares over the group (every replica gets the
 stage's whole squared norm) for the pipeline's norm exchange to add up across stages.
 
+Tensor parallelism (`atoll.node.tp`). A tp rank's parameters are DTensors: the flat buffer holds their local
+shards (each shard's storage moves there, so the DTensor's ops read the buffer), and the group is the stage's
+replicas of the same tp rank, which hold the same shards. A DTensor's gradient is accumulated as autograd leaves
+it and copied into the flat gradient (ZeRO-1, after the last micro-batch, freed as it is copied; the flat
+gradient lives from the reduce-scatter to the step) or the staging buffer (ZeRO-2, as it arrives), in the
+parameter's own placement. A replicated parameter (norms, biases of row-wise layers) is on every tp rank: with
+`count_replicated=False` (every tp rank but 0) its elements stay out of `squared_norm`, so the sum over the tp
+group counts each element once, as `TensorParallel.squared_norm` does without ZeRO.
+
 Checkpoints keep the per-parameter AdamW format of `atoll.node.slice_state`: `consolidated_state(to=r)`
 gathers every replica's chunk states to replica r, which writes them; `from_adamw` starts from a whole
 AdamW (fresh or loaded from a checkpoint of any cut) and keeps only the owned chunks of its states.
@@ -52,6 +61,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from atoll.node.dataparallel import CollectiveError, wait_collective
 
@@ -59,6 +69,29 @@ ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
 gradients of about three at a time (one in flight, one or two filling), ~10% of a whole gradient."""
 ZERO2_MIN_BUCKET_BYTES = 2**16
+
+
+def _storage(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds `p`'s elements in this process: `p` itself, or a tensor-parallel parameter's local
+    shard (the very tensor the DTensor's ops read, so moving its storage moves the parameter's)."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """`p`'s gradient as this process holds it: a DTensor's in the parameter's own placement, local part."""
+    g = p.grad
+    if isinstance(g, DTensor):
+        assert isinstance(p, DTensor)
+        with torch.no_grad():
+            if tuple(g.placements) != tuple(p.placements):  # the vocab-parallel embedding's comes back replicated
+                g = g.redistribute(p.device_mesh, p.placements)
+            return g.to_local()
+    return g
+
+
+def _counts_everywhere(p: torch.Tensor) -> bool:
+    """Whether every tp rank holds a different part of `p` (a shard), rather than the same whole tensor."""
+    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,30 +145,51 @@ class ZeroOptimizer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup, config: ZeroConfig,
-                 timeout: timedelta = timedelta(seconds=60)):
+                 timeout: timedelta = timedelta(seconds=60), *, count_replicated: bool = True):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("ZeRO needs at least one trainable parameter")
-        kinds = {(p.dtype, p.device) for p in self.params}
+        kinds = {(_storage(p).dtype, _storage(p).device) for p in self.params}
         if len(kinds) != 1:
             raise ValueError(f"ZeRO flattens the stage's parameters into one buffer; they must share one dtype and "
                              f"device, got {sorted(map(str, kinds))}")
         self.group, self.config, self.timeout = group, config, timeout
         self.world, self.rank = group.size(), group.rank()
-        dtype, device = self.params[0].dtype, self.params[0].device
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        """Tensor-parallel parameters (DTensors): their local shards are flattened, their gradients copied in."""
+        dtype, device = _storage(self.params[0]).dtype, _storage(self.params[0]).device
+        self._numel = {id(p): _storage(p).numel() for p in self.params}
         bucket_bytes = config.bucket_bytes
         if config.stage == 2:  # staged gradients are a few buckets: keep them a small part of the gradient
-            total = sum(p.numel() for p in self.params) * self.params[0].element_size()
+            total = sum(self._numel.values()) * _storage(self.params[0]).element_size()
             bucket_bytes = min(bucket_bytes, max(ZERO2_MIN_BUCKET_BYTES, math.ceil(total / ZERO2_BUCKETS)))
-        self.buckets = self._layout(self.params, bucket_bytes, self.world)
+        self.buckets = self._layout(self.params, [self._numel[id(p)] for p in self.params],
+                                    _storage(self.params[0]).element_size(), bucket_bytes, self.world)
         total = sum(b.size for b in self.buckets)
         self.flat = torch.zeros(total, dtype=dtype, device=device)
         with torch.no_grad():
             for b in self.buckets:
                 for p, off in zip(b.params, b.offsets):
-                    view = self.flat[b.start + off:b.start + off + p.numel()].view_as(p)
-                    view.copy_(p)
-                    p.data = view  # the Parameter object stays; its storage is now the flat buffer's
+                    local = _storage(p)
+                    view = self.flat[b.start + off:b.start + off + local.numel()].view_as(local)
+                    view.copy_(local)
+                    local.data = view  # the Parameter (or shard) object stays; its storage is now the flat buffer's
+        # the owned elements the squared norm counts: all of them, or (a tp rank but 0) all but replicated ones
+        self._counted: list[list[tuple[int, int]]] = []
+        for b in self.buckets:
+            lo, hi = self.rank * b.chunk, (self.rank + 1) * b.chunk
+            spans, at = [], lo
+            for p, off in zip(b.params, b.offsets):
+                if count_replicated or _counts_everywhere(p):
+                    continue
+                a, e = max(lo, off), min(hi, off + self._numel[id(p)])
+                if a < e:
+                    if a > at:
+                        spans.append((at - lo, a - lo))
+                    at = e
+            if at < hi:
+                spans.append((at - lo, hi - lo))
+            self._counted.append(spans)
         self.place = {id(p): (i, off) for i, b in enumerate(self.buckets) for p, off in zip(b.params, b.offsets)}
         """Parameter -> (its bucket, its first element in the bucket)."""
         # the owned chunk of every bucket: AdamW steps these views of the flat buffer in place
@@ -146,12 +200,13 @@ class ZeroOptimizer:
         """Most gradient bytes this replica held at once in the last step (whole buffer, or ZeRO-2's shard
         accumulators and staging buffers)."""
         self._elem = self.flat.element_size()
+        self.flat_grad: torch.Tensor | None = None
+        """ZeRO-1's whole gradient (each plain parameter's `.grad` a view of it); with tensor-parallel parameters
+        only from the reduce-scatter to the step."""
         if config.stage == 1:
-            self.flat_grad = torch.zeros_like(self.flat)
-            for c, b in zip(self.chunks, self.buckets):
-                c.grad = self._own(self.flat_grad, b)
+            if not self.sharded:
+                self._flat_grad()
         else:
-            self.flat_grad = None
             for c, b in zip(self.chunks, self.buckets):
                 c.grad = torch.zeros(b.chunk, dtype=dtype, device=device)
             self._staging: dict[int, torch.Tensor] = {}
@@ -164,31 +219,42 @@ class ZeroOptimizer:
     # --- layout --------------------------------------------------------------------------------------
 
     @staticmethod
-    def _layout(params: list[nn.Parameter], bucket_bytes: int, world: int) -> list[_Bucket]:
+    def _layout(params: list[nn.Parameter], numels: list[int], elem_bytes: int, bucket_bytes: int,
+                world: int) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
+        sizes: list[int] = []
         start = used = 0
 
         def close() -> None:
-            nonlocal start, current, used
+            nonlocal start, current, sizes, used
             offsets, n = [], 0
-            for p in current:
+            for k in sizes:
                 offsets.append(n)
-                n += p.numel()
+                n += k
             size = max(world, math.ceil(n / world) * world)
             buckets.append(_Bucket(tuple(current), tuple(offsets), start, size, size // world))
             start += size
-            current, used = [], 0
+            current, sizes, used = [], [], 0
 
-        for p in reversed(params):  # backward produces the last layers' gradients first
-            nbytes = p.numel() * p.element_size()
+        for p, k in zip(reversed(params), reversed(numels)):  # backward produces the last layers' gradients first
+            nbytes = k * elem_bytes
             if current and used + nbytes > bucket_bytes:
                 close()
             current.append(p)
+            sizes.append(k)
             used += nbytes
         if current:
             close()
         return buckets
+
+    def _flat_grad(self) -> torch.Tensor:
+        """ZeRO-1's whole gradient buffer, made (zeroed) if there is none, with the owned chunks' `.grad` its views."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for c, b in zip(self.chunks, self.buckets):
+                c.grad = self._own(self.flat_grad, b)
+        return self.flat_grad
 
     def _own(self, flat: torch.Tensor, b: _Bucket) -> torch.Tensor:
         a = b.start + self.rank * b.chunk
@@ -206,7 +272,11 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Start a step: no gradient accumulated yet."""
-        if self.flat_grad is not None:
+        if self.config.stage == 1 and self.sharded:  # DTensor gradients accumulate as autograd leaves them
+            for p in self.params:
+                p.grad = None
+            self.peak_grad_bytes = self.flat.numel() * self._elem
+        elif self.flat_grad is not None:
             self.flat_grad.zero_()
             for b in self.buckets:  # whatever happened to .grad, it accumulates into the flat buffer again
                 for p, off in zip(b.params, b.offsets):
@@ -240,8 +310,19 @@ class ZeroOptimizer:
     def reduce_gradients(self) -> None:
         """After the last micro-batch: leave the owned chunks holding the sum over the group of the replicas'
         scaled gradients (ZeRO-1 reduce-scatters here; ZeRO-2 has done it micro-batch by micro-batch)."""
-        if self.flat_grad is None:
+        if self.config.stage != 1:
             return
+        if self.sharded:  # each gradient into the flat buffer, freed as it goes (about one whole gradient at a time)
+            flat = self._flat_grad()
+            with torch.no_grad():
+                flat.zero_()
+                for b in self.buckets:
+                    for p, off in zip(b.params, b.offsets):
+                        g = _local_grad(p)
+                        if g is not None:
+                            flat[b.start + off:b.start + off + self._numel[id(p)]].copy_(g.reshape(-1))
+                        p.grad = None
+        assert self.flat_grad is not None
         if self.config.grad_scale != 1.0:
             self.flat_grad.mul_(self.config.grad_scale)
         if self.world == 1:
@@ -255,8 +336,9 @@ class ZeroOptimizer:
     def squared_norm(self) -> float:
         """The squared L2 norm of the stage's whole reduced gradient (the owned chunks' summed over the group)."""
         local = torch.zeros((), dtype=torch.float64, device=self.flat.device)
-        for c in self.chunks:
-            local += torch.linalg.vector_norm(c.grad, 2.0, dtype=torch.float32).double() ** 2
+        for c, spans in zip(self.chunks, self._counted):
+            for a, e in spans:
+                local += torch.linalg.vector_norm(c.grad[a:e], 2.0, dtype=torch.float32).double() ** 2
         t = local.reshape(1)
         if self.world > 1:
             self._wait(self.group.allreduce([t]), "squared gradient norm all-reduce")
@@ -270,6 +352,10 @@ class ZeroOptimizer:
     def step(self) -> None:
         """AdamW on the owned chunks, then every bucket all-gathered in place into the parameters."""
         self.optimizer.step()
+        if self.config.stage == 1 and self.sharded:  # the flat gradient lives until the next reduce-scatter no more
+            self.flat_grad = None
+            for c in self.chunks:
+                c.grad = None
         if self.world == 1:
             return
         works = [(i, self.group._allgather_base(self.flat[b.start:b.start + b.size], self._own(self.flat, b)))
@@ -296,8 +382,10 @@ class ZeroOptimizer:
         if i < self._next:  # one backward pass gives each parameter one gradient, so this means a second pass
             raise RuntimeError(f"a gradient of bucket {i} arrived after the bucket was reduced; call backward_done() "
                                "after each micro-batch's backward, once")
+        g = _local_grad(p)
+        assert g is not None
         with torch.no_grad():
-            self._stage_buffer(i)[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            self._stage_buffer(i)[off:off + self._numel[id(p)]].copy_(g.reshape(-1))
         p.grad = None
         self._arrived[i] += 1
         self._send_ready()
@@ -365,8 +453,9 @@ class ZeroOptimizer:
                     full[key] = torch.cat(parts)
             if self.rank == to:
                 for p, off in zip(b.params, b.offsets):
+                    n, local = self._numel[id(p)], _storage(p)  # a DTensor's state is of its local shard
                     out[p] = {"step": step.clone(),
-                              **{k: v[off:off + p.numel()].view_as(p).detach().cpu().clone() for k, v in full.items()}}
+                              **{k: v[off:off + n].view_as(local).detach().cpu().clone() for k, v in full.items()}}
         return out if self.rank == to else None
 
     def load_param_states(self, states: Mapping[nn.Parameter, Mapping[str, torch.Tensor]]) -> None:
@@ -383,20 +472,23 @@ class ZeroOptimizer:
             for key in ("exp_avg", "exp_avg_sq"):
                 whole = torch.zeros(b.size, dtype=self.flat.dtype, device=self.flat.device)
                 for p, off in zip(b.params, b.offsets):
-                    whole[off:off + p.numel()].copy_(states[p][key].reshape(-1))
+                    v = states[p][key]
+                    if isinstance(v, DTensor):  # a tp shard's state, cut as its parameter is (`TensorParallel.shard`)
+                        v = v.to_local()
+                    whole[off:off + self._numel[id(p)]].copy_(v.reshape(-1))
                 a = self.rank * b.chunk
                 st[key] = whole[a:a + b.chunk].clone()
             self.optimizer.state[c] = st
 
     @classmethod
     def from_adamw(cls, adamw: torch.optim.Optimizer, group: dist.ProcessGroup, config: ZeroConfig,
-                   timeout: timedelta = timedelta(seconds=60)) -> "ZeroOptimizer":
+                   timeout: timedelta = timedelta(seconds=60), *, count_replicated: bool = True) -> "ZeroOptimizer":
         """Shard a whole AdamW (fresh, or with states loaded from a checkpoint) over the group; the AdamW's
         states are released."""
         params = [p for g in adamw.param_groups for p in g["params"]]
         states = {p: dict(adamw.state[p]) for p in params if adamw.state.get(p)}
         adamw.state.clear()
-        zero = cls(params, group, config, timeout)
+        zero = cls(params, group, config, timeout, count_replicated=count_replicated)
         zero.load_param_states(states)
         return zero
 

@@ -12,6 +12,7 @@ This file is also the node process: `python test_tp.py --worker '<json>'`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import subprocess
@@ -60,6 +61,7 @@ def _worker(args: dict) -> None:
     from atoll.plan import Plan
 
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")  # to the node's log
     node = args["node"]
     job = JobSpec.from_toml(args["job"])
     server = PeerServer(node_id=node, listen="127.0.0.1:0", token="t")
@@ -158,8 +160,52 @@ def _module_worker(args: dict) -> None:
         out["weights"] = max(float((state["tensors"][n] - t).abs().max()) for n, t in ref.items())
         out["exp_avg"] = max(float((state["optimizer"][n]["exp_avg"] - whole_opt.state[p]["exp_avg"]).abs().max())
                              for n, p in whole.named_parameters())
+    out["zero"] = {stage: _zero_under_tp(tp, config, ids, tgt, stage) for stage in (1, 2)}
     tp.close()
     _emit(out)
+
+
+def _zero_under_tp(tp, config, ids, tgt, stage: int) -> dict | None:
+    """ZeRO over a sharded model (a group of one replica per tp rank) against AdamW over the whole model: the
+    squared norm summed over the tp ranks (replicated parameters counted on rank 0 only), then the gathered
+    weights and AdamW state after two steps (None on rank 1, which gathers nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    from atoll.node.dataparallel import gloo_group
+    from atoll.node.model import build_slice, lm_loss
+    from atoll.node.zero import ZeroConfig, ZeroOptimizer
+
+    def adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+
+    whole = build_slice(config, 0, config.n_layers + 2, seed=5)
+    whole_opt = adamw(whole)
+    sharded = build_slice(config, 0, config.n_layers + 2, seed=5)
+    group = gloo_group(dist.HashStore(), f"zero{stage}/", rank=0, size=1, timeout=timedelta(seconds=30))
+    zero = ZeroOptimizer.from_adamw(tp.shard(sharded, adamw(sharded), adamw), group,
+                                    ZeroConfig(stage=stage, lr=3e-3, betas=(0.9, 0.95)), count_replicated=tp.rank == 0)
+    norm_err = 0.0
+    for _ in range(2):
+        whole_opt.zero_grad()
+        zero.zero_grad()
+        lm_loss(whole(ids), tgt).backward()
+        lm_loss(sharded(ids), tgt).backward()
+        zero.backward_done()
+        zero.reduce_gradients()
+        norm = torch.tensor([zero.squared_norm()], dtype=torch.float64)
+        dist.all_reduce(norm)
+        whole_norm = sum(float(p.grad.double().pow(2).sum()) for p in whole.parameters())
+        norm_err = max(norm_err, abs(float(norm) - whole_norm) / whole_norm)
+        whole_opt.step()
+        zero.step()
+    state = tp.full_state(sharded, zero.consolidated_state(to=0))
+    if state is None:
+        return None
+    return {"norm": norm_err,
+            "weights": max(float((state["tensors"][n] - t.detach()).abs().max()) for n, t in whole.state_dict().items()),
+            "exp_avg": max(float((state["optimizer"][n]["exp_avg"] - whole_opt.state[p]["exp_avg"]).abs().max())
+                           for n, p in whole.named_parameters())}
 
 
 # --- the harness ----------------------------------------------------------------------------------------
@@ -177,10 +223,10 @@ def _read(proc: subprocess.Popen, deadline: float, log: Path) -> dict:
             return json.loads(line)
 
 
-def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1, defer_weights: int = 0):
+def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1, defer_weights: int = 0, zero: int = 0):
     from atoll.plan import StagePlan
     return StagePlan(island="i", layers=layers, dp=len(nodes) // tp, tp=tp, nodes=list(nodes),
-                     defer_weights=defer_weights)
+                     defer_weights=defer_weights, zero=zero)
 
 
 def run_processes(job, pipelines, tmp_path: Path, *, resume_step: int = 0, until: int | None = None
@@ -286,6 +332,33 @@ def test_tp2_by_dp2_single_stage_matches_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_under_tp2_by_dp2_trains_as_one_process_and_checkpoints_whole_layers(tmp_path: Path, zero: int) -> None:
+    """ZeRO under tensor parallelism: two replicas of one stage, each sharded over two processes, and each tp rank
+    shards its own shards' AdamW states (ZeRO-1; ZeRO-2: and gradients) over the replicas of its tp rank. The run
+    resumes from an unsharded checkpoint (its whole AdamW state cut to tp shards, then to ZeRO chunks), matches
+    one process step for step (the clipping norm counts replicated parameters once over the tp group), and writes
+    a checkpoint of whole layers and whole AdamW states that one unsharded process resumes from."""
+    from atoll.node.local import train_local
+    from atoll.plan import PipelinePlan
+
+    job = _job(steps=6, interval=2, model=GQA)
+    expected, _ = train_local(job)
+    first = _run_in_process(job, tmp_path, until=2)
+    t0 = time.monotonic()
+    got = run_processes(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        _stage((0, GQA["n_layers"] + 2), ["a", "b", "c", "d"], tp=2, zero=zero)])], tmp_path, resume_step=2,
+        until=4)
+    print(f"ZeRO-{zero} under tp=2 x dp=2: 2 steps in {time.monotonic() - t0:.1f} s (4 processes)")
+    for n, k in (("a", 0), ("b", 1), ("c", 0), ("d", 1)):  # the stage ran ZeRO, not plain AdamW beside its plan
+        log = (tmp_path / f"node-{n}.log").read_text()
+        assert f"ZeRO-{zero} over its 2 replicas" in log and f"of tp rank {k}'s shards" in log, log[-2000:]
+    rest = _run_in_process(job, tmp_path, resume_step=4)
+    _assert_match({**first, **got, **rest}, expected, range(6))
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_coordinator_and_nodes_run_a_pinned_plan_with_a_tp_stage(tmp_path: Path) -> None:
     """`atoll coordinator --plan` and three `atoll node` processes: one node runs the first stage, two run the
@@ -382,6 +455,8 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
         assert abs(sharded - whole) <= (1e-6 if k == 0 else 1e-4) * whole, (k, sharded, whole, out[0])
         assert abs(norm - whole_norm) <= (1e-6 if k == 0 else 1e-3) * whole_norm, (k, norm, whole_norm, out[0])
     assert out[0]["steps"] == out[1]["steps"]  # the ranks agree exactly
+    for stage, got in out[0]["zero"].items():  # ZeRO over the shards steps as AdamW over the whole model
+        assert got["norm"] <= 1e-4 and got["weights"] < 2e-3 and got["exp_avg"] < 1e-5, (stage, got)
     # zero-bubble under tp: every linear layer's product deferred, the same gradients, the planner's bytes
     from atoll.coordinator.planner import TrainSpec, parse_cluster
     from atoll.coordinator.planner.costmodel import CostModel

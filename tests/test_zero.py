@@ -319,10 +319,10 @@ def test_memory_benchmark_measures_what_the_planner_predicts(capsys: pytest.Capt
     assert "targets met: 20/20" in capsys.readouterr().out  # 12 without the zero-bubble runs
 
 
-def test_the_parallelizer_takes_zero_1_at_equal_time_and_none_under_tensor_parallelism() -> None:
+def test_the_parallelizer_takes_zero_1_at_equal_time_also_under_tensor_parallelism() -> None:
     """ZeRO-1 costs the time of ZeRO-0 (a reduce-scatter and an all-gather move an all-reduce's bytes) for less
-    memory and a shorter optimizer step, so a data-parallel stage gets it; a tensor-parallel one never gets ZeRO,
-    which the runtime trains with plain AdamW (`PlanRunner._zero`)."""
+    memory and a shorter optimizer step, so a data-parallel stage gets it; so does a tensor-parallel one with
+    more than one replica (each tp rank shards its shards over its peers, `atoll.node.zero`)."""
     from atoll.coordinator.planner import TrainSpec, parse_cluster
     from atoll.coordinator.planner.costmodel import CostModel
     from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
@@ -337,4 +337,8 @@ def test_the_parallelizer_takes_zero_1_at_equal_time_and_none_under_tensor_paral
     assert got.time_s == pytest.approx(zero0.time_s) and got.memory_bytes < zero0.memory_bytes
     entries = par._entries(island, 8, 8, False)  # (tp, dp, rows, zero, ...) of every split of 8 devices
     assert {e[0] for e in entries} >= {1, 2, 4, 8} and {e[3] for e in entries if e[0] == 1} == {0, 1, 2, 3}
-    assert {e[3] for e in entries if e[0] > 1} == {0}
+    assert {e[3] for e in entries if e[0] > 1 and e[1] > 1} == {0, 1, 2, 3}
+    assert {e[3] for e in entries if e[1] == 1} == {0}  # tp 8: one replica, nothing to shard over
+    q = SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8)
+    tp_zero1, tp_zero0 = (par.evaluate(q, island, zero=z, tp=2) for z in (1, 0))
+    assert tp_zero1.time_s == pytest.approx(tp_zero0.time_s) and tp_zero1.memory_bytes < tp_zero0.memory_bytes

@@ -270,9 +270,8 @@ class DefaultParallelizer:
             got = []
             for tp, dp, rows in self.splits(island, gpus, batch):
                 # ZeRO-1 before 0: the same time for less memory and a shorter optimizer step, so it wins ties.
-                # None under tensor parallelism: the runtime shards whole parameters, not tp shards
-                # (`atoll.node.zero`), and trains a tp stage with plain AdamW whatever the plan says
-                zeros = [0] if dp == 1 or tp > 1 else sorted(self.zeros, key=lambda z: (z > 1, -z))
+                # Under tensor parallelism each tp rank shards its own shards over its dp peers (`atoll.node.zero`)
+                zeros = [0] if dp == 1 else sorted(self.zeros, key=lambda z: (z > 1, -z))
                 if reach:
                     low = [z for z in zeros if z <= 1]
                     zeros = ([max(low)] if low else []) + [z for z in zeros if z >= 2]
