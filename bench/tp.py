@@ -7,7 +7,10 @@ Runs, each in its own OS processes (torch.distributed over gloo on CPU, NCCL wit
 model as one stage, the same global batch, micro-batches, seed and AdamW with clipping:
 - tp=1: one process, unsharded, one torch thread;
 - tp=2: two processes, one torch thread each, the stage sharded by `atoll.node.tp` (Megatron layout with
-  DTensor; vocab-parallel embedding and head).
+  DTensor; vocab-parallel embedding and head);
+- tp=2 x dp=2 with ZeRO-1: four processes, two replicas of the tp=2 stage, each on half the batch, each tp rank's
+  AdamW states sharded over the two replicas of its tp rank (`atoll.node.zero`), the clipping norm summed over
+  all four (each stage counted once).
 The first step of each run is a warm-up; figures are means over the others.
 
 Printed: per-step losses of both; per step, the wall time and the CPU seconds of the stage's own thread
@@ -19,8 +22,9 @@ block forward and two backward, the vocab-parallel embedding's all-reduce and th
 all-gather). A multi-threaded one-process baseline is left out: on a busy shared CPU its threads wait on
 each other's time slices and its wall time says more about the machine than about tensor parallelism.
 
-Targets: the tp=2 losses equal the one-process losses within 1e-4 relative (DTensor reorders float sums),
-and each tp rank holds at most 60% of the unsharded stage's parameter, gradient and optimizer bytes. Speed is
+Targets: the tp=2 losses (and the ZeRO run's, the mean of its two replicas') equal the one-process losses within
+1e-4 relative (DTensor reorders float sums); each tp rank holds at most 60% of the unsharded stage's parameter,
+gradient and optimizer bytes, and at most 45% with ZeRO-1 over two replicas (its AdamW moments halved again). Speed is
 reported, not a target: on a CPU the two ranks share a memory bus and their all-reduces are loopback gloo,
 so tp=2 brings no speed-up over one process with the same cores; the speed claim needs GPUs joined by
 NVLink (run with --device cuda on a machine with two GPUs). Ends with `targets met: N/M`.
@@ -46,6 +50,7 @@ if str(ROOT) not in sys.path:  # run as a path (python bench/tp.py): imports res
 
 RTOL = 1e-4
 MEMORY_TARGET = 0.6
+ZERO_MEMORY_TARGET = 0.45
 
 
 def _say(obj: dict) -> None:
@@ -76,11 +81,15 @@ def _worker(args: dict) -> None:
     from atoll.node.norm_exchange import DistNormExchange
     from atoll.node.stage import PipelineStage, StageConfig, build_optimizer
     from atoll.node.synthetic import synthetic_batch
+    from atoll.node.dataparallel import gloo_group
+    from atoll.node.norm_exchange import OncePerStage
     from atoll.node.tp import TensorParallel
+    from atoll.node.zero import ZeroConfig, ZeroOptimizer
 
     torch.set_num_threads(args["threads"])
-    tp_size, rank = args["tp"], args["rank"]
-    device = torch.device(args["device"] if args["device"] == "cpu" else f"cuda:{rank}")
+    tp_size, dp = args["tp"], args.get("dp", 1)
+    rank, replica = args["rank"] % tp_size, args["rank"] // tp_size  # rank: the tp rank; processes replica-major
+    device = torch.device(args["device"] if args["device"] == "cpu" else f"cuda:{args['rank']}")
     config = replace(preset(args["model"]), seq_len=args["seq"])
     cfg = StageConfig(micro_batches=args["micro_batches"], lr=3e-3, max_grad_norm=1.0,
                       recv_timeout=timedelta(seconds=120), collective_timeout=timedelta(seconds=120))
@@ -88,29 +97,46 @@ def _worker(args: dict) -> None:
     optimizer = build_optimizer(module, cfg)
     tp = None
     norm = None
+    timeout = timedelta(seconds=120)
     if tp_size > 1:
         store = dist.TCPStore("127.0.0.1", args["store_port"], is_master=False, timeout=timedelta(seconds=60))
-        tp = TensorParallel.join(store, "bench-tp/", rank=rank, size=tp_size, device=device,
-                                 timeout=timedelta(seconds=120))
+        tp = TensorParallel.join(store, f"bench-tp-{replica}/", rank=rank, size=tp_size, device=device,
+                                 timeout=timeout)
         optimizer = tp.shard(module, optimizer, lambda m: build_optimizer(m, cfg))
-        norm = DistNormExchange(tp.group, device=tp.device)  # a one-stage pipeline: the norm group is the tp group
+        if dp == 1:  # a one-stage pipeline: the norm group is the tp group
+            norm = DistNormExchange(tp.group, device=tp.device)
+        else:  # every process of the stage; the replicas' ZeRO norms are equal, replica 0's count
+            norm = OncePerStage(DistNormExchange(gloo_group(store, "bench-norm/", rank=args["rank"], size=dp * tp_size,
+                                                            timeout=timeout), device=tp.device), counts=replica == 0)
+            peers = gloo_group(store, f"bench-zero-{rank}/", rank=replica, size=dp, timeout=timeout)
+            optimizer = ZeroOptimizer.from_adamw(optimizer, peers, ZeroConfig(
+                stage=1, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, grad_scale=1 / dp),
+                timeout=timeout, count_replicated=rank == 0)
     stage = PipelineStage(module, stage=0, num_stages=1, transport=InProcessLinks(1).transport(0), config=cfg,
                           optimizer=optimizer, norm_exchange=norm, tp=tp)
     losses, times, cpu = [], [], []
+    rows = args["batch"] // dp
     for step in range(args["steps"]):
         batch = synthetic_batch(vocab_size=config.vocab_size, batch=args["batch"], seq_len=config.seq_len,
                                 seed=args["seed"], step=step)
+        if dp > 1:  # this replica's rows of the batch
+            batch = replace(batch, inputs=batch.inputs[replica * rows:(replica + 1) * rows],
+                            targets=batch.targets[replica * rows:(replica + 1) * rows])
         r = stage.train_step(step, batch)
         losses.append(r.loss)
         times.append(r.step_seconds)
         cpu.append(sum(op.cpu for op in r.timeline))
     params = list(module.parameters())
-    state = {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-             "optimizer": _local_bytes(v for st in stage.optimizer.state.values() for v in st.values()
-                                       if torch.is_tensor(v) and v.ndim > 0)}
+    if isinstance(optimizer, ZeroOptimizer):  # the flat gradient is freed after each step: its peak counts
+        state = {"params": _local_bytes(params), "grads": optimizer.peak_grad_bytes,
+                 "optimizer": optimizer.optimizer_state_bytes()}
+    else:
+        state = {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+                 "optimizer": _local_bytes(v for st in stage.optimizer.state.values() for v in st.values()
+                                           if torch.is_tensor(v) and v.ndim > 0)}
     if tp is not None:
         tp.close()
-    _say({"rank": rank, "losses": losses, "times": times, "cpu": cpu, "bytes": state})
+    _say({"rank": args["rank"], "losses": losses, "times": times, "cpu": cpu, "bytes": state})
 
 
 def _read(proc: subprocess.Popen, deadline: float) -> dict:
@@ -126,14 +152,14 @@ def _read(proc: subprocess.Popen, deadline: float) -> dict:
             return json.loads(line)
 
 
-def _run(common: dict, tp: int, threads: int, timeout: float) -> list[dict]:
+def _run(common: dict, tp: int, threads: int, timeout: float, dp: int = 1) -> list[dict]:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(
-        {**common, "tp": tp, "rank": r, "threads": threads, "store_port": store.port})],
-        stdout=subprocess.PIPE, text=True, env=env) for r in range(tp)]
+        {**common, "tp": tp, "dp": dp, "rank": r, "threads": threads, "store_port": store.port})],
+        stdout=subprocess.PIPE, text=True, env=env) for r in range(tp * dp)]
     try:
         deadline = time.monotonic() + timeout
         out = sorted((_read(p, deadline) for p in procs), key=lambda o: o["rank"])
@@ -185,12 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model {config.name} ({config.style}): d_model {config.d_model}, {config.n_layers} blocks, "
           f"{config.n_heads} heads, vocab {config.vocab_size}; batch {a.batch} x {a.seq} tokens in "
           f"{a.micro_batches} micro-batches, {a.steps} steps (first a warm-up), device {a.device}")
+    if a.batch % (2 * a.micro_batches):
+        ap.error("--batch must split into two replicas of --micro-batches micro-batches (the ZeRO run)")
     runs = {}
-    for name, tp in (("tp=1, 1 process", 1), ("tp=2, 2 processes", 2)):
+    for name, tp, dp in (("tp=1, 1 process", 1, 1), ("tp=2, 2 processes", 2, 1),
+                         ("tp=2 x dp=2 with ZeRO-1, 4 processes", 2, 2)):
         t0 = time.monotonic()
-        runs[name] = _run(common, tp, threads=1, timeout=600)
+        runs[name] = _run(common, tp, threads=1, timeout=600, dp=dp)
         print(f"  ran {name} (1 torch thread each) in {time.monotonic() - t0:.1f} s")
-    base, sharded = runs.values()
+    base, sharded, zeroed = runs.values()
 
     print("\nlosses per step (tp=1 | tp=2 rank 0 | relative difference)")
     worst = 0.0
@@ -199,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = max(worst, rel)
         print(f"  step {k}: {x:.6f} | {y:.6f} | {rel:.1e}")
     ranks_agree = all(r["losses"] == sharded[0]["losses"] for r in sharded)
+    # the ZeRO run's loss: the mean of its two replicas' (each on half the batch), as one process sees the batch
+    zero_losses = [(x + y) / 2 for x, y in zip(zeroed[0]["losses"], zeroed[2]["losses"])]
+    zero_worst = max(abs(y - x) / abs(x) for x, y in zip(base[0]["losses"], zero_losses))
+    zero_agree = all(r["losses"] == zeroed[2 * (r["rank"] // 2)]["losses"] for r in zeroed)
+    print(f"  tp=2 x dp=2 with ZeRO-1 (the replicas' mean): worst relative difference {zero_worst:.1e}")
 
     def mean(out: list[dict], key: str) -> float:  # the slowest rank's mean over the measured steps
         return max(sum(r[key][1:]) / (len(r[key]) - 1) for r in out)
@@ -224,10 +258,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         share = max(share, mine / total)
         print(f"  tp=2 rank {r['rank']}: {mine / 2**20:7.2f} MiB ({mine / total:.0%} of tp=1)")
 
+    zero_share = 0.0
+    for r in zeroed:
+        mine = sum(r["bytes"].values())
+        zero_share = max(zero_share, mine / total)
+        print(f"  tp=2 x dp=2 ZeRO-1 process {r['rank']} (replica {r['rank'] // 2}, tp rank {r['rank'] % 2}): "
+              f"{mine / 2**20:7.2f} MiB ({mine / total:.0%} of tp=1; "
+              f"{', '.join(f'{k} {v / 2**20:.2f}' for k, v in r['bytes'].items())})")
+
     targets = [
         (f"tp=2 losses within {RTOL:g} of one process", worst <= RTOL and ranks_agree,
          f"worst relative difference {worst:.1e}" + ("" if ranks_agree else ", ranks disagree")),
         (f"each tp rank holds <= {MEMORY_TARGET:.0%} of the stage's state", share <= MEMORY_TARGET, f"{share:.0%}"),
+        (f"tp=2 x dp=2 ZeRO-1 losses within {RTOL:g} of one process", zero_worst <= RTOL and zero_agree,
+         f"worst relative difference {zero_worst:.1e}" + ("" if zero_agree else ", tp ranks disagree")),
+        (f"with ZeRO-1 over 2 replicas each tp rank holds <= {ZERO_MEMORY_TARGET:.0%} of the stage's state",
+         zero_share <= ZERO_MEMORY_TARGET, f"{zero_share:.0%}"),
     ]
     print()
     for what, ok, detail in targets:
