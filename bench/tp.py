@@ -24,7 +24,9 @@ each other's time slices and its wall time says more about the machine than abou
 
 Targets: the tp=2 losses (and the ZeRO run's, the mean of its two replicas') equal the one-process losses within
 1e-4 relative (DTensor reorders float sums); each tp rank holds at most 60% of the unsharded stage's parameter,
-gradient and optimizer bytes, and at most 45% with ZeRO-1 over two replicas (its AdamW moments halved again). Speed is
+gradient and optimizer bytes, and at most 47% with ZeRO-1 over two replicas (its AdamW moments halved again,
+its gradient's owned chunk held beside the whole gradient while it is reduced: 1/2 + 1/2 + 1/4 + 2/4 of the
+unsharded parameter, gradient and two moments, 44%, plus the buckets staged at once). Speed is
 reported, not a target: on a CPU the two ranks share a memory bus and their all-reduces are loopback gloo,
 so tp=2 brings no speed-up over one process with the same cores; the speed claim needs GPUs joined by
 NVLink (run with --device cuda on a machine with two GPUs). Ends with `targets met: N/M`.
@@ -50,7 +52,7 @@ if str(ROOT) not in sys.path:  # run as a path (python bench/tp.py): imports res
 
 RTOL = 1e-4
 MEMORY_TARGET = 0.6
-ZERO_MEMORY_TARGET = 0.45
+ZERO_MEMORY_TARGET = 0.47
 
 
 def _say(obj: dict) -> None:

@@ -34,9 +34,10 @@ stage's whole squared norm) for the pipeline's norm exchange to add up across st
 Tensor parallelism (`atoll.node.tp`). A tp rank's parameters are DTensors: the flat buffer holds their local
 shards (each shard's storage moves there, so the DTensor's ops read the buffer), and the group is the stage's
 replicas of the same tp rank, which hold the same shards. A DTensor's gradient is accumulated as autograd leaves
-it and copied into the flat gradient (ZeRO-1, after the last micro-batch, freed as it is copied; the flat
-gradient lives from the reduce-scatter to the step) or the staging buffer (ZeRO-2, as it arrives), in the
-parameter's own placement. A replicated parameter (norms, biases of row-wise layers) is on every tp rank: with
+it, in the parameter's own placement, and copied into a bucket's staging buffer: ZeRO-1 after the last
+micro-batch, bucket by bucket, each gradient freed once copied and each bucket reduce-scattered into the owned
+chunk's gradient (so a replica holds about one whole gradient at its most, as plain ZeRO-1 does); ZeRO-2 as it
+arrives. A replicated parameter (norms, biases of row-wise layers) is on every tp rank: with
 `count_replicated=False` (every tp rank but 0) its elements stay out of `squared_norm`, so the sum over the tp
 group counts each element once, as `TensorParallel.squared_norm` does without ZeRO.
 
@@ -106,7 +107,8 @@ class ZeroConfig:
     weight_decay: float = 0.0
     bucket_bytes: int = 25 * 2**20
     """Largest bucket of parameters reduce-scattered and all-gathered at once (a parameter bigger than this
-    is a bucket of its own). ZeRO-2 takes buckets of at most 1/`ZERO2_BUCKETS` of the stage."""
+    is a bucket of its own). ZeRO-2, and ZeRO-1 over tensor-parallel shards (both stage gradients bucket by
+    bucket), take buckets of at most 1/`ZERO2_BUCKETS` of the stage."""
     grad_scale: float = 1.0
     """Factor applied to this replica's gradients before they are summed over the group (its rows over the
     rows of all the replicas together, for the gradient of the mean loss)."""
@@ -160,7 +162,7 @@ class ZeroOptimizer:
         dtype, device = _storage(self.params[0]).dtype, _storage(self.params[0]).device
         self._numel = {id(p): _storage(p).numel() for p in self.params}
         bucket_bytes = config.bucket_bytes
-        if config.stage == 2:  # staged gradients are a few buckets: keep them a small part of the gradient
+        if config.stage == 2 or self.sharded:  # staged gradients are a few buckets: a small part of the gradient
             total = sum(self._numel.values()) * _storage(self.params[0]).element_size()
             bucket_bytes = min(bucket_bytes, max(ZERO2_MIN_BUCKET_BYTES, math.ceil(total / ZERO2_BUCKETS)))
         self.buckets = self._layout(self.params, [self._numel[id(p)] for p in self.params],
@@ -201,19 +203,20 @@ class ZeroOptimizer:
         accumulators and staging buffers)."""
         self._elem = self.flat.element_size()
         self.flat_grad: torch.Tensor | None = None
-        """ZeRO-1's whole gradient (each plain parameter's `.grad` a view of it); with tensor-parallel parameters
-        only from the reduce-scatter to the step."""
-        if config.stage == 1:
-            if not self.sharded:
-                self._flat_grad()
-        else:
+        """ZeRO-1's whole gradient, each parameter's `.grad` a view of it (not with tensor-parallel parameters)."""
+        self._staging: dict[int, torch.Tensor] = {}
+        self._staged_bytes = 0
+        self._inflight: list[tuple[int, torch.Tensor, object]] = []
+        if config.stage == 1 and not self.sharded:
+            self.flat_grad = torch.zeros_like(self.flat)
+            for c, b in zip(self.chunks, self.buckets):
+                c.grad = self._own(self.flat_grad, b)
+        else:  # the owned chunks' gradients: reduce-scattered into from staging buffers
             for c, b in zip(self.chunks, self.buckets):
                 c.grad = torch.zeros(b.chunk, dtype=dtype, device=device)
-            self._staging: dict[int, torch.Tensor] = {}
+        if config.stage == 2:
             self._arrived = [0] * len(self.buckets)
             self._next = 0  # the next bucket to send, in bucket order
-            self._inflight: list[tuple[int, torch.Tensor, object]] = []
-            self._staged_bytes = 0
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
 
     # --- layout --------------------------------------------------------------------------------------
@@ -248,14 +251,6 @@ class ZeroOptimizer:
             close()
         return buckets
 
-    def _flat_grad(self) -> torch.Tensor:
-        """ZeRO-1's whole gradient buffer, made (zeroed) if there is none, with the owned chunks' `.grad` its views."""
-        if self.flat_grad is None:
-            self.flat_grad = torch.zeros_like(self.flat)
-            for c, b in zip(self.chunks, self.buckets):
-                c.grad = self._own(self.flat_grad, b)
-        return self.flat_grad
-
     def _own(self, flat: torch.Tensor, b: _Bucket) -> torch.Tensor:
         a = b.start + self.rank * b.chunk
         return flat[a:a + b.chunk]
@@ -275,7 +270,7 @@ class ZeroOptimizer:
         if self.config.stage == 1 and self.sharded:  # DTensor gradients accumulate as autograd leaves them
             for p in self.params:
                 p.grad = None
-            self.peak_grad_bytes = self.flat.numel() * self._elem
+            self.peak_grad_bytes = 0  # counted as the gradients are reduced
         elif self.flat_grad is not None:
             self.flat_grad.zero_()
             for b in self.buckets:  # whatever happened to .grad, it accumulates into the flat buffer again
@@ -312,16 +307,9 @@ class ZeroOptimizer:
         scaled gradients (ZeRO-1 reduce-scatters here; ZeRO-2 has done it micro-batch by micro-batch)."""
         if self.config.stage != 1:
             return
-        if self.sharded:  # each gradient into the flat buffer, freed as it goes (about one whole gradient at a time)
-            flat = self._flat_grad()
-            with torch.no_grad():
-                flat.zero_()
-                for b in self.buckets:
-                    for p, off in zip(b.params, b.offsets):
-                        g = _local_grad(p)
-                        if g is not None:
-                            flat[b.start + off:b.start + off + self._numel[id(p)]].copy_(g.reshape(-1))
-                        p.grad = None
+        if self.sharded:
+            self._reduce_sharded()
+            return
         assert self.flat_grad is not None
         if self.config.grad_scale != 1.0:
             self.flat_grad.mul_(self.config.grad_scale)
@@ -332,6 +320,34 @@ class ZeroOptimizer:
                  for i, b in enumerate(self.buckets)]
         for i, w in works:
             self._wait(w, f"gradient reduce-scatter of bucket {i}")
+
+    def _reduce_sharded(self) -> None:
+        """ZeRO-1 over tensor-parallel shards: bucket by bucket, the gradients copied into a staging buffer (each
+        freed once copied) and reduce-scattered into the owned chunk's gradient, one bucket in flight while the
+        next is staged."""
+        held = sum(_storage(p).numel() for p in self.params if p.grad is not None) * self._elem
+        self.peak_grad_bytes = held + self._accumulator_bytes()
+        with torch.no_grad():
+            for i, b in enumerate(self.buckets):
+                buf = self._stage_buffer(i)
+                self.peak_grad_bytes = max(self.peak_grad_bytes, held + self._accumulator_bytes() + self._staged_bytes)
+                for p, off in zip(b.params, b.offsets):
+                    g = _local_grad(p)
+                    if g is not None:
+                        buf[off:off + self._numel[id(p)]].copy_(g.reshape(-1))
+                        held -= _storage(p).numel() * self._elem
+                    p.grad = None
+                if self.config.grad_scale != 1.0:
+                    buf.mul_(self.config.grad_scale)
+                self.chunks[i].grad.zero_()
+                if self.world > 1:
+                    out = buf[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+                    self._inflight.append((i, out, self.group._reduce_scatter_base(out, buf)))
+                else:
+                    self._inflight.append((i, buf, None))
+                if len(self._inflight) > 1:
+                    self._drain(keep=1)
+            self._drain()
 
     def squared_norm(self) -> float:
         """The squared L2 norm of the stage's whole reduced gradient (the owned chunks' summed over the group)."""
@@ -352,10 +368,6 @@ class ZeroOptimizer:
     def step(self) -> None:
         """AdamW on the owned chunks, then every bucket all-gathered in place into the parameters."""
         self.optimizer.step()
-        if self.config.stage == 1 and self.sharded:  # the flat gradient lives until the next reduce-scatter no more
-            self.flat_grad = None
-            for c in self.chunks:
-                c.grad = None
         if self.world == 1:
             return
         works = [(i, self.group._allgather_base(self.flat[b.start:b.start + b.size], self._own(self.flat, b)))
