@@ -42,6 +42,13 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--island-threshold", type=float, default=0.1,
                    help="a link joins two nodes in one island when at least this fraction of the fastest link "
                    "measured (default 0.1: islands part at order-of-magnitude gaps)")
+    p.add_argument("--drift", type=float, nargs=2, default=(1.25, 0.10), metavar=("FACTOR", "GAIN"),
+                   help="replan when a node computes more than FACTOR times slower or faster than its plan predicted "
+                   "and the new plan predicts steps at least GAIN shorter, worth more than the switch costs "
+                   "(default 1.25 0.10)")
+    p.add_argument("--drift-every", type=float, default=60.0, metavar="SECONDS",
+                   help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
+                   "for drift")
     p.add_argument("--address-file", help="write the real HOST:PORT here once listening (for scripts and tests)")
     p.add_argument("--plan", metavar="FILE.json",
                    help="publish this plan instead of planning (an operator's pin): JSON as `atoll plan --json` "

@@ -2,7 +2,10 @@
 
 The rule (complete-linkage agglomerative clustering with a relative threshold):
 1. Nodes are grouped by device class, `device_kind` + `device_name` + the operator's region label; an
-   island never mixes classes or regions.
+   island never mixes classes or regions. Where the runs measured some nodes of a class computing more than
+   `speed_split` times slower or faster than profiled (`atoll.coordinator.calibration`: a co-tenant, a
+   throttled card), those nodes form a class of their own, by how far they drifted: an island is as fast as
+   its slowest node, and one slow node would otherwise slow its whole island.
 2. The reference is the fastest link measured anywhere in the job. A link is *fast* when its bandwidth
    (the slower of its two directions) is at least `relative_threshold` x the reference and at least
    `min_bandwidth`.
@@ -44,18 +47,31 @@ class IslandOptions:
     probes on busy machines."""
     min_bandwidth: float = 0.0
     """A link is fast only when at least this many bytes/s, whatever the others."""
+    speed_split: float = 1.25
+    """Nodes whose measured speed factor lies outside [1 / speed_split, speed_split] leave their device class
+    for one of nodes that drifted alike (factors within a power of `speed_split` of each other)."""
 
     def __post_init__(self) -> None:
         if not 0.0 < self.relative_threshold <= 1.0:
             raise ValueError(f"relative_threshold must be in (0, 1], got {self.relative_threshold}")
         if self.min_bandwidth < 0:
             raise ValueError(f"min_bandwidth must be >= 0, got {self.min_bandwidth}")
+        if not self.speed_split > 1.0:
+            raise ValueError(f"speed_split must be above 1 (a factor), got {self.speed_split}")
 
 
 def device_class(profile: NodeProfile) -> str:
     """Nodes of one class may share an island: same device kind and name, and the same region label."""
     base = f"{profile.device_kind}:{profile.device_name}"
     return f"{base}@{profile.region}" if profile.region else base
+
+
+def speed_class(factor: float, split: float) -> int:
+    """0 for a node running within [1 / split, split] of its profile, else its drift in powers of `split`
+    (2: about split^2 times slower, -1: about split times faster)."""
+    if 1.0 / split <= factor <= split:
+        return 0
+    return round(math.log(factor) / math.log(split)) or (1 if factor > 1 else -1)
 
 
 def fast_threshold(matrix: Mapping[tuple[str, str], LinkEstimate], options: IslandOptions) -> float:
@@ -69,7 +85,8 @@ EXACT_LINKAGE_UP_TO = 400
 complete linkage exactly (O(m^3) on m nodes) up to this size; a larger one greedily, node by node."""
 
 
-def _fast_groups(profiles: Mapping[str, NodeProfile], graph: LinkGraph, threshold: float) -> list[list[str]]:
+def _fast_groups(profiles: Mapping[str, NodeProfile], graph: LinkGraph, threshold: float,
+                 drift: Mapping[str, int]) -> list[list[str]]:
     """Nodes of one class joined by a path of fast measured links (through nodes of any class), sorted.
 
     Two nodes in different groups are slow to each other, measured or estimated; so complete linkage never
@@ -90,7 +107,7 @@ def _fast_groups(profiles: Mapping[str, NodeProfile], graph: LinkGraph, threshol
                 root[ra] = rb
     groups: dict[tuple[str, str], list[str]] = {}
     for n in sorted(profiles):
-        groups.setdefault((device_class(profiles[n]), find(n) if n in root else n), []).append(n)
+        groups.setdefault((device_class(profiles[n]), drift.get(n, 0), find(n) if n in root else n), []).append(n)
     return list(groups.values())
 
 
@@ -132,16 +149,18 @@ def _greedy(group: list[str], slow: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def form_islands(profiles: Mapping[str, NodeProfile], matrix: Mapping[tuple[str, str], LinkEstimate],
-                 options: IslandOptions | None = None) -> list[IslandInfo]:
+                 options: IslandOptions | None = None, speed: Mapping[str, float] | None = None) -> list[IslandInfo]:
     """Islands of the nodes in `profiles` (node id -> profile) under the rule of this module.
 
     `matrix` is a `LinkGraph` (what the coordinator passes: near-linear in the links) or a dense completed
-    matrix (`complete_matrix`), whose measured entries are used alike.
+    matrix (`complete_matrix`), whose measured entries are used alike. `speed`: node id -> its measured speed
+    factor (1 or absent: as profiled).
     """
     options = options or IslandOptions()
     graph = matrix if isinstance(matrix, LinkGraph) else LinkGraph.from_matrix(profiles, matrix)
     threshold = fast_threshold(graph, options)
-    groups = _fast_groups(profiles, graph, threshold)
+    drift = {n: k for n, f in (speed or {}).items() if n in profiles and (k := speed_class(f, options.speed_split))}
+    groups = _fast_groups(profiles, graph, threshold, drift)
     group_of = {n: k for k, g in enumerate(groups) for n in g}
     slow: dict[str, set[str]] = {}  # measured links too slow for an island, between nodes of one group
     for (a, b), w in graph.pairs.items():

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from atoll.coordinator.heap import settle_heap
+from atoll.coordinator.drift import DriftOptions
 from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
@@ -282,13 +283,19 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         log.error("--heartbeat-budget must be a number of heartbeats a second, or 0 for a fixed cadence; got %s",
                   args.heartbeat_budget)
         return 2
+    try:
+        drift = DriftOptions(enabled=args.drift_every > 0, threshold=args.drift[0], min_gain=args.drift[1],
+                             interval=timedelta(seconds=args.drift_every if args.drift_every > 0 else 60.0))
+    except ValueError as e:
+        log.error("--drift FACTOR GAIN: %s (e.g. --drift 1.25 0.10)", e)
+        return 2
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
                      tls_key=Path(args.tls_key) if args.tls_key else None)
     options = CoordinatorOptions(membership=MembershipOptions(
                                      lease=timedelta(seconds=args.lease),
                                      join_settle=timedelta(seconds=min(args.join_settle, 60.0))),
                                  islands=IslandOptions(relative_threshold=args.island_threshold),
-                                 heartbeat_budget=args.heartbeat_budget or None)
+                                 heartbeat_budget=args.heartbeat_budget or None, drift=drift)
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
                            rendezvous_host=args.rendezvous_host)

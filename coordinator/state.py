@@ -22,7 +22,8 @@ from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
-from atoll.coordinator.islands import IslandOptions, device_class, form_islands
+from atoll.coordinator.drift import DriftOptions, describe, drifted, estimated_step, hands_over_live, switch_seconds, switch_verdict
+from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
@@ -56,6 +57,8 @@ class CoordinatorOptions:
     heartbeat_budget: float | None = 2000.0
     """Heartbeats a second the coordinator takes from all nodes together: past `budget x interval` members the
     interval and the lease stretch with the membership (`atoll.coordinator.cadence`). None: a fixed cadence."""
+    drift: DriftOptions = field(default_factory=DriftOptions)
+    """When devices running slower or faster than planned make a new plan worth its switch (`atoll.coordinator.drift`)."""
     dial_back: bool = True
     """Dial each joining node's advertised address back (`atoll.coordinator.dialback`) and run one that does
     not answer as a node that accepts no connections. False trusts every advertised address."""
@@ -130,6 +133,9 @@ class CoordinatorState:
         self._islands_next = 0.0
         """While forming islands is slow, when (time.monotonic) they may be formed again for the status."""
         self._last_reason = ""
+        self._drift_next = self.started_unix + self.options.drift.interval.total_seconds()
+        """When the running plan's devices are next checked for drift (`_drift_check`)."""
+        self._drift_backoff = 1
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
@@ -386,10 +392,14 @@ class CoordinatorState:
 
     # --- the loop -------------------------------------------------------------------------------------
 
-    def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None) -> list[IslandInfo]:
+    def islands_now(self, alive: Mapping[str, MemberRecord], graph: LinkGraph | None = None,
+                    speed: Mapping[str, float] | None = None) -> list[IslandInfo]:
+        """Islands of `alive`, nodes that drifted from their profile apart (`speed`: each node's factor; default
+        the ones the current plan was made with)."""
         if graph is None:  # (not `graph or ...`: a graph's length counts every pair)
             graph = LinkGraph(alive, self.store.links_view())
-        islands = form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands)
+        islands = form_islands({n: m.profile for n, m in alive.items()}, graph, self.options.islands,
+                               self.speed if speed is None else speed)
         return separate_unreachable(islands, alive)  # no data-parallel group has to dial a node behind NAT
 
     def membership_options(self, now: float) -> MembershipOptions:
@@ -460,8 +470,11 @@ class CoordinatorState:
                     last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=membership)
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason, formed))
-        elif decision.reason != self._last_reason:
-            log.info("not planning: %s", decision.reason)
+        else:
+            if decision.reason != self._last_reason:
+                log.info("not planning: %s", decision.reason)
+            if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
+                events.extend(self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:
             log.info("%s", e)
@@ -469,11 +482,72 @@ class CoordinatorState:
 
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str,
                 formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> str:
+        inputs = self._plan_inputs(alive, now, formed)
+        plan, how = self.planner(inputs)
+        return self._adopt(plan, how, inputs, reason)
+
+    def _adopt(self, plan: Plan, how: str, inputs: PlanInputs, reason: str) -> str:
+        self.publish(plan, reason)
+        speed = inputs.speed
+        if speed != self.speed:  # (a row per node: written only when a run moved them)
+            self.store.put_speed(speed)
+        self.speed = speed
+        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
+        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, inputs.members)}"
+
+    def _drift_check(self, plan: Plan, alive: dict[str, MemberRecord], now: float) -> list[str]:
+        """Replan when the running plan's devices have drifted from their planned speed and the plan the planner
+        makes now is worth the switch (`atoll.coordinator.drift`); at most once every `DriftOptions.interval`,
+        and after each check that ran the planner for nothing twice as long as before (up to `DRIFT_BACKOFF_MAX`
+        intervals: a drift no plan can help does not cost a planner run a minute on a large cluster)."""
+        opts = self.options.drift
+        self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
+        if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
+            return []
+        nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
+        steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
+        factors = speed_factors(plan, steps, min_steps=opts.min_steps)
+        off = drifted(factors, opts.threshold)
+        if not off:
+            return []
+        at = max((m.step for m in steps if m.plan_epoch == plan.epoch), default=plan.resume_step)
+        lost = 0
+        if not hands_over_live(plan):
+            done = [s for s in self.complete_checkpoint_steps() if s <= at + 1]
+            lost = at + 1 - max(done, default=0)
+            if lost > opts.max_lost_steps:
+                log.info("drift: %s; the plan's state cannot be handed over live, so the switch waits for the next "
+                         "checkpoint (%d steps since the last one)", describe(off), lost)
+                return []
+        inputs = self._plan_inputs(alive, now)
+        new, how = self.planner(inputs)
+        verdict = switch_verdict(current_s=estimated_step(plan, factors), new_s=new.predicted.step_time_s,
+                                 steps_left=max(0, self.target_steps - at - 1), lost_steps=lost,
+                                 switch_s=switch_seconds([(h.plan.epoch, h.created_unix)
+                                                          for h in self.store.plan_history()[-4:]], steps),
+                                 min_gain=opts.min_gain)
+        if not verdict.go:
+            log.info("drift: %s; not replanning: %s", describe(off), verdict.why)
+            self._drift_backoff = min(2 * self._drift_backoff, DRIFT_BACKOFF_MAX)
+            return []
+        self._drift_backoff = 1
+        return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
+
+    def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
+                     formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> PlanInputs:
+        """What the planner is given for a plan of `alive` at `now` (islands formed now unless `formed`, or unless
+        the runs moved a node's speed factor across an island's bounds)."""
+        previous = self.current_plan()
+        speed = self._calibrated(previous)
+        if formed is not None and any(speed_class(speed.get(n, 1.0), self.options.islands.speed_split)
+                                      != speed_class(self.speed.get(n, 1.0), self.options.islands.speed_split)
+                                      for n in alive):
+            formed = None  # a node drifted into another class: its island changes
         if formed is None:
             started = time.monotonic()
             links = self.store.links_view()
             matrix = LinkGraph(alive, links)
-            islands = self.islands_now(alive, matrix)
+            islands = self.islands_now(alive, matrix, speed)
             self.store.put_islands(islands)
             # what this tick left pending is formed now: not again (for the status) once its wait is over, unless
             # probes arrive meanwhile (at 10,000 members forming them holds the server's loop back for seconds)
@@ -482,11 +556,9 @@ class CoordinatorState:
             self._islands_next = started + (10 * took if took > 0.2 else 0.0)
         else:  # formed this round from the same members (thousands of them take seconds to form again)
             links, matrix, islands = formed
-        previous = self.current_plan()
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
         records = self.store.list_checkpoints()
         resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
-        speed = self._calibrated(previous)
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links, speed=speed,
                             epoch=self.store.latest_epoch() + 1, resume_step=resume,
                             rendezvous=self.rendezvous,
@@ -495,13 +567,7 @@ class CoordinatorState:
                             checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
                                                                          if m.peer_address}),
                             handover=handing_over(previous, self.store.members_view().values(), now))
-        plan, how = self.planner(inputs)
-        self.publish(plan, reason)
-        if speed != self.speed:  # (a row per node: written only when a run moved them)
-            self.store.put_speed(speed)
-        self.speed = speed
-        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
-        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, alive)}"
+        return inputs
 
     def _calibrated(self, previous: Plan | None) -> dict[str, float]:
         """Each node's speed factor for the next plan: the one the previous plan was made with, times what the
@@ -513,6 +579,8 @@ class CoordinatorState:
         return compound(self.speed, speed_factors(previous, steps))
 
 
+DRIFT_BACKOFF_MAX = 16
+"""A drift that no plan helps is checked again after at most this many `DriftOptions.interval`s."""
 CALIBRATION_REPORTS_PER_NODE = 24
 """Step reports read per node of the previous plan to calibrate its devices' speed when planning again."""
 CALIBRATION_REPORTS_MAX = 20_000

@@ -134,3 +134,20 @@ def test_islands_never_span_regions() -> None:
     b = NodeProfile(device_kind="cuda", device_name="H100", region="eu-west")
     assert device_class(a) != device_class(b)
     assert device_class(a) == device_class(NodeProfile(device_kind="cuda", device_name="H100", region="us-east"))
+
+
+def test_nodes_that_drifted_from_their_profile_leave_their_island() -> None:
+    from atoll.coordinator.islands import speed_class
+
+    profiles = _profiles({n: "H100" for n in ("a", "b", "c", "d", "e")})
+    links = {(x, y): 10 * GB for x in profiles for y in profiles if x < y}
+    m = complete_matrix(sorted(profiles), _links(links))
+    assert [i.nodes for i in form_islands(profiles, m)] == [["a", "b", "c", "d", "e"]]
+    # within 1.25x of the profile either way: the same class; b and c both about 3x slower: one island of
+    # their own; e 2x faster: alone
+    speed = {"a": 1.2, "b": 2.9, "c": 3.2, "d": 0.85, "e": 0.5}
+    got = [i.nodes for i in form_islands(profiles, m, speed=speed)]
+    assert got == [["a", "d"], ["b", "c"], ["e"]]
+    assert [speed_class(f, 1.25) for f in (1.0, 1.25, 1.3, 0.79, 3.0, 0.5)] == [0, 0, 1, -1, 5, -3]
+    assert [i.nodes for i in form_islands(profiles, m, IslandOptions(speed_split=4.0), speed)] == [
+        ["a", "b", "c", "d", "e"]]

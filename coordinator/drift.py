@@ -1,0 +1,145 @@
+"""Replanning when the devices stop running as planned (drift).
+
+A plan is built around each device's speed as profiled at join (and calibrated by earlier epochs,
+`atoll.coordinator.calibration`). Devices drift from it: a co-tenant takes half a GPU, a card throttles, a
+volunteer's machine starts other work. Membership does not change, so nothing else would replan, and a pipeline
+then runs at the pace of its slowest stage for as long as the job lasts.
+
+The coordinator checks the running epoch every `DriftOptions.interval`:
+1. each node's speed factor (its measured compute per step over what the plan predicted for it, the median
+   over the epoch's steps after its first, `calibration.speed_factors`) once it has `min_steps` of them;
+2. drift: some node's factor outside [1 / threshold, threshold]; if none, nothing more is done;
+3. the plan the planner would make now, from every profile scaled by its calibrated factor (as any replan
+   makes it), against the running plan re-estimated under the same factors (`estimated_step`): the step that
+   both come from the same cost model, so its bias cancels in the comparison;
+4. a switch only when the new plan predicts steps at least `min_gain` shorter and the time it saves over the
+   steps left exceeds what switching costs (`switch_cost`): the restart (the last plan change's measured time
+   from publication to the first step) and, where the running plan cannot hand its state over live (ZeRO or
+   tensor-parallel stages, whose state is spread over ranks), the steps since the last complete checkpoint.
+   Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`.
+
+After a drift replan the next check waits `interval` again and needs `min_steps` of the new epoch, so a drift
+replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from atoll.plan import Plan
+from atoll.types import StepMetrics
+
+DEFAULT_SWITCH_S = 30.0
+"""Restart time assumed for a plan change when no change has been measured yet."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriftOptions:
+    """When the coordinator replans because devices run slower or faster than planned."""
+
+    enabled: bool = True
+    threshold: float = 1.25
+    """A node drifts when its measured compute is more than this factor away from its plan's, either way."""
+    min_gain: float = 0.10
+    """Replan only when the new plan predicts steps at least this much shorter (0.10: 10%)."""
+    interval: timedelta = timedelta(seconds=60)
+    """Between checks (each one that finds drift runs the planner)."""
+    min_steps: int = 10
+    """Steps of the epoch (after its first) a node must have reported before its speed is judged."""
+    max_lost_steps: int = 0
+    """Steps a switch may roll back when the running plan cannot hand its state over live; beyond this it waits
+    for the next complete checkpoint."""
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 1.0:
+            raise ValueError(f"drift threshold must be above 1 (a factor), got {self.threshold}")
+        if not 0.0 <= self.min_gain < 1.0:
+            raise ValueError(f"drift min_gain must be in [0, 1), got {self.min_gain}")
+        if self.interval <= timedelta(0):
+            raise ValueError(f"drift interval must be positive, got {self.interval}")
+        if self.min_steps < 1 or self.max_lost_steps < 0:
+            raise ValueError(f"drift min_steps must be >= 1 and max_lost_steps >= 0, got {self.min_steps}, "
+                             f"{self.max_lost_steps}")
+
+
+def drifted(factors: Mapping[str, float], threshold: float) -> dict[str, float]:
+    """The nodes whose speed factor lies outside [1 / threshold, threshold]."""
+    return {n: f for n, f in factors.items() if f > threshold or f < 1.0 / threshold}
+
+
+def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
+    """The running plan's step time with each node's compute scaled by its factor (1 where it has none), in the
+    plan's own cost model: each pipeline's predicted step scaled as its slowest stage's compute per micro-batch
+    (a stage runs at its slowest node's pace), the slowest pipeline setting the step. Cycles of the slowest stage
+    make most of a balanced pipeline's step; fill, drain and the all-reduce scale alike to first order."""
+    base = plan.predicted.step_time_s
+    worst = 0.0
+    for pipe in plan.pipelines:
+        before = max((st.compute_s for st in pipe.stages), default=0.0)
+        after = max((st.compute_s * max((factors.get(n, 1.0) for n in st.nodes), default=1.0)
+                     for st in pipe.stages), default=0.0)
+        if before > 0:
+            worst = max(worst, after / before)
+    return base * (worst or 1.0)
+
+
+def hands_over_live(plan: Plan) -> bool:
+    """Whether the nodes of `plan` keep their state live for the next plan (no rollback to a checkpoint): not
+    where a stage's state is spread over ranks (ZeRO over replicas, tensor-parallel shards) or in outer mode
+    (`PlanRunner._snapshot`)."""
+    if plan.mode != "sync":
+        return False
+    return not any(st.tp > 1 or (st.zero >= 1 and st.dp > 1) for pipe in plan.pipelines for st in pipe.stages)
+
+
+def switch_seconds(history: Iterable[tuple[int, float]], steps: Iterable[StepMetrics]) -> float:
+    """What the last measured plan change cost: from a plan's publication to its epoch's first step report (the
+    nodes stopping, meeting at the new rendezvous, loading their layers). `history`: (epoch, published unix)."""
+    first: dict[int, float] = {}
+    for m in steps:
+        if m.unix_time > 0:
+            first[m.plan_epoch] = min(first.get(m.plan_epoch, m.unix_time), m.unix_time)
+    took = [first[e] - t for e, t in history if e in first and first[e] >= t]
+    return statistics.median(took[-3:]) if took else DEFAULT_SWITCH_S
+
+
+@dataclass(frozen=True)
+class SwitchVerdict:
+    go: bool
+    why: str
+    gain: float
+    """The new plan's predicted step over the running one's re-estimated step, less one (0.2: 20% shorter)."""
+
+
+def switch_verdict(*, current_s: float, new_s: float, steps_left: int, lost_steps: int, switch_s: float,
+                   min_gain: float) -> SwitchVerdict:
+    """Whether to move to the new plan: it must predict steps at least `min_gain` shorter, and the time saved
+    over `steps_left` must exceed the restart (`switch_s`) plus the steps rolled back at the running pace."""
+    if new_s <= 0 or current_s <= 0:
+        return SwitchVerdict(False, "no prediction to compare", 0.0)
+    gain = 1.0 - new_s / current_s
+    if gain < min_gain:
+        return SwitchVerdict(False, f"the best plan now predicts {new_s:.3g} s a step against {current_s:.3g} s, "
+                                    f"{gain:.0%} shorter (a switch needs {min_gain:.0%})", gain)
+    saved = steps_left * (current_s - new_s)
+    cost = switch_s + lost_steps * current_s
+    if saved <= cost:
+        return SwitchVerdict(False, f"the new plan would save {saved:.0f} s over the {steps_left} steps left, less "
+                                    f"than switching costs ({cost:.0f} s)", gain)
+    return SwitchVerdict(True, f"the new plan predicts {new_s:.3g} s a step against {current_s:.3g} s ({gain:.0%} "
+                               f"shorter), saving about {saved - cost:.0f} s over the {steps_left} steps left", gain)
+
+
+def describe(factors: Mapping[str, float], shown: int = 4) -> str:
+    """'node b computes 2.10x slower than planned, node c 1.40x faster' (the largest departures first)."""
+    items = sorted(factors.items(), key=lambda kv: -abs(math.log(max(kv[1], 1e-9))))
+    parts = []
+    for k, (n, f) in enumerate(items[:shown]):
+        how = f"{f:.2f}x slower" if f >= 1 else f"{1 / f:.2f}x faster"
+        parts.append(f"node {n} computes {how} than planned" if k == 0 else f"node {n} {how}")
+    more = len(items) - shown
+    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")

@@ -1,0 +1,197 @@
+"""Replanning when devices drift from their planned speed (atoll.coordinator.drift and the state's check)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from atoll.coordinator import handlers as h
+from atoll.coordinator.calibration import predicted_compute
+from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_step,
+                                     hands_over_live, switch_seconds, switch_verdict)
+from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
+from atoll.coordinator.store import MemoryStore
+from atoll.job import JobSpec
+from atoll.plan import PipelinePlan, Plan, Prediction, StagePlan
+from atoll.types import StepMetrics
+from atoll.v1 import atoll_pb2 as pb
+
+from test_calibration import _profile
+from test_failure_replan import ROOT, TOKEN, Clock
+
+
+def _plan(**stage1) -> Plan:
+    stages = [StagePlan(island="x", layers=(0, 3), dp=1, compute_s=0.3, nodes=["a"]),
+              StagePlan(**{"island": "y", "layers": (3, 6), "dp": 1, "compute_s": 0.2, "nodes": ["b"], **stage1})]
+    return Plan(model="tiny", global_batch=8, seq_len=64, epoch=2,
+                predicted=Prediction(step_time_s=3.0, tokens_per_s=1.0, mfu=0.1, bottleneck=""),
+                pipelines=[PipelinePlan(micro_batch=1, num_micro_batches=8, stages=stages)])
+
+
+def test_the_running_plan_is_re_estimated_at_its_slowest_stages_new_pace() -> None:
+    plan = _plan()
+    assert estimated_step(plan, {}) == pytest.approx(3.0)
+    # b now takes 0.2 x 2.5 = 0.5 s a micro-batch against the 0.3 s bottleneck it was planned beside
+    assert estimated_step(plan, {"b": 2.5}) == pytest.approx(3.0 * 0.5 / 0.3)
+    assert estimated_step(plan, {"b": 1.2}) == pytest.approx(3.0)  # still under the bottleneck
+    assert estimated_step(plan, {"a": 0.5}) == pytest.approx(3.0 * 0.2 / 0.3)  # a faster bottleneck
+    assert drifted({"a": 1.2, "b": 1.3, "c": 0.7, "d": 0.85}, 1.25) == {"b": 1.3, "c": 0.7}
+    assert describe({"a": 0.5, "b": 2.1}) == "node b computes 2.10x slower than planned, node a 2.00x faster"
+
+
+def test_a_plan_with_state_spread_over_ranks_cannot_hand_it_over_live() -> None:
+    assert hands_over_live(_plan())
+    assert not hands_over_live(_plan(tp=2, nodes=["b", "c"]))
+    assert not hands_over_live(_plan(dp=2, zero=1, nodes=["b", "c"]))
+    assert hands_over_live(_plan(dp=2, zero=0, nodes=["b", "c"]))
+    assert not hands_over_live(replace(_plan(), mode="outer"))
+
+
+def test_a_switch_must_gain_enough_and_repay_its_cost() -> None:
+    kw = dict(current_s=1.0, steps_left=1000, lost_steps=0, switch_s=30.0, min_gain=0.1)
+    assert switch_verdict(new_s=0.7, **kw).go
+    small = switch_verdict(new_s=0.95, **kw)
+    assert not small.go and "5% shorter (a switch needs 10%)" in small.why
+    late = switch_verdict(new_s=0.7, **{**kw, "steps_left": 50})  # 15 s saved against a 30 s restart
+    assert not late.go and "less than switching costs (30 s)" in late.why
+    assert not switch_verdict(new_s=0.7, **{**kw, "lost_steps": 900}).go  # 900 steps rolled back
+    # the restart as last measured: publication to the epoch's first step report, the median of the last three
+    steps = [StepMetrics(job_id="j", node_id="a", plan_epoch=e, step=s, unix_time=t)
+             for e, s, t in ((1, 0, 104.0), (1, 1, 105.0), (2, 9, 212.0), (3, 20, 306.0))]
+    assert switch_seconds([(1, 100.0), (2, 200.0), (3, 300.0)], steps) == pytest.approx(6.0)
+    assert switch_seconds([(4, 400.0)], steps) == DEFAULT_SWITCH_S
+    with pytest.raises(ValueError, match="threshold"):
+        DriftOptions(threshold=0.9)
+
+
+def _state(steps: int = 400, drift: DriftOptions | None = None) -> tuple[CoordinatorState, Clock, list[str]]:
+    """Three CPU nodes joined, probed and planned: a pipeline of three stages, one node each."""
+    clock = Clock()
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps))
+    state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=clock,
+                             options=CoordinatorOptions(drift=drift or DriftOptions()))
+    ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
+                         state).node_id for i in range(3)]
+    for n in ids:
+        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+        h.handle_report_probes(pb.ProbeReport(node_id=n, links=[
+            pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=2e9, rtt_seconds=1e-4)
+            for t in reply.probe]), state)
+    state.tick()
+    assert state.epoch == 1
+    return state, clock, ids
+
+
+def _run(state: CoordinatorState, clock: Clock, slow: dict[str, float], steps: range) -> None:
+    """Every node of the plan reports `steps`, computing its predicted time times its factor in `slow`."""
+    plan = state.current_plan()
+    members = state.alive_members()
+    expected = {n: sec for n, sec in predicted_compute(plan).items() if n in members}
+    for step in steps:
+        clock.t += 1.0
+        for n, sec in expected.items():
+            h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=n, plan_epoch=plan.epoch, step=step,
+                                                compute_seconds=slow.get(n, 1.0) * sec, step_seconds=1.0,
+                                                unix_time=clock.t), state)
+    for n in expected:
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+
+
+def _later(state: CoordinatorState, clock: Clock, seconds: float) -> None:
+    """`seconds` pass, every member heartbeating at their end (no lease lapses)."""
+    clock.t += seconds
+    for n in state.alive_members():
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+
+
+def _layers(plan: Plan, node: str) -> int:
+    return sum(st.layers[1] - st.layers[0] for p in plan.pipelines for st in p.stages if node in st.nodes)
+
+
+def _share(plan: Plan, node: str) -> float:
+    """The node's part of a step's work: its layers' share of the model times its rows' share of the batch."""
+    from atoll.plan import shares
+    layers = max(st.layers[1] for p in plan.pipelines for st in p.stages)
+    got = 0.0
+    for p in plan.pipelines:
+        for st in p.stages:
+            if node in st.nodes:
+                a, b = shares(p.micro_batch, st.dp)[st.nodes.index(node) // st.tp]
+                got += (st.layers[1] - st.layers[0]) / layers * (b - a) * p.num_micro_batches / plan.global_batch
+    return got
+
+
+def test_a_node_that_slows_down_is_planned_around() -> None:
+    state, clock, ids = _state()
+    first = state.current_plan()
+    slow = next(n for n in ids if _layers(first, n) == max(_layers(first, m) for m in ids))
+    _run(state, clock, {slow: 3.0}, range(0, 8))
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 1  # 7 steps after the first: too few to judge
+    _run(state, clock, {slow: 3.0}, range(8, 14))
+    events = state.tick()
+    assert state.epoch == 1 and events == []  # checked a moment ago: the next check waits the interval
+    _later(state, clock, 61)
+    events = state.tick()
+    assert state.epoch == 2, events
+    assert any(f"drift: node {slow} computes 3.00x slower than planned" in e for e in events), events
+    second = state.current_plan()
+    # its own island now (it no longer slows its peers'), with well under half its former share of the work (1/7 would
+    # balance a third of the speed)
+    assert _share(first, slow) == pytest.approx(1 / 3)
+    assert _share(second, slow) < 1 / 6 and not any(
+        slow in i.nodes and len(i.nodes) > 1 for i in second.islands)
+    assert second.predicted.step_time_s < 0.9 * estimated_step(first, {slow: 3.0})
+    assert state.speed[slow] == pytest.approx(3.0)  # the new plan was made with the measured speed
+    assert "drift" in state.store.plan_history()[-1].reason
+    # the new plan runs as it predicts: no further drift, no further plan
+    _run(state, clock, {}, range(14, 30))
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 2
+
+
+def test_no_replan_within_the_threshold_or_when_disabled_or_near_the_end() -> None:
+    state, clock, ids = _state()
+    _run(state, clock, {ids[0]: 1.2, ids[1]: 0.85}, range(0, 14))  # within 1.25x either way
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 1
+    off, clock, ids = _state(drift=DriftOptions(enabled=False))
+    _run(off, clock, {ids[0]: 3.0, ids[1]: 3.0}, range(0, 14))
+    _later(off, clock, 61)
+    assert off.tick() == [] and off.epoch == 1
+    near, clock, ids = _state(steps=16)  # two steps left: nothing a switch could win back
+    first = near.current_plan()
+    slow = next(n for n in ids if _layers(first, n) == max(_layers(first, m) for m in ids))
+    _run(near, clock, {slow: 3.0}, range(0, 14))
+    _later(near, clock, 61)
+    assert near.tick() == [] and near.epoch == 1
+
+
+def test_a_plan_without_live_handover_switches_only_right_after_a_checkpoint() -> None:
+    state, clock, ids = _state()
+    # the running plan as if its last stage were two tp ranks: its state is spread over them
+    plan = state.current_plan()
+    last = plan.pipelines[0].stages[-1]
+    zeroed = replace(plan, pipelines=[replace(plan.pipelines[0], stages=[
+        *plan.pipelines[0].stages[:-1], replace(last, tp=2, nodes=[*last.nodes, "extra"])])])
+    assert not hands_over_live(zeroed)
+    state._plan = zeroed  # noqa: SLF001 - the running plan, seen by the drift check only
+    slow = plan.pipelines[0].stages[0].nodes[0]
+    _run(state, clock, {slow: 3.0}, range(0, 14))
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 1  # 14 steps since the start would be rolled back
+    for st in zeroed.pipelines[0].stages:  # a checkpoint of step 14 completes: nothing is lost by switching now
+        for n in st.nodes:
+            state.store.add_checkpoint(_record(zeroed, st, n, 14))
+    _later(state, clock, 61)
+    events = state.tick()
+    assert any("drift" in e for e in events), events
+
+
+def _record(plan: Plan, st: StagePlan, node: str, step: int):
+    from atoll.coordinator.store import CheckpointRecord
+    return CheckpointRecord(step=step, plan_epoch=plan.epoch, node_id=node, layer_start=st.layers[0],
+                            layer_end=st.layers[1], path=f"/c/{node}", bytes=1, data_position=0)
