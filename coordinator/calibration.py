@@ -57,22 +57,31 @@ def predicted_compute(plan: Plan) -> dict[str, float]:
     return out
 
 
-def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = MIN_STEPS) -> dict[str, float]:
-    """Measured over predicted compute per step for every node of `plan` with at least `min_steps` reports of
-    its epoch after its first, the median over them (clamped, see the module). Nothing for an outer-mode plan:
-    a replan there keeps the replica groups that still run as they were planned, predictions and all, so
-    their nodes' factors would be compounded with a ratio they already hold."""
-    if plan.mode == "outer":
-        return {}
+def epoch_compute(plan: Plan, steps: Iterable[StepMetrics]) -> dict[str, list[float]]:
+    """Per node of `plan`, its measured compute seconds of each step of the plan's epoch in step order, the
+    epoch's first step (which warms up: allocations, kernels, connections) and skipped steps left out."""
     expected = predicted_compute(plan)
     seen: dict[str, list[tuple[int, float]]] = {}
     for m in steps:
         if m.plan_epoch == plan.epoch and m.node_id in expected and m.compute_seconds > 0 and not m.skipped:
             seen.setdefault(m.node_id, []).append((m.step, m.compute_seconds))
+    return {n: [c for _, c in sorted(rows)[1:]] for n, rows in seen.items()}
+
+
+def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = MIN_STEPS,
+                  recent: int = 0) -> dict[str, float]:
+    """Measured over predicted compute per step for every node of `plan` with at least `min_steps` reports of
+    its epoch after its first, the median over them (over the last `recent` of them when it is positive: the
+    speed now rather than over the epoch) (clamped, see the module). Nothing for an outer-mode plan:
+    a replan there keeps the replica groups that still run as they were planned, predictions and all, so
+    their nodes' factors would be compounded with a ratio they already hold."""
+    if plan.mode == "outer":
+        return {}
+    expected = predicted_compute(plan)
     out: dict[str, float] = {}
-    for node, rows in seen.items():
-        rows.sort()
-        kept = [c for _, c in rows[1:]]  # the epoch's first step warms up (allocations, kernels, connections)
+    for node, kept in epoch_compute(plan, steps).items():
+        if recent > 0:
+            kept = kept[-recent:]
         if len(kept) >= min_steps:
             ratio = statistics.median(kept) / expected[node]
             out[node] = _clamp(ratio)

@@ -6,27 +6,31 @@ volunteer's machine starts other work. Membership does not change, so nothing el
 then runs at the pace of its slowest stage for as long as the job lasts.
 
 The coordinator checks the running epoch every `DriftOptions.interval`:
-1. each node's speed factor (its measured compute per step over what the plan predicted for it, the median
-   over the epoch's steps after its first, `calibration.speed_factors`) once it has `min_steps` of them;
-2. drift: some node's factor outside [1 / threshold, threshold]; if none, nothing more is done;
-3. the plan the planner would make now, from every profile scaled by its calibrated factor (as any replan
-   makes it), against the running plan re-estimated under the same factors (`estimated_step`): the step that
-   both come from the same cost model, so its bias cancels in the comparison;
+1. each node's change of speed within the epoch (`speed_changes`): the median of its last `min_steps` steps'
+   compute over the median of its first `min_steps` (after the epoch's first step), once it has both;
+2. drift: some node's change, over the median node's, outside [1 / threshold, threshold]; if none, nothing more
+   is done. A change, not a gap to the plan's prediction: the cost model's error on some layers (the embedding,
+   the head) shows as a node running "slower than planned" from the epoch's first step, and moving those layers
+   to another node moves the error with them, so a gap would replan back and forth. And against the median: a
+   slowdown every node shares (nodes on one machine's cores, a warmer room) leaves the plan's balance as it was;
+3. the plan the planner would make now, from every profile scaled by its factor as the last `min_steps` steps
+   measured it (`calibration.speed_factors(recent=...)`), against the running plan re-estimated under the same
+   factors (`estimated_step`): both come from the same cost model, so its bias cancels in the comparison;
 4. a switch only when the new plan predicts steps at least `min_gain` shorter and the time it saves over the
    steps left exceeds what switching costs (`switch_cost`): the restart (the last plan change's measured time
    from publication to the first step) and, where the running plan cannot hand its state over live (ZeRO or
    tensor-parallel stages, whose state is spread over ranks), the steps since the last complete checkpoint.
    Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`.
 
-After a drift replan the next check waits `interval` again and needs `min_steps` of the new epoch, so a drift
-replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
+After a drift replan the next check waits `interval` again and needs 2 x `min_steps` steps of the new epoch, so a
+drift replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,13 +47,14 @@ class DriftOptions:
 
     enabled: bool = True
     threshold: float = 1.25
-    """A node drifts when its measured compute is more than this factor away from its plan's, either way."""
+    """A node drifts when its compute per step changes by more than this factor within an epoch, either way,
+    against the median node's change."""
     min_gain: float = 0.10
     """Replan only when the new plan predicts steps at least this much shorter (0.10: 10%)."""
     interval: timedelta = timedelta(seconds=60)
     """Between checks (each one that finds drift runs the planner)."""
     min_steps: int = 10
-    """Steps of the epoch (after its first) a node must have reported before its speed is judged."""
+    """Steps compared at each end of the epoch (after its first): a node's speed is judged from 2 x this many."""
     max_lost_steps: int = 0
     """Steps a switch may roll back when the running plan cannot hand its state over live; beyond this it waits
     for the next complete checkpoint."""
@@ -66,9 +71,25 @@ class DriftOptions:
                              f"{self.max_lost_steps}")
 
 
+def speed_changes(compute: Mapping[str, Sequence[float]], window: int) -> dict[str, float]:
+    """Per node with at least 2 x `window` steps of the epoch (`calibration.epoch_compute`): the median compute of
+    its last `window` steps over that of its first `window` (2.0: twice as slow as when the epoch began)."""
+    out = {}
+    for node, secs in compute.items():
+        if len(secs) >= 2 * window:
+            first = statistics.median(secs[:window])
+            if first > 0:
+                out[node] = statistics.median(secs[-window:]) / first
+    return out
+
+
 def drifted(factors: Mapping[str, float], threshold: float) -> dict[str, float]:
-    """The nodes whose speed factor lies outside [1 / threshold, threshold]."""
-    return {n: f for n, f in factors.items() if f > threshold or f < 1.0 / threshold}
+    """The nodes whose speed factor over the median node's lies outside [1 / threshold, threshold], with that
+    relative factor."""
+    if not factors:
+        return {}
+    median = statistics.median(factors.values())
+    return {n: f / median for n, f in factors.items() if not 1.0 / threshold <= f / median <= threshold}
 
 
 def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
@@ -135,11 +156,12 @@ def switch_verdict(*, current_s: float, new_s: float, steps_left: int, lost_step
 
 
 def describe(factors: Mapping[str, float], shown: int = 4) -> str:
-    """'node b computes 2.10x slower than planned, node c 1.40x faster' (the largest departures first)."""
+    """'node b computes 2.10x slower than planned, node c 1.40x faster (against the median node)': the largest
+    departures first, the factors as `drifted` gives them."""
     items = sorted(factors.items(), key=lambda kv: -abs(math.log(max(kv[1], 1e-9))))
     parts = []
     for k, (n, f) in enumerate(items[:shown]):
         how = f"{f:.2f}x slower" if f >= 1 else f"{1 / f:.2f}x faster"
         parts.append(f"node {n} computes {how} than planned" if k == 0 else f"node {n} {how}")
     more = len(items) - shown
-    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+    return ", ".join(parts) + (f" and {more} more" if more > 0 else "") + " (against the median node)"

@@ -2,10 +2,12 @@
 
 The rule (complete-linkage agglomerative clustering with a relative threshold):
 1. Nodes are grouped by device class, `device_kind` + `device_name` + the operator's region label; an
-   island never mixes classes or regions. Where the runs measured some nodes of a class computing more than
-   `speed_split` times slower or faster than profiled (`atoll.coordinator.calibration`: a co-tenant, a
-   throttled card), those nodes form a class of their own, by how far they drifted: an island is as fast as
-   its slowest node, and one slow node would otherwise slow its whole island.
+   island never mixes classes or regions. Where the runs measured some nodes computing more than `speed_split`
+   times slower or faster, against their profiles, than the job's nodes do at the median
+   (`atoll.coordinator.calibration`: a co-tenant, a throttled card), those nodes form a class of their own, by
+   how far they drifted: an island is as fast as its slowest node, and one slow node would otherwise slow its
+   whole island. Relative to the median, so a slowdown every node shares (nodes sharing a machine's cores)
+   splits nothing.
 2. The reference is the fastest link measured anywhere in the job. A link is *fast* when its bandwidth
    (the slower of its two directions) is at least `relative_threshold` x the reference and at least
    `min_bandwidth`.
@@ -154,12 +156,14 @@ def form_islands(profiles: Mapping[str, NodeProfile], matrix: Mapping[tuple[str,
 
     `matrix` is a `LinkGraph` (what the coordinator passes: near-linear in the links) or a dense completed
     matrix (`complete_matrix`), whose measured entries are used alike. `speed`: node id -> its measured speed
-    factor (1 or absent: as profiled).
+    factor (1 or absent: as profiled), taken against the median node's.
     """
     options = options or IslandOptions()
     graph = matrix if isinstance(matrix, LinkGraph) else LinkGraph.from_matrix(profiles, matrix)
     threshold = fast_threshold(graph, options)
-    drift = {n: k for n, f in (speed or {}).items() if n in profiles and (k := speed_class(f, options.speed_split))}
+    factors = {n: f for n, f in (speed or {}).items() if n in profiles}
+    median = float(np.median([factors.get(n, 1.0) for n in profiles])) if factors else 1.0
+    drift = {n: k for n, f in factors.items() if (k := speed_class(f / median, options.speed_split))}
     groups = _fast_groups(profiles, graph, threshold, drift)
     group_of = {n: k for k, g in enumerate(groups) for n in g}
     slow: dict[str, set[str]] = {}  # measured links too slow for an island, between nodes of one group

@@ -269,6 +269,14 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
             stage.dp_rendezvous = f"tcp://{inputs.rendezvous}" if inputs.rendezvous else ""
             for n in stage.nodes:
                 plan.node_addresses[n] = plan_address(inputs.members[n])
+    # a node of the previous plan still alive but given no stage (left idle) holds the live state its run left:
+    # the new plan's nodes take it from there rather than roll back to a checkpoint
+    prev = inputs.previous
+    if prev is not None:
+        for n in prev.node_addresses:
+            m = inputs.members.get(n)
+            if n not in plan.node_addresses and n not in plan.handover and m is not None and plan_address(m):
+                plan.handover[n] = plan_address(m)
     unreachable = unreachable_nodes(inputs.members)
     if unreachable:
         _, routes = relay_links(inputs.links, inputs.members, unreachable)

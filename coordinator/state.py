@@ -19,10 +19,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from atoll.coordinator.cadence import HeartbeatCadence
-from atoll.coordinator.calibration import calibration_note, compound, speed_factors
+from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
-from atoll.coordinator.drift import DriftOptions, describe, drifted, estimated_step, hands_over_live, switch_seconds, switch_verdict
+from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_step, hands_over_live, speed_changes,
+                                    switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
@@ -505,11 +506,12 @@ class CoordinatorState:
         if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
             return []
         nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
-        steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
-        factors = speed_factors(plan, steps, min_steps=opts.min_steps)
-        off = drifted(factors, opts.threshold)
+        steps = self.store.recent_steps(min(max(CALIBRATION_REPORTS_PER_NODE, 2 * opts.min_steps + 2) * nodes,
+                                            CALIBRATION_REPORTS_MAX))
+        off = drifted(speed_changes(epoch_compute(plan, steps), opts.min_steps), opts.threshold)
         if not off:
             return []
+        factors = speed_factors(plan, steps, min_steps=opts.min_steps, recent=opts.min_steps)
         at = max((m.step for m in steps if m.plan_epoch == plan.epoch), default=plan.resume_step)
         lost = 0
         if not hands_over_live(plan):
@@ -519,7 +521,7 @@ class CoordinatorState:
                 log.info("drift: %s; the plan's state cannot be handed over live, so the switch waits for the next "
                          "checkpoint (%d steps since the last one)", describe(off), lost)
                 return []
-        inputs = self._plan_inputs(alive, now)
+        inputs = self._plan_inputs(alive, now, recent=opts.min_steps)
         new, how = self.planner(inputs)
         verdict = switch_verdict(current_s=estimated_step(plan, factors), new_s=new.predicted.step_time_s,
                                  steps_left=max(0, self.target_steps - at - 1), lost_steps=lost,
@@ -534,11 +536,13 @@ class CoordinatorState:
         return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
 
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
-                     formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> PlanInputs:
+                     formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None,
+                     recent: int = 0) -> PlanInputs:
         """What the planner is given for a plan of `alive` at `now` (islands formed now unless `formed`, or unless
-        the runs moved a node's speed factor across an island's bounds)."""
+        the runs moved a node's speed factor across an island's bounds); `recent`: calibrated from each node's
+        last `recent` steps rather than the whole epoch (`_calibrated`)."""
         previous = self.current_plan()
-        speed = self._calibrated(previous)
+        speed = self._calibrated(previous, recent)
         if formed is not None and any(speed_class(speed.get(n, 1.0), self.options.islands.speed_split)
                                       != speed_class(self.speed.get(n, 1.0), self.options.islands.speed_split)
                                       for n in alive):
@@ -569,13 +573,16 @@ class CoordinatorState:
                             handover=handing_over(previous, self.store.members_view().values(), now))
         return inputs
 
-    def _calibrated(self, previous: Plan | None) -> dict[str, float]:
+    def _calibrated(self, previous: Plan | None, recent: int = 0) -> dict[str, float]:
         """Each node's speed factor for the next plan: the one the previous plan was made with, times what the
-        runs of that plan measured against its prediction (`calibration.speed_factors`)."""
+        runs of that plan measured against its prediction (`calibration.speed_factors`; over each node's last
+        `recent` steps when positive)."""
         if previous is None:
             return dict(self.speed)
         nodes = sum(len(s.nodes) for p in previous.pipelines for s in p.stages)
         steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
+        if recent:
+            return compound(self.speed, speed_factors(previous, steps, min_steps=recent, recent=recent))
         return compound(self.speed, speed_factors(previous, steps))
 
 

@@ -188,8 +188,9 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
 
     A node of the plan answers once its run of the older plan ended; until `timeout` it is asked again
     after an UNAVAILABLE (its server is not up yet, or its old run is still winding down), so a live holder
-    is never left out while it is alive. A node that does not answer in `timeout` is left out (it failed;
-    the plan after it will not name it); a node only handing over (it left) is asked once.
+    is never left out while it is alive; so is a node the plan leaves idle (`Plan.idle`), alive and handing
+    over what its last run left. A node that does not answer in `timeout` is left out (it failed; the plan
+    after it will not name it); a node only handing over (it left) is asked once.
     Nodes without a Peer address (behind NAT) are not asked and this node's own state counts only when it
     has one, so every node weighs the same holders."""
     candidates: dict[str, str] = {**plan.handover, **{n: a for n, a in plan.node_addresses.items() if a}}
@@ -199,11 +200,12 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
     lock = threading.Lock()
     deadline = time.monotonic() + timeout.total_seconds()
     cancelled = cancel_event() or threading.Event()  # the plan superseded: nobody waits for its answers
+    idle = {n for i in plan.idle for n in i.nodes}  # alive, left out of this plan: its old run may still wind down
 
     def ask(node: str, address: str) -> None:
         import grpc
 
-        again = node in plan.node_addresses
+        again = node in plan.node_addresses or node in idle
         while True:
             left = deadline - time.monotonic()
             try:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
 
 import pytest
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator.calibration import predicted_compute
 from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_step,
-                                     hands_over_live, switch_seconds, switch_verdict)
+                                     hands_over_live, speed_changes, switch_seconds,
+                                     switch_verdict)
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
@@ -37,8 +37,15 @@ def test_the_running_plan_is_re_estimated_at_its_slowest_stages_new_pace() -> No
     assert estimated_step(plan, {"b": 2.5}) == pytest.approx(3.0 * 0.5 / 0.3)
     assert estimated_step(plan, {"b": 1.2}) == pytest.approx(3.0)  # still under the bottleneck
     assert estimated_step(plan, {"a": 0.5}) == pytest.approx(3.0 * 0.2 / 0.3)  # a faster bottleneck
-    assert drifted({"a": 1.2, "b": 1.3, "c": 0.7, "d": 0.85}, 1.25) == {"b": 1.3, "c": 0.7}
-    assert describe({"a": 0.5, "b": 2.1}) == "node b computes 2.10x slower than planned, node a 2.00x faster"
+    # against the median node (1.0 here): b and c drifted
+    assert drifted({"a": 1.2, "b": 1.3, "c": 0.7, "d": 0.85, "e": 1.0}, 1.25) == {"b": 1.3, "c": 0.7}
+    # every node 1.6x slower (nodes sharing a machine's cores), one 4x: only that one drifted, and by 2.5x
+    assert drifted({"a": 1.6, "b": 1.5, "c": 1.7, "d": 4.0, "e": 1.6}, 1.25) == pytest.approx({"d": 2.5})
+    assert drifted({"a": 2.0, "b": 2.1}, 1.25) == {} and drifted({}, 1.25) == {}
+    # a change within the epoch: the last steps' median over the first ones' (15 steps: too few for two windows)
+    assert speed_changes({"a": [1.0] * 10 + [3.0] * 10, "b": [2.0] * 20, "c": [1.0] * 15}, 10) == {"a": 3.0, "b": 1.0}
+    assert describe({"a": 0.5, "b": 2.1}) == ("node b computes 2.10x slower than planned, node a 2.00x faster "
+                                              "(against the median node)")
 
 
 def test_a_plan_with_state_spread_over_ranks_cannot_hand_it_over_live() -> None:
@@ -128,10 +135,11 @@ def test_a_node_that_slows_down_is_planned_around() -> None:
     state, clock, ids = _state()
     first = state.current_plan()
     slow = next(n for n in ids if _layers(first, n) == max(_layers(first, m) for m in ids))
-    _run(state, clock, {slow: 3.0}, range(0, 8))
+    _run(state, clock, {}, range(0, 11))  # as planned: the first step, then 10
+    _run(state, clock, {slow: 3.0}, range(11, 18))
     _later(state, clock, 61)
-    assert state.tick() == [] and state.epoch == 1  # 7 steps after the first: too few to judge
-    _run(state, clock, {slow: 3.0}, range(8, 14))
+    assert state.tick() == [] and state.epoch == 1  # 7 slow steps: too few to judge
+    _run(state, clock, {slow: 3.0}, range(18, 24))
     events = state.tick()
     assert state.epoch == 1 and events == []  # checked a moment ago: the next check waits the interval
     _later(state, clock, 61)
@@ -148,24 +156,39 @@ def test_a_node_that_slows_down_is_planned_around() -> None:
     assert state.speed[slow] == pytest.approx(3.0)  # the new plan was made with the measured speed
     assert "drift" in state.store.plan_history()[-1].reason
     # the new plan runs as it predicts: no further drift, no further plan
-    _run(state, clock, {}, range(14, 30))
+    _run(state, clock, {}, range(24, 50))
     _later(state, clock, 61)
     assert state.tick() == [] and state.epoch == 2
 
 
-def test_no_replan_within_the_threshold_or_when_disabled_or_near_the_end() -> None:
+def test_no_replan_within_the_threshold_for_a_model_error_when_disabled_or_near_the_end() -> None:
     state, clock, ids = _state()
-    _run(state, clock, {ids[0]: 1.2, ids[1]: 0.85}, range(0, 14))  # within 1.25x either way
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {ids[0]: 1.2, ids[1]: 0.85}, range(11, 22))  # within 1.25x either way
     _later(state, clock, 61)
     assert state.tick() == [] and state.epoch == 1
+    # a node computing twice its prediction from the epoch's first step: the cost model's error on its layers,
+    # not a drift (moving its layers would move the error), so no replan
+    steady, clock, ids = _state()
+    _run(steady, clock, {ids[0]: 2.0}, range(0, 22))
+    _later(steady, clock, 61)
+    assert steady.tick() == [] and steady.epoch == 1
+    # every node slowing alike: the plan's balance holds
+    alike, clock, ids = _state()
+    _run(alike, clock, {}, range(0, 11))
+    _run(alike, clock, {n: 2.0 for n in ids}, range(11, 22))
+    _later(alike, clock, 61)
+    assert alike.tick() == [] and alike.epoch == 1
     off, clock, ids = _state(drift=DriftOptions(enabled=False))
-    _run(off, clock, {ids[0]: 3.0, ids[1]: 3.0}, range(0, 14))
+    _run(off, clock, {}, range(0, 11))
+    _run(off, clock, {ids[0]: 3.0}, range(11, 22))
     _later(off, clock, 61)
     assert off.tick() == [] and off.epoch == 1
-    near, clock, ids = _state(steps=16)  # two steps left: nothing a switch could win back
+    near, clock, ids = _state(steps=24)  # two steps left: nothing a switch could win back
     first = near.current_plan()
     slow = next(n for n in ids if _layers(first, n) == max(_layers(first, m) for m in ids))
-    _run(near, clock, {slow: 3.0}, range(0, 14))
+    _run(near, clock, {}, range(0, 11))
+    _run(near, clock, {slow: 3.0}, range(11, 22))
     _later(near, clock, 61)
     assert near.tick() == [] and near.epoch == 1
 
@@ -180,12 +203,13 @@ def test_a_plan_without_live_handover_switches_only_right_after_a_checkpoint() -
     assert not hands_over_live(zeroed)
     state._plan = zeroed  # noqa: SLF001 - the running plan, seen by the drift check only
     slow = plan.pipelines[0].stages[0].nodes[0]
-    _run(state, clock, {slow: 3.0}, range(0, 14))
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {slow: 3.0}, range(11, 22))
     _later(state, clock, 61)
-    assert state.tick() == [] and state.epoch == 1  # 14 steps since the start would be rolled back
-    for st in zeroed.pipelines[0].stages:  # a checkpoint of step 14 completes: nothing is lost by switching now
+    assert state.tick() == [] and state.epoch == 1  # 22 steps since the start would be rolled back
+    for st in zeroed.pipelines[0].stages:  # a checkpoint of step 22 completes: nothing is lost by switching now
         for n in st.nodes:
-            state.store.add_checkpoint(_record(zeroed, st, n, 14))
+            state.store.add_checkpoint(_record(zeroed, st, n, 22))
     _later(state, clock, 61)
     events = state.tick()
     assert any("drift" in e for e in events), events
@@ -195,3 +219,18 @@ def _record(plan: Plan, st: StagePlan, node: str, step: int):
     from atoll.coordinator.store import CheckpointRecord
     return CheckpointRecord(step=step, plan_epoch=plan.epoch, node_id=node, layer_start=st.layers[0],
                             layer_end=st.layers[1], path=f"/c/{node}", bytes=1, data_position=0)
+
+
+def test_a_node_too_slow_to_help_is_left_idle_and_hands_its_state_over() -> None:
+    state, clock, ids = _state()
+    first = state.current_plan()
+    slow = next(n for n in ids if _layers(first, n) == max(_layers(first, m) for m in ids))
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {slow: 4.0}, range(11, 22))
+    _later(state, clock, 61)
+    state.tick()
+    second = state.current_plan()
+    assert state.epoch == 2 and _share(second, slow) == 0.0
+    assert any(slow in i.nodes for i in second.idle), second.idle
+    # alive and idle, it holds the layers its last run left: the new plan's nodes are told to ask it
+    assert second.handover == {slow: first.node_addresses[slow]}

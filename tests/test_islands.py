@@ -143,11 +143,14 @@ def test_nodes_that_drifted_from_their_profile_leave_their_island() -> None:
     links = {(x, y): 10 * GB for x in profiles for y in profiles if x < y}
     m = complete_matrix(sorted(profiles), _links(links))
     assert [i.nodes for i in form_islands(profiles, m)] == [["a", "b", "c", "d", "e"]]
-    # within 1.25x of the profile either way: the same class; b and c both about 3x slower: one island of
-    # their own; e 2x faster: alone
-    speed = {"a": 1.2, "b": 2.9, "c": 3.2, "d": 0.85, "e": 0.5}
+    # against the median node (a, 1.0x its profile): d within 1.25x of it, the same class; b and c both about 3x
+    # slower, an island of their own; e 2x faster, alone
+    speed = {"a": 1.0, "b": 2.9, "c": 3.2, "d": 0.85, "e": 0.5}
     got = [i.nodes for i in form_islands(profiles, m, speed=speed)]
     assert got == [["a", "d"], ["b", "c"], ["e"]]
+    # every node 1.6x slower than it profiled (they share a machine's cores): one island still
+    assert [i.nodes for i in form_islands(profiles, m, speed={n: 1.6 for n in profiles})] == [
+        ["a", "b", "c", "d", "e"]]
     assert [speed_class(f, 1.25) for f in (1.0, 1.25, 1.3, 0.79, 3.0, 0.5)] == [0, 0, 1, -1, 5, -3]
     assert [i.nodes for i in form_islands(profiles, m, IslandOptions(speed_split=4.0), speed)] == [
         ["a", "b", "c", "d", "e"]]
