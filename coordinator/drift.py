@@ -20,7 +20,8 @@ The coordinator checks the running epoch every `DriftOptions.interval`:
    steps left exceeds what switching costs (`switch_cost`): the restart (the last plan change's measured time
    from publication to the first step) and, where the running plan cannot hand its state over live (ZeRO or
    tensor-parallel stages, whose state is spread over ranks), the steps since the last complete checkpoint.
-   Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`.
+   Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`, and is
+   checked again the moment that checkpoint completes.
 
 After a drift replan the next check waits `interval` again and needs 2 x `min_steps` steps of the new epoch, so a
 drift replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
@@ -55,9 +56,10 @@ class DriftOptions:
     """Between checks (each one that finds drift runs the planner)."""
     min_steps: int = 10
     """Steps compared at each end of the epoch (after its first): a node's speed is judged from 2 x this many."""
-    max_lost_steps: int = 0
+    max_lost_steps: int = 3
     """Steps a switch may roll back when the running plan cannot hand its state over live; beyond this it waits
-    for the next complete checkpoint."""
+    for the next complete checkpoint, and is checked again as soon as that completes (the nodes train on while
+    their checkpoint is reported: a few steps)."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1.0:

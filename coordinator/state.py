@@ -137,6 +137,8 @@ class CoordinatorState:
         self._drift_next = self.started_unix + self.options.drift.interval.total_seconds()
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
+        self._drift_checkpoint: int | None = None
+        """The last complete checkpoint when a drift switch was found waiting for a newer one (else None)."""
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
@@ -474,7 +476,8 @@ class CoordinatorState:
         else:
             if decision.reason != self._last_reason:
                 log.info("not planning: %s", decision.reason)
-            if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
+            if plan is not None and planned == alive.keys() and not self.job_complete() and (
+                    now >= self._drift_next or self._checkpoint_since_drift()):
                 events.extend(self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:
@@ -503,6 +506,7 @@ class CoordinatorState:
         intervals: a drift no plan can help does not cost a planner run a minute on a large cluster)."""
         opts = self.options.drift
         self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
+        self._drift_checkpoint = None
         if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
             return []
         nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
@@ -520,6 +524,7 @@ class CoordinatorState:
             if lost > opts.max_lost_steps:
                 log.info("drift: %s; the plan's state cannot be handed over live, so the switch waits for the next "
                          "checkpoint (%d steps since the last one)", describe(off), lost)
+                self._drift_checkpoint = max(done, default=0)  # checked again as soon as a newer one completes
                 return []
         inputs = self._plan_inputs(alive, now, recent=opts.min_steps)
         new, how = self.planner(inputs)
@@ -531,9 +536,16 @@ class CoordinatorState:
         if not verdict.go:
             log.info("drift: %s; not replanning: %s", describe(off), verdict.why)
             self._drift_backoff = min(2 * self._drift_backoff, DRIFT_BACKOFF_MAX)
+            self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
             return []
         self._drift_backoff = 1
         return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
+
+    def _checkpoint_since_drift(self) -> bool:
+        """A drift switch waits for a checkpoint (`_drift_check`) and one newer than the last has completed."""
+        if self._drift_checkpoint is None:
+            return False
+        return max(self.complete_checkpoint_steps(), default=0) > self._drift_checkpoint
 
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
                      formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None,

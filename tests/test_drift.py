@@ -207,10 +207,12 @@ def test_a_plan_without_live_handover_switches_only_right_after_a_checkpoint() -
     _run(state, clock, {slow: 3.0}, range(11, 22))
     _later(state, clock, 61)
     assert state.tick() == [] and state.epoch == 1  # 22 steps since the start would be rolled back
-    for st in zeroed.pipelines[0].stages:  # a checkpoint of step 22 completes: nothing is lost by switching now
+    _later(state, clock, 1)
+    assert state.tick() == []  # nothing new: the next check waits
+    for st in zeroed.pipelines[0].stages:  # a checkpoint of step 20 completes: 2 steps lost by switching now
         for n in st.nodes:
-            state.store.add_checkpoint(_record(zeroed, st, n, 22))
-    _later(state, clock, 61)
+            state.store.add_checkpoint(_record(zeroed, st, n, 20))
+    _later(state, clock, 1)  # checked at once, not an interval later
     events = state.tick()
     assert any("drift" in e for e in events), events
 
