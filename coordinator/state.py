@@ -139,6 +139,7 @@ class CoordinatorState:
         self._drift_backoff = 1
         self._drift_checkpoint: int | None = None
         """The last complete checkpoint when a drift switch was found waiting for a newer one (else None)."""
+        self._drift_polled = float("-inf")
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
@@ -477,7 +478,7 @@ class CoordinatorState:
             if decision.reason != self._last_reason:
                 log.info("not planning: %s", decision.reason)
             if plan is not None and planned == alive.keys() and not self.job_complete() and (
-                    now >= self._drift_next or self._checkpoint_since_drift()):
+                    now >= self._drift_next or self._checkpoint_since_drift(now)):
                 events.extend(self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:
@@ -541,10 +542,12 @@ class CoordinatorState:
         self._drift_backoff = 1
         return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
 
-    def _checkpoint_since_drift(self) -> bool:
-        """A drift switch waits for a checkpoint (`_drift_check`) and one newer than the last has completed."""
-        if self._drift_checkpoint is None:
+    def _checkpoint_since_drift(self, now: float) -> bool:
+        """A drift switch waits for a checkpoint (`_drift_check`) and one newer than the last has completed (looked
+        up at most every `DRIFT_CHECKPOINT_POLL_S`: it reads every checkpoint record and plan)."""
+        if self._drift_checkpoint is None or now - self._drift_polled < DRIFT_CHECKPOINT_POLL_S:
             return False
+        self._drift_polled = now
         return max(self.complete_checkpoint_steps(), default=0) > self._drift_checkpoint
 
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
@@ -598,6 +601,8 @@ class CoordinatorState:
         return compound(self.speed, speed_factors(previous, steps))
 
 
+DRIFT_CHECKPOINT_POLL_S = 2.0
+"""While a drift switch waits for a checkpoint, how often the checkpoints are looked up."""
 DRIFT_BACKOFF_MAX = 16
 """A drift that no plan helps is checked again after at most this many `DriftOptions.interval`s."""
 CALIBRATION_REPORTS_PER_NODE = 24

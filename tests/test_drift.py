@@ -212,7 +212,7 @@ def test_a_plan_without_live_handover_switches_only_right_after_a_checkpoint() -
     for st in zeroed.pipelines[0].stages:  # a checkpoint of step 20 completes: 2 steps lost by switching now
         for n in st.nodes:
             state.store.add_checkpoint(_record(zeroed, st, n, 20))
-    _later(state, clock, 1)  # checked at once, not an interval later
+    _later(state, clock, 2)  # checked within seconds, not an interval later
     events = state.tick()
     assert any("drift" in e for e in events), events
 
