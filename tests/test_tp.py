@@ -339,7 +339,8 @@ def test_zero_under_tp2_by_dp2_trains_as_one_process_and_checkpoints_whole_layer
     shards its own shards' AdamW states (ZeRO-1; ZeRO-2: and gradients) over the replicas of its tp rank. The run
     resumes from an unsharded checkpoint (its whole AdamW state cut to tp shards, then to ZeRO chunks), matches
     one process step for step (the clipping norm counts replicated parameters once over the tp group), and writes
-    a checkpoint of whole layers and whole AdamW states that one unsharded process resumes from."""
+    a checkpoint of whole layers and whole AdamW states that one unsharded process resumes from. The ZeRO-1 run
+    also defers its weight gradients (zero-bubble): they land in the DTensor gradients before ZeRO copies them."""
     from atoll.node.local import train_local
     from atoll.plan import PipelinePlan
 
@@ -348,8 +349,8 @@ def test_zero_under_tp2_by_dp2_trains_as_one_process_and_checkpoints_whole_layer
     first = _run_in_process(job, tmp_path, until=2)
     t0 = time.monotonic()
     got = run_processes(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
-        _stage((0, GQA["n_layers"] + 2), ["a", "b", "c", "d"], tp=2, zero=zero)])], tmp_path, resume_step=2,
-        until=4)
+        _stage((0, GQA["n_layers"] + 2), ["a", "b", "c", "d"], tp=2, zero=zero,
+               defer_weights=1 if zero == 1 else 0)])], tmp_path, resume_step=2, until=4)
     print(f"ZeRO-{zero} under tp=2 x dp=2: 2 steps in {time.monotonic() - t0:.1f} s (4 processes)")
     for n, k in (("a", 0), ("b", 1), ("c", 0), ("d", 1)):  # the stage ran ZeRO, not plain AdamW beside its plan
         log = (tmp_path / f"node-{n}.log").read_text()
