@@ -18,8 +18,8 @@ The coordinator checks the running epoch every `DriftOptions.interval`:
    factors (`estimated_step`): both come from the same cost model, so its bias cancels in the comparison;
 4. a switch only when the new plan predicts steps at least `min_gain` shorter and the time it saves over the
    steps left exceeds what switching costs (`switch_cost`): the restart (the last plan change's measured time
-   from publication to the first step) and, where the running plan cannot hand its state over live (ZeRO or
-   tensor-parallel stages, whose state is spread over ranks), the steps since the last complete checkpoint.
+   from publication to the first step) and, where the running plan cannot hand its state over live
+   (tensor-parallel stages, whose weights are spread over ranks), the steps since the last complete checkpoint.
    Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`, and is
    checked again the moment that checkpoint completes.
 
@@ -111,12 +111,12 @@ def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
 
 
 def hands_over_live(plan: Plan) -> bool:
-    """Whether the nodes of `plan` keep their state live for the next plan (no rollback to a checkpoint): not
-    where a stage's state is spread over ranks (ZeRO over replicas, tensor-parallel shards) or in outer mode
-    (`PlanRunner._snapshot`)."""
+    """Whether the nodes of `plan` keep their state live for a next plan that keeps them all (no rollback to a
+    checkpoint): not where a stage's weights are spread over tp ranks, or in outer mode (`PlanRunner._snapshot`).
+    A ZeRO stage's replicas gather their optimizer state whole when they are all alive (`_zero_states`)."""
     if plan.mode != "sync":
         return False
-    return not any(st.tp > 1 or (st.zero >= 1 and st.dp > 1) for pipe in plan.pipelines for st in pipe.stages)
+    return not any(st.tp > 1 for pipe in plan.pipelines for st in pipe.stages)
 
 
 def switch_seconds(history: Iterable[tuple[int, float]], steps: Iterable[StepMetrics]) -> float:

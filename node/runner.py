@@ -37,7 +37,7 @@ from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_lay
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
-from atoll.node.slice_state import load_slice, slice_state
+from atoll.node.slice_state import ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
@@ -134,6 +134,8 @@ class RunContext:
     latest_plan: Callable[[], Plan] | None = None
     """The newest plan this run has adopted without restarting (outer mode: a replan that keeps this node's
     replica group as it was); None: the run's own plan."""
+    newest_plan: Callable[[], Plan | None] | None = None
+    """The newest plan the node has received (the one that supersedes this run, once it came); None: unknown."""
     wan_latency: Callable[[Plan, str], timedelta] = lambda plan, peer: timedelta(0)
     """One-way latency added to what is sent to or fetched from `peer` (a testbed knob; 0 in production)."""
     target_steps: Callable[[], int] | None = None
@@ -147,6 +149,10 @@ class RunContext:
     replicate: Callable[[Plan, int, tuple[int, int]], None] | None = None
     """Copies a checkpoint this node wrote (plan, step, layers) to `[checkpoint] replicas` other nodes, off the
     training thread (`atoll.node.replication.Replicator`); None: no copies."""
+
+
+ZERO_HANDOVER_S = 15.0
+"""How long a superseded ZeRO stage's replicas take at most to gather its optimizer state for the next plan."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -524,7 +530,8 @@ class PlanRunner:
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
             if held is not None:  # what this run leaves is served to the next plan's nodes
-                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage))
+                states = self._zero_states(store, optimizer, step) if stop.is_set() else None
+                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states))
             if self.tp is not None:
                 self.tp.close()
         if reporter.stop_requested.is_set() and step < job.train.steps:
@@ -621,17 +628,56 @@ class PlanRunner:
                 self.restore.transfers.extend(fetched)
         self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
 
-    def _snapshot(self, module, optimizer, step: int, stage: PipelineStage | None = None) -> LiveState | None:
-        """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
-        spread over ranks (tensor-parallel shards, ZeRO) or belongs to a replica group (outer mode). When the
-        norm exchange of step `step` failed here, the state keeps that step's gradients; it keeps the total of
-        the last exchange it completed (`atoll.node.roll_forward`)."""
+    def _zero_states(self, store: dist.Store | None, optimizer, step: int) -> ParamStates | None:
+        """A ZeRO stage superseded with every replica alive: its optimizer state gathered whole on replica 0
+        (None on the others, and where that cannot be done within `ZERO_HANDOVER_S`), so that replica serves
+        live state and the next plan rolls nothing back. Over a group of its own: the stage's group may hold a
+        collective the supersession abandoned. The replicas agree on the step first."""
         pl = self.placement
-        if self.plan.mode != "sync" or pl is None or pl.tp > 1 or isinstance(optimizer, ZeroOptimizer):
+        if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or self.tp is not None or pl is None
+                or store is None or self.plan.mode != "sync"):
             return None
-        if step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh from the seed as well
+        after = self.ctx.newest_plan() if self.ctx.newest_plan is not None else None
+        # the replicas the newer plan runs or leaves idle are alive and end their runs too; one that left or
+        # died (or a run ending without a newer plan: this node leaving) would only be waited for
+        st = self.plan.pipelines[pl.pipeline].stages[pl.stage]
+        if after is None or after.epoch <= self.plan.epoch or not set(st.nodes) <= {
+                *after.node_addresses, *(n for i in after.idle for n in i.nodes)}:
+            return None
+        timeout = timedelta(seconds=ZERO_HANDOVER_S)
+        try:
+            group = _group(store, f"{self._group_prefix()}/zero-handover-{pl.pipeline}-{pl.stage}/", optimizer.rank,
+                           optimizer.world, timeout, self.ctx.device)
+            steps = torch.tensor([float(step), float(step) ** 2], dtype=torch.float64, device=optimizer.flat.device)
+            wait_collective(group.allreduce([steps]), timeout, "ZeRO handover step check")
+            if abs(float(steps[1]) * optimizer.world - float(steps[0]) ** 2) > 0.5:
+                log.info("ZeRO replicas of stage %d ended at different steps: no live state", pl.stage)
+                return None
+            states = optimizer.consolidated_state(to=0, group=group, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - no live state then: the next plan resumes from a checkpoint
+            log.info("the ZeRO state of stage %d could not be gathered for the next plan (%s); it resumes these "
+                     "layers from a checkpoint", pl.stage, e)
+            return None
+        if states is not None:
+            log.info("ZeRO state of stage %d gathered whole after step %d for the next plan", pl.stage, step)
+        return states
+
+    def _snapshot(self, module, optimizer, step: int, stage: PipelineStage | None = None,
+                  states: ParamStates | None = None) -> LiveState | None:
+        """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
+        spread over ranks (tensor-parallel shards, ZeRO unless `states` holds its optimizer state gathered whole,
+        `_zero_states`) or belongs to a replica group (outer mode). When the norm exchange of step `step` failed
+        here, the state keeps that step's gradients; it keeps the total of the last exchange it completed
+        (`atoll.node.roll_forward`)."""
+        pl = self.placement
+        if self.plan.mode != "sync" or pl is None or pl.tp > 1 or (isinstance(optimizer, ZeroOptimizer)
+                                                                   and states is None):
+            return None
+        if states is None and step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh
             return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
+        if states is not None:  # ZeRO: whole weights and the gathered AdamW state, no pending gradients (sharded)
+            return LiveState.of(slice_state(module, states, extra=extra), step=step, epoch=self.plan.epoch)
         state = slice_state(module, optimizer, extra=extra)
         total = loss = None
         if stage is not None:
@@ -1037,6 +1083,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      report_step=report_step, report_checkpoint=report_checkpoint,
                      token=token, rpc=rpc or RpcOptions(), device=device, timeout=run.wait_timeout(timeout),
                      coordinator_host=coordinator_host, outer_sync=run.outer_sync, latest_plan=lambda: run.current,
+                     newest_plan=lambda: getattr(run.agent, "plan", None),
                      target_steps=lambda: target[0] or getattr(run.agent, "target_steps", 0),
                      wait_bound=lambda: run.wait_timeout(timeout),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,

@@ -436,12 +436,23 @@ class ZeroOptimizer:
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
                    if torch.is_tensor(v) and v.ndim > 0)
 
-    def consolidated_state(self, to: int) -> dict[nn.Parameter, dict[str, torch.Tensor]] | None:
+    def consolidated_state(self, to: int, group: dist.ProcessGroup | None = None,
+                           timeout: timedelta | None = None) -> dict[nn.Parameter, dict[str, torch.Tensor]] | None:
         """The whole AdamW state per parameter (`step`, `exp_avg`, `exp_avg_sq`, as torch.optim.AdamW keeps
         it), gathered on replica `to` (None on the others, and everywhere before the first step). Every
-        replica of the group must call it."""
+        replica of the group must call it. `group`: another group of the same replicas in the same ranks (a
+        fresh one where the stage's own may hold an abandoned collective), each wait bounded by `timeout`."""
         if not 0 <= to < self.world:
             raise ValueError(f"replica {to} is outside a group of {self.world}")
+        own = (self.group, self.timeout)
+        if group is not None:
+            self.group, self.timeout = group, timeout or self.timeout
+        try:
+            return self._consolidated(to)
+        finally:
+            self.group, self.timeout = own
+
+    def _consolidated(self, to: int) -> dict[nn.Parameter, dict[str, torch.Tensor]] | None:
         stepped = torch.tensor([1.0 if self.optimizer.state else 0.0], device=self.flat.device)
         if self.world > 1:
             self._wait(self.group.allreduce([stepped]), "optimizer state check")

@@ -29,7 +29,8 @@ from atoll.plan import PipelinePlan, Plan, StagePlan
 from atoll.types import StepMetrics
 
 TOKEN = "churn-token"
-Layout = Sequence[tuple[tuple[int, int], Sequence[str]]]
+Layout = Sequence[tuple]
+"""Per stage: (layers, node names) or (layers, node names, ZeRO stage)."""
 
 RESUME = re.compile(r"resume: step (\d+) \((live state|checkpoint); (.*?)\); the job was at step (\d+): (\d+) steps "
                     r"rolled back")
@@ -47,8 +48,9 @@ def scripted_planner(job: JobSpec, layouts: Mapping[frozenset[str], Layout]):
         p = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
                  islands=list(inputs.islands), pipelines=[PipelinePlan(
                      micro_batch=job.train.global_batch // 2, num_micro_batches=2,
-                     stages=[StagePlan(island=island_of[nodes[0]], layers=layers, dp=len(nodes), nodes=list(nodes))
-                             for layers, nodes in layout])])
+                     stages=[StagePlan(island=island_of[nodes[0]], layers=layers, dp=len(nodes), nodes=list(nodes),
+                                       zero=zero[0] if zero else 0)
+                             for layers, nodes, *zero in layout])])
         p = finish_plan(p, inputs)
         p.validate(job.model_spec.num_layers)
         return p, "scripted"
