@@ -648,10 +648,13 @@ class PlanRunner:
         try:
             group = _group(store, f"{self._group_prefix()}/zero-handover-{pl.pipeline}-{pl.stage}/", optimizer.rank,
                            optimizer.world, timeout, self.ctx.device)
-            steps = torch.tensor([float(step), float(step) ** 2], dtype=torch.float64, device=optimizer.flat.device)
+            # the same step everywhere (sum and sum of squares), and no step abandoned mid-update on any replica
+            steps = torch.tensor([float(step), float(step) ** 2, float(optimizer.torn)], dtype=torch.float64,
+                                 device=optimizer.flat.device)
             wait_collective(group.allreduce([steps]), timeout, "ZeRO handover step check")
-            if abs(float(steps[1]) * optimizer.world - float(steps[0]) ** 2) > 0.5:
-                log.info("ZeRO replicas of stage %d ended at different steps: no live state", pl.stage)
+            if abs(float(steps[1]) * optimizer.world - float(steps[0]) ** 2) > 0.5 or float(steps[2]) > 0:
+                log.info("the ZeRO replicas of stage %d ended at different steps or inside a parameter update: no "
+                         "live state", pl.stage)
                 return None
             states = optimizer.consolidated_state(to=0, group=group, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - no live state then: the next plan resumes from a checkpoint

@@ -198,6 +198,9 @@ class ZeroOptimizer:
         self.chunks = [nn.Parameter(self._own(self.flat, b)) for b in self.buckets]
         self.optimizer = torch.optim.AdamW(self.chunks, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay, foreach=False)
+        self.torn = False
+        """A step abandoned between the AdamW update and the end of the parameters' all-gather: the parameters
+        are part updated, part not (no state to hand over)."""
         self.peak_grad_bytes = 0
         """Most gradient bytes this replica held at once in the last step (whole buffer, or ZeRO-2's shard
         accumulators and staging buffers)."""
@@ -367,13 +370,14 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """AdamW on the owned chunks, then every bucket all-gathered in place into the parameters."""
+        self.torn = True  # until the all-gather is done, only the owned chunks hold the updated parameters
         self.optimizer.step()
-        if self.world == 1:
-            return
-        works = [(i, self.group._allgather_base(self.flat[b.start:b.start + b.size], self._own(self.flat, b)))
-                 for i, b in enumerate(self.buckets)]
-        for i, w in works:
-            self._wait(w, f"parameter all-gather of bucket {i}")
+        if self.world > 1:
+            works = [(i, self.group._allgather_base(self.flat[b.start:b.start + b.size], self._own(self.flat, b)))
+                     for i, b in enumerate(self.buckets)]
+            for i, w in works:
+                self._wait(w, f"parameter all-gather of bucket {i}")
+        self.torn = False
 
     # --- ZeRO-2 gradient staging ---------------------------------------------------------------------
 
