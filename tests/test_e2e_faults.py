@@ -63,7 +63,7 @@ def test_a_coordinator_outage_across_a_checkpoint_step_kills_no_node(tmp_path: P
     """SIGKILL the coordinator just before a checkpoint step and restart it on its state dir 4 s later: every
     node lives on, trains through the outage, delivers its queued reports, and the job finishes."""
     args = ["--island-threshold", "0.001"]
-    steps, interval = 300, 100
+    steps, interval = 150, 50
     cluster = LocalCluster(job_path=_job(tmp_path, "outage", steps=steps, interval=interval), out=tmp_path / "outage")
     try:
         _start(cluster, args)
