@@ -527,7 +527,7 @@ class CoordinatorState:
                          "checkpoint (%d steps since the last one)", describe(off), lost)
                 self._drift_checkpoint = max(done, default=0)  # checked again as soon as a newer one completes
                 return []
-        inputs = self._plan_inputs(alive, now, recent=opts.min_steps)
+        inputs = self._plan_inputs(alive, now, speed=compound(self.speed, factors))  # calibrated from the recent steps
         new, how = self.planner(inputs)
         verdict = switch_verdict(current_s=estimated_step(plan, factors), new_s=new.predicted.step_time_s,
                                  steps_left=max(0, self.target_steps - at - 1), lost_steps=lost,
@@ -552,12 +552,12 @@ class CoordinatorState:
 
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
                      formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None,
-                     recent: int = 0) -> PlanInputs:
+                     speed: dict[str, float] | None = None) -> PlanInputs:
         """What the planner is given for a plan of `alive` at `now` (islands formed now unless `formed`, or unless
-        the runs moved a node's speed factor across an island's bounds); `recent`: calibrated from each node's
-        last `recent` steps rather than the whole epoch (`_calibrated`)."""
+        the runs moved a node's speed factor across an island's bounds); `speed`: the nodes' factors when the
+        caller has calibrated them already, else `_calibrated`'s."""
         previous = self.current_plan()
-        speed = self._calibrated(previous, recent)
+        speed = self._calibrated(previous) if speed is None else speed
         if formed is not None and any(speed_class(speed.get(n, 1.0), self.options.islands.speed_split)
                                       != speed_class(self.speed.get(n, 1.0), self.options.islands.speed_split)
                                       for n in alive):
@@ -588,16 +588,13 @@ class CoordinatorState:
                             handover=handing_over(previous, self.store.members_view().values(), now))
         return inputs
 
-    def _calibrated(self, previous: Plan | None, recent: int = 0) -> dict[str, float]:
+    def _calibrated(self, previous: Plan | None) -> dict[str, float]:
         """Each node's speed factor for the next plan: the one the previous plan was made with, times what the
-        runs of that plan measured against its prediction (`calibration.speed_factors`; over each node's last
-        `recent` steps when positive)."""
+        runs of that plan measured against its prediction (`calibration.speed_factors`)."""
         if previous is None:
             return dict(self.speed)
         nodes = sum(len(s.nodes) for p in previous.pipelines for s in p.stages)
         steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
-        if recent:
-            return compound(self.speed, speed_factors(previous, steps, min_steps=recent, recent=recent))
         return compound(self.speed, speed_factors(previous, steps))
 
 

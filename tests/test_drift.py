@@ -12,14 +12,13 @@ from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, d
                                      hands_over_live, speed_changes, switch_seconds,
                                      switch_verdict)
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
-from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
 from atoll.plan import PipelinePlan, Plan, Prediction, StagePlan
 from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 from test_calibration import _profile
-from test_failure_replan import ROOT, TOKEN, Clock
+from test_failure_replan import ROOT, Clock, plan_three
 
 
 def _plan(**stage1) -> Plan:
@@ -75,21 +74,9 @@ def test_a_switch_must_gain_enough_and_repay_its_cost() -> None:
 
 def _state(steps: int = 400, drift: DriftOptions | None = None) -> tuple[CoordinatorState, Clock, list[str]]:
     """Three CPU nodes joined, probed and planned: a pipeline of three stages, one node each."""
-    clock = Clock()
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=steps))
-    state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=clock,
-                             options=CoordinatorOptions(drift=drift or DriftOptions()))
-    ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
-                         state).node_id for i in range(3)]
-    for n in ids:
-        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
-        h.handle_report_probes(pb.ProbeReport(node_id=n, links=[
-            pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=2e9, rtt_seconds=1e-4)
-            for t in reply.probe]), state)
-    state.tick()
-    assert state.epoch == 1
-    return state, clock, ids
+    return plan_three(_profile, replace(job, train=replace(job.train, steps=steps)),
+                      CoordinatorOptions(drift=drift or DriftOptions()))
 
 
 def _run(state: CoordinatorState, clock: Clock, slow: dict[str, float], steps: range) -> None:

@@ -14,7 +14,7 @@ from atoll.coordinator import handlers as h
 from atoll.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound
 from atoll.coordinator.membership import (MembershipOptions, RunFailureRecord, failure_backoff,
                                           failure_decision)
-from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import CheckpointSpec, JobSpec, JobSpecError
 from atoll.node.agent import step_wait_timeout
@@ -97,12 +97,13 @@ def _profile(host: str) -> pb.NodeProfile:
                                                         forward_seconds=0.01, backward_seconds=0.02)])
 
 
-def plan_three(profile=_profile) -> tuple[CoordinatorState, Clock, list[str]]:
+def plan_three(profile=_profile, job: JobSpec | None = None, options: CoordinatorOptions | None = None
+               ) -> tuple[CoordinatorState, Clock, list[str]]:
     """A state with three nodes joined (each with `profile(hostname)`), heart-beating and probed, and its first
-    plan made."""
+    plan made (of `job`, default examples/tiny.toml, under `options`)."""
     clock = Clock()
-    state = CoordinatorState(store=MemoryStore(), job=JobSpec.load(ROOT / "examples" / "tiny.toml"), token=TOKEN,
-                             clock=clock)
+    state = CoordinatorState(store=MemoryStore(), job=job or JobSpec.load(ROOT / "examples" / "tiny.toml"),
+                             token=TOKEN, clock=clock, options=options)
     ids = [h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile(f"h{i}"), peer_address=f"127.0.0.1:{5000 + i}"),
                          state).node_id for i in range(3)]
     for n in ids:
