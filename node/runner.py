@@ -679,10 +679,15 @@ class PlanRunner:
         if states is None and step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh
             return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
+        # the total of the last norm exchange it completed: with it, a holder of another stage whose exchange
+        # of that step failed can be finished to this step (`live_state.finishable`)
+        total = (stage.exchanged[1] if stage is not None and stage.exchanged is not None
+                 and stage.exchanged[0] == step - 1 else None)
         if states is not None:  # ZeRO: whole weights and the gathered AdamW state, no pending gradients (sharded)
-            return LiveState.of(slice_state(module, states, extra=extra), step=step, epoch=self.plan.epoch)
+            return LiveState.of(slice_state(module, states, extra=extra), step=step, epoch=self.plan.epoch,
+                                norm_total=total)
         state = slice_state(module, optimizer, extra=extra)
-        total = loss = None
+        loss = None
         if stage is not None:
             grads = pending_grads(module, stage.unexchanged, step)
             if grads is not None:
@@ -692,8 +697,6 @@ class PlanRunner:
                     # every last-stage replica and reports it (`live_state.finished_loss`)
                     weight = self._row_weight()
                     loss = (stage.unexchanged_loss * weight, weight)
-            if stage.exchanged is not None and stage.exchanged[0] == step - 1:
-                total = stage.exchanged[1]
         return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total, pending_loss=loss)
 
     def _older_groups(self) -> list[int]:

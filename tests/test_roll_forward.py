@@ -152,3 +152,31 @@ def test_the_finished_steps_loss_adds_every_last_stage_replicas_share() -> None:
     assert finished_loss(one, TOTAL) is None  # the other half of the batch's loss is lost with its node
     alone = ResumePoint(step=4, live=True, reason="", holders=(first, holder("b", (3, TOTAL), (2.25, 1.0))))
     assert finished_loss(alone, TOTAL) == pytest.approx(2.25)
+
+
+def test_a_zero_stages_gathered_state_carries_the_total_that_finishes_another_stages_failed_step() -> None:
+    """A ZeRO stage that completed the norm exchange of step 11 and stepped to 12 hands over its gathered state
+    with that exchange's total, so the holder of another stage whose exchange of step 11 failed is finished to
+    step 12 instead of the job going back to its checkpoint."""
+    from types import SimpleNamespace
+
+    from atoll.node.runner import PlanRunner
+
+    module = build_slice(TINY, 3, 6, seed=0)
+    optimizer = build_optimizer(module, CONFIG)
+    states = {p: {"step": torch.tensor(12.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+              for p in module.parameters()}
+    runner = SimpleNamespace(plan=SimpleNamespace(mode="sync", epoch=1), placement=SimpleNamespace(tp=1),
+                             scaler=None)
+    stage = SimpleNamespace(exchanged=(11, 2.5), unexchanged=None, unexchanged_loss=None)
+    live = PlanRunner._snapshot(runner, module, optimizer, 12, stage, states)
+    holder = StateHolder(node_id="b1")
+    holder.end_run(1, live)
+    reply = holder.held(2, wait=0.0)
+    assert (reply.step, reply.pending, reply.has_norm_total, reply.norm_total) == (12, False, True, 2.5)
+    held = [_h("a", 11, 0, 3, pending=True), _h("b1", 12, 3, 6, norm_total=reply.norm_total)]
+    p = resume_point(held, total_layers=6, checkpoint_step=0)
+    assert (p.step, p.live, p.rolled_back) == (12, True, 0)
+    # an exchange older than its last step (it stopped before the exchange of step 12 completed): no total
+    stage.exchanged = (10, 2.5)
+    assert PlanRunner._snapshot(runner, module, optimizer, 12, stage, states).norm_total is None
