@@ -173,26 +173,35 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
               for kind, index in (("embedding", 0), ("block", 1), ("head", cfg.n_layers + 1))}
     g = torch.Generator(device="cpu").manual_seed(0)
 
+    inputs = {}
     for b in sizes:
         ids = torch.randint(0, cfg.vocab_size, (b, seq), generator=g).to(dev)
-        hidden = torch.randn(b, seq, cfg.d_model, generator=g).to(dev, dtype)
-        for kind, layer in layers.items():
-            fwd, bwd = [], []
-            for r in range(options.repeats + 1):
+        inputs[b] = (ids, torch.randn(b, seq, cfg.d_model, generator=g).to(dev, dtype))
+    # round by round, every (size, layer) once a round: a moment the machine runs slow (another process, a
+    # neighbour on the host) falls on every size and layer alike instead of on whichever was being timed, so
+    # the ratios between them hold and each median spans the whole profile, not a tenth of a second of it
+    fwd: dict[tuple[int, str], list[float]] = {(b, k): [] for b in sizes for k in layers}
+    bwd: dict[tuple[int, str], list[float]] = {(b, k): [] for b in sizes for k in layers}
+    for r in range(options.repeats + 1):
+        for b in sizes:
+            ids, hidden = inputs[b]
+            for kind, layer in layers.items():
                 x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
                 out: list[torch.Tensor] = []
                 f = _timed(dev, lambda: out.append(_forward(layer, x, precision, dev)), share)
                 loss = lm_loss(out[0], ids) if kind == "head" else out[0].float().square().mean()
                 bw = _timed(dev, loss.backward, share)
                 layer.zero_grad(set_to_none=True)
-                if r > 0:  # the first run warms caches and kernels
-                    fwd.append(f)
-                    bwd.append(bw)
-                if r >= 1 and time.perf_counter() > deadline:
-                    break
+                if r > 0:  # the first round warms caches and kernels
+                    fwd[b, kind].append(f)
+                    bwd[b, kind].append(bw)
+        if r >= 1 and time.perf_counter() > deadline:
+            break
+    for b in sizes:
+        for kind in layers:
             profile.layer_timings.append(LayerTiming(layer_kind=kind, micro_batch=b, seq_len=seq,
-                                                     forward_seconds=statistics.median(fwd),
-                                                     backward_seconds=statistics.median(bwd)))
+                                                     forward_seconds=statistics.median(fwd[b, kind]),
+                                                     backward_seconds=statistics.median(bwd[b, kind])))
 
     block = layers["block"]
     for p in block.parameters():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,34 @@ def test_profile_measures_the_jobs_layers_quickly() -> None:
     assert kinds == {(k, b) for k in ("embedding", "block", "head") for b in (2, 4, 8)}
     assert all(t.seq_len == 64 and t.forward_seconds > 0 and t.backward_seconds > 0 for t in p.layer_timings)
     assert p.optimizer_step_seconds > 0
+
+
+def test_a_machine_slowing_during_the_profile_leaves_the_ratios_between_sizes_alone(monkeypatch) -> None:
+    """The profile times every size once a round: a machine slowing steadily while it profiles (each timed op
+    1% slower than the one before it) slows every size alike, so a block at 8 sequences still costs 4x one at
+    2 (times here proportional to the sequences). Timing each size's repeats back to back would give the last
+    size the slowest moments: about 6x."""
+    from atoll.node import profiler
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    rows, calls = [0], [0]
+    real_forward = profiler._forward
+
+    def forward(layer, x, precision, dev):
+        rows[0] = x.shape[0]
+        return real_forward(layer, x, precision, dev)
+
+    def timed(dev, fn, share=math.inf):
+        fn()
+        calls[0] += 1
+        return rows[0] * (1.0 + calls[0] / 100)
+
+    monkeypatch.setattr(profiler, "_forward", forward)
+    monkeypatch.setattr(profiler, "_timed", timed)
+    p = profile_node(job, "cpu", ProfileOptions(micro_batches=(2, 4, 8), repeats=7, budget=timedelta(minutes=5)))
+    block = {t.micro_batch: t.forward_seconds for t in p.layer_timings if t.layer_kind == "block"}
+    assert block[8] / block[2] == pytest.approx(4.0, rel=0.1)
+    assert block[4] / block[2] == pytest.approx(2.0, rel=0.1)
 
 
 def test_bad_devices_are_explained() -> None:
