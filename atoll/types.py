@@ -18,6 +18,10 @@ class LayerTiming:
     seq_len: int
     forward_seconds: float
     backward_seconds: float
+    weight_fraction: float = 0.0
+    """Of the backward, the share its weight-gradient products take when a zero-bubble stage computes them
+    in an action of their own (measured: W / (B + W) of the split backward); 0: not measured (the planner then
+    takes the layer's FLOPs share)."""
 
 
 @dataclass(kw_only=True)

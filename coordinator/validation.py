@@ -82,6 +82,9 @@ def check_profile(p: pb.NodeProfile) -> None:
                                   f"{t.seq_len}; both must be positive and plausible")
         check_seconds(f"profile.layer_timings[{i}].forward_seconds", t.forward_seconds)
         check_seconds(f"profile.layer_timings[{i}].backward_seconds", t.backward_seconds)
+        if not 0.0 <= t.weight_fraction < 1.0:  # NaN fails too
+            raise InvalidArgument(f"profile.layer_timings[{i}].weight_fraction is {t.weight_fraction}; a share of the "
+                                  f"backward must be in [0, 1) (0: not measured)")
 
 
 def check_link(i: int, x: pb.LinkMeasurement, node_id: str) -> None:

@@ -27,6 +27,7 @@ from atoll import __version__
 from atoll.job import JobSpec
 from atoll.node.model import build_layer, lm_loss
 from atoll.node.precision import autocast
+from atoll.node.wgrad import WeightGradients, attach
 from atoll.types import LayerTiming, NodeProfile
 
 
@@ -151,6 +152,25 @@ def _timed(dev: torch.device, fn: Callable[[], None], share: float = math.inf) -
     return time.perf_counter() - t0
 
 
+def _split_backward(layer: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor, kind: str, precision: str,
+                    dev: torch.device, share: float) -> tuple[float, float]:
+    """Seconds of the layer's backward as a zero-bubble stage runs it: (input gradients with the weight-gradient
+    products deferred, then those products: `atoll.node.wgrad`)."""
+    sink = WeightGradients()
+    attach(layer, sink)
+    try:
+        x = x.detach().requires_grad_(x.is_floating_point())
+        out = _forward(layer, x, precision, dev)
+        loss = lm_loss(out, ids) if kind == "head" else out.float().square().mean()
+        b_in = _timed(dev, loss.backward, share)
+        pending = sink.take()
+        w = _timed(dev, lambda: WeightGradients.apply(pending), share)
+    finally:
+        attach(layer, None)
+        layer.zero_grad(set_to_none=True)
+    return b_in, w
+
+
 def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | None = None) -> NodeProfile:
     """Measure this node on `job`'s layers; returns the profile to join with."""
     options = options or ProfileOptions()
@@ -182,6 +202,10 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
     # the ratios between them hold and each median spans the whole profile, not a tenth of a second of it
     fwd: dict[tuple[int, str], list[float]] = {(b, k): [] for b in sizes for k in layers}
     bwd: dict[tuple[int, str], list[float]] = {(b, k): [] for b in sizes for k in layers}
+    # the backward as a zero-bubble stage splits it: the input gradients first (B), the deferred weight-gradient
+    # products later (W); their share sets how much of the pipeline's fill and drain the deferral fills
+    deferrable = {k for k, layer in layers.items() if attach(layer, None)}
+    split: dict[tuple[int, str], list[tuple[float, float]]] = {(b, k): [] for b in sizes for k in deferrable}
     for r in range(options.repeats + 1):
         for b in sizes:
             ids, hidden = inputs[b]
@@ -195,13 +219,21 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
                 if r > 0:  # the first round warms caches and kernels
                     fwd[b, kind].append(f)
                     bwd[b, kind].append(bw)
+                if kind in deferrable:
+                    split[b, kind].append(_split_backward(layer, x, ids, kind, precision, dev, share))
         if r >= 1 and time.perf_counter() > deadline:
             break
     for b in sizes:
         for kind in layers:
+            fraction = 0.0
+            if kind in deferrable:
+                parts = split[b, kind][1:]  # the first round warms the split path
+                b_in, w = (statistics.median(v) for v in zip(*parts))
+                fraction = w / (b_in + w) if b_in + w > 0 else 0.0
             profile.layer_timings.append(LayerTiming(layer_kind=kind, micro_batch=b, seq_len=seq,
                                                      forward_seconds=statistics.median(fwd[b, kind]),
-                                                     backward_seconds=statistics.median(bwd[b, kind])))
+                                                     backward_seconds=statistics.median(bwd[b, kind]),
+                                                     weight_fraction=min(fraction, 0.95)))
 
     block = layers["block"]
     for p in block.parameters():

@@ -117,3 +117,26 @@ def test_measured_profiles_override_the_catalog_also_under_tp() -> None:
     two = cm.table(isl, 2, tp=2)
     ar = cm.tp_allreduce_seconds(2 * 2048 * 2048 * 2, 2, isl)
     assert two.fwd[1] == pytest.approx(0.02 / (2 * cm.tp_efficiency(2)) + 2 * ar)
+
+
+def test_a_measured_split_of_the_backward_overrides_the_flops_share_of_the_weight_gradients() -> None:
+    """A profile that split a block's backward (`LayerTiming.weight_fraction`) sets what a zero-bubble stage
+    defers; without it the weight-gradient products take their FLOPs share of the measured backward."""
+    def doc(fraction: float | None) -> dict:
+        pt = {"micro_batch": 1, "seq_len": 2048, "forward_s": 0.01, "backward_s": 0.02}
+        if fraction is not None:
+            pt["weight_fraction"] = fraction
+        return {"devices": {"V100-32GB": {"layers": {k: [pt] for k in ("embedding", "block", "head")}}}}
+
+    isl = _island("V100-32GB", intra=300)
+    block = next(i for i, layer in enumerate(MODEL.layers) if layer.kind == "block")
+    flops = MODEL.layers[block].flops_wgrad_per_token / MODEL.layers[block].flops_bwd_per_token
+    plain = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), ProfileSet.from_dict(doc(None)))
+    assert plain.table(isl, 1).weight(block, block + 1) == pytest.approx(0.02 * flops)
+    split = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), ProfileSet.from_dict(doc(0.25)))
+    t = split.table(isl, 1)
+    assert t.weight(block, block + 1) == pytest.approx(0.02 * 0.25) and t.bwd[block] == pytest.approx(0.02)
+    assert split.table(isl, 1, tp=2).weight(block, block + 1) == pytest.approx(
+        0.02 * 0.25 / (2 * split.tp_efficiency(2)))
+    with pytest.raises(ValueError, match="weight_fraction"):
+        ProfileSet.from_dict(doc(1.2))

@@ -51,6 +51,10 @@ def test_profile_measures_the_jobs_layers_quickly() -> None:
     kinds = {(t.layer_kind, t.micro_batch) for t in p.layer_timings}
     assert kinds == {(k, b) for k in ("embedding", "block", "head") for b in (2, 4, 8)}
     assert all(t.seq_len == 64 and t.forward_seconds > 0 and t.backward_seconds > 0 for t in p.layer_timings)
+    # the split backward of the layers a zero-bubble stage defers (blocks, the untied head): the weight-gradient
+    # products' share of it; the embedding has none
+    share = {t.layer_kind: t.weight_fraction for t in p.layer_timings}
+    assert 0.05 < share["block"] < 0.95 and 0.05 < share["head"] < 0.95 and share["embedding"] == 0
     assert p.optimizer_step_seconds > 0
 
 

@@ -305,8 +305,13 @@ class CostModel:
                 b = layer.flops_bwd_per_token * tokens / (peak * eff)
             fwd.append(f)
             bwd.append(b)
-            # the weight-gradient products' share of the backward, by FLOPs (of a measured backward too)
-            wgt.append(b * layer.flops_wgrad_per_token / layer.flops_bwd_per_token if layer.flops_bwd_per_token else 0.0)
+            # the weight-gradient products' share of the backward: as measured where the profile split the
+            # backward (a CPU's attention and norms leave the products a smaller share than their FLOPs), else
+            # by FLOPs (of a measured backward too)
+            share = prof.weight_fraction(layer.kind, tokens) if measured is not None and prof else None
+            if share is None:
+                share = layer.flops_wgrad_per_token / layer.flops_bwd_per_token if layer.flops_bwd_per_token else 0.0
+            wgt.append(b * share)
         d = self.train.dtype
         stash = tuple(tokens * layer.wgrad_elems_per_token * self.elem_bytes for layer in self.model.layers)
         params = tuple(layer.params for layer in self.model.layers)

@@ -1,7 +1,9 @@
 """Measured layer timings that override the catalog's analytic estimate.
 
 A profile file (JSON) holds, per device name (or island id), per layer kind, forward and backward seconds
-at given micro-batch sizes and sequence length, and optionally the optimizer step time:
+at given micro-batch sizes and sequence length (optionally with `weight_fraction`, the weight-gradient
+products' share of the backward when a zero-bubble stage defers them, as a node's profiler measures it),
+and optionally the optimizer step time:
 
     {"devices": {
        "A100-80GB": {
@@ -34,6 +36,9 @@ class TimingPoint:
     """micro_batch x seq_len of the measurement."""
     forward_s: float
     backward_s: float
+    weight_fraction: float = 0.0
+    """Of the backward, the weight-gradient products' share when a zero-bubble stage defers them (0: not
+    measured; `atoll.types.LayerTiming.weight_fraction`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +67,14 @@ class DeviceProfile:
                 return (lo.forward_s + w * (hi.forward_s - lo.forward_s),
                         lo.backward_s + w * (hi.backward_s - lo.backward_s))
         raise AssertionError("unreachable: points are sorted")
+
+    def weight_fraction(self, kind: str, tokens: int) -> float | None:
+        """The measured weight-gradient share of the backward of `kind` at the measurement nearest `tokens` (None:
+        not measured; the cost model then takes the layer's FLOPs share)."""
+        pts = [p for p in self.layers.get(kind, ()) if p.weight_fraction > 0]
+        if not pts:
+            return None
+        return min(pts, key=lambda p: (abs(p.tokens - tokens), p.tokens)).weight_fraction
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,12 +116,17 @@ class ProfileSet:
                     try:
                         mb, sl = int(pt["micro_batch"]), int(pt["seq_len"])
                         f, b = float(pt["forward_s"]), float(pt["backward_s"])
-                    except (KeyError, TypeError, ValueError) as e:
+                        wf = float(pt.get("weight_fraction", 0.0))
+                    except (KeyError, TypeError, ValueError, AttributeError) as e:
                         raise ValueError(f"{where}.layers.{kind}[{k}]: needs micro_batch, seq_len, forward_s, "
-                                         f"backward_s ({e})") from None
+                                         f"backward_s and optionally weight_fraction ({e})") from None
                     if mb < 1 or sl < 1 or f < 0 or b < 0:
                         raise ValueError(f"{where}.layers.{kind}[{k}]: sizes must be >= 1 and times >= 0")
-                    layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b))
+                    if not 0.0 <= wf < 1.0:
+                        raise ValueError(f"{where}.layers.{kind}[{k}]: weight_fraction {wf} is a share of the "
+                                         f"backward, in [0, 1) (0: not measured)")
+                    layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b,
+                                                                   weight_fraction=wf))
             opt = float(entry.get("optimizer_s_per_gparam", 0.0))
             out[name.lower()] = DeviceProfile(
                 layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
@@ -123,7 +141,7 @@ class ProfileSet:
             for t in timings:
                 layers.setdefault(t.layer_kind, []).append(
                     TimingPoint(tokens=t.micro_batch * t.seq_len, forward_s=t.forward_seconds,
-                                backward_s=t.backward_seconds))
+                                backward_s=t.backward_seconds, weight_fraction=t.weight_fraction))
             out[key.lower()] = DeviceProfile(layers={k: tuple(sorted(v, key=lambda p: p.tokens))
                                                      for k, v in layers.items()})
         return cls(devices=out)
