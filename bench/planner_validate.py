@@ -1,6 +1,6 @@
 """Planner validation: the cost model's predicted step times against measured and published ones.
 
-    python -m bench.planner_validate [--steps 8] [--repeats 5] [--only NAME] [--skip-live]
+    python -m bench.planner_validate [--steps 12] [--repeats 9] [--only NAME] [--skip-live]
 
 Live shapes, on this machine: each plan shape (stages, data-parallel width, unequal widths, several
 pipelines) runs for real, nodes as threads of this process with real gRPC peers and gloo groups (the
@@ -246,6 +246,8 @@ def combine(runs: Sequence[dict]) -> dict:
            for k in ("before", "during", "replayed", "measured", "share", "seen", "factor", "overhead")}
     for k in ("before", "during", "replayed"):
         out[f"gap_{k}"] = statistics.median(gap(r[k], r["measured"]) for r in runs)
+    kinds = sorted({k for r in runs for k in r.get("per_op", {})})
+    out["per_op"] = {k: statistics.median(r["per_op"][k] for r in runs if k in r.get("per_op", {})) for k in kinds}
     later = [gap(r["calibrated"], r["measured"]) for r in runs if r.get("calibrated") is not None]
     out["gap_calibrated"] = statistics.median(later) if later else None
     out["spread_calibrated"] = f"{min(later):+.0%}..{max(later):+.0%}" if len(later) > 1 else "-"
@@ -299,6 +301,21 @@ def op_factor(ops: dict[str, list[tuple[str, float, float]]], expected: dict[str
     if not factors:
         raise ValueError("no compute ops were recorded")
     return statistics.mean(factors)
+
+
+def op_cpu_factors(ops: dict[str, list[tuple[str, float, float]]], expected: dict[str, dict[str, float]]
+                   ) -> dict[str, float]:
+    """Per kind of compute action (forward, backward, weight), the CPU seconds the run's ops took over what the
+    profile says they take, summed over every node: above 1, the op did more work in the run than alone in the
+    profile (a larger working set than one layer's, the deferred products gone cold in cache), which no share of
+    a core explains."""
+    cpu: dict[str, float] = {}
+    want: dict[str, float] = {}
+    for n, v in ops.items():
+        for op, c, _ in v:
+            cpu[op] = cpu.get(op, 0.0) + c
+            want[op] = want.get(op, 0.0) + expected[n][op]
+    return {op: cpu[op] / want[op] for op in cpu if want[op] > 0}
 
 
 def action_overhead(steps: dict[str, list[tuple[float, float, float, int]]]) -> float:
@@ -439,6 +456,7 @@ def run_live(shape: LiveShape, steps: int, warm: int, prior: dict | None = None)
             w = t.weight(a, e) if shape.zero_bubble else 0.0  # zero-bubble: a weight action of its own
             expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e) - w, "weight": w}
         factor = op_factor(ops, expected)
+        per_op = op_cpu_factors(ops, expected)
         replayed = predict_live(shape, *live_model(job, nodes, profiles, factor, link), overhead / seen)
         calibrated = None
         if prior is not None:
@@ -446,7 +464,7 @@ def run_live(shape: LiveShape, steps: int, warm: int, prior: dict | None = None)
                                       prior["overhead"] / prior["seen"])
         return {"before": before, "during": during, "replayed": replayed, "calibrated": calibrated,
                 "measured": measured_step(done, warm), "share": share, "seen": seen, "factor": factor,
-                "overhead": overhead}
+                "overhead": overhead, "per_op": per_op}
     finally:
         for s in servers.values():
             s.stop()
@@ -617,13 +635,14 @@ def predict_published(p: Published) -> tuple[float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=8, help="steps per live shape (the first --warm are left out)")
+    ap.add_argument("--steps", type=int, default=12, help="steps per live shape (the first --warm are left out)")
     ap.add_argument("--warm", type=int, default=2, help="warm-up steps left out of the measurement")
     ap.add_argument("--only", help="run only rows whose name contains this")
     ap.add_argument("--skip-live", action="store_true", help="only the published configurations")
-    ap.add_argument("--repeats", type=int, default=5,
+    ap.add_argument("--repeats", type=int, default=9,
                     help="runs of every live shape, interleaved (round r runs every shape once); each row is the "
-                         "median over them")
+                         "median over them (a shape's runs on this 2-core machine spread over +-25%%: nine of "
+                         "ten steps each give a steadier median than five of eight)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -645,8 +664,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  round {rnd + 1}/{args.repeats} {shape.name:<32} core run {r['seen']:.2f} predicted "
                       f"{r['during']:.3f} s measured {r['measured']:.3f} s gap {gap(r['during'], r['measured']):+.0%}",
                       flush=True)
+        per_op: dict[str, dict[str, float]] = {}
         for shape in shapes:
             r = combine(runs[shape.name])
+            per_op[shape.name] = r["per_op"]
             g0, g, g2 = r["gap_before"], r["gap_during"], r["gap_replayed"]
             print(f"{shape.name:<32} {shape.nodes:>5} {r['share']:>11.2f} {r['before']:>11.3f} {g0:>+6.0%} "
                   f"{r['seen']:>8.2f} {r['during']:>11.3f} {r['measured']:>10.3f} {g:>+6.0%} {r['factor']:>6.2f} "
@@ -657,6 +678,11 @@ def main(argv: list[str] | None = None) -> int:
             if r["gap_calibrated"] is not None:
                 targets.append((f"live {shape.name}: calibrated on its previous run, within {LIVE_TOLERANCE:.0%}",
                                 abs(r["gap_calibrated"]) <= LIVE_TOLERANCE))
+        if per_op:
+            print("compute ops' CPU seconds in the run over the profile's, per action (1.00: as profiled; above: work "
+                  "the profile of one layer alone does not see, which no share of a core explains):")
+            for name, f in per_op.items():
+                print(f"  {name:<32} " + ", ".join(f"{k} {v:.2f}x" for k, v in f.items()))
     print()
     print(f"{'published configuration':<48} {'published s':>11} {'predicted s':>12} {'gap':>7}  as predicted / source")
     for p in PUBLISHED:

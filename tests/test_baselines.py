@@ -85,7 +85,8 @@ def test_pure_helpers() -> None:
 
 def test_validation_helpers() -> None:
     from bench.planner_validate import (PUBLISHED, SHAPES, gap, measured_step, megatron_flops, megatron_layers,
-                                        node_slices, op_factor, predict_published, run_share, shape_plan)
+                                        node_slices, op_cpu_factors, op_factor, predict_published, run_share,
+                                        shape_plan)
 
     from atoll.types import LayerTiming, NodeProfile
 
@@ -123,6 +124,7 @@ def test_validation_helpers() -> None:
     assert run_share(ops) == pytest.approx((0.5 + 1.0) / 2)
     expected = {"n0": {"forward": 0.1, "backward": 0.2}, "n1": {"forward": 0.05, "backward": 0.1}}
     assert op_factor(ops, expected) == pytest.approx((0.6 / 0.3 + 0.1 / 0.05) / 2)
+    assert op_cpu_factors(ops, expected) == pytest.approx({"forward": 0.2 / 0.15, "backward": 0.2 / 0.2})
 
     # Megatron-LM's FLOPs count, and the 1.7B row of its Table 1: 137 TFLOP/s on 32 GPUs is about 3.5 s a step
     assert megatron_flops(512, 2048, 24, 2304, 51200) / (137e12 * 32) == pytest.approx(3.528, abs=0.01)
