@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from atoll.job import JobSpec  # noqa: E402
-from atoll.node.model import build_layer, lm_loss  # noqa: E402
-from atoll.node.profiler import ProfileOptions, _forward, _timed, profile_node  # noqa: E402
+from atoll.node.model import build_layer  # noqa: E402
+from atoll.node.profiler import (ProfileOptions, _forward_as_run, _start_of_backward, _timed,  # noqa: E402
+                                 profile_node)
 
 JOB = """
 [job]
@@ -80,9 +81,8 @@ def grouped(job: JobSpec, options: ProfileOptions) -> dict[tuple[str, int], floa
             for r in range(options.repeats + 1):
                 x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
                 res: list[torch.Tensor] = []
-                f = _timed(dev, lambda: res.append(_forward(layer, x, "fp32", dev)))
-                loss = lm_loss(res[0], ids) if kind == "head" else res[0].square().mean()
-                bw = _timed(dev, loss.backward)
+                f = _timed(dev, lambda: res.append(_forward_as_run(layer, kind, x, ids, "fp32", dev)))
+                bw = _timed(dev, _start_of_backward(res[0]).backward)
                 layer.zero_grad(set_to_none=True)
                 if r > 0:
                     times.append(f + bw)

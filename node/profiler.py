@@ -133,6 +133,24 @@ def _forward(layer: torch.nn.Module, x: torch.Tensor, precision: str, dev: torch
         return layer(x)
 
 
+def _forward_as_run(layer: torch.nn.Module, kind: str, x: torch.Tensor, ids: torch.Tensor, precision: str,
+                    dev: torch.device) -> torch.Tensor:
+    """The layer's forward as a stage runs it: the head's includes the loss (its logits cast to fp32 and the
+    cross entropy over the vocabulary, which the last stage computes in its forward action: with a large
+    vocabulary a sizeable part of it)."""
+    out = _forward(layer, x, precision, dev)
+    if kind != "head":
+        return out
+    with autocast(precision, dev):
+        return lm_loss(out, ids)
+
+
+def _start_of_backward(out: torch.Tensor) -> torch.Tensor:
+    """What a timed backward starts from: the head's loss, or a stand-in scalar of another layer's output (its
+    mean square, next to nothing beside the layer's backward)."""
+    return out if out.dim() == 0 else out.float().square().mean()
+
+
 def _timed(dev: torch.device, fn: Callable[[], None], share: float = math.inf) -> float:
     """Seconds `fn` takes on `dev`.
 
@@ -160,9 +178,7 @@ def _split_backward(layer: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor, 
     attach(layer, sink)
     try:
         x = x.detach().requires_grad_(x.is_floating_point())
-        out = _forward(layer, x, precision, dev)
-        loss = lm_loss(out, ids) if kind == "head" else out.float().square().mean()
-        b_in = _timed(dev, loss.backward, share)
+        b_in = _timed(dev, _start_of_backward(_forward_as_run(layer, kind, x, ids, precision, dev)).backward, share)
         pending = sink.take()
         w = _timed(dev, lambda: WeightGradients.apply(pending), share)
     finally:
@@ -212,9 +228,8 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
             for kind, layer in layers.items():
                 x = ids if kind == "embedding" else hidden.detach().requires_grad_(True)
                 out: list[torch.Tensor] = []
-                f = _timed(dev, lambda: out.append(_forward(layer, x, precision, dev)), share)
-                loss = lm_loss(out[0], ids) if kind == "head" else out[0].float().square().mean()
-                bw = _timed(dev, loss.backward, share)
+                f = _timed(dev, lambda: out.append(_forward_as_run(layer, kind, x, ids, precision, dev)), share)
+                bw = _timed(dev, _start_of_backward(out[0]).backward, share)
                 layer.zero_grad(set_to_none=True)
                 if r > 0:  # the first round warms caches and kernels
                     fwd[b, kind].append(f)

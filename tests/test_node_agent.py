@@ -86,6 +86,34 @@ def test_a_machine_slowing_during_the_profile_leaves_the_ratios_between_sizes_al
     assert block[4] / block[2] == pytest.approx(2.0, rel=0.1)
 
 
+def test_the_heads_timed_forward_includes_the_loss_as_the_last_stage_computes_it(monkeypatch) -> None:
+    """The last stage's forward action computes the loss (logits to fp32, cross entropy over the vocabulary):
+    the head's profiled forward must too, or a large vocabulary's loss goes unpriced."""
+    from atoll.node import profiler
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    inside, timed_with_loss = [False], [0]
+    real_loss, real_timed = profiler.lm_loss, profiler._timed
+
+    def loss(logits, targets):
+        if inside[0]:
+            timed_with_loss[0] += 1
+        return real_loss(logits, targets)
+
+    def timed(dev, fn, share=math.inf):
+        inside[0] = True
+        try:
+            return real_timed(dev, fn, share)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(profiler, "lm_loss", loss)
+    monkeypatch.setattr(profiler, "_timed", timed)
+    p = profile_node(job, "cpu", ProfileOptions(micro_batches=(2,), repeats=2))
+    assert timed_with_loss[0] >= 3  # one a round: the warm-up and two timed
+    assert {t.layer_kind for t in p.layer_timings} == {"embedding", "block", "head"}
+
+
 def test_bad_devices_are_explained() -> None:
     with pytest.raises(ValueError, match="not a device"):
         parse_device("gpu7")
