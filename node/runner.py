@@ -153,6 +153,10 @@ class RunContext:
 
 ZERO_HANDOVER_S = 15.0
 """How long a superseded ZeRO stage's replicas take at most to gather its optimizer state for the next plan."""
+ZERO_FAILED_WAIT_S = 3.0
+"""How long a ZeRO replica whose run ended on a failed step waits for a newer plan before leaving the handover to
+its superseded replicas (who wait up to `ZERO_HANDOVER_S` for it): short, as this node reports its failure
+only once its run has ended, and that report may be what the newer plan answers."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -442,6 +446,7 @@ class PlanRunner:
         # trained twice
         groups = len(self.plan.groups) if outer is not None else 1
         finished = threading.Event()
+        failed = False  # the run ends on a step that failed here (a neighbour or a collective), not superseded
 
         def close_when_superseded() -> None:
             # a newer plan ends this one at once: closing the transport wakes a stage blocked on a neighbour
@@ -483,6 +488,7 @@ class PlanRunner:
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break
+                    failed = True
                     raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
                 step += 1
                 if ctx.wait_bound is not None:  # the first epoch's waits too follow the measured step time
@@ -530,7 +536,11 @@ class PlanRunner:
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
             if held is not None:  # what this run leaves is served to the next plan's nodes
-                states = self._zero_states(store, optimizer, step) if stop.is_set() else None
+                # a ZeRO stage's replicas gather its state whether the newer plan ended their run or a failed step
+                # did (one replica's send may fail while the other is superseded mid-step): they must agree to
+                # meet; a failed one waits for that plan first
+                states = (self._zero_states(store, optimizer, step, wait=0.0 if stop.is_set() else ZERO_FAILED_WAIT_S)
+                          if stop.is_set() or failed else None)
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states))
             if self.tp is not None:
                 self.tp.close()
@@ -628,16 +638,23 @@ class PlanRunner:
                 self.restore.transfers.extend(fetched)
         self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
 
-    def _zero_states(self, store: dist.Store | None, optimizer, step: int) -> ParamStates | None:
+    def _zero_states(self, store: dist.Store | None, optimizer, step: int, wait: float = 0.0) -> ParamStates | None:
         """A ZeRO stage superseded with every replica alive: its optimizer state gathered whole on replica 0
         (None on the others, and where that cannot be done within `ZERO_HANDOVER_S`), so that replica serves
         live state and the next plan rolls nothing back. Over a group of its own: the stage's group may hold a
-        collective the supersession abandoned. The replicas agree on the step first."""
+        collective the supersession abandoned. The replicas agree on the step first. `wait`: seconds to wait for
+        the newer plan (a run that ended on a failed step: the coordinator replans after it)."""
         pl = self.placement
         if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or self.tp is not None or pl is None
                 or store is None or self.plan.mode != "sync"):
             return None
-        after = self.ctx.newest_plan() if self.ctx.newest_plan is not None else None
+        newest = self.ctx.newest_plan
+        after = newest() if newest is not None else None
+        deadline = time.monotonic() + wait
+        while (newest is not None and time.monotonic() < deadline
+               and (after is None or after.epoch <= self.plan.epoch)):
+            time.sleep(0.2)
+            after = newest()
         # the replicas the newer plan runs or leaves idle are alive and end their runs too; one that left or
         # died (or a run ending without a newer plan: this node leaving) would only be waited for
         st = self.plan.pipelines[pl.pipeline].stages[pl.stage]
