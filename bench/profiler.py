@@ -1,6 +1,6 @@
 """Profiler benchmark: how steady a node's profile is from one join to the next.
 
-    python -m bench.profiler [--profiles 10] [--budget 2] [--d-model 128 --layers 4 --seq 128]
+    python -m bench.profiler [--profiles 16] [--budget 2] [--d-model 128 --layers 4 --seq 128]
 
 The planner balances stages by the ratios between a node's layer times (the head against a block, a block at
 one micro-batch size against another), so a profile whose ratios move from one measurement to the next makes
