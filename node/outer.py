@@ -40,7 +40,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from atoll.compression import ChunkAssembler, CodecSpec, EncodedTensor, ErrorFeedback, encode_tensor
+from atoll.compression import ChunkAssembler, CodecError, CodecSpec, EncodedTensor, ErrorFeedback, encode_tensor
 from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
@@ -56,6 +56,9 @@ MAX_NAMES_PER_FETCH = 4096
 STATE_ROUND_RETRIES = 8
 """Times a joining group fetches again the parts of a group's outer state that came from an older round than
 the rest (waits of 0.05 s doubling to 1 s between them, about 4.5 s in all, within the deadline)."""
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED})
+"""Codes a fetch of outer tensors retries until its deadline: a peer restarting, busy, or killed mid-answer."""
 
 
 class OuterSyncError(RuntimeError):
@@ -530,13 +533,17 @@ class OuterSync:
                                                  timeout=self.cfg.deadline, latency=self.cfg.latency_to(node),
                                                  node=node)
                 return tensors, nbytes
-            except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        or time.monotonic() + wait > deadline:
-                    raise OuterSyncError(f"fetching outer {request.kind} of round {request.round} from {node} "
-                                         f"({address}) failed: {e.code().name}: {e.details()}") from None
-                if part is not None:  # a participant whose group was replanned away (a node died) serves no more
+            except (grpc.RpcError, CodecError, OuterSyncError) as e:
+                # a node killed mid-answer ends its stream in any of these ways (UNAVAILABLE, INTERNAL, CANCELLED,
+                # a truncated tensor, parameters missing)
+                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                transient = not isinstance(e, grpc.RpcError) or e.code() in _TRANSIENT
+                if part is not None:  # a participant whose group was replanned away (a node died) serves no more:
+                    # every survivor leaves it out alike, whatever the error was
                     self._check_gone(part, request.round)
+                if not transient or time.monotonic() + wait > deadline:
+                    raise OuterSyncError(f"fetching outer {request.kind} of round {request.round} from {node} "
+                                         f"({address}) failed: {why}") from None
                 self._check_stop()
                 time.sleep(wait)
                 wait = min(2 * wait, 2.0)

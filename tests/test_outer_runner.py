@@ -241,3 +241,65 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     assert time.monotonic() - t0 < 5.0
     pending.set_result("done")
     assert sync._wait_pending(pending, 1.0) == "done"
+
+
+def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeypatch) -> None:
+    """A participant's node killed while it streams its round ends the stream with INTERNAL or a truncated
+    tensor, not only UNAVAILABLE: the fetch retries those too, and once the newest plan has the participant's
+    group no more it is left out (ParticipantGone), as every survivor does; before, such an error failed this
+    node's run, so a region that lost a node replanned the other region's groups too (they went back to their
+    round's start). A refusal that retrying cannot mend still fails at once."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from atoll.compression import CodecError, CodecSpec
+    from atoll.node import outer as outer_mod
+
+    sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync.plan = SimpleNamespace(node_addresses={"b1": "b1:1"})
+    newest = [SimpleNamespace(epoch=1)]
+    sync.plan_source = lambda: newest[0]
+    sync.timeout = timedelta(seconds=120)
+    sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
+                                     deadline=timedelta(seconds=30))
+    sync.stop = threading.Event()
+    part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b0", "b1"))
+    in_plan = {1: True}
+    monkeypatch.setattr(outer_mod, "_group_in", lambda plan, p: 1 if in_plan.get(plan.epoch) else None)
+
+    class Broken(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "RST_STREAM with error code 2"
+
+    errors = [Broken(grpc.StatusCode.INTERNAL), CodecError("stream ended inside tensor 'w': truncated"),
+              Broken(grpc.StatusCode.CANCELLED)]
+
+    def fetch(*a, **kw):
+        if not errors:
+            newest[0] = SimpleNamespace(epoch=2)  # the coordinator replanned the participant's region
+        raise errors.pop(0) if errors else Broken(grpc.StatusCode.UNAVAILABLE)
+
+    monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
+    monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
+    with pytest.raises(outer_mod.ParticipantGone, match="not in plan epoch 2"):
+        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
+    assert not errors
+
+    # a refusal is final while the participant is still planned ...
+    newest[0] = SimpleNamespace(epoch=1)
+    monkeypatch.setattr(outer_mod, "fetch_outer",
+                        lambda *a, **kw: (_ for _ in ()).throw(Broken(grpc.StatusCode.PERMISSION_DENIED)))
+    with pytest.raises(outer_mod.OuterSyncError, match="PERMISSION_DENIED") as info:
+        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
+    assert not isinstance(info.value, outer_mod.ParticipantGone)
+    # ... and a gone one is left out whatever it answered
+    newest[0] = SimpleNamespace(epoch=2)
+    with pytest.raises(outer_mod.ParticipantGone):
+        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
