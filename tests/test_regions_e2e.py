@@ -63,6 +63,15 @@ def _reports(cluster: LocalCluster) -> list:
         store.close()
 
 
+def _why(cluster: LocalCluster, name: str) -> str:
+    """What a failed assertion needs to be understood: the coordinator's plans and the node's warnings."""
+    plans = [ln for ln in (cluster.out / "coordinator.log").read_text().splitlines()
+             if "plan epoch" in ln or "failed" in ln]
+    node = [ln for ln in (cluster.out / f"{name}.log").read_text().splitlines()
+            if " W " in ln or " E " in ln or "epoch" in ln]
+    return "coordinator:\n" + "\n".join(plans[-20:]) + f"\n{name}:\n" + "\n".join(node[-30:])
+
+
 def _latest(cluster: LocalCluster, ids: list[str]) -> int:
     return max((r.step for r in _reports(cluster) if r.node_id in ids), default=-1)
 
@@ -121,7 +130,7 @@ def test_a_region_loses_a_node_and_the_other_trains_on(tmp_path: Path) -> None:
             text = (cluster.out / f"{n}.log").read_text()
             assert len(_LOADED.findall(text)) == loaded_before[n], f"{n} reloaded a checkpoint:\n{text[-3000:]}"
             steps = [r.step for r in reports if r.node_id == ids[n]]
-            assert steps == sorted(steps), f"{n}'s steps went backwards: {steps}"
+            assert steps == sorted(steps), (f"{n}'s steps went backwards: {steps}\n{_why(cluster, n)}")
         assert a_soon > a_at_kill, (a_at_kill, a_soon, soon_s)
         assert replanned.epoch > plan.epoch, "lab-b was never replanned"
         assert ids[victim] not in replanned.node_addresses
