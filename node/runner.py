@@ -146,6 +146,9 @@ class RunContext:
     measured during a run, its waits on neighbours and collectives shrink to it; None: `timeout` throughout."""
     tensorboard: TensorBoardLog | None = None
     """Where this node writes each step's scalars as TensorBoard events (`atoll.node.tensorboard`); None: none."""
+    report_failure: Callable[[int, str], None] | None = None
+    """Reports that this node's run failed at a step, and why, so the coordinator replans (queued, never raises);
+    a run that reports its own failure says so in `PlanRunner.failure_reported`. None: the caller reports it."""
     replicate: Callable[[Plan, int, tuple[int, int]], None] | None = None
     """Copies a checkpoint this node wrote (plan, step, layers) to `[checkpoint] replicas` other nodes, off the
     training thread (`atoll.node.replication.Replicator`); None: no copies."""
@@ -155,8 +158,12 @@ ZERO_HANDOVER_S = 15.0
 """How long a superseded ZeRO stage's replicas take at most to gather its optimizer state for the next plan."""
 ZERO_FAILED_WAIT_S = 3.0
 """How long a ZeRO replica whose run ended on a failed step waits for a newer plan before leaving the handover to
-its superseded replicas (who wait up to `ZERO_HANDOVER_S` for it): short, as this node reports its failure
-only once its run has ended, and that report may be what the newer plan answers."""
+its superseded replicas (who wait up to `ZERO_HANDOVER_S` for it), where the run could not report its failure
+first (no `RunContext.report_failure`): short, as the report that goes out after the run may be what the newer
+plan answers."""
+ZERO_REPORTED_WAIT_S = 10.0
+"""The same wait where the run reported its failure before the handover: the coordinator's replan answers that
+report, and the node would wait for that plan after its run anyway."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
@@ -313,6 +320,8 @@ class PlanRunner:
         """fp16: the stage's dynamic loss scale (set up in `run`), saved with its checkpoints."""
         self._checkpoint_extra: dict = {}
         """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
+        self.failure_reported = False
+        """Whether `run` reported its failed step through `RunContext.report_failure` (before its handover)."""
         self._finished_loss: tuple[int, float] | None = None
         """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         self._data: object | None = None
@@ -446,7 +455,7 @@ class PlanRunner:
         # trained twice
         groups = len(self.plan.groups) if outer is not None else 1
         finished = threading.Event()
-        failed = False  # the run ends on a step that failed here (a neighbour or a collective), not superseded
+        failed = ""  # why the run ends on a step that failed here (a neighbour or a collective), not superseded
 
         def close_when_superseded() -> None:
             # a newer plan ends this one at once: closing the transport wakes a stage blocked on a neighbour
@@ -488,8 +497,8 @@ class PlanRunner:
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break
-                    failed = True
-                    raise RunFailed(f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}") from e
+                    failed = f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}"
+                    raise RunFailed(failed) from e
                 step += 1
                 if ctx.wait_bound is not None:  # the first epoch's waits too follow the measured step time
                     bound = ctx.wait_bound()
@@ -518,7 +527,8 @@ class PlanRunner:
                     except Exception as e:  # the exchange failed or came too late: this run cannot go on
                         if stop.is_set():
                             break
-                        raise RunFailed(f"outer sync after step {step - 1} failed: {e}") from e
+                        failed = f"outer sync after step {step - 1} failed: {e}"
+                        raise RunFailed(failed) from e
                     # checkpoints of an outer-mode run are taken at round ends, holding the outer state
                     due = (ended and bool(interval) and step % interval < outer.cfg.inner_steps) or step == self.last_step
                 if due:
@@ -535,12 +545,17 @@ class PlanRunner:
             transport.close()
             reporter.close(timedelta(seconds=10))
             watcher.join(1.0)
+            if failed and not stop.is_set() and ctx.report_failure is not None:
+                # before the handover below: the coordinator replans on this report, and a ZeRO replica waits
+                # for that plan to know whether its other replicas meet it
+                ctx.report_failure(max(self.plan.resume_step, step), failed)
+                self.failure_reported = True
             if held is not None:  # what this run leaves is served to the next plan's nodes
                 # a ZeRO stage's replicas gather its state whether the newer plan ended their run or a failed step
                 # did (one replica's send may fail while the other is superseded mid-step): they must agree to
                 # meet; a failed one waits for that plan first
-                states = (self._zero_states(store, optimizer, step, wait=0.0 if stop.is_set() else ZERO_FAILED_WAIT_S)
-                          if stop.is_set() or failed else None)
+                wait = 0.0 if stop.is_set() else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
+                states = self._zero_states(store, optimizer, step, wait=wait) if stop.is_set() or failed else None
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states))
             if self.tp is not None:
                 self.tp.close()
@@ -1109,9 +1124,11 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      newest_plan=lambda: getattr(run.agent, "plan", None),
                      target_steps=lambda: target[0] or getattr(run.agent, "target_steps", 0),
                      wait_bound=lambda: run.wait_timeout(timeout),
+                     report_failure=lambda step, reason: run.report_failure(step=step, reason=reason),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
                      replicate=None if replicator is None else
                      (lambda p, step, layers: replicator.submit(p, step, layers, job.checkpoint.replicas)))
+    runner: PlanRunner | None = None
     try:
         runner = PlanRunner(ctx, plan)
         next_step = runner.run(run.superseded)
@@ -1119,8 +1136,10 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         if run.superseded.is_set():
             log.info("plan epoch %d ended (%s); a newer plan has arrived", plan.epoch, e)
             return False
-        log.error("%s; reporting it and waiting for a new plan", e)
-        run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
+        log.error("%s; %s and waiting for a new plan", e,
+                  "reported it" if runner is not None and runner.failure_reported else "reporting it")
+        if runner is None or not runner.failure_reported:
+            run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
         run.superseded.wait()
         return False
     finally:

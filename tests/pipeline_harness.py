@@ -82,14 +82,16 @@ def run_pinned_plan(job: JobSpec, plan: Plan | list[PipelinePlan], checkpoint_di
                     until_step: int | None = None, timeout: timedelta = timedelta(seconds=30),
                     join: float = 90.0, stops: Mapping[str, threading.Event] | None = None,
                     on_report: Callable[[StepMetrics], None] | None = None,
-                    node_context: Callable[[str], dict] | None = None, check: bool = True, **context) -> PlanRun:
+                    node_context: Callable[[str], dict] | None = None, check: bool = True, holders: bool = False,
+                    **context) -> PlanRun:
     """Run `plan` of `job`, every node of it a thread; given pipelines, the plan of epoch 1 that holds them and
     starts at `resume_step`.
 
     `timeout` bounds each node's waits; `join` how long to wait for each thread. `stops` ends a node's run when
     set; `on_report` sees every report as it comes (on the reporting node's thread); `context` and
     `node_context(node)` are further `RunContext` fields (all nodes' and one node's). With `check`, every run must
-    have returned; without, `ended` says how each ended.
+    have returned; without, `ended` says how each ended. With `holders`, each node's peer server keeps the live
+    state its run leaves (as a node's does).
     """
     if not isinstance(plan, Plan):
         plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
@@ -97,6 +99,11 @@ def run_pinned_plan(job: JobSpec, plan: Plan | list[PipelinePlan], checkpoint_di
     nodes = list(dict.fromkeys(n for p in plan.pipelines for s in p.stages for n in s.nodes))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     servers = {n: PeerServer(node_id=n, listen="127.0.0.1:0", token=TOKEN) for n in nodes}
+    if holders:
+        from atoll.node.state_transfer import StateHolder
+
+        for n, server in servers.items():
+            server.state = StateHolder(node_id=n, checkpoint_dir=checkpoint_dir)
     result = PlanRun(replace(plan, node_addresses={n: s.address for n, s in servers.items()},
                              rendezvous=f"127.0.0.1:{store.port}"))
     lock = threading.Lock()

@@ -211,3 +211,44 @@ def test_calls_to_the_coordinator_resume_within_a_heartbeat_interval_after_an_ou
         for a in agents:
             a.stop(leave=False)
         service.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_run_reports_its_failure_before_its_zero_handover(tmp_path: Path) -> None:
+    """A ZeRO replica whose step failed waits for the newer plan before its state handover (whether its other
+    replicas meet it there); the coordinator replans on its failure report, so the run sends that report first,
+    through `RunContext.report_failure`, and says so (its caller does not report it again)."""
+    job = tiny_job(200)
+    stops = {n: threading.Event() for n in ("a", "b")}
+    events: list[tuple] = []
+
+    def report(m) -> None:
+        if m.node_id == "b" and m.step >= 2:
+            stops["b"].set()  # b goes silent holding its groups; a's next step fails within its 8 s bound
+
+    def newest():
+        events.append(("asked for the newest plan",))
+        return None  # no newer plan: the handover is left after the wait
+
+    stage = StagePlan(island="i", layers=(0, job.model.n_layers + 2), dp=2, nodes=["a", "b"], zero=1)
+    pipeline = PipelinePlan(micro_batch=job.train.micro_batch * 2, num_micro_batches=job.train.num_micro_batches // 2,
+                            stages=[stage])
+    import atoll.node.runner as runner_mod
+
+    saved = runner_mod.ZERO_REPORTED_WAIT_S
+    runner_mod.ZERO_REPORTED_WAIT_S = 0.5
+    try:
+        run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", timeout=timedelta(seconds=8), join=45, stops=stops,
+                              on_report=report, check=False, holders=True, node_context=lambda n: {
+                                  "report_failure": lambda step, reason: events.append(("failure", step, reason)),
+                                  "newest_plan": newest} if n == "a" else {})
+    finally:
+        runner_mod.ZERO_REPORTED_WAIT_S = saved
+    error, _ = run.ended["a"]
+    assert isinstance(error, RunFailed), error
+    failures = [e for e in events if e[0] == "failure"]
+    assert len(failures) == 1, events
+    _, step, reason = failures[0]
+    assert step >= 2 and f"step {step} failed on pipeline 0 stage 0" in reason, failures
+    assert events.index(failures[0]) < events.index(("asked for the newest plan",)), events
+    assert run.runners["a"].failure_reported
