@@ -45,13 +45,13 @@ def codec_name(codec: int) -> str:
 def layer_timing_to_proto(t: LayerTiming) -> pb.LayerTiming:
     return pb.LayerTiming(layer_kind=t.layer_kind, micro_batch=t.micro_batch, seq_len=t.seq_len,
                           forward_seconds=t.forward_seconds, backward_seconds=t.backward_seconds,
-                          weight_fraction=t.weight_fraction)
+                          weight_fraction=t.weight_fraction, split_overhead=t.split_overhead)
 
 
 def layer_timing_from_proto(m: pb.LayerTiming) -> LayerTiming:
     return LayerTiming(layer_kind=m.layer_kind, micro_batch=m.micro_batch, seq_len=m.seq_len,
                        forward_seconds=m.forward_seconds, backward_seconds=m.backward_seconds,
-                       weight_fraction=m.weight_fraction)
+                       weight_fraction=m.weight_fraction, split_overhead=m.split_overhead)
 
 
 def profile_to_proto(p: NodeProfile) -> pb.NodeProfile:

@@ -9,6 +9,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
+MAX_SPLIT_OVERHEAD = 4.0
+"""Bound of `LayerTiming.split_overhead`: a split backward five times the fused one is a broken measurement."""
+
+
 @dataclass(kw_only=True)
 class LayerTiming:
     """Measured time of one layer kind at one micro-batch size on a node's device."""
@@ -22,6 +26,9 @@ class LayerTiming:
     """Of the backward, the share its weight-gradient products take when a zero-bubble stage computes them
     in an action of their own (measured: W / (B + W) of the split backward); 0: not measured (the planner then
     takes the layer's FLOPs share)."""
+    split_overhead: float = 0.0
+    """How much longer the backward takes split in two (input gradients, then the deferred weight-gradient
+    products) than in one pass: (B + W) / backward - 1, measured with `weight_fraction`; 0: not measured or none."""
 
 
 @dataclass(kw_only=True)

@@ -453,8 +453,9 @@ def run_live(shape: LiveShape, steps: int, warm: int, prior: dict | None = None)
         expected = {}
         for n, (a, e, rows) in node_slices(shape).items():
             t = cm.table(cluster.islands[0], rows)
-            w = t.weight(a, e) if shape.zero_bubble else 0.0  # zero-bubble: a weight action of its own
-            expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e) - w, "weight": w}
+            # zero-bubble: a weight action of its own, the backward split in two passes
+            w, x = (t.weight(a, e), t.split(a, e)) if shape.zero_bubble else (0.0, 0.0)
+            expected[n] = {"forward": t.forward(a, e), "backward": t.backward(a, e) + x - w, "weight": w}
         factor = op_factor(ops, expected)
         per_op = op_cpu_factors(ops, expected)
         replayed = predict_live(shape, *live_model(job, nodes, profiles, factor, link), overhead / seen)
@@ -501,10 +502,12 @@ def with_action_overhead(times: PipelineTimes, seconds: float) -> PipelineTimes:
 def with_deferred_weights(times: PipelineTimes, cm: CostModel, island, stages: Sequence[tuple[int, int, int]],
                           micro_batch: int) -> PipelineTimes:
     """The pipeline's times with stage s deferring its weight gradients s + 1 micro-batches, their share of each
-    backward from the cost model (as the planner's composer sets them)."""
-    weights = [min(st.backward_s, cm.table(island, -(-micro_batch // dp)).weight(a, e))
-               for st, (a, e, dp) in zip(times.stages, stages)]
-    return replace(times, stages=tuple(replace(st, weight_s=w) for st, w in zip(times.stages, weights)),
+    backward and what splitting it adds from the cost model (as the planner's composer sets them)."""
+    tables = [cm.table(island, -(-micro_batch // dp)) for _, _, dp in stages]
+    split = [t.split(a, e) for t, (a, e, _) in zip(tables, stages)]
+    weights = [min(st.backward_s + x, t.weight(a, e)) for st, t, x, (a, e, _) in zip(times.stages, tables, split, stages)]
+    return replace(times, stages=tuple(replace(st, weight_s=w, split_s=x)
+                                       for st, w, x in zip(times.stages, weights, split)),
                    defer=tuple(range(1, len(stages) + 1)))
 
 

@@ -9,6 +9,7 @@ import math
 import re
 
 from atoll.coordinator.errors import InvalidArgument
+from atoll.types import MAX_SPLIT_OVERHEAD
 from atoll.v1 import atoll_pb2 as pb
 
 MAX_STRING = 256
@@ -85,6 +86,10 @@ def check_profile(p: pb.NodeProfile) -> None:
         if not 0.0 <= t.weight_fraction < 1.0:  # NaN fails too
             raise InvalidArgument(f"profile.layer_timings[{i}].weight_fraction is {t.weight_fraction}; a share of the "
                                   f"backward must be in [0, 1) (0: not measured)")
+        if not 0.0 <= t.split_overhead < MAX_SPLIT_OVERHEAD:  # NaN fails too
+            raise InvalidArgument(f"profile.layer_timings[{i}].split_overhead is {t.split_overhead}; the split "
+                                  f"backward's extra time over the fused one must be in [0, {MAX_SPLIT_OVERHEAD:g}) "
+                                  f"(0: not measured)")
 
 
 def check_link(i: int, x: pb.LinkMeasurement, node_id: str) -> None:

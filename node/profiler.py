@@ -28,7 +28,7 @@ from atoll.job import JobSpec
 from atoll.node.model import build_layer, lm_loss
 from atoll.node.precision import autocast
 from atoll.node.wgrad import WeightGradients, attach
-from atoll.types import LayerTiming, NodeProfile
+from atoll.types import MAX_SPLIT_OVERHEAD, LayerTiming, NodeProfile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,15 +240,22 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
             break
     for b in sizes:
         for kind in layers:
-            fraction = 0.0
+            fraction = overhead = 0.0
+            backward = statistics.median(bwd[b, kind])
             if kind in deferrable:
                 parts = split[b, kind][1:]  # the first round warms the split path
                 b_in, w = (statistics.median(v) for v in zip(*parts))
                 fraction = w / (b_in + w) if b_in + w > 0 else 0.0
+                # two passes over the layer's graph cost more than one (a second walk, the products' inputs read
+                # again): what a deferring stage pays on top of its backward. Each round times both back to back,
+                # so the median of the per-round ratios is steadier than a ratio of medians
+                ratios = [(x + y) / f for (x, y), f in zip(parts, bwd[b, kind]) if f > 0]
+                overhead = statistics.median(ratios) - 1 if ratios else 0.0
             profile.layer_timings.append(LayerTiming(layer_kind=kind, micro_batch=b, seq_len=seq,
                                                      forward_seconds=statistics.median(fwd[b, kind]),
-                                                     backward_seconds=statistics.median(bwd[b, kind]),
-                                                     weight_fraction=min(fraction, 0.95)))
+                                                     backward_seconds=backward,
+                                                     weight_fraction=min(fraction, 0.95),
+                                                     split_overhead=min(max(overhead, 0.0), MAX_SPLIT_OVERHEAD / 2)))
 
     block = layers["block"]
     for p in block.parameters():

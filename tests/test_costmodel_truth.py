@@ -140,3 +140,22 @@ def test_a_measured_split_of_the_backward_overrides_the_flops_share_of_the_weigh
         0.02 * 0.25 / (2 * split.tp_efficiency(2)))
     with pytest.raises(ValueError, match="weight_fraction"):
         ProfileSet.from_dict(doc(1.2))
+    assert t.split(block, block + 1) == 0  # not measured: two passes cost what one does
+
+
+def test_a_measured_cost_of_splitting_the_backward_goes_to_the_deferring_stage() -> None:
+    """`LayerTiming.split_overhead`: B + W run 10% above the fused backward, the products 25% of that; the table
+    holds the extra beside the fused backward (plain 1F1B keeps paying only the fused one), also under tp."""
+    pt = {"micro_batch": 1, "seq_len": 2048, "forward_s": 0.01, "backward_s": 0.02, "weight_fraction": 0.25,
+          "split_overhead": 0.1}
+    doc = {"devices": {"V100-32GB": {"layers": {k: [pt] for k in ("embedding", "block", "head")}}}}
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), ProfileSet.from_dict(doc))
+    isl = _island("V100-32GB", intra=300)
+    block = next(i for i, layer in enumerate(MODEL.layers) if layer.kind == "block")
+    t = cm.table(isl, 1)
+    assert t.bwd[block] == pytest.approx(0.02) and t.split(block, block + 1) == pytest.approx(0.002)
+    assert t.weight(block, block + 1) == pytest.approx(0.022 * 0.25)
+    speed = 2 * cm.tp_efficiency(2)
+    assert cm.table(isl, 1, tp=2).split(block, block + 1) == pytest.approx(0.002 / speed)
+    with pytest.raises(ValueError, match="split_overhead"):
+        ProfileSet.from_dict({"devices": {"V100-32GB": {"layers": {"block": [{**pt, "split_overhead": -0.1}]}}}})

@@ -55,7 +55,34 @@ def test_profile_measures_the_jobs_layers_quickly() -> None:
     # products' share of it; the embedding has none
     share = {t.layer_kind: t.weight_fraction for t in p.layer_timings}
     assert 0.05 < share["block"] < 0.95 and 0.05 < share["head"] < 0.95 and share["embedding"] == 0
+    extra = {t.layer_kind: t.split_overhead for t in p.layer_timings}
+    assert 0 <= extra["block"] < 2 and 0 <= extra["head"] < 2 and extra["embedding"] == 0
     assert p.optimizer_step_seconds > 0
+
+
+def test_the_profile_reports_what_splitting_the_backward_adds(monkeypatch) -> None:
+    """A fused backward of 1 s split into 0.7 s of input gradients and 0.4 s of weight-gradient products: the
+    products' share is 0.4 / 1.1 and the split costs 10% more than the fused pass; a split measured faster than
+    the fused pass (noise) counts as none."""
+    from atoll.node import profiler
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+
+    def timed(dev, fn, share=float("inf")):
+        fn()
+        return 1.0
+
+    split = [(0.7, 0.4)]
+    monkeypatch.setattr(profiler, "_timed", timed)
+    monkeypatch.setattr(profiler, "_split_backward", lambda *a, **kw: split[0])
+    p = profile_node(job, "cpu", ProfileOptions(repeats=2, micro_batches=(2,)))
+    by_kind = {t.layer_kind: t for t in p.layer_timings}
+    assert by_kind["block"].split_overhead == pytest.approx(0.1)
+    assert by_kind["block"].weight_fraction == pytest.approx(0.4 / 1.1)
+    assert by_kind["embedding"].split_overhead == 0
+    split[0] = (0.5, 0.3)
+    p = profile_node(job, "cpu", ProfileOptions(repeats=2, micro_batches=(2,)))
+    assert {t.layer_kind: t.split_overhead for t in p.layer_timings}["head"] == 0
 
 
 def test_a_machine_slowing_during_the_profile_leaves_the_ratios_between_sizes_alone(monkeypatch) -> None:

@@ -17,7 +17,7 @@ def test_profile_round_trip() -> None:
                     memory_total_bytes=80 << 30, memory_free_bytes=79 << 30, cpu_count=96,
                     layer_timings=[LayerTiming(layer_kind="block", micro_batch=4, seq_len=2048,
                                                forward_seconds=0.01, backward_seconds=0.02,
-                                               weight_fraction=0.3)],
+                                               weight_fraction=0.3, split_overhead=0.08)],
                     optimizer_step_seconds=0.003, torch_version="2.13.0", atoll_version="0.1.0",
                     region="eu-west")
     assert serde.profile_from_proto(_wire(serde.profile_to_proto(p))) == p

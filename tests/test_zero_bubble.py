@@ -90,6 +90,69 @@ def test_a_balanced_pipeline_reaches_zb_h1s_bound(p: int, m: int) -> None:
     assert simulate(_balanced(p, m, 1, 2, 0, True)).step_time_s == pytest.approx((m + p - 1) * 3)
 
 
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 4), (4, 8), (8, 16)])
+def test_a_split_backward_costs_its_measured_extra_where_a_stage_defers(p: int, m: int) -> None:
+    """Running the backward in two passes (input gradients, then the deferred products) costs x more per
+    micro-batch than one: a deferring pipeline takes m (F + B + x + W) + (p - 1) (F + B + x - W); plain 1F1B, which
+    runs one pass, is unaffected."""
+    f, b, w, x = 1.0, 1.2, 0.8, 0.15
+    st = StageTimes(forward_s=f, backward_s=b + w, weight_s=w, split_s=x)
+    links = (LinkTimes(forward_s=0, backward_s=0),) * (p - 1)
+    zb = PipelineTimes(stages=(st,) * p, links=links, num_micro_batches=m, defer=tuple(zero_bubble_depths(p)))
+    assert simulate(zb).step_time_s == pytest.approx(m * (f + b + x + w) + (p - 1) * (f + b + x - w))
+    assert closed_form_step(zb) == pytest.approx(simulate(zb).step_time_s)
+    assert step_lower_bound(zb) <= simulate(zb).step_time_s + 1e-9
+    plain = replace(zb, defer=())
+    assert simulate(plain).step_time_s == pytest.approx((m + p - 1) * (f + b + w))
+
+
+def _measured_profiles(spec: ModelSpec, cluster, split_overhead: float):
+    """Profiles of the cluster's devices that time each layer kind as the catalog does, with the catalog's
+    weight-gradient share and a measured `split_overhead`."""
+    from atoll.coordinator.planner.profiles import ProfileSet
+
+    train = TrainSpec(global_batch=256, seq_len=1024)
+    catalog = CostModel(spec, train)
+    kinds = {"embedding": 0, "block": 1, "head": spec.num_layers - 1}
+    devices = {}
+    for island in cluster.islands:
+        layers = {}
+        for kind, i in kinds.items():
+            pts = []
+            for mb in (1, 2, 4, 8):
+                t = catalog.table(island, mb)
+                share = t.weight(i, i + 1) / t.bwd[i] if kind != "embedding" else 0.0
+                pts.append({"micro_batch": mb, "seq_len": train.seq_len, "forward_s": t.fwd[i],
+                            "backward_s": t.bwd[i], "weight_fraction": share,
+                            "split_overhead": split_overhead if share else 0.0})
+            layers[kind] = pts
+        devices[island.device.name] = {"layers": layers}
+    return ProfileSet.from_dict({"devices": devices})
+
+
+def test_the_planner_prices_the_measured_cost_of_splitting_the_backward() -> None:
+    """Profiles that measured the split backward's extra time: a few percent leaves the deferral in place at its
+    price (the predicted step grows); where splitting costs more than the deferral fills, the planner keeps
+    plain 1F1B."""
+    spec = ModelSpec.from_preset("1.3b")
+    train = TrainSpec(global_batch=256, seq_len=1024)
+    cluster = parse_cluster(MIXED)
+    options = PlannerOptions(max_tp=1)
+
+    def plan(x: float):
+        return search_plan(spec, cluster, train, _measured_profiles(spec, cluster, x), options=options).plan
+
+    free, priced, costly = plan(0.0), plan(0.05), plan(1.0)
+    deferring = [s.defer_weights for p in free.pipelines for s in p.stages]
+    assert any(deferring), deferring
+    assert any(s.defer_weights for p in priced.pipelines for s in p.stages)
+    assert priced.predicted.step_time_s > free.predicted.step_time_s
+    assert not any(s.defer_weights for p in costly.pipelines for s in p.stages)
+    plain = search_plan(spec, cluster, train, _measured_profiles(spec, cluster, 1.0),
+                        options=replace(options, zero_bubble=False)).plan
+    assert costly.predicted.step_time_s == pytest.approx(plain.predicted.step_time_s)
+
+
 def test_the_lower_bound_holds_with_deferred_weights() -> None:
     rng = random.Random(3)
     for _ in range(1500):
@@ -97,8 +160,9 @@ def test_the_lower_bound_holds_with_deferred_weights() -> None:
         stages = []
         for _ in range(p):
             b = rng.uniform(0.1, 3)
-            stages.append(StageTimes(forward_s=rng.uniform(0.1, 2), backward_s=b, weight_s=rng.uniform(0, b),
-                                     sync_s=rng.uniform(0, 1), optimizer_s=rng.uniform(0, 1)))
+            x = rng.choice((0.0, rng.uniform(0, 0.3 * b)))  # what splitting the backward adds, if anything
+            stages.append(StageTimes(forward_s=rng.uniform(0.1, 2), backward_s=b, weight_s=rng.uniform(0, b + x),
+                                     split_s=x, sync_s=rng.uniform(0, 1), optimizer_s=rng.uniform(0, 1)))
         links = []
         for _ in range(p - 1):
             lat = rng.uniform(0, 0.3)
@@ -117,6 +181,8 @@ def test_the_lower_bound_holds_with_deferred_weights() -> None:
                 assert ev[("sync", -1)].start >= max(ev[("W", j)].end for j in range(m)) - 1e-12
     with pytest.raises(ValueError, match="weight_s"):
         StageTimes(forward_s=1, backward_s=1, weight_s=2)
+    with pytest.raises(ValueError, match="split_s"):
+        StageTimes(forward_s=1, backward_s=1, split_s=-0.1)
     with pytest.raises(ValueError, match="defer"):
         PipelineTimes(stages=(StageTimes(forward_s=1, backward_s=1),) * 2, links=(LinkTimes(forward_s=0, backward_s=0),),
                       num_micro_batches=4, defer=(1,))

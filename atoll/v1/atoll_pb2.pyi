@@ -113,20 +113,22 @@ class TransferAck(_message.Message):
     def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ...) -> None: ...
 
 class LayerTiming(_message.Message):
-    __slots__ = ("layer_kind", "micro_batch", "seq_len", "forward_seconds", "backward_seconds", "weight_fraction")
+    __slots__ = ("layer_kind", "micro_batch", "seq_len", "forward_seconds", "backward_seconds", "weight_fraction", "split_overhead")
     LAYER_KIND_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     layer_kind: str
     micro_batch: int
     seq_len: int
     forward_seconds: float
     backward_seconds: float
     weight_fraction: float
-    def __init__(self, layer_kind: _Optional[str] = ..., micro_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., weight_fraction: _Optional[float] = ...) -> None: ...
+    split_overhead: float
+    def __init__(self, layer_kind: _Optional[str] = ..., micro_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., weight_fraction: _Optional[float] = ..., split_overhead: _Optional[float] = ...) -> None: ...
 
 class NodeProfile(_message.Message):
     __slots__ = ("hostname", "device_kind", "device_name", "device_count", "memory_total_bytes", "memory_free_bytes", "cpu_count", "layer_timings", "optimizer_step_seconds", "torch_version", "atoll_version", "region", "unreachable")

@@ -124,6 +124,8 @@ class StageChoice:
     all, when `defer` is set)."""
     weight_s: float = 0.0
     """Of the backward per micro-batch, the weight-gradient part the stage defers (0 when it does not)."""
+    split_s: float = 0.0
+    """What running the backward in two passes adds per micro-batch where the stage defers (`StageTimes.split_s`)."""
     defer_bytes: float = 0.0
     """Memory per device the deferred weight gradients hold at most (on top of `cost.memory_bytes`)."""
 
@@ -134,7 +136,7 @@ class StageChoice:
 
 def _undeferred(st: StageChoice) -> StageChoice:
     """The stage computing its weight gradients in backward (no deferral, nothing held for it)."""
-    return replace(st, defer=0, defer_layers=(), weight_s=0.0, defer_bytes=0.0)
+    return replace(st, defer=0, defer_layers=(), weight_s=0.0, split_s=0.0, defer_bytes=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -573,14 +575,21 @@ class Composer:
                                     latency_s=min(lat, sec)))
         times = PipelineTimes(
             stages=tuple(StageTimes(forward_s=st.cost.forward_s, backward_s=st.cost.backward_s, sync_s=st.sync_s,
-                                    optimizer_s=st.optimizer_s, weight_s=st.weight_s) for st in stages),
+                                    optimizer_s=st.optimizer_s, weight_s=st.weight_s, split_s=st.split_s)
+                         for st in stages),
             links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s, latency_s=x.latency_s)
                         for x in links),
             num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages),
             defer=tuple(st.defer for st in stages) if any(st.defer for st in stages) else ())
-        return Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
+        cand = Candidate(order=tuple(i.id for i in s.order), micro_batch=s.batch, num_micro_batches=s.m,
                          stages=stages, links=links, times=times, estimate_s=closed_form_step(times),
                          placed=tuple(placed))
+        if times.defer:  # ranked as the faster of the two: a split backward may cost more than deferring fills
+            plain = replace(times, defer=())
+            estimate = closed_form_step(plain)
+            if estimate <= cand.estimate_s:
+                return replace(cand, stages=[_undeferred(st) for st in stages], times=plain, estimate_s=estimate)
+        return cand
 
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
         """Stage `n` of its pipeline with its weight gradients deferred: as much of them as memory allows, as
@@ -602,8 +611,10 @@ class Composer:
         deepest = min(n + 1, m)
         per, act = cm.deferred_parts(t, st.start, st.end, c.recompute_layers)
         k = deepest_deferral(per, act, room, deepest)  # every layer, as deep as fits (the zero-bubble depth when it does)
+        split = t.split(st.start, st.end)
         if k:
-            return replace(st, defer=k, weight_s=min(w, c.backward_s), defer_bytes=held_deferred(per, act, k))
+            return replace(st, defer=k, weight_s=min(w, c.backward_s + split), split_s=split,
+                           defer_bytes=held_deferred(per, act, k))
         # not every layer fits even one micro-batch deep: as many layers as fit, then as deep as they fit. The
         # layers that give the most weight-gradient time per byte held come first (blocks alike, in their order;
         # the head's output gradient is large for its time)
@@ -620,8 +631,9 @@ class Composer:
         if not chosen or wk < cm.options.min_deferred_s:
             return st
         k = deepest_deferral(per, act, room, deepest)
-        return replace(st, defer=k, defer_layers=tuple(sorted(chosen)), weight_s=min(wk, c.backward_s),
-                       defer_bytes=held_deferred(per, act, k))
+        split = sum(t.split(i, i + 1) for i in chosen)
+        return replace(st, defer=k, defer_layers=tuple(sorted(chosen)), weight_s=min(wk, c.backward_s + split),
+                       split_s=split, defer_bytes=held_deferred(per, act, k))
 
     def _plain_if_faster(self, cand: Candidate) -> Candidate:
         """A simulated candidate (`step_s` set), or, where its stages defer weight gradients and plain 1F1B
@@ -679,7 +691,7 @@ class Composer:
                     continue
                 tried.add(key)
                 times = replace(cand.times, in_flight=tuple(extra),
-                                stages=tuple(replace(t, weight_s=st.weight_s)
+                                stages=tuple(replace(t, weight_s=st.weight_s, split_s=st.split_s)
                                              for t, st in zip(cand.times.stages, stages)),
                                 defer=tuple(st.defer for st in stages) if any(st.defer for st in stages) else ())
                 if step_lower_bound(times) >= best.step_s:

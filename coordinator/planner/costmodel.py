@@ -165,6 +165,9 @@ class LayerTable:
     """Prefix sums of each layer's weight-gradient part of `bwd` (what a zero-bubble stage defers)."""
     pstash: tuple[int, ...] = ()
     """Prefix sums of the bytes one micro-batch's deferred weight gradients hold per layer."""
+    psplit: tuple[float, ...] = ()
+    """Prefix sums of what splitting each layer's backward in two adds to it (measured; 0 by the catalog): a
+    zero-bubble stage's input-gradient and weight-gradient actions together take `bwd` plus this."""
 
     def forward(self, a: int, b: int) -> float:
         return self.pf[b] - self.pf[a]
@@ -176,8 +179,12 @@ class LayerTable:
         return self.pparams[b] - self.pparams[a]
 
     def weight(self, a: int, b: int) -> float:
-        """Of `backward(a, b)`, the weight-gradient products a zero-bubble stage defers."""
+        """The weight-gradient products of [a, b) a zero-bubble stage defers: of `backward(a, b) + split(a, b)`."""
         return self.pw[b] - self.pw[a] if self.pw else 0.0
+
+    def split(self, a: int, b: int) -> float:
+        """What splitting the backward of [a, b) in two (input gradients, then the deferred products) adds to it."""
+        return self.psplit[b] - self.psplit[a] if self.psplit else 0.0
 
     def stash(self, a: int, b: int) -> int:
         """Bytes one micro-batch's deferred weight gradients of [a, b) hold until they are computed."""
@@ -263,7 +270,7 @@ class CostModel:
         comm = {"block": (2 * ar, 2 * ar), "embedding": (ar, 0.0), "head": (gather, ar)}
         speed = tp * self.tp_efficiency(tp)
         kept_whole = 2 * out  # a block's two norm inputs, saved whole on every rank
-        fwd, bwd, params, act, wgt, stash = [], [], [], [], [], []
+        fwd, bwd, params, act, wgt, stash, split = [], [], [], [], [], [], []
         for n, (layer, f, b, p, a) in enumerate(zip(self.model.layers, base.fwd, base.bwd, base.params, base.act)):
             cf, cb = comm[layer.kind]
             fwd.append(f / speed + cf)
@@ -274,6 +281,7 @@ class CostModel:
             # input and its shard of the output gradient, a row-parallel one the reverse (a block's qkv, fc | proj,
             # out: d whole per token in each of the four; the head: its input)
             wgt.append(base.weight(n, n + 1) / speed)
+            split.append(base.split(n, n + 1) / speed)
             s = base.stash(n, n + 1)
             whole = (4 if layer.kind == "block" else 1) * tokens * c.d_model * self.elem_bytes if s else 0
             stash.append(whole + (s - whole) // tp)
@@ -281,7 +289,7 @@ class CostModel:
                           act_recompute=base.act_recompute, pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)),
                           pparams=_prefix(tuple(params)), pact=_prefix(tuple(act)), pact_rc=base.pact_rc,
                           max_layer_act=_largest_block(self.model, act), pw=_prefix(tuple(wgt)),
-                          pstash=_prefix(tuple(stash)))
+                          pstash=_prefix(tuple(stash)), psplit=_prefix(tuple(split)))
 
     def _build_table(self, island: Island, micro_batch: int) -> LayerTable:
         seq = self.train.seq_len
@@ -293,6 +301,7 @@ class CostModel:
         fwd: list[float] = []
         bwd: list[float] = []
         wgt: list[float] = []
+        split: list[float] = []
         for layer in self.model.layers:
             measured = prof.layer_seconds(layer.kind, tokens) if prof else None
             if measured is not None:
@@ -311,7 +320,10 @@ class CostModel:
             share = prof.weight_fraction(layer.kind, tokens) if measured is not None and prof else None
             if share is None:
                 share = layer.flops_wgrad_per_token / layer.flops_bwd_per_token if layer.flops_bwd_per_token else 0.0
-            wgt.append(b * share)
+            # two passes cost more than one where the profile measured it (the catalog has no figure for it)
+            extra = b * prof.split_overhead(layer.kind, tokens) if measured is not None and prof else 0.0
+            wgt.append((b + extra) * share)
+            split.append(extra)
         d = self.train.dtype
         stash = tuple(tokens * layer.wgrad_elems_per_token * self.elem_bytes for layer in self.model.layers)
         params = tuple(layer.params for layer in self.model.layers)
@@ -321,7 +333,7 @@ class CostModel:
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=params, act=act, act_recompute=act_rc,
                           pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)), pparams=_prefix(params),
                           pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=_largest_block(self.model, act),
-                          pw=_prefix(tuple(wgt)), pstash=_prefix(stash))
+                          pw=_prefix(tuple(wgt)), pstash=_prefix(stash), psplit=_prefix(tuple(split)))
 
     # --- memory --------------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 A profile file (JSON) holds, per device name (or island id), per layer kind, forward and backward seconds
 at given micro-batch sizes and sequence length (optionally with `weight_fraction`, the weight-gradient
-products' share of the backward when a zero-bubble stage defers them, as a node's profiler measures it),
-and optionally the optimizer step time:
+products' share of the backward when a zero-bubble stage defers them, and `split_overhead`, how much longer
+that split backward runs than the fused one, as a node's profiler measures them), and optionally the optimizer
+step time:
 
     {"devices": {
        "A100-80GB": {
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from atoll.types import LayerTiming, NodeProfile
+from atoll.types import MAX_SPLIT_OVERHEAD, LayerTiming, NodeProfile
 
 LAYER_KINDS = ("embedding", "block", "head")
 
@@ -39,6 +40,9 @@ class TimingPoint:
     weight_fraction: float = 0.0
     """Of the backward, the weight-gradient products' share when a zero-bubble stage defers them (0: not
     measured; `atoll.types.LayerTiming.weight_fraction`)."""
+    split_overhead: float = 0.0
+    """How much longer the backward runs split in two than in one pass ((B + W) / backward - 1; 0: not measured or
+    none; `atoll.types.LayerTiming.split_overhead`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +79,14 @@ class DeviceProfile:
         if not pts:
             return None
         return min(pts, key=lambda p: (abs(p.tokens - tokens), p.tokens)).weight_fraction
+
+    def split_overhead(self, kind: str, tokens: int) -> float:
+        """The measured extra time of the split backward of `kind` over the fused one, at the split measurement
+        nearest `tokens` (0: not measured)."""
+        pts = [p for p in self.layers.get(kind, ()) if p.weight_fraction > 0]
+        if not pts:
+            return 0.0
+        return min(pts, key=lambda p: (abs(p.tokens - tokens), p.tokens)).split_overhead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,16 +129,20 @@ class ProfileSet:
                         mb, sl = int(pt["micro_batch"]), int(pt["seq_len"])
                         f, b = float(pt["forward_s"]), float(pt["backward_s"])
                         wf = float(pt.get("weight_fraction", 0.0))
+                        so = float(pt.get("split_overhead", 0.0))
                     except (KeyError, TypeError, ValueError, AttributeError) as e:
                         raise ValueError(f"{where}.layers.{kind}[{k}]: needs micro_batch, seq_len, forward_s, "
-                                         f"backward_s and optionally weight_fraction ({e})") from None
+                                         f"backward_s and optionally weight_fraction and split_overhead ({e})") from None
                     if mb < 1 or sl < 1 or f < 0 or b < 0:
                         raise ValueError(f"{where}.layers.{kind}[{k}]: sizes must be >= 1 and times >= 0")
                     if not 0.0 <= wf < 1.0:
                         raise ValueError(f"{where}.layers.{kind}[{k}]: weight_fraction {wf} is a share of the "
                                          f"backward, in [0, 1) (0: not measured)")
+                    if not 0.0 <= so < MAX_SPLIT_OVERHEAD:
+                        raise ValueError(f"{where}.layers.{kind}[{k}]: split_overhead {so} is the split backward's "
+                                         f"extra time over the fused one, in [0, {MAX_SPLIT_OVERHEAD:g}) (0: none)")
                     layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b,
-                                                                   weight_fraction=wf))
+                                                                   weight_fraction=wf, split_overhead=so))
             opt = float(entry.get("optimizer_s_per_gparam", 0.0))
             out[name.lower()] = DeviceProfile(
                 layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
@@ -141,7 +157,8 @@ class ProfileSet:
             for t in timings:
                 layers.setdefault(t.layer_kind, []).append(
                     TimingPoint(tokens=t.micro_batch * t.seq_len, forward_s=t.forward_seconds,
-                                backward_s=t.backward_seconds, weight_fraction=t.weight_fraction))
+                                backward_s=t.backward_seconds, weight_fraction=t.weight_fraction,
+                                split_overhead=t.split_overhead))
             out[key.lower()] = DeviceProfile(layers={k: tuple(sorted(v, key=lambda p: p.tokens))
                                                      for k, v in layers.items()})
         return cls(devices=out)

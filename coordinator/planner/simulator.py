@@ -13,8 +13,9 @@ With equal stages and free links the step takes (m + p - 1) x (forward + backwar
 closed form the tests check.
 
 A stage with deferred weight gradients (zero-bubble, `PipelineTimes.defer`, as `atoll.node.schedule` places
-them) runs each backward as its input-gradient part (`backward_s - weight_s`), which is what its upstream
-waits for, and the weight-gradient part as an action of its own that needs no input; with every stage
+them) runs each backward as its input-gradient part (`backward_s + split_s - weight_s`: two passes cost
+`split_s` more than one), which is what its upstream waits for, and the weight-gradient part as an action of
+its own that needs no input; with every stage
 deferring (`zero_bubble_depths`) equal stages take m (F + B + W) + (p - 1) (F + B - W) instead.
 
 `simulate_outer` predicts outer mode over rounds: replica groups of given step times and inner steps, and
@@ -39,13 +40,16 @@ class StageTimes:
     optimizer_s: float = 0.0
     """Optimizer step after the all-reduce."""
     weight_s: float = 0.0
-    """Of `backward_s`, the linear layers' weight-gradient products: what a stage that defers them runs as an
-    action of its own (`PipelineTimes.defer`)."""
+    """Of `backward_s + split_s`, the linear layers' weight-gradient products: what a stage that defers them runs
+    as an action of its own (`PipelineTimes.defer`)."""
+    split_s: float = 0.0
+    """What a stage that defers its weight gradients adds to its backward by running it in two passes (measured);
+    its input-gradient action takes `backward_s + split_s - weight_s`."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.weight_s <= self.backward_s:
-            raise ValueError(f"weight_s must be in [0, backward_s] (part of the backward), got {self.weight_s} of "
-                             f"{self.backward_s}")
+        if self.split_s < 0 or not 0.0 <= self.weight_s <= self.backward_s + self.split_s:
+            raise ValueError(f"weight_s must be in [0, backward_s + split_s] (part of the split backward) and "
+                             f"split_s >= 0, got {self.weight_s} of {self.backward_s} + {self.split_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +110,12 @@ class PipelineTimes:
     def backward_part(self, stage: int) -> float:
         """What `stage`'s backward action takes: without the weight gradients when it defers them."""
         s = self.stages[stage]
-        return s.backward_s - s.weight_s if self.deferred(stage) else s.backward_s
+        return s.backward_s + s.split_s - s.weight_s if self.deferred(stage) else s.backward_s
+
+    def backward_total(self, stage: int) -> float:
+        """What `stage`'s backward takes per micro-batch in all: split in two when it defers its weight gradients."""
+        s = self.stages[stage]
+        return s.backward_s + s.split_s if self.deferred(stage) else s.backward_s
 
     def warmups(self) -> list[int]:
         """Warm-up forwards per stage: min(p - i - 1 + extra, m)."""
@@ -263,13 +272,14 @@ def closed_form_step(p: PipelineTimes) -> float:
     # window of boundary i: 2 + e_i - e_{i+1} micro-batches (a window clamped by m never reaches a steady state)
     loops = [(a.forward_s + p.backward_part(i) + b.forward_s + p.backward_part(i + 1) + 2 * x.latency_s)
              / (2 + p.extra(i) - p.extra(i + 1)) for i, (a, b, x) in enumerate(zip(p.stages, p.stages[1:], p.links))]
-    cycle = max(max(s.forward_s + s.backward_s for s in p.stages),
+    cycle = max(max(s.forward_s + p.backward_total(i) for i, s in enumerate(p.stages)),
                 max((max(x.forward_s, x.backward_s) - x.latency_s for x in p.links), default=0.0),
                 max(loops, default=0.0))
     # deferred weight gradients fill the fill and drain: each deferring stage's share of them shrinks by 2 W,
     # but the last micro-batch's weight gradients still end the step (m (F + B + W) + (p - 1) (F + B - W))
     deferred = [s.weight_s if p.deferred(i) else 0.0 for i, s in enumerate(p.stages)]
-    fill = sum(s.forward_s + s.backward_s - 2 * w for s, w in zip(p.stages, deferred)) + 2 * max(deferred) \
+    fill = sum(s.forward_s + p.backward_total(i) - 2 * w for i, (s, w) in enumerate(zip(p.stages, deferred))) \
+        + 2 * max(deferred) \
         + sum(x.forward_s + x.backward_s for x in p.links)
     tail = max(s.sync_s + s.optimizer_s for s in p.stages)
     return fill + (m - 1) * cycle + tail
@@ -283,7 +293,7 @@ def step_lower_bound(p: PipelineTimes) -> float:
     reach = back = 0.0
     through_first = after_own = 0.0
     for i, s in enumerate(p.stages):
-        done = reach + m * (s.forward_s + s.backward_s)
+        done = reach + m * (s.forward_s + p.backward_total(i))
         # a deferring stage runs its last min(k + 1, m) weight gradients after its last backward
         trailing = min(p.deferred(i) + 1, m) * s.weight_s if p.deferred(i) else 0.0
         through_first = max(through_first, done - trailing + back)
