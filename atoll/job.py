@@ -18,7 +18,8 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
     [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all),
                   replicas (other nodes that take a copy of each checkpoint; default 1)
     [compression] mode ("adaptive" | "identity" | a codec name)
-    [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training)
+    [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training),
+                  host_tp (true: tensor parallelism over the nodes that share a machine)
 
 Every error names the field (`train.micro_batch`) and says what to change.
 """
@@ -283,6 +284,11 @@ class ClusterSpec:
     """Plan once this many nodes have joined (and probed each other)."""
     min_nodes: int = 1
     """Fewest alive nodes to keep planning with after members leave."""
+    host_tp: bool = False
+    """Let the planner run a stage's layers tensor-parallel over nodes that share a machine (the same hostname:
+    one node process per GPU of a multi-GPU machine), up to as many as each machine holds, where its cost model
+    says that is faster; off: every stage at tp 1. Synchronous plans only (replica groups across regions run
+    tp 1), and tp stages resume from checkpoints after a replan, not from live state."""
 
     def __post_init__(self) -> None:
         _check(self.expected_nodes >= 1, f"cluster.expected_nodes must be >= 1, got {self.expected_nodes}")
@@ -412,7 +418,8 @@ class JobSpec:
                        and not (sec == "train" and f.name in _TRAIN_WRITTEN_WHEN_SET
                                 and getattr(obj, f.name) == f.default)
                        and not (sec == "data" and f.name in _DATA_WRITTEN_WHEN_SET
-                                and getattr(obj, f.name) == f.default))
+                                and getattr(obj, f.name) == f.default)
+                       and not (sec == "cluster" and f.name == "host_tp" and getattr(obj, f.name) == f.default))
         if self.outer != OuterSpec():  # written only when set, so jobs without it keep their ids
             out.append("\n[outer]")
             out.extend(f"{f.name} = {_toml_value(getattr(self.outer, f.name))}" for f in fields(self.outer))

@@ -174,6 +174,7 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     regions may train as replica groups with an outer sync, and how.
     """
     from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, plan_job
+    from atoll.coordinator.planner.planjob import NodeAssignmentError
 
     job = inputs.job
     islands = {i.id: list(i.nodes) for i in inputs.islands}
@@ -184,7 +185,11 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     # two nodes that accept no connections talk through a relay: the planner sees that link at the slower leg
     links, _ = relay_links(links, profiles, unreachable_nodes(inputs.members))
     regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
-    cluster = Cluster.from_nodes(islands, profiles, links, regions=regions)
+    # [cluster] host_tp: the nodes of one machine (one process per GPU) may run a stage tensor-parallel; the
+    # runtime runs tp in synchronous plans only, so not where replica groups across regions are possible
+    host_tp = job.cluster.host_tp and (len(set(regions.values())) == 1 or job.outer.mode == "sync")
+    hosts = {n: m.profile.hostname or n for n, m in inputs.members.items()} if host_tp else None
+    cluster = Cluster.from_nodes(islands, profiles, links, regions=regions, hosts=hosts)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
     outer = job.outer
     options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=False,
@@ -194,9 +199,20 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              outer_deadline_s=outer.deadline_seconds, zero_bubble=job.train.zero_bubble,
                              fill_warmup=job.train.zero_bubble,  # off: plain 1F1B, nothing filled either
                              # the runtime shards optimizer state and gradients (ZeRO-1/2), never the weights
-                             zero_stages=(0, 1, 2))
+                             zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
-    return plan_job(job.model_spec, cluster, train, ProfileSet.from_node_profiles(islands, profiles), options)
+    timings = ProfileSet.from_node_profiles(islands, profiles)
+    plain = plan_job(job.model_spec, cluster, train, timings, replace(options, max_tp=1))
+    if not host_tp:
+        return plain
+    # the search prunes by bounds and refines only its best few: with more choices it may settle on a plan a
+    # search without tp beats, so the plan without tp is the floor
+    try:
+        with_tp = plan_job(job.model_spec, cluster, train, timings, options)
+    except NodeAssignmentError as e:  # a tp group would span machines
+        log.warning("%s; planning without tensor parallelism", e)
+        return plain
+    return with_tp if with_tp.predicted.step_time_s < plain.predicted.step_time_s else plain
 
 
 def fallback_plan(inputs: PlanInputs) -> Plan:

@@ -93,6 +93,10 @@ class Island:
     """One-way latency between hosts of the island."""
     nodes: tuple[str, ...] = ()
     """Host ids: measured node ids (live), or `group-k` names for a cluster file."""
+    hosts: tuple[str, ...] = ()
+    """Live: the machine each of `nodes` runs on (the nodes of one machine next to each other), where nodes
+    that share a machine may run a stage tensor-parallel (`gpus_per_node` is then the fewest nodes any of its
+    machines holds); empty: every node its own machine."""
     profile_key: str = ""
     """Key of this island's timings in a ProfileSet (the device name by default)."""
 
@@ -101,6 +105,8 @@ class Island:
             raise ValueError(f"island {self.id!r}: gpus must be >= 1, got {self.gpus}")
         if self.gpus_per_node < 1:
             raise ValueError(f"island {self.id!r}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if self.hosts and len(self.hosts) != len(self.nodes):
+            raise ValueError(f"island {self.id!r}: {len(self.hosts)} hosts for {len(self.nodes)} nodes")
         if self.intra_node_bandwidth <= 0 or self.inter_node_bandwidth <= 0:
             raise ValueError(f"island {self.id!r}: bandwidths must be positive")
 
@@ -159,7 +165,7 @@ class Cluster:
     @classmethod
     def from_nodes(cls, islands: Mapping[str, Sequence[str]], profiles: Mapping[str, NodeProfile],
                    links: Iterable[LinkMeasurement] | Mapping[tuple[str, str], tuple[float, float]],
-                   *, regions: Mapping[str, str] | None = None) -> "Cluster":
+                   *, regions: Mapping[str, str] | None = None, hosts: Mapping[str, str] | None = None) -> "Cluster":
         """A cluster from live measurements.
 
         `islands` maps an island id to its node ids (one device per node); `profiles` maps node id to the
@@ -167,6 +173,11 @@ class Cluster:
         id, see `ProfileSet.from_node_profiles`); `links` are measurements, or (src, dst) ->
         (bandwidth bytes/s, latency seconds). Inside an island the slowest measured link counts; between
         islands the median of the measured pairs. Unmeasured pairs fall back to the slowest measured link.
+
+        `hosts` (node id -> machine) groups the nodes of each island by machine: the island's `gpus_per_node` is
+        then the fewest nodes any of its machines holds (the planner's tp bound), its intra-node bandwidth the
+        slowest measured link between nodes of one machine and its inter-node bandwidth the slowest between
+        machines. Without it every node is its own machine (tp 1).
         """
         if isinstance(links, Mapping):
             items = [(s, d, bw, lat) for (s, d), (bw, lat) in links.items()]
@@ -182,6 +193,7 @@ class Cluster:
         # (not over every pair of nodes: thousands of nodes make millions of pairs, and few are measured)
         island_of = {n: iid for iid, node_ids in islands.items() for n in node_ids}
         inside: dict[str, list[tuple[float, float]]] = {}
+        same_host: dict[str, list[tuple[float, float]]] = {}  # between nodes of one machine, per island
         across: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (lower island id, higher)
         for s, d, bw, lat in items:
             if bw <= 0:
@@ -191,7 +203,10 @@ class Cluster:
             if s == d or ia is None or ib is None:
                 continue
             if ia == ib:
-                inside.setdefault(ia, []).append((bw, lat))
+                if hosts is not None and hosts.get(s, s) == hosts.get(d, d):
+                    same_host.setdefault(ia, []).append((bw, lat))
+                else:
+                    inside.setdefault(ia, []).append((bw, lat))
             else:
                 across.setdefault((ia, ib) if ia < ib else (ib, ia), []).append((bw, lat))
 
@@ -215,9 +230,22 @@ class Cluster:
             inner = inside.get(iid, [])
             bw = min((b for b, _ in inner), default=floor_bw)
             lat = max((t for _, t in inner), default=floor_lat)
-            built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=1,
-                                region=(regions or {}).get(iid, "default"), intra_node_bandwidth=bw,
-                                inter_node_bandwidth=bw, latency_s=lat, nodes=tuple(node_ids), profile_key=iid))
+            per_node, intra, order, machines = 1, bw, tuple(node_ids), ()
+            if hosts is not None:
+                by_host: dict[str, list[str]] = {}
+                for n in node_ids:  # the machines in the order their first node came, each one's nodes together
+                    by_host.setdefault(hosts.get(n, n), []).append(n)
+                order = tuple(n for ns in by_host.values() for n in ns)
+                machines = tuple(h for h, ns in by_host.items() for _ in ns)
+                per_node = min(len(ns) for ns in by_host.values())
+                local = same_host.get(iid, [])
+                if len(by_host) == 1 and local:  # one machine: its own links are all there are
+                    bw, lat = min(b for b, _ in local), max(t for _, t in local)
+                intra = min((b for b, _ in local), default=bw)
+            built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=per_node,
+                                region=(regions or {}).get(iid, "default"), intra_node_bandwidth=intra,
+                                inter_node_bandwidth=bw, latency_s=lat, nodes=order, hosts=machines,
+                                profile_key=iid))
         between: dict[frozenset[str], Link] = {}
         for a in built:
             for b in built:

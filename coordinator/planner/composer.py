@@ -322,20 +322,25 @@ class Composer:
     def _rate(self, s: _Setup, max_units: int) -> tuple[float, float]:
         """(micro-batches per second of all work spread over the setup's fastest stages, the least time one
         micro-batch needs through the whole model on one stage)."""
-        full = []
+        full, path = [], []
+        deferring = self.cost_model.options.zero_bubble
         for i, (isl, c) in enumerate(zip(s.order, s.caps)):
             if self._fast:
                 assert isinstance(self.parallelizer, DefaultParallelizer)
                 full.extend([self.parallelizer.compute_floor(isl, s.widths[i], s.batch)] * c)
+                path.append(self.parallelizer.path_floor(isl, s.widths[i], s.batch))
             else:
                 t = self.cost_model.table(isl, s.per_replica(i))
                 full.extend([t.pf[-1] + t.pb[-1]] * c)
+                # a stage deferring its weight-gradient products runs them off the micro-batch's path
+                path.append(t.pf[-1] + t.pb[-1] - (t.pw[-1] if deferring and t.pw else 0.0))
         full.sort()
-        return sum(1.0 / x for x in full[:max_units]), full[0]
+        return sum(1.0 / x for x in full[:max_units]), min(path)
 
     def _lower_bound(self, s: _Setup, m: int, max_units: int) -> float:
         """Step time no arrangement of this setup can beat: m - 1 micro-batches at the best rate, plus one
-        that must pass every layer."""
+        that must pass every layer (its forwards and input gradients: deferred weight-gradient products leave
+        its path)."""
         speed, fastest = self._rate(s, max_units)
         return (m - 1) / speed + fastest
 

@@ -159,6 +159,24 @@ class DefaultParallelizer:
             self._floor_cache[key] = got
         return got
 
+    def path_floor(self, island: Island, gpus: int, batch: int) -> float:
+        """The least time one micro-batch's own path through the whole model can take on a stage of `gpus` devices
+        of the island: its forwards and input gradients. A stage that defers its weight-gradient products runs
+        them off that path (zero-bubble), so with deferral allowed each layer counts the shorter of its backward
+        and its split backward without the products (`compute_floor` otherwise)."""
+        if not self.cm.options.zero_bubble:
+            return self.compute_floor(island, gpus, batch)
+        key = (island.id, gpus, batch, "path")
+        got = self._floor_cache.get(key)
+        if got is None:
+            got = float("inf")
+            for tp, _, rows in self.splits(island, gpus, batch):
+                t = self.cm.table(island, rows, tp)
+                input_grads = sum(min(b, b + t.split(n, n + 1) - t.weight(n, n + 1)) for n, b in enumerate(t.bwd))
+                got = min(got, t.pf[-1] + input_grads)
+            self._floor_cache[key] = got
+        return got
+
     def _blocks(self, a: int, b: int) -> tuple[int, int]:
         """The blocks [first, last) of slice [a, b), the only layers the runtime recomputes (empty: first = last)."""
         first = max(a, 1)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, replace
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster
-from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats
+from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
 from atoll.coordinator.planner.costmodel import CostModel, LinkCodecModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
 from atoll.coordinator.planner.outer import choose_outer, outer_plan, wan_gap
@@ -238,6 +238,55 @@ def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> 
     return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {tail:.2f} s"
 
 
+class NodeAssignmentError(ValueError):
+    """The stages' tp groups cannot each be given nodes of one machine (`assign_nodes`)."""
+
+
+def assign_nodes(pipelines: list[list[StageChoice]]) -> dict[tuple[int, int], list[str]]:
+    """The live nodes of each stage ((pipeline, stage) -> node ids, replica-major: `nodes[r * tp + k]` is tp rank k
+    of replica r, `atoll.node.tp`): each stage takes dp x tp of its island's nodes, none twice. A tp group's nodes
+    share a machine (`Island.hosts`): stages of the widest tp take theirs first, each group from the machine
+    with the most nodes left (ties: the first), then tp-1 stages the rest in island order. Raises
+    NodeAssignmentError where some tp group finds no machine with tp nodes left."""
+    free: dict[str, dict[str, list[str]]] = {}  # island id -> machine -> nodes left, in island order
+    for stages in pipelines:
+        for st in stages:
+            isl = st.island
+            if isl.id not in free:
+                machines = isl.hosts or isl.nodes
+                by_machine: dict[str, list[str]] = {}
+                for n, m in zip(isl.nodes, machines):
+                    by_machine.setdefault(m, []).append(n)
+                free[isl.id] = by_machine
+    order = sorted(((p, k) for p, stages in enumerate(pipelines) for k in range(len(stages))),
+                   key=lambda pk: (-pipelines[pk[0]][pk[1]].cost.tp, pk))
+    out: dict[tuple[int, int], list[str]] = {}
+    for p, k in order:
+        st = pipelines[p][k]
+        tp, machines = st.cost.tp, free[st.island.id]
+        if tp == 1:
+            left = [n for ns in machines.values() for n in ns]
+            if len(left) < st.cost.gpus:
+                raise NodeAssignmentError(f"island {st.island.id}: stage {k} of pipeline {p} needs {st.cost.gpus} "
+                                          f"nodes, {len(left)} are left")
+            nodes = left[:st.cost.gpus]
+        else:
+            nodes = []
+            for _ in range(st.cost.dp):
+                host = max(machines, key=lambda m: len(machines[m]), default=None)
+                if host is None or len(machines[host]) < tp:
+                    raise NodeAssignmentError(
+                        f"island {st.island.id}: stage {k} of pipeline {p} runs tp {tp}, and no machine has {tp} "
+                        "of its nodes left for another replica")
+                nodes.extend(machines[host][:tp])
+                machines[host] = machines[host][tp:]
+        taken = set(nodes)
+        for m in machines:
+            machines[m] = [n for n in machines[m] if n not in taken]
+        out[p, k] = nodes
+    return out
+
+
 def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cluster: Cluster,
             note: str = "") -> Plan:
     """A Plan from (candidate, its simulated times, its share of the global batch) per pipeline."""
@@ -252,18 +301,13 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
         outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
         islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
                                   gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
-    # live islands list one node per device: hand each stage its own dp of them, in order
-    used: dict[str, int] = {}
+    # live islands list one node per device: hand each stage its own dp x tp of them
+    given = assign_nodes([list(c.stages) for c, _, _ in pipes]) if cluster.source == "live" else {}
     pipelines: list[PipelinePlan] = []
-    for c, _, share in pipes:
+    for p_index, (c, _, share) in enumerate(pipes):
         stages: list[StagePlan] = []
         for k, st in enumerate(c.stages):
-            nodes: list[str] = []
-            if cluster.source == "live":
-                off = used.get(st.island.id, 0)
-                # replica-major: nodes[r * tp + k] is tp rank k of replica r (atoll.node.tp)
-                nodes = list(st.island.nodes[off:off + st.cost.gpus])
-                used[st.island.id] = off + st.cost.gpus
+            nodes = given.get((p_index, k), [])
             send = None
             if k < len(c.links):
                 x = c.links[k]
