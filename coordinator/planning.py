@@ -53,6 +53,8 @@ class PlanInputs:
     speed: Mapping[str, float] = field(default_factory=dict)
     """Per node, how many times slower than its profile its device computed in the runs so far
     (`atoll.coordinator.calibration`); the planner sees each profile scaled by it (1: as profiled)."""
+    replica_groups: bool = False
+    """The plan becomes replica groups of an outer-mode plan (`_plan_around`), which the runtime runs at tp 1."""
 
 
 HANDOVER_SECONDS = 120.0
@@ -128,7 +130,7 @@ def _plan_around(inputs: PlanInputs, kept: list[int]) -> tuple[Plan, str]:
     if rest:
         islands = [replace(i, nodes=[n for n in i.nodes if n in rest]) for i in inputs.islands]
         islands = [i for i in islands if i.nodes]
-        sub_inputs = replace(inputs, members=rest, islands=islands, previous=None)
+        sub_inputs = replace(inputs, members=rest, islands=islands, previous=None, replica_groups=True)
         sub, sub_how = _make_plan(sub_inputs)
         sub_groups = sub.groups if sub.mode == "outer" else [ReplicaGroup(
             name=",".join(sorted({i.group or i.id for i in sub.islands})) or "group",
@@ -187,7 +189,8 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
     # [cluster] host_tp: the nodes of one machine (one process per GPU) may run a stage tensor-parallel; the
     # runtime runs tp in synchronous plans only, so not where replica groups across regions are possible
-    host_tp = job.cluster.host_tp and (len(set(regions.values())) == 1 or job.outer.mode == "sync")
+    host_tp = job.cluster.host_tp and not inputs.replica_groups and (len(set(regions.values())) == 1
+                                                                     or job.outer.mode == "sync")
     hosts = {n: m.profile.hostname or n for n, m in inputs.members.items()} if host_tp else None
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions, hosts=hosts)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))

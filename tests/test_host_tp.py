@@ -15,7 +15,7 @@ from atoll.coordinator.planner.catalog import device
 from atoll.coordinator.planner.composer import StageChoice
 from atoll.coordinator.planner.parallelizer import IslandCost
 from atoll.coordinator.planner.planjob import NodeAssignmentError, assign_nodes
-from atoll.coordinator.planning import PlanInputs, make_plan
+from atoll.coordinator.planning import PlanInputs, make_plan, planner_plan
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
@@ -114,6 +114,10 @@ def test_the_coordinator_plans_tp_within_machines_only_when_the_job_asks() -> No
     plan.validate(6)
     off, _ = make_plan(_inputs(hosts, host_tp=False))
     assert all(s.tp == 1 for p in off.pipelines for s in p.stages)
+    # a region's replica group planned around groups that run on (outer mode) runs tp 1: the runtime has no tp
+    # there
+    grouped = planner_plan(replace(_inputs(hosts, host_tp=True), replica_groups=True))
+    assert all(s.tp == 1 for p in grouped.pipelines for s in p.stages)
 
 
 def test_letting_the_planner_use_tp_never_gives_a_slower_plan() -> None:
