@@ -497,7 +497,8 @@ class CoordinatorState:
         if speed != self.speed:  # (a row per node: written only when a run moved them)
             self.store.put_speed(speed)
         self.speed = speed
-        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" for p in plan.pipelines for s in p.stages)
+        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" + (f" tp{s.tp}" if s.tp > 1 else "")
+                           for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, inputs.members)}"
 
     def _drift_check(self, plan: Plan, alive: dict[str, MemberRecord], now: float) -> list[str]:
