@@ -112,11 +112,12 @@ def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
 
 def hands_over_live(plan: Plan) -> bool:
     """Whether the nodes of `plan` keep their state live for a next plan that keeps them all (no rollback to a
-    checkpoint): not where a stage's weights are spread over tp ranks, or in outer mode (`PlanRunner._snapshot`).
-    A ZeRO stage's replicas gather their optimizer state whole when they are all alive (`_zero_states`)."""
+    checkpoint): not in outer mode, nor where a stage runs ZeRO over replicas of tp ranks (`PlanRunner._snapshot`).
+    A ZeRO stage's replicas gather their optimizer state whole when they are all alive (`_zero_states`), a tp
+    stage's ranks their shards (`_tp_whole`)."""
     if plan.mode != "sync":
         return False
-    return not any(st.tp > 1 for pipe in plan.pipelines for st in pipe.stages)
+    return not any(st.tp > 1 and st.zero >= 1 and st.dp > 1 for pipe in plan.pipelines for st in pipe.stages)
 
 
 def switch_seconds(history: Iterable[tuple[int, float]], steps: Iterable[StepMetrics]) -> float:

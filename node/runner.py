@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -161,6 +161,8 @@ ZERO_FAILED_WAIT_S = 3.0
 its superseded replicas (who wait up to `ZERO_HANDOVER_S` for it), where the run could not report its failure
 first (no `RunContext.report_failure`): short, as the report that goes out after the run may be what the newer
 plan answers."""
+TP_HANDOVER_S = 15.0
+"""How long a superseded tensor-parallel stage's ranks take at most to gather its whole layers for the next plan."""
 ZERO_REPORTED_WAIT_S = 10.0
 """The same wait where the run reported its failure before the handover: the coordinator's replan answers that
 report, and the node would wait for that plan after its run anyway."""
@@ -556,7 +558,9 @@ class PlanRunner:
                 # meet; a failed one waits for that plan first
                 wait = 0.0 if stop.is_set() else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
                 states = self._zero_states(store, optimizer, step, wait=wait) if stop.is_set() or failed else None
-                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states))
+                # a tp stage's ranks likewise gather its shards whole on tp rank 0
+                whole = self._tp_whole(store, module, optimizer, step, wait=wait) if stop.is_set() or failed else None
+                held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states, whole))
             if self.tp is not None:
                 self.tp.close()
         if reporter.stop_requested.is_set() and step < job.train.steps:
@@ -663,18 +667,7 @@ class PlanRunner:
         if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or self.tp is not None or pl is None
                 or store is None or self.plan.mode != "sync"):
             return None
-        newest = self.ctx.newest_plan
-        after = newest() if newest is not None else None
-        deadline = time.monotonic() + wait
-        while (newest is not None and time.monotonic() < deadline
-               and (after is None or after.epoch <= self.plan.epoch)):
-            time.sleep(0.2)
-            after = newest()
-        # the replicas the newer plan runs or leaves idle are alive and end their runs too; one that left or
-        # died (or a run ending without a newer plan: this node leaving) would only be waited for
-        st = self.plan.pipelines[pl.pipeline].stages[pl.stage]
-        if after is None or after.epoch <= self.plan.epoch or not set(st.nodes) <= {
-                *after.node_addresses, *(n for i in after.idle for n in i.nodes)}:
+        if not self._newer_plan_keeps(self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes, wait):
             return None
         timeout = timedelta(seconds=ZERO_HANDOVER_S)
         try:
@@ -697,24 +690,69 @@ class PlanRunner:
             log.info("ZeRO state of stage %d gathered whole after step %d for the next plan", pl.stage, step)
         return states
 
+    def _newer_plan_keeps(self, nodes: Sequence[str], wait: float) -> bool:
+        """Whether a plan newer than this run's (waiting up to `wait` s for one) runs or leaves idle every node
+        of `nodes`: they are alive and end their runs too, so a handover among them can be met. One that left or
+        died (or a run ending without a newer plan: this node leaving) would only be waited for."""
+        newest = self.ctx.newest_plan
+        after = newest() if newest is not None else None
+        deadline = time.monotonic() + wait
+        while (newest is not None and time.monotonic() < deadline
+               and (after is None or after.epoch <= self.plan.epoch)):
+            time.sleep(0.2)
+            after = newest()
+        return (after is not None and after.epoch > self.plan.epoch
+                and set(nodes) <= {*after.node_addresses, *(n for i in after.idle for n in i.nodes)})
+
+    def _tp_whole(self, store: dist.Store | None, module, optimizer, step: int, wait: float = 0.0) -> dict | None:
+        """A tensor-parallel stage superseded with its tp group alive: its whole layers and AdamW state gathered
+        on tp rank 0 (None on the others, and where that cannot be done within `TP_HANDOVER_S`), so that rank
+        serves live state and the next plan rolls nothing back. Over a group of its own (the tp group may hold a
+        collective the supersession abandoned); the ranks agree on the step first. Not under ZeRO."""
+        pl = self.placement
+        if (self.tp is None or pl is None or store is None or self.plan.mode != "sync"
+                or isinstance(optimizer, ZeroOptimizer) or not self._newer_plan_keeps(pl.tp_group, wait)):
+            return None
+        timeout = timedelta(seconds=TP_HANDOVER_S)
+        extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
+        try:
+            group = _group(store, f"{self._group_prefix()}/tp-handover-{pl.pipeline}-{pl.stage}-{pl.replica}/",
+                           pl.tp_rank, pl.tp, timeout, self.ctx.device)
+            steps = torch.tensor([float(step), float(step) ** 2], dtype=torch.float64, device=self.ctx.device)
+            wait_collective(group.allreduce([steps]), timeout, "tp handover step check")
+            if abs(float(steps[1]) * pl.tp - float(steps[0]) ** 2) > 0.5:
+                log.info("the tp ranks of stage %d ended at different steps: no live state", pl.stage)
+                return None
+            whole = self.tp.gather_whole(module, optimizer, group, timeout, extra=extra)
+        except Exception as e:  # noqa: BLE001 - no live state then: the next plan resumes from a checkpoint
+            log.info("the tp shards of stage %d could not be gathered for the next plan (%s); it resumes these "
+                     "layers from a checkpoint", pl.stage, e)
+            return None
+        if whole is not None:
+            log.info("tp shards of stage %d gathered whole after step %d for the next plan", pl.stage, step)
+        return whole
+
     def _snapshot(self, module, optimizer, step: int, stage: PipelineStage | None = None,
-                  states: ParamStates | None = None) -> LiveState | None:
+                  states: ParamStates | None = None, whole: dict | None = None) -> LiveState | None:
         """The stage's state after `step` steps, to serve to the next plan's nodes; None where the state is
-        spread over ranks (tensor-parallel shards, ZeRO unless `states` holds its optimizer state gathered whole,
-        `_zero_states`) or belongs to a replica group (outer mode). When the norm exchange of step `step` failed
+        spread over ranks (tensor-parallel shards unless `whole` holds them gathered, `_tp_whole`; ZeRO unless
+        `states` holds its optimizer state gathered whole, `_zero_states`) or belongs to a replica group (outer
+        mode). When the norm exchange of step `step` failed
         here, the state keeps that step's gradients; it keeps the total of the last exchange it completed
         (`atoll.node.roll_forward`)."""
         pl = self.placement
+        total = (stage.exchanged[1] if stage is not None and stage.exchanged is not None
+                 and stage.exchanged[0] == step - 1 else None)
+        if whole is not None:  # tp: the whole layers its ranks gathered (`_tp_whole`), no pending gradients
+            return LiveState.of(whole, step=step, epoch=self.plan.epoch, norm_total=total)
         if self.plan.mode != "sync" or pl is None or pl.tp > 1 or (isinstance(optimizer, ZeroOptimizer)
                                                                    and states is None):
             return None
         if states is None and step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh
             return None
         extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
-        # the total of the last norm exchange it completed: with it, a holder of another stage whose exchange
-        # of that step failed can be finished to this step (`live_state.finishable`)
-        total = (stage.exchanged[1] if stage is not None and stage.exchanged is not None
-                 and stage.exchanged[0] == step - 1 else None)
+        # the total of the last norm exchange it completed (`total`): with it, a holder of another stage whose
+        # exchange of that step failed can be finished to this step (`live_state.finishable`)
         if states is not None:  # ZeRO: whole weights and the gathered AdamW state, no pending gradients (sharded)
             return LiveState.of(slice_state(module, states, extra=extra), step=step, epoch=self.plan.epoch,
                                 norm_total=total)

@@ -332,3 +332,44 @@ class TensorParallel:
         return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,
                 "tensors": tensors, "optimizer": opt, "extra": dict(extra or {})}
 
+    def gather_whole(self, module: StageModule, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
+                     timeout: timedelta, extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """`full_state` over `group` (the same ranks in another group): what a superseded tp stage hands over,
+        when its own group may hold a collective the supersession abandoned (DTensor's gathers run on that one).
+        Every rank calls it with the same parameters holding state; each gather is bounded by `timeout`."""
+        from atoll.node.dataparallel import wait_collective
+
+        def whole(name: str, t: torch.Tensor) -> torch.Tensor:
+            if isinstance(t, DTensor):
+                local, placement = t.to_local(), t.placements[0]
+                if placement.is_shard():
+                    d = placement.dim  # type: ignore[attr-defined]
+                    n = t.shape[d]
+                    chunk = -(-n // self.size)  # torch.chunk's split, as DTensor's Shard cuts
+                    sizes = [max(0, min(chunk, n - r * chunk)) for r in range(self.size)]
+                    if local.shape[d] < chunk:
+                        pad = list(local.shape)
+                        pad[d] = chunk - local.shape[d]
+                        local = torch.cat([local, local.new_zeros(pad)], dim=d)
+                    parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_leader else []
+                    opts = dist.GatherOptions()
+                    opts.rootRank = 0
+                    wait_collective(group.gather([parts] if self.is_leader else [], [local.contiguous()], opts),
+                                    timeout, f"tp handover gather of {name}")
+                    if not self.is_leader:
+                        return t.new_empty(0)
+                    local = torch.cat([x.narrow(d, 0, k) for x, k in zip(parts, sizes) if k], dim=d)
+                t = _unorder(local, self.orders.get(name))
+            return t.detach().cpu().clone()
+
+        tensors = {k: whole(k, v) for k, v in module.state_dict().items()}
+        opt: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in module.named_parameters():
+            st = optimizer.state.get(p)
+            if st:
+                opt[name] = {k: whole(name, v) if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()}
+        if not self.is_leader:
+            return None
+        return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,
+                "tensors": tensors, "optimizer": opt, "extra": dict(extra or {})}
+

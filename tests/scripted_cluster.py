@@ -30,7 +30,8 @@ from atoll.types import StepMetrics
 
 TOKEN = "churn-token"
 Layout = Sequence[tuple]
-"""Per stage: (layers, node names) or (layers, node names, ZeRO stage)."""
+"""Per stage: (layers, node names), (layers, node names, ZeRO stage) or (layers, node names, ZeRO stage, tp): with
+tp, the names are dp x tp nodes, replica-major."""
 
 RESUME = re.compile(r"resume: step (\d+) \((live state|checkpoint); (.*?)\); the job was at step (\d+): (\d+) steps "
                     r"rolled back")
@@ -48,9 +49,10 @@ def scripted_planner(job: JobSpec, layouts: Mapping[frozenset[str], Layout]):
         p = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
                  islands=list(inputs.islands), pipelines=[PipelinePlan(
                      micro_batch=job.train.global_batch // 2, num_micro_batches=2,
-                     stages=[StagePlan(island=island_of[nodes[0]], layers=layers, dp=len(nodes), nodes=list(nodes),
-                                       zero=zero[0] if zero else 0)
-                             for layers, nodes, *zero in layout])])
+                     stages=[StagePlan(island=island_of[nodes[0]], layers=layers,
+                                       dp=len(nodes) // (more[1] if len(more) > 1 else 1), nodes=list(nodes),
+                                       zero=more[0] if more else 0, tp=more[1] if len(more) > 1 else 1)
+                             for layers, nodes, *more in layout])])
         p = finish_plan(p, inputs)
         p.validate(job.model_spec.num_layers)
         return p, "scripted"

@@ -49,7 +49,8 @@ def test_the_running_plan_is_re_estimated_at_its_slowest_stages_new_pace() -> No
 
 def test_a_plan_with_state_spread_over_ranks_cannot_hand_it_over_live() -> None:
     assert hands_over_live(_plan())
-    assert not hands_over_live(_plan(tp=2, nodes=["b", "c"]))
+    assert hands_over_live(_plan(tp=2, nodes=["b", "c"]))  # the tp ranks gather their shards whole at the switch
+    assert not hands_over_live(_plan(tp=2, dp=2, zero=1, nodes=["b", "c", "d", "e"]))  # ZeRO over tp shards: no
     assert hands_over_live(_plan(dp=2, zero=1, nodes=["b", "c"]))  # ZeRO gathers its state whole at the switch
     assert hands_over_live(_plan(dp=2, zero=0, nodes=["b", "c"]))
     assert not hands_over_live(replace(_plan(), mode="outer"))
@@ -182,11 +183,14 @@ def test_no_replan_within_the_threshold_for_a_model_error_when_disabled_or_near_
 
 def test_a_plan_without_live_handover_switches_only_right_after_a_checkpoint() -> None:
     state, clock, ids = _state()
-    # the running plan as if its last stage were two tp ranks: its state is spread over them
+    # the running plan as if its last stage were two replicas of two tp ranks under ZeRO: its state is spread
+    # over them
     plan = state.current_plan()
     last = plan.pipelines[0].stages[-1]
-    zeroed = replace(plan, pipelines=[replace(plan.pipelines[0], stages=[
-        *plan.pipelines[0].stages[:-1], replace(last, tp=2, nodes=[*last.nodes, "extra"])])])
+    pipe = plan.pipelines[0]
+    zeroed = replace(plan, pipelines=[replace(pipe, micro_batch=2 * pipe.micro_batch,
+                                              num_micro_batches=pipe.num_micro_batches // 2, stages=[
+        *pipe.stages[:-1], replace(last, tp=2, dp=2, zero=1, nodes=[*last.nodes, "extra", "extra2", "extra3"])])])
     assert not hands_over_live(zeroed)
     state._plan = zeroed  # noqa: SLF001 - the running plan, seen by the drift check only
     slow = plan.pipelines[0].stages[0].nodes[0]

@@ -152,8 +152,18 @@ def _module_worker(args: dict) -> None:
         ga, gb = (g.to_local() if isinstance(g, DTensor) else g for g in (a.grad, b.grad))
         deferred_err = max(deferred_err, float((ga - gb).abs().max()))
     state = tp.full_state(sharded, opt)
+    # the handover's gather over a group of its own gives the same whole layers (uneven vocabulary shards too)
+    fresh = dist.ProcessGroupGloo(dist.PrefixStore("handover/", store), args["rank"], 2, timedelta(seconds=30))
+    handed = tp.gather_whole(sharded, opt, fresh, timedelta(seconds=30), extra={"step": 3})
     out: dict = {"rank": args["rank"], "steps": rows, "exact": exact, "deferred": len(pending),
-                 "deferred_err": deferred_err, "stash": stash}
+                 "deferred_err": deferred_err, "stash": stash, "handed": handed is not None}
+    if state is not None and handed is not None:
+        out["handover_equal"] = (
+            sorted(handed["tensors"]) == sorted(state["tensors"]) and handed["extra"] == {"step": 3}
+            and all(torch.equal(handed["tensors"][n], t) for n, t in state["tensors"].items())
+            and sorted(handed["optimizer"]) == sorted(state["optimizer"])
+            and all(torch.equal(handed["optimizer"][n][k], v) for n, st in state["optimizer"].items()
+                    for k, v in st.items()))
     if state is not None:
         ref = {n: p.detach() for n, p in whole.state_dict().items()}
         out["same_names"] = sorted(state["tensors"]) == sorted(ref)
@@ -473,6 +483,7 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
     # weights are ~0.02; a shard put back in the wrong place would be off by that much
     assert out[0]["same_names"] and out[0]["weights"] < 2e-3 and out[0]["exp_avg"] < 1e-5, out[0]
     assert "weights" not in out[1]  # rank 0 alone holds the gathered state
+    assert out[0]["handed"] and not out[1]["handed"] and out[0]["handover_equal"], out[0]
 
 
 def test_placement_of_a_tp_stage() -> None:
