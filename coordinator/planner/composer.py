@@ -321,7 +321,7 @@ class Composer:
 
     def _rate(self, s: _Setup, max_units: int) -> tuple[float, float]:
         """(micro-batches per second of all work spread over the setup's fastest stages, the least time one
-        micro-batch needs through the whole model on one stage)."""
+        micro-batch's own path through the whole model takes on one stage: its forwards and input gradients)."""
         full, path = [], []
         deferring = self.cost_model.options.zero_bubble
         for i, (isl, c) in enumerate(zip(s.order, s.caps)):
