@@ -176,7 +176,6 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     regions may train as replica groups with an outer sync, and how.
     """
     from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, plan_job
-    from atoll.coordinator.planner.planjob import NodeAssignmentError
 
     job = inputs.job
     islands = {i.id: list(i.nodes) for i in inputs.islands}
@@ -205,16 +204,25 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     timings = ProfileSet.from_node_profiles(islands, profiles)
-    plain = plan_job(job.model_spec, cluster, train, timings, replace(options, max_tp=1))
     if not host_tp:
-        return plain
+        return plan_job(job.model_spec, cluster, train, timings, options)
     # the search prunes by bounds and refines only its best few: with more choices it may settle on a plan a
-    # search without tp beats, so the plan without tp is the floor
+    # search without tp beats, so the plan without tp is the floor (and the answer where tp cannot be placed);
+    # a model that fits only split over tp ranks has no plan without it
+    plain: Plan | None = None
+    try:
+        plain = plan_job(job.model_spec, cluster, train, timings, replace(options, max_tp=1))
+    except ValueError as e:
+        log.info("no plan without tensor parallelism (%s); planning with it", e)
     try:
         with_tp = plan_job(job.model_spec, cluster, train, timings, options)
-    except NodeAssignmentError as e:  # a tp group would span machines
+    except ValueError as e:  # a tp group would span machines (NodeAssignmentError), or nothing fits
+        if plain is None:
+            raise
         log.warning("%s; planning without tensor parallelism", e)
         return plain
+    if plain is None:
+        return with_tp
     faster = with_tp.predicted.step_time_s < plain.predicted.step_time_s
     log.info("host_tp: the plan with tensor parallelism within machines predicts %.3f s a step, without %.3f s; "
              "keeping the one %s", with_tp.predicted.step_time_s, plain.predicted.step_time_s,

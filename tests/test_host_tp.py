@@ -161,3 +161,36 @@ def test_a_setups_bound_leaves_deferred_weight_gradients_off_the_path() -> None:
         assert s.bound <= best.step_s + 1e-9, (s.widths, s.batch, s.bound, best.step_s)
         checked += 1
     assert checked >= 2
+
+
+def test_a_model_that_fits_only_over_tp_ranks_is_planned_with_them(monkeypatch) -> None:
+    """With host_tp, a search without tp that finds nothing (a model that fits only split over a machine's ranks)
+    leaves the plan with tp; a tp plan that cannot be placed leaves the one without."""
+    import atoll.coordinator.planner as planner
+    from atoll.coordinator.planner import NoFeasiblePlan
+    from atoll.coordinator.planner.planjob import NodeAssignmentError
+
+    real = planner.plan_job
+    hosts = {"a1": "m1", "b1": "m2", "a2": "m1", "b2": "m2"}
+
+    def tp_only(model, cluster, train, profiles, options):
+        if options.max_tp == 1:
+            raise NoFeasiblePlan("layer 1 does not fit one device's memory")
+        return real(model, cluster, train, profiles, options)
+
+    monkeypatch.setattr(planner, "plan_job", tp_only)
+    plan = planner_plan(_inputs(hosts, host_tp=True))
+    assert any(s.tp > 1 for p in plan.pipelines for s in p.stages)
+
+    def unplaceable(model, cluster, train, profiles, options):
+        if options.max_tp > 1:
+            raise NodeAssignmentError("island cuda0: no machine has 2 of its nodes left for another replica")
+        return real(model, cluster, train, profiles, options)
+
+    monkeypatch.setattr(planner, "plan_job", unplaceable)
+    plan = planner_plan(_inputs(hosts, host_tp=True))
+    assert all(s.tp == 1 for p in plan.pipelines for s in p.stages)
+
+    monkeypatch.setattr(planner, "plan_job", lambda *a: (_ for _ in ()).throw(NoFeasiblePlan("nothing fits")))
+    with pytest.raises(NoFeasiblePlan, match="nothing fits"):
+        planner_plan(_inputs(hosts, host_tp=True))
