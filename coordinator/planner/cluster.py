@@ -227,7 +227,9 @@ class Cluster:
                 dev = replace(base, memory_gb=mem_gb)
             except ValueError:
                 dev = DeviceSpec(name=name, tflops_16=0.0, tflops_32=0.0, memory_gb=mem_gb, source="node profile")
-            inner = inside.get(iid, [])
+            # with machines, `inside` holds the links between them; unmeasured, those within them stand in, as
+            # every link of the island did before
+            inner = inside.get(iid, []) or same_host.get(iid, [])
             bw = min((b for b, _ in inner), default=floor_bw)
             lat = max((t for _, t in inner), default=floor_lat)
             per_node, intra, order, machines = 1, bw, tuple(node_ids), ()
@@ -238,10 +240,7 @@ class Cluster:
                 order = tuple(n for ns in by_host.values() for n in ns)
                 machines = tuple(h for h, ns in by_host.items() for _ in ns)
                 per_node = min(len(ns) for ns in by_host.values())
-                local = same_host.get(iid, [])
-                if len(by_host) == 1 and local:  # one machine: its own links are all there are
-                    bw, lat = min(b for b, _ in local), max(t for _, t in local)
-                intra = min((b for b, _ in local), default=bw)
+                intra = min((b for b, _ in same_host.get(iid, [])), default=bw)
             built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=per_node,
                                 region=(regions or {}).get(iid, "default"), intra_node_bandwidth=intra,
                                 inter_node_bandwidth=bw, latency_s=lat, nodes=order, hosts=machines,
