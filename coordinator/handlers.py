@@ -193,13 +193,21 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
         raise FailedPrecondition("the current plan has no replica groups; wait for the next plan")
     if req.plan_epoch > plan.epoch:
         raise FailedPrecondition(f"outer sync for plan epoch {req.plan_epoch}, but the newest is {plan.epoch}")
-    if req.group >= len(plan.groups):
-        raise InvalidArgument(f"group {req.group} does not exist; the plan has {len(plan.groups)}")
     groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
                         nodes=frozenset(n for p in g.pipelines for st in plan.pipelines[p].stages for n in st.nodes))
               for i, g in enumerate(plan.groups)]
-    if req.node_id not in groups[req.group].nodes:
-        raise FailedPrecondition(f"node {req.node_id} is not in group {req.group} ({plan.groups[req.group].name}) "
+    group = req.group
+    if req.plan_epoch < plan.epoch:
+        # a node that has not adopted the newest plan yet names its group by its own plan's index, which the
+        # newest plan may have moved (a kept group is listed first): its group is the one holding it, when that
+        # group ran unchanged since before the node's plan (otherwise it was replanned and the node's run ends)
+        mine = next((g for g in groups if req.node_id in g.nodes), None)
+        if mine is not None and mine.since_epoch <= max(1, req.plan_epoch):
+            group = mine.index
+    if group >= len(plan.groups):
+        raise InvalidArgument(f"group {group} does not exist; the plan has {len(plan.groups)}")
+    if req.node_id not in groups[group].nodes:
+        raise FailedPrecondition(f"node {req.node_id} is not in group {group} ({plan.groups[group].name}) "
                                  f"of plan epoch {plan.epoch}; wait for the next plan")
     if req.round > 1 << 40 or req.tokens > 1 << 62 or req.inner_step > 1 << 40:
         raise InvalidArgument("round, tokens or inner_step out of range")
@@ -208,7 +216,7 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     deadline = plan.outer.deadline_s or 60.0
     stats = {"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
     d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
-                           group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
+                           group=group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                            deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch)
     return pb.OuterSyncReply(
         decided=d.decided, wait_seconds=d.wait_seconds, latest_round=max(state.outer.latest_decided, 0),

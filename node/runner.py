@@ -214,8 +214,10 @@ def apply_after_steps(job: JobSpec, outer, group) -> int:
 
 
 def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
-    """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided or the
-    coordinator is away (the caller retries); an error the coordinator refuses for good propagates."""
+    """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided, the
+    coordinator is away, or it asks to wait for the next plan (FAILED_PRECONDITION: a plan this node has not
+    adopted yet moved its group; the caller retries under the newest adopted plan until the run is superseded or
+    the round's deadline passes); an error the coordinator refuses for good propagates."""
     import grpc
 
     from atoll.v1 import atoll_pb2 as pb
@@ -230,7 +232,8 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
         try:
             reply = call(req)
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.FAILED_PRECONDITION):
                 return None
             raise
         if not reply.decided:

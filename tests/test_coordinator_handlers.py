@@ -273,3 +273,40 @@ def test_reprobe_on_request_and_when_stale(state: CoordinatorState, clock: Clock
     for n in ids:
         state.store.heartbeat(n, clock.t, 0, 0)
     assert sum(len(h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state).probe) for n in ids) == 1
+
+
+def test_an_outer_sync_under_the_plan_a_node_has_not_replaced_yet_finds_its_moved_group(
+        state: CoordinatorState) -> None:
+    """Plan epoch 2 keeps lab-a's group running (listed first now) and replans lab-b. A node of lab-a that arrives
+    at a round before adopting epoch 2 names its group by epoch 1's index (1); the coordinator finds the group
+    that holds it and ran unchanged since then. Before, it read the index against epoch 2 (lab-b) and refused,
+    which failed the node's run and sent lab-a back to its round's start (CI: test_regions_e2e)."""
+    from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup, StagePlan
+
+    ids = [join(state, host=f"h{i}", port=5001 + i).node_id for i in range(3)]
+    a0, a1, b0 = ids
+
+    def pipe(nodes: list[str]) -> PipelinePlan:
+        return PipelinePlan(micro_batch=16 // len(nodes) * len(nodes), num_micro_batches=1,
+                            stages=[StagePlan(island="i", layers=(0, 6), dp=len(nodes), nodes=nodes)])
+
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=2, job_id=state.job.id, mode="outer",
+                pipelines=[pipe([a0, a1]), pipe([b0])], outer=OuterPlan(inner_steps=5, deadline_s=5.0),
+                groups=[ReplicaGroup(name="lab-a", pipelines=[0], inner_steps=5, since_epoch=1),
+                        ReplicaGroup(name="lab-b", pipelines=[1], inner_steps=5, since_epoch=2)])
+    state._plan = plan  # noqa: SLF001 - the published plan, as the planning loop would set it
+
+    def arrive(node: str, epoch: int, group: int) -> pb.OuterSyncReply:
+        return h.handle_outer_sync(pb.OuterSyncRequest(job_id=state.job.id, node_id=node, plan_epoch=epoch,
+                                                       round=3, group=group, arrived=True, tokens=100), state)
+
+    arrive(a0, 1, 1)  # epoch 1's index of lab-a: taken as group 0 of epoch 2
+    arrive(a1, 2, 0)
+    # under the newest plan the index is read as it is
+    with pytest.raises(FailedPrecondition, match="not in group 1"):
+        arrive(a0, 2, 1)
+    # b0's group was replanned in epoch 2 (since epoch 2): under epoch 1 it has no group that ran on
+    with pytest.raises(FailedPrecondition, match="not in group 0"):
+        arrive(b0, 1, 0)
+    with pytest.raises(InvalidArgument, match="group 7 does not exist"):
+        arrive(a0, 2, 7)

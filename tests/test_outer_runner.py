@@ -303,3 +303,54 @@ def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeyp
     newest[0] = SimpleNamespace(epoch=2)
     with pytest.raises(outer_mod.ParticipantGone):
         sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
+
+
+def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retried() -> None:
+    """FAILED_PRECONDITION ("wait for the next plan") from OuterSync is a retry under the newest adopted plan, not
+    the end of the node's run; a refusal for good (INVALID_ARGUMENT) still ends it."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from atoll.node.outer import RoundStats
+    from atoll.node.runner import _arrive_via
+
+    class Refused(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "node n is not in group 1 (lab-b) of plan epoch 2; wait for the next plan"
+
+    plans = [SimpleNamespace(job_id="j", epoch=1), SimpleNamespace(job_id="j", epoch=2)]
+    seen = []
+
+    def call(req):
+        seen.append((req.plan_epoch, req.group))
+        if req.plan_epoch == 1:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION)
+        return pb.OuterSyncReply(decided=True, participants=[pb.OuterParticipant(group=0, tokens=5, since_epoch=1,
+                                                                                 node_ids=["n"])])
+
+    current = [plans[0]]
+    import atoll.node.runner as runner_mod
+
+    index = {1: 1, 2: 0}  # the node's group moved from index 1 to 0 in epoch 2
+    original = runner_mod.group_index
+    runner_mod.group_index = lambda plan, node: index[plan.epoch]
+    try:
+        arrive = _arrive_via(call, lambda: current[0], "n")
+        assert arrive(3, 5, True, RoundStats()) is None  # asked to wait for the next plan: retried later
+        current[0] = plans[1]  # adopted
+        decision = arrive(3, 5, False, RoundStats())
+        assert decision is not None and decision.participants[0].nodes == ("n",)
+        assert seen == [(1, 1), (2, 0)]
+        bad = _arrive_via(lambda req: (_ for _ in ()).throw(Refused(grpc.StatusCode.INVALID_ARGUMENT)),
+                          lambda: current[0], "n")
+        with pytest.raises(grpc.RpcError):
+            bad(3, 5, True, RoundStats())
+    finally:
+        runner_mod.group_index = original
