@@ -213,6 +213,11 @@ def apply_after_steps(job: JobSpec, outer, group) -> int:
     return 0
 
 
+def _live_extra(step: int, scaler: LossScaler | None) -> dict:
+    """What a stage's live state carries beside its layers: the step, and the fp16 loss scale."""
+    return {"step": step, **({"loss_scale": scaler.state_dict()} if scaler is not None else {})}
+
+
 def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
     """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided, the
     coordinator is away, or it asks to wait for the next plan (FAILED_PRECONDITION: a plan this node has not
@@ -674,13 +679,10 @@ class PlanRunner:
             return None
         timeout = timedelta(seconds=ZERO_HANDOVER_S)
         try:
-            group = _group(store, f"{self._group_prefix()}/zero-handover-{pl.pipeline}-{pl.stage}/", optimizer.rank,
-                           optimizer.world, timeout, self.ctx.device)
-            # the same step everywhere (sum and sum of squares), and no step abandoned mid-update on any replica
-            steps = torch.tensor([float(step), float(step) ** 2, float(optimizer.torn)], dtype=torch.float64,
-                                 device=optimizer.flat.device)
-            wait_collective(group.allreduce([steps]), timeout, "ZeRO handover step check")
-            if abs(float(steps[1]) * optimizer.world - float(steps[0]) ** 2) > 0.5 or float(steps[2]) > 0:
+            group = self._handover_group(store, f"zero-handover-{pl.pipeline}-{pl.stage}", optimizer.rank,
+                                         optimizer.world, step, timeout, device=optimizer.flat.device,
+                                         torn=optimizer.torn)
+            if group is None:
                 log.info("the ZeRO replicas of stage %d ended at different steps or inside a parameter update: no "
                          "live state", pl.stage)
                 return None
@@ -692,6 +694,18 @@ class PlanRunner:
         if states is not None:
             log.info("ZeRO state of stage %d gathered whole after step %d for the next plan", pl.stage, step)
         return states
+
+    def _handover_group(self, store: dist.Store, name: str, rank: int, size: int, step: int, timeout: timedelta,
+                        *, device: torch.device, torn: bool = False) -> dist.ProcessGroup | None:
+        """A group of its own for a handover among a stage's ranks (the stage's groups may hold a collective the
+        supersession abandoned), once they agree they ended at the same step (sum and sum of squares) and none
+        inside a parameter update (`torn`); None where they do not."""
+        group = _group(store, f"{self._group_prefix()}/{name}/", rank, size, timeout, self.ctx.device)
+        steps = torch.tensor([float(step), float(step) ** 2, float(torn)], dtype=torch.float64, device=device)
+        wait_collective(group.allreduce([steps]), timeout, f"{name} step check")
+        if abs(float(steps[1]) * size - float(steps[0]) ** 2) > 0.5 or float(steps[2]) > 0:
+            return None
+        return group
 
     def _newer_plan_keeps(self, nodes: Sequence[str], wait: float) -> bool:
         """Whether a plan newer than this run's (waiting up to `wait` s for one) runs or leaves idle every node
@@ -717,16 +731,13 @@ class PlanRunner:
                 or isinstance(optimizer, ZeroOptimizer) or not self._newer_plan_keeps(pl.tp_group, wait)):
             return None
         timeout = timedelta(seconds=TP_HANDOVER_S)
-        extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
         try:
-            group = _group(store, f"{self._group_prefix()}/tp-handover-{pl.pipeline}-{pl.stage}-{pl.replica}/",
-                           pl.tp_rank, pl.tp, timeout, self.ctx.device)
-            steps = torch.tensor([float(step), float(step) ** 2], dtype=torch.float64, device=self.ctx.device)
-            wait_collective(group.allreduce([steps]), timeout, "tp handover step check")
-            if abs(float(steps[1]) * pl.tp - float(steps[0]) ** 2) > 0.5:
+            group = self._handover_group(store, f"tp-handover-{pl.pipeline}-{pl.stage}-{pl.replica}", pl.tp_rank,
+                                         pl.tp, step, timeout, device=self.ctx.device)
+            if group is None:
                 log.info("the tp ranks of stage %d ended at different steps: no live state", pl.stage)
                 return None
-            whole = self.tp.gather_whole(module, optimizer, group, timeout, extra=extra)
+            whole = self.tp.full_state(module, optimizer, _live_extra(step, self.scaler), group=group, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - no live state then: the next plan resumes from a checkpoint
             log.info("the tp shards of stage %d could not be gathered for the next plan (%s); it resumes these "
                      "layers from a checkpoint", pl.stage, e)
@@ -753,7 +764,7 @@ class PlanRunner:
             return None
         if states is None and step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh
             return None
-        extra = {"step": step, **({"loss_scale": self.scaler.state_dict()} if self.scaler is not None else {})}
+        extra = _live_extra(step, self.scaler)
         # the total of the last norm exchange it completed (`total`): with it, a holder of another stage whose
         # exchange of that step failed can be finished to this step (`live_state.finishable`)
         if states is not None:  # ZeRO: whole weights and the gathered AdamW state, no pending gradients (sharded)

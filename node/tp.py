@@ -299,17 +299,23 @@ class TensorParallel:
 
     def full_state(self, module: StageModule,
                    optimizer: torch.optim.Optimizer | Mapping[nn.Parameter, Mapping[str, Any]] | None = None,
-                   extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+                   extra: Mapping[str, Any] | None = None, *, group: dist.ProcessGroup | None = None,
+                   timeout: timedelta | None = None) -> dict[str, Any] | None:
         """The whole layers' state (`atoll.node.slice_state` format) on rank 0, None on the others.
 
         `optimizer` is the stage's AdamW over the shards, or the per-parameter states a ZeRO optimizer gathered
         (`ZeroOptimizer.consolidated_state`: each state tensor of a shard's local shape, placed here as the
         parameter is). A collective: every rank of the tp group calls it, in the same step, with the same
-        parameters holding state.
+        parameters holding state. With `group` (the same ranks in another group) the shards are gathered over
+        it, each gather bounded by `timeout`: what a superseded tp stage hands over, when its own group may hold a
+        collective the supersession abandoned (DTensor's gathers run on that one).
         """
         def whole(name: str, t: torch.Tensor) -> torch.Tensor:
             if isinstance(t, DTensor):
-                t = _unorder(t.full_tensor(), self.orders.get(name))
+                full = t.full_tensor() if group is None else self._gather(name, t, group, timeout)
+                if full is None:  # not rank 0: gathered there
+                    return t.new_empty(0)
+                t = _unorder(full, self.orders.get(name))
             return t.detach().cpu().clone()
 
         def placed(p: nn.Parameter, v: Any) -> Any:
@@ -332,44 +338,28 @@ class TensorParallel:
         return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,
                 "tensors": tensors, "optimizer": opt, "extra": dict(extra or {})}
 
-    def gather_whole(self, module: StageModule, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup,
-                     timeout: timedelta, extra: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-        """`full_state` over `group` (the same ranks in another group): what a superseded tp stage hands over,
-        when its own group may hold a collective the supersession abandoned (DTensor's gathers run on that one).
-        Every rank calls it with the same parameters holding state; each gather is bounded by `timeout`."""
+    def _gather(self, name: str, t: DTensor, group: dist.ProcessGroup, timeout: timedelta | None
+                ) -> torch.Tensor | None:
+        """`t.full_tensor()` over `group`, on rank 0 (None on the others)."""
         from atoll.node.dataparallel import wait_collective
 
-        def whole(name: str, t: torch.Tensor) -> torch.Tensor:
-            if isinstance(t, DTensor):
-                local, placement = t.to_local(), t.placements[0]
-                if placement.is_shard():
-                    d = placement.dim  # type: ignore[attr-defined]
-                    n = t.shape[d]
-                    chunk = -(-n // self.size)  # torch.chunk's split, as DTensor's Shard cuts
-                    sizes = [max(0, min(chunk, n - r * chunk)) for r in range(self.size)]
-                    if local.shape[d] < chunk:
-                        pad = list(local.shape)
-                        pad[d] = chunk - local.shape[d]
-                        local = torch.cat([local, local.new_zeros(pad)], dim=d)
-                    parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_leader else []
-                    opts = dist.GatherOptions()
-                    opts.rootRank = 0
-                    wait_collective(group.gather([parts] if self.is_leader else [], [local.contiguous()], opts),
-                                    timeout, f"tp handover gather of {name}")
-                    if not self.is_leader:
-                        return t.new_empty(0)
-                    local = torch.cat([x.narrow(d, 0, k) for x, k in zip(parts, sizes) if k], dim=d)
-                t = _unorder(local, self.orders.get(name))
-            return t.detach().cpu().clone()
-
-        tensors = {k: whole(k, v) for k, v in module.state_dict().items()}
-        opt: dict[str, dict[str, torch.Tensor]] = {}
-        for name, p in module.named_parameters():
-            st = optimizer.state.get(p)
-            if st:
-                opt[name] = {k: whole(name, v) if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()}
+        local, placement = t.to_local(), t.placements[0]
+        if not placement.is_shard():
+            return local
+        d = placement.dim  # type: ignore[attr-defined]
+        n = t.shape[d]
+        chunk = -(-n // self.size)  # torch.chunk's split, as DTensor's Shard cuts
+        sizes = [max(0, min(chunk, n - r * chunk)) for r in range(self.size)]
+        if local.shape[d] < chunk:
+            pad = list(local.shape)
+            pad[d] = chunk - local.shape[d]
+            local = torch.cat([local, local.new_zeros(pad)], dim=d)
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.is_leader else []
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        wait_collective(group.gather([parts] if self.is_leader else [], [local.contiguous()], opts),
+                        timeout or timedelta(seconds=60), f"tp handover gather of {name}")
         if not self.is_leader:
             return None
-        return {"format": FORMAT, "model": module.config.to_dict(), "start": module.start, "end": module.end,
-                "tensors": tensors, "optimizer": opt, "extra": dict(extra or {})}
+        return torch.cat([x.narrow(d, 0, k) for x, k in zip(parts, sizes) if k], dim=d)
 

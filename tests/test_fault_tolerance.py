@@ -214,7 +214,7 @@ def test_calls_to_the_coordinator_resume_within_a_heartbeat_interval_after_an_ou
 
 
 @pytest.mark.timeout(90)
-def test_a_failed_run_reports_its_failure_before_its_zero_handover(tmp_path: Path) -> None:
+def test_a_failed_run_reports_its_failure_before_its_zero_handover(tmp_path: Path, monkeypatch) -> None:
     """A ZeRO replica whose step failed waits for the newer plan before its state handover (whether its other
     replicas meet it there); the coordinator replans on its failure report, so the run sends that report first,
     through `RunContext.report_failure`, and says so (its caller does not report it again)."""
@@ -235,15 +235,11 @@ def test_a_failed_run_reports_its_failure_before_its_zero_handover(tmp_path: Pat
                             stages=[stage])
     import atoll.node.runner as runner_mod
 
-    saved = runner_mod.ZERO_REPORTED_WAIT_S
-    runner_mod.ZERO_REPORTED_WAIT_S = 0.5
-    try:
-        run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", timeout=timedelta(seconds=8), join=45, stops=stops,
-                              on_report=report, check=False, holders=True, node_context=lambda n: {
-                                  "report_failure": lambda step, reason: events.append(("failure", step, reason)),
-                                  "newest_plan": newest} if n == "a" else {})
-    finally:
-        runner_mod.ZERO_REPORTED_WAIT_S = saved
+    monkeypatch.setattr(runner_mod, "ZERO_REPORTED_WAIT_S", 0.5)
+    run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", timeout=timedelta(seconds=8), join=45, stops=stops,
+                          on_report=report, check=False, holders=True, node_context=lambda n: {
+                              "report_failure": lambda step, reason: events.append(("failure", step, reason)),
+                              "newest_plan": newest} if n == "a" else {})
     error, _ = run.ended["a"]
     assert isinstance(error, RunFailed), error
     failures = [e for e in events if e[0] == "failure"]

@@ -9,6 +9,7 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from pipeline_harness import run_pinned_plan, stage, tiny_job
@@ -23,6 +24,19 @@ from atoll.node.stage import PipelineStage
 from atoll.node.inprocess import InProcessLinks
 from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup
 from atoll.v1 import atoll_pb2 as pb
+
+
+class _RpcError(grpc.RpcError):
+    """What a gRPC call raises: a status code and its details."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 def _arbiter(plan: Plan):
@@ -195,8 +209,6 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    import grpc
-
     from atoll.compression import CodecSpec
     from atoll.node import outer as outer_mod
 
@@ -208,20 +220,13 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
                                      deadline=timedelta(seconds=30))
     sync.stop = threading.Event()
 
-    class Gone(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "connection refused"
-
     tries = []
 
     def fetch(*a, **kw):
         tries.append(1)
         if len(tries) == 3:
             sync.stop.set()
-        raise Gone()
+        raise _RpcError(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
     monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
@@ -251,8 +256,6 @@ def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeyp
     round's start). A refusal that retrying cannot mend still fails at once."""
     from types import SimpleNamespace
 
-    import grpc
-
     from atoll.compression import CodecError, CodecSpec
     from atoll.node import outer as outer_mod
 
@@ -268,15 +271,8 @@ def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeyp
     in_plan = {1: True}
     monkeypatch.setattr(outer_mod, "_group_in", lambda plan, p: 1 if in_plan.get(plan.epoch) else None)
 
-    class Broken(grpc.RpcError):
-        def __init__(self, code):
-            self._code = code
-
-        def code(self):
-            return self._code
-
-        def details(self):
-            return "RST_STREAM with error code 2"
+    def Broken(code: grpc.StatusCode) -> _RpcError:  # noqa: N802 - read as the error it makes
+        return _RpcError(code, "RST_STREAM with error code 2")
 
     errors = [Broken(grpc.StatusCode.INTERNAL), CodecError("stream ended inside tensor 'w': truncated"),
               Broken(grpc.StatusCode.CANCELLED)]
@@ -305,25 +301,16 @@ def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeyp
         sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
 
 
-def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retried() -> None:
+def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retried(monkeypatch) -> None:
     """FAILED_PRECONDITION ("wait for the next plan") from OuterSync is a retry under the newest adopted plan, not
     the end of the node's run; a refusal for good (INVALID_ARGUMENT) still ends it."""
     from types import SimpleNamespace
 
-    import grpc
-
     from atoll.node.outer import RoundStats
     from atoll.node.runner import _arrive_via
 
-    class Refused(grpc.RpcError):
-        def __init__(self, code):
-            self._code = code
-
-        def code(self):
-            return self._code
-
-        def details(self):
-            return "node n is not in group 1 (lab-b) of plan epoch 2; wait for the next plan"
+    def Refused(code: grpc.StatusCode) -> _RpcError:  # noqa: N802 - read as the error it makes
+        return _RpcError(code, "node n is not in group 1 (lab-b) of plan epoch 2; wait for the next plan")
 
     plans = [SimpleNamespace(job_id="j", epoch=1), SimpleNamespace(job_id="j", epoch=2)]
     seen = []
@@ -339,18 +326,14 @@ def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retrie
     import atoll.node.runner as runner_mod
 
     index = {1: 1, 2: 0}  # the node's group moved from index 1 to 0 in epoch 2
-    original = runner_mod.group_index
-    runner_mod.group_index = lambda plan, node: index[plan.epoch]
-    try:
-        arrive = _arrive_via(call, lambda: current[0], "n")
-        assert arrive(3, 5, True, RoundStats()) is None  # asked to wait for the next plan: retried later
-        current[0] = plans[1]  # adopted
-        decision = arrive(3, 5, False, RoundStats())
-        assert decision is not None and decision.participants[0].nodes == ("n",)
-        assert seen == [(1, 1), (2, 0)]
-        bad = _arrive_via(lambda req: (_ for _ in ()).throw(Refused(grpc.StatusCode.INVALID_ARGUMENT)),
-                          lambda: current[0], "n")
-        with pytest.raises(grpc.RpcError):
-            bad(3, 5, True, RoundStats())
-    finally:
-        runner_mod.group_index = original
+    monkeypatch.setattr(runner_mod, "group_index", lambda plan, node: index[plan.epoch])
+    arrive = _arrive_via(call, lambda: current[0], "n")
+    assert arrive(3, 5, True, RoundStats()) is None  # asked to wait for the next plan: retried later
+    current[0] = plans[1]  # adopted
+    decision = arrive(3, 5, False, RoundStats())
+    assert decision is not None and decision.participants[0].nodes == ("n",)
+    assert seen == [(1, 1), (2, 0)]
+    bad = _arrive_via(lambda req: (_ for _ in ()).throw(Refused(grpc.StatusCode.INVALID_ARGUMENT)),
+                      lambda: current[0], "n")
+    with pytest.raises(grpc.RpcError):
+        bad(3, 5, True, RoundStats())

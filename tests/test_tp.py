@@ -154,7 +154,7 @@ def _module_worker(args: dict) -> None:
     state = tp.full_state(sharded, opt)
     # the handover's gather over a group of its own gives the same whole layers (uneven vocabulary shards too)
     fresh = dist.ProcessGroupGloo(dist.PrefixStore("handover/", store), args["rank"], 2, timedelta(seconds=30))
-    handed = tp.gather_whole(sharded, opt, fresh, timedelta(seconds=30), extra={"step": 3})
+    handed = tp.full_state(sharded, opt, {"step": 3}, group=fresh, timeout=timedelta(seconds=30))
     out: dict = {"rank": args["rank"], "steps": rows, "exact": exact, "deferred": len(pending),
                  "deferred_err": deferred_err, "stash": stash, "handed": handed is not None}
     if state is not None and handed is not None:
