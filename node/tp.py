@@ -49,11 +49,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atoll.modelspec import ModelConfig
+from atoll.node.dataparallel import CollectiveCancelled, arrive, wait_collective
 from atoll.node.model import Block, Embedding, Head, StageModule
 from atoll.node.slice_state import FORMAT
 
@@ -175,8 +177,15 @@ class TensorParallel:
             torch.cuda.set_device(device)
             device_id = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size,
-                                timeout=timeout, device_id=device_id)
+        # torch names the default group after a process-wide counter that each init_process_group raises, also
+        # one that fails (a peer that never came), and only destroying a default group resets it: ranks whose
+        # counters differ look for each other under different keys and never meet again. The prefix already
+        # tells groups apart, so every rank starts from the same name.
+        distributed_c10d._world.group_count = 0
+        prefixed = dist.PrefixStore(prefix, store)
+        arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout,
+                                device_id=device_id)
         try:
             mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("tp",))
             return cls(mesh, timeout=timeout, owns_default_group=True)
@@ -250,8 +259,13 @@ class TensorParallel:
         return t
 
     def _broadcast(self, t: torch.Tensor, what: str) -> None:
+        # a rank but 0 waits here for rank 0's next activation: a superseded plan ends that wait at once
+        # (`cancel_collectives_on`), so it meets its peers' handover instead of its group's timeout
         try:
-            dist.broadcast(t, group=self.group, group_src=0, async_op=True).wait(self.timeout)
+            wait_collective(dist.broadcast(t, group=self.group, group_src=0, async_op=True), self.timeout,
+                            f"tp broadcast of the {what}")
+        except CollectiveCancelled:
+            raise
         except RuntimeError as e:
             raise TensorParallelError(f"broadcast of the {what} over the tp group of {self.size} failed or timed "
                                       f"out after {self.timeout} (a tp rank died or is stuck): {e}") from e

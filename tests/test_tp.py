@@ -486,6 +486,76 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
     assert out[0]["handed"] and not out[1]["handed"] and out[0]["handover_equal"], out[0]
 
 
+def _join_worker(args: dict) -> None:
+    """Rank 0 first fails to form a tp group (its peer never comes), then both ranks form another one."""
+    import torch
+    import torch.distributed as dist
+
+    from atoll.node.tp import TensorParallel
+
+    store = dist.TCPStore("127.0.0.1", args["store_port"], is_master=False, timeout=timedelta(seconds=30))
+    cpu = torch.device("cpu")
+    if args["rank"] == 0:
+        with pytest.raises(Exception, match="did not come"):  # a peer that never came: an error that says so
+            TensorParallel.join(store, "lonely/", rank=0, size=2, device=cpu, timeout=timedelta(seconds=1))
+        # torch's own init failing once (the peer came to the rendezvous, then died) raises its name counter
+        with pytest.raises(Exception):  # noqa: B017 - whichever error torch gives a peer that is gone
+            dist.init_process_group("gloo", store=dist.PrefixStore("torch-alone/", store), rank=0, world_size=2,
+                                    timeout=timedelta(seconds=1))
+        assert not dist.is_initialized()
+        store.set("failed-once", "1")
+    else:
+        store.wait(["failed-once"], timedelta(seconds=30))
+    tp = TensorParallel.join(store, "together/", rank=args["rank"], size=2, device=cpu, timeout=timedelta(seconds=10))
+    t = torch.tensor([float(args["rank"] + 1)])
+    dist.all_reduce(t, group=tp.group)
+    waited = None
+    if args["rank"] == 1:  # waits for an activation rank 0 never shares: the plan is superseded meanwhile
+        from atoll.node.dataparallel import CollectiveCancelled, cancel_collectives_on
+
+        superseded = threading.Event()
+        threading.Timer(0.5, superseded.set).start()
+        start = time.monotonic()
+        with cancel_collectives_on(superseded), pytest.raises(CollectiveCancelled):
+            tp.share(None)
+        waited = time.monotonic() - start
+        store.set("cancelled", "1")
+    else:
+        store.wait(["cancelled"], timedelta(seconds=30))
+    tp.close()  # rank 1's abandoned broadcast ends as rank 0's group goes
+    _emit({"rank": args["rank"], "sum": float(t), "waited": waited})
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_rank_whose_tp_group_once_failed_to_form_still_meets_its_peers(tmp_path: Path) -> None:
+    """torch names a default group after a per-process counter that a failed init raises too: without resetting
+    it, a rank that once waited in vain for its peer (a late rank after a replan) looked for the next group under
+    another name than its peers, and every later plan's tp group timed out. And a rank waiting for rank 0's
+    activation leaves that wait as soon as its plan is superseded (it was late for the handover and the next
+    plan's group before)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    logs = [tmp_path / f"rank-{r}.log" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--join-worker",
+                               json.dumps({"rank": r, "store_port": store.port})],
+                              text=True, stdout=subprocess.PIPE, stderr=logs[r].open("w"),
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for r in range(2)]
+    try:
+        deadline = time.monotonic() + 45
+        out = [_read(p, deadline, log) for p, log in zip(procs, logs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(5)
+    assert [o["sum"] for o in out] == [3.0, 3.0], out
+    # a superseded plan ends rank 1's wait for rank 0's activation at once, not at the group's 10 s timeout
+    assert out[1]["waited"] < 3.0, out
+
+
 def test_placement_of_a_tp_stage() -> None:
     from atoll.node.placement import PlacementError, place
     from atoll.plan import PipelinePlan, Plan
@@ -529,5 +599,7 @@ def test_a_model_tp_cannot_split_is_refused_with_what_to_change() -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _worker(json.loads(sys.argv[2]))
+if __name__ == "__main__" and sys.argv[1:2] == ["--join-worker"]:
+    _join_worker(json.loads(sys.argv[2]))
 if __name__ == "__main__" and sys.argv[1:2] == ["--module-worker"]:
     _module_worker(json.loads(sys.argv[2]))
