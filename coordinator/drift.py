@@ -17,11 +17,10 @@ The coordinator checks the running epoch every `DriftOptions.interval`:
    measured it (`calibration.speed_factors(recent=...)`), against the running plan re-estimated under the same
    factors (`estimated_step`): both come from the same cost model, so its bias cancels in the comparison;
 4. a switch only when the new plan predicts steps at least `min_gain` shorter and the time it saves over the
-   steps left exceeds what switching costs (`switch_cost`): the restart (the last plan change's measured time
-   from publication to the first step) and, where the running plan cannot hand its state over live
-   (tensor-parallel stages, whose weights are spread over ranks), the steps since the last complete checkpoint.
-   Such a plan's switch waits for the next checkpoint rather than lose more than `max_lost_steps`, and is
-   checked again the moment that checkpoint completes.
+   steps left exceeds what switching costs: the restart (the last plan change's measured time from publication
+   to the first step). Nothing is rolled back: a synchronous plan's nodes hand their state over live, a stage
+   whose state is spread over ranks (ZeRO, tensor parallelism) gathering it whole first
+   (`PlanRunner._zero_states`, `PlanRunner._tp_whole`).
 
 After a drift replan the next check waits `interval` again and needs 2 x `min_steps` steps of the new epoch, so a
 drift replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
@@ -56,10 +55,6 @@ class DriftOptions:
     """Between checks (each one that finds drift runs the planner)."""
     min_steps: int = 10
     """Steps compared at each end of the epoch (after its first): a node's speed is judged from 2 x this many."""
-    max_lost_steps: int = 3
-    """Steps a switch may roll back when the running plan cannot hand its state over live; beyond this it waits
-    for the next complete checkpoint, and is checked again as soon as that completes (the nodes train on while
-    their checkpoint is reported: a few steps)."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1.0:
@@ -68,9 +63,8 @@ class DriftOptions:
             raise ValueError(f"drift min_gain must be in [0, 1), got {self.min_gain}")
         if self.interval <= timedelta(0):
             raise ValueError(f"drift interval must be positive, got {self.interval}")
-        if self.min_steps < 1 or self.max_lost_steps < 0:
-            raise ValueError(f"drift min_steps must be >= 1 and max_lost_steps >= 0, got {self.min_steps}, "
-                             f"{self.max_lost_steps}")
+        if self.min_steps < 1:
+            raise ValueError(f"drift min_steps must be >= 1, got {self.min_steps}")
 
 
 def speed_changes(compute: Mapping[str, Sequence[float]], window: int) -> dict[str, float]:
@@ -110,16 +104,6 @@ def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
     return base * (worst or 1.0)
 
 
-def hands_over_live(plan: Plan) -> bool:
-    """Whether the nodes of `plan` keep their state live for a next plan that keeps them all (no rollback to a
-    checkpoint): not in outer mode, nor where a stage runs ZeRO over replicas of tp ranks (`PlanRunner._snapshot`).
-    A ZeRO stage's replicas gather their optimizer state whole when they are all alive (`_zero_states`), a tp
-    stage's ranks their shards (`_tp_whole`)."""
-    if plan.mode != "sync":
-        return False
-    return not any(st.tp > 1 and st.zero >= 1 and st.dp > 1 for pipe in plan.pipelines for st in pipe.stages)
-
-
 def switch_seconds(history: Iterable[tuple[int, float]], steps: Iterable[StepMetrics]) -> float:
     """What the last measured plan change cost: from a plan's publication to its epoch's first step report (the
     nodes stopping, meeting at the new rendezvous, loading their layers). `history`: (epoch, published unix)."""
@@ -139,10 +123,10 @@ class SwitchVerdict:
     """The new plan's predicted step over the running one's re-estimated step, less one (0.2: 20% shorter)."""
 
 
-def switch_verdict(*, current_s: float, new_s: float, steps_left: int, lost_steps: int, switch_s: float,
+def switch_verdict(*, current_s: float, new_s: float, steps_left: int, switch_s: float,
                    min_gain: float) -> SwitchVerdict:
     """Whether to move to the new plan: it must predict steps at least `min_gain` shorter, and the time saved
-    over `steps_left` must exceed the restart (`switch_s`) plus the steps rolled back at the running pace."""
+    over `steps_left` must exceed the restart (`switch_s`)."""
     if new_s <= 0 or current_s <= 0:
         return SwitchVerdict(False, "no prediction to compare", 0.0)
     gain = 1.0 - new_s / current_s
@@ -150,7 +134,7 @@ def switch_verdict(*, current_s: float, new_s: float, steps_left: int, lost_step
         return SwitchVerdict(False, f"the best plan now predicts {new_s:.3g} s a step against {current_s:.3g} s, "
                                     f"{gain:.0%} shorter (a switch needs {min_gain:.0%})", gain)
     saved = steps_left * (current_s - new_s)
-    cost = switch_s + lost_steps * current_s
+    cost = switch_s
     if saved <= cost:
         return SwitchVerdict(False, f"the new plan would save {saved:.0f} s over the {steps_left} steps left, less "
                                     f"than switching costs ({cost:.0f} s)", gain)

@@ -22,7 +22,7 @@ from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
-from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_step, hands_over_live, speed_changes,
+from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_step, speed_changes,
                                     switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
@@ -137,9 +137,6 @@ class CoordinatorState:
         self._drift_next = self.started_unix + self.options.drift.interval.total_seconds()
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
-        self._drift_checkpoint: int | None = None
-        """The last complete checkpoint when a drift switch was found waiting for a newer one (else None)."""
-        self._drift_polled = float("-inf")
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
@@ -478,7 +475,7 @@ class CoordinatorState:
             if decision.reason != self._last_reason:
                 log.info("not planning: %s", decision.reason)
             if plan is not None and planned == alive.keys() and not self.job_complete() and (
-                    now >= self._drift_next or self._checkpoint_since_drift(now)):
+                    now >= self._drift_next):
                 events.extend(self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:
@@ -508,7 +505,6 @@ class CoordinatorState:
         intervals: a drift no plan can help does not cost a planner run a minute on a large cluster)."""
         opts = self.options.drift
         self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
-        self._drift_checkpoint = None
         if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
             return []
         nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
@@ -519,19 +515,10 @@ class CoordinatorState:
             return []
         factors = speed_factors(plan, steps, min_steps=opts.min_steps, recent=opts.min_steps)
         at = max((m.step for m in steps if m.plan_epoch == plan.epoch), default=plan.resume_step)
-        lost = 0
-        if not hands_over_live(plan):
-            done = [s for s in self.complete_checkpoint_steps() if s <= at + 1]
-            lost = at + 1 - max(done, default=0)
-            if lost > opts.max_lost_steps:
-                log.info("drift: %s; the plan's state cannot be handed over live, so the switch waits for the next "
-                         "checkpoint (%d steps since the last one)", describe(off), lost)
-                self._drift_checkpoint = max(done, default=0)  # checked again as soon as a newer one completes
-                return []
         inputs = self._plan_inputs(alive, now, speed=compound(self.speed, factors))  # calibrated from the recent steps
         new, how = self.planner(inputs)
         verdict = switch_verdict(current_s=estimated_step(plan, factors), new_s=new.predicted.step_time_s,
-                                 steps_left=max(0, self.target_steps - at - 1), lost_steps=lost,
+                                 steps_left=max(0, self.target_steps - at - 1),
                                  switch_s=switch_seconds([(h.plan.epoch, h.created_unix)
                                                           for h in self.store.plan_history()[-4:]], steps),
                                  min_gain=opts.min_gain)
@@ -542,14 +529,6 @@ class CoordinatorState:
             return []
         self._drift_backoff = 1
         return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
-
-    def _checkpoint_since_drift(self, now: float) -> bool:
-        """A drift switch waits for a checkpoint (`_drift_check`) and one newer than the last has completed (looked
-        up at most every `DRIFT_CHECKPOINT_POLL_S`: it reads every checkpoint record and plan)."""
-        if self._drift_checkpoint is None or now - self._drift_polled < DRIFT_CHECKPOINT_POLL_S:
-            return False
-        self._drift_polled = now
-        return max(self.complete_checkpoint_steps(), default=0) > self._drift_checkpoint
 
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
                      formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None,
@@ -599,8 +578,6 @@ class CoordinatorState:
         return compound(self.speed, speed_factors(previous, steps))
 
 
-DRIFT_CHECKPOINT_POLL_S = 2.0
-"""While a drift switch waits for a checkpoint, how often the checkpoints are looked up."""
 DRIFT_BACKOFF_MAX = 16
 """A drift that no plan helps is checked again after at most this many `DriftOptions.interval`s."""
 CALIBRATION_REPORTS_PER_NODE = 24

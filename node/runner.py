@@ -566,8 +566,10 @@ class PlanRunner:
                 # meet; a failed one waits for that plan first
                 wait = 0.0 if stop.is_set() else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
                 states = self._zero_states(store, optimizer, step, wait=wait) if stop.is_set() or failed else None
-                # a tp stage's ranks likewise gather its shards whole on tp rank 0
-                whole = self._tp_whole(store, module, optimizer, step, wait=wait) if stop.is_set() or failed else None
+                # a tp stage's ranks likewise gather its shards whole on tp rank 0 (under ZeRO: replica 0's ranks,
+                # from the state each one's replicas gathered on it just above)
+                whole = (self._tp_whole(store, module, optimizer, step, wait=wait, states=states)
+                         if stop.is_set() or failed else None)
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states, whole))
             if self.tp is not None:
                 self.tp.close()
@@ -672,14 +674,16 @@ class PlanRunner:
         collective the supersession abandoned. The replicas agree on the step first. `wait`: seconds to wait for
         the newer plan (a run that ended on a failed step: the coordinator replans after it)."""
         pl = self.placement
-        if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or self.tp is not None or pl is None
-                or store is None or self.plan.mode != "sync"):
+        if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or pl is None or store is None
+                or self.plan.mode != "sync"):
             return None
         if not self._newer_plan_keeps(self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes, wait):
             return None
         timeout = timedelta(seconds=ZERO_HANDOVER_S)
         try:
-            group = self._handover_group(store, f"zero-handover-{pl.pipeline}-{pl.stage}", optimizer.rank,
+            # under tp, each tp rank's replicas gather its shards' state (replica 0's tp ranks then gather the
+            # shards whole, `_tp_whole`)
+            group = self._handover_group(store, f"zero-handover-{pl.pipeline}-{pl.stage}-{pl.tp_rank}", optimizer.rank,
                                          optimizer.world, step, timeout, device=optimizer.flat.device,
                                          torn=optimizer.torn)
             if group is None:
@@ -721,23 +725,29 @@ class PlanRunner:
         return (after is not None and after.epoch > self.plan.epoch
                 and set(nodes) <= {*after.node_addresses, *(n for i in after.idle for n in i.nodes)})
 
-    def _tp_whole(self, store: dist.Store | None, module, optimizer, step: int, wait: float = 0.0) -> dict | None:
+    def _tp_whole(self, store: dist.Store | None, module, optimizer, step: int, wait: float = 0.0,
+                  states: ParamStates | None = None) -> dict | None:
         """A tensor-parallel stage superseded with its tp group alive: its whole layers and AdamW state gathered
         on tp rank 0 (None on the others, and where that cannot be done within `TP_HANDOVER_S`), so that rank
         serves live state and the next plan rolls nothing back. Over a group of its own (the tp group may hold a
-        collective the supersession abandoned); the ranks agree on the step first. Not under ZeRO."""
+        collective the supersession abandoned); the ranks agree on the step first. Under ZeRO only replica 0's
+        tp ranks gather, from the state their replicas gathered on them (`states`, `_zero_states`), and only when
+        every one of them holds it."""
         pl = self.placement
-        if (self.tp is None or pl is None or store is None or self.plan.mode != "sync"
-                or isinstance(optimizer, ZeroOptimizer) or not self._newer_plan_keeps(pl.tp_group, wait)):
+        zero = isinstance(optimizer, ZeroOptimizer)
+        if (self.tp is None or pl is None or store is None or self.plan.mode != "sync" or (zero and pl.replica != 0)
+                or not self._newer_plan_keeps(pl.tp_group, wait)):
             return None
         timeout = timedelta(seconds=TP_HANDOVER_S)
         try:
             group = self._handover_group(store, f"tp-handover-{pl.pipeline}-{pl.stage}-{pl.replica}", pl.tp_rank,
-                                         pl.tp, step, timeout, device=self.ctx.device)
+                                         pl.tp, step, timeout, device=self.ctx.device, torn=zero and states is None)
             if group is None:
-                log.info("the tp ranks of stage %d ended at different steps: no live state", pl.stage)
+                log.info("the tp ranks of stage %d ended at different steps%s: no live state", pl.stage,
+                         " or without their replicas' ZeRO state" if zero else "")
                 return None
-            whole = self.tp.full_state(module, optimizer, _live_extra(step, self.scaler), group=group, timeout=timeout)
+            whole = self.tp.full_state(module, states if zero else optimizer, _live_extra(step, self.scaler),
+                                       group=group, timeout=timeout)
         except Exception as e:  # noqa: BLE001 - no live state then: the next plan resumes from a checkpoint
             log.info("the tp shards of stage %d could not be gathered for the next plan (%s); it resumes these "
                      "layers from a checkpoint", pl.stage, e)

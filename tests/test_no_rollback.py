@@ -183,23 +183,24 @@ def test_a_graceful_leave_hands_its_state_over(tmp_path: Path, reference: list[f
         cluster.stop()
 
 
-def _a_leaves_and_stage_b_hands_over(tmp_path: Path, reference: list[float], sharded: tuple, logged: list[str]) -> None:
-    """Stage [3, 6) runs on b1 and b2 with its state spread over them (`sharded`: the layout's ZeRO stage and
-    tp). a leaves gracefully; the next plan keeps b1 and b2 and gives a's layers to c. b1 and b2 gather the
+def _a_leaves_and_stage_b_hands_over(tmp_path: Path, reference: list[float], sharded: tuple, logged: list[str],
+                                     stage: tuple[str, ...] = ("b1", "b2")) -> None:
+    """Stage [3, 6) runs on `stage` (b1, b2, ...) with its state spread over them (`sharded`: the layout's ZeRO
+    stage and tp). a leaves gracefully; the next plan keeps them and gives a's layers to c. They gather the
     stage's state whole on b1, which serves it, so nothing is rolled back (without it, these layers would go
     back to step 0: no checkpoints); b1's log holds every line of `logged`."""
-    layouts = {frozenset({"a", "b1", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"], *sharded)],
-               frozenset({"b1", "b2", "c"}): [((0, 3), ["c"]), ((3, 6), ["b1", "b2"], *sharded)]}
-    cluster = ScriptedCluster(job=_job(4), out=tmp_path, layouts=layouts)
+    layouts = {frozenset({"a", *stage, "c"}): [((0, 3), ["a"]), ((3, 6), list(stage), *sharded)],
+               frozenset({*stage, "c"}): [((0, 3), ["c"]), ((3, 6), list(stage), *sharded)]}
+    cluster = ScriptedCluster(job=_job(len(stage) + 2), out=tmp_path, layouts=layouts)
     try:
-        for n in ("a", "b1", "b2", "c"):
+        for n in ("a", *stage, "c"):
             cluster.start_node(n, region="lab")
         cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
         leaver = cluster.terminate("a")
         left_at = cluster.top_step()
         cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["a"])
         assert leaver.wait(60) == 0
-        for n in ("b1", "b2", "c"):
+        for n in (*stage, "c"):
             step, how, was, back = _after(cluster, n, 2 if n != "c" else 1)
             assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
         for line in logged:
@@ -217,6 +218,16 @@ def test_a_tensor_parallel_stage_hands_its_gathered_shards_over(tmp_path: Path, 
     superseded tp ranks gather their shards into whole layers on b1."""
     _a_leaves_and_stage_b_hands_over(tmp_path, reference, (0, 2),
                                      ["tp rank 0 of 2", "tp shards of stage 1 gathered whole"])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_zero_stage_under_tp_hands_its_gathered_state_over(tmp_path: Path, reference: list[float]) -> None:
+    """Stage [3, 6) runs 2 replicas of tp 2 under ZeRO-1 (b1 b2 | b3 b4): each tp rank's replicas gather its
+    shards' AdamW state on replica 0, whose tp ranks then gather the shards whole on b1."""
+    _a_leaves_and_stage_b_hands_over(tmp_path, reference, (1, 2),
+                                     ["ZeRO-1 over its 2 replicas", "ZeRO state of stage 1 gathered whole",
+                                      "tp shards of stage 1 gathered whole"], stage=("b1", "b2", "b3", "b4"))
 
 
 @pytest.mark.integration
