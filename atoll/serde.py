@@ -78,12 +78,14 @@ def profile_from_proto(m: pb.NodeProfile) -> NodeProfile:
 
 def link_to_proto(x: LinkMeasurement) -> pb.LinkMeasurement:
     return pb.LinkMeasurement(src=x.src, dst=x.dst, bandwidth_bytes_per_s=x.bandwidth_bytes_per_s,
-                              rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=x.measured_unix)
+                              rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=x.measured_unix,
+                              flows=x.flows)
 
 
 def link_from_proto(m: pb.LinkMeasurement) -> LinkMeasurement:
     return LinkMeasurement(src=m.src, dst=m.dst, bandwidth_bytes_per_s=m.bandwidth_bytes_per_s,
-                           rtt_seconds=m.rtt_seconds, probe_bytes=m.probe_bytes, measured_unix=m.measured_unix)
+                           rtt_seconds=m.rtt_seconds, probe_bytes=m.probe_bytes, measured_unix=m.measured_unix,
+                           flows=max(1, m.flows))
 
 
 def link_stats_to_proto(x: LinkStats) -> pb.LinkStats:

@@ -72,6 +72,8 @@ class LinkMeasurement:
     rtt_seconds: float
     probe_bytes: int = 0
     measured_unix: float = 0.0
+    flows: int = 1
+    """1: a flow alone; k > 1: one of k flows every node of src's machine sent at once (a machine probe)."""
 
 
 @dataclass(kw_only=True)

@@ -109,11 +109,18 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
     state.store.heartbeat(req.node_id, now, req.plan_epoch, req.step)
     probe_bytes = state.options.probes.probe_bytes
     cadence = state.cadence.current  # (stretched with the membership: the node follows it)
+    probes = [pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
+              for m in state.assign_probes(req.node_id, now)]
+    # a machine probe starts after the next heartbeat of every node of the machine (it hears of it there)
+    machine = state.assign_machine_probe(req.node_id, now, lead_s=1.5 * cadence.interval + 1.0)
+    if machine is not None:
+        m, part = machine
+        probes.append(pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes,
+                                     start_unix=part.start_unix, flows=part.flows))
     return pb.HeartbeatReply(
         lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval, plan_epoch=state.epoch,
-        probe=[pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
-               for m in state.assign_probes(req.node_id, now)],
-        job_finished=bool(state.control.finished_unix), target_steps=state.target_steps)
+        probe=probes, job_finished=bool(state.control.finished_unix), target_steps=state.target_steps,
+        coordinator_unix=now)
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:
@@ -125,7 +132,8 @@ def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack
     now = state.clock()
     # the coordinator's clock dates every measurement, so nodes' clock skew cannot make links look fresh
     links = [LinkMeasurement(src=x.src, dst=x.dst, bandwidth_bytes_per_s=x.bandwidth_bytes_per_s,
-                             rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=now)
+                             rtt_seconds=x.rtt_seconds, probe_bytes=x.probe_bytes, measured_unix=now,
+                             flows=max(1, x.flows))
              for x in req.links if state.store.get_member(x.dst) is not None]
     state.record_probes(links)
     return pb.Ack(message=f"{len(links)} links recorded")

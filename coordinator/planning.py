@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.linkmatrix import LinkEstimate
+from atoll.coordinator.machineprobe import machine_of, per_flow_links
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
 from atoll.plan import CheckpointCopy, IslandInfo, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
@@ -55,6 +56,9 @@ class PlanInputs:
     (`atoll.coordinator.calibration`); the planner sees each profile scaled by it (1: as profiled)."""
     replica_groups: bool = False
     """The plan becomes replica groups of an outer-mode plan (`_plan_around`), which the runtime runs at tp 1."""
+    machine_flows: Mapping[str, float] = field(default_factory=dict)
+    """Per machine (`machineprobe.machine_of`), bytes/s of one flow while all its nodes send at once (machine
+    probes): the planner reads links between machines at most at it (`machineprobe.per_flow_links`)."""
 
 
 HANDOVER_SECONDS = 120.0
@@ -183,6 +187,13 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     profiles = {n: m.profile.scaled(inputs.speed.get(n, 1.0)) for n, m in inputs.members.items()}
     # an unreachable pair (a failed probe, bandwidth 0) is left to the planner's fallback for unmeasured pairs
     links = [x for x in inputs.links if x.bandwidth_bytes_per_s > 0 and x.src in profiles and x.dst in profiles]
+    # per GPU flow, as the planner reads a link: between machines, what a flow gets while the machines' nodes all send
+    machines = {n: machine_of(n, m.profile) for n, m in inputs.members.items()}
+    capped = per_flow_links(links, machines, inputs.machine_flows)
+    if capped != links:
+        log.info("links between machines read at one flow of all their nodes sending at once: %s",
+                 ", ".join(f"{m} {bw * 8 / 1e6:.1f} Mbit/s" for m, bw in sorted(inputs.machine_flows.items())))
+    links = capped
     # two nodes that accept no connections talk through a relay: the planner sees that link at the slower leg
     links, _ = relay_links(links, profiles, unreachable_nodes(inputs.members))
     regions = {i.id: i.group or "default" for i in inputs.islands}  # live islands carry their region as group
@@ -190,7 +201,7 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     # runtime runs tp in synchronous plans only, so not where replica groups across regions are possible
     host_tp = job.cluster.host_tp and not inputs.replica_groups and (len(set(regions.values())) == 1
                                                                      or job.outer.mode == "sync")
-    hosts = {n: m.profile.hostname or n for n, m in inputs.members.items()} if host_tp else None
+    hosts = machines if host_tp else None
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions, hosts=hosts)
     codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
     outer = job.outer

@@ -26,6 +26,7 @@ from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_
                                     switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
+from atoll.coordinator.machineprobe import MachineProbes, RoundTarget, machine_of
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
@@ -127,6 +128,9 @@ class CoordinatorState:
         self._rng = random.Random()
         self._unreachable: set[str] = set()
         """Alive members that accept no connections: never dialed by a probe (they probe the others)."""
+        self._machines = MachineProbes(reprobe_after_s=self.options.probes.reprobe_after.total_seconds(),
+                                       timeout_s=self.options.probes.in_flight_timeout.total_seconds())
+        """Machine probes (`atoll.coordinator.machineprobe`): each machine's flow while all its nodes send."""
         self._last_change = self.started_unix
         self._stale_before = 0.0
         self._islands_dirty = True
@@ -256,7 +260,7 @@ class CoordinatorState:
             if member is None or member.state != "alive":
                 return []
             with self._cond:
-                index.add(node_id, device_class(member.profile))
+                index.add(node_id, device_class(member.profile), machine_of(node_id, member.profile))
                 if member.profile.unreachable:
                     self._unreachable.add(node_id)
         timeout = self.options.probes.in_flight_timeout.total_seconds()
@@ -273,7 +277,36 @@ class CoordinatorState:
                 self._in_flight.setdefault(peer, {})[node_id] = now
         return [m for m in (self.store.get_member(p) for p in targets) if m is not None]
 
+    def assign_machine_probe(self, node_id: str, now: float, lead_s: float) -> tuple[MemberRecord, RoundTarget] | None:
+        """`node_id`'s part of its machine's probe round (`atoll.coordinator.machineprobe`), with the member it
+        probes; None when it has none to send now."""
+        index = self._probe_index
+        machine = index.machine_of.get(node_id)
+        if machine is None or len(index.by_machine) < 2:  # (one machine: nothing to probe; O(1) on most calls)
+            return None
+        timeout = self.options.probes.in_flight_timeout.total_seconds()
+
+        def quiet(nodes: list[str]) -> bool:  # no lone probe from or to the machine's nodes in flight
+            return not any(now - t < timeout for n in nodes for t in self._in_flight.get(n, {}).values())
+
+        with self._cond:
+            unreachable = self._unreachable
+            got = self._machines.target(node_id, machine, index.by_machine, lambda n: n not in unreachable, now,
+                                        lead_s, self._stale_before, quiet)
+        if got is None:
+            return None
+        member = self.store.get_member(got.receiver)
+        return None if member is None else (member, got)
+
     def record_probes(self, links: list[LinkMeasurement]) -> None:
+        rounds = [x for x in links if x.flows > 1]
+        if rounds:
+            with self._cond:
+                for x in rounds:
+                    outcome = self._machines.record(x, self._probe_index.machine_of.get(x.src, x.src), x.measured_unix)
+                    if outcome is not None:
+                        log.info("machine probe: %s", outcome)
+            links = [x for x in links if x.flows <= 1]
         self.store.put_links(links)
         with self._cond:
             for x in links:
@@ -302,7 +335,11 @@ class CoordinatorState:
             todo, incomplete = self._samples.due(alive, index.class_of, sizes, skip, now, self._stale_before)
             measured = {n: dict(self._measured.get(n, {})) for n in todo}
             stale_before = self._stale_before
-        return incomplete | self._samples.check(todo, index.class_of, sizes, measured, skip, now, stale_before)
+        # and the machines whose nodes have not yet probed another machine all at once
+        machines = self._machines.missing(index.by_machine, lambda n: n not in skip, now, stale_before) \
+            if len(index.by_machine) > 1 else set()
+        return (incomplete | machines
+                | self._samples.check(todo, index.class_of, sizes, measured, skip, now, stale_before))
 
     def _refresh_probe_index(self, alive: Mapping[str, MemberRecord], now: float) -> None:
         """Rebuild the probe index when membership changed (O(members)), and drop timed-out probes in flight
@@ -426,6 +463,9 @@ class CoordinatorState:
             events.append(f"{len(alive)} members: nodes heartbeat every {cadence.interval:.1f}s, lease "
                           f"{cadence.lease:.1f}s (heartbeat budget {self.options.heartbeat_budget:g}/s)")
         self._refresh_probe_index(alive, now)
+        with self._cond:
+            for outcome in self._machines.expire(now):
+                log.info("machine probe: %s", outcome)
         with self._cond:
             dirty, self._islands_dirty = self._islands_dirty, False
             last_change = self._last_change
@@ -565,7 +605,8 @@ class CoordinatorState:
                             failed=frozenset(failed),
                             checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
                                                                          if m.peer_address}),
-                            handover=handing_over(previous, self.store.members_view().values(), now))
+                            handover=handing_over(previous, self.store.members_view().values(), now),
+                            machine_flows=self._machines.per_flow())
         return inputs
 
     def _calibrated(self, previous: Plan | None) -> dict[str, float]:
@@ -588,26 +629,29 @@ CALIBRATION_REPORTS_MAX = 20_000
 
 @dataclass(frozen=True)
 class _ProbeIndex:
-    """Alive members by device class, for drawing probe peers in O(1): rebuilt by each `tick`."""
+    """Alive members by device class and by machine, for drawing probe peers in O(1): rebuilt by each `tick`."""
 
     class_of: dict[str, str]
     by_class: dict[str, list[str]]
     everyone: list[str]
+    machine_of: dict[str, str] = field(default_factory=dict)
+    by_machine: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, alive: Mapping[str, MemberRecord]) -> _ProbeIndex:
-        class_of = {n: device_class(m.profile) for n, m in alive.items()}
-        by_class: dict[str, list[str]] = {}
-        for n, c in class_of.items():
-            by_class.setdefault(c, []).append(n)
-        return cls(class_of, by_class, list(class_of))
+        index = cls({}, {}, [])
+        for n, m in alive.items():
+            index.add(n, device_class(m.profile), machine_of(n, m.profile))
+        return index
 
-    def add(self, node_id: str, cls: str) -> None:
+    def add(self, node_id: str, cls: str, machine: str) -> None:
         """A member that joined after the index was built (one that left stays listed until the next build)."""
         if node_id not in self.class_of:
             self.class_of[node_id] = cls
             self.by_class.setdefault(cls, []).append(node_id)
             self.everyone.append(node_id)
+            self.machine_of[node_id] = machine
+            self.by_machine.setdefault(machine, []).append(node_id)
 
 
 # --- an operator's pinned plan -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ MAX_DEVICES = 1024
 MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: beyond this a profile is wrong, not large
 MAX_SECONDS = 3600.0
 MAX_BANDWIDTH = 1e13  # 10 TB/s, beyond any link
+MAX_FLOWS = 1024  # nodes of one machine that probe at once
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
@@ -102,3 +103,5 @@ def check_link(i: int, x: pb.LinkMeasurement, node_id: str) -> None:
         raise InvalidArgument(f"links[{i}].bandwidth_bytes_per_s = {x.bandwidth_bytes_per_s} must be between 0 and "
                               f"{MAX_BANDWIDTH:g}")
     check_seconds(f"links[{i}].rtt_seconds", x.rtt_seconds)
+    if x.flows > MAX_FLOWS:
+        raise InvalidArgument(f"links[{i}].flows = {x.flows}: a machine probe has at most {MAX_FLOWS} flows")

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -81,6 +81,10 @@ class AgentStopped(Exception):
     """`stop()` was called while the agent was still starting or re-joining."""
 
 
+MACHINE_PROBE_MAX_WAIT_S = 120.0
+"""The longest a node waits for a machine probe's start (a later one is a clock gone wrong: it is skipped)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """How a node reaches its coordinator and serves its peers."""
@@ -118,6 +122,8 @@ class AgentConfig:
     """How long the start-up profile measures."""
     region: str = ""
     """Site label (a lab, a datacenter, a cloud region): islands never span two."""
+    machine: str = ""
+    """The machine this node runs on, in place of its hostname in the profile ("": the hostname)."""
     wan_latency: timedelta = timedelta(0)
     """Testbeds only: one-way latency added to each tensor sent to a peer of another region
     (`atoll.node.wan.wan_delay`); zero: off."""
@@ -255,6 +261,8 @@ class NodeAgent:
         self._join_lock = threading.Lock()
         self._probes: queue.Queue[pb.ProbeTarget] = queue.Queue()
         self._queued: set[str] = set()
+        self._clock_offset = 0.0
+        """The coordinator's clock less this node's, as the last heartbeat reply showed it (machine probes)."""
         self._threads: list[threading.Thread] = []
         self.job: JobSpec | None = None
         self.profile: NodeProfile | None = None
@@ -405,6 +413,7 @@ class NodeAgent:
             t0 = time.perf_counter()
             self.profile = profile_node(self.job, self.config.device, self.config.profile)
             self.profile.region = self.config.region
+            self.profile.hostname = self.config.machine or self.profile.hostname
             block = [t for t in self.profile.layer_timings if t.layer_kind == "block"]
             log.info("profiled %s %s in %.1fs: block fwd+bwd %s", self.profile.device_kind, self.profile.device_name,
                      time.perf_counter() - t0,
@@ -497,7 +506,13 @@ class NodeAgent:
                 log.info("the coordinator asks for a heartbeat every %.1fs (was %.1fs; lease %.1fs)",
                          reply.heartbeat_interval_seconds, self.heartbeat_interval, reply.lease_seconds)
                 self.heartbeat_interval = reply.heartbeat_interval_seconds
+            if reply.coordinator_unix > 0:  # (the reply's one-way delay is small against a probe's length)
+                self._clock_offset = reply.coordinator_unix - time.time()
             for target in reply.probe:
+                if target.flows > 1:  # a machine probe: at its start, with the other nodes of this machine
+                    threading.Thread(target=self._machine_probe, args=(target,), name="atoll-machine-probe",
+                                     daemon=True).start()
+                    continue
                 if target.node_id not in self._queued:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
@@ -505,6 +520,34 @@ class NodeAgent:
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
+
+    def _machine_probe(self, target: pb.ProbeTarget) -> None:
+        """Probe `target` at its start (the coordinator's clock, corrected by this node's offset from it) as one of
+        `target.flows` flows every node of this machine sends at once (`atoll.coordinator.machineprobe`)."""
+        start = target.start_unix - self._clock_offset
+        wait = start - time.time()
+        if wait > MACHINE_PROBE_MAX_WAIT_S:
+            log.warning("a machine probe of %s is to start in %.0f s; not waiting that long", target.node_id, wait)
+            return
+        # connected a second ahead, then one transfer while the machine's other flows run (the quickest of several,
+        # as a lone probe takes, would pick a moment the others paused); the flows share the card: more time
+        if self._stop.wait(max(0.0, wait - 1.0)):
+            return
+        try:
+            result = probe_peer(target.address, nbytes=target.probe_bytes, token=self.config.token,
+                                rpc=self.peer_rpc, timeout=max(1, target.flows) * self.config.probe_timeout,
+                                sender=self.node_id, node=target.node_id, start_unix=start, curve=False)
+            link = replace(result.measurement(src=self.node_id, dst=target.node_id), flows=target.flows)
+            log.info("probed %s as one of %d flows from this machine at once: %.1f MB/s", target.node_id,
+                     target.flows, link.bandwidth_bytes_per_s / 1e6)
+        except ProbeError as e:
+            log.warning("machine probe of %s failed: %s", target.node_id, e)
+            link = LinkMeasurement(src=self.node_id, dst=target.node_id, bandwidth_bytes_per_s=0.0, rtt_seconds=0.0,
+                                   measured_unix=time.time(), flows=target.flows)
+        try:
+            self.call("ReportProbes", pb.ProbeReport(node_id=self.node_id, links=[link_to_proto(link)]))
+        except (grpc.RpcError, ValueError) as e:
+            log.warning("could not report the machine probe of %s: %s", target.node_id, e)
 
     def _probe_loop(self) -> None:
         while not self._stop.is_set():
@@ -869,7 +912,8 @@ def run_node_cli(args: argparse.Namespace) -> int:
                          device=args.device, listen=None if args.no_listen else args.listen,
                          advertise=args.advertise, tls_ca=tls_ca,
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
-                         region=args.region or "", wan_latency=timedelta(milliseconds=args.wan_latency_ms))
+                         region=args.region or "", machine=args.machine or "",
+                         wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
     stopping: list[threading.Thread] = []
 

@@ -29,6 +29,10 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="closed labs only: plaintext gRPC to a coordinator that runs --insecure")
     p.add_argument("--region", help="site label of this machine (a lab, a datacenter, a cloud region); islands never "
                    "span two regions")
+    p.add_argument("--machine", help="the machine this node runs on (default: its hostname): nodes of one machine "
+                   "share its network card, so the coordinator measures what each gets while all send at once, and "
+                   "[cluster] host_tp runs tensor parallelism among them. Give it where containers each have a "
+                   "hostname of their own (docker), the same for every node of one machine")
     p.add_argument("--wan-latency-ms", type=float, default=0.0,
                    help="testbeds only: hold each tensor sent to a peer of another region this many ms, to emulate a "
                    "wide-area link's one-way latency where the kernel cannot delay packets (default 0: off)")

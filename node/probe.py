@@ -144,11 +144,15 @@ def _payload(nbytes: int, chunk_bytes: int, sender: str) -> Iterator[pb.ProbeChu
 
 
 def probe_peer(address: str, *, nbytes: int, token: str | None, rpc: RpcOptions | None = None,
-               timeout: timedelta, sender: str = "", node: str | None = None) -> ProbeResult:
+               timeout: timedelta, sender: str = "", node: str | None = None, start_unix: float | None = None,
+               curve: bool = True) -> ProbeResult:
     """Measure the link to the Peer server at `address`: RTT, then timed transfers of `nbytes` (and of 1/16 and
-    1/4 of it, fitted to latency + size / bandwidth, from `CURVE_MIN_BYTES` up).
+    1/4 of it, fitted to latency + size / bandwidth, from `CURVE_MIN_BYTES` up; `curve=False`: one transfer of
+    `nbytes`).
 
     With mutual TLS and `node`, the server's certificate must be that node's (not only any node's of the job).
+    `start_unix` (this machine's clock): connect and take the RTT first, then wait until then to transfer (the
+    flows of a machine probe, which must run at one moment).
 
     `timeout` bounds the whole probe, connecting included. Raises ProbeError on any failure.
     """
@@ -179,7 +183,9 @@ def probe_peer(address: str, *, nbytes: int, token: str | None, rpc: RpcOptions 
             t0 = time.perf_counter()
             stub.Probe(iter([pb.ProbeChunk(sender=sender)]), timeout=left())
             rtt = min(rtt, time.perf_counter() - t0)
-        sizes = [nbytes // 16, nbytes // 4, nbytes] if nbytes >= CURVE_MIN_BYTES else [nbytes]
+        if start_unix is not None:
+            time.sleep(min(max(0.0, start_unix - time.time()), left()))
+        sizes = [nbytes // 16, nbytes // 4, nbytes] if curve and nbytes >= CURVE_MIN_BYTES else [nbytes]
         calls: list[tuple[int, float]] = []
         for size in sizes:
             quickest = math.inf

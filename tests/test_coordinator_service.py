@@ -118,7 +118,7 @@ def test_unknown_nodes_duplicates_and_the_path_to_a_plan(service: CoordinatorSer
             if not reply.probe:
                 break
             s.ReportProbes(pb.ProbeReport(node_id=n, links=[
-                pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=1e9, rtt_seconds=1e-4)
+                pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=1e9, rtt_seconds=1e-4, flows=t.flows)
                 for t in reply.probe]), timeout=5)
     plan = next(watch)
     watch.cancel()

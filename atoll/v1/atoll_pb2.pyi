@@ -161,20 +161,22 @@ class NodeProfile(_message.Message):
     def __init__(self, hostname: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., device_count: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_free_bytes: _Optional[int] = ..., cpu_count: _Optional[int] = ..., layer_timings: _Optional[_Iterable[_Union[LayerTiming, _Mapping]]] = ..., optimizer_step_seconds: _Optional[float] = ..., torch_version: _Optional[str] = ..., atoll_version: _Optional[str] = ..., region: _Optional[str] = ..., unreachable: _Optional[bool] = ...) -> None: ...
 
 class LinkMeasurement(_message.Message):
-    __slots__ = ("src", "dst", "bandwidth_bytes_per_s", "rtt_seconds", "probe_bytes", "measured_unix")
+    __slots__ = ("src", "dst", "bandwidth_bytes_per_s", "rtt_seconds", "probe_bytes", "measured_unix", "flows")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEASURED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FLOWS_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     bandwidth_bytes_per_s: float
     rtt_seconds: float
     probe_bytes: int
     measured_unix: float
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_unix: _Optional[float] = ...) -> None: ...
+    flows: int
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., measured_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class Island(_message.Message):
     __slots__ = ("id", "device_name", "node_ids", "inner_bandwidth_bytes_per_s", "outer_bandwidth_bytes_per_s", "group", "gpus")
@@ -555,30 +557,36 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class ProbeTarget(_message.Message):
-    __slots__ = ("node_id", "address", "probe_bytes")
+    __slots__ = ("node_id", "address", "probe_bytes", "start_unix", "flows")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FLOWS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     probe_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ...) -> None: ...
+    start_unix: float
+    flows: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ..., start_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     JOB_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_UNIX_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
     job_finished: bool
     target_steps: int
     heartbeat_interval_seconds: float
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    coordinator_unix: float
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")

@@ -24,7 +24,8 @@ of it (0.96) as reachable. Inside a region every figure is *per GPU flow*: what 
 other GPU reaches while every GPU of its node sends at once. On nodes with a NIC per GPU (DGX-style rails:
 200 Gbit/s HDR per A100, 400 Gbit/s NDR per H100) that is the NIC's rate; on a node whose GPUs share one
 NIC it is the NIC's rate divided by gpus_per_node (a 100 Gbit/s NIC shared by 4 GPUs: 25); for live nodes,
-one device each, it is what a probe between two nodes measured. So a stage's replicas each send their own
+one device each, it is what a probe between two nodes measured, and between two machines at most what one flow
+reached while every node of the machine probed another machine at once (`atoll.coordinator.machineprobe`). So a stage's replicas each send their own
 stream at the figure, and a hierarchical all-reduce across k nodes moves gpus_per_node streams per node at
 once. Between two groups of one region without a [[link]] entry the link is the smaller of their
 inter-node figures; a [[link]] between two groups gives it per GPU flow too. A [[link]] between regions is
