@@ -3,9 +3,9 @@ own layers (embedding, one block, head) forward and backward at a few micro-batc
 step over a block's parameters. Short by design: the tiny job profiles in well under a second or two.
 
 A node process drives one device (`device_count` records how many the machine has), so the timings are one
-device's. They are not timed under tensor parallelism: that takes several processes on one machine, and the
-coordinator plans live nodes one device each (tp 1); where the planner plans tp (cluster files) it derives
-it from one device's timings and the node's links.
+device's. They are not timed under tensor parallelism: that takes several processes on one machine. Where the
+planner plans tp (cluster files, and live nodes of one machine under `[cluster] host_tp`) it derives it from
+one device's timings and the links measured between the machine's nodes, each all-reduce priced by its size.
 """
 
 from __future__ import annotations
