@@ -96,19 +96,23 @@ class MachineProbes:
 
     def target(self, node_id: str, machine: str, by_machine: Mapping[str, list[str]], accepts: Callable[[str], bool],
                now: float, lead_s: float, stale_before: float = float("-inf"),
-               quiet: Callable[[list[str]], bool] = lambda nodes: True) -> RoundTarget | None:
+               quiet: Callable[[list[str]], bool] = lambda nodes: True,
+               after: Callable[[str], Iterable[str]] | None = None) -> RoundTarget | None:
         """`node_id`'s part of its machine's round, forming the round when it is due and none is in flight;
         None when there is nothing for it to send (no round, told already, or too late to start with the
         others). `accepts`: whether a node accepts connections (a round's receivers are drawn from those);
         `quiet(nodes)`: whether the machine's nodes probe nothing else now (their lone probes would share the
-        card with the round's flows), asked before forming one. O(1) for most calls (every heartbeat makes
-        one); forming a round costs O(the nodes looked at)."""
+        card with the round's flows), asked before forming one; `after(machine)`: the other machines in the
+        order to look for receivers in (default: `by_machine`'s), each machine starting after itself so that
+        rounds formed at once spread over the machines rather than all meet at the first. O(1) for most calls
+        (every heartbeat makes one); forming a round costs O(the nodes looked at)."""
         rnd = self.rounds.get(machine)
         if rnd is None:
             if (len(by_machine) < 2 or len(by_machine.get(machine, ())) < 2
                     or not self._due(machine, now, stale_before) or not quiet(by_machine[machine])):
                 return None
-            rnd = self._form(machine, by_machine, accepts, now + max(lead_s, MIN_LEAD_S))
+            others = after(machine) if after is not None else (m for m in by_machine if m != machine)
+            rnd = self._form(machine, by_machine, others, accepts, now + max(lead_s, MIN_LEAD_S))
             if rnd is None:
                 return None
             self.rounds[machine] = rnd
@@ -119,16 +123,16 @@ class MachineProbes:
         return RoundTarget(receiver=receiver, start_unix=rnd.start, flows=len(rnd.receivers))
 
     @staticmethod
-    def _form(machine: str, by_machine: Mapping[str, list[str]], accepts: Callable[[str], bool],
+    def _form(machine: str, by_machine: Mapping[str, list[str]], others: Iterable[str], accepts: Callable[[str], bool],
               start: float) -> _Round | None:
         senders = sorted(by_machine[machine])
         # another machine with a receiver for every sender where one has as many nodes accepting connections
         # (the first found), else the one with the most
         best: list[str] = []
-        for m, nodes in by_machine.items():
+        for m in others:
             if m == machine:
                 continue
-            got = sorted(n for n in nodes if accepts(n))
+            got = sorted(n for n in by_machine.get(m, ()) if accepts(n))
             if len(got) > len(best):
                 best = got
             if len(best) >= len(senders):

@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -292,7 +292,7 @@ class CoordinatorState:
         with self._cond:
             unreachable = self._unreachable
             got = self._machines.target(node_id, machine, index.by_machine, lambda n: n not in unreachable, now,
-                                        lead_s, self._stale_before, quiet)
+                                        lead_s, self._stale_before, quiet, index.machines_after)
         if got is None:
             return None
         member = self.store.get_member(got.receiver)
@@ -636,6 +636,8 @@ class _ProbeIndex:
     everyone: list[str]
     machine_of: dict[str, str] = field(default_factory=dict)
     by_machine: dict[str, list[str]] = field(default_factory=dict)
+    machines: list[str] = field(default_factory=list)
+    machine_index: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, alive: Mapping[str, MemberRecord]) -> _ProbeIndex:
@@ -651,7 +653,15 @@ class _ProbeIndex:
             self.by_class.setdefault(cls, []).append(node_id)
             self.everyone.append(node_id)
             self.machine_of[node_id] = machine
+            if machine not in self.by_machine:
+                self.machine_index[machine] = len(self.machines)
+                self.machines.append(machine)
             self.by_machine.setdefault(machine, []).append(node_id)
+
+    def machines_after(self, machine: str) -> Iterator[str]:
+        """The other machines, from the one after `machine` round to the one before it (lazily: O(1) a step)."""
+        i, n = self.machine_index[machine], len(self.machines)
+        return (self.machines[(i + j) % n] for j in range(1, n))
 
 
 # --- an operator's pinned plan -----------------------------------------------------------------------

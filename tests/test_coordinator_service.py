@@ -111,9 +111,10 @@ def test_unknown_nodes_duplicates_and_the_path_to_a_plan(service: CoordinatorSer
     same = pb.JoinRequest(token=TOKEN, node_id=ids[0], profile=profile("host0"), peer_address="127.0.0.1:6000")
     assert s.Join(same, timeout=5).node_id == ids[0]
     everyone = [m.node_id for m in fetch_status(service.address, token=TOKEN).members]
-    watch = s.WatchPlan(pb.WatchPlanRequest(node_id=ids[0]), timeout=20)
-    for n in everyone:  # probe as asked, until nobody is asked anything
-        for _ in range(5):
+    # (host0's two nodes then probe another machine at once, a heartbeat and a half after they are told: 12 s here)
+    watch = s.WatchPlan(pb.WatchPlanRequest(node_id=ids[0]), timeout=45)
+    for n in [*everyone, *everyone]:  # probe as asked, until nobody is asked anything (twice: host0's round comes
+        for _ in range(5):           # once the lone probes are done)
             reply = s.Heartbeat(pb.HeartbeatRequest(node_id=n), timeout=5)
             if not reply.probe:
                 break

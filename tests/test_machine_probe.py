@@ -59,6 +59,21 @@ def test_a_late_node_sends_nothing_and_an_overdue_round_ends_with_the_flows_that
     assert probes.needs(MACHINES, 71.0) == set()  # tried: not again before reprobe_after
 
 
+def test_rounds_formed_at_once_spread_over_the_machines() -> None:
+    """Each machine looks for receivers from the machine after it: four machines' rounds each go to another
+    machine, not all to the first one (whose card would then carry every round at once)."""
+    probes = MachineProbes(reprobe_after_s=600, timeout_s=30)
+    order = ["m1", "m2", "m3", "m4"]
+    by_machine = {m: [f"{m}-a", f"{m}-b"] for m in order}
+
+    def after(m: str):
+        i = order.index(m)
+        return (order[(i + j) % 4] for j in range(1, 4))
+
+    got = {m: probes.target(f"{m}-a", m, by_machine, lambda n: True, 0.0, 3.0, after=after).receiver for m in order}
+    assert got == {"m1": "m2-a", "m2": "m3-a", "m3": "m4-a", "m4": "m1-a"}
+
+
 def test_links_between_machines_are_read_at_most_at_the_machines_per_flow_figure() -> None:
     machine_of = {"a": "m1", "b": "m1", "c": "m2", "d": "m2", "e": "m3"}
     links = [_flow("a", "b", 5e9, 1), _flow("a", "c", 125e6, 1), _flow("c", "e", 125e6, 1), _flow("b", "e", 10e6, 1)]
