@@ -282,7 +282,8 @@ class CoordinatorState:
         probes; None when it has none to send now."""
         index = self._probe_index
         machine = index.machine_of.get(node_id)
-        if machine is None or len(index.by_machine) < 2:  # (one machine: nothing to probe; O(1) on most calls)
+        # (one machine, or a node alone on its machine: nothing to probe; O(1) and no lock on most calls)
+        if machine is None or len(index.by_machine) < 2 or len(index.by_machine.get(machine, ())) < 2:
             return None
         timeout = self.options.probes.in_flight_timeout.total_seconds()
 
