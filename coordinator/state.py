@@ -467,7 +467,6 @@ class CoordinatorState:
         with self._cond:
             for outcome in self._machines.expire(now):
                 log.info("machine probe: %s", outcome)
-        with self._cond:
             dirty, self._islands_dirty = self._islands_dirty, False
             last_change = self._last_change
         formed = None  # (links, graph, islands) of this round, for a replan in it
@@ -515,8 +514,7 @@ class CoordinatorState:
         else:
             if decision.reason != self._last_reason:
                 log.info("not planning: %s", decision.reason)
-            if plan is not None and planned == alive.keys() and not self.job_complete() and (
-                    now >= self._drift_next):
+            if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
                 events.extend(self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:

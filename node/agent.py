@@ -413,12 +413,12 @@ class NodeAgent:
             t0 = time.perf_counter()
             self.profile = profile_node(self.job, self.config.device, self.config.profile)
             self.profile.region = self.config.region
-            self.profile.hostname = self.config.machine or self.profile.hostname
             block = [t for t in self.profile.layer_timings if t.layer_kind == "block"]
             log.info("profiled %s %s in %.1fs: block fwd+bwd %s", self.profile.device_kind, self.profile.device_name,
                      time.perf_counter() - t0,
                      ", ".join(f"{(t.forward_seconds + t.backward_seconds) * 1e3:.1f} ms @ {t.micro_batch}"
                                for t in block))
+        self.profile.hostname = self.config.machine or self.profile.hostname  # the machine it shares a card on
         self.peer = PeerServer(node_id=self.node_id, listen=self.config.listen, token=self.config.token,
                                rpc=self.peer_rpc)
         self.join()
