@@ -337,8 +337,7 @@ class CoordinatorState:
             measured = {n: dict(self._measured.get(n, {})) for n in todo}
             stale_before = self._stale_before
         # and the machines whose nodes have not yet probed another machine all at once
-        machines = self._machines.missing(index.by_machine, lambda n: n not in skip, now, stale_before) \
-            if len(index.by_machine) > 1 else set()
+        machines = self._machines.missing(index.by_machine, lambda n: n not in skip, now, stale_before)
         return (incomplete | machines
                 | self._samples.check(todo, index.class_of, sizes, measured, skip, now, stale_before))
 

@@ -565,11 +565,12 @@ class PlanRunner:
                 # did (one replica's send may fail while the other is superseded mid-step): they must agree to
                 # meet; a failed one waits for that plan first
                 wait = 0.0 if stop.is_set() else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
+                until = time.monotonic() + wait  # one wait for that plan, shared by both handovers below
                 states = self._zero_states(store, optimizer, step, wait=wait) if stop.is_set() or failed else None
                 # a tp stage's ranks likewise gather its shards whole on tp rank 0 (under ZeRO: replica 0's ranks,
                 # from the state each one's replicas gathered on it just above)
-                whole = (self._tp_whole(store, module, optimizer, step, wait=wait, states=states)
-                         if stop.is_set() or failed else None)
+                whole = (self._tp_whole(store, module, optimizer, step, wait=max(0.0, until - time.monotonic()),
+                                        states=states) if stop.is_set() or failed else None)
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states, whole))
             if self.tp is not None:
                 self.tp.close()
