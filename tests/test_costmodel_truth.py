@@ -9,7 +9,7 @@ from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster
 from atoll.coordinator.planner.catalog import device
 from atoll.coordinator.planner.cluster import GBPS, Island
 from atoll.coordinator.planner.composer import Composer, _Setup
-from atoll.coordinator.planner.costmodel import CostModel
+from atoll.coordinator.planner.costmodel import CostModel, loss_bytes_per_logit
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.modelspec import ModelSpec
 
@@ -159,3 +159,70 @@ def test_a_measured_cost_of_splitting_the_backward_goes_to_the_deferring_stage()
     assert cm.table(isl, 1, tp=2).split(block, block + 1) == pytest.approx(0.002 / speed)
     with pytest.raises(ValueError, match="split_overhead"):
         ProfileSet.from_dict({"devices": {"V100-32GB": {"layers": {"block": [{**pt, "split_overhead": -0.1}]}}}})
+
+
+def test_the_heads_loss_is_priced_at_the_devices_memory_bandwidth() -> None:
+    """The loss over the logits is memory-bound: the catalog prices its passes (`loss_bytes_per_logit`) at the
+    device's bandwidth, beside the head's FLOPs; its share is larger on a device whose FLOPs outrun its memory,
+    the weight-gradient products stay their FLOPs' share of the matmul part, and every tp rank pays it whole."""
+    model = ModelSpec.from_preset("llama-3.2-1b")  # a 128k-token vocabulary
+    train = TrainSpec(global_batch=64, seq_len=2048)
+    cm = CostModel(model, train)
+    head = model.num_layers - 1
+    layer = model.layers[head]
+    assert layer.kind == "head"
+    tokens = 2 * 2048
+    for name in ("H100", "T4"):
+        isl = _island(name, intra=300)
+        t = cm.table(isl, 2)
+        bw = device(name).memory_gbps * 1e9 * cm.options.memory_fraction
+        fb, bb = loss_bytes_per_logit(2)
+        assert t.loss == pytest.approx((fb * tokens * model.config.vocab_size / bw,
+                                        bb * tokens * model.config.vocab_size / bw))
+        matmul = t.bwd[head] - t.loss[1]
+        assert matmul == pytest.approx(layer.flops_bwd_per_token * tokens
+                                       / (isl.device.effective_flops("bf16", cm.fractions) * tokens
+                                          / (tokens + cm.options.half_efficiency_tokens)))
+        assert t.weight(head, head + 1) == pytest.approx(matmul * layer.flops_wgrad_per_token
+                                                         / layer.flops_bwd_per_token)
+        assert t.fwd[1] == pytest.approx(cm.table(isl, 2).fwd[1])  # blocks: unchanged
+    # an H100's FLOPs outrun its memory more than a T4's: the loss is a larger share of its head
+    share = {n: cm.table(_island(n), 2).loss[0] / cm.table(_island(n), 2).fwd[head] for n in ("H100", "T4")}
+    assert share["H100"] > share["T4"] > 0.05
+    # tp: the gathered logits' loss runs whole on every rank
+    isl = _island("H100")
+    one, two = cm.table(isl, 2), cm.table(isl, 2, tp=2)
+    gather = cm.tp_allreduce_seconds(tokens * model.config.vocab_size * 2, 2, isl) / 2
+    assert two.fwd[head] == pytest.approx((one.fwd[head] - one.loss[0]) / (2 * cm.tp_efficiency(2))
+                                          + one.loss[0] + gather)
+    # fp32: no casts
+    assert loss_bytes_per_logit(4) == (8, 16)
+
+
+def test_a_measured_head_keeps_its_own_time_and_an_unknown_bandwidth_prices_no_loss() -> None:
+    doc = {"devices": {"V100-32GB": {"layers": {k: [{"micro_batch": 1, "seq_len": 2048, "forward_s": 0.01,
+                                                     "backward_s": 0.02}] for k in ("embedding", "block", "head")}}}}
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048), ProfileSet.from_dict(doc))
+    t = cm.table(_island("V100-32GB", intra=300), 1)
+    assert t.loss == (0.0, 0.0) and t.fwd[-1] == pytest.approx(0.01)
+    custom = parse_cluster('[[group]]\nname = "x"\ntflops = 100\nmemory_gb = 40\ncount = 4\n')
+    assert custom.islands[0].device.memory_gbps == 0
+    assert CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048)).table(custom.islands[0], 1).loss == (0.0, 0.0)
+    given = parse_cluster('[[group]]\nname = "x"\ntflops = 100\nmemory_gb = 40\nmemory_gbps = 1200\ncount = 4\n')
+    assert given.islands[0].device.memory_gbps == 1200
+    assert CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048)).table(given.islands[0], 1).loss[0] > 0
+    with pytest.raises(ValueError, match="memory_gbps"):
+        parse_cluster('[[group]]\nname = "x"\ndevice = "A100"\nmemory_gbps = -1\ncount = 4\n')
+
+
+def test_the_optimizer_step_runs_at_the_devices_memory_bandwidth() -> None:
+    """AdamW's state updates are memory-bound: a T4 (320 GB/s) takes about 10x an H100 (3,350 GB/s) for the same
+    parameters, not one figure for every device; a measured profile still overrides it."""
+    cm = CostModel(MODEL, TrainSpec(global_batch=64, seq_len=2048))
+    h100, t4 = (cm.optimizer_seconds(_island(n), 10**9, zero=0, group=1) for n in ("H100", "T4"))
+    assert t4 / h100 == pytest.approx(3350 / 320)
+    per_param = 2 * (cm.weight_bytes_per_param + cm.grad_bytes_per_param + cm.opt_bytes_per_param)
+    assert h100 == pytest.approx(1e9 * per_param / (3350e9 * cm.options.memory_fraction))
+    assert cm.optimizer_seconds(_island("H100"), 10**9, zero=1, group=4) == pytest.approx(h100 / 4)
+    with pytest.raises(ValueError, match="memory_fraction"):
+        PlannerOptions(memory_fraction=0)

@@ -46,6 +46,16 @@ Sources (datasheets, retrieved 2024-2025; dense figures):
 
 Memory is the device's total in GB (1e9 bytes as datasheets count; the planner keeps a reserve, see
 `PlannerOptions.memory_reserve_fraction`).
+
+Memory bandwidth (``memory_gbps``, GB/s, the same datasheets): H100 SXM5 3,350; H200 SXM 4,800; A100 SXM
+80GB 2,039 and 40GB 1,555; A10 600; L4 300; L40S 864; V100 SXM2 900; T4 320; RTX 3090 936 (GA102 whitepaper);
+RTX 4090 1,008 (AD102 whitepaper). It prices the work a layer's FLOPs do not: memory-bound passes such as the
+loss over the vocabulary's logits and the optimizer's state updates, at `PlannerOptions.memory_fraction` of the
+figure (a streaming kernel reaches about 0.8-0.9 of it: a read kernel measured 1.80 of 2.04 TB/s on an A100
+80GB SXM, and the GTC talk that thread cites found about 90% the best of any kernel: NVIDIA developer forums,
+"Trouble to Reach Peak Bandwidth of A100"; PyTorch's elementwise and multi-tensor optimizer kernels, which read
+and write, sit at the low end). 0: not known (the optimizer then falls back to
+`PlannerOptions.optimizer_bytes_per_s`, and the loss is left in the head's FLOPs estimate alone).
 """
 
 from __future__ import annotations
@@ -71,10 +81,14 @@ class DeviceSpec:
     tflops_tf32: float = 0.0
     """Peak dense TF32 tensor TFLOPS; 0 when the device has no TF32 tensor cores (fp32 then runs on the
     fp32 units)."""
+    memory_gbps: float = 0.0
+    """Peak memory bandwidth, GB/s (1e9 bytes/s as datasheets count); 0: not known."""
 
     def __post_init__(self) -> None:
         if self.tflops_16 < 0 or self.tflops_32 < 0 or self.tflops_tf32 < 0:
             raise ValueError(f"device {self.name!r}: tflops must be >= 0")
+        if self.memory_gbps < 0:
+            raise ValueError(f"device {self.name!r}: memory_gbps must be >= 0 (0: not known), got {self.memory_gbps}")
         if self.memory_gb <= 0:
             raise ValueError(f"device {self.name!r}: memory_gb must be positive, got {self.memory_gb}")
 
@@ -95,26 +109,32 @@ class DeviceSpec:
         (`fractions` by path name; see the module docstring for the calibration)."""
         return self.peak_flops(dtype) * fractions[self.math_path(dtype)]
 
+    def effective_memory_bandwidth(self, fraction: float) -> float:
+        """Bytes/s a streaming (memory-bound) kernel reaches: the datasheet bandwidth times `fraction`; 0 when
+        the bandwidth is not known."""
+        return self.memory_gbps * 1e9 * fraction
 
-def _d(name: str, t16: float, tf32: float, t32: float, mem: float, source: str) -> DeviceSpec:
-    return DeviceSpec(name=name, tflops_16=t16, tflops_tf32=tf32, tflops_32=t32, memory_gb=mem, source=source)
+
+def _d(name: str, t16: float, tf32: float, t32: float, mem: float, gbps: float, source: str) -> DeviceSpec:
+    return DeviceSpec(name=name, tflops_16=t16, tflops_tf32=tf32, tflops_32=t32, memory_gb=mem, memory_gbps=gbps,
+                      source=source)
 
 
 CATALOG: dict[str, DeviceSpec] = {
     d.name.lower(): d
     for d in (
-        _d("H100", 989.0, 494.5, 67.0, 80, "NVIDIA H100 datasheet (SXM5)"),
-        _d("H200", 989.0, 494.5, 67.0, 141, "NVIDIA H200 datasheet (SXM)"),
-        _d("A100-80GB", 312.0, 156.0, 19.5, 80, "NVIDIA A100 datasheet (SXM 80GB)"),
-        _d("A100-40GB", 312.0, 156.0, 19.5, 40, "NVIDIA A100 datasheet (SXM 40GB)"),
-        _d("A10", 125.0, 62.5, 31.2, 24, "NVIDIA A10 datasheet"),
-        _d("L4", 121.0, 60.0, 30.3, 24, "NVIDIA L4 datasheet"),
-        _d("L40S", 362.0, 183.0, 91.6, 48, "NVIDIA L40S datasheet"),
-        _d("V100-32GB", 125.0, 0.0, 15.7, 32, "NVIDIA V100 datasheet (SXM2 32GB)"),
-        _d("V100-16GB", 125.0, 0.0, 15.7, 16, "NVIDIA V100 datasheet (SXM2 16GB)"),
-        _d("T4", 65.0, 0.0, 8.1, 16, "NVIDIA T4 datasheet"),
-        _d("RTX3090", 71.0, 35.6, 35.6, 24, "NVIDIA GA102 whitepaper"),
-        _d("RTX4090", 165.2, 82.6, 82.6, 24, "NVIDIA AD102 whitepaper"),
+        _d("H100", 989.0, 494.5, 67.0, 80, 3350, "NVIDIA H100 datasheet (SXM5)"),
+        _d("H200", 989.0, 494.5, 67.0, 141, 4800, "NVIDIA H200 datasheet (SXM)"),
+        _d("A100-80GB", 312.0, 156.0, 19.5, 80, 2039, "NVIDIA A100 datasheet (SXM 80GB)"),
+        _d("A100-40GB", 312.0, 156.0, 19.5, 40, 1555, "NVIDIA A100 datasheet (SXM 40GB)"),
+        _d("A10", 125.0, 62.5, 31.2, 24, 600, "NVIDIA A10 datasheet"),
+        _d("L4", 121.0, 60.0, 30.3, 24, 300, "NVIDIA L4 datasheet"),
+        _d("L40S", 362.0, 183.0, 91.6, 48, 864, "NVIDIA L40S datasheet"),
+        _d("V100-32GB", 125.0, 0.0, 15.7, 32, 900, "NVIDIA V100 datasheet (SXM2 32GB)"),
+        _d("V100-16GB", 125.0, 0.0, 15.7, 16, 900, "NVIDIA V100 datasheet (SXM2 16GB)"),
+        _d("T4", 65.0, 0.0, 8.1, 16, 320, "NVIDIA T4 datasheet"),
+        _d("RTX3090", 71.0, 35.6, 35.6, 24, 936, "NVIDIA GA102 whitepaper"),
+        _d("RTX4090", 165.2, 82.6, 82.6, 24, 1008, "NVIDIA AD102 whitepaper"),
     )
 }
 

@@ -4,7 +4,9 @@ Built either from a cluster file (TOML, `load_cluster` / `parse_cluster`):
 
     [[group]]
     name = "a100-east"         # unique
-    device = "A100-80GB"       # a catalog name, or give tflops and memory_gb (tflops_tf32, tflops_fp32 optional)
+    device = "A100-80GB"       # a catalog name, or give tflops and memory_gb (tflops_tf32, tflops_fp32,
+                               # memory_gbps optional; memory_gbps, the memory bandwidth in GB/s, prices the
+                               # loss and the optimizer step)
     count = 32                 # GPUs in the group
     gpus_per_node = 8          # default 8
     region = "us-east"         # default "default"
@@ -263,7 +265,7 @@ class Cluster:
 # --- cluster files -------------------------------------------------------------------------------------
 
 GROUP_FIELDS = {"name", "device", "count", "gpus_per_node", "region", "intra_node_gbps", "inter_node_gbps",
-                "tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "latency_ms"}
+                "tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "memory_gbps", "latency_ms"}
 LINK_FIELDS = {"between", "gbps", "latency_ms"}
 
 
@@ -412,7 +414,7 @@ def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) 
     dev_name = g.get("device")
     if dev_name is not None and not isinstance(dev_name, str):
         raise err("device", f"must be a string (a catalog name), got {dev_name!r}")
-    custom = {k: g[k] for k in ("tflops", "tflops_tf32", "tflops_fp32", "memory_gb") if k in g}
+    custom = {k: g[k] for k in ("tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "memory_gbps") if k in g}
     if dev_name is None and not {"tflops", "memory_gb"} <= set(custom):
         raise err("device", "is missing: give a catalog device name, or tflops and memory_gb")
     base: DeviceSpec | None = None
@@ -426,8 +428,9 @@ def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) 
     t32 = _positive(g, "tflops_fp32", base.tflops_32 if base else t16 / 8, err)
     tf32 = _nonneg(g, "tflops_tf32", base.tflops_tf32 if base else 0.0, err)  # 0: no TF32 tensor cores
     mem = _positive(g, "memory_gb", base.memory_gb if base else None, err)
+    mem_bw = _nonneg(g, "memory_gbps", base.memory_gbps if base else 0.0, err)  # 0: not known
     dev = DeviceSpec(name=base.name if base else str(dev_name or name), tflops_16=t16, tflops_32=t32,
-                     tflops_tf32=tf32, memory_gb=mem, source=base.source if base and not custom else f"{source} [[group]] #{gi + 1}")
+                     tflops_tf32=tf32, memory_gb=mem, memory_gbps=mem_bw, source=base.source if base and not custom else f"{source} [[group]] #{gi + 1}")
     intra = _positive(g, "intra_node_gbps", 600.0, err) * GBPS
     inter = _positive(g, "inter_node_gbps", 100.0, err) * GBPS
     lat = _nonneg(g, "latency_ms", INTER_NODE_LATENCY_S * 1e3, err) / 1e3

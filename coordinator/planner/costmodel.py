@@ -6,7 +6,9 @@ per-replica micro-batches are counted in sequences.
 - Compute of a layer: a profile's measured time when one is given for the island, else FLOPs / (the
   device's effective FLOP/s on its dtype's math path, `DeviceSpec.effective_flops`: 16-bit tensor cores,
   TF32 tensor cores for fp32 where the device has them, else the fp32 units, each at its achievable fraction)
-  x tokens / (tokens + half_efficiency_tokens)).
+  x tokens / (tokens + half_efficiency_tokens)); the head's also the loss's memory-bound passes over the
+  logits (`loss_bytes_per_logit`) at the device's memory bandwidth x `memory_fraction`, which its FLOPs leave
+  out (a measured head includes them).
 - Tensor parallelism over tp GPUs of one node (Megatron's layout, as `atoll.node.tp` runs it): a layer's
   compute divided by tp at the efficiency of its narrower per-rank matrices (`tp_efficiency`), plus the
   collectives over the node's links: per block two all-reduces of its output forward and two of its input
@@ -28,6 +30,9 @@ per-replica micro-batches are counted in sequences.
   all-gather inside each node (g members) around a ring across the k nodes on 1/g of the bytes per GPU,
   2 (g-1)/g x bytes / intra + 2 (k-1)/k x bytes / (g x inter), with 2 (g-1) + 2 (k-1) latencies. A stage
   with tensor parallelism all-reduces its gradient shards per tp rank over its dp replicas.
+- Optimizer step: a profile's measured time per parameter, else reading and writing every weight, gradient and
+  optimizer state once at the device's memory bandwidth x `memory_fraction` (`optimizer_bytes_per_s` where the
+  device's bandwidth is not known).
 - Memory per device: weights, gradients and optimizer states (ZeRO-1 shards the optimizer states, ZeRO-2
   also the gradients, ZeRO-3 also the weights, over the stage's data-parallel group) plus the activations of
   the micro-batches in flight (1F1B: stage i of p holds min(p - i, m), plus its extra depth with a deep
@@ -168,6 +173,10 @@ class LayerTable:
     psplit: tuple[float, ...] = ()
     """Prefix sums of what splitting each layer's backward in two adds to it (measured; 0 by the catalog): a
     zero-bubble stage's input-gradient and weight-gradient actions together take `bwd` plus this."""
+    loss: tuple[float, float] = (0.0, 0.0)
+    """Of the head's `fwd` and `bwd`, the loss's memory-bound passes over the logits (`loss_bytes_per_logit`)
+    as the catalog prices them; 0 where a profile measured the head (its timing includes the loss). Under tensor
+    parallelism every rank computes it on the gathered logits, whole."""
 
     def forward(self, a: int, b: int) -> float:
         return self.pf[b] - self.pf[a]
@@ -189,6 +198,16 @@ class LayerTable:
     def stash(self, a: int, b: int) -> int:
         """Bytes one micro-batch's deferred weight gradients of [a, b) hold until they are computed."""
         return self.pstash[b] - self.pstash[a] if self.pstash else 0
+
+
+def loss_bytes_per_logit(elem_bytes: int) -> tuple[int, int]:
+    """Bytes the loss moves per logit (forward, backward), as the last stage computes it (`atoll.node.model.lm_loss`:
+    the logits cast to fp32, then cross-entropy): forward, log-softmax reads and writes fp32 (8), after the cast
+    reads the job's dtype and writes fp32; backward, the loss's dense gradient is written (4), log-softmax's
+    backward reads it and its output and writes the input gradient (12), and the cast back reads fp32 and writes
+    the job's dtype. No cast in an fp32 job."""
+    cast = elem_bytes + 4 if elem_bytes != 4 else 0
+    return 8 + cast, 16 + cast
 
 
 def _largest_block(model: ModelSpec, act: tuple[int, ...]) -> int:
@@ -273,8 +292,9 @@ class CostModel:
         fwd, bwd, params, act, wgt, stash, split = [], [], [], [], [], [], []
         for n, (layer, f, b, p, a) in enumerate(zip(self.model.layers, base.fwd, base.bwd, base.params, base.act)):
             cf, cb = comm[layer.kind]
-            fwd.append(f / speed + cf)
-            bwd.append(b / speed + cb)
+            lf, lb = base.loss if layer.kind == "head" else (0.0, 0.0)  # the loss: whole on every rank
+            fwd.append((f - lf) / speed + lf + cf)
+            bwd.append((b - lb) / speed + lb + cb)
             params.append(-(-p // tp))
             act.append(kept_whole + (a - kept_whole) // tp if layer.kind == "block" else a)
             # deferred weight gradients: each rank's products of its shards; a column-parallel layer keeps its whole
@@ -289,7 +309,7 @@ class CostModel:
                           act_recompute=base.act_recompute, pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)),
                           pparams=_prefix(tuple(params)), pact=_prefix(tuple(act)), pact_rc=base.pact_rc,
                           max_layer_act=_largest_block(self.model, act), pw=_prefix(tuple(wgt)),
-                          pstash=_prefix(tuple(stash)), psplit=_prefix(tuple(split)))
+                          pstash=_prefix(tuple(stash)), psplit=_prefix(tuple(split)), loss=base.loss)
 
     def _build_table(self, island: Island, micro_batch: int) -> LayerTable:
         seq = self.train.seq_len
@@ -298,6 +318,8 @@ class CostModel:
         o = self.options
         peak = island.device.effective_flops(self.train.dtype, self.fractions)
         eff = tokens / (tokens + o.half_efficiency_tokens)
+        mem_bw = island.device.effective_memory_bandwidth(o.memory_fraction)
+        loss = (0.0, 0.0)
         fwd: list[float] = []
         bwd: list[float] = []
         wgt: list[float] = []
@@ -324,6 +346,13 @@ class CostModel:
             extra = b * prof.split_overhead(layer.kind, tokens) if measured is not None and prof else 0.0
             wgt.append((b + extra) * share)
             split.append(extra)
+            if layer.kind == "head" and measured is None and mem_bw > 0:
+                # the loss over the logits: memory-bound passes the FLOPs do not count (a measured head has it)
+                per = tokens * self.model.config.vocab_size / mem_bw
+                bf, bb = loss_bytes_per_logit(self.elem_bytes)
+                loss = (bf * per, bb * per)
+                fwd[-1] += loss[0]
+                bwd[-1] += loss[1]
         d = self.train.dtype
         stash = tuple(tokens * layer.wgrad_elems_per_token * self.elem_bytes for layer in self.model.layers)
         params = tuple(layer.params for layer in self.model.layers)
@@ -333,7 +362,7 @@ class CostModel:
         return LayerTable(fwd=tuple(fwd), bwd=tuple(bwd), params=params, act=act, act_recompute=act_rc,
                           pf=_prefix(tuple(fwd)), pb=_prefix(tuple(bwd)), pparams=_prefix(params),
                           pact=_prefix(act), pact_rc=_prefix(act_rc), max_layer_act=_largest_block(self.model, act),
-                          pw=_prefix(tuple(wgt)), pstash=_prefix(stash), psplit=_prefix(tuple(split)))
+                          pw=_prefix(tuple(wgt)), pstash=_prefix(stash), psplit=_prefix(tuple(split)), loss=loss)
 
     # --- memory --------------------------------------------------------------------------------------
 
@@ -465,9 +494,10 @@ class CostModel:
         local = params / tp / group if zero >= 1 else params / tp
         if prof and prof.optimizer_s_per_gparam > 0:
             return prof.optimizer_s_per_gparam * local / 1e9
-        # read and write weights, gradient and optimizer states once
+        # read and write weights, gradient and optimizer states once, at the device's memory bandwidth
         per_param = 2 * (self.weight_bytes_per_param + self.grad_bytes_per_param + self.opt_bytes_per_param)
-        return local * per_param / self.options.optimizer_bytes_per_s
+        bw = island.device.effective_memory_bandwidth(self.options.memory_fraction) or self.options.optimizer_bytes_per_s
+        return local * per_param / bw
 
     def model_flops_per_step(self) -> float:
         f, b = self.model.slice_flops_per_token(0, self.model.num_layers)

@@ -91,8 +91,13 @@ class PlannerOptions:
     """Let a stage run up to p - i - 1 more warm-up forwards where its memory holds them and the simulated step
     is shorter (filling the wait for its first gradient: `StagePlan.in_flight`); False: only the deep windows a
     slow link asks for."""
+    memory_fraction: float = 0.8
+    """Share of a device's datasheet memory bandwidth (`DeviceSpec.memory_gbps`) a memory-bound pass reaches:
+    the loss over the logits and the optimizer's state updates, where no profile gives their time (the
+    calibration in `catalog`)."""
     optimizer_bytes_per_s: float = 1.0e12
-    """Memory bandwidth of the optimizer step's state updates when no profile gives its time."""
+    """Memory bandwidth of the optimizer step's state updates on a device whose bandwidth is not known (no
+    `memory_gbps`) when no profile gives its time."""
     refine_factors: tuple[float, ...] = (1.0, 1.15, 1.4)
     """Bottleneck relaxations tried after the minimum (fewer stages may shorten fill and drain)."""
     equal_widths: bool = False
@@ -160,6 +165,8 @@ class PlannerOptions:
             raise ValueError(f"activation_codecs must be some of {', '.join(CODEC_ORDER)}, got {self.activation_codecs}")
         if not self.zero_stages or any(z not in (0, 1, 2, 3) for z in self.zero_stages):
             raise ValueError(f"zero_stages must be some of 0, 1, 2, 3, got {self.zero_stages}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.optimizer_bytes_per_s <= 0:
             raise ValueError("optimizer_bytes_per_s must be positive")
         if not self.refine_factors or min(self.refine_factors) < 1:
