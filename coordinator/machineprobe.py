@@ -12,7 +12,9 @@ nodes while another machine holds some, one *round* has every node of the machin
 machine at the same moment (`ProbeTarget.start_unix`, on the coordinator's clock, which each heartbeat reply
 carries so nodes can correct theirs). The median of the round's flows is the machine's per-flow figure; the
 planner's links between two machines are then at most the smaller of their two figures (`per_flow_links`).
-Links within a machine keep their lone probe. A round taken again after `reprobe_after`, like links.
+Links within a machine keep their lone probe. A round taken again after `reprobe_after`, like links. The
+figures live in the coordinator's store (`machine_flows`), so a restarted coordinator plans from them at once
+instead of measuring every machine again first.
 
 A round starts `lead` seconds after it is formed, so each node can hear of it on a heartbeat first; a node whose
 heartbeat comes too late sends nothing, and the round counts the flows that did run (`LinkMeasurement.flows`).
@@ -63,10 +65,15 @@ class MachineProbes:
     """The rounds in flight and each machine's per-flow figure (bytes/s, with when it was taken). Not
     thread-safe: the coordinator calls it under its lock."""
 
-    def __init__(self, *, reprobe_after_s: float, timeout_s: float):
+    def __init__(self, *, reprobe_after_s: float, timeout_s: float,
+                 figures: Mapping[str, tuple[float | None, float]] | None = None,
+                 on_figure: Callable[[str, float | None, float], None] | None = None):
         self.reprobe_after_s, self.timeout_s = reprobe_after_s, timeout_s
-        self.figures: dict[str, tuple[float | None, float]] = {}
-        """Machine -> (per-flow bytes/s, or None where no flow of its round got through; when taken)."""
+        self.figures: dict[str, tuple[float | None, float]] = dict(figures or {})
+        """Machine -> (per-flow bytes/s, or None where no flow of its round got through; when taken): `figures`
+        to start from (those a restarted coordinator's store kept), each due again as any after `reprobe_after_s`."""
+        self._on_figure = on_figure
+        """Called with each round's outcome (machine, figure, when): the coordinator keeps it in its store."""
         self.rounds: dict[str, _Round] = {}
 
     def _due(self, machine: str, now: float, stale_before: float) -> bool:
@@ -168,6 +175,8 @@ class MachineProbes:
         got = sorted(bw for bw in rnd.flows.values() if bw > 0)
         figure = statistics.median(got) if got else None
         self.figures[rnd.machine] = (figure, now)
+        if self._on_figure is not None:
+            self._on_figure(rnd.machine, figure, now)
         if not rnd.told:
             return (f"machine {rnd.machine}: none of its {len(rnd.receivers)} nodes heard of its round in time; its "
                     "links keep their lone probes")

@@ -129,7 +129,8 @@ class CoordinatorState:
         self._unreachable: set[str] = set()
         """Alive members that accept no connections: never dialed by a probe (they probe the others)."""
         self._machines = MachineProbes(reprobe_after_s=self.options.probes.reprobe_after.total_seconds(),
-                                       timeout_s=self.options.probes.in_flight_timeout.total_seconds())
+                                       timeout_s=self.options.probes.in_flight_timeout.total_seconds(),
+                                       figures=store.get_machine_flows(), on_figure=store.put_machine_flow)
         """Machine probes (`atoll.coordinator.machineprobe`): each machine's flow while all its nodes send."""
         self._last_change = self.started_unix
         self._stale_before = 0.0

@@ -242,6 +242,17 @@ class Store(ABC):
         """Replace the factors (those of the plan just published)."""
         self._speed = dict(speed)
 
+    # machine probes' figures (atoll.coordinator.machineprobe): non-abstract, kept in memory here
+    def get_machine_flows(self) -> dict[str, tuple[float | None, float]]:
+        """Per machine, the per-flow bytes/s its last round measured (None: no flow got through) and when."""
+        return dict(getattr(self, "_machine_flows", None) or {})
+
+    def put_machine_flow(self, machine: str, bytes_per_s: float | None, measured_unix: float) -> None:
+        """Keep a machine's newest round figure (replacing its last)."""
+        if not hasattr(self, "_machine_flows"):
+            self._machine_flows: dict[str, tuple[float | None, float]] = {}
+        self._machine_flows[machine] = (bytes_per_s, measured_unix)
+
     def close(self) -> None:
         """Release files."""
 
@@ -423,6 +434,7 @@ CREATE TABLE IF NOT EXISTS control (
     one INTEGER PRIMARY KEY CHECK (one = 1), target_steps INTEGER NOT NULL, stopped_unix REAL NOT NULL,
     finished_unix REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS speed (node_id TEXT PRIMARY KEY, factor REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS machine_flows (machine TEXT PRIMARY KEY, bytes_per_s REAL, measured_unix REAL NOT NULL);
 """
 
 
@@ -700,6 +712,13 @@ class SqliteStore(Store):
         with self._tx() as db:
             db.execute("DELETE FROM speed")
             db.executemany("INSERT INTO speed VALUES (?, ?)", sorted(speed.items()))
+
+    def get_machine_flows(self) -> dict[str, tuple[float | None, float]]:
+        return {m: (None if bw is None else float(bw), float(t))
+                for m, bw, t in self._read("SELECT machine, bytes_per_s, measured_unix FROM machine_flows")}
+
+    def put_machine_flow(self, machine: str, bytes_per_s: float | None, measured_unix: float) -> None:
+        self._write("INSERT OR REPLACE INTO machine_flows VALUES (?, ?, ?)", (machine, bytes_per_s, measured_unix))
 
     def close(self) -> None:
         try:

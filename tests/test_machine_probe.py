@@ -10,7 +10,7 @@ from atoll.coordinator import handlers as h
 from atoll.coordinator.errors import InvalidArgument
 from atoll.coordinator.machineprobe import MachineProbes, per_flow_links
 from atoll.coordinator.state import CoordinatorState
-from atoll.coordinator.store import MemoryStore
+from atoll.coordinator.store import MemoryStore, SqliteStore
 from atoll.job import JobSpec
 from atoll.types import LinkMeasurement
 from atoll.v1 import atoll_pb2 as pb
@@ -81,10 +81,10 @@ def test_links_between_machines_are_read_at_most_at_the_machines_per_flow_figure
     assert [x.bandwidth_bytes_per_s for x in got] == [5e9, 50e6, 100e6, 10e6]  # within m1; min(m1, m2); m2; below
 
 
-def test_the_coordinator_runs_a_machines_round_before_it_plans_and_plans_with_its_figure() -> None:
+def test_the_coordinator_runs_a_machines_round_before_it_plans_and_plans_with_its_figure(tmp_path) -> None:
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
     clock = Clock()
-    state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=clock)
+    state = CoordinatorState(store=SqliteStore(tmp_path / "coordinator.db"), job=job, token=TOKEN, clock=clock)
     ids = [join(state, host=host, port=5001 + i).node_id for i, host in enumerate(["m1", "m1", "m2", "m2"])]
     state.tick()
     first = h.handle_heartbeat(pb.HeartbeatRequest(node_id=ids[0]), state)
@@ -117,3 +117,21 @@ def test_the_coordinator_runs_a_machines_round_before_it_plans_and_plans_with_it
     assert {x.bandwidth_bytes_per_s for x in state.store.list_links()} == {125e6}
     inputs = state._plan_inputs(alive, clock.t)  # noqa: SLF001 - what the planner is given
     assert inputs.machine_flows == {"m1": 40e6, "m2": 100e6}
+    # a restarted coordinator plans from the figures its store kept, without measuring the machines again first
+    state.store.close()
+    again = CoordinatorState(store=SqliteStore(tmp_path / "coordinator.db"), job=job, token=TOKEN, clock=clock)
+    assert again._machines.per_flow() == {"m1": 40e6, "m2": 100e6}  # noqa: SLF001
+    assert again._machines.needs({"m1": ids[:2], "m2": ids[2:]}, clock.t) == set()  # noqa: SLF001
+    assert again._machines.needs({"m1": ids[:2], "m2": ids[2:]}, clock.t + 10**6) == {"m1", "m2"}  # noqa: SLF001 - stale in time
+    again.store.close()
+
+
+def test_both_stores_keep_each_machines_newest_figure(tmp_path) -> None:
+    for store in (MemoryStore(), SqliteStore(tmp_path / "c.db")):
+        assert store.get_machine_flows() == {}
+        store.put_machine_flow("m1", 40e6, 10.0)
+        store.put_machine_flow("m2", None, 11.0)  # a round none of whose flows got through
+        store.put_machine_flow("m1", 50e6, 12.0)
+        assert store.get_machine_flows() == {"m1": (50e6, 12.0), "m2": (None, 11.0)}
+        store.close()
+    assert SqliteStore(tmp_path / "c.db").get_machine_flows() == {"m1": (50e6, 12.0), "m2": (None, 11.0)}
