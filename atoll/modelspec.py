@@ -279,6 +279,11 @@ class ModelSpec:
     def total_params(self) -> int:
         return sum(layer.params for layer in self.layers)
 
+    @property
+    def block_params(self) -> int:
+        """Parameters of one block (what a node's profile times an optimizer step over); 0 without blocks."""
+        return next((layer.params for layer in self.layers if layer.kind == "block"), 0)
+
     def with_seq_len(self, seq_len: int) -> "ModelSpec":
         return ModelSpec.from_config(replace(self.config, seq_len=seq_len))
 

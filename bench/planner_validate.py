@@ -483,7 +483,8 @@ def live_model(job, nodes: list[str], measured: dict[str, NodeProfile], slower: 
     options = PlannerOptions(micro_batches=(1, 2, 4, 8), activation_codecs=("identity",), zero_stages=(0,),
                              allow_recompute=False, max_tp=1)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
-    return CostModel(job.model_spec, train, ProfileSet.from_node_profiles(islands, profiles), options), cluster
+    return CostModel(job.model_spec, train, ProfileSet.from_node_profiles(islands, profiles, job.model_spec.block_params),
+                     options), cluster
 
 
 def with_action_overhead(times: PipelineTimes, seconds: float) -> PipelineTimes:

@@ -214,7 +214,7 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              # the runtime shards optimizer state and gradients (ZeRO-1/2), never the weights
                              zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
-    timings = ProfileSet.from_node_profiles(islands, profiles)
+    timings = ProfileSet.from_node_profiles(islands, profiles, job.model_spec.block_params)
     if not host_tp:
         return plan_job(job.model_spec, cluster, train, timings, options)
     # the search prunes by bounds and refines only its best few: with more choices it may settle on a plan a

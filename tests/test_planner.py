@@ -157,6 +157,35 @@ def test_live_cluster_from_nodes_and_profiles() -> None:
     assert len(used) == len(set(used))
 
 
+def test_a_nodes_measured_optimizer_step_prices_the_islands_optimizer() -> None:
+    """A node times an AdamW step over one block's parameters (`NodeProfile.optimizer_step_seconds`); the island
+    steps at its slowest node's seconds per parameter, where the catalog's bandwidth figure stood before."""
+    from atoll.coordinator.planner import ProfileSet
+    from atoll.coordinator.planner.costmodel import CostModel
+
+    tiny = ModelSpec.from_preset("tiny")
+    timings = [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01, backward_seconds=0.02)
+               for k in ("embedding", "block", "head")]
+    profiles = {n: NodeProfile(device_kind="cpu", device_name="cpu", memory_total_bytes=8 * 10**9,
+                               layer_timings=timings, optimizer_step_seconds=s) for n, s in (("x", 0.002), ("y", 0.003))}
+    islands = {"a": ["x", "y"]}
+    cluster = Cluster.from_nodes(islands, profiles, [LinkMeasurement(src="x", dst="y", bandwidth_bytes_per_s=1e9,
+                                                                     rtt_seconds=1e-4)])
+    assert tiny.block_params == tiny.layers[1].params > 0
+    ps = ProfileSet.from_node_profiles(islands, profiles, tiny.block_params)
+    assert ps.get("a").optimizer_s_per_gparam == pytest.approx(0.003 * 1e9 / tiny.block_params)
+    cm = CostModel(tiny, TrainSpec(global_batch=8, seq_len=64), ps)
+    island = cluster.islands[0]
+    assert cm.optimizer_seconds(island, 4 * tiny.block_params, zero=0, group=1) == pytest.approx(0.012)
+    assert ProfileSet.from_node_profiles(islands, profiles).get("a").optimizer_s_per_gparam == 0  # not asked for
+    with pytest.raises(ValueError, match="optimizer_s_per_gparam"):
+        ProfileSet.from_dict({"devices": {"x": {"layers": {}, "optimizer_s_per_gparam": -1}}})
+    # the plan's step counts it
+    with_opt = plan_job(tiny, cluster, TrainSpec(global_batch=8, seq_len=64), ps)
+    without = plan_job(tiny, cluster, TrainSpec(global_batch=8, seq_len=64), ProfileSet.from_node_profiles(islands, profiles))
+    assert with_opt.predicted.step_time_s > without.predicted.step_time_s
+
+
 def test_live_cluster_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="no profile for node"):
         Cluster.from_nodes({"a": ["x"]}, {}, [LinkMeasurement(src="x", dst="y", bandwidth_bytes_per_s=1,

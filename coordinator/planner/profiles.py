@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,13 @@ class ProfileSet:
                                          f"extra time over the fused one, in [0, {MAX_SPLIT_OVERHEAD:g}) (0: none)")
                     layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b,
                                                                    weight_fraction=wf, split_overhead=so))
-            opt = float(entry.get("optimizer_s_per_gparam", 0.0))
+            try:
+                opt = float(entry.get("optimizer_s_per_gparam", 0.0))
+            except (TypeError, ValueError):
+                opt = -1.0
+            if not opt >= 0:  # (NaN too)
+                raise ValueError(f"{where}.optimizer_s_per_gparam: seconds per 1e9 parameters, a number >= 0 "
+                                 f"(0: not measured), got {entry.get('optimizer_s_per_gparam')!r}")
             out[name.lower()] = DeviceProfile(
                 layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
                 optimizer_s_per_gparam=opt)
@@ -165,8 +171,10 @@ class ProfileSet:
 
     @classmethod
     def from_node_profiles(cls, islands: Mapping[str, Sequence[str]],
-                           profiles: Mapping[str, NodeProfile]) -> "ProfileSet":
-        """Timings per island id: for each layer kind and size, the slowest node of the island counts."""
+                           profiles: Mapping[str, NodeProfile], block_params: int = 0) -> "ProfileSet":
+        """Timings per island id: for each layer kind and size, the slowest node of the island counts; with
+        `block_params` (the parameters of one of the job's blocks, what a node's `optimizer_step_seconds` timed an
+        AdamW step over) also the optimizer's seconds per parameter, the slowest node's."""
         by_island: dict[str, list[LayerTiming]] = {}
         for iid, nodes in islands.items():
             slowest: dict[tuple[str, int, int], LayerTiming] = {}
@@ -177,4 +185,12 @@ class ProfileSet:
                     if cur is None or t.forward_seconds + t.backward_seconds > cur.forward_seconds + cur.backward_seconds:
                         slowest[k] = t
             by_island[iid] = list(slowest.values())
-        return cls.from_timings(by_island)
+        out = cls.from_timings(by_island)
+        if block_params <= 0:
+            return out
+        devices = dict(out.devices)
+        for iid, nodes in islands.items():
+            opt = max((profiles[n].optimizer_step_seconds for n in nodes), default=0.0)
+            if opt > 0 and iid.lower() in devices:
+                devices[iid.lower()] = replace(devices[iid.lower()], optimizer_s_per_gparam=opt * 1e9 / block_params)
+        return replace(out, devices=devices)
