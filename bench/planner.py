@@ -4,7 +4,10 @@
 
 For each scenario: the simulated tokens/s of every baseline (bench/baselines.py) and of the plan, all
 through the planner's cost model and 1F1B simulator (the plan's stages defer their weight gradients where they
-can, zero-bubble; the baselines run plain 1F1B as their papers do, and where a region mixes device classes the
+can, zero-bubble, and a ZeRO-1 stage reduce-scatters its gradient under its last backward; the baselines run plain
+1F1B with the all-reduce after the pipeline, as their papers' cost models add it (Metis's
+`HeteroCostEstimator.get_cost` and Sailor's `simulate_time_single_stage` / `merge_stages_get_time` sum the
+data-parallel sync after the execution time), and where a region mixes device classes the
 plan's own plain-1F1B figure is printed beside them); the plan's ratio to the best baseline; the same for
 the islands-flops reference (one stage per island, layers by FLOPS); the strategies of three published
 heterogeneous planners re-implemented in the same cost model (Sailor, Metis and FlashFlex: bench/baselines.py,

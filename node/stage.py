@@ -37,7 +37,7 @@ from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribut
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
 from atoll.node.storage import storage, storage_bytes
 from atoll.node.transport import TensorKey, Transport
-from atoll.node.wgrad import WeightGradients, attach
+from atoll.node.wgrad import DeferrableLinear, WeightGradients, attach
 from atoll.node.zero import ZeroOptimizer
 
 if TYPE_CHECKING:
@@ -270,6 +270,9 @@ class PipelineStage:
                 reached = attach(module, sink)
             if reached:
                 self.weight_grads = sink
+                if self.zero is not None:  # their gradients complete in the weight actions, not in backward
+                    self.zero.deferred_weights(m.weight for m in module.modules()
+                                               if isinstance(m, DeferrableLinear) and m.deferred is sink)
         self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
                                               micro_batches=config.micro_batches, extra_in_flight=config.in_flight,
                                               defer_weights=config.defer_weights if self.weight_grads else 0)
@@ -334,13 +337,17 @@ class PipelineStage:
         timeline: list[OpTiming] = []
         param_ptrs = {storage(p).data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
 
-        for action in self.actions:
+        # the last backward, and the last weight action after it, complete every parameter's gradient
+        last_backward = max((n for n, a in enumerate(self.actions) if a.op == "backward"), default=-1)
+        last_weight = max((n for n, a in enumerate(self.actions) if a.op == "weight"), default=-1)
+        for n, action in enumerate(self.actions):
             a_start = time.perf_counter()
             i = action.micro_batch
             if action.op == "weight":
                 c0, cpu0 = time.perf_counter(), time.thread_time()
                 pending = deferred.pop(i)
-                WeightGradients.apply(pending)
+                # the last micro-batch's products complete their weights' gradients: ZeRO-1 starts reducing them
+                WeightGradients.apply(pending, zero.grad_final if zero is not None and n == last_weight else None)
                 self._sync()
                 a_wait, a_compute, a_cpu = 0.0, time.perf_counter() - c0, time.thread_time() - cpu0
                 compute += a_compute
@@ -394,6 +401,8 @@ class PipelineStage:
                     grad = self._recv(TensorKey(step, i, "backward")).to(self.device)
                     a_wait = time.perf_counter() - w0
                 c0, cpu0 = time.perf_counter(), time.thread_time()
+                if zero is not None and n == last_backward:  # the step's last gradients: reduced as they complete
+                    zero.last_backward()
                 out.backward(grad)
                 if wg is not None:
                     deferred[i] = wg.take()

@@ -26,6 +26,7 @@ parameter's gradient as it is produced: not with ZeRO-2's gradient hooks.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,9 @@ class WeightGradients:
         return storage_bytes(t for p in pending for t in (p.grad_out, p.inputs))
 
     @staticmethod
-    def apply(pending: list[_Pending]) -> None:
-        """Compute the deferred weight gradients and add them to the weights' ``.grad``."""
+    def apply(pending: list[_Pending], done: Callable[[nn.Parameter], None] | None = None) -> None:
+        """Compute the deferred weight gradients and add them to the weights' ``.grad``; `done(weight)` after
+        each (a ZeRO-1 stage starts reducing what is complete)."""
         with torch.no_grad():
             for p in pending:
                 go = p.grad_out.reshape(-1, p.grad_out.shape[-1])
@@ -84,6 +86,8 @@ class WeightGradients:
                     p.weight.grad = g
                 else:
                     p.weight.grad.add_(g)
+                if done is not None:
+                    done(p.weight)
 
 
 class _DeferredWeightLinear(torch.autograd.Function):

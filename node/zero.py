@@ -18,8 +18,13 @@ Gradients. Each replica's gradients are first scaled by its own `grad_scale` (th
 global batch, as `_SegmentAverager` weights them), so the reduced sum is the gradient of the batch's mean
 loss even when the replicas train different numbers of rows.
 - ZeRO-1 keeps whole gradients: they accumulate over the micro-batches in a flat buffer of the stage's
-  size (each `.grad` is a view of it), and after the last micro-batch every bucket is reduce-scattered in
-  place; replica r keeps the sum of its chunks.
+  size (each `.grad` is a view of it), and every bucket is reduce-scattered in place; replica r keeps the sum
+  of its chunks. The reduction overlaps the last micro-batch's backward: the stage calls `last_backward()`
+  before it, a post-accumulate-grad hook (or `grad_final` for a deferred weight gradient, `atoll.node.wgrad`)
+  marks each parameter whose gradient is then complete, and each bucket goes out as soon as it and every
+  bucket before it are complete (the same order on every replica), while backward goes on; `reduce_gradients`
+  sends what is left and waits. gloo runs a reduce-scatter inside the call that starts it, so on the CPU the
+  buckets are started (and waited for) on a thread of the optimizer's own, in order.
 - ZeRO-2 never holds the whole gradient: a post-accumulate-grad hook copies each parameter's gradient into
   its bucket's staging buffer and drops it; a bucket whose parameters have all arrived is reduce-scattered
   (asynchronously, while backward goes on) and the owned chunk is added to a gradient accumulator of 1/N
@@ -55,7 +60,12 @@ ZeRO-2.
 from __future__ import annotations
 
 import math
+import queue
+import threading
+import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -64,7 +74,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from atoll.node.dataparallel import CollectiveError, wait_collective
+from atoll.node.dataparallel import (CANCEL_POLL_S, CollectiveCancelled, CollectiveError, cancel_event,
+                                     wait_collective)
 
 ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
@@ -221,6 +232,18 @@ class ZeroOptimizer:
             self._arrived = [0] * len(self.buckets)
             self._next = 0  # the next bucket to send, in bucket order
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+        self.overlaps = self.flat_grad is not None and self.world > 1
+        """ZeRO-1 over whole parameters with replicas: the reduction overlaps the last micro-batch's backward."""
+        self._final = False  # between last_backward() and reduce_gradients()
+        self._complete: list[set[int]] = [set() for _ in self.buckets]
+        self._sent = 0
+        self._sending: list[tuple[int, Future]] = []
+        self._launcher: queue.Queue | None = None
+        self._from_weights: set[int] = set()
+        self.reduced_in_backward = 0
+        """Buckets of the last step whose reduce-scatter started while the last micro-batch's backward ran."""
+        if self.overlaps:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
 
     # --- layout --------------------------------------------------------------------------------------
 
@@ -270,6 +293,7 @@ class ZeroOptimizer:
 
     def zero_grad(self) -> None:
         """Start a step: no gradient accumulated yet."""
+        self._final, self._sending = False, []
         if self.config.stage == 1 and self.sharded:  # DTensor gradients accumulate as autograd leaves them
             for p in self.params:
                 p.grad = None
@@ -305,15 +329,109 @@ class ZeroOptimizer:
         self._arrived = [0] * len(self.buckets)
         self._next = 0
 
+    def last_backward(self) -> None:
+        """Before the last micro-batch's backward: from here on a parameter whose gradient accumulates is
+        complete, and ZeRO-1 reduce-scatters each bucket once it is (a no-op where nothing overlaps)."""
+        if not self.overlaps:
+            return
+        self._final = True
+        self._complete = [set() for _ in self.buckets]
+        self._sent = 0
+        self._sending = []
+
+    def grad_final(self, p: torch.Tensor) -> None:
+        """`p`'s gradient is complete for this step (a deferred weight gradient added after `last_backward`)."""
+        if not self._final:
+            return
+        i = self.place[id(p)][0]
+        if i < self._sent:
+            raise RuntimeError(f"a gradient of bucket {i} ({tuple(p.shape)}) was completed after the bucket was reduce-scattered: only "
+                               "the last micro-batch's backward and weight gradients may follow last_backward()")
+        self._complete[i].add(id(p))
+        while self._sent < len(self.buckets) and len(self._complete[self._sent]) == len(self.buckets[self._sent].params):
+            self._send(self._sent)
+
+    def deferred_weights(self, params: Iterable[nn.Parameter]) -> None:
+        """Weights whose gradients the stage's weight actions add (zero-bubble): complete only at `grad_final`.
+        Backward still runs their post-accumulate-grad hooks, without a gradient."""
+        self._from_weights = {id(p) for p in params}
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        if self._final and id(p) not in self._from_weights:
+            self.grad_final(p)
+
+    def _send(self, i: int) -> None:
+        """Scale bucket i's gradient and start its reduce-scatter (on the launcher thread where gloo would run it
+        in this call)."""
+        assert self.flat_grad is not None
+        b = self.buckets[i]
+        whole, own = self.flat_grad[b.start:b.start + b.size], self._own(self.flat_grad, b)
+        if self.config.grad_scale != 1.0:
+            whole.mul_(self.config.grad_scale)
+        fut: Future = Future()
+        if self.flat.device.type == "cuda":  # NCCL works asynchronously on its own stream
+            fut.set_result(self.group._reduce_scatter_base(own, whole))
+        else:
+            if self._launcher is None:
+                self._launcher = queue.Queue()
+                threading.Thread(target=self._launch_loop, args=(self._launcher,), daemon=True,
+                                 name="atoll-zero1-reduce").start()
+
+            def reduce() -> None:  # started and finished on the launcher thread: nothing left to wait for
+                self.group._reduce_scatter_base(own, whole).wait(self.timeout)
+
+            self._launcher.put((fut, reduce))
+        self._sending.append((i, fut))
+        self._sent = i + 1
+
+    @staticmethod
+    def _launch_loop(jobs: queue.Queue) -> None:
+        while True:
+            fut, call = jobs.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(call())
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                    fut.set_exception(e)
+
+    def _await(self, i: int, fut: Future) -> None:
+        what = f"ZeRO-1 gradient reduce-scatter of bucket {i} over {self.world} replicas"
+        event, deadline = cancel_event(), time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                got = fut.result(timeout=CANCEL_POLL_S)
+                break
+            except FutureTimeout:
+                if event is not None and event.is_set():
+                    raise CollectiveCancelled(f"{what} abandoned: the plan it belongs to was superseded") from None
+                if time.monotonic() >= deadline:
+                    raise CollectiveError(f"{what} timed out after {self.timeout}") from None
+            except CollectiveError:
+                raise
+            except RuntimeError as e:
+                raise CollectiveError(f"{what} failed or timed out after {self.timeout}: {e}") from e
+        if got is not None:  # an NCCL work started on this thread
+            self._wait(got, f"gradient reduce-scatter of bucket {i}")
+
     def reduce_gradients(self) -> None:
         """After the last micro-batch: leave the owned chunks holding the sum over the group of the replicas'
-        scaled gradients (ZeRO-1 reduce-scatters here; ZeRO-2 has done it micro-batch by micro-batch)."""
+        scaled gradients (ZeRO-1 reduce-scatters here what the last backward did not send; ZeRO-2 has done it
+        micro-batch by micro-batch)."""
         if self.config.stage != 1:
             return
         if self.sharded:
             self._reduce_sharded()
             return
         assert self.flat_grad is not None
+        if self._final:
+            self._final = False
+            self.reduced_in_backward = self._sent
+            while self._sent < len(self.buckets):  # parameters the last micro-batch gave no gradient
+                self._send(self._sent)
+            sending, self._sending = self._sending, []
+            for i, fut in sending:
+                self._await(i, fut)
+            return
         if self.config.grad_scale != 1.0:
             self.flat_grad.mul_(self.config.grad_scale)
         if self.world == 1:

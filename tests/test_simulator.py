@@ -84,3 +84,33 @@ def test_lower_bound_never_exceeds_the_simulation() -> None:
         assert step_lower_bound(t) <= simulate(t).step_time_s + 1e-9
     # exact on equal stages with free links
     assert step_lower_bound(_uniform(4, 16, 0.3, 0.6)) == pytest.approx((16 + 4 - 1) * 0.9)
+
+
+def test_a_sync_hidden_under_the_last_backward_leaves_only_its_exposed_part_on_the_step() -> None:
+    """A stage's gradient sync that overlaps its last backward (`sync_hidden_s`, ZeRO-1's reduce-scatter) adds only
+    the rest after the last backward; the closed form and the lower bound count the same."""
+    from atoll.coordinator.planner.simulator import closed_form_step, step_lower_bound
+    serial = PipelineTimes(stages=(StageTimes(forward_s=1.0, backward_s=2.0, sync_s=1.0, optimizer_s=0.5),),
+                           links=(), num_micro_batches=4)
+    hidden = PipelineTimes(stages=(StageTimes(forward_s=1.0, backward_s=2.0, sync_s=1.0, sync_hidden_s=0.4,
+                                              optimizer_s=0.5),), links=(), num_micro_batches=4)
+    assert simulate(serial).step_time_s == pytest.approx(12 + 1.5)
+    assert simulate(hidden).step_time_s == pytest.approx(12 + 0.6 + 0.5)
+    assert closed_form_step(hidden) == pytest.approx(simulate(hidden).step_time_s)
+    assert step_lower_bound(hidden) <= simulate(hidden).step_time_s + 1e-9
+    with pytest.raises(ValueError, match="sync_hidden_s"):
+        StageTimes(forward_s=1.0, backward_s=2.0, sync_s=1.0, sync_hidden_s=1.5)
+
+
+def test_only_a_zero_1_stage_without_tp_hides_part_of_its_sync() -> None:
+    """The cost model hides half the all-reduce (the reduce-scatter) but the last bucket's share, at most the
+    window, and only for ZeRO-1 at tp 1 with replicas."""
+    from atoll.coordinator.planner import TrainSpec
+    from atoll.coordinator.planner.costmodel import ZERO1_BUCKET_BYTES, CostModel
+    from atoll.modelspec import ModelSpec
+    cm = CostModel(ModelSpec.from_preset("tiny"), TrainSpec(global_batch=8, seq_len=32))
+    params = int(4 * ZERO1_BUCKET_BYTES / cm.grad_bytes_per_param)  # four buckets
+    assert cm.sync_hidden_seconds(1.0, params, zero=1, dp=4, tp=1, window_s=10.0) == pytest.approx(0.5 * 0.75)
+    assert cm.sync_hidden_seconds(1.0, params, zero=1, dp=4, tp=1, window_s=0.1) == pytest.approx(0.1)
+    for zero, dp, tp in ((0, 4, 1), (2, 4, 1), (1, 4, 2), (1, 1, 1)):
+        assert cm.sync_hidden_seconds(1.0, params, zero=zero, dp=dp, tp=tp, window_s=10.0) == 0.0

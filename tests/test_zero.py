@@ -53,11 +53,12 @@ def _threads(n: int, fn) -> list:
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_sharded_adamw_is_adamw_on_the_data_parallel_gradient(stage: int) -> None:
+@pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False)])
+def test_sharded_adamw_is_adamw_on_the_data_parallel_gradient(stage: int, overlap: bool) -> None:
     """Two replicas, each half the rows with a grad_scale of 1/2, micro-batches accumulated, several buckets
     (some parameters bigger than one), the gradient clipped: the parameters AdamW gives on the same
-    data-parallel gradient (summed in the same order), and half the optimizer states on each replica."""
+    data-parallel gradient (summed in the same order), and half the optimizer states on each replica. With
+    `overlap`, ZeRO-1 reduce-scatters every bucket while the last micro-batch's backward runs."""
     config = preset("tiny")
     torch.manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (3, 8, 17))  # steps x rows x (seq + 1)
@@ -95,10 +96,13 @@ def test_sharded_adamw_is_adamw_on_the_data_parallel_gradient(stage: int) -> Non
         got = []
         for s in range(3):
             zero.zero_grad()
-            for x in ids[s][4 * rank:4 * rank + 4].chunk(m):
+            for k, x in enumerate(ids[s][4 * rank:4 * rank + 4].chunk(m)):
+                if overlap and k == m - 1:
+                    zero.last_backward()
                 (lm_loss(module(x[:, :-1]), x[:, 1:]) / m).backward()
                 zero.backward_done()
             zero.reduce_gradients()
+            assert zero.reduced_in_backward == (len(zero.buckets) if overlap else 0)
             got.append(zero.squared_norm() ** 0.5)
             zero.scale_gradients(min(clip / (got[-1] + 1e-6), 1.0))
             zero.step()

@@ -579,9 +579,7 @@ class Composer:
             links.append(LinkChoice(codec=codec, raw_bytes=raw, forward_s=sec, backward_s=sec,
                                     latency_s=min(lat, sec)))
         times = PipelineTimes(
-            stages=tuple(StageTimes(forward_s=st.cost.forward_s, backward_s=st.cost.backward_s, sync_s=st.sync_s,
-                                    optimizer_s=st.optimizer_s, weight_s=st.weight_s, split_s=st.split_s)
-                         for st in stages),
+            stages=tuple(self._stage_times(st, deferred=True) for st in stages),
             links=tuple(LinkTimes(forward_s=x.forward_s, backward_s=x.backward_s, latency_s=x.latency_s)
                         for x in links),
             num_micro_batches=s.m, in_flight=tuple(st.in_flight for st in stages),
@@ -590,11 +588,23 @@ class Composer:
                          stages=stages, links=links, times=times, estimate_s=closed_form_step(times),
                          placed=tuple(placed))
         if times.defer:  # ranked as the faster of the two: a split backward may cost more than deferring fills
-            plain = replace(times, defer=())
+            plain = replace(times, defer=(), stages=tuple(self._stage_times(st, deferred=False) for st in stages))
             estimate = closed_form_step(plain)
             if estimate <= cand.estimate_s:
                 return replace(cand, stages=[_undeferred(st) for st in stages], times=plain, estimate_s=estimate)
         return cand
+
+    def _stage_times(self, st: StageChoice, *, deferred: bool) -> StageTimes:
+        """What the simulator needs of a stage: its gradient sync overlaps the last backward action, which is
+        the last micro-batch's deferred weight gradients where the stage defers them (`deferred`)."""
+        c = st.cost
+        window = st.weight_s if deferred and st.defer else c.backward_s
+        cm = self.cost_model
+        params = cm.model.slice_params(st.start, st.end)
+        hidden = cm.sync_hidden_seconds(cm.grad_sync_seconds(params, st.island, c.dp, c.tp), params, zero=c.zero,
+                                        dp=c.dp, tp=c.tp, window_s=window)  # not the tied weight's sum
+        return StageTimes(forward_s=c.forward_s, backward_s=c.backward_s, sync_s=st.sync_s, sync_hidden_s=hidden,
+                          optimizer_s=st.optimizer_s, weight_s=st.weight_s, split_s=st.split_s)
 
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
         """Stage `n` of its pipeline with its weight gradients deferred: as much of them as memory allows, as

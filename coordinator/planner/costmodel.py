@@ -30,6 +30,12 @@ per-replica micro-batches are counted in sequences.
   all-gather inside each node (g members) around a ring across the k nodes on 1/g of the bytes per GPU,
   2 (g-1)/g x bytes / intra + 2 (k-1)/k x bytes / (g x inter), with 2 (g-1) + 2 (k-1) latencies. A stage
   with tensor parallelism all-reduces its gradient shards per tp rank over its dp replicas.
+- Gradient reduction overlapped with the last backward: a ZeRO-1 stage without tensor parallelism
+  reduce-scatters each gradient bucket (`ZERO1_BUCKET_BYTES`, last layers first) as soon as the last
+  micro-batch has completed it (`atoll.node.zero`), so its reduce-scatter (half the all-reduce) runs under
+  that micro-batch's backward, or under its deferred weight gradients where the stage defers them; the step
+  still waits for the last bucket and for the parameters' all-gather after the optimizer step
+  (`sync_hidden_seconds`).
 - Optimizer step: a profile's measured time per parameter, else reading and writing every weight, gradient and
   optimizer state once at the device's memory bandwidth x `memory_fraction` (`optimizer_bytes_per_s` where the
   device's bandwidth is not known).
@@ -121,6 +127,9 @@ class ExpectedRatioCodecModel:
 ZERO2_STAGED_FRACTION = 3 / 32
 """Share of a stage's whole gradient ZeRO-2 holds staged besides its shard: `atoll.node.zero` cuts a stage into
 32 buckets (of at most 25 MiB) and holds about three at a time (one reduced while one or two fill)."""
+
+ZERO1_BUCKET_BYTES = 25 * 2**20
+"""`atoll.node.zero.ZeroConfig.bucket_bytes`: the gradient a ZeRO-1 stage reduce-scatters at once."""
 
 WINDOW_TOLERANCE = 0.05
 """A boundary gets the least extra depth that keeps its loop within this fraction above the cycle."""
@@ -457,6 +466,16 @@ class CostModel:
         gpus_per_node / tp to a node; the tp ranks run theirs at once, each over its own links."""
         shard = -(-params // tp) * self.grad_bytes_per_param
         return self.allreduce_seconds(shard, dp, island, per_node=max(1, island.gpus_per_node // tp))
+
+    def sync_hidden_seconds(self, sync_s: float, params: int, *, zero: int, dp: int, tp: int, window_s: float) -> float:
+        """Of a stage's gradient sync `sync_s` (`grad_sync_seconds`), what runs while its last backward action
+        (`window_s`: the last micro-batch's backward, or its deferred weight gradients) still computes. Only a
+        ZeRO-1 stage without tensor parallelism overlaps (`atoll.node.zero`): its reduce-scatter, half of the
+        all-reduce, bucket by bucket as the gradients complete, all but the last bucket's share."""
+        if zero != 1 or tp != 1 or dp <= 1 or sync_s <= 0 or window_s <= 0:
+            return 0.0
+        buckets = max(1, math.ceil(params * self.grad_bytes_per_param / ZERO1_BUCKET_BYTES))
+        return min(window_s, sync_s / 2 * (1 - 1 / buckets))
 
     def transfer_seconds(self, nbytes: float, bandwidth: float, latency_s: float) -> float:
         """One message of `nbytes` over a link of line rate `bandwidth`: latency + size / achievable rate."""

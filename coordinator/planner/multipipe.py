@@ -85,7 +85,10 @@ def _with_cross_sync(cm: CostModel, cands: list[Candidate], link: Link) -> tuple
                 # per GPU flow (cluster): every GPU of the stage carries its share of the gradients
                 sec = 2 * (p - 1) / p * nbytes / (link.bandwidth * st.cost.gpus)
             extra.append(sec + 2 * math.ceil(math.log2(p)) * link.latency_s)
-        stages = tuple(replace(s, sync_s=s.sync_s + x) for s, x in zip(c.times.stages, extra))
+        # a stage whose layers other pipelines hold too averages per layer segment with plain AdamW, not ZeRO
+        # (`atoll.node.runner`), so nothing of its reduction overlaps its backward
+        stages = tuple(replace(s, sync_s=s.sync_s + x, sync_hidden_s=0.0 if x > 0 else s.sync_hidden_s)
+                       for s, x in zip(c.times.stages, extra))
         times.append(replace(c.times, stages=stages))
         cross.append(extra)
     return times, cross

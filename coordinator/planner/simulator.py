@@ -37,6 +37,9 @@ class StageTimes:
     """Backward time of one micro-batch."""
     sync_s: float = 0.0
     """Gradient all-reduce after the last backward."""
+    sync_hidden_s: float = 0.0
+    """Of `sync_s`, what runs while the stage's last backward still computes: ZeRO-1 reduce-scatters each bucket
+    as the last micro-batch completes its gradients (`atoll.node.zero`), so the step waits only for the rest."""
     optimizer_s: float = 0.0
     """Optimizer step after the all-reduce."""
     weight_s: float = 0.0
@@ -50,6 +53,14 @@ class StageTimes:
         if self.split_s < 0 or not 0.0 <= self.weight_s <= self.backward_s + self.split_s:
             raise ValueError(f"weight_s must be in [0, backward_s + split_s] (part of the split backward) and "
                              f"split_s >= 0, got {self.weight_s} of {self.backward_s} + {self.split_s}")
+        if not 0.0 <= self.sync_hidden_s <= self.sync_s:
+            raise ValueError(f"sync_hidden_s must be in [0, sync_s] (part of the all-reduce), got "
+                             f"{self.sync_hidden_s} of {self.sync_s}")
+
+    @property
+    def exposed_sync_s(self) -> float:
+        """What of the gradient reduction the step waits for after the stage's last backward."""
+        return self.sync_s - self.sync_hidden_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,7 +261,7 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     pipeline_end = max(last_b)
     step = 0.0
     for i, s in enumerate(p.stages):
-        t_sync = last_b[i] + s.sync_s
+        t_sync = last_b[i] + s.exposed_sync_s
         t_opt = t_sync + s.optimizer_s
         if record:
             events.append(Event(i, "sync", -1, last_b[i], t_sync))
@@ -281,7 +292,7 @@ def closed_form_step(p: PipelineTimes) -> float:
     fill = sum(s.forward_s + p.backward_total(i) - 2 * w for i, (s, w) in enumerate(zip(p.stages, deferred))) \
         + 2 * max(deferred) \
         + sum(x.forward_s + x.backward_s for x in p.links)
-    tail = max(s.sync_s + s.optimizer_s for s in p.stages)
+    tail = max(s.exposed_sync_s + s.optimizer_s for s in p.stages)
     return fill + (m - 1) * cycle + tail
 
 
@@ -297,13 +308,13 @@ def step_lower_bound(p: PipelineTimes) -> float:
         # a deferring stage runs its last min(k + 1, m) weight gradients after its last backward
         trailing = min(p.deferred(i) + 1, m) * s.weight_s if p.deferred(i) else 0.0
         through_first = max(through_first, done - trailing + back)
-        after_own = max(after_own, done + s.sync_s + s.optimizer_s)
+        after_own = max(after_own, done + s.exposed_sync_s + s.optimizer_s)
         if i < len(p.links):
             reach += s.forward_s + p.links[i].forward_s
             back += p.backward_part(i) + p.links[i].backward_s
     first = p.stages[0]
     first_trailing = min(p.deferred(0) + 1, m) * first.weight_s if p.deferred(0) else 0.0
-    return max(through_first + first_trailing + first.sync_s + first.optimizer_s, after_own)
+    return max(through_first + first_trailing + first.exposed_sync_s + first.optimizer_s, after_own)
 
 
 # --- outer mode: replica groups syncing every round ------------------------------------------------------
