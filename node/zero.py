@@ -63,6 +63,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -104,6 +105,20 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor | None:
 def _counts_everywhere(p: torch.Tensor) -> bool:
     """Whether every tp rank holds a different part of `p` (a shard), rather than the same whole tensor."""
     return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+
+
+def _weak_hook(owner: object, method: str):
+    """A post-accumulate-grad hook calling `owner.method(p)` while `owner` lives. A hook bound to its owner would
+    keep it, its flat buffers and its optimizer states alive as long as the parameters are (the parameters hold
+    their hooks where the garbage collector does not look), across every plan epoch that made one."""
+    ref = weakref.ref(owner)
+
+    def hook(p: torch.Tensor) -> None:
+        got = ref()
+        if got is not None:
+            getattr(got, method)(p)
+
+    return hook
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +246,7 @@ class ZeroOptimizer:
         if config.stage == 2:
             self._arrived = [0] * len(self.buckets)
             self._next = 0  # the next bucket to send, in bucket order
-            self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params]
+            self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, "_grad_ready")) for p in self.params]
         self.overlaps = self.flat_grad is not None and self.world > 1
         """ZeRO-1 over whole parameters with replicas: the reduction overlaps the last micro-batch's backward."""
         self._final = False  # between last_backward() and reduce_gradients()
@@ -243,7 +258,7 @@ class ZeroOptimizer:
         self.reduced_in_backward = 0
         """Buckets of the last step whose reduce-scatter started while the last micro-batch's backward ran."""
         if self.overlaps:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
+            self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, "_accumulated")) for p in self.params]
 
     # --- layout --------------------------------------------------------------------------------------
 
@@ -376,6 +391,7 @@ class ZeroOptimizer:
                 self._launcher = queue.Queue()
                 threading.Thread(target=self._launch_loop, args=(self._launcher,), daemon=True,
                                  name="atoll-zero1-reduce").start()
+                weakref.finalize(self, self._launcher.put, None)  # the thread ends with the optimizer
 
             def reduce() -> None:  # started and finished on the launcher thread: nothing left to wait for
                 self.group._reduce_scatter_base(own, whole).wait(self.timeout)
@@ -387,12 +403,16 @@ class ZeroOptimizer:
     @staticmethod
     def _launch_loop(jobs: queue.Queue) -> None:
         while True:
-            fut, call = jobs.get()
+            job = jobs.get()
+            if job is None:
+                return
+            fut, call = job
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(call())
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                     fut.set_exception(e)
+            job = fut = call = None  # hold nothing of the optimizer while waiting for its next bucket
 
     def _await(self, i: int, fut: Future) -> None:
         what = f"ZeRO-1 gradient reduce-scatter of bucket {i} over {self.world} replicas"

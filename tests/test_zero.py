@@ -9,6 +9,7 @@ another order; AdamW is element-wise, so sharding itself changes nothing).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -346,3 +347,35 @@ def test_the_parallelizer_takes_zero_1_at_equal_time_also_under_tensor_paralleli
     q = SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8)
     tp_zero1, tp_zero0 = (par.evaluate(q, island, zero=z, tp=2) for z in (1, 0))
     assert tp_zero1.time_s == pytest.approx(tp_zero0.time_s) and tp_zero1.memory_bytes < tp_zero0.memory_bytes
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_dropped_zero_optimizer_is_freed_with_its_launcher_thread(stage: int) -> None:
+    """The gradient hooks on the parameters do not keep a ZeroOptimizer (its flat buffers and optimizer states)
+    alive once the stage drops it, and ZeRO-1's launcher thread ends with it: a replan makes a new one."""
+    import gc
+    import weakref
+
+    def replica(rank: int, group) -> weakref.ref:
+        module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        zero = ZeroOptimizer(module.parameters(), group, ZeroConfig(stage=stage, bucket_bytes=1_000))
+        zero.zero_grad()
+        zero.last_backward()
+        module(torch.randn(4, 16)).sum().backward()
+        zero.backward_done()
+        zero.reduce_gradients()
+        zero.step()
+        assert zero.reduced_in_backward == (len(zero.buckets) if stage == 1 else 0)
+        return weakref.ref(zero)
+
+    def launchers() -> set[int]:
+        return {t.ident for t in threading.enumerate() if t.name == "atoll-zero1-reduce"}
+
+    before = launchers()  # other tests' optimizers may still be held (a run's groups are released later)
+    refs = _threads(2, replica)
+    gc.collect()
+    assert all(r() is None for r in refs)
+    deadline = time.monotonic() + 5
+    while launchers() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not launchers() - before
