@@ -88,19 +88,26 @@ def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:
 
         waiter = threading.Thread(target=wait_here, name=f"wait: {what}", daemon=True)
         waiter.start()
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not done.is_set():
-        if event.is_set():
-            raise CollectiveCancelled(f"{what} abandoned: the plan it belongs to was superseded")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CollectiveError(f"{what} timed out after {timeout}")
-        done.wait(min(CANCEL_POLL_S, left))
+    wait_done(done, timeout, what)
     if waiter is not None:
         if failed:
             raise failed[0]
         return
     work.wait(timeout)  # done: returns at once, or raises the collective's error
+
+
+def wait_done(done: threading.Event, timeout: timedelta, what: str) -> None:
+    """Wait at most `timeout` for `done`, a collective's completion; inside `cancel_collectives_on(event)` the wait
+    ends (CollectiveCancelled) as soon as `event` is set."""
+    event: threading.Event | None = getattr(_cancel, "event", None)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not done.is_set():
+        if event is not None and event.is_set():
+            raise CollectiveCancelled(f"{what} abandoned: the plan it belongs to was superseded")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CollectiveError(f"{what} timed out after {timeout}")
+        done.wait(min(CANCEL_POLL_S, left))
 
 
 def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta) -> None:

@@ -62,11 +62,9 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -75,8 +73,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from atoll.node.dataparallel import (CANCEL_POLL_S, CollectiveCancelled, CollectiveError, cancel_event,
-                                     wait_collective)
+from atoll.node.dataparallel import CollectiveError, wait_collective, wait_done
 
 ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
@@ -360,10 +357,12 @@ class ZeroOptimizer:
             return
         i = self.place[id(p)][0]
         if i < self._sent:
-            raise RuntimeError(f"a gradient of bucket {i} ({tuple(p.shape)}) was completed after the bucket was reduce-scattered: only "
-                               "the last micro-batch's backward and weight gradients may follow last_backward()")
+            raise RuntimeError(f"a gradient of bucket {i} ({tuple(p.shape)}) was completed after the bucket was "
+                               "reduce-scattered: only the last micro-batch's backward and weight gradients may "
+                               "follow last_backward()")
         self._complete[i].add(id(p))
-        while self._sent < len(self.buckets) and len(self._complete[self._sent]) == len(self.buckets[self._sent].params):
+        while (self._sent < len(self.buckets)
+               and len(self._complete[self._sent]) == len(self.buckets[self._sent].params)):
             self._send(self._sent)
 
     def deferred_weights(self, params: Iterable[nn.Parameter]) -> None:
@@ -416,20 +415,13 @@ class ZeroOptimizer:
 
     def _await(self, i: int, fut: Future) -> None:
         what = f"ZeRO-1 gradient reduce-scatter of bucket {i} over {self.world} replicas"
-        event, deadline = cancel_event(), time.monotonic() + self.timeout.total_seconds()
-        while True:
-            try:
-                got = fut.result(timeout=CANCEL_POLL_S)
-                break
-            except FutureTimeout:
-                if event is not None and event.is_set():
-                    raise CollectiveCancelled(f"{what} abandoned: the plan it belongs to was superseded") from None
-                if time.monotonic() >= deadline:
-                    raise CollectiveError(f"{what} timed out after {self.timeout}") from None
-            except CollectiveError:
-                raise
-            except RuntimeError as e:
-                raise CollectiveError(f"{what} failed or timed out after {self.timeout}: {e}") from e
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        wait_done(done, self.timeout, what)
+        try:
+            got = fut.result()
+        except RuntimeError as e:
+            raise CollectiveError(f"{what} failed or timed out after {self.timeout}: {e}") from e
         if got is not None:  # an NCCL work started on this thread
             self._wait(got, f"gradient reduce-scatter of bucket {i}")
 
