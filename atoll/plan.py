@@ -9,7 +9,7 @@ and what `atoll plan --json` writes. Its JSON shape:
      "pipelines": [{"micro_batch": int, "num_micro_batches": int,
        "stages": [{"island": str, "layers": [first, last_exclusive], "dp": int, "tp": int, "zero": int,
                    "recompute": bool, "recompute_layers": [int], "compute_s": float, "memory_gb_per_device": float,
-                   "in_flight": int, "defer_weights": int, "defer_layers": [int],
+                   "in_flight": int, "defer_weights": int, "defer_layers": [int], "lanes": int,
                    "send": {"codec": str, "bytes": int, "seconds": float} | null}]}]}
 
 plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `rendezvous`, and per stage
@@ -18,6 +18,13 @@ plus the runtime fields `epoch`, `job_id`, `resume_step`, `node_addresses`, `ren
 A stage runs on dp x tp devices: `dp` data-parallel replicas of `tp` tensor-parallel devices each (one node's
 GPUs; `nodes[r * tp + k]` is tp rank k of replica r). Its replicas share each pipeline micro-batch as evenly
 as possible: replica r takes micro_batch // dp sequences, one more when r < micro_batch % dp.
+
+Lanes (`lanes` = L > 1): the stage's replicas form L lanes of dp / L replicas each (in lane order: replica r is
+in lane r // (dp / L)), and pipeline micro-batch i is trained at that stage by lane i % L alone, whose replicas
+share its rows as above. A stage with more replicas than a micro-batch has rows can so still take part, each
+lane working on every L-th micro-batch while the others work on theirs (PipeDream's replicated stages). The
+pipeline's micro-batch count must be a multiple of L, and a laned stage and those before it open more forwards
+before their first backward (`PipelinePlan.warmup_extra`), so that every lane has work.
 
 `"idle": [{"island": str, "nodes": [str], "gpus": int, "reason": str}]` lists the devices the plan leaves
 out, each group with the reason (slower than it helps, would not fit, link too slow).
@@ -88,6 +95,8 @@ class StagePlan:
     send: SendPlan | None = None
     nodes: list[str] = field(default_factory=list)
     """Node ids of the data-parallel replicas, in rank order (empty when planned from a cluster file)."""
+    lanes: int = 1
+    """Lanes the stage's `dp` replicas form (module docstring): micro-batch i is trained by lane i % lanes."""
     dp_rendezvous: str = ""
     """torch.distributed init address (tcp://HOST:PORT) of this stage's replicas."""
     in_flight: int = 0
@@ -113,6 +122,9 @@ class StagePlan:
         if self.defer_weights < 0:
             raise ValueError(f"stage defer_weights (micro-batches whose weight gradients wait) must be >= 0, got "
                              f"{self.defer_weights}")
+        if self.lanes < 1 or self.dp % self.lanes:
+            raise ValueError(f"stage lanes must be >= 1 and divide dp (each lane holds dp / lanes replicas), got "
+                             f"{self.lanes} lanes of dp {self.dp}")
         outside = [i for i in self.recompute_layers if not a <= i < b]
         if outside:
             raise ValueError(f"recompute_layers {outside} are outside the stage's layers [{a}, {b})")
@@ -141,6 +153,20 @@ class PipelinePlan:
     num_micro_batches: int
     stages: list[StagePlan]
 
+    def warmup_extra(self, stage: int) -> int:
+        """Micro-batches stage `stage` keeps in flight beyond strict 1F1B: its own `in_flight` plus what lanes ask.
+
+        A stage holds in flight, besides its own, what its downstream works on: one micro-batch per lane of every
+        later stage (D = their lanes summed; strict 1F1B's p - s - 1 without lanes). A stage of L lanes shares
+        its window among its lanes, so it opens L (ceil(D / L) + 1) - 1 forwards before its first backward (every
+        lane then has ceil(D / L) in flight beyond its own); and never fewer than one more than the next stage,
+        as 1F1B's warm-ups go."""
+        lanes = [st.lanes for st in self.stages]
+        p, need, after = len(lanes), -1, 0  # need: the next stage's warm-up forwards (lanes only)
+        for s in range(p - 1, stage - 1, -1):
+            need = max(lanes[s] * (-(-after // lanes[s]) + 1) - 1, need + 1)
+            after += lanes[s]
+        return need - (p - stage - 1) + self.stages[stage].in_flight
 
 @dataclass(kw_only=True)
 class Prediction:
@@ -311,11 +337,16 @@ class Plan:
                 if s.layers[0] != expect:
                     raise ValueError(f"pipeline {pi} stage {si} starts at layer {s.layers[0]}, expected {expect}")
                 expect = s.layers[1]
-            for si, (a, b) in enumerate(zip(p.stages, p.stages[1:])):
-                if b.in_flight > a.in_flight + 1:  # the downstream's warm-up would outgrow the upstream's
-                    raise ValueError(f"pipeline {pi} stage {si + 1} keeps {b.in_flight} extra micro-batches in "
-                                     f"flight but stage {si} only {a.in_flight}, which deadlocks 1F1B; a stage may "
-                                     f"keep at most one more than the stage before it")
+            for si in range(len(p.stages) - 1):
+                a, b = p.warmup_extra(si), p.warmup_extra(si + 1)
+                if b > a + 1:  # the downstream's warm-up would outgrow the upstream's
+                    raise ValueError(f"pipeline {pi} stage {si + 1} keeps {b} extra micro-batches in flight but "
+                                     f"stage {si} only {a}, which deadlocks 1F1B; a stage may keep at most one more "
+                                     f"than the stage before it")
+            for si, s in enumerate(p.stages):
+                if p.num_micro_batches % s.lanes:
+                    raise ValueError(f"pipeline {pi} stage {si} has {s.lanes} lanes, which must divide the pipeline's "
+                                     f"{p.num_micro_batches} micro-batches (every lane trains as many)")
             if num_layers is not None and expect != num_layers:
                 raise ValueError(f"pipeline {pi} ends at layer {expect}, the model has {num_layers}")
         if self.mode not in ("sync", "outer"):

@@ -129,7 +129,7 @@ def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
                  dp=s.dp, tp=s.tp, zero=s.zero, recompute=s.recompute, compute_seconds=s.compute_s,
                  memory_bytes_per_device=s.memory_gb_per_device * 1e9, dp_rendezvous=s.dp_rendezvous,
                  recompute_layers=s.recompute_layers, in_flight=s.in_flight,
-                 defer_weights=s.defer_weights, defer_layers=s.defer_layers)
+                 defer_weights=s.defer_weights, defer_layers=s.defer_layers, lanes=s.lanes)
     if s.send is not None:
         m.send.CopyFrom(_send_to_proto(s.send))
     return m
@@ -141,7 +141,7 @@ def stage_from_proto(m: pb.Stage) -> StagePlan:
                      memory_gb_per_device=m.memory_bytes_per_device / 1e9,
                      send=_send_from_proto(m.send) if m.HasField("send") else None,
                      nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous, in_flight=m.in_flight,
-                     defer_weights=m.defer_weights, defer_layers=list(m.defer_layers))
+                     defer_weights=m.defer_weights, defer_layers=list(m.defer_layers), lanes=m.lanes or 1)
 
 
 def group_to_proto(g: ReplicaGroup) -> pb.ReplicaGroup:

@@ -49,11 +49,12 @@ def predicted_compute(plan: Plan) -> dict[str, float]:
         for st in pipe.stages:
             if st.compute_s <= 0 or not st.nodes:
                 continue
-            split = shares(pipe.micro_batch, st.dp)  # the rows of each replica, as the runtime shares them
+            per_lane = st.dp // st.lanes  # a laned stage's replicas share only their lane's micro-batches
+            split = shares(pipe.micro_batch, per_lane)  # the rows of each replica, as the runtime shares them
             busiest = max(b - a for a, b in split)
             for k, node in enumerate(st.nodes):
-                a, b = split[k // max(1, st.tp)]  # nodes[r * tp + k] is tp rank k of replica r
-                out[node] = st.compute_s * (b - a) / busiest * pipe.num_micro_batches
+                a, b = split[k // max(1, st.tp) % per_lane]  # nodes[r * tp + k] is tp rank k of replica r
+                out[node] = st.compute_s * (b - a) / busiest * (pipe.num_micro_batches // st.lanes)
     return out
 
 

@@ -534,6 +534,7 @@ class CoordinatorState:
             self.store.put_speed(speed)
         self.speed = speed
         stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" + (f" tp{s.tp}" if s.tp > 1 else "")
+                           + (f" in {s.lanes} lanes" if s.lanes > 1 else "")
                            for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, inputs.members)}"
 
@@ -698,8 +699,9 @@ def load_pinned_plan(path: Path, job: JobSpec) -> Plan:
             if len(st.nodes) != st.dp * st.tp:
                 raise ValueError(f"{where} lists {len(st.nodes)} node ids; with dp = {st.dp} and tp = {st.tp} it needs "
                                  f"{st.dp * st.tp} (a pinned plan names every stage's nodes: their `atoll node` ids)")
-            if st.dp > pipe.micro_batch:
-                raise ValueError(f"{where}: {st.dp} replicas cannot share a micro-batch of {pipe.micro_batch} sequences")
+            if st.dp // st.lanes > pipe.micro_batch:
+                raise ValueError(f"{where}: {st.dp // st.lanes} replicas (per lane) cannot share a micro-batch of "
+                                 f"{pipe.micro_batch} sequences; give the stage lanes (micro-batch i to lane i % lanes)")
             if seen & set(st.nodes) or len(set(st.nodes)) != len(st.nodes):
                 raise ValueError(f"{where} lists a node that runs another stage too; a node runs one stage")
             seen.update(st.nodes)

@@ -274,7 +274,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
             rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODE-IDS", "SEND", "DP-RENDEZVOUS"]]
             for st in pl.stages:
                 send = _codec(st.send.codec) if st.HasField("send") else "-"
-                rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})", str(st.dp),
+                rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})",
+                             str(st.dp) + (f" ({st.lanes} lanes)" if st.lanes > 1 else ""),
                              ", ".join(st.node_ids), send, st.dp_rendezvous])
             out += _table(rows, "    ")
         for r in p.relays:  # two neighbours that both accept no connections

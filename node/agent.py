@@ -224,7 +224,8 @@ def describe_plan(plan: Plan, node_id: str) -> str:
         for s_index, stage in enumerate(pipeline.stages):
             send = f", sends {stage.send.codec}" if stage.send else ""
             lines.append(f"    stage {s_index}: island {stage.island}, layers [{stage.layers[0]}, {stage.layers[1]}), "
-                         f"dp {stage.dp} on {', '.join(stage.nodes)}{send}; rendezvous {stage.dp_rendezvous}")
+                         f"dp {stage.dp}" + (f" in {stage.lanes} lanes" if stage.lanes > 1 else "")
+                         + f" on {', '.join(stage.nodes)}{send}; rendezvous {stage.dp_rendezvous}")
             if node_id in stage.nodes:
                 mine = (f"this node runs pipeline {p_index} stage {s_index} (layers [{stage.layers[0]}, "
                         f"{stage.layers[1]})) as rank {stage.nodes.index(node_id)} of {stage.dp}")

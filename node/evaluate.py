@@ -5,7 +5,8 @@ feeds the held-out inputs, each stage sends its activations on through the same 
 the last stage returns the mean loss over the held-out batches. The pass's tensors travel under the step
 just trained, as micro-batches numbered after the step's own (held-out batch j, micro-batch i is number
 `m * (1 + j) + i` of m per batch), so they never meet a training tensor; a transport that bounds the
-micro-batch index must allow `transport_micro_batches(m, batches)` of them.
+micro-batch index must allow `transport_micro_batches(m, batches)` of them. A laned stage's replica passes its
+lane's micro-batches (i % lanes == lane; m is a multiple of lanes, so the number's lane is i's).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def eval_key(step: int, micro_batches: int, batch: int, micro_batch: int) -> Ten
 def validation_loss(stage: PipelineStage, step: int, batches: Sequence[Batch] | None, count: int) -> float | None:
     """Run `count` held-out batches (this replica's rows of each; the first and last stages pass them, others
     None) forward after training step `step`; the last stage returns their mean loss, the others None."""
-    m = stage.config.micro_batches
+    m, lanes, lane = stage.config.micro_batches, stage.config.lanes, stage.config.lane
     if (stage.is_first or stage.is_last) and (batches is None or len(batches) != count):
         raise ValueError(f"stage {stage.stage} needs its {count} held-out batches for the validation pass")
     stage.module.eval()
@@ -42,13 +43,13 @@ def validation_loss(stage: PipelineStage, step: int, batches: Sequence[Batch] | 
             b = batches[j] if batches is not None else None
             inputs = stage._split(b.inputs if b else None, "inputs", stage.is_first)
             targets = stage._split(b.targets if b else None, "targets", stage.is_last)
-            for i in range(m):
+            for i in range(lane, m, lanes):  # a laned replica passes its lane's micro-batches
                 key = eval_key(step, m, j, i)
-                h = inputs[i].to(stage.device) if stage.is_first else stage._recv(key).to(stage.device)
+                h = inputs[i // lanes].to(stage.device) if stage.is_first else stage._recv(key).to(stage.device)
                 with stage._autocast():
                     out = stage.module(h)
                     if stage.is_last:
-                        losses.append(float(lm_loss(out, targets[i].to(stage.device)).float()))
+                        losses.append(float(lm_loss(out, targets[i // lanes].to(stage.device)).float()))
                 if not stage.is_last:
                     stage._send(key, out)
     if not stage.is_last:

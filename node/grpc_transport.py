@@ -12,6 +12,11 @@ an activation-gradient from a downstream replica of n' rows is scaled by n' / n 
 of n rows: the gradients upstream of the boundary are then those of the receiver's own mean, as with
 equal widths (where the scale is 1 and nothing is copied).
 
+A neighbour stage may split its replicas into `Lanes`: micro-batch i is trained there only by lane i % L,
+so this replica exchanges micro-batch i with that lane's replica(s) (a `PeerRef` or `RowPeer`s, as a plain
+side): `send` and `recv` pick the routes of `key.micro_batch`'s lane. Each neighbour of every lane has its
+own link, and the mailbox takes from a lane's sender only the micro-batches of that lane.
+
 The caller must not modify a tensor in place after `send` until `flush` (as with isend).
 """
 
@@ -28,7 +33,7 @@ from atoll.node.mailbox import Mailbox, MailboxClosed, ReceiveSpec
 from atoll.node.peer import PeerServer
 from atoll.node.peer_link import PeerLink
 from atoll.node.reverse import RELAY_TARGET, DialerConfig, ReverseDialer
-from atoll.node.transport import Direction, TensorKey, Transport, TransportError
+from atoll.node.transport import TensorKey, Transport, TransportError
 from atoll.rpc import RpcOptions
 from atoll.serde import codec_id
 from atoll.types import LinkStats
@@ -82,8 +87,34 @@ class RowPeer:
                              f"got {self.rows}")
 
 
-Neighbours = PeerRef | tuple[RowPeer, ...] | None
-"""One side of a replica: one peer that carries all its rows, the row peers that share them, or none."""
+@dataclass(frozen=True)
+class Lanes:
+    """A neighbour stage whose replicas form lanes: micro-batch i is exchanged with `by_lane[i % len(by_lane)]`
+    (each entry a PeerRef or a tuple of RowPeer, as a plain side is)."""
+
+    by_lane: tuple[PeerRef | tuple[RowPeer, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.by_lane, tuple) or not self.by_lane:
+            raise ValueError(f"Lanes needs a tuple of at least one lane, got {self.by_lane!r}")
+        for lane, entry in enumerate(self.by_lane):
+            if not isinstance(entry, PeerRef) and not (
+                    isinstance(entry, tuple) and entry and all(isinstance(p, RowPeer) for p in entry)):
+                raise ValueError(f"lane {lane} must be a PeerRef or a non-empty tuple of RowPeer, got {entry!r}")
+        ids = [p.node_id for lane in range(len(self.by_lane)) for p in self.peers(lane)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a node appears in two lanes (or twice in one): {ids}; each replica of the "
+                             f"neighbour stage trains one lane's micro-batches")
+
+    def peers(self, lane: int) -> tuple[PeerRef, ...]:
+        """The neighbours of `lane`, in row order."""
+        entry = self.by_lane[lane]
+        return (entry,) if isinstance(entry, PeerRef) else tuple(p.peer for p in entry)
+
+
+Neighbours = PeerRef | tuple[RowPeer, ...] | Lanes | None
+"""One side of a replica: one peer that carries all its rows, the row peers that share them, lanes of
+either (one per micro-batch index modulo their number), or none."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +149,8 @@ class GrpcTransportConfig:
     """Data-parallel rank of this node within its stage."""
     upstream: Neighbours
     """The previous stage's replica(s) this one exchanges with: a `PeerRef` that carries all of this
-    replica's rows, or the `RowPeer`s whose rows overlap this replica's, in row order; None on the first
-    stage."""
+    replica's rows, or the `RowPeer`s whose rows overlap this replica's, in row order, or `Lanes` of
+    either (micro-batch i goes to lane i % L); None on the first stage."""
     downstream: Neighbours
     """The next stage's replica(s), as `upstream`; None on the last stage."""
     shape: tuple[int, ...] | None
@@ -186,7 +217,7 @@ class GrpcTransportConfig:
             raise ValueError("a transport needs an upstream or a downstream peer; a one-stage pipeline needs none")
         for side in ("upstream", "downstream"):
             self._check_side(side, getattr(self, side))
-        ids = [r.peer.node_id for side in ("upstream", "downstream") for r in self.routes(side)]
+        ids = [r.peer.node_id for side in ("upstream", "downstream") for r in self.all_routes(side)]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a neighbour appears twice among this replica's peers: {ids}")
         if self.stage < 0 or self.pipeline < 0 or self.replica < 0 or self.plan_epoch < 0:
@@ -216,10 +247,14 @@ class GrpcTransportConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def _check_side(self, side: str, peers: Neighbours) -> None:
+        if isinstance(peers, Lanes):  # each lane is checked as a plain side (Lanes checked their types)
+            for lane, entry in enumerate(peers.by_lane):
+                self._check_side(f"{side} lane {lane}", entry)
+            return
         if peers is None or isinstance(peers, PeerRef):
             return
         if not isinstance(peers, tuple) or not all(isinstance(p, RowPeer) for p in peers):
-            raise ValueError(f"{side} must be a PeerRef, a tuple of RowPeer or None, got {peers!r}")
+            raise ValueError(f"{side} must be a PeerRef, a tuple of RowPeer, Lanes or None, got {peers!r}")
         if self.rows is None or self.shape is None or not self.shape:
             raise ValueError(f"{side} neighbours given as RowPeer need this replica's `rows` and `shape`")
         a, b = self.rows
@@ -232,9 +267,31 @@ class GrpcTransportConfig:
             raise ValueError(f"the {side} neighbours' rows {spans} must be consecutive, in row order, and "
                              f"overlap and together cover this replica's rows {self.rows}")
 
-    def routes(self, side: str) -> tuple[_Route, ...]:
-        """What each neighbour on `side` ("upstream" or "downstream") carries of this replica's tensors."""
+    def lanes(self, side: str) -> int:
+        """Lanes of the neighbours on `side`: 1 for a plain side (or none)."""
         peers: Neighbours = getattr(self, side)
+        return len(peers.by_lane) if isinstance(peers, Lanes) else 1
+
+    def routes(self, side: str, micro_batch: int | None = None) -> tuple[_Route, ...]:
+        """What each neighbour on `side` ("upstream" or "downstream") carries of this replica's tensors of
+        `micro_batch`: on a side of L `Lanes`, the routes of lane micro_batch % L (so `micro_batch` is then
+        required, unless L is 1); a plain side ignores it."""
+        peers: Neighbours = getattr(self, side)
+        if isinstance(peers, Lanes):
+            if micro_batch is None and len(peers.by_lane) > 1:
+                raise ValueError(f"the {side} neighbours form {len(peers.by_lane)} lanes; give the micro-batch "
+                                 f"whose lane's routes to use (or use all_routes for every lane's)")
+            return self._routes_of(peers.by_lane[(micro_batch or 0) % len(peers.by_lane)])
+        return self._routes_of(peers)
+
+    def all_routes(self, side: str) -> tuple[_Route, ...]:
+        """The routes of every neighbour on `side` over all its lanes (lane by lane; each neighbour once)."""
+        peers: Neighbours = getattr(self, side)
+        if isinstance(peers, Lanes):
+            return tuple(r for entry in peers.by_lane for r in self._routes_of(entry))
+        return self._routes_of(peers)
+
+    def _routes_of(self, peers: PeerRef | tuple[RowPeer, ...] | None) -> tuple[_Route, ...]:
         if peers is None:
             return ()
         if isinstance(peers, PeerRef):
@@ -247,7 +304,7 @@ class GrpcTransportConfig:
                             grad_scale=(p.rows[1] - p.rows[0]) / (b - a)) for p in peers)
 
     def receive_spec(self) -> ReceiveSpec:
-        up, down = self.routes("upstream"), self.routes("downstream")
+        up, down = self.all_routes("upstream"), self.all_routes("downstream")
 
         def senders(routes: tuple[_Route, ...]) -> str | tuple[str, ...] | None:
             if not routes:
@@ -258,6 +315,10 @@ class GrpcTransportConfig:
             job_id=self.job_id, plan_epoch=self.plan_epoch, pipeline=self.pipeline, stage=self.stage,
             upstream=senders(up), downstream=senders(down),
             sender_rows=tuple((r.peer.node_id, r.hi - r.lo) for r in up + down if not r.whole),
+            sender_lanes=tuple((p.node_id, lane, len(peers.by_lane))
+                               for peers in (self.upstream, self.downstream)
+                               if isinstance(peers, Lanes) and len(peers.by_lane) > 1
+                               for lane in range(len(peers.by_lane)) for p in peers.peers(lane)),
             shape=self.shape, dtype=self.dtype, micro_batches=self.micro_batches, step_window=self.step_window,
             max_tensor_bytes=self.max_tensor_bytes, max_buffered_bytes=self.max_buffered_bytes,
             codecs=None if self.accept_codecs is None else frozenset(codec_id(c) for c in self.accept_codecs))
@@ -270,18 +331,22 @@ class GrpcTransport(Transport):
         self.config = config
         self._server = server
         self.mailbox = Mailbox(config.receive_spec(), max_chunk_bytes=config.rpc.max_message_bytes)
-        # each neighbour's route and the link that sends to it: activations go downstream, gradients upstream
-        self._sides: dict[str, list[tuple[_Route, PeerLink]]] = {
-            "downstream": [(r, PeerLink(config, r.peer, "forward", server.reverse))
-                           for r in config.routes("downstream")],
-            "upstream": [(r, PeerLink(config, r.peer, "backward", server.reverse)) for r in config.routes("upstream")],
-        }
+        # one link per neighbour (of every lane): activations go downstream, gradients upstream
+        self._links_of: dict[str, dict[str, PeerLink]] = {
+            side: {r.peer.node_id: PeerLink(config, r.peer, direction, server.reverse)
+                   for r in config.all_routes(side)}
+            for side, direction in (("downstream", "forward"), ("upstream", "backward"))}
+        # per side, per lane (one on a plain side): each neighbour's route and the link that sends to it
+        self._sides: dict[str, tuple[tuple[tuple[_Route, PeerLink], ...], ...]] = {
+            side: tuple(tuple((r, links[r.peer.node_id]) for r in config.routes(side, lane))
+                        for lane in range(config.lanes(side)))
+            for side, links in self._links_of.items()}
         self._closed = False
         server.attach(self.mailbox)
         self.dialer: ReverseDialer | None = None
         if not config.accepts_connections:
             targets, names, senders = {}, {}, {}
-            routes = config.routes("upstream") + config.routes("downstream")
+            routes = config.all_routes("upstream") + config.all_routes("downstream")
             for r in routes:
                 if r.peer.route == "dial":
                     targets[r.peer.node_id] = r.peer.address
@@ -307,13 +372,16 @@ class GrpcTransport(Transport):
 
     @property
     def _links(self) -> list[PeerLink]:
-        return [link for side in self._sides.values() for _, link in side]
+        return [link for links in self._links_of.values() for link in links.values()]
 
-    def _side(self, direction: Direction, verb: str) -> list[tuple[_Route, PeerLink]]:
+    def _side(self, key: TensorKey, verb: str) -> tuple[tuple[_Route, PeerLink], ...]:
+        """The routes and links `key` goes over: those of its micro-batch's lane on the side it crosses."""
         # forward tensors are sent downstream and received from upstream; backward ones the other way
+        direction = key.direction
         where = ("downstream" if direction == "forward" else "upstream") if verb == "send" else \
             ("upstream" if direction == "forward" else "downstream")
-        side = self._sides[where]
+        lanes = self._sides[where]
+        side = lanes[key.micro_batch % len(lanes)]
         if not side:
             raise TransportError(f"stage {self.config.stage} has no {where} peer to {verb} {direction} tensors")
         return side
@@ -321,7 +389,7 @@ class GrpcTransport(Transport):
     def send(self, key: TensorKey, tensor: torch.Tensor) -> None:
         if self._closed:
             raise TransportError(f"{key}: the transport is closed")
-        side = self._side(key.direction, "send")
+        side = self._side(key, "send")
         rows = self.config.shape[0] if self.config.shape else None
         if rows is not None and not side[0][0].whole and tensor.shape[0] != rows:
             raise TransportError(f"{key}: the tensor has {tensor.shape[0]} rows; this replica trains {rows}")
@@ -330,7 +398,7 @@ class GrpcTransport(Transport):
             link.enqueue(key, tensor if route.whole else tensor[route.lo:route.hi])
 
     def recv(self, key: TensorKey, timeout: timedelta) -> torch.Tensor:
-        side = self._side(key.direction, "receive")
+        side = self._side(key, "receive")
         for _, link in side:  # a failed send to a neighbour means it is gone: fail now rather than time out
             link.raise_error()
         self.mailbox.advance(key.step)

@@ -2,10 +2,12 @@
 
 A `Mailbox` holds the tensors of one stage replica in one plan epoch, keyed by (step, micro-batch,
 direction) and sender: a replica next to a stage of another width receives each micro-batch as row slices
-from several senders, each checked against the rows it is expected to send. Each Transfer stream is checked against the stage's `ReceiveSpec` from its first chunk
-(job, epoch, sender, step window, shape, dtype, codec, size) before a byte of payload is buffered, and
-the bytes it will need are reserved up front, so a peer can never make the node allocate past
-`max_buffered_bytes`. The codec layer checks the payload (length, checksum, decoding).
+from several senders, each checked against the rows it is expected to send. Next to a stage whose replicas
+form lanes (micro-batch i trained by lane i % L), the senders are those of every lane, and each takes only
+its own lane's micro-batches. Each Transfer stream is checked against the stage's `ReceiveSpec` from its
+first chunk (job, epoch, sender and its lane, step window, shape, dtype, codec, size) before a byte of
+payload is buffered, and the bytes it will need are reserved up front, so a peer can never make the node
+allocate past `max_buffered_bytes`. The codec layer checks the payload (length, checksum, decoding).
 
 Errors here are plain exceptions; the Peer servicer maps them to gRPC status codes.
 """
@@ -72,7 +74,8 @@ class ReceiveSpec:
     """Stage index; activations come from `stage - 1`, gradients from `stage + 1`."""
     upstream: str | tuple[str, ...] | None
     """Node id(s) that send activations, in row order; None on the first stage (no activations accepted).
-    Several senders each send their rows of every micro-batch (a previous stage of another width)."""
+    Several senders each send their rows of every micro-batch (a previous stage of another width), or of
+    their lane's micro-batches (`sender_lanes`; then those of every lane, lane by lane)."""
     downstream: str | tuple[str, ...] | None
     """Node id(s) that send activation-gradients, in row order; None on the last stage (no gradients
     accepted)."""
@@ -81,6 +84,10 @@ class ReceiveSpec:
     sender_rows: tuple[tuple[str, int], ...] = ()
     """(node id, rows) for senders whose tensors have `rows` in their first dimension instead of
     `shape[0]`: the row slices of a neighbour stage of another width. Needs `shape`."""
+    sender_lanes: tuple[tuple[str, int, int], ...] = ()
+    """(node id, lane, lanes) for the senders of a neighbour stage whose replicas form `lanes` lanes: such a
+    sender sends only micro-batches i with i % lanes == lane; others from it are refused. Either every
+    sender of a direction has an entry, with the same `lanes` and every lane sent by someone, or none has."""
     dtype: torch.dtype = torch.float32
     """Dtype of decoded activations and gradients."""
     micro_batches: int | None = None
@@ -118,6 +125,24 @@ class ReceiveSpec:
             if rows < 1 or self.shape is None or not self.shape:
                 raise ValueError(f"sender_rows needs a shape to check and rows >= 1; got {rows} rows from {node!r} "
                                  f"and shape {self.shape}")
+        named = [node for node, _, _ in self.sender_lanes]
+        if len(set(named)) != len(named):
+            raise ValueError(f"sender_lanes names a sender twice: {named}; each sender is in one lane")
+        for node, lane, lanes in self.sender_lanes:
+            if node not in senders:
+                raise ValueError(f"sender_lanes names {node!r}, which is neither an upstream nor a downstream sender")
+            if not 0 <= lane < lanes:
+                raise ValueError(f"sender_lanes: {node!r} is in lane {lane} of {lanes}; a lane is in [0, lanes)")
+        for direction in ("forward", "backward"):
+            who = self.senders(direction)
+            laned = {node: (lane, lanes) for node, lane, lanes in self.sender_lanes if node in who}
+            if not laned:
+                continue
+            counts = {lanes for _, lanes in laned.values()}
+            sent = {lane for lane, _ in laned.values()}
+            if len(laned) != len(who) or len(counts) != 1 or sent != set(range(max(counts))):
+                raise ValueError(f"sender_lanes of the {direction} senders {', '.join(who)} must give each of them "
+                                 f"a lane of one same number of lanes, every lane to someone; got {laned}")
 
     def senders(self, direction: Direction) -> tuple[str, ...]:
         """Node ids that send `direction` tensors to this stage, in row order (empty: none accepted)."""
@@ -125,6 +150,13 @@ class ReceiveSpec:
         if who is None:
             return ()
         return (who,) if isinstance(who, str) else tuple(who)
+
+    def lane_of(self, sender: str) -> tuple[int, int] | None:
+        """(lane, lanes) of `sender`, whose stage forms lanes; None: it sends every micro-batch."""
+        for node, lane, lanes in self.sender_lanes:
+            if node == sender:
+                return lane, lanes
+        return None
 
     def expected_shape(self, sender: str) -> tuple[int, ...] | None:
         """The shape of a tensor from `sender` (None: not checked)."""
@@ -230,6 +262,11 @@ class Mailbox:
             raise UnexpectedTransfer(f"{what} claims pipeline {meta.pipeline} stage {meta.stage}; {direction} "
                                      f"tensors of stage {s.stage} come from {', '.join(senders)} "
                                      f"(pipeline {s.pipeline} stage {sender_stage})")
+        lane = s.lane_of(meta.sender)
+        if lane is not None and meta.micro_batch % lane[1] != lane[0]:
+            raise UnexpectedTransfer(f"{what}: {meta.sender} is in lane {lane[0]} of {lane[1]}, which trains the "
+                                     f"micro-batches i with i % {lane[1]} = {lane[0]}; micro-batch {meta.micro_batch} "
+                                     f"is lane {meta.micro_batch % lane[1]}'s")
         if meta.step < self._low_step:
             raise UnexpectedTransfer(f"{what} is for step {meta.step}, which this stage has finished "
                                      f"(it is at step {self._low_step})")
@@ -315,6 +352,10 @@ class Mailbox:
         elif sender not in senders:
             raise ValueError(f"{sender} sends no {key.direction} tensors here; the senders are "
                              f"{', '.join(senders) or 'none'}")
+        lane = self.spec.lane_of(sender)
+        if lane is not None and key.micro_batch % lane[1] != lane[0]:
+            raise ValueError(f"{sender} is in lane {lane[0]} of {lane[1]} and sends no micro-batch "
+                             f"{key.micro_batch} (lane {key.micro_batch % lane[1]}'s); take it from that lane")
         slot = (key, sender)
         deadline = time.monotonic() + timeout
         with self._cond:

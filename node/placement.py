@@ -7,6 +7,11 @@ Runtime rules (checked here, with errors that name the pipeline and stage):
   extra rows): `shares`. A replica exchanges activations and activation-gradients with every replica of
   the neighbouring stages whose rows overlap its own, each carrying the overlap (with equal widths:
   replica r of stage s with replica r of stages s - 1 and s + 1, all rows);
+- lanes (`StagePlan.lanes` = L): a stage's replicas form L lanes of dp / L, in rank order, and pipeline
+  micro-batch i is trained there by lane i % L alone, whose replicas share its rows as above. A replica of a
+  neighbouring stage exchanges micro-batch i with the replicas of lane i % L whose rows overlap its own
+  (`Placement.upstream_lanes`, `downstream_lanes`); a laned replica trains only its lane's micro-batches, so it
+  reads those rows of its range (`batch_order`) and weighs its gradient by the rows it trained (`trained_rows`);
 - pipelines take consecutive rows of the global batch (micro_batch x num_micro_batches each). Inside a
   pipeline the boundaries of every stage's shares cut a micro-batch into *blocks*; row a + t of
   block [a, b) in micro-batch i is row P + m*a + i*(b - a) + t of the global batch (P: the pipeline's first
@@ -77,9 +82,11 @@ class Placement:
     micro_rows: tuple[int, int]
     """Rows [first, last) of every pipeline micro-batch this replica trains."""
     upstream: tuple[Neighbour, ...]
-    """Replicas of the previous stage whose rows overlap this node's, in row order (empty on the first stage)."""
+    """Replicas of the previous stage whose rows overlap this node's, in row order (empty on the first stage);
+    where that stage has lanes this node meets more than one of, every lane's, in lane order (`upstream_lanes`
+    says which one each micro-batch goes to)."""
     downstream: tuple[Neighbour, ...]
-    """Replicas of the next stage whose rows overlap this node's, in row order (empty on the last stage)."""
+    """Replicas of the next stage whose rows overlap this node's, as `upstream` (empty on the last stage)."""
     rows: tuple[int, int]
     """Rows [first, last) of the global batch this replica trains (micro_rows' share of every micro-batch)."""
     blocks: tuple[tuple[int, int], ...]
@@ -98,6 +105,15 @@ class Placement:
     """This node's rank in its stage replica's tp group (0: the rank that talks to the other stages)."""
     tp_group: tuple[str, ...] = ()
     """The node ids of this stage replica's tp ranks, in rank order (this node alone when tp = 1)."""
+    lane: int = 0
+    """This replica's lane: it trains the pipeline micro-batches i with i % lanes == lane."""
+    lanes: int = 1
+    """Lanes of this node's stage."""
+    upstream_lanes: tuple[tuple[Neighbour, ...], ...] = ()
+    """Where the previous stage has lanes and this node meets several of them: per lane of that stage, its
+    replicas whose rows overlap this node's (micro-batch i goes to lane i % len); empty otherwise."""
+    downstream_lanes: tuple[tuple[Neighbour, ...], ...] = ()
+    """The same for the next stage."""
 
     @property
     def is_first(self) -> bool:
@@ -113,17 +129,29 @@ class Placement:
         return self.micro_rows[1] - self.micro_rows[0]
 
     @property
+    def micro_batch_ids(self) -> range:
+        """The pipeline micro-batches this replica trains, in order: every one, or its lane's."""
+        return range(self.lane, self.num_micro_batches, self.lanes)
+
+    @property
+    def trained_rows(self) -> int:
+        """Sequences of the global batch this replica trains per step."""
+        return self.replica_micro_batch * len(self.micro_batch_ids)
+
+    @property
     def counts_norm(self) -> bool:
         """Whether this node adds its stage's squared gradient norm to the pipeline's sum (replica 0 does)."""
         return self.replica == 0
 
     def batch_order(self) -> list[int] | None:
         """The order in which to take this replica's rows (indices into global rows `rows`) so that its
-        batch splits into micro-batches as consecutive equal parts; None when they are in order already."""
-        if len(self.blocks) <= 1:
+        batch splits into micro-batches as consecutive equal parts; None when they are in order already. A laned
+        replica takes only its lane's micro-batches' rows (`trained_rows` of them)."""
+        if len(self.blocks) <= 1 and self.lanes == 1:
             return None
         m, first = self.num_micro_batches, self.micro_rows[0]
-        return [m * (a - first) + i * (b - a) + t for i in range(m) for a, b in self.blocks for t in range(b - a)]
+        return [m * (a - first) + i * (b - a) + t for i in self.micro_batch_ids for a, b in self.blocks
+                for t in range(b - a)]
 
 
 def _stage_shares(p: int, s: int, pipe: PipelinePlan) -> list[tuple[int, int]]:
@@ -135,11 +163,13 @@ def _stage_shares(p: int, s: int, pipe: PipelinePlan) -> list[tuple[int, int]]:
     if st.dp * st.tp != len(st.nodes):
         raise PlacementError(f"pipeline {p} stage {s}: dp = {st.dp} x tp = {st.tp} needs {st.dp * st.tp} nodes "
                              f"(nodes[r * tp + k] is tp rank k of replica r), but {len(st.nodes)} are listed")
-    if pipe.micro_batch < st.dp:
-        raise PlacementError(f"pipeline {p} stage {s}: its {st.dp} replicas cannot share a micro-batch of "
-                             f"{pipe.micro_batch} sequences; give the pipeline a micro-batch of at least {st.dp} "
-                             f"or the stage fewer nodes")
-    return shares(pipe.micro_batch, st.dp)
+    per_lane = st.dp // st.lanes
+    if pipe.micro_batch < per_lane:
+        lanes = f" in each of its {st.lanes} lanes" if st.lanes > 1 else ""
+        raise PlacementError(f"pipeline {p} stage {s}: its {per_lane} replicas{lanes} cannot share a micro-batch "
+                             f"of {pipe.micro_batch} sequences; give the pipeline a micro-batch of at least "
+                             f"{per_lane}, the stage fewer nodes or more lanes")
+    return shares(pipe.micro_batch, per_lane)
 
 
 def _replicas(st) -> list[str]:
@@ -188,20 +218,30 @@ def place(plan: Plan, node_id: str, num_layers: int) -> Placement | None:
             if node_id not in st.nodes:
                 continue
             r, k_tp = divmod(st.nodes.index(node_id), st.tp)
-            a, b = splits[s][r]
+            per_lane = st.dp // st.lanes
+            lane = r // per_lane
+            a, b = splits[s][r % per_lane]
 
-            def overlapping(k: int) -> tuple[Neighbour, ...]:
-                if not 0 <= k < len(pipe.stages):
-                    return ()
-                if k_tp:  # a tp rank other than 0 exchanges nothing with other stages
-                    return ()
-                return tuple(Neighbour(n, rr) for n, rr in zip(_replicas(pipe.stages[k]), splits[k])
-                             if rr[0] < b and a < rr[1])
+            def overlapping(k: int) -> tuple[tuple[Neighbour, ...], tuple[tuple[Neighbour, ...], ...]]:
+                """(neighbours, per-lane neighbours) on stage k: see `Placement.upstream` and `upstream_lanes`."""
+                if not 0 <= k < len(pipe.stages) or k_tp:  # a tp rank other than 0 exchanges nothing
+                    return (), ()
+                other = pipe.stages[k]
+                reps, d = _replicas(other), other.dp // other.lanes
+                by_lane = tuple(tuple(Neighbour(n, rr) for n, rr in zip(reps[x * d:(x + 1) * d], splits[k])
+                                      if rr[0] < b and a < rr[1]) for x in range(other.lanes))
+                # the lanes of stage k this replica's micro-batches (i = lane mod L) reach: i mod other.lanes
+                met = sorted({i % other.lanes for i in range(lane, m, st.lanes)})
+                if len(met) == 1:
+                    return by_lane[met[0]], ()
+                return tuple(nb for x in by_lane for nb in x), by_lane
 
+            (up, up_lanes), (down, down_lanes) = overlapping(s - 1), overlapping(s + 1)
             found = Placement(
                 node_id=node_id, pipeline=p, stage=s, replica=r, num_stages=len(pipe.stages), dp=st.dp,
                 layers=st.layers, micro_batch=pipe.micro_batch, num_micro_batches=m, micro_rows=(a, b),
-                upstream=overlapping(s - 1), downstream=overlapping(s + 1),
+                upstream=up, downstream=down, lane=lane, lanes=st.lanes, upstream_lanes=up_lanes,
+                downstream_lanes=down_lanes,
                 rows=(row + m * a, row + m * b),
                 blocks=tuple((x, y) for x, y in zip(bounds, bounds[1:]) if a <= x and y <= b),
                 pipeline_nodes=tuple(n for stage in pipe.stages for n in stage.nodes),

@@ -45,7 +45,7 @@ from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, 
                                      release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
-from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, RowPeer
+from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, Lanes, RowPeer
 from atoll.node.reverse import peer_ref
 from atoll.node.store_exchange import StoreNormExchange
 from atoll.node.inprocess import InProcessLinks
@@ -376,8 +376,9 @@ class PlanRunner:
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         # off CUDA the reported peak memory counts the bytes saved for backward (one hook per saved tensor)
         cfg = replace(stage_config(job, pl.num_micro_batches, ctx.timeout), track_memory=ctx.device.type != "cuda",
-                      in_flight=stage_plan.in_flight, defer_weights=stage_plan.defer_weights,
-                      defer_layers=tuple(stage_plan.defer_layers))
+                      in_flight=self.plan.pipelines[pl.pipeline].warmup_extra(pl.stage),
+                      defer_weights=stage_plan.defer_weights, defer_layers=tuple(stage_plan.defer_layers),
+                      lanes=pl.lanes, lane=pl.lane, grad_in_scale=self._grad_in_scale())
         step = self.plan.resume_step
         pretrained = job.pretrained if step == 0 else None  # a resume takes the checkpoint's weights instead
         module = build_slice(job.model, *pl.layers, seed=job.train.seed, device=ctx.device,
@@ -456,7 +457,7 @@ class PlanRunner:
         if finished_loss is not None:  # the loss of the step this node finished for a holder that computed it
             reporter.put(StepMetrics(job_id=self.plan.job_id, node_id=ctx.node_id, plan_epoch=self.plan.epoch,
                                      step=finished_loss[0], pipeline=pl.pipeline, stage=pl.stage,
-                                     loss=finished_loss[1], tokens=(pl.rows[1] - pl.rows[0]) * job.train.seq_len,
+                                     loss=finished_loss[1], tokens=pl.trained_rows * job.train.seq_len,
                                      unix_time=time.time()))
             log.info("step %d: loss %.4f, computed by the node whose step this node finished", *finished_loss)
         last = self.last_step if until_step is None else min(until_step, self.last_step)
@@ -943,10 +944,17 @@ class PlanRunner:
         idx = torch.tensor(order)
         return Batch(batch.inputs[idx], batch.targets[idx])
 
+    def _grad_in_scale(self) -> float:
+        """`StageConfig.grad_in_scale`: this stage's lanes over the next stage's."""
+        pl = self.placement
+        assert pl is not None
+        stages = self.plan.pipelines[pl.pipeline].stages
+        return pl.lanes / stages[pl.stage + 1].lanes if pl.stage + 1 < len(stages) else 1.0
+
     def _row_weight(self) -> float:
         pl = self.placement
         assert pl is not None
-        return (pl.rows[1] - pl.rows[0]) / self.plan.global_batch
+        return pl.trained_rows / self.plan.global_batch
 
     def _transport(self, pl: Placement):
         if pl.num_stages == 1 or pl.tp_rank > 0:
@@ -964,6 +972,10 @@ class PlanRunner:
                                                self.ctx.wan_latency(self.plan, n.node_id)),
                                  rows=n.rows) for n in neighbours) or None
 
+        def side(neighbours, by_lane) -> Lanes | tuple[RowPeer, ...] | None:
+            # a laned neighbour stage: each micro-batch goes to (comes from) its lane's replicas
+            return Lanes(tuple(refs(x) for x in by_lane)) if by_lane else refs(neighbours)
+
         stage_plan = self.plan.pipelines[pl.pipeline].stages[pl.stage]
         send = stage_plan.send
         bandwidth = send.bytes / send.seconds if send and send.seconds > 0 else None
@@ -972,7 +984,8 @@ class PlanRunner:
         return GrpcTransport(GrpcTransportConfig(
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.run_epoch,
             pipeline=pl.pipeline, stage=pl.stage, replica=pl.replica,
-            upstream=refs(pl.upstream), downstream=refs(pl.downstream), rows=pl.micro_rows,
+            upstream=side(pl.upstream, pl.upstream_lanes), downstream=side(pl.downstream, pl.downstream_lanes),
+            rows=pl.micro_rows,
             shape=(pl.replica_micro_batch, self.job.train.seq_len, m.d_model),
             micro_batches=transport_micro_batches(pl.num_micro_batches, self.job.train.eval_batches)
             if self.job.train.eval_every else pl.num_micro_batches,
@@ -1004,7 +1017,7 @@ class PlanRunner:
         return StepMetrics(
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.current_plan().epoch, step=step,
             pipeline=pl.pipeline, stage=pl.stage, loss=loss if reports_loss else None,
-            tokens=(pl.rows[1] - pl.rows[0]) * self.job.train.seq_len,
+            tokens=pl.trained_rows * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
             peak_memory_bytes=result.peak_memory_bytes, loss_scale=result.loss_scale, skipped=result.skipped,

@@ -163,6 +163,20 @@ def check_depths(kind: ScheduleKind, extra_in_flight: Sequence[int], micro_batch
                 f"upstream (extra_in_flight {list(extra_in_flight)}); raise stage {s - 1}'s or lower stage {s}'s")
 
 
+def lane_actions(actions: list[Action], *, lane: int, lanes: int) -> list[Action]:
+    """A laned stage's replica's actions (`atoll.plan`: micro-batch i is trained by lane i % lanes): the stage's
+    schedule restricted to its lane's micro-batches, in the same order.
+
+    Deadlock freedom carries over: every lane's order is its stage's order restricted, so a pair of micro-batches
+    of one lane keeps the relation (``F_k < B_j``) the stage's order gives it, and the proof in the module
+    docstring compares two actions a blocked replica and the neighbour it waits for both run, which a
+    restriction keeps (tests/test_pipeline_schedule.py checks it exhaustively on small pipelines with lanes). A
+    laned stage and those before it open more forwards (`PipelinePlan.warmup_extra`), so every lane has work."""
+    if lanes < 1 or not 0 <= lane < lanes:
+        raise ValueError(f"lane must be in [0, lanes) with lanes >= 1, got lane {lane} of {lanes}")
+    return [a for a in actions if a.micro_batch % lanes == lane]
+
+
 def max_in_flight(actions: list[Action]) -> int:
     """The largest number of micro-batches forwarded but not yet backwarded at once."""
     live = peak = 0

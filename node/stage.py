@@ -34,7 +34,7 @@ from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
 from atoll.node.tied import WithTiedGradients
 from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribution
-from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, schedule
+from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, lane_actions, schedule
 from atoll.node.storage import storage, storage_bytes
 from atoll.node.transport import TensorKey, Transport
 from atoll.node.wgrad import DeferrableLinear, WeightGradients, attach
@@ -49,7 +49,17 @@ class StageConfig:
     """How a stage trains: schedule, optimizer, clipping, precision and timeouts."""
 
     micro_batches: int = 4
-    """Micro-batches per step; the batch given to `train_step` is split into this many equal parts."""
+    """Micro-batches per step of the pipeline; the batch given to `train_step` is split into this many equal
+    parts (a laned replica's into `local_micro_batches`: its lane's)."""
+    lanes: int = 1
+    """Lanes of the stage (`atoll.plan`): this replica trains pipeline micro-batches i with i % lanes == lane."""
+    lane: int = 0
+    """This replica's lane (0 without lanes)."""
+    grad_in_scale: float = 1.0
+    """Factor on the activation-gradients received from the next stage: this stage's lanes over the next
+    stage's. Every replica trains the mean loss over its own micro-batches, so a replica of a
+    stage of L lanes divides each micro-batch's loss by m / L; a gradient computed for the next stage's mean is
+    made one for this replica's (the transport scales for the rows, `atoll.node.grpc_transport`)."""
     schedule: ScheduleKind = "1f1b"
     """``1f1b`` (bounded activation memory) or ``gpipe`` (all forwards, then all backwards)."""
     in_flight: int = 0
@@ -96,6 +106,11 @@ class StageConfig:
     def __post_init__(self) -> None:
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        if not self.grad_in_scale > 0:
+            raise ValueError(f"grad_in_scale must be positive, got {self.grad_in_scale}")
+        if self.lanes < 1 or self.micro_batches % self.lanes or not 0 <= self.lane < self.lanes:
+            raise ValueError(f"lanes must divide micro_batches ({self.micro_batches}) and lane be one of them; got "
+                             f"lane {self.lane} of {self.lanes}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.in_flight < 0:
@@ -273,9 +288,10 @@ class PipelineStage:
                 if self.zero is not None:  # their gradients complete in the weight actions, not in backward
                     self.zero.deferred_weights(m.weight for m in module.modules()
                                                if isinstance(m, DeferrableLinear) and m.deferred is sink)
-        self.actions: list[Action] = schedule(config.schedule, stage=stage, num_stages=num_stages,
-                                              micro_batches=config.micro_batches, extra_in_flight=config.in_flight,
-                                              defer_weights=config.defer_weights if self.weight_grads else 0)
+        self.actions: list[Action] = lane_actions(
+            schedule(config.schedule, stage=stage, num_stages=num_stages, micro_batches=config.micro_batches,
+                     extra_in_flight=config.in_flight, defer_weights=config.defer_weights if self.weight_grads else 0),
+            lane=config.lane, lanes=config.lanes)
         self.device = next(module.parameters()).device
         self._working_set: tuple[tuple[int, int], int] | None = None
         """((rows, seq), bytes) of a recomputed block's working set, measured once per micro-batch shape."""
@@ -310,7 +326,8 @@ class PipelineStage:
 
     def train_step(self, step: int, batch: StageData | None = None) -> StepResult:
         """Forward and backward every micro-batch, reduce and clip gradients, step the optimizer."""
-        cfg, m = self.config, self.config.micro_batches
+        cfg, m = self.config, self.config.micro_batches // self.config.lanes  # the micro-batches this replica trains
+        lanes = cfg.lanes
         inputs = self._split(batch.inputs if batch else None, "inputs", self.is_first)
         targets = self._split(batch.targets if batch else None, "targets", self.is_last)
         t0 = time.perf_counter()
@@ -356,7 +373,7 @@ class PipelineStage:
             elif action.op == "forward":
                 if self.is_first:
                     x: torch.Tensor | None = None
-                    h_in = inputs[i].to(self.device)
+                    h_in = inputs[i // lanes].to(self.device)
                     a_wait = 0.0
                 else:
                     w0 = time.perf_counter()
@@ -372,7 +389,7 @@ class PipelineStage:
                 with hooks, self._autocast():
                     out = self.module(h_in)
                     if self.is_last:
-                        tgt = targets[i].to(self.device)
+                        tgt = targets[i // lanes].to(self.device)
                         loss = lm_loss(out, tgt)
                         tokens += tgt.numel()
                         out = loss / m if self.scaler is None else loss * (self.scaler.scale / m)
@@ -399,6 +416,8 @@ class PipelineStage:
                 else:
                     w0 = time.perf_counter()
                     grad = self._recv(TensorKey(step, i, "backward")).to(self.device)
+                    if cfg.grad_in_scale != 1.0:
+                        grad.mul_(cfg.grad_in_scale)
                     a_wait = time.perf_counter() - w0
                 c0, cpu0 = time.perf_counter(), time.thread_time()
                 if zero is not None and n == last_backward:  # the step's last gradients: reduced as they complete
@@ -539,9 +558,10 @@ class PipelineStage:
         if t is None:
             role = "first" if name == "inputs" else "last"
             raise ValueError(f"stage {self.stage} is the {role} stage of its pipeline: train_step needs batch.{name}")
-        m = self.config.micro_batches
+        m = self.config.micro_batches // self.config.lanes
         if t.ndim != 2 or t.shape[0] % m:
-            raise ValueError(f"batch.{name} must be (batch, seq) with batch divisible by micro_batches={m}; "
+            raise ValueError(f"batch.{name} must be (batch, seq) with batch divisible by the {m} micro-batches this "
+                             f"replica trains; "
                              f"got shape {tuple(t.shape)}")
         if t.shape[1] > self.module.config.seq_len:
             raise ValueError(f"batch.{name} has {t.shape[1]} tokens per sequence; the model allows "

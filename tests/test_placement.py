@@ -123,3 +123,74 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_reason() -> None:
                                  stages=[_stage((0, 3), ["a"]), StagePlan(island="i", layers=(3, 6))])), "a", 6)
     with pytest.raises(PlacementError, match="train 12 sequences per step, the global batch is 16"):
         place(_plan(PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[_stage((0, 6), ["a"])])), "a", 6)
+
+
+def _lane_micro_batches(plan: Plan, stage: int) -> list[list[int]]:
+    """`_micro_batches` with lanes: each replica fills the micro-batches of its lane only."""
+    pipeline = plan.pipelines[0]
+    m = pipeline.num_micro_batches
+    out: list[list[int]] = [[] for _ in range(m)]
+    for node in pipeline.stages[stage].nodes:
+        p = place(plan, node, 6)
+        rows = list(range(*p.rows))
+        order = p.batch_order()
+        rows = [rows[k] for k in order] if order is not None else rows
+        n = p.replica_micro_batch
+        assert len(rows) == p.trained_rows == n * len(p.micro_batch_ids)
+        for j, i in enumerate(p.micro_batch_ids):
+            out[i].extend(rows[j * n:(j + 1) * n])
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=4),
+       micro=st.integers(3, 6), rounds=st.integers(1, 2))
+def test_lanes_train_every_row_once_and_meet_the_right_lane(shape, micro, rounds) -> None:
+    """Stages of `lanes` lanes of `width` replicas each (shape: (width, lanes) per stage): micro-batch i is the
+    same rows at every stage, trained at each stage by lane i % lanes alone, every row of the batch once; a
+    replica's neighbours for micro-batch i are the replicas of the neighbour stage's lane i % lanes whose rows
+    overlap its own, covering them."""
+    import math
+    names = iter(f"n{k}" for k in range(100))
+    m = rounds * math.lcm(*(lanes for _, lanes in shape))
+    layers = [(k, k + 1) for k in range(len(shape) - 1)] + [(len(shape) - 1, 6)]
+    stages = [StagePlan(island="i", layers=a, dp=w * lanes, lanes=lanes, nodes=[next(names) for _ in range(w * lanes)])
+              for a, (w, lanes) in zip(layers, shape)]
+    plan = _plan(PipelinePlan(micro_batch=micro, num_micro_batches=m, stages=stages), batch=micro * m)
+    views = [_lane_micro_batches(plan, s) for s in range(len(shape))]
+    assert all(v == views[0] for v in views)
+    assert sorted(r for mb in views[0] for r in mb) == list(range(micro * m))
+    for s, stage in enumerate(stages):
+        d = stage.dp // stage.lanes
+        for r, node in enumerate(stage.nodes):
+            pl = place(plan, node, 6)
+            assert (pl.lane, pl.lanes) == (r // d, stage.lanes)
+            for k, side, by_lane in ((s - 1, pl.upstream, pl.upstream_lanes), (s + 1, pl.downstream, pl.downstream_lanes)):
+                if not 0 <= k < len(stages):
+                    assert side == () and by_lane == ()
+                    continue
+                other = stages[k]
+                od = other.dp // other.lanes
+                for i in pl.micro_batch_ids:
+                    used = by_lane[i % len(by_lane)] if by_lane else side
+                    lane_nodes = other.nodes[(i % other.lanes) * od:(i % other.lanes + 1) * od]
+                    assert used and all(x.node_id in lane_nodes for x in used)
+                    cut = [(max(pl.micro_rows[0], x.rows[0]), min(pl.micro_rows[1], x.rows[1])) for x in used]
+                    assert cut[0][0] == pl.micro_rows[0] and cut[-1][1] == pl.micro_rows[1]
+                    assert all(u[1] == v[0] for u, v in zip(cut, cut[1:]))
+
+
+def test_laned_plans_the_runtime_cannot_run_are_refused() -> None:
+    with pytest.raises(ValueError, match="divide dp"):
+        StagePlan(island="i", layers=(0, 6), dp=3, lanes=2)
+    bad = _plan(PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[
+        StagePlan(island="i", layers=(0, 6), dp=2, lanes=2, nodes=["a", "b"])]), batch=12)
+    with pytest.raises(ValueError, match="must divide the pipeline's 3 micro-batches"):
+        place(bad, "a", 6)
+    wide = _plan(PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[
+        StagePlan(island="i", layers=(0, 6), dp=6, lanes=2, nodes=list("abcdef"))]), batch=8)
+    with pytest.raises(PlacementError, match="3 replicas in each of its 2 lanes cannot share a micro-batch of 2"):
+        place(wide, "a", 6)
+    ok = _plan(PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[
+        StagePlan(island="i", layers=(0, 6), dp=4, lanes=2, nodes=list("abcd"))]), batch=8)
+    assert place(ok, "c", 6).micro_batch_ids == range(1, 4, 2)

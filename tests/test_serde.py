@@ -45,7 +45,7 @@ def _plan() -> Plan:
         pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
             StagePlan(island="i0", layers=(0, 3), compute_s=0.1, memory_gb_per_device=0.5, nodes=["n1"],
                       send=SendPlan(codec="int8", bytes=65536, seconds=0.01, block_size=64)),
-            StagePlan(island="i1", layers=(3, 6), dp=2, zero=1, recompute=True, compute_s=0.2,
+            StagePlan(island="i1", layers=(3, 6), dp=2, lanes=2, zero=1, recompute=True, compute_s=0.2,
                       memory_gb_per_device=0.25, nodes=["n2", "n3"], dp_rendezvous="tcp://127.0.0.1:29500"),
         ])],
     )
@@ -60,6 +60,18 @@ def test_plan_json_round_trip() -> None:
     p = _plan()
     assert Plan.from_json(p.to_json()) == p
     p.validate(num_layers=6)
+
+
+def test_lanes_deepen_the_warm_up_of_their_stage_and_those_before() -> None:
+    """A last stage of two lanes: each lane holds a micro-batch, so both stages open one forward more than strict
+    1F1B. A middle stage of two lanes opens two more (each lane keeps one micro-batch ahead of the next stage), the
+    stage before it as many; the last stage adds only its own deep window."""
+    pipe = _plan().pipelines[0]
+    assert [pipe.warmup_extra(s) for s in range(2)] == [1, 1]
+    three = PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        StagePlan(island="i", layers=(0, 1)), StagePlan(island="i", layers=(1, 2), dp=2, lanes=2),
+        StagePlan(island="i", layers=(2, 3), in_flight=1)])
+    assert [three.warmup_extra(s) for s in range(3)] == [2, 2, 1]
 
 
 def _outer_plan() -> Plan:

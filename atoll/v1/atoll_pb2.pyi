@@ -209,7 +209,7 @@ class LinkPlan(_message.Message):
     def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous", "recompute_layers", "in_flight", "defer_weights", "defer_layers")
+    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous", "recompute_layers", "in_flight", "defer_weights", "defer_layers", "lanes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class Stage(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DEFER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DEFER_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     index: int
     island: str
     node_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -244,7 +245,8 @@ class Stage(_message.Message):
     in_flight: int
     defer_weights: int
     defer_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ..., recompute_layers: _Optional[_Iterable[int]] = ..., in_flight: _Optional[int] = ..., defer_weights: _Optional[int] = ..., defer_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    lanes: int
+    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ..., recompute_layers: _Optional[_Iterable[int]] = ..., in_flight: _Optional[int] = ..., defer_weights: _Optional[int] = ..., defer_layers: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("index", "micro_batch", "num_micro_batches", "stages")
