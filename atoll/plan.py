@@ -62,6 +62,23 @@ def shares(micro_batch: int, dp: int) -> list[tuple[int, int]]:
     return out
 
 
+def lane_warmups(lanes: list[int]) -> list[int]:
+    """Warm-up forwards of each stage of a pipeline whose stages have `lanes` lanes (before any deep window).
+
+    A stage holds in flight, besides its own, what its downstream works on: one micro-batch per lane of every
+    later stage (D = their lanes summed; strict 1F1B's p - s - 1 without lanes). A stage of L lanes shares its
+    window among its lanes, so it opens L (ceil(D / L) + 1) - 1 forwards before its first backward (every lane
+    then has ceil(D / L) in flight beyond its own); and never fewer than one more than the next stage, as 1F1B's
+    warm-ups go (the deadlock-freedom condition, `atoll.node.schedule`)."""
+    out = [0] * len(lanes)
+    need, after = -1, 0  # the next stage's warm-up, the lanes of the stages after this one
+    for s in range(len(lanes) - 1, -1, -1):
+        need = max(lanes[s] * (-(-after // lanes[s]) + 1) - 1, need + 1)
+        out[s] = need
+        after += lanes[s]
+    return out
+
+
 @dataclass(kw_only=True)
 class SendPlan:
     """The link from a stage to the next: codec of the activations and the predicted transfer."""
@@ -154,19 +171,10 @@ class PipelinePlan:
     stages: list[StagePlan]
 
     def warmup_extra(self, stage: int) -> int:
-        """Micro-batches stage `stage` keeps in flight beyond strict 1F1B: its own `in_flight` plus what lanes ask.
-
-        A stage holds in flight, besides its own, what its downstream works on: one micro-batch per lane of every
-        later stage (D = their lanes summed; strict 1F1B's p - s - 1 without lanes). A stage of L lanes shares
-        its window among its lanes, so it opens L (ceil(D / L) + 1) - 1 forwards before its first backward (every
-        lane then has ceil(D / L) in flight beyond its own); and never fewer than one more than the next stage,
-        as 1F1B's warm-ups go."""
-        lanes = [st.lanes for st in self.stages]
-        p, need, after = len(lanes), -1, 0  # need: the next stage's warm-up forwards (lanes only)
-        for s in range(p - 1, stage - 1, -1):
-            need = max(lanes[s] * (-(-after // lanes[s]) + 1) - 1, need + 1)
-            after += lanes[s]
-        return need - (p - stage - 1) + self.stages[stage].in_flight
+        """Micro-batches stage `stage` keeps in flight beyond strict 1F1B: its own `in_flight` plus what lanes ask
+        (`lane_warmups`)."""
+        p = len(self.stages)
+        return lane_warmups([st.lanes for st in self.stages])[stage] - (p - stage - 1) + self.stages[stage].in_flight
 
 @dataclass(kw_only=True)
 class Prediction:

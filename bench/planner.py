@@ -175,7 +175,8 @@ def busy_share(plan, cm: CostModel, cluster: Cluster) -> float:
     if step <= 0:
         return 0.0
     rates = best_rates(cm, cluster)
-    work = sum(st.dp * st.tp * rates[st.island] * st.compute_s * pl.num_micro_batches
+    # a laned stage's replicas each run their lane's share of the micro-batches
+    work = sum(st.dp * st.tp * rates[st.island] * st.compute_s * pl.num_micro_batches / st.lanes
                for pl in plan.pipelines for st in pl.stages)
     return work / (step * sum(isl.gpus * rates[isl.id] for isl in cluster.islands))
 

@@ -10,10 +10,11 @@ import pytest
 from atoll.coordinator.planner import (Cluster, NoFeasiblePlan, PlannerOptions, TrainSpec, parse_cluster, plan_job,
                                        search_plan)
 from atoll.coordinator.planner.composer import Composer
+from atoll.coordinator.planner.report import format_plan
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import SliceQuery
 from atoll.modelspec import ModelConfig, ModelSpec
-from atoll.plan import Plan
+from atoll.plan import Plan, lane_warmups
 from atoll.serde import plan_from_proto, plan_to_proto
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
 
@@ -41,7 +42,8 @@ inter_node_gbps = {link_gbps}
 
 
 def _brute_bottleneck(comp: Composer, s) -> float:
-    """Min over every choice of stages per island (0..cap) and every contiguous split of the layers."""
+    """Min over every choice of stages per island (0..cap) and every contiguous split of the layers (a laned stage
+    at its pace, each lane holding its share of the micro-batches in flight, `atoll.plan.lane_warmups`)."""
     cm = comp.cost_model
     L = cm.num_layers
     best = math.inf
@@ -50,17 +52,20 @@ def _brute_bottleneck(comp: Composer, s) -> float:
         p = len(seq)
         if p == 0 or p > L:
             continue
+        warm = lane_warmups([s.lane(i) for i in seq])  # strict 1F1B's p - n - 1 without lanes
         for cuts in itertools.combinations(range(1, L), p - 1):
             bounds = (0, *cuts, L)
             worst = 0.0
             for n, i in enumerate(seq):
+                lanes = s.lane(i)
                 c = comp.parallelizer.cost(SliceQuery(start=bounds[n], end=bounds[n + 1], micro_batch=s.per_replica(i),
-                                                      dp=s.widths[i], in_flight=min(p - n, s.m), batch=s.batch),
+                                                      dp=s.lane_width(i), lanes=lanes, batch=s.batch,
+                                                      in_flight=min(warm[n] // lanes + 1, -(-s.m // lanes))),
                                            s.order[i])
                 if c is None:
                     worst = math.inf
                     break
-                worst = max(worst, c.time_s)
+                worst = max(worst, c.pace_s)
                 if n + 1 < p:
                     worst = max(worst, comp._fastest_link(s, i, seq[n + 1], bounds[n + 1]))
             best = min(best, worst)
@@ -384,3 +389,34 @@ count = 4
     comp = Composer(cost_model=CostModel(SMALL, TrainSpec(global_batch=32, seq_len=512)), cluster=three)
     full = {tuple(i.id for i in o) for o in comp.orders() if len(o) == 3}
     assert full == set(itertools.permutations("abc"))
+
+
+def test_one_gpu_machines_and_a_small_batch_run_in_lanes_and_the_runtime_places_them(monkeypatch) -> None:
+    """32 machines of one GPU each (no tensor parallelism), a global batch of 16: a stage of 4 devices cannot
+    share a micro-batch of 2 sequences, so the planner runs it in 2 lanes of 2 (micro-batch i on lane i % 2) and
+    keeps the pipeline's 8 micro-batches, which simulates faster than the best plan without lanes (micro-batches
+    of 4). Every node of the plan finds its place, with its lane."""
+    import atoll.coordinator.planner.composer as composer
+    from atoll.node.placement import place
+
+    cluster = parse_cluster("[[group]]\nname = \"v\"\ndevice = \"RTX4090\"\ncount = 32\ngpus_per_node = 1\n"
+                            "inter_node_gbps = 25\nintra_node_gbps = 64\n")
+    model = ModelSpec.from_preset("350m")
+    train = TrainSpec(global_batch=16, seq_len=model.config.seq_len)
+    laned = search_plan(model, cluster, train).plan
+    monkeypatch.setattr(composer, "MAX_LANES", 1)
+    plain = search_plan(model, cluster, train).plan
+    assert all(s.lanes == 1 for p in plain.pipelines for s in p.stages)
+    assert laned.predicted.tokens_per_s > plain.predicted.tokens_per_s
+    pipe = laned.pipelines[0]
+    assert any(s.lanes > 1 for s in pipe.stages)
+    names = iter(f"n{k}" for k in range(32))
+    for s in pipe.stages:
+        assert s.dp // s.lanes <= pipe.micro_batch < s.dp and pipe.num_micro_batches % s.lanes == 0
+        s.nodes = [next(names) for _ in range(s.dp * s.tp)]
+    laned.validate(model.num_layers)
+    for s in pipe.stages:
+        for r, n in enumerate(s.nodes):
+            pl = place(laned, n, model.num_layers)
+            assert pl is not None and pl.lane == r // (s.dp // s.lanes)
+    assert "lanes" in format_plan(laned)

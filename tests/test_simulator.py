@@ -114,3 +114,49 @@ def test_only_a_zero_1_stage_without_tp_hides_part_of_its_sync() -> None:
     assert cm.sync_hidden_seconds(1.0, params, zero=1, dp=4, tp=1, window_s=0.1) == pytest.approx(0.1)
     for zero, dp, tp in ((0, 4, 1), (2, 4, 1), (1, 4, 2), (1, 1, 1)):
         assert cm.sync_hidden_seconds(1.0, params, zero=zero, dp=dp, tp=tp, window_s=10.0) == 0.0
+
+
+def _laned(lanes: tuple[int, ...], scale: tuple[float, ...], m: int, **kw) -> PipelineTimes:
+    return PipelineTimes(stages=tuple(StageTimes(forward_s=1.0 * x, backward_s=2.0 * x, lanes=k, **kw)
+                                      for k, x in zip(lanes, scale)),
+                         links=tuple(LinkTimes(forward_s=0.0, backward_s=0.0) for _ in lanes[1:]), num_micro_batches=m)
+
+
+def test_lanes_run_as_fast_as_one_stage_that_many_times_faster() -> None:
+    """A stage of L lanes, each L times slower than its neighbours, keeps pace with them: the step is the
+    balanced pipeline's plus the lanes' longer fill (their own micro-batch takes L times as long), the figures
+    the node's schedules give (tests/test_pipeline_schedule.py runs the same schedules as blocking executors)."""
+    m = 24
+    base = simulate(_laned((1, 1, 1), (1, 1, 1), m)).step_time_s
+    assert base == pytest.approx(3 * m + 2 * 3)
+    assert simulate(_laned((1, 2, 1), (1, 2, 1), m)).step_time_s == pytest.approx(base + 3)
+    assert simulate(_laned((1, 3, 1), (1, 3, 1), m)).step_time_s == pytest.approx(base + 6)
+    # a laned first and last stage
+    assert simulate(_laned((2, 1, 2), (2, 1, 2), m)).step_time_s <= base + 2 * 3 + 1e-9
+    # each lane runs every L-th micro-batch, its share of the stage's order
+    ev = simulate(_laned((1, 2), (1, 2), 4), record=True).events
+    assert sorted((e.lane, e.micro_batch) for e in ev if e.stage == 1 and e.kind == "F") == \
+        [(0, 0), (0, 2), (1, 1), (1, 3)]
+    # the stage's busy share: its lanes' mean
+    r = simulate(_laned((1, 2, 1), (1, 2, 1), m))
+    assert r.busy_s[1] == pytest.approx(r.busy_s[0])
+
+
+def test_with_lanes_the_bounds_hold_and_the_closed_form_stays_close() -> None:
+    import random
+
+    rng = random.Random(11)
+    for _ in range(300):
+        p = rng.randint(1, 5)
+        lanes = tuple(rng.choice((1, 1, 2, 3)) for _ in range(p))
+        unit = 6  # lcm of the lane counts
+        m = unit * rng.randint(1, 3)
+        t = PipelineTimes(
+            stages=tuple(StageTimes(forward_s=rng.uniform(0.05, 1) * k, backward_s=rng.uniform(0.05, 2) * k,
+                                    sync_s=rng.uniform(0, 1), optimizer_s=rng.uniform(0, 0.3), lanes=k)
+                         for k in lanes),
+            links=tuple(LinkTimes(forward_s=rng.uniform(0, 0.3), backward_s=rng.uniform(0, 0.3)) for _ in range(p - 1)),
+            num_micro_batches=m, defer=tuple(rng.randint(0, 2) for _ in range(p)))
+        got = simulate(t).step_time_s
+        assert step_lower_bound(t) <= got + 1e-9
+        assert 0.5 * got <= closed_form_step(t) <= 2.0 * got

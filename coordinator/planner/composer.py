@@ -18,6 +18,14 @@ as deep as each stage's memory allows without changing its placement or cost. Bi
 converges on the minimum; a few relaxed T are tried too, since fewer, fuller
 stages shorten fill and drain.
 
+Lanes: a stage may have more devices than the micro-batch has sequences and tensor parallelism can take (one
+GPU per machine, a small global batch): its replicas then form L lanes (`atoll.plan`), lane i % L taking
+micro-batch i, so each lane shares a micro-batch among width / L devices and the stage keeps pace with its
+neighbours though each lane is L times slower. A setup whose widths a micro-batch cannot share is tried with
+its wide islands in the fewest lanes that can (`_lanes`); a lane's time per
+micro-batch over L is what the bottleneck compares (`IslandCost.pace_s`), the simulator runs the lanes, and
+the stages up to a laned one hold more micro-batches in flight (`atoll.plan.lane_warmups`), as the node does.
+
 Free order: a chain may visit an island twice. After the island-contiguous chains, the best few are tried
 again with one island of their region cut into two parts (between nodes) placed anywhere with other islands
 between them, so V100 / A100 / V100 can be found where it is better (`split_setups`).
@@ -71,6 +79,8 @@ SPLIT_FRACTIONS = (0.25, 0.5, 0.75)
 """Shares of an island's nodes its front part takes when a chain visits it twice (`Composer.split_setups`)."""
 SPLIT_SEEDS = 4
 """Best contiguous candidates whose chains are tried again with one island visited twice."""
+MAX_LANES = 8
+"""Most lanes a stage is split into (`Composer._lanes`): each adds a micro-batch's time to the pipeline's fill."""
 REFINE_BUDGET = 48
 """Most simulations `Composer.refine` spends on one candidate (one layer moved across a boundary each)."""
 
@@ -96,7 +106,8 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
     out = []
     for c in cands:
         key = (c.micro_batch, c.num_micro_batches,
-               tuple((st.island.id, st.island.gpus, st.start, st.end, st.cost.dp, st.cost.tp) for st in c.stages))
+               tuple((st.island.id, st.island.gpus, st.start, st.end, st.cost.dp, st.cost.tp, st.cost.lanes)
+                     for st in c.stages))
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -169,7 +180,7 @@ class Candidate:
     @property
     def bottleneck_s(self) -> float:
         """The slowest stage's compute or link's time on the wire, per micro-batch (latency is the windows')."""
-        return max([s.cost.time_s for s in self.stages]
+        return max([s.cost.pace_s for s in self.stages]
                    + [max(x.forward_s, x.backward_s) - x.latency_s for x in self.links])
 
     @property
@@ -197,14 +208,25 @@ class _Setup:
     caps: tuple[int, ...]
     """Most stages each island can host."""
     bound: float
+    lanes: tuple[int, ...] = ()
+    """Lanes of a stage on each island (its width's devices split into that many lanes); empty: none anywhere."""
+
+    def lane(self, i: int) -> int:
+        """Lanes of a stage on island i."""
+        return self.lanes[i] if self.lanes else 1
+
+    def lane_width(self, i: int) -> int:
+        """Devices of one lane of a stage on island i (its whole width without lanes)."""
+        return self.widths[i] // self.lane(i)
 
     def per_replica(self, i: int) -> int:
-        """Sequences of the busiest device when every device of a stage on island i is its own replica."""
-        return -(-self.batch // self.widths[i])
+        """Sequences of the busiest device when every device of a lane of a stage on island i is its own
+        replica."""
+        return -(-self.batch // self.lane_width(i))
 
     def cut(self, j: int) -> "_Setup":
         return _Setup(order=self.order[:j], widths=self.widths[:j], batch=self.batch, m=self.m,
-                      caps=self.caps[:j], bound=self.bound)
+                      caps=self.caps[:j], bound=self.bound, lanes=self.lanes[:j])
 
 
 @dataclass(kw_only=True)
@@ -265,14 +287,15 @@ class Composer:
         t = self.cost_model.table(island, 1)
         return 1.0 / max(1e-12, t.pf[-1] + t.pb[-1])
 
-    def _shapes(self, order: tuple[Island, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-        """(widths, caps, batch B) of the setups of a chain.
+    def _shapes(self, order: tuple[Island, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], int, tuple[int, ...]]]:
+        """(widths, caps, batch B, lanes) of the setups of a chain.
 
         Widths: one for every stage (powers of two, each island's size, and every divisor of the islands'
         common size, so a width that leaves no GPU over exists whenever one does), or every island cut into
         d stages (d a power of two or such a divisor). B: any divisor of the global batch every stage can
         share, its replicas' shares differing by at most one sequence (`DefaultParallelizer.splits`; with
-        `equal_widths`, or another parallelizer, B / width must be an allowed micro-batch)."""
+        `equal_widths`, or another parallelizer, B / width must be an allowed micro-batch). A shape whose widths
+        are wider than B also comes with its wide islands in lanes (`_lanes`)."""
         cm = self.cost_model
         g = cm.train.global_batch
         max_units = min(cm.num_layers, cm.options.max_stages)
@@ -296,8 +319,38 @@ class Composer:
                     if len(set(ds)) > 1 and all(d <= i.gpus for d, i in zip(ds, order)):
                         out.append((tuple(i.gpus // d for d, i in zip(ds, order)), ds))
         batches = _divisors(g)
-        return [(w, c, b) for w, c in dict.fromkeys(out) if c[-1] > 0 for b in sorted(batches)
-                if all(self._shares(isl, x, b) for isl, x in zip(order, w))]
+        shapes = []
+        for w, c in dict.fromkeys(out):
+            if c[-1] <= 0:
+                continue
+            for b in sorted(batches):
+                if all(self._shares(isl, x, b) for isl, x in zip(order, w)):
+                    shapes.append((w, c, b, ()))
+                elif lanes := self._lanes(order, w, b, g // b):  # a width no split can share B: in lanes
+                    shapes.append((w, c, b, lanes))
+        return shapes
+
+    def _lanes(self, order: tuple[Island, ...], widths: tuple[int, ...], batch: int, m: int) -> tuple[int, ...]:
+        """Lanes per island for stages of `widths` devices on micro-batches of `batch` sequences: 1 where the
+        devices can share it (`_shares`: a replica per device, or tensor parallelism), else the fewest lanes
+        (dividing the width and the m micro-batches, at most `MAX_LANES`) whose devices can; empty when no island
+        needs lanes or one has none that fit (and with a parallelizer other than the default, which knows no
+        lanes). Only where no split shares it: where tensor parallelism can, a lane's micro-batch takes L times
+        as long through the stage, which lengthens fill and drain more than the steady state gains on the
+        benchmark's clusters, and a search of both would take twice as long."""
+        if not self._fast:
+            return ()
+        out = []
+        for isl, x in zip(order, widths):
+            if self._shares(isl, x, batch):
+                out.append(1)
+                continue
+            lane = next((k for k in range(2, MAX_LANES + 1)
+                         if x % k == 0 and m % k == 0 and x // k <= batch and self._shares(isl, x // k, batch)), 0)
+            if not lane:
+                return ()
+            out.append(lane)
+        return tuple(out) if max(out) > 1 else ()
 
     def _shares(self, island: Island, width: int, batch: int) -> bool:
         """Whether `width` devices of the island can share a pipeline micro-batch of `batch` sequences."""
@@ -313,8 +366,8 @@ class Composer:
         out: list[_Setup] = []
         chains = dict.fromkeys(order[:j] for order in self.orders() for j in range(len(order), 0, -1))
         for order in chains:
-            for widths, caps, batch in self._shapes(order):
-                s = _Setup(order=order, widths=widths, batch=batch, m=g // batch, caps=caps, bound=0.0)
+            for widths, caps, batch, lanes in self._shapes(order):
+                s = _Setup(order=order, widths=widths, batch=batch, m=g // batch, caps=caps, bound=0.0, lanes=lanes)
                 s.bound = self._lower_bound(s, s.m, max_units)
                 out.append(s)
         return out
@@ -327,8 +380,9 @@ class Composer:
         for i, (isl, c) in enumerate(zip(s.order, s.caps)):
             if self._fast:
                 assert isinstance(self.parallelizer, DefaultParallelizer)
-                full.extend([self.parallelizer.compute_floor(isl, s.widths[i], s.batch)] * c)
-                path.append(self.parallelizer.path_floor(isl, s.widths[i], s.batch))
+                # a stage in lanes runs that many micro-batches at once, each at a lane's pace
+                full.extend([self.parallelizer.compute_floor(isl, s.lane_width(i), s.batch) / s.lane(i)] * c)
+                path.append(self.parallelizer.path_floor(isl, s.lane_width(i), s.batch))
             else:
                 t = self.cost_model.table(isl, s.per_replica(i))
                 full.extend([t.pf[-1] + t.pb[-1]] * c)
@@ -399,7 +453,7 @@ class Composer:
         link = self.cluster.link(src.id, dst.id)
         if link is None:
             return None
-        streams = streams or min(s.widths[i], s.widths[j])
+        streams = streams or min(s.lane_width(i), s.lane_width(j))
         bw = cm.stream_bandwidth(src, dst, link, streams, streams=streams)
         raw = -(-cm.model.boundary_bytes(boundary, s.batch, cm.train.seq_len, cm.train.dtype) // streams)
         return raw, bw, link.latency_s
@@ -413,19 +467,22 @@ class Composer:
         return self.cost_model.codecs.fastest(raw, self.cost_model.elem_bytes, bw, lat if latency else 0.0)
 
     def _query(self, s: _Setup, i: int, a: int, e: int, k: int) -> SliceQuery:
-        return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.widths[i], in_flight=k, batch=s.batch)
+        return SliceQuery(start=a, end=e, micro_batch=s.per_replica(i), dp=s.lane_width(i), in_flight=k, batch=s.batch,
+                          lanes=s.lane(i))
 
     def _reach(self, s: _Setup, i: int, k: int, end: int, limit: float) -> int:
         isl = s.order[i]
         if self._fast:
             assert isinstance(self.parallelizer, DefaultParallelizer)
-            return self.parallelizer.reach(isl, s.per_replica(i), s.widths[i], k, end, limit, batch=s.batch)
+            # a lane may take `lanes` x the stage's pace per micro-batch
+            return self.parallelizer.reach(isl, s.per_replica(i), s.lane_width(i), k, end, limit * s.lane(i),
+                                           batch=s.batch, lanes=s.lane(i))
         assert self.parallelizer is not None
         par = self.parallelizer
 
         def ok(a: int) -> bool:
             c = par.cost(self._query(s, i, a, end, k), isl)
-            return c is not None and c.time_s <= limit
+            return c is not None and c.pace_s <= limit
 
         if not ok(end - 1):
             return end
@@ -448,6 +505,7 @@ class Composer:
         e = self.cost_model.num_layers
         placed: list[tuple[int, int, int, int]] = []
         later: int | None = None
+        need, after = -1, 0  # the next stage's warm-up forwards and the lanes after it (`atoll.plan.lane_warmups`)
         for i in range(len(s.order) - 1, -1, -1):
             if e == 0:
                 break
@@ -459,11 +517,15 @@ class Composer:
                 # two stages on one island still pass activations over the island's own links
                 if later == i and self._fastest_link(s, i, i, e) > limit:
                     break
-                k = min(len(placed) + 1, s.m)
+                # micro-batches in flight on a lane of it: strict 1F1B's p - i without lanes
+                lanes = s.lane(i)
+                warm = max(lanes * (-(-after // lanes) + 1) - 1, need + 1)
+                k = min(warm // lanes + 1, -(-s.m // lanes))
                 a = self._reach(s, i, k, e, limit)
                 if a == e:
                     break
                 placed.append((i, a, e, k))
+                need, after = warm, after + lanes
                 e = a
                 later = i
         if e != 0:
@@ -546,7 +608,7 @@ class Composer:
             c = self.parallelizer.cost(self._query(s, i, a, e, k), s.order[i])  # type: ignore[union-attr]
             assert c is not None, "greedy placed a stage that does not fit"
             costs.append(c)
-        cycle = max([c.time_s for c in costs] + [self._fastest_link(s, i, j, e)
+        cycle = max([c.pace_s for c in costs] + [self._fastest_link(s, i, j, e)
                                                  for (i, _, e, _), (j, _, _, _) in zip(placed, placed[1:])])
         extras = self._windows(s, placed, costs, cycle)
         stages: list[StageChoice] = []
@@ -565,11 +627,12 @@ class Composer:
                 stages[k] = replace(stages[k], sync_s=stages[k].sync_s + tied)
         if cm.options.zero_bubble and len(stages) > 1:
             stages = [self._deferred(st, n, s.m) for n, st in enumerate(stages)]
-        cycle = max(st.cost.time_s for st in stages)
+        cycle = max(st.cost.pace_s for st in stages)
         links: list[LinkChoice] = []
         for n, ((i, _, e, _), (j, _, _, _), x, y) in enumerate(zip(placed, placed[1:], extras, extras[1:])):
             # tp rank 0 of a replica alone sends and receives (atoll.node.tp): a stream per replica
-            got = self._link(s, i, j, e, streams=min(stages[n].cost.dp, stages[n + 1].cost.dp))
+            got = self._link(s, i, j, e, streams=min(stages[n].cost.dp // stages[n].cost.lanes,
+                                                     stages[n + 1].cost.dp // stages[n + 1].cost.lanes))
             assert got is not None
             raw, bw, lat = got
             # a transfer hides under the cycle; with a deep window of depth d its latency, and a round trip
@@ -604,7 +667,7 @@ class Composer:
         hidden = cm.sync_hidden_seconds(cm.grad_sync_seconds(params, st.island, c.dp, c.tp), params, zero=c.zero,
                                         dp=c.dp, tp=c.tp, window_s=window)  # not the tied weight's sum
         return StageTimes(forward_s=c.forward_s, backward_s=c.backward_s, sync_s=st.sync_s, sync_hidden_s=hidden,
-                          optimizer_s=st.optimizer_s, weight_s=st.weight_s, split_s=st.split_s)
+                          optimizer_s=st.optimizer_s, weight_s=st.weight_s, split_s=st.split_s, lanes=c.lanes)
 
     def _deferred(self, st: StageChoice, n: int, m: int) -> StageChoice:
         """Stage `n` of its pipeline with its weight gradients deferred: as much of them as memory allows, as

@@ -6,6 +6,11 @@ replicas of `tp` tensor-parallel devices each (dp x tp = the devices; tp within 
 and recomputation (the devices and the pipeline's micro-batch come with the query, since a pipeline's
 stages share the micro-batch); None when no choice fits in memory. It knows nothing of other islands, so
 any other implementation can replace it.
+
+Lanes (`SliceQuery.lanes` = L, `atoll.plan`): the stage runs L lanes of `dp` devices each, lane i % L taking
+micro-batch i; the times are one lane's per micro-batch, the devices of every lane shard the optimizer states
+(ZeRO-1) and average the gradients, and ZeRO-2/3 (a collective per micro-batch, which would hold the lanes in
+step) are not used.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ class SliceQuery:
     batch: int = 0
     """Sequences of the pipeline's micro-batch, shared by the stage's replicas as evenly as possible (shares
     differ by at most one); 0: micro_batch x dp."""
+    lanes: int = 1
+    """Lanes of `dp` devices each the stage runs on (`in_flight` is then a lane's)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
             raise ValueError(f"slice [{self.start}, {self.end}) is empty or negative")
-        if self.micro_batch < 1 or self.dp < 1 or self.in_flight < 1 or self.batch < 0:
-            raise ValueError("micro_batch, dp and in_flight must be >= 1, batch >= 0")
+        if self.micro_batch < 1 or self.dp < 1 or self.in_flight < 1 or self.batch < 0 or self.lanes < 1:
+            raise ValueError("micro_batch, dp, in_flight and lanes must be >= 1, batch >= 0")
 
     @property
     def rows(self) -> int:
@@ -55,13 +62,14 @@ class IslandCost:
     """The best way found to run a slice on an island."""
 
     forward_s: float
-    """Forward time of one micro-batch on one replica (with ZeRO-3 weight gathers and tp collectives)."""
+    """Forward time of one micro-batch on one replica (with ZeRO-3 weight gathers and tp collectives); with lanes,
+    on a replica of its lane."""
     backward_s: float
     """Backward time of one micro-batch (with recomputation, ZeRO-3 gathers and tp collectives)."""
     memory_bytes: float
     """Peak memory per device."""
     dp: int
-    """Data-parallel replicas."""
+    """Data-parallel replicas (of every lane)."""
     zero: int
     recompute: bool
     micro_batch: int
@@ -71,10 +79,18 @@ class IslandCost:
     recompute_layers: tuple[int, ...] = ()
     """The blocks recomputed in backward: the shortest prefix of the slice's blocks that makes it fit
     (`recompute` is set when that is all of them)."""
+    lanes: int = 1
+    """Lanes the replicas form (`SliceQuery.lanes`)."""
 
     @property
     def time_s(self) -> float:
+        """A lane's forward and backward of one micro-batch."""
         return self.forward_s + self.backward_s
+
+    @property
+    def pace_s(self) -> float:
+        """The stage's time per micro-batch of the pipeline: its lanes work on that many at once."""
+        return self.time_s / self.lanes
 
     @property
     def gpus(self) -> int:
@@ -229,7 +245,9 @@ class DefaultParallelizer:
         best: IslandCost | None = None
         best_t = 0.0
         copy = tied_copy_params(self.cm.model, a, e)  # a tied head's copy of the embedding (node/tied.py)
-        for tp, dp, rows, zero, tpre, tc, states, acts, mc, _ in self._entries(island, query.dp, query.rows, False):
+        lanes = query.lanes
+        for tp, dp, rows, zero, tpre, tc, states, acts, mc, _ in self._entries(island, query.dp, query.rows, False,
+                                                                               lanes):
             if zero > 0 and holds_tied_weight(self.cm.model, a, e):
                 continue  # the runtime trains a stage holding a copy of a tied weight with plain AdamW
             # time first (prefix sums; ZeRO 0-1 cost the same): a config that cannot beat the best needs no more,
@@ -240,18 +258,18 @@ class DefaultParallelizer:
             first, last = self._blocks(a, e)
             upto: int | None = first
             over = states[e] - states[a] + k * (acts[e] - acts[a] + self.cm.stage_output_bytes(e, rows)) + mc - cap \
-                + copy * self.cm.state_linear(zero, dp)[0]
+                + copy * self.cm.state_linear(zero, dp * lanes)[0]
             if over > 0:  # recompute the fewest blocks that make it fit
                 upto = self._recompute_upto(t, a, e, k, over) if self.recompute else None
                 if upto is None:
                     continue
-            f, b, mem = self._eval(t, island, a, e, dp, tp, k, zero, rows, upto)
-            mem += copy * self.cm.state_linear(zero, dp)[0]
+            f, b, mem = self._eval(t, island, a, e, dp * lanes, tp, k, zero, rows, upto)
+            mem += copy * self.cm.state_linear(zero, dp * lanes)[0]
             if best is not None and f + b >= best_t * (1 - 1e-12):
                 continue
-            best = IslandCost(forward_s=f, backward_s=b, memory_bytes=mem, dp=dp, zero=zero,
+            best = IslandCost(forward_s=f, backward_s=b, memory_bytes=mem, dp=dp * lanes, zero=zero,
                               recompute=upto == last > first, micro_batch=rows, tp=tp,
-                              recompute_layers=tuple(range(first, upto)))
+                              recompute_layers=tuple(range(first, upto)), lanes=lanes)
             best_t = best.time_s
         return best
 
@@ -276,33 +294,37 @@ class DefaultParallelizer:
                           recompute=upto == last > first, micro_batch=rows, tp=tp,
                           recompute_layers=tuple(range(first, upto)))
 
-    def _entries(self, island: Island, gpus: int, batch: int, reach: bool) -> list[tuple]:
-        """Every configuration of a stage of `gpus` devices on a micro-batch of `batch` sequences: (tp, dp,
-        rows, zero, time prefix, time constant, states prefix, activations prefix (per micro-batch in flight,
-        nothing recomputed), memory constant, first of its split). For `reach` only the configurations that
-        can matter: per split, the highest ZeRO stage of 0-1 (the least memory for their common time), ZeRO-2
-        and ZeRO-3 (each slower). Recomputation is chosen per slice on top of any of them."""
-        key = (island.id, island.gpus_per_node, gpus, batch, reach)
+    def _entries(self, island: Island, gpus: int, batch: int, reach: bool, lanes: int = 1) -> list[tuple]:
+        """Every configuration of a stage of `gpus` devices (per lane) on a micro-batch of `batch` sequences:
+        (tp, dp, rows, zero, time prefix, time constant, states prefix, activations prefix (per micro-batch in
+        flight, nothing recomputed), memory constant, first of its split), dp a lane's replicas. For `reach` only
+        the configurations that can matter: per split, the highest ZeRO stage of 0-1 (the least memory for their
+        common time), ZeRO-2 and ZeRO-3 (each slower). Recomputation is chosen per slice on top of any of them."""
+        key = (island.id, island.gpus_per_node, gpus, batch, reach, lanes)
         got = self._entry_cache.get(key)
         if got is None:
             got = []
             for tp, dp, rows in self.splits(island, gpus, batch):
                 # ZeRO-1 before 0: the same time for less memory and a shorter optimizer step, so it wins ties.
-                # Under tensor parallelism each tp rank shards its own shards over its dp peers (`atoll.node.zero`)
-                zeros = [0] if dp == 1 else sorted(self.zeros, key=lambda z: (z > 1, -z))
+                # Under tensor parallelism each tp rank shards its own shards over its dp peers (`atoll.node.zero`);
+                # lanes shard over every lane's replicas, and take no ZeRO-2/3 (see the module docstring)
+                group = dp * lanes
+                zeros = [0] if group == 1 else sorted((z for z in self.zeros if lanes == 1 or z <= 1),
+                                                      key=lambda z: (z > 1, -z))
                 if reach:
                     low = [z for z in zeros if z <= 1]
                     zeros = ([max(low)] if low else []) + [z for z in zeros if z >= 2]
                 for n, zero in enumerate(zeros):
-                    got.append((tp, dp, rows, zero, *self._time_prefix(island, rows, dp, tp, zero),
-                                *self._memory_prefix(island, rows, dp, tp, zero), n == 0))
+                    got.append((tp, dp, rows, zero, *self._time_prefix(island, rows, group, tp, zero),
+                                *self._memory_prefix(island, rows, group, tp, zero), n == 0))
             self._entry_cache[key] = got
         return got
 
     def reach(self, island: Island, micro_batch: int, dp: int, in_flight: int, end: int,
-              limit_s: float, batch: int = 0) -> int:
+              limit_s: float, batch: int = 0, lanes: int = 1) -> int:
         """Smallest start a such that [a, end) runs within `limit_s` per micro-batch and fits (end if none),
-        on `dp` devices sharing a pipeline micro-batch of `batch` sequences (0: micro_batch x dp).
+        on `dp` devices sharing a pipeline micro-batch of `batch` sequences (0: micro_batch x dp), in `lanes`
+        lanes of them (`limit_s` then a lane's time).
 
         Equivalent to the smallest a with `cost(...)` not None and `time_s <= limit_s`. Time and memory are
         linear in prefix sums over the layers, so each configuration is one binary search; where memory binds
@@ -317,8 +339,8 @@ class DefaultParallelizer:
         # for every start, a little cautious for a = 0), and stages holding either copy run without ZeRO
         copy = tied_copy_params(self.cm.model, 1, end)
         tied = holds_tied_weight(self.cm.model, 0, end) or copy > 0
-        for n, (tp, _, rows, zero, tpre, tc, states, acts, mc, first) in enumerate(
-                self._entries(island, dp, batch or micro_batch * dp, True)):
+        for n, (tp, lane_dp, rows, zero, tpre, tc, states, acts, mc, first) in enumerate(
+                self._entries(island, dp, batch or micro_batch * dp, True, lanes)):
             if first:
                 skip = -1
             elif skip >= 0:
@@ -331,7 +353,7 @@ class DefaultParallelizer:
             if a_time >= best:
                 continue
             # memory of [a, end) is states + k x activations, both prefix sums: the smallest a that fits
-            out = k * self.cm.stage_output_bytes(end, rows) + copy * self.cm.state_linear(zero, dp)[0]
+            out = k * self.cm.stage_output_bytes(end, rows) + copy * self.cm.state_linear(zero, lane_dp * lanes)[0]
             target = states[end] + k * acts[end] + out + mc - cap
             lo, hi = 0, end
             while lo < hi:

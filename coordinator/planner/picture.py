@@ -62,6 +62,7 @@ def _islands_row(ax: Any, plan: Plan, islands: list, x0: float, width: float, y0
             name = f"stage {sk}" if len(plan.pipelines) == 1 else f"pipeline {pk} stage {sk}"
             sep = "\n" if len(mine) <= 2 else ", "
             label = (f"{name}: layers [{s.layers[0]}, {s.layers[1]}){sep}dp {s.dp} x tp {s.tp}, zero {s.zero}"
+                     + (f", {s.lanes} lanes" if s.lanes > 1 else "")
                      + (", recompute" if s.recompute else
                         f", recompute {len(s.recompute_layers)} blocks" if s.recompute_layers else ""))
             boxes[(pk, sk)] = ax.text(x + w * 0.47, top - slot * (n + 0.5), label, ha="center", va="center",
@@ -219,8 +220,13 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
     for e in sim.events:
         if e.end <= e.start:
             continue
-        bottom.barh(e.stage, e.end - e.start, left=e.start, color=KIND_COLOR[e.kind], edgecolor="white", linewidth=0.3)
-    bottom.set_yticks(range(len(pl.stages)), [f"stage {k}\n{s.island}" for k, s in enumerate(pl.stages)], fontsize=7)
+        # a laned stage's row is split into a thin bar per lane (sync and optimizer span the row)
+        lanes = pl.stages[e.stage].lanes if e.kind in ("F", "B", "W") else 1
+        h = 0.8 / lanes
+        bottom.barh(e.stage - 0.4 + h * (e.lane + 0.5) if lanes > 1 else e.stage, e.end - e.start, height=h,
+                    left=e.start, color=KIND_COLOR[e.kind], edgecolor="white", linewidth=0.3)
+    bottom.set_yticks(range(len(pl.stages)), [f"stage {k}\n{s.island}" + (f"\n{s.lanes} lanes" if s.lanes > 1 else "")
+                                              for k, s in enumerate(pl.stages)], fontsize=7)
     bottom.invert_yaxis()
     bottom.set_xlabel("seconds")
     which = f" of pipeline 0 (group {plan.groups[0].name})" if outer else ""

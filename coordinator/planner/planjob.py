@@ -76,7 +76,8 @@ def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpe
         for st in pl.stages:
             used[st.island] = used.get(st.island, 0) + st.dp * st.tp
             named.update(st.nodes)
-            shapes.setdefault(st.island, []).append(f"dp {st.dp} x tp {st.tp}")
+            shapes.setdefault(st.island, []).append(f"dp {st.dp} x tp {st.tp}"
+                                                    + (f" in {st.lanes} lanes" if st.lanes > 1 else ""))
     whole = {u.island: u.reason for u in explain_unused(plan, cluster, model, train, profiles, options)}
     out: list[IdleDevices] = []
     for isl in cluster.islands:
@@ -221,16 +222,17 @@ def _memory_hint(cm: CostModel, cluster: Cluster, need: float) -> str:
 
 
 def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> str:
-    worst_stage = max(range(len(c.stages)), key=lambda i: c.stages[i].cost.time_s)
+    worst_stage = max(range(len(c.stages)), key=lambda i: c.stages[i].cost.pace_s)
     st = c.stages[worst_stage]
+    lanes = f", {st.cost.lanes} lanes at once" if st.cost.lanes > 1 else ""
     what = (f"compute of stage {worst_stage} on {st.island.id} (layers [{st.start}, {st.end}), "
-            f"{st.cost.time_s * 1e3:.1f} ms per micro-batch)")
+            f"{st.cost.time_s * 1e3:.1f} ms per micro-batch{lanes})")
     if c.links:
         # a link paces the pipeline by its time on the wire; its latency is left to the window before it
         worst_link = max(range(len(c.links)), key=lambda i: c.links[i].forward_s - c.links[i].latency_s)
         x = c.links[worst_link]
         wire = x.forward_s - x.latency_s
-        if wire > st.cost.time_s:
+        if wire > st.cost.pace_s:
             what = (f"link {c.stages[worst_link].island.id} -> {c.stages[worst_link + 1].island.id} "
                     f"({x.codec}, {wire * 1e3:.1f} ms per micro-batch on the wire)")
     tail = step_s - pipeline_s
@@ -320,7 +322,7 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
                                     compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.memory_bytes / GB, send=send, nodes=nodes,
                                     in_flight=st.in_flight, defer_weights=st.defer,
-                                    defer_layers=list(st.defer_layers)))
+                                    defer_layers=list(st.defer_layers), lanes=st.cost.lanes))
         assert c.micro_batch * c.num_micro_batches == share
         pipelines.append(PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
                                       stages=stages))

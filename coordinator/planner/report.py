@@ -72,6 +72,9 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
         if any(s.in_flight for s in pl.stages):
             zb += ("; the warm column: extra forwards a stage runs before its first backward (a deep window behind "
                    "a slow link, or filling its wait for the first gradient)")
+        if any(s.lanes > 1 for s in pl.stages):
+            zb += ("; dp LxD: L lanes of D replicas, lane i % L taking micro-batch i (a stage wider than a "
+                   "micro-batch has sequences, each lane at 1/L of the pace; compute is a lane's)")
         lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
                      f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
                      f"possible{owner}){zb}")
@@ -82,10 +85,16 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
             if s.send is not None:
                 send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
-                         + f" {f'dp {s.dp} x tp {s.tp}':>13} {s.zero:>4} {_recomputed(s):>6} "
+                         + f" {_shape(s):>13} {s.zero:>4} {_recomputed(s):>6} "
                          f"{_deferred(s):>8} {s.in_flight or '-':>4} "
                          f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
     return "\n".join(lines)
+
+
+def _shape(s: StagePlan) -> str:
+    """The dp x tp column: with lanes, dp as lanes x the replicas of each (`atoll.plan`)."""
+    dp = f"{s.lanes}x{s.dp // s.lanes}" if s.lanes > 1 else f"{s.dp}"
+    return f"dp {dp} x tp {s.tp}"
 
 
 def _deferred(s: StagePlan) -> str:

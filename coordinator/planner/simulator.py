@@ -18,15 +18,22 @@ them) runs each backward as its input-gradient part (`backward_s + split_s - wei
 its own that needs no input; with every stage
 deferring (`zero_bubble_depths`) equal stages take m (F + B + W) + (p - 1) (F + B - W) instead.
 
+A stage of L lanes (`StageTimes.lanes`, `atoll.plan`: lane i % L trains micro-batch i) is L executors, each
+running the stage's order restricted to its micro-batches, as the node does; its times are one lane's per
+micro-batch, and the stages up to it open more forwards (`atoll.plan.lane_warmups`) so every lane has work.
+
 `simulate_outer` predicts outer mode over rounds: replica groups of given step times and inner steps, and
 an exchange of pseudo-gradients every round, overlapped with the next round or not.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from atoll.plan import lane_warmups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,8 +55,12 @@ class StageTimes:
     split_s: float = 0.0
     """What a stage that defers its weight gradients adds to its backward by running it in two passes (measured);
     its input-gradient action takes `backward_s + split_s - weight_s`."""
+    lanes: int = 1
+    """Lanes of the stage: micro-batch i runs on lane i % lanes, each lane taking the times above for it."""
 
     def __post_init__(self) -> None:
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if self.split_s < 0 or not 0.0 <= self.weight_s <= self.backward_s + self.split_s:
             raise ValueError(f"weight_s must be in [0, backward_s + split_s] (part of the split backward) and "
                              f"split_s >= 0, got {self.weight_s} of {self.backward_s} + {self.split_s}")
@@ -111,8 +122,13 @@ class PipelineTimes:
             raise ValueError(f"defer needs one depth >= 0 per stage ({len(self.stages)}), got {self.defer}")
 
     def extra(self, stage: int) -> int:
-        """Extra in-flight depth of `stage` (0 under strict 1F1B)."""
-        return self.in_flight[stage] if self.in_flight else 0
+        """Extra in-flight depth of `stage` (0 under strict 1F1B): its deep window, plus what lanes at it and after
+        it ask (`atoll.plan.lane_warmups`)."""
+        own = self.in_flight[stage] if self.in_flight else 0
+        if all(s.lanes == 1 for s in self.stages):
+            return own
+        n = len(self.stages)
+        return own + lane_warmups([s.lanes for s in self.stages])[stage] - (n - stage - 1)
 
     def deferred(self, stage: int) -> int:
         """Micro-batches whose weight gradients `stage` defers (0: computed in backward)."""
@@ -142,6 +158,8 @@ class Event:
     micro_batch: int
     start: float
     end: float
+    lane: int = 0
+    """The stage's lane that ran it (`StageTimes.lanes`)."""
 
 
 @dataclass(kw_only=True)
@@ -185,33 +203,50 @@ def one_f_one_b_order(stage: int, num_stages: int, m: int, extra: int = 0, defer
 
 def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     n, m = len(p.stages), p.num_micro_batches
-    orders = [one_f_one_b_order(i, n, m, p.extra(i), p.deferred(i)) for i in range(n)]
-    nxt = [0] * n
-    free = [0.0] * n
+    lanes = [s.lanes for s in p.stages]
+    # one executor per lane of every stage (one per stage without lanes), each with its share of the stage's order
+    first = list(itertools.accumulate([0] + lanes))  # executor of (stage i, lane l): first[i] + l
+    stage_of = [i for i in range(n) for _ in range(lanes[i])]
+    orders = []
+    for i in range(n):
+        order = one_f_one_b_order(i, n, m, p.extra(i), p.deferred(i))
+        orders.extend([op for op in order if op[1] % lanes[i] == lane] for lane in range(lanes[i]))
+    e = len(orders)
+    nxt = [0] * e
+    free = [0.0] * e
     f_in: list[dict[int, float]] = [dict() for _ in range(n)]  # activation arrival at stage i
     b_in: list[dict[int, float]] = [dict() for _ in range(n)]  # gradient arrival at stage i
     f_done: list[dict[int, float]] = [dict() for _ in range(n)]
-    link_f = [0.0] * max(0, n - 1)
-    link_b = [0.0] * max(0, n - 1)
+    # the wire of a boundary: one per pair of lanes it joins (their replicas send over their own links)
+    link_f: dict[tuple[int, int, int], float] = {}
+    link_b: dict[tuple[int, int, int], float] = {}
     for j in range(m):
         f_in[0][j] = 0.0
     busy = [0.0] * n
     last_b = [0.0] * n
     events: list[Event] = []
-    queue = deque(range(n))
-    queued = [True] * n
+    queue = deque(range(e))
+    queued = [True] * e
     remaining = sum(len(o) for o in orders)
     # per stage, what each kind of action takes (looked up once, not per action)
     dur_f = [s.forward_s for s in p.stages]
     dur_b = [p.backward_part(i) for i in range(n)]
     dur_w = [s.weight_s for s in p.stages]
+
+    def wake(stage: int, j: int) -> None:
+        x = first[stage] + j % lanes[stage]
+        if not queued[x]:
+            queue.append(x)
+            queued[x] = True
+
     while queue:
-        i = queue.popleft()
-        queued[i] = False
+        x = queue.popleft()
+        queued[x] = False
+        i = stage_of[x]
         progressed = False
-        order, count = orders[i], len(orders[i])
-        while nxt[i] < count:
-            kind, j = order[nxt[i]]
+        order, count = orders[x], len(orders[x])
+        while nxt[x] < count:
+            kind, j = order[nxt[x]]
             if kind == "F":
                 ready = f_in[i].get(j)
                 dur = dur_f[i]
@@ -222,40 +257,38 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
                 ready, dur = 0.0, dur_w[i]
             if ready is None:
                 break
-            start = max(free[i], ready)
+            start = max(free[x], ready)
             end = start + dur
-            free[i] = end
+            free[x] = end
             busy[i] += dur
-            nxt[i] += 1
+            nxt[x] += 1
             remaining -= 1
             progressed = True
             if record:
-                events.append(Event(i, kind, j, start, end))
+                events.append(Event(i, kind, j, start, end, j % lanes[i]))
             if kind == "F":
                 f_done[i][j] = end
                 if i + 1 < n:
-                    x = p.links[i]
-                    t0 = max(link_f[i], end)
-                    link_f[i] = t0 + x.forward_s - x.latency_s  # the wire is free again; the bytes still travel
-                    f_in[i + 1][j] = t0 + x.forward_s
-                    if not queued[i + 1]:
-                        queue.append(i + 1)
-                        queued[i + 1] = True
+                    link = p.links[i]
+                    wire = (i, j % lanes[i], j % lanes[i + 1])
+                    t0 = max(link_f.get(wire, 0.0), end)
+                    link_f[wire] = t0 + link.forward_s - link.latency_s  # the wire is free; the bytes still travel
+                    f_in[i + 1][j] = t0 + link.forward_s
+                    wake(i + 1, j)
             elif kind == "W":
                 last_b[i] = max(last_b[i], end)
             else:
                 last_b[i] = max(last_b[i], end)
                 if i > 0:
-                    x = p.links[i - 1]
-                    t0 = max(link_b[i - 1], end)
-                    link_b[i - 1] = t0 + x.backward_s - x.latency_s
-                    b_in[i - 1][j] = t0 + x.backward_s
-                    if not queued[i - 1]:
-                        queue.append(i - 1)
-                        queued[i - 1] = True
-        if progressed and nxt[i] < count and not queued[i]:
-            queue.append(i)
-            queued[i] = True
+                    link = p.links[i - 1]
+                    wire = (i - 1, j % lanes[i - 1], j % lanes[i])
+                    t0 = max(link_b.get(wire, 0.0), end)
+                    link_b[wire] = t0 + link.backward_s - link.latency_s
+                    b_in[i - 1][j] = t0 + link.backward_s
+                    wake(i - 1, j)
+        if progressed and nxt[x] < count and not queued[x]:
+            queue.append(x)
+            queued[x] = True
     if remaining:
         raise AssertionError(f"1F1B simulation deadlocked with {remaining} operations left")
     pipeline_end = max(last_b)
@@ -267,7 +300,9 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
             events.append(Event(i, "sync", -1, last_b[i], t_sync))
             events.append(Event(i, "opt", -1, t_sync, t_opt))
         step = max(step, t_opt)
-    return SimResult(step_time_s=step, pipeline_time_s=pipeline_end, busy_s=busy, events=events)
+    # a laned stage's busy time is its lanes' mean: the share of the step its replicas compute
+    return SimResult(step_time_s=step, pipeline_time_s=pipeline_end, busy_s=[b / k for b, k in zip(busy, lanes)],
+                     events=events)
 
 
 def closed_form_step(p: PipelineTimes) -> float:
@@ -283,7 +318,7 @@ def closed_form_step(p: PipelineTimes) -> float:
     # window of boundary i: 2 + e_i - e_{i+1} micro-batches (a window clamped by m never reaches a steady state)
     loops = [(a.forward_s + p.backward_part(i) + b.forward_s + p.backward_part(i + 1) + 2 * x.latency_s)
              / (2 + p.extra(i) - p.extra(i + 1)) for i, (a, b, x) in enumerate(zip(p.stages, p.stages[1:], p.links))]
-    cycle = max(max(s.forward_s + p.backward_total(i) for i, s in enumerate(p.stages)),
+    cycle = max(max((s.forward_s + p.backward_total(i)) / s.lanes for i, s in enumerate(p.stages)),
                 max((max(x.forward_s, x.backward_s) - x.latency_s for x in p.links), default=0.0),
                 max(loops, default=0.0))
     # deferred weight gradients fill the fill and drain: each deferring stage's share of them shrinks by 2 W,
@@ -304,16 +339,17 @@ def step_lower_bound(p: PipelineTimes) -> float:
     reach = back = 0.0
     through_first = after_own = 0.0
     for i, s in enumerate(p.stages):
-        done = reach + m * (s.forward_s + p.backward_total(i))
+        own = -(-m // s.lanes)  # the micro-batches of its busiest lane
+        done = reach + own * (s.forward_s + p.backward_total(i))
         # a deferring stage runs its last min(k + 1, m) weight gradients after its last backward
-        trailing = min(p.deferred(i) + 1, m) * s.weight_s if p.deferred(i) else 0.0
+        trailing = min(p.deferred(i) + 1, own) * s.weight_s if p.deferred(i) else 0.0
         through_first = max(through_first, done - trailing + back)
         after_own = max(after_own, done + s.exposed_sync_s + s.optimizer_s)
         if i < len(p.links):
             reach += s.forward_s + p.links[i].forward_s
             back += p.backward_part(i) + p.links[i].backward_s
     first = p.stages[0]
-    first_trailing = min(p.deferred(0) + 1, m) * first.weight_s if p.deferred(0) else 0.0
+    first_trailing = min(p.deferred(0) + 1, -(-m // first.lanes)) * first.weight_s if p.deferred(0) else 0.0
     return max(through_first + first_trailing + first.exposed_sync_s + first.optimizer_s, after_own)
 
 
