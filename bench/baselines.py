@@ -34,7 +34,7 @@ from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.multipipe import slowest_link
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate
-from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.plan import PipelinePlan, Plan, StagePlan, lane_warmups
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Stage:
     """A stage on devices of several islands: (island, devices, sequences of each pipeline micro-batch they
     run) per island; it runs at its slowest part's pace and all-reduces as `island` (a `_flat_chunk`) does.
     Empty: `dp` devices of `island` sharing each micro-batch evenly."""
+    lanes: int = 1
+    """The `dp` devices in that many lanes (`atoll.plan`: lane i % lanes takes micro-batch i; not with parts)."""
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -124,11 +126,12 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
     the published strategies are held to it as the planner is)."""
     m = math.ceil((batch or cm.train.global_batch) / pipeline_batch)
     par = _parallelizer(cm)
-    p = len(stages)
+    warm = lane_warmups([s.lanes for s in stages])  # stage i's warm-up: p - i - 1 without lanes
     out: list[StageTimes] = []
     replicas: list[int] = []
     for i, s in enumerate(stages):
-        runs = s.parts or ((s.island, s.dp, pipeline_batch),)
+        lanes = s.lanes
+        runs = s.parts or ((s.island, s.dp // lanes, pipeline_batch),)
         worst = None
         params = cm.model.slice_params(s.start, s.end)
         for isl, devices, rows in runs:
@@ -136,8 +139,8 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
             if capped and b > max(cm.options.micro_batches):
                 return None
             # the island parallelizer splits the devices into replicas (tensor parallelism within a node)
-            c = par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=b, dp=devices, in_flight=min(p - i, m),
-                                    batch=rows), isl)
+            c = par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=b, dp=devices, lanes=lanes, batch=rows,
+                                    in_flight=min(warm[i] // lanes + 1, -(-m // lanes))), isl)
             if c is None:
                 return None
             opt = cm.optimizer_seconds(isl, params, c.zero, c.dp, c.tp)
@@ -146,16 +149,16 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
         assert worst is not None
         c, opt = worst
         replicas.append(max(1, s.dp // c.tp))
-        out.append(StageTimes(forward_s=c.forward_s, backward_s=c.backward_s,
+        out.append(StageTimes(forward_s=c.forward_s, backward_s=c.backward_s, lanes=lanes,
                               sync_s=cm.grad_sync_seconds(params, s.island, replicas[-1], c.tp), optimizer_s=opt))
     links: list[LinkTimes] = []
-    cycle = max(x.forward_s + x.backward_s for x in out)
+    cycle = max((x.forward_s + x.backward_s) / x.lanes for x in out)
     for n, (s, nx) in enumerate(zip(stages, stages[1:])):
         link = slowest_link(cluster, [s.sources, nx.sources])
         if link is None:
             return None
         # one stream per replica pair (tp rank 0 of a replica alone sends), as the composer counts them
-        streams = min(replicas[n], replicas[n + 1])
+        streams = min(replicas[n] // s.lanes, replicas[n + 1] // nx.lanes)
         bw = cm.stream_bandwidth(s.island, nx.island, link, streams, streams)
         raw = -(-cm.model.boundary_bytes(s.end, pipeline_batch, cm.train.seq_len, cm.train.dtype) // streams)
         _, sec = cm.codecs.choose(raw, cm.elem_bytes, bw, link.latency_s, cycle)

@@ -130,10 +130,16 @@ class LiveShape:
     zero_bubble: bool = False
     """Stage s defers its weight gradients s + 1 micro-batches (`StagePlan.defer_weights`), as the planner
     plans them."""
+    lanes: tuple[int, ...] = ()
+    """Lanes of the first pipeline's stages (`StagePlan.lanes`; empty: none): a stage's replicas in that many
+    lanes, lane i % lanes taking micro-batch i."""
 
     @property
     def nodes(self) -> int:
         return sum(dp for _, _, stages in self.pipelines for _, _, dp in stages)
+
+    def lane(self, pipeline: int, stage: int) -> int:
+        return self.lanes[stage] if pipeline == 0 and self.lanes else 1
 
 
 # embedding (0), four blocks (1-4), head (5); global batch 32, four sequences per replica and micro-batch
@@ -146,23 +152,25 @@ SHAPES = (
     LiveShape("2 pipelines, cut differently", ((4, 4, ((0, 6, 1),)), (4, 4, ((0, 3, 1), (3, 6, 1))))),
     LiveShape("2 stages x dp 2", ((8, 4, ((0, 3, 2), (3, 6, 2))),)),
     LiveShape("3 stages, zero-bubble", ((4, 8, ((0, 2, 1), (2, 4, 1), (4, 6, 1))),), zero_bubble=True),
+    LiveShape("3 stages, middle in 2 lanes", ((4, 8, ((0, 2, 1), (2, 4, 2), (4, 6, 1))),), lanes=(1, 2, 1)),
 )
 
 
 def boundary_bytes(shape: LiveShape, job) -> int:
     """Bytes of the largest activation one replica sends across a stage boundary of the shape (at least one
     sequence's, for a shape without boundaries)."""
-    rows = max([mb // dp for mb, _, stages in shape.pipelines for _, _, dp in stages[:-1]] or [1])
+    rows = max([mb // (dp // shape.lane(p, s)) for p, (mb, _, stages) in enumerate(shape.pipelines)
+                for s, (_, _, dp) in enumerate(stages[:-1])] or [1])
     return rows * job.train.seq_len * job.model_spec.config.d_model * 4  # fp32 activations
 
 
 def node_slices(shape: LiveShape) -> dict[str, tuple[int, int, int]]:
     """Node id -> (first layer, end layer, sequences it runs per micro-batch), nodes n0, n1, ... in order."""
     out, k = {}, 0
-    for mb, _, stages in shape.pipelines:
-        for a, e, dp in stages:
+    for p, (mb, _, stages) in enumerate(shape.pipelines):
+        for s, (a, e, dp) in enumerate(stages):
             for _ in range(dp):
-                out[f"n{k}"] = (a, e, mb // dp)
+                out[f"n{k}"] = (a, e, mb // (dp // shape.lane(p, s)))
                 k += 1
     return out
 
@@ -171,11 +179,11 @@ def shape_plan(shape: LiveShape, global_batch: int, seq_len: int) -> Plan:
     """The shape as a plan over nodes n0, n1, ... in order (no addresses yet)."""
     k = 0
     pipelines = []
-    for mb, m, stages in shape.pipelines:
+    for p, (mb, m, stages) in enumerate(shape.pipelines):
         plans = []
         for n, (a, e, dp) in enumerate(stages):
             plans.append(StagePlan(island="cpu", layers=(a, e), dp=dp, nodes=[f"n{k + i}" for i in range(dp)],
-                                   defer_weights=n + 1 if shape.zero_bubble else 0))
+                                   defer_weights=n + 1 if shape.zero_bubble else 0, lanes=shape.lane(p, n)))
             k += dp
         pipelines.append(PipelinePlan(micro_batch=mb, num_micro_batches=m, stages=plans))
     plan = Plan(model="validate", global_batch=global_batch, seq_len=seq_len, pipelines=pipelines)
@@ -517,8 +525,8 @@ def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster, overhead_s: 
     action of a stage taking `overhead_s` more for the runtime's own work (`action_overhead`)."""
     island = cluster.islands[0]
     pipes = []
-    for mb, m, stages in shape.pipelines:
-        st = [Stage(island, a, e, dp) for a, e, dp in stages]
+    for p, (mb, m, stages) in enumerate(shape.pipelines):
+        st = [Stage(island, a, e, dp, lanes=shape.lane(p, s)) for s, (a, e, dp) in enumerate(stages)]
         times = evaluate(cm, cluster, st, mb, mb * m)
         if times is None:
             raise ValueError(f"shape {shape.name!r} does not fit the cost model's memory")

@@ -116,9 +116,10 @@ def test_validation_helpers() -> None:
         assert sorted(slices) == sorted(nodes)
         for p in plan.pipelines:
             for s in p.stages:
-                assert all(slices[n] == (*s.layers, p.micro_batch // s.dp) for n in s.nodes)
+                assert all(slices[n] == (*s.layers, p.micro_batch // (s.dp // s.lanes)) for n in s.nodes)
     assert any(len({s.dp for s in p.stages}) > 1 for sh in SHAPES for p in shape_plan(sh, 32, 128).pipelines)
     assert any(len(shape_plan(sh, 32, 128).pipelines) > 1 for sh in SHAPES)
+    assert any(s.lanes > 1 for sh in SHAPES for p in shape_plan(sh, 32, 128).pipelines for s in p.stages)
 
     ops = {"n0": [("forward", 0.1, 0.2), ("backward", 0.2, 0.4)], "n1": [("forward", 0.1, 0.1)]}
     assert run_share(ops) == pytest.approx((0.5 + 1.0) / 2)

@@ -120,7 +120,7 @@ def test_stage_needs_its_data_and_a_norm_exchange():
                           config=CONFIG, norm_exchange=InProcessNormGroup(2).member(0))
     with pytest.raises(ValueError, match="needs batch.inputs"):
         first.train_step(0, None)
-    with pytest.raises(ValueError, match="divisible by micro_batches=4"):
+    with pytest.raises(ValueError, match="divisible by the 4 micro-batches this replica trains"):
         first.train_step(0, Batch(torch.zeros(3, 8, dtype=torch.int64), torch.zeros(3, 8, dtype=torch.int64)))
     with pytest.raises(ValueError, match="needs a norm_exchange"):
         PipelineStage(build_slice(TINY, 3, 6), stage=1, num_stages=2, transport=links.transport(1), config=CONFIG)

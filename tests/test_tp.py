@@ -233,10 +233,11 @@ def _read(proc: subprocess.Popen, deadline: float, log: Path) -> dict:
             return json.loads(line)
 
 
-def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1, defer_weights: int = 0, zero: int = 0):
+def _stage(layers: tuple[int, int], nodes: list[str], tp: int = 1, defer_weights: int = 0, zero: int = 0,
+           lanes: int = 1):
     from atoll.plan import StagePlan
     return StagePlan(island="i", layers=layers, dp=len(nodes) // tp, tp=tp, nodes=list(nodes),
-                     defer_weights=defer_weights, zero=zero)
+                     defer_weights=defer_weights, zero=zero, lanes=lanes)
 
 
 def run_processes(job, pipelines, tmp_path: Path, *, resume_step: int = 0, until: int | None = None
@@ -320,6 +321,23 @@ def test_tp2_second_stage_matches_one_process_and_its_checkpoint_resumes_under_t
     # resume the rest in this process, unsharded, one stage
     resumed = _run_in_process(job, tmp_path, resume_step=3)
     _assert_match({**got, **resumed}, expected, range(5))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_tp2_replicas_in_two_lanes_match_one_process(tmp_path: Path) -> None:
+    """Lanes of tensor-parallel replicas: stage 1's two replicas of two processes each take alternate
+    micro-batches (lane 0 the even ones), only each replica's tp rank 0 exchanging them with stage 0."""
+    from atoll.node.local import train_local
+    from atoll.plan import PipelinePlan
+
+    job = _job(steps=3)
+    expected, _ = train_local(job)
+    t0 = time.monotonic()
+    got = run_processes(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        _stage((0, 3), ["a"]), _stage((3, 6), ["b", "c", "d", "e"], tp=2, lanes=2)])], tmp_path)
+    print(f"tp=2 replicas in 2 lanes: 3 steps in {time.monotonic() - t0:.1f} s (5 processes)")
+    _assert_match(got, expected, range(3))
 
 
 @pytest.mark.integration
