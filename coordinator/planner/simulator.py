@@ -28,6 +28,7 @@ an exchange of pseudo-gradients every round, overlapped with the next round or n
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import deque
 from collections.abc import Sequence
@@ -121,14 +122,21 @@ class PipelineTimes:
         if self.defer and (len(self.defer) != len(self.stages) or min(self.defer) < 0):
             raise ValueError(f"defer needs one depth >= 0 per stage ({len(self.stages)}), got {self.defer}")
 
+    @functools.cached_property
+    def _lane_extra(self) -> tuple[int, ...] | None:
+        """Per stage, what lanes at it and after it add to its warm-up (`atoll.plan.lane_warmups`); None: no lanes."""
+        lanes = [s.lanes for s in self.stages]
+        if max(lanes) == 1:
+            return None
+        n = len(lanes)
+        return tuple(w - (n - i - 1) for i, w in enumerate(lane_warmups(lanes)))
+
     def extra(self, stage: int) -> int:
         """Extra in-flight depth of `stage` (0 under strict 1F1B): its deep window, plus what lanes at it and after
-        it ask (`atoll.plan.lane_warmups`)."""
+        it ask."""
         own = self.in_flight[stage] if self.in_flight else 0
-        if all(s.lanes == 1 for s in self.stages):
-            return own
-        n = len(self.stages)
-        return own + lane_warmups([s.lanes for s in self.stages])[stage] - (n - stage - 1)
+        lanes = self._lane_extra
+        return own if lanes is None else own + lanes[stage]
 
     def deferred(self, stage: int) -> int:
         """Micro-batches whose weight gradients `stage` defers (0: computed in backward)."""
@@ -206,20 +214,26 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     lanes = [s.lanes for s in p.stages]
     # one executor per lane of every stage (one per stage without lanes), each with its share of the stage's order
     first = list(itertools.accumulate([0] + lanes))  # executor of (stage i, lane l): first[i] + l
+    plain = max(lanes) == 1  # executor i is stage i, wire i boundary i
     stage_of = [i for i in range(n) for _ in range(lanes[i])]
     orders = []
     for i in range(n):
         order = one_f_one_b_order(i, n, m, p.extra(i), p.deferred(i))
-        orders.extend([op for op in order if op[1] % lanes[i] == lane] for lane in range(lanes[i]))
+        if lanes[i] == 1:
+            orders.append(order)
+        else:
+            orders.extend([op for op in order if op[1] % lanes[i] == lane] for lane in range(lanes[i]))
     e = len(orders)
     nxt = [0] * e
     free = [0.0] * e
     f_in: list[dict[int, float]] = [dict() for _ in range(n)]  # activation arrival at stage i
     b_in: list[dict[int, float]] = [dict() for _ in range(n)]  # gradient arrival at stage i
     f_done: list[dict[int, float]] = [dict() for _ in range(n)]
-    # the wire of a boundary: one per pair of lanes it joins (their replicas send over their own links)
-    link_f: dict[tuple[int, int, int], float] = {}
-    link_b: dict[tuple[int, int, int], float] = {}
+    # the wire of a boundary: one per pair of lanes it joins (their replicas send over their own links); boundary
+    # i's wires from wire[i], the pair (a, b) at wire[i] + a * lanes[i + 1] + b
+    wire = list(itertools.accumulate([0] + [a * b for a, b in zip(lanes, lanes[1:])]))
+    link_f = [0.0] * wire[-1]
+    link_b = [0.0] * wire[-1]
     for j in range(m):
         f_in[0][j] = 0.0
     busy = [0.0] * n
@@ -233,16 +247,10 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     dur_b = [p.backward_part(i) for i in range(n)]
     dur_w = [s.weight_s for s in p.stages]
 
-    def wake(stage: int, j: int) -> None:
-        x = first[stage] + j % lanes[stage]
-        if not queued[x]:
-            queue.append(x)
-            queued[x] = True
-
     while queue:
         x = queue.popleft()
         queued[x] = False
-        i = stage_of[x]
+        i = x if plain else stage_of[x]
         progressed = False
         order, count = orders[x], len(orders[x])
         while nxt[x] < count:
@@ -270,22 +278,28 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
                 f_done[i][j] = end
                 if i + 1 < n:
                     link = p.links[i]
-                    wire = (i, j % lanes[i], j % lanes[i + 1])
-                    t0 = max(link_f.get(wire, 0.0), end)
-                    link_f[wire] = t0 + link.forward_s - link.latency_s  # the wire is free; the bytes still travel
+                    w = i if plain else wire[i] + j % lanes[i] * lanes[i + 1] + j % lanes[i + 1]
+                    t0 = max(link_f[w], end)
+                    link_f[w] = t0 + link.forward_s - link.latency_s  # the wire is free again; the bytes still travel
                     f_in[i + 1][j] = t0 + link.forward_s
-                    wake(i + 1, j)
+                    y = i + 1 if plain else first[i + 1] + j % lanes[i + 1]
+                    if not queued[y]:
+                        queue.append(y)
+                        queued[y] = True
             elif kind == "W":
                 last_b[i] = max(last_b[i], end)
             else:
                 last_b[i] = max(last_b[i], end)
                 if i > 0:
                     link = p.links[i - 1]
-                    wire = (i - 1, j % lanes[i - 1], j % lanes[i])
-                    t0 = max(link_b.get(wire, 0.0), end)
-                    link_b[wire] = t0 + link.backward_s - link.latency_s
+                    w = i - 1 if plain else wire[i - 1] + j % lanes[i - 1] * lanes[i] + j % lanes[i]
+                    t0 = max(link_b[w], end)
+                    link_b[w] = t0 + link.backward_s - link.latency_s
                     b_in[i - 1][j] = t0 + link.backward_s
-                    wake(i - 1, j)
+                    y = i - 1 if plain else first[i - 1] + j % lanes[i - 1]
+                    if not queued[y]:
+                        queue.append(y)
+                        queued[y] = True
         if progressed and nxt[x] < count and not queued[x]:
             queue.append(x)
             queued[x] = True
