@@ -272,11 +272,11 @@ def _pipeline_job(tmp_path: Path, steps: int, interval: int = 0) -> JobSpec:
 
 
 def _run(job: JobSpec, tmp_path: Path, *, resume_step: int = 0, stop_after: int | None = None,
-         widths: tuple[str, ...] = ("a", "b")) -> dict[int, tuple[float, float | None]]:
-    """Two stages, the nodes of each given by `widths` ("a", "bc": a second stage two replicas wide); step ->
-    (loss, val_loss)."""
-    pipeline = PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 3), widths[0]),
-                                                                      stage((3, 6), widths[1])])
+         widths: tuple[str, ...] = ("a", "b"), lanes: tuple[int, int] = (1, 1)) -> dict[int, tuple[float, float | None]]:
+    """Two stages, the nodes of each given by `widths` ("a", "bc": a second stage two replicas wide), in `lanes`;
+    step -> (loss, val_loss)."""
+    pipeline = PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 3), widths[0], lanes=lanes[0]),
+                                                                      stage((3, 6), widths[1], lanes=lanes[1])])
     run = run_pinned_plan(job, [pipeline], tmp_path / "ckpt", resume_step=resume_step, until_step=stop_after)
     return {m.step: (m.loss, m.val_loss) for m in run.reports if m.loss is not None}
 
@@ -318,12 +318,14 @@ def test_pipeline_reports_validation_loss_and_resumes_at_the_exact_row(tmp_path:
 
 
 @pytest.mark.timeout(240)
-def test_validation_loss_over_a_stage_of_two_replicas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lanes", [(1, 1), (2, 2)])
+def test_validation_loss_over_a_stage_of_two_replicas(tmp_path: Path, lanes: tuple[int, int]) -> None:
     """The last stage two replicas wide: each takes its rows of every held-out micro-batch from the one replica
-    upstream, and their row-weighted mean is the batch's validation loss."""
+    upstream, and their row-weighted mean is the batch's validation loss. In lanes (both stages two replicas in
+    two lanes): each replica passes its lane's held-out micro-batches, whole."""
     job = _pipeline_job(tmp_path, steps=2)
     expected, trained = train_local(job)
-    got = _run(job, tmp_path, widths=("a", "bc"))
+    got = _run(job, tmp_path, widths=("a", "bc") if lanes == (1, 1) else ("ad", "bc"), lanes=lanes)
     assert sorted(got) == [0, 1] and got[0][1] is None
     for s in range(2):
         assert abs(got[s][0] - expected[s]) <= 1e-4 * abs(expected[s]), (s, got[s], expected[s])
