@@ -53,7 +53,8 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--plan", metavar="FILE.json",
                    help="publish this plan instead of planning (an operator's pin): JSON as `atoll plan --json` "
                    "writes it, every stage listing its nodes as `atoll node` ids (the node_id file in a node's "
-                   "--state-dir) and dp x tp of them; stages of one pipeline may differ in width. The coordinator "
+                   "--state-dir) and dp x tp of them; stages of one pipeline may differ in width, and a stage may "
+                   "split its replicas into `lanes` (micro-batch i on lane i %% lanes). The coordinator "
                    "fills in the epoch, job id, resume step, islands, peer addresses and rendezvous. While a node "
                    "it names is not an alive member the coordinator plans as usual, and says so")
     p.set_defaults(func=_run_coordinator)

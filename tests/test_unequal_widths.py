@@ -251,10 +251,10 @@ def test_finish_plan_gives_stages_on_one_island_nodes_of_their_own() -> None:
         finish_plan(plan, inputs)
 
 
-def _pinned(nodes: tuple[list[str], list[str]]) -> Plan:
+def _pinned(nodes: tuple[list[str], list[str]], lanes: int = 1) -> Plan:
     return Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
         micro_batch=4, num_micro_batches=4, stages=[StagePlan(island="wide", layers=(0, 3), dp=len(nodes[0]),
-                                                              nodes=nodes[0]),
+                                                              nodes=nodes[0], lanes=lanes),
                                                     StagePlan(island="narrow", layers=(3, 6), dp=len(nodes[1]),
                                                               nodes=nodes[1])])])
 
@@ -301,9 +301,11 @@ E2E_STEPS = 8
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Path) -> None:
-    """`atoll coordinator --plan` and three `atoll node` processes: two nodes run the first stage, one the
-    second; the losses match one process."""
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Path, lanes: int) -> None:
+    """`atoll coordinator --plan` and three `atoll node` processes: two nodes run the first stage (sharing each
+    micro-batch, or in two lanes taking alternate micro-batches), one the second; the losses match one
+    process."""
 
     from atoll.launch.localcluster import LocalCluster
 
@@ -311,7 +313,7 @@ def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Pa
     job_path, plan_path, out = tmp_path / "job.toml", tmp_path / "plan.json", tmp_path / "cluster"
     job_path.write_text(job.to_toml())
     ids = {"node1": "wide-0", "node2": "wide-1", "node3": "narrow-0"}
-    _pinned((["wide-0", "wide-1"], ["narrow-0"])).save(plan_path)
+    _pinned((["wide-0", "wide-1"], ["narrow-0"]), lanes).save(plan_path)
     expected, _ = train_local(job)
     with LocalCluster(job_path=job_path, out=out, profile_seconds=1.0) as cluster:
         cluster.start_coordinator(extra=["--plan", str(plan_path)])
@@ -320,5 +322,6 @@ def test_coordinator_publishes_a_pinned_plan_of_widths_two_then_one(tmp_path: Pa
         losses = cluster.wait_losses(E2E_STEPS, 120)
         status = cluster.status()
     stages = status.plan.pipelines[0].stages
-    assert [(list(s.node_ids), s.dp) for s in stages] == [(["wide-0", "wide-1"], 2), (["narrow-0"], 1)]
+    assert [(list(s.node_ids), s.dp, s.lanes or 1) for s in stages] == [(["wide-0", "wide-1"], 2, lanes),
+                                                                        (["narrow-0"], 1, 1)]
     assert_losses_match(losses, expected, 1e-4, range(E2E_STEPS))
