@@ -275,14 +275,15 @@ def _group_layout(plan: Plan, node_id: str) -> tuple | None:
         pipes = [plan.pipelines[p] for p in sorted(g.pipelines)]
         if any(node_id in st.nodes for pipe in pipes for st in pipe.stages):
             return (g.since_epoch, g.inner_steps, tuple(
-                (pipe.micro_batch, pipe.num_micro_batches, tuple((st.layers, tuple(st.nodes)) for st in pipe.stages))
+                (pipe.micro_batch, pipe.num_micro_batches,
+                 tuple((st.layers, tuple(st.nodes), st.lanes) for st in pipe.stages))
                 for pipe in pipes))
     return None
 
 
 def group_continues(old: Plan, new: Plan, node_id: str) -> bool:
-    """Whether `new` keeps this node's replica group exactly as `old` runs it (same since-epoch, nodes, cuts
-    and batch), so the node keeps training through the replan instead of restarting from a checkpoint."""
+    """Whether `new` keeps this node's replica group exactly as `old` runs it (same since-epoch, nodes, cuts,
+    lanes and batch), so the node keeps training through the replan instead of restarting from a checkpoint."""
     if old.mode != "outer" or new.mode != "outer" or old.global_batch != new.global_batch:
         return False
     if old.rendezvous != new.rendezvous:  # a restarted coordinator: the groups meet afresh

@@ -194,3 +194,24 @@ def test_laned_plans_the_runtime_cannot_run_are_refused() -> None:
     ok = _plan(PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[
         StagePlan(island="i", layers=(0, 6), dp=4, lanes=2, nodes=list("abcd"))]), batch=8)
     assert place(ok, "c", 6).micro_batch_ids == range(1, 4, 2)
+
+
+def test_a_replica_group_continues_through_a_replan_only_with_the_same_lanes() -> None:
+    """Outer mode: a replan that keeps a group's nodes, cuts and batch keeps it training, unless a stage's lanes
+    change (its replicas would train other micro-batches)."""
+    import copy
+
+    from atoll.node.placement import group_continues
+    from atoll.plan import OuterPlan, ReplicaGroup
+
+    def plan(lanes: int) -> Plan:
+        p = _plan(PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+            _stage((0, 3), ["a"]), StagePlan(island="i", layers=(3, 6), dp=2, lanes=lanes, nodes=["b", "c"])]))
+        p.mode, p.rendezvous = "outer", "10.0.0.1:29400"
+        p.groups = [ReplicaGroup(name="eu", pipelines=[0], inner_steps=4, since_epoch=2)]
+        p.outer = OuterPlan(inner_steps=4)
+        return p
+
+    old = plan(1)
+    assert group_continues(old, copy.deepcopy(old), "b")
+    assert not group_continues(old, plan(2), "b")
