@@ -176,6 +176,7 @@ class PipelinePlan:
         p = len(self.stages)
         return lane_warmups([st.lanes for st in self.stages])[stage] - (p - stage - 1) + self.stages[stage].in_flight
 
+
 @dataclass(kw_only=True)
 class Prediction:
     step_time_s: float = 0.0

@@ -88,7 +88,8 @@ class Placement:
     downstream: tuple[Neighbour, ...]
     """Replicas of the next stage whose rows overlap this node's, as `upstream` (empty on the last stage)."""
     rows: tuple[int, int]
-    """Rows [first, last) of the global batch this replica trains (micro_rows' share of every micro-batch)."""
+    """Rows [first, last) of the global batch that hold this replica's (micro_rows' share of every micro-batch;
+    a laned replica trains only its lane's micro-batches' of them, `batch_order`)."""
     blocks: tuple[tuple[int, int], ...]
     """The pipeline's row blocks inside `micro_rows` (see the module docstring): one with equal widths."""
     pipeline_nodes: tuple[str, ...]
