@@ -167,13 +167,17 @@ def lane_actions(actions: list[Action], *, lane: int, lanes: int) -> list[Action
     """A laned stage's replica's actions (`atoll.plan`: micro-batch i is trained by lane i % lanes): the stage's
     schedule restricted to its lane's micro-batches, in the same order.
 
-    Every lane's order is its stage's order restricted, so a pair of micro-batches of one lane keeps the relation
-    (``F_k < B_j``) the stage's order gives it. The proof in the module docstring does not carry over as it
-    stands (a blocked lane may wait on a micro-batch another lane of its stage has not reached), so deadlock
-    freedom rests on a check: tests/test_pipeline_schedule.py runs every pipeline of 1-4 stages of 1-3 lanes
-    each, with deep windows of 0-1 a stage, with and without deferred weight gradients and up to 12
-    micro-batches, against each other with blocking receives, and all of them run to completion. A laned stage
-    and those before it open more forwards (`PipelinePlan.warmup_extra`), so every lane has work."""
+    Deadlock freedom carries over. Suppose every unfinished lane waits on a receive, and let a_s be the first
+    action of stage s's order (the stage's, not a lane's) that is not done. Every action before it is done, so it
+    is the next action of its own lane, which waits on it (a weight action waits on nothing, so a_s is a forward
+    or a backward). The proof in the module docstring then goes through
+    with a_s in place of "the action stage s waits on": (a) if a_s = B_j, stage s + 1 has not run B_j, so
+    a_{s+1} comes before B_j in its order; were it F_k, then F_k < B_j at s + 1, hence at s, so F_k is done at
+    s and a_{s+1} could run: a_{s+1} is a backward too, and so on to the last stage, whose backwards wait on no
+    one. (b) if a_s = F_k, symmetrically down to stage 0. tests/test_pipeline_schedule.py also runs every
+    pipeline of 1-4 stages of 1-3 lanes each (deep windows 0-1, with and without deferred weight gradients, up
+    to 12 micro-batches) against each other with blocking receives. A laned stage and those before it open more
+    forwards (`PipelinePlan.warmup_extra`), so every lane has work."""
     if lanes < 1 or not 0 <= lane < lanes:
         raise ValueError(f"lane must be in [0, lanes) with lanes >= 1, got lane {lane} of {lanes}")
     return [a for a in actions if a.micro_batch % lanes == lane]
