@@ -531,7 +531,9 @@ def predict_live(shape: LiveShape, cm: CostModel, cluster: Cluster, overhead_s: 
         if times is None:
             raise ValueError(f"shape {shape.name!r} does not fit the cost model's memory")
         if shape.zero_bubble:
-            times = with_deferred_weights(times, cm, island, stages, mb)
+            # a laned stage's replicas share a micro-batch within their lane
+            times = with_deferred_weights(times, cm, island, [(a, e, dp // shape.lane(p, k))
+                                                              for k, (a, e, dp) in enumerate(stages)], mb)
         pipes.append((with_action_overhead(times, overhead_s), st))
     if len(pipes) > 1:
         link = slowest_link(cluster, [[island.id]] * len(pipes))
