@@ -133,6 +133,22 @@ def test_first_and_last_stages_in_lanes_of_two_replicas(tmp_path: Path, monkeypa
         stage((0, 3), ["a", "b"], lanes=2), stage((3, 6), ["c", "d", "e", "f"], lanes=2)])], tmp_path, monkeypatch)
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_a_laned_zero_stage_checkpoints_whole_and_a_plan_without_lanes_resumes_it(tmp_path: Path) -> None:
+    """ZeRO-1 over two lanes gathers its optimizer states whole into the checkpoint of step 2; a plan of other
+    widths and no lanes resumes from it, and the losses of all four steps are one process's."""
+    job = tiny_job(STEPS, interval=2)
+    expected, _ = train_local(job)
+    laned = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        stage((0, 3), ["a", "b"], lanes=2, zero=1), stage((3, 6), ["c"])])]
+    first = run_pinned_plan(job, laned, tmp_path / "ckpt", until_step=2, timeout=timedelta(seconds=40)).losses
+    plain = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 2), ["d"]), stage((2, 6), ["e", "f"])])]
+    rest = run_pinned_plan(job, plain, tmp_path / "ckpt", resume_step=2, timeout=timedelta(seconds=40)).losses
+    assert sorted(first) == [0, 1] and sorted(rest) == [2, 3]
+    assert_losses_match({**first, **rest}, expected, 1e-4, range(STEPS))
+
+
 @pytest.mark.timeout(60)
 def test_transport_splits_and_assembles_row_slices(tmp_path: Path) -> None:
     """Two senders of 2 rows each and one receiver of 4 rows: the receiver gets the rows in order; its
