@@ -22,9 +22,9 @@ Lanes: a stage may have more devices than the micro-batch has sequences and tens
 GPU per machine, a small global batch): its replicas then form L lanes (`atoll.plan`), lane i % L taking
 micro-batch i, so each lane shares a micro-batch among width / L devices and the stage keeps pace with its
 neighbours though each lane is L times slower. A setup whose widths a micro-batch cannot share is tried with
-its wide islands in the fewest lanes that can (`_lanes`); a lane's time per
-micro-batch over L is what the bottleneck compares (`IslandCost.pace_s`), the simulator runs the lanes, and
-the stages up to a laned one hold more micro-batches in flight (`atoll.plan.lane_warmups`), as the node does.
+its wide islands in the fewest lanes that can (`_lanes`); a lane's time per micro-batch over L is what the
+bottleneck compares (`IslandCost.pace_s`), the simulator runs the lanes, and the stages up to a laned one hold
+more micro-batches in flight (`atoll.plan.lane_warmups`), as the node does.
 
 Free order: a chain may visit an island twice. After the island-contiguous chains, the best few are tried
 again with one island of their region cut into two parts (between nodes) placed anywhere with other islands
@@ -294,8 +294,8 @@ class Composer:
         common size, so a width that leaves no GPU over exists whenever one does), or every island cut into
         d stages (d a power of two or such a divisor). B: any divisor of the global batch every stage can
         share, its replicas' shares differing by at most one sequence (`DefaultParallelizer.splits`; with
-        `equal_widths`, or another parallelizer, B / width must be an allowed micro-batch). A shape whose widths
-        are wider than B also comes with its wide islands in lanes (`_lanes`)."""
+        `equal_widths`, or another parallelizer, B / width must be an allowed micro-batch). A shape with a width
+        no split can share B comes with its wide islands in lanes instead (`_lanes`)."""
         cm = self.cost_model
         g = cm.train.global_batch
         max_units = min(cm.num_layers, cm.options.max_stages)
