@@ -24,7 +24,9 @@ measurements, with the range of those gaps beside it.
 
 A node here is a thread on a shared CPU, not a device of its own: on this 2-core machine, loaded by other
 work, a thread gets only a share of a core, and the profile (CPU time) does not see that. A node's device is
-taken as that share of a core (its profiled times divided by it), read three ways:
+taken as that share of a core (its profiled times divided by it), and so is its loopback link (serialising,
+sending and all-reducing a tensor between threads is work of the same cores: the probed bandwidth divided by
+the same factor, the latency multiplied by it), read three ways:
 - `core before`: measured just before the run (as many threads as the shape has nodes, each running
   single-threaded matmuls for a second: CPU time over wall time); a prediction made before anything runs,
   and as good as the machine's load is steady;
@@ -483,9 +485,12 @@ def live_model(job, nodes: list[str], measured: dict[str, NodeProfile], slower: 
                link: LinkMeasurement) -> tuple[CostModel, Cluster]:
     """The cost model and cluster the planner would make of the nodes (one island, each node's layers timed
     by its own profile, the island by its slowest: `ProfileSet.from_node_profiles`), every node's device
-    `slower` times slower than its profile measured."""
+    `slower` times slower than its profile measured, and the loopback link too (its transfers and all-reduces
+    are work of the same shared cores)."""
     islands = {"cpu": nodes}
     profiles = {n: measured[n].scaled(slower) for n in nodes}
+    link = replace(link, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s / slower,
+                   rtt_seconds=link.rtt_seconds * slower)
     cluster = Cluster.from_nodes(islands, profiles, [link])
     # the run uses no ZeRO, recomputation, tensor parallelism or compression: hold the cost model to that
     options = PlannerOptions(micro_batches=(1, 2, 4, 8), activation_codecs=("identity",), zero_stages=(0,),
