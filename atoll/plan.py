@@ -73,10 +73,21 @@ def lane_warmups(lanes: list[int]) -> list[int]:
     out = [0] * len(lanes)
     need, after = -1, 0  # the next stage's warm-up, the lanes of the stages after this one
     for s in range(len(lanes) - 1, -1, -1):
-        need = max(lanes[s] * (-(-after // lanes[s]) + 1) - 1, need + 1)
-        out[s] = need
+        need = out[s] = lane_warmup(lanes[s], after, need)
         after += lanes[s]
     return out
+
+
+def lane_warmup(lanes: int, after: int, next_warmup: int) -> int:
+    """One step of `lane_warmups`, from the last stage back: the warm-up forwards of a stage of `lanes` lanes
+    with `after` lanes in the stages after it, the next of which opens `next_warmup` (-1 for the last stage)."""
+    return max(lanes * (-(-after // lanes) + 1) - 1, next_warmup + 1)
+
+
+def lane_in_flight(warmup: int, lanes: int, micro_batches: int) -> int:
+    """Micro-batches a lane of a stage that opens `warmup` forwards holds at once: its share of them and the one
+    it works on, at most its share of the step's `micro_batches` (strict 1F1B's min(p - s, m) without lanes)."""
+    return min(warmup // lanes + 1, -(-micro_batches // lanes))
 
 
 @dataclass(kw_only=True)

@@ -34,7 +34,7 @@ from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.multipipe import slowest_link
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate
-from atoll.plan import PipelinePlan, Plan, StagePlan, lane_warmups
+from atoll.plan import PipelinePlan, Plan, StagePlan, lane_in_flight, lane_warmups
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def evaluate(cm: CostModel, cluster: Cluster, stages: list[Stage], pipeline_batc
                 return None
             # the island parallelizer splits the devices into replicas (tensor parallelism within a node)
             c = par.cost(SliceQuery(start=s.start, end=s.end, micro_batch=b, dp=devices, lanes=lanes, batch=rows,
-                                    in_flight=min(warm[i] // lanes + 1, -(-m // lanes))), isl)
+                                    in_flight=lane_in_flight(warm[i], lanes, m)), isl)
             if c is None:
                 return None
             opt = cm.optimizer_seconds(isl, params, c.zero, c.dp, c.tp)

@@ -135,6 +135,12 @@ class StageConfig:
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be a positive timedelta, got {getattr(self, name)}")
 
+    @property
+    def local_micro_batches(self) -> int:
+        """The micro-batches this replica trains per step: all of them, or its lane's (pipeline micro-batch i is
+        its local micro-batch i // lanes)."""
+        return self.micro_batches // self.lanes
+
 
 def build_optimizer(module: nn.Module, config: StageConfig) -> torch.optim.AdamW:
     """The AdamW every stage (and the single-process reference) uses."""
@@ -326,7 +332,7 @@ class PipelineStage:
 
     def train_step(self, step: int, batch: StageData | None = None) -> StepResult:
         """Forward and backward every micro-batch, reduce and clip gradients, step the optimizer."""
-        cfg, m = self.config, self.config.micro_batches // self.config.lanes  # the micro-batches this replica trains
+        cfg, m = self.config, self.config.local_micro_batches
         lanes = cfg.lanes
         inputs = self._split(batch.inputs if batch else None, "inputs", self.is_first)
         targets = self._split(batch.targets if batch else None, "targets", self.is_last)
@@ -558,7 +564,7 @@ class PipelineStage:
         if t is None:
             role = "first" if name == "inputs" else "last"
             raise ValueError(f"stage {self.stage} is the {role} stage of its pipeline: train_step needs batch.{name}")
-        m = self.config.micro_batches // self.config.lanes
+        m = self.config.local_micro_batches
         if t.ndim != 2 or t.shape[0] % m:
             raise ValueError(f"batch.{name} must be (batch, seq) with batch divisible by the {m} micro-batches this "
                              f"replica trains; "

@@ -65,19 +65,19 @@ def test_uneven_shares_overlap_two_senders() -> None:
 
 
 def _micro_batches(plan: Plan, pipe: int, stage: int) -> list[list[int]]:
-    """The global rows of each micro-batch as the replicas of one stage see it, in row order."""
+    """The global rows of each micro-batch as the replicas of one stage see it, in row order (a laned replica
+    fills the micro-batches of its lane only)."""
     pipeline = plan.pipelines[pipe]
-    m = pipeline.num_micro_batches
-    out: list[list[int]] = [[] for _ in range(m)]
+    out: list[list[int]] = [[] for _ in range(pipeline.num_micro_batches)]
     for node in pipeline.stages[stage].nodes:
         p = place(plan, node, 6)
         rows = list(range(*p.rows))
         order = p.batch_order()
         rows = [rows[k] for k in order] if order is not None else rows
         n = p.replica_micro_batch
-        assert len(rows) == m * n
-        for i in range(m):
-            out[i].extend(rows[i * n:(i + 1) * n])
+        assert len(rows) == p.trained_rows == n * len(p.micro_batch_ids)
+        for j, i in enumerate(p.micro_batch_ids):
+            out[i].extend(rows[j * n:(j + 1) * n])
     return out
 
 
@@ -125,23 +125,6 @@ def test_plans_the_runtime_cannot_run_are_refused_with_the_reason() -> None:
         place(_plan(PipelinePlan(micro_batch=4, num_micro_batches=3, stages=[_stage((0, 6), ["a"])])), "a", 6)
 
 
-def _lane_micro_batches(plan: Plan, stage: int) -> list[list[int]]:
-    """`_micro_batches` with lanes: each replica fills the micro-batches of its lane only."""
-    pipeline = plan.pipelines[0]
-    m = pipeline.num_micro_batches
-    out: list[list[int]] = [[] for _ in range(m)]
-    for node in pipeline.stages[stage].nodes:
-        p = place(plan, node, 6)
-        rows = list(range(*p.rows))
-        order = p.batch_order()
-        rows = [rows[k] for k in order] if order is not None else rows
-        n = p.replica_micro_batch
-        assert len(rows) == p.trained_rows == n * len(p.micro_batch_ids)
-        for j, i in enumerate(p.micro_batch_ids):
-            out[i].extend(rows[j * n:(j + 1) * n])
-    return out
-
-
 @settings(max_examples=60, deadline=None)
 @given(shape=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=4),
        micro=st.integers(3, 6), rounds=st.integers(1, 2))
@@ -157,7 +140,7 @@ def test_lanes_train_every_row_once_and_meet_the_right_lane(shape, micro, rounds
     stages = [StagePlan(island="i", layers=a, dp=w * lanes, lanes=lanes, nodes=[next(names) for _ in range(w * lanes)])
               for a, (w, lanes) in zip(layers, shape)]
     plan = _plan(PipelinePlan(micro_batch=micro, num_micro_batches=m, stages=stages), batch=micro * m)
-    views = [_lane_micro_batches(plan, s) for s in range(len(shape))]
+    views = [_micro_batches(plan, 0, s) for s in range(len(shape))]
     assert all(v == views[0] for v in views)
     assert sorted(r for mb in views[0] for r in mb) == list(range(micro * m))
     for s, stage in enumerate(stages):

@@ -14,7 +14,7 @@ from atoll.coordinator.planner.report import format_plan
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import SliceQuery
 from atoll.modelspec import ModelConfig, ModelSpec
-from atoll.plan import Plan, lane_warmups
+from atoll.plan import Plan, lane_in_flight, lane_warmups
 from atoll.serde import plan_from_proto, plan_to_proto
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
 
@@ -60,7 +60,7 @@ def _brute_bottleneck(comp: Composer, s) -> float:
                 lanes = s.lane(i)
                 c = comp.parallelizer.cost(SliceQuery(start=bounds[n], end=bounds[n + 1], micro_batch=s.per_replica(i),
                                                       dp=s.lane_width(i), lanes=lanes, batch=s.batch,
-                                                      in_flight=min(warm[n] // lanes + 1, -(-s.m // lanes))),
+                                                      in_flight=lane_in_flight(warm[n], lanes, s.m)),
                                            s.order[i])
                 if c is None:
                     worst = math.inf

@@ -56,6 +56,7 @@ from atoll.coordinator.planner.parallelizer import DefaultParallelizer, IslandCo
 from atoll.coordinator.planner.tied import tied_sync_seconds
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step, simulate,
                                                  step_lower_bound)
+from atoll.plan import lane_in_flight, lane_warmup
 
 
 ALL_ORDERS_UP_TO = 4
@@ -519,8 +520,8 @@ class Composer:
                     break
                 # micro-batches in flight on a lane of it: strict 1F1B's p - i without lanes
                 lanes = s.lane(i)
-                warm = max(lanes * (-(-after // lanes) + 1) - 1, need + 1)
-                k = min(warm // lanes + 1, -(-s.m // lanes))
+                warm = lane_warmup(lanes, after, need)
+                k = lane_in_flight(warm, lanes, s.m)
                 a = self._reach(s, i, k, e, limit)
                 if a == e:
                     break
