@@ -27,5 +27,5 @@ def dial_back(address: str, timeout: timedelta = DIAL_BACK_TIMEOUT) -> str | Non
             return None
     except socket.timeout:
         return f"no answer within {timeout.total_seconds():.0f}s"
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, OverflowError) as e:  # OverflowError: a port past 65535
         return f"{type(e).__name__}: {e}"

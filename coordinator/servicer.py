@@ -21,6 +21,7 @@ from atoll.coordinator.ca import PLAINTEXT, Caller, JobAuthority
 from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.validation import check_address
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
 from atoll.coordinator.heartbeats import HeartbeatStreams, StreamReplaced, TooManyHeartbeatStreams
 from atoll.coordinator.dialback import dial_back
@@ -61,6 +62,15 @@ def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn
     context.abort(*_status(method, e))
 
 
+
+def _dialable(address: str) -> bool:
+    """Whether `address` passes the join's own address check (HOST:PORT, a port in range, not a wildcard)."""
+    try:
+        check_address("peer_address", address)
+    except InvalidArgument:
+        return False
+    return True
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, state: CoordinatorState, watches: PlanWatches, authority: JobAuthority | None = None,
                  heartbeats: HeartbeatStreams | None = None):
@@ -98,9 +108,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return handler(request, self.state)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        # dial the node back before the join lock (it may wait seconds), and only for a caller with the token
+        # dial the node back before the join lock (it may wait seconds), and only for a caller with the token and a
+        # well-formed address (a malformed one is answered INVALID_ARGUMENT by handle_join, undialled)
         why: str | None = None
-        if request.peer_address and self.state.options.dial_back and \
+        if request.peer_address and self.state.options.dial_back and _dialable(request.peer_address) and \
                 token_matches(token_from_metadata(context), self.state.token):
             why = dial_back(request.peer_address)
         return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why),

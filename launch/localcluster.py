@@ -23,6 +23,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
+from atoll.fsutil import atomic_write_text
+
 
 class Host(Protocol):
     """Somewhere other than this machine's loopback to run a process: a testbed host (`bench.geo.GeoHost`)."""
@@ -87,9 +89,9 @@ class LocalCluster:
         self.out = Path(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.token_file = self.out / "token"
-        if not self.token_file.exists():
-            self.token_file.write_text(secrets.token_hex(16))
-            self.token_file.chmod(0o600)
+        if not self.token_file.is_file() or not self.token_file.read_text().strip():
+            # atomic, and 0600 from the start (mkstemp's mode): a later run reuses the file
+            atomic_write_text(self.token_file, secrets.token_hex(16))
         self.checkpoints = self.out / "checkpoints"
 
     @property

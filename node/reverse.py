@@ -20,6 +20,7 @@ stage run of an unreachable node). Both never hold a call longer than its deadli
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from atoll.compression.wire import parse_chunk
 from atoll.node.mailbox import InvalidTransfer, NotReady, ReceiverBusy, TransferReceiver, UnexpectedTransfer
@@ -239,7 +241,22 @@ def chunk_to_bytes(chunk) -> bytes:
 def relay_transfer(registry: ReverseRegistry, to: str, chunks: Iterator, timeout: float) -> pb.TransferAck:
     """Forward one Transfer call to `to` over its Connect stream to this (relaying) node."""
     reply = registry.call(to, "Transfer", (chunk_to_bytes(c) for c in chunks), timeout)
-    return pb.TransferAck.FromString(reply)
+    try:
+        return pb.TransferAck.FromString(reply)
+    except DecodeError as e:
+        raise TunnelError(grpc.StatusCode.INTERNAL, f"{to} answered the relayed Transfer with a message that is not "
+                                                    f"a TransferAck ({e}); is it running the same atoll version?") from e
+
+
+MAX_TUNNELLED_CALL_S = 300.0
+"""Longest deadline a call over a Connect stream may carry (the Peer server's own `PeerLimits.max_call`)."""
+
+
+def _bad_timeout(seconds: float) -> str | None:
+    """Why a tunnelled call's deadline is refused (None: it is not; 0 means the default 60 s)."""
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_TUNNELLED_CALL_S:
+        return f"the call needs a deadline of at most {MAX_TUNNELLED_CALL_S:.0f}s, got {seconds}"
+    return None
 
 
 def peer_ref(plan: Plan, peer: str, me: str, listening: bool, added_latency: timedelta = timedelta(0)) -> PeerRef:
@@ -437,6 +454,12 @@ class ReverseDialer:
                 if incoming is None:
                     if not frame.method:
                         continue  # the rest of a call already answered (refused early)
+                    why = _bad_timeout(frame.timeout_seconds)
+                    if why is not None:  # answered at once; the rest of its frames are skipped as above
+                        out.put(pb.ConnectFrame(call=frame.call, reply=True,
+                                                code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                                details=f"{frame.method[:40]}: {why}"))
+                        continue
                     incoming = calls[frame.call] = _Incoming(time.monotonic() + (frame.timeout_seconds or 60.0))
                     threading.Thread(target=self._serve, args=(frame, incoming, out, target), daemon=True,
                                      name=f"atoll-tunnel-{target}-{frame.call}").start()

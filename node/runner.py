@@ -173,7 +173,10 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
     prefixed = dist.PrefixStore(prefix, store)
     arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, rank, size)
+        # the group's own timeout bounds an operation a run abandoned (`release_later` drops the group after it)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 

@@ -178,7 +178,11 @@ class StateHolder:
             if not path.is_file():
                 raise KeyError(f"node {self.node_id} holds no checkpoint of layers [{layers[0]}, {layers[1]}) at step "
                                f"{request.step}")
-            return _file_chunks(path, request)
+            try:
+                return _file_chunks(path, request)
+            except FileNotFoundError:  # pruned between the check and the read
+                raise KeyError(f"node {self.node_id} pruned its checkpoint of layers [{layers[0]}, {layers[1]}) at "
+                               f"step {request.step} just now") from None
         raise ValueError(f"kind must be 'live' or 'checkpoint', got {request.kind[:40]!r}")
 
     def _live_chunks(self, live: LiveState, offset: int) -> Iterator[pb.StateChunk]:

@@ -94,6 +94,26 @@ def test_bad_joins_get_their_status_codes(service: CoordinatorService, request_:
     assert code_of(lambda: stub(service).Join(request_, timeout=5)) == code
 
 
+def test_a_malformed_address_is_refused_before_the_coordinator_dials_it() -> None:
+    """With dial-back on, a port past 65535 (which `socket.create_connection` answers with OverflowError) or a
+    wildcard is INVALID_ARGUMENT, never dialled and never an UNKNOWN; a well-formed closed port still joins."""
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)),
+                              dial_back=True)
+    svc = CoordinatorService(job=job, token=TOKEN, options=opts,
+                             config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0,
+                                                  tick=timedelta(milliseconds=50))).start()
+    try:
+        for address in ("127.0.0.1:1180591620717411303424", "127.0.0.1:0", "0.0.0.0:7000", "no-port"):
+            req = pb.JoinRequest(token=TOKEN, profile=profile("bad"), peer_address=address)
+            assert code_of(lambda: stub(svc).Join(req, timeout=5)) == grpc.StatusCode.INVALID_ARGUMENT, address
+        reply = stub(svc).Join(pb.JoinRequest(token=TOKEN, profile=profile("ok"), peer_address="127.0.0.1:1"),
+                               timeout=10)
+        assert not reply.reachable and "127.0.0.1:1" in reply.reachability
+    finally:
+        svc.stop()
+
+
 def test_huge_messages_are_refused_and_the_coordinator_stays_up(service: CoordinatorService) -> None:
     big = pb.JoinRequest(token=TOKEN, profile=profile("x" * (9 << 20)), peer_address="127.0.0.1:1")
     assert code_of(lambda: stub(service, max_message_bytes=64 << 20).Join(big, timeout=10)) == \

@@ -104,6 +104,7 @@ def test_dial_back_answers_for_a_listening_address_and_says_why_not_otherwise() 
     why = dial_back(f"127.0.0.1:{_closed_port()}")
     assert why is not None and "refused" in why.lower()
     assert dial_back("") == "no address advertised"
+    assert "OverflowError" in dial_back("127.0.0.1:1180591620717411303424")  # said, not raised
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pipeline_harness import tiny_job
 from atoll.compression import CodecSpec
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
 from atoll.node.peer import PeerServer
-from atoll.node.reverse import ReverseRegistry, TunnelError
+from atoll.node.reverse import MAX_TUNNELLED_CALL_S, ReverseRegistry, TunnelError, _bad_timeout, relay_transfer
 from atoll.node.transport import TensorKey
 from atoll.v1 import atoll_pb2 as pb
 
@@ -109,6 +109,37 @@ def test_a_call_to_a_node_without_a_stream_is_retryable() -> None:
         ReverseRegistry().call("nobody", "Transfer", iter([b""]), 1.0)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "accepts no connections" in e.value.details()
+
+
+@pytest.mark.timeout(60)
+def test_a_tunnelled_call_must_carry_a_bounded_deadline() -> None:
+    """A call over a Connect stream with a deadline past `MAX_TUNNELLED_CALL_S` (or not finite) is answered
+    INVALID_ARGUMENT at once, and holds no thread of the dialing node."""
+    with ExitStack() as stack:
+        a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
+        b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
+        peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
+        t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False), b)
+        stack.callback(t1.close)
+        assert t1.dialer is not None and t1.dialer.wait_connected(10)
+        for seconds in (MAX_TUNNELLED_CALL_S + 1, 1e9):
+            with pytest.raises(TunnelError) as e:
+                a.reverse.call("n1", "Probe", iter([b""]), seconds)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "deadline" in e.value.details()
+        # what a caller's own clock cannot wait for, a far end may still send
+        assert all(_bad_timeout(x) for x in (float("inf"), float("nan"), -1.0))
+        assert _bad_timeout(0.0) is None and _bad_timeout(MAX_TUNNELLED_CALL_S) is None
+
+
+def test_a_relayed_reply_that_is_not_an_ack_is_a_status_not_a_crash() -> None:
+    class Garbled:
+        def call(self, to, method, messages, timeout):
+            list(messages)
+            return b"\xff\xff\xff"
+
+    with pytest.raises(TunnelError) as e:
+        relay_transfer(Garbled(), "n1", iter([]), 1.0)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "TransferAck" in e.value.details()
 
 
 def test_relay_route_needs_the_relay_address() -> None:

@@ -370,3 +370,23 @@ def test_a_leaving_node_waits_for_its_state_to_be_taken_or_for_nobody_to_want_it
         "the new plan's nodes took the state from another holder"
     holder.forget_live()
     assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == "no live state to hand over"
+
+
+def test_a_checkpoint_pruned_between_the_check_and_the_read_is_not_found(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prune_checkpoints` runs beside the Peer server: a file gone after `is_file` answers KeyError (NOT_FOUND),
+    not a FileNotFoundError the server would turn into UNKNOWN."""
+    path = checkpoint_file(tmp_path, 6, (0, 2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"state")
+    holder = StateHolder(node_id="a", checkpoint_dir=tmp_path)
+    assert b"".join(c.data for c in holder.chunks(_request("checkpoint", 6, (0, 2)))) == b"state"
+    real = state_transfer._file_chunks
+
+    def pruned(p: Path, request):
+        p.unlink()  # the prune lands between the check and the read
+        return real(p, request)
+
+    monkeypatch.setattr(state_transfer, "_file_chunks", pruned)
+    with pytest.raises(KeyError, match="pruned"):
+        holder.chunks(_request("checkpoint", 6, (0, 2)))
