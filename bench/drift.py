@@ -18,6 +18,12 @@ Targets: a drift replan within `--check` x 3 + 60 s of the slowdown; the slowed 
 under the new plan than under the old (`DRIFT_GAIN_TARGET`); no step rolled back (the plan hands its state over
 live). Ends with `targets met: N/M`.
 
+`--regions N` splits the nodes over N regions trained as outer-mode replica groups (`--inner-steps` a round): a
+slowed node's group holds every round back, and the coordinator plans that group afresh from its recent speeds
+while the others run on. The last target then reads: the groups kept running lose no step, and the group planned
+afresh at most the round it was in (it starts again from the round's outer state, as a group joining live ones
+does).
+
 Needs root for the cgroup, and the machine to itself: the step times are wall times.
 """
 
@@ -42,7 +48,7 @@ DRIFT_GAIN_TARGET = 0.20
 """The slowed job's steps must be at least this much shorter under the drift's plan than under the first."""
 
 
-def _job(model: str, nodes: int, steps: int) -> str:
+def _job(model: str, nodes: int, steps: int, regions: int = 1, inner_steps: int = 5) -> str:
     from atoll.job import JobSpec
 
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
@@ -52,7 +58,14 @@ def _job(model: str, nodes: int, steps: int) -> str:
                   train=replace(job.train, steps=steps),
                   checkpoint=replace(job.checkpoint, interval=10),
                   cluster=replace(job.cluster, expected_nodes=nodes, min_nodes=nodes))
+    if regions > 1:  # replica groups, one per region, each round waiting for the slowest
+        job = replace(job, outer=replace(job.outer, mode="outer", inner_steps=inner_steps, deadline_seconds=60.0))
     return job.to_toml()
+
+
+def region_of(i: int, nodes: int, regions: int) -> str | None:
+    """The region of node i of `nodes` split evenly over `regions` (None: one region, no --region)."""
+    return f"lab-{chr(ord('a') + i * regions // nodes)}" if regions > 1 else None
 
 
 def _plans(cluster) -> list[tuple[int, float, str]]:
@@ -76,6 +89,27 @@ def _first_step(cluster, epoch: int) -> int | None:
                    default=None)
     finally:
         store.close()
+
+
+def _group_resumes(cluster, old: int, new: int) -> list[tuple[str, bool, int, int, int]]:
+    """Outer mode, per replica group of plan `new`: (name, kept running, the last step any of its nodes reported
+    under plan `old`, the first under `new`, its inner steps a round under `old` in the job's steps)."""
+    from atoll.coordinator.store import SqliteStore
+
+    store = SqliteStore(cluster.state_db)
+    try:
+        plans = {h.plan.epoch: h.plan for h in store.plan_history()}
+        steps = store.recent_steps(limit=store.recent_steps_kept)
+    finally:
+        store.close()
+    before, after = plans[old], plans[new]
+    out = []
+    for g in after.groups:
+        nodes = {n for p in g.pipelines for st in after.pipelines[p].stages for n in st.nodes}
+        last = max((m.step for m in steps if m.plan_epoch == old and m.node_id in nodes), default=-1)
+        first = min((m.step for m in steps if m.plan_epoch == new and m.node_id in nodes), default=-1)
+        out.append((g.name, 0 < g.since_epoch < new, last, first, before.outer.inner_steps if before.outer else 1))
+    return out
 
 
 def _median_step(times: dict[int, float], lo: int, hi: int) -> float | None:
@@ -106,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", type=float, default=10.0, help="seconds between the coordinator's drift checks")
     ap.add_argument("--settle", type=int, default=5, help="steps of the new plan left out of its median")
     ap.add_argument("--after", type=int, default=20, help="steps measured under the new plan")
+    ap.add_argument("--regions", type=int, default=1,
+                    help="split the nodes over this many regions, trained as outer-mode replica groups (default 1)")
+    ap.add_argument("--inner-steps", type=int, default=5, help="with --regions: inner steps per outer round")
     ap.add_argument("--out", help="folder for the run (default: a temporary one)")
     a = ap.parse_args(argv)
+    if not 1 <= a.regions <= a.nodes:
+        ap.error(f"--regions must be between 1 and --nodes ({a.nodes})")
     if os.geteuid() != 0 or not (CPU_CGROUP / "cpu.cfs_quota_us").is_file():
         print(f"bench.drift needs root and the cgroup v1 cpu controller at {CPU_CGROUP}")
         return 2
@@ -117,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="atoll-drift-"))
     job = out / "job.toml"
     out.mkdir(parents=True, exist_ok=True)
-    job.write_text(_job(a.model, a.nodes, a.steps))
+    job.write_text(_job(a.model, a.nodes, a.steps, a.regions, a.inner_steps))
     groups = {f"node{i}": CPU_CGROUP / f"atoll-drift-{os.getpid()}-{i}" for i in range(a.nodes)}
     cluster = LocalCluster(job_path=job, out=out / "cluster", profile_seconds=2.0)
-    print(f"{a.nodes} nodes training {a.model} on this machine; logs in {out}")
+    where = f" in {a.regions} regions (outer mode, {a.inner_steps} inner steps a round)" if a.regions > 1 else ""
+    print(f"{a.nodes} nodes{where} training {a.model} on this machine; logs in {out}")
     try:
         cluster.start_coordinator(extra=["--drift-every", str(a.check)])
-        for name, group in groups.items():
-            cluster.start_node(name)
+        for i, (name, group) in enumerate(groups.items()):
+            cluster.start_node(name, region=region_of(i, a.nodes, a.regions))
             _make_cgroup(group, a.share)
             (group / "cgroup.procs").write_text(str(cluster.procs[name].pid))
         cluster.wait_status(lambda s: s.plan.epoch >= 1 and len(cluster.losses()) >= a.before, 300,
@@ -147,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                             f"{a.after} steps under the new plan")
         resume = _first_step(cluster, status.plan.epoch)
         print(f"the new plan's first step: {resume}")
+        groups_resumed = _group_resumes(cluster, epoch0, status.plan.epoch) if a.regions > 1 else []
+        for name, kept, last, first, _ in groups_resumed:
+            print(f"  group {name}: {'kept running' if kept else 'planned afresh'}, its last step under the old "
+                  f"plan {last}, its first under the new {first}")
         alive = all(p.poll() is None for p in cluster.procs.values())
         times = dict(cluster._loss_times)  # noqa: SLF001 - each step's loss report time
     finally:
@@ -172,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
          f"the job was at step {at_plan} when the plan came and its first step was {resume}"
          + ("" if alive else "; a process exited")),
     ]
+    if groups_resumed:
+        # outer mode: a group kept running loses nothing; one planned afresh takes the outer state at its round's
+        # start (the average the groups agree on), losing at most the inner steps of the round it was in
+        ok = alive and all(first > last if kept else first >= last // inner * inner
+                           for _, kept, last, first, inner in groups_resumed)
+        targets[-1] = ("groups kept running lose no step, a group planned afresh at most its round in progress",
+                       ok, "; ".join(f"{name} {'kept' if kept else 'afresh'}: {last} -> {first}"
+                                     for name, kept, last, first, _ in groups_resumed)
+                       + ("" if alive else "; a process exited"))
     print()
     for what, ok, detail in targets:
         print(f"  [{'met' if ok else 'MISSED'}] {what}: {detail}")

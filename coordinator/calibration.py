@@ -17,7 +17,7 @@ swapping), not a speed, and the next plan should not be built around it.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from atoll.plan import Plan, shares
 from atoll.types import StepMetrics
@@ -70,17 +70,20 @@ def epoch_compute(plan: Plan, steps: Iterable[StepMetrics]) -> dict[str, list[fl
 
 
 def speed_factors(plan: Plan, steps: Iterable[StepMetrics], *, min_steps: int = MIN_STEPS,
-                  recent: int = 0) -> dict[str, float]:
+                  recent: int = 0, nodes: Collection[str] | None = None) -> dict[str, float]:
     """Measured over predicted compute per step for every node of `plan` with at least `min_steps` reports of
     its epoch after its first, the median over them (over the last `recent` of them when it is positive: the
-    speed now rather than over the epoch) (clamped, see the module). Nothing for an outer-mode plan:
-    a replan there keeps the replica groups that still run as they were planned, predictions and all, so
-    their nodes' factors would be compounded with a ratio they already hold."""
-    if plan.mode == "outer":
+    speed now rather than over the epoch) (clamped, see the module). Nothing for an outer-mode plan unless
+    `nodes` names whose: a replan there keeps the replica groups that still run as they were planned,
+    predictions and all, so their nodes' factors would be compounded with a ratio they already hold; a drift
+    replan names the nodes of the groups it plans afresh. `nodes`: only these (None: every node)."""
+    if plan.mode == "outer" and nodes is None:
         return {}
     expected = predicted_compute(plan)
     out: dict[str, float] = {}
     for node, kept in epoch_compute(plan, steps).items():
+        if nodes is not None and node not in nodes:
+            continue
         if recent > 0:
             kept = kept[-recent:]
         if len(kept) >= min_steps:

@@ -24,6 +24,13 @@ The coordinator checks the running epoch every `DriftOptions.interval`:
 
 After a drift replan the next check waits `interval` again and needs 2 x `min_steps` steps of the new epoch, so a
 drift replans once, not every interval. A node that became faster drifts too: the planner may give it more work.
+
+Outer mode (replica groups across regions): each round waits for the slowest group, so one slowed node holds every
+group back. The groups holding a node that slowed are planned afresh from their nodes' recent speeds (fewer inner
+steps a round, or their work rebalanced), every other group running on as it is (`planning.kept_groups`); the
+comparison is of tokens/s over the groups (`estimated_rate`: the running plan's groups at their slowest stages' new
+pace, through the planner's round simulation). A node that became faster replans nothing there: it holds no round
+back, and a group planned afresh starts again from the outer state at the start of its round in progress.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from atoll.plan import Plan
+from atoll.plan import PipelinePlan, Plan
 from atoll.types import StepMetrics
 
 DEFAULT_SWITCH_S = 30.0
@@ -93,15 +100,39 @@ def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
     plan's own cost model: each pipeline's predicted step scaled as its slowest stage's compute per micro-batch
     (a stage runs at its slowest node's pace), the slowest pipeline setting the step. Cycles of the slowest stage
     make most of a balanced pipeline's step; fill, drain and the all-reduce scale alike to first order."""
-    base = plan.predicted.step_time_s
+    return plan.predicted.step_time_s * _slowdown(plan.pipelines, factors)
+
+
+def _slowdown(pipelines: Iterable[PipelinePlan], factors: Mapping[str, float]) -> float:
+    """How many times longer the slowest of `pipelines` takes per micro-batch at its slowest stage when each
+    node's compute is scaled by its factor (1 without a prediction)."""
     worst = 0.0
-    for pipe in plan.pipelines:
+    for pipe in pipelines:
         before = max((st.compute_s for st in pipe.stages), default=0.0)
         after = max((st.compute_s * max((factors.get(n, 1.0) for n in st.nodes), default=1.0)
                      for st in pipe.stages), default=0.0)
         if before > 0:
             worst = max(worst, after / before)
-    return base * (worst or 1.0)
+    return worst or 1.0
+
+
+def estimated_rate(plan: Plan, factors: Mapping[str, float]) -> float:
+    """Tokens per second of `plan` with each node's compute scaled by its factor. A synchronous plan's at its
+    `estimated_step`. An outer-mode plan's from its replica groups' inner steps, each scaled as `estimated_step`
+    scales a plan (the group's slowest stage at its new pace), through the planner's round simulation
+    (`simulate_outer`: each group trains its inner steps, a round waits for the slowest, the exchange overlapped
+    as planned), so a slowed group holds every round back. 0 without a prediction."""
+    tokens = plan.global_batch * plan.seq_len
+    if plan.mode != "outer" or plan.outer is None or not plan.groups:
+        step = estimated_step(plan, factors)
+        return tokens / step if step > 0 else 0.0
+    if any(g.step_time_s <= 0 for g in plan.groups):
+        return 0.0
+    from atoll.coordinator.planner.simulator import simulate_outer  # the planner's, loaded with it
+
+    step_s = [g.step_time_s * _slowdown((plan.pipelines[p] for p in g.pipelines), factors) for g in plan.groups]
+    sim = simulate_outer(step_s, [g.inner_steps for g in plan.groups], plan.outer.sync_s, overlap=plan.outer.overlap)
+    return sim.tokens_per_s(tokens)
 
 
 def switch_seconds(history: Iterable[tuple[int, float]], steps: Iterable[StepMetrics]) -> float:
@@ -124,21 +155,22 @@ class SwitchVerdict:
 
 
 def switch_verdict(*, current_s: float, new_s: float, steps_left: int, switch_s: float,
-                   min_gain: float) -> SwitchVerdict:
+                   min_gain: float, per: str = "a step") -> SwitchVerdict:
     """Whether to move to the new plan: it must predict steps at least `min_gain` shorter, and the time saved
-    over `steps_left` must exceed the restart (`switch_s`)."""
+    over `steps_left` must exceed the restart (`switch_s`). `per`: what the times are of, as the reason says it
+    (an outer-mode plan's are of a global batch's tokens at its groups' joint rate)."""
     if new_s <= 0 or current_s <= 0:
         return SwitchVerdict(False, "no prediction to compare", 0.0)
     gain = 1.0 - new_s / current_s
     if gain < min_gain:
-        return SwitchVerdict(False, f"the best plan now predicts {new_s:.3g} s a step against {current_s:.3g} s, "
+        return SwitchVerdict(False, f"the best plan now predicts {new_s:.3g} s {per} against {current_s:.3g} s, "
                                     f"{gain:.0%} shorter (a switch needs {min_gain:.0%})", gain)
     saved = steps_left * (current_s - new_s)
     cost = switch_s
     if saved <= cost:
         return SwitchVerdict(False, f"the new plan would save {saved:.0f} s over the {steps_left} steps left, less "
                                     f"than switching costs ({cost:.0f} s)", gain)
-    return SwitchVerdict(True, f"the new plan predicts {new_s:.3g} s a step against {current_s:.3g} s ({gain:.0%} "
+    return SwitchVerdict(True, f"the new plan predicts {new_s:.3g} s {per} against {current_s:.3g} s ({gain:.0%} "
                                f"shorter), saving about {saved - cost:.0f} s over the {steps_left} steps left", gain)
 
 

@@ -47,6 +47,9 @@ class PlanInputs:
     intact are kept as they run, so a change in one region does not stop the others."""
     failed: frozenset[str] = frozenset()
     """Nodes that reported their run of the previous plan failed: their groups are replanned."""
+    replan: frozenset[str] = frozenset()
+    """Nodes whose replica group is planned afresh though it could run on (a drift replan: its devices no longer
+    run at the speeds it was planned for)."""
     checkpoint_copies: list[CheckpointCopy] = field(default_factory=list)
     """Alive nodes' copies of the `resume_step` checkpoint (checkpoint folders are local to each node)."""
     handover: Mapping[str, str] = field(default_factory=dict)
@@ -88,8 +91,8 @@ def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
 
 def kept_groups(inputs: PlanInputs) -> list[int]:
     """Replica groups of the previous outer-mode plan that run on unchanged: every node alive at the same
-    peer address, none reported a failure, and no other alive node in their region (a node joining a region
-    replans that region's group)."""
+    peer address, none reported a failure or is named in `replan`, and no other alive node in their region (a
+    node joining a region replans that region's group)."""
     prev = inputs.previous
     if prev is None or prev.mode != "outer" or inputs.job.outer.mode == "sync":
         return []
@@ -98,7 +101,7 @@ def kept_groups(inputs: PlanInputs) -> list[int]:
     for g, group in enumerate(prev.groups):
         nodes = {n for p in group.pipelines for st in prev.pipelines[p].stages for n in st.nodes}
         if not nodes or any(n not in inputs.members or plan_address(inputs.members[n]) != prev.node_addresses.get(n)
-                            or n in inputs.failed for n in nodes):
+                            or n in inputs.failed or n in inputs.replan for n in nodes):
             continue
         regions = {region[n] for n in nodes}
         others = {n for n in inputs.members if n not in nodes and region[n] in regions}

@@ -22,7 +22,7 @@ from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.history import sample_of
-from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_step, speed_changes,
+from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
                                     switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
@@ -545,7 +545,8 @@ class CoordinatorState:
         intervals: a drift no plan can help does not cost a planner run a minute on a large cluster)."""
         opts = self.options.drift
         self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
-        if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
+        outer = plan.mode == "outer" and plan.outer is not None and bool(plan.groups)
+        if not opts.enabled or (plan.mode != "sync" and not outer) or plan.predicted.step_time_s <= 0:
             return []
         nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
         steps = self.store.recent_steps(min(max(CALIBRATION_REPORTS_PER_NODE, 2 * opts.min_steps + 2) * nodes,
@@ -553,15 +554,36 @@ class CoordinatorState:
         off = drifted(speed_changes(epoch_compute(plan, steps), opts.min_steps), opts.threshold)
         if not off:
             return []
-        factors = speed_factors(plan, steps, min_steps=opts.min_steps, recent=opts.min_steps)
+        # outer mode: the replica groups of the nodes that slowed are planned afresh from their recent speeds (their
+        # nodes' factors; the others' predictions stand) and every other group runs on as it is (`kept_groups`). A
+        # node that became faster holds no round back, and a group planned afresh restarts at the start of the round
+        # it was in (the outer state the groups last agreed on), so only a slowdown is worth that
+        if outer:
+            slowed = {n for n, f in off.items() if f > 1.0}
+            groups = [{n for p in g.pipelines for st in plan.pipelines[p].stages for n in st.nodes}
+                      for g in plan.groups]
+            replan = frozenset(n for g in groups if not g.isdisjoint(slowed) for n in g)
+            if not replan:
+                return []
+        else:
+            replan = frozenset()
+        factors = speed_factors(plan, steps, min_steps=opts.min_steps, recent=opts.min_steps,
+                                nodes=replan if outer else None)
         at = max((m.step for m in steps if m.plan_epoch == plan.epoch), default=plan.resume_step)
         inputs = self._plan_inputs(alive, now, speed=compound(self.speed, factors))  # calibrated from the recent steps
+        if outer:
+            inputs = replace(inputs, replan=replan)
         new, how = self.planner(inputs)
-        verdict = switch_verdict(current_s=estimated_step(plan, factors), new_s=new.predicted.step_time_s,
+        # compared per global batch of tokens: a synchronous step, or an outer-mode plan's tokens/s over its groups
+        tokens = plan.global_batch * plan.seq_len
+        current_rate, new_rate = estimated_rate(plan, factors), estimated_rate(new, {})
+        verdict = switch_verdict(current_s=tokens / current_rate if current_rate > 0 else 0.0,
+                                 new_s=tokens / new_rate if new_rate > 0 else 0.0,
                                  steps_left=max(0, self.target_steps - at - 1),
                                  switch_s=switch_seconds([(h.plan.epoch, h.created_unix)
                                                           for h in self.store.plan_history()[-4:]], steps),
-                                 min_gain=opts.min_gain)
+                                 min_gain=opts.min_gain,
+                                 per="a global batch over the replica groups" if outer else "a step")
         if not verdict.go:
             log.info("drift: %s; not replanning: %s", describe(off), verdict.why)
             self._drift_backoff = min(2 * self._drift_backoff, DRIFT_BACKOFF_MAX)

@@ -8,16 +8,17 @@ import pytest
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator.calibration import predicted_compute
-from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_step,
+from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_rate, estimated_step,
                                      speed_changes, switch_seconds, switch_verdict)
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
+from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
-from atoll.plan import PipelinePlan, Plan, Prediction, StagePlan
+from atoll.plan import OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
 from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 from test_calibration import _profile
-from test_failure_replan import ROOT, Clock, plan_three
+from test_failure_replan import ROOT, TOKEN, Clock, plan_three
 
 
 def _plan(**stage1) -> Plan:
@@ -183,3 +184,95 @@ def test_a_node_too_slow_to_help_is_left_idle_and_hands_its_state_over() -> None
     assert any(slow in i.nodes for i in second.idle), second.idle
     # alive and idle, it holds the layers its last run left: the new plan's nodes are told to ask it
     assert second.handover == {slow: first.node_addresses[slow]}
+
+
+def _outer_state(steps: int = 400) -> tuple[CoordinatorState, Clock, dict[str, str]]:
+    """Four CPU nodes in two regions (two each) over a slow wide-area link, planned as two outer-mode replica
+    groups: node id -> region."""
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps),
+                  outer=replace(job.outer, mode="outer", inner_steps=10, deadline_seconds=30.0))
+    clock = Clock()
+    state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=clock,
+                             options=CoordinatorOptions(drift=DriftOptions()))
+    region: dict[str, str] = {}
+    for i in range(4):
+        p = _profile(f"h{i}")
+        p.region = "lab-a" if i < 2 else "lab-b"
+        n = h.handle_join(pb.JoinRequest(token=TOKEN, profile=p, peer_address=f"127.0.0.1:{5000 + i}"), state).node_id
+        region[n] = p.region
+    for n in region:
+        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+        h.handle_report_probes(pb.ProbeReport(node_id=n, links=[
+            pb.LinkMeasurement(src=n, dst=t.node_id, rtt_seconds=1e-4 if region[n] == region[t.node_id] else 0.05,
+                               bandwidth_bytes_per_s=2e9 if region[n] == region[t.node_id] else 2e6)
+            for t in reply.probe]), state)
+    state.tick()
+    assert state.epoch == 1
+    return state, clock, region
+
+
+def _group_of(plan: Plan, node: str) -> ReplicaGroup:
+    return next(g for g in plan.groups if any(node in st.nodes for p in g.pipelines for st in plan.pipelines[p].stages))
+
+
+def test_a_node_that_slows_down_in_outer_mode_has_its_group_replanned_while_the_other_runs_on() -> None:
+    """Outer mode: one node of lab-b computes 3x slower. Its group holds every round back (each round waits for
+    the slowest group), so the coordinator plans lab-b afresh from its recent speeds, keeping lab-a's group running
+    as it is (same since-epoch, nodes and cuts); the new plan predicts a faster round than the old one re-estimated."""
+    state, clock, region = _outer_state()
+    first = state.current_plan()
+    assert first.mode == "outer" and len(first.groups) == 2, first.mode
+    slow = next(n for n in sorted(region) if region[n] == "lab-b" and _layers(first, n) > 0)
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {slow: 3.0}, range(11, 24))
+    _later(state, clock, 61)
+    events = state.tick()
+    assert state.epoch == 2, events
+    assert any(f"drift: node {slow} computes 3.00x slower than planned" in e for e in events), events
+    second = state.current_plan()
+    assert second.mode == "outer" and len(second.groups) == 2
+    a_node = next(n for n in region if region[n] == "lab-a")
+    kept, old_a = _group_of(second, a_node), _group_of(first, a_node)
+    assert kept.since_epoch == (old_a.since_epoch or first.epoch) and kept.inner_steps == old_a.inner_steps
+    assert [[st.nodes for st in second.pipelines[p].stages] for p in kept.pipelines] == \
+        [[st.nodes for st in first.pipelines[p].stages] for p in old_a.pipelines]
+    b = _group_of(second, next(n for n in region if region[n] == "lab-b" and _layers(second, n) > 0))
+    assert b.since_epoch == 2
+    assert state.speed[slow] == pytest.approx(3.0) and all(state.speed.get(n, 1.0) == 1.0 for n in region
+                                                            if n != slow)
+    assert estimated_rate(second, {}) > 1.1 * estimated_rate(first, {slow: 3.0})
+    assert "drift" in state.store.plan_history()[-1].reason
+    # the new plan runs as it predicts: no further drift, no further plan
+    _run(state, clock, {}, range(24, 50))
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 2
+
+
+def test_a_node_that_becomes_faster_in_outer_mode_restarts_no_group() -> None:
+    """A faster node holds no round back, and a group planned afresh restarts at its round's start: no replan."""
+    state, clock, region = _outer_state()
+    first = state.current_plan()
+    fast = next(n for n in sorted(region) if region[n] == "lab-a" and _layers(first, n) > 0)
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {fast: 0.4}, range(11, 24))
+    _later(state, clock, 61)
+    assert state.tick() == [] and state.epoch == 1
+
+
+def test_outer_mode_is_re_estimated_at_its_slowest_groups_new_pace() -> None:
+    def pipe(nodes: list[str]) -> PipelinePlan:
+        return PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+            StagePlan(island="i", layers=(0, 3), nodes=[nodes[0]], compute_s=0.01),
+            StagePlan(island="i", layers=(3, 6), nodes=[nodes[1]], compute_s=0.01)])
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, mode="outer", pipelines=[pipe(["a1", "a2"]), pipe(["b1", "b2"])],
+                groups=[ReplicaGroup(name="a", pipelines=[0], inner_steps=10, step_time_s=0.1),
+                        ReplicaGroup(name="b", pipelines=[1], inner_steps=10, step_time_s=0.1)],
+                outer=OuterPlan(inner_steps=10, sync_s=0.5), predicted=Prediction(step_time_s=0.1))
+    base = estimated_rate(plan, {})
+    assert base == pytest.approx(2 * 16 * 64 / 0.1, rel=0.01)  # two groups, the exchange hidden behind a round
+    # b2 twice as slow: group b's steps take twice as long, and every round waits for it
+    assert estimated_rate(plan, {"b2": 2.0}) == pytest.approx(base / 2, rel=0.01)
+    # a synchronous plan: tokens over `estimated_step`
+    sync = replace(plan, mode="sync", groups=[], outer=None, pipelines=[pipe(["a1", "a2"])])
+    assert estimated_rate(sync, {"a1": 1.5}) == pytest.approx(16 * 64 / (0.1 * 1.5))

@@ -1,5 +1,6 @@
-"""Replanning on drift, end to end: `bench.drift` at a small size (a coordinator and three node processes, each in
-a cgroup of its own; one node's CPU quota cut mid-run). Needs root and the cgroup v1 cpu controller."""
+"""Replanning on drift, end to end: `bench.drift` at a small size (a coordinator and three node processes, or four in
+two regions as outer-mode replica groups, each in a cgroup of its own; one node's CPU quota cut mid-run). Needs root
+and the cgroup v1 cpu controller."""
 
 from __future__ import annotations
 
@@ -24,3 +25,18 @@ def test_a_node_slowed_mid_run_is_planned_around_without_rollback(tmp_path: Path
     rc = main(["--steps", "200", "--before", "16", "--settle", "3", "--after", "10", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "targets met: 3/3" in out, out
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(os.geteuid() != 0 or not (CPU_CGROUP / "cpu.cfs_quota_us").is_file(),
+                    reason="needs root and the cgroup v1 cpu controller (per-node CPU quotas)")
+def test_a_node_slowed_in_outer_mode_has_its_group_replanned_while_the_other_runs_on(tmp_path: Path, capsys) -> None:
+    """Two regions of two nodes as outer-mode replica groups; one node's quota cut: its group is planned afresh from
+    the measured speeds, the other group trains on through the replan, and the rounds are short again."""
+    from bench.drift import main
+
+    rc = main(["--nodes", "4", "--regions", "2", "--share", "0.45", "--quota", "0.1", "--steps", "200",
+               "--before", "16", "--settle", "3", "--after", "10", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "targets met: 3/3" in out and "kept running" in out and "planned afresh" in out, out
