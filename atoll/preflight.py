@@ -45,8 +45,8 @@ def usable_state_dir(path: Path, flag: str = "--state-dir") -> Path:
 def check_listen(address: str, flag: str) -> None:
     """SetupError when HOST:PORT cannot be listened on (the port is taken, or the host is not this machine's).
 
-    Port 0 (any free port) always passes. The check binds and closes a socket, so a port taken between the
-    check and the real bind still fails there, with a less friendly message.
+    Port 0 (any free port) checks the host alone. The check binds and closes a socket, so a port taken between
+    the check and the real bind still fails there, with a less friendly message.
     """
     host, _, port_text = address.rpartition(":")
     try:
@@ -55,9 +55,12 @@ def check_listen(address: str, flag: str) -> None:
         raise SetupError(f"{flag} {address!r} is not HOST:PORT") from None
     if not 0 <= port < 65536:
         raise SetupError(f"{flag} {address}: the port must be in 0-65535")
-    if port == 0:
-        return
-    host = host.strip("[]") or "0.0.0.0"
+    if not host:
+        raise SetupError(f"{flag} {address!r} has no host: give HOST:PORT, e.g. 0.0.0.0:{port} for every interface "
+                         f"or 127.0.0.1:{port} for this machine alone")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise SetupError(f"{flag} {address!r}: write an IPv6 host in brackets, e.g. [{host}]:{port}")
+    host = host.strip("[]")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -77,6 +80,60 @@ def check_listen(address: str, flag: str) -> None:
                                  f"above 1023") from None
             raise SetupError(f"{flag} {address}: cannot listen there ({e.strerror}); give an address of this "
                              f"machine") from None
+
+
+def check_dial_address(address: str, flag: str) -> None:
+    """SetupError unless `address` is HOST:PORT another machine can dial: a host, a port in 1-65535, an IPv6 host
+    in brackets, not a wildcard. Whether it resolves and answers is found out by dialling."""
+    host, _, port_text = address.rpartition(":")
+    example = f"give HOST:PORT, e.g. {flag} 10.0.0.5:7070"
+    if not host or not port_text.isdigit():
+        raise SetupError(f"{flag} {address!r} is not HOST:PORT; {example}")
+    if not 0 < int(port_text) < 65536:
+        raise SetupError(f"{flag} {address}: the port must be in 1-65535")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise SetupError(f"{flag} {address!r}: write an IPv6 host in brackets, e.g. [{host}]:{port_text}")
+    if host.strip("[]") in ("0.0.0.0", "::"):
+        raise SetupError(f"{flag} {address}: {host} is a wildcard (every interface), not an address to dial; {example}")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """SetupError when a file cannot be written at `path` (it is a folder, a part of its folder path is a file, or
+    the folder is not writable), so a command finds out before its work rather than after."""
+    path = Path(path)
+    if path.is_dir():
+        raise SetupError(f"{flag} {path} is a folder; give a file name (e.g. {path / 'out'})")
+    parent = path.parent
+    for up in (parent, *parent.parents):
+        if up.exists():
+            if not up.is_dir():
+                raise SetupError(f"{flag} {path}: {up} is a file, not a folder; give another path")
+            if not os.access(up, os.W_OK):
+                raise SetupError(f"{flag} {path}: this user ({_user()}) cannot write in {up}; give another path")
+            return
+
+
+def check_tls_pair(cert: Path, key: Path) -> None:
+    """SetupError unless `cert` holds PEM certificates and `key` the PEM private key of the first of them."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    for path, flag in ((cert, "--tls-cert"), (key, "--tls-key")):
+        if not Path(path).is_file():
+            raise SetupError(f"{flag} {path}: no such file")
+    try:
+        chain = x509.load_pem_x509_certificates(Path(cert).read_bytes())
+    except ValueError as e:
+        raise SetupError(f"--tls-cert {cert} holds no PEM certificate ({e})") from None
+    try:
+        private = serialization.load_pem_private_key(Path(key).read_bytes(), password=None)
+    except (ValueError, TypeError) as e:
+        raise SetupError(f"--tls-key {key} is not an unencrypted PEM private key ({e})") from None
+    pem = serialization.PublicFormat.SubjectPublicKeyInfo
+    if private.public_key().public_bytes(serialization.Encoding.PEM, pem) != \
+            chain[0].public_key().public_bytes(serialization.Encoding.PEM, pem):
+        raise SetupError(f"--tls-key {key} is not the key of --tls-cert {cert} (its first certificate); give the pair "
+                         "issued together")
 
 
 def _user() -> str:

@@ -8,6 +8,7 @@ different key cannot take over the id of a live node, before or after a restart.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -23,6 +24,8 @@ from atoll.rpc import MutualTls, TlsIdentity
 from atoll.tls import (BOOTSTRAP_CLIENT_NAME, CertificateAuthority, CertificateError, bootstrap_ca, cert_from_pem,
                        cert_to_pem, common_name, fingerprint, key_from_pem, key_to_pem, new_key, parse_csr,
                        public_key_id)
+
+log = logging.getLogger("atoll.coordinator.ca")
 
 CA_KEY, CA_CERT = "ca.key", "ca.pem"
 SERVER_KEY, SERVER_CERT = "server.key", "server.pem"
@@ -112,10 +115,15 @@ class JobAuthority:
         server_key, server_cert = state_dir / SERVER_KEY, state_dir / SERVER_CERT
         server = None
         if server_key.exists() and server_cert.exists():
-            cert = cert_from_pem(server_cert.read_bytes(), str(server_cert))
-            if ca.issued(cert):
-                server = TlsIdentity(server_key.read_bytes(), server_cert.read_bytes())
-        if server is None:  # first start, or a certificate of an earlier CA: make one under this CA
+            try:
+                cert = cert_from_pem(server_cert.read_bytes(), str(server_cert))
+                key = key_from_pem(server_key.read_bytes(), str(server_key))
+            except CertificateError as e:  # the server's identity is the CA's to issue again: nothing is lost
+                log.warning("%s; making a new server key and certificate under the job CA", e)
+            else:
+                if ca.issued(cert) and public_key_id(key.public_key()) == public_key_id(cert.public_key()):
+                    server = TlsIdentity(server_key.read_bytes(), server_cert.read_bytes())
+        if server is None:  # first start, a certificate of an earlier CA, or a damaged pair: make one under this CA
             key = new_key()
             _write_secret(server_key, key_to_pem(key))
             pem = cert_to_pem(ca.server_certificate(key))

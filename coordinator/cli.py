@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from atoll.argtypes import count, number, seconds
+
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -19,7 +21,7 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--state-dir", default="runs/coordinator", help="folder for the coordinator's SQLite state")
     p.add_argument("--token-file", help="file holding the job token (else $ATOLL_TOKEN, else one is generated "
                    "into STATE_DIR/token: copy that file to the nodes)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=count(least=0, most=65535, what="a port"), default=None,
                    help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback only; 0.0.0.0 for every interface)")
@@ -31,22 +33,22 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--insecure", action="store_true",
                    help="closed labs only: plaintext gRPC, no node certificates (any token holder can speak as any "
                    "node). By default the coordinator is a CA (STATE_DIR/ca.pem) and every call is mutual TLS")
-    p.add_argument("--lease", type=float, default=10.0, help="seconds a node stays alive without a heartbeat")
-    p.add_argument("--heartbeat-budget", type=float, default=2000.0, metavar="PER_SECOND",
+    p.add_argument("--lease", type=seconds(), default=10.0, help="seconds a node stays alive without a heartbeat")
+    p.add_argument("--heartbeat-budget", type=number(least=0, what="heartbeats a second"), default=2000.0, metavar="PER_SECOND",
                    help="heartbeats a second the coordinator takes from all nodes (default 2000): with more than "
                    "budget x lease/4 nodes the heartbeat interval and the lease stretch with the membership, so a "
                    "large job costs the coordinator the same; 0: a fixed cadence at any size")
-    p.add_argument("--join-settle", type=float, default=10.0,
+    p.add_argument("--join-settle", type=seconds(positive=False), default=10.0,
                    help="joins alone replan once no node has joined for this many seconds (at most 60 s after the "
                    "first), so a trickle of joins makes one new plan")
-    p.add_argument("--island-threshold", type=float, default=0.1,
+    p.add_argument("--island-threshold", type=number(above=0, most=1, what="a fraction"), default=0.1,
                    help="a link joins two nodes in one island when at least this fraction of the fastest link "
                    "measured (default 0.1: islands part at order-of-magnitude gaps)")
-    p.add_argument("--drift", type=float, nargs=2, default=(1.25, 0.10), metavar=("FACTOR", "GAIN"),
+    p.add_argument("--drift", type=number(), nargs=2, default=(1.25, 0.10), metavar=("FACTOR", "GAIN"),
                    help="replan when a node computes more than FACTOR times slower or faster than its plan predicted "
                    "and the new plan predicts steps at least GAIN shorter, worth more than the switch costs "
                    "(default 1.25 0.10)")
-    p.add_argument("--drift-every", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--drift-every", type=seconds(positive=False), default=60.0, metavar="SECONDS",
                    help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
                    "for drift")
     p.add_argument("--address-file", help="write the real HOST:PORT here once listening (for scripts and tests)")
@@ -83,6 +85,7 @@ def register_status(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "{\"error\": ...} with exit code 2")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                    help="ask again every SECONDS (default 2) until Ctrl-C")
+    # checked by the command, not argparse: with --json a bad value is answered in JSON too
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
     p.add_argument("--plot", metavar="FILE.png", help="write the whole job's loss curve (and validation loss) as a "
                    "PNG to FILE.png and exit")

@@ -31,7 +31,7 @@ from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, Planne
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store, StoreError
 from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
-from atoll.preflight import check_listen, usable_state_dir
+from atoll.preflight import SetupError, check_listen, check_output_file, check_tls_pair, usable_state_dir
 from atoll.job import JobSpec, resolve_token
 from atoll.coordinator.watches import PlanWatches, add_coordinator_to_server
 from atoll.coordinator.heartbeats import HeartbeatStreams
@@ -262,7 +262,11 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
     if state_dir is not None:
         path = state_dir / TOKEN_NAME
         if path.is_file():
-            return path.read_text(encoding="utf-8").strip(), str(path)
+            kept = path.read_text(encoding="utf-8").strip()
+            if not kept:
+                raise SetupError(f"{path} is empty: delete it to have a new token made, or write the job's token on "
+                                 f"its first line")
+            return kept, str(path)
         token = secrets.token_urlsafe(24)
         state_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, token + "\n")
@@ -276,8 +280,18 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     job = JobSpec.load(input_path(args.job))
     state_dir = usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
     check_listen(args.listen, "--listen")
-    if args.metrics_port:
-        check_listen(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
+    if args.rendezvous_host:
+        host = args.rendezvous_host
+        check_listen(f"[{host}]:0" if ":" in host and not host.startswith("[") else f"{host}:0", "--rendezvous-host")
+    if args.metrics_port is not None:
+        check_listen(f"{args.metrics_host}:{args.metrics_port}", "--metrics-host/--metrics-port")
+    if args.address_file:
+        check_output_file(Path(args.address_file), "--address-file")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SetupError("--tls-cert and --tls-key go together: give both, or neither (the job CA then signs the "
+                         "coordinator's certificate)")
+    if args.tls_cert:
+        check_tls_pair(Path(args.tls_cert), Path(args.tls_key))
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
     if not args.heartbeat_budget >= 0:
         log.error("--heartbeat-budget must be a number of heartbeats a second, or 0 for a fixed cadence; got %s",

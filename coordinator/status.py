@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from atoll.coordinator.calibration import predicted_compute, spread
 from atoll.coordinator.history import draw_history, from_proto, sparkline
 from atoll.job import resolve_token
+from atoll.argtypes import MAX_SECONDS
 from atoll.serde import plan_from_proto
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import bootstrap_rpc, find_ca
@@ -28,6 +29,9 @@ def fetch_status(address: str, *, token: str | None, timeout: timedelta = timede
                  rpc: RpcOptions | None = None, history_points: int = 0) -> pb.StatusReply:
     """Ask the coordinator at `address` (with at most `history_points` points of the loss history; 0: enough
     for a sparkline); raises ConnectionError / PermissionError with what to do."""
+    from atoll.preflight import check_dial_address
+
+    check_dial_address(address, "--coordinator")  # a malformed address is said at once, not after the timeout
     channel = make_channel(address, rpc, token=token)
     try:
         # wait_for_ready: a coordinator that is (re)starting gets the whole timeout to come up
@@ -39,8 +43,11 @@ def fetch_status(address: str, *, token: str | None, timeout: timedelta = timede
         if code == grpc.StatusCode.UNAUTHENTICATED:
             raise PermissionError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            from atoll.netcheck import diagnose
+
+            tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
             raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}); check --coordinator (and --tls-ca if it serves TLS)") from None
+                                  f"({code.name}): {diagnose(address, tls=tls)}") from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()
@@ -324,8 +331,10 @@ def run_status_cli(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    if args.watch is not None and args.watch <= 0:
+    if args.watch is not None and not 0 < args.watch <= MAX_SECONDS:  # NaN fails too
         raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
+    if not 0 < args.timeout <= MAX_SECONDS:
+        raise ValueError(f"--timeout takes a positive number of seconds, got {args.timeout:g}")
     token = resolve_token(args.token, args.token_file)
     rpc = None
     if not getattr(args, "insecure", False):

@@ -80,9 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         logging.getLogger("atoll").warning("interrupted")
         return 130
-    except (ValueError, FileNotFoundError, PermissionError, TimeoutError, ConnectionError) as e:
-        # errors meant for the person at the terminal: say what is wrong, without a traceback
-        logging.getLogger("atoll").error("%s", e)
+    except (ValueError, OverflowError, OSError) as e:  # OSError: a missing file, a folder, a busy port, a timeout
+        # errors meant for the person at the terminal: say what is wrong, without a traceback (-vv shows it)
+        log = logging.getLogger("atoll")
+        log.error("%s", e)
+        log.debug("raised here", exc_info=True)
         return 2
 
 

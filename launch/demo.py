@@ -17,6 +17,8 @@ import signal
 import time
 from pathlib import Path
 
+from atoll.argtypes import count, seconds
+
 log = logging.getLogger("atoll.launch.demo")
 
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -33,14 +35,14 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         "unless --resume is given.")
     p.add_argument("--job", default="examples/tiny.toml",
                    help="job spec (default: examples/tiny.toml, the tiny GPT installed with atoll)")
-    p.add_argument("--nodes", type=int, default=3, help="nodes to start (default: 3)")
+    p.add_argument("--nodes", type=count(most=64, what="a node count"), default=3, help="nodes to start (default: 3)")
     p.add_argument("--out", default="runs/demo", help="output folder: logs, state, checkpoints, pictures "
                    "(default: runs/demo)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (one stopped early) instead of starting a fresh one")
-    p.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--stall-timeout", type=seconds(), default=300.0, metavar="SECONDS",
                    help="give up when no step has finished for this long, start-up included (default: 300)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=seconds(), default=None, metavar="SECONDS",
                    help="give up after this long in all (default: no limit, however many steps the job has)")
     p.set_defaults(func=run_demo)
 

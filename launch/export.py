@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from atoll.argtypes import count, number
 from atoll.fsutil import atomic_write_bytes, atomic_write_text
 
 SHARD_BYTES = 2 * 1024**3
@@ -107,10 +108,10 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
         description="Gather the stages of a checkpoint into a Hugging Face folder (safetensors, config.json, "
         "generation_config.json, the tokenizer) that transformers.AutoModelForCausalLM.from_pretrained loads.")
     p.add_argument("--checkpoint-dir", required=True, help="the nodes' --checkpoint-dir (holding step-NNNNNNNN/)")
-    p.add_argument("--step", type=int, required=True, help="the checkpoint's step (a complete one)")
+    p.add_argument("--step", type=count(least=0, what="a step"), required=True, help="the checkpoint's step (a complete one)")
     p.add_argument("--out", required=True, help="the folder to write (created if missing)")
     p.add_argument("--tokenizer", help="the job's tokenizer.json, copied into the folder")
-    p.add_argument("--shard-size", type=float, default=SHARD_BYTES / 1024**3,
+    p.add_argument("--shard-size", type=number(above=0, most=1024, what="a size in GiB"), default=SHARD_BYTES / 1024**3,
                    help="largest safetensors shard in GiB (default: 2)")
     p.set_defaults(func=_run)
 

@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import grpc
 
+from atoll.argtypes import count, seconds
+
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -26,7 +28,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     extend = actions.add_parser("extend", help="train N more steps than planned",
                                 description="Move the job's end N steps later; the nodes train on. Steps past the "
                                 "spec's train.steps train at the schedule's final learning rate.")
-    extend.add_argument("--steps", type=int, required=True, help="steps to add")
+    extend.add_argument("--steps", type=count(what="a step count"), required=True, help="steps to add")
     for a in (stop, extend):
         a.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
         a.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
@@ -34,7 +36,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         a.add_argument("--tls-ca", help="the job CA (the coordinator's STATE_DIR/ca.pem; default: ca.pem beside "
                        "--token-file)")
         a.add_argument("--insecure", action="store_true", help="the coordinator runs --insecure (plaintext)")
-        a.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+        a.add_argument("--timeout", type=seconds(), default=10.0, help="seconds to wait for the answer")
         a.set_defaults(func=run_job_cli)
 
 
@@ -46,6 +48,9 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
     from atoll.v1 import atoll_pb2 as pb
     from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
+    from atoll.preflight import check_dial_address
+
+    check_dial_address(address, "--coordinator")  # a malformed address is said at once, not after the timeout
     channel = make_channel(address, rpc, token=token)
     try:
         return pb_grpc.CoordinatorStub(channel).ControlJob(pb.JobControlRequest(action=action, steps=steps),
@@ -57,8 +62,11 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             raise ValueError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            from atoll.netcheck import diagnose
+
+            tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
             raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}); check --coordinator (and --tls-ca if it serves TLS)") from None
+                                  f"({code.name}): {diagnose(address, tls=tls)}") from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()

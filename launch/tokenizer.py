@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from atoll.argtypes import count
+
 
 def register(sub) -> None:  # type: ignore[no-untyped-def]
     p = sub.add_parser("tokenizer", help="train a tokenizer for a job's [data] tokenizer",
@@ -16,16 +18,21 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
         "model.vocab_size to at least the vocabulary size.")
     t.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
                    help="text (.txt), JSONL (.jsonl), Parquet (.parquet) files or datasets folders")
-    t.add_argument("--vocab-size", type=int, required=True, help="tokens in the vocabulary (at least 257)")
+    t.add_argument("--vocab-size", type=count(least=257, most=10_000_000, what="a vocabulary size"), required=True,
+                   help="tokens in the vocabulary (at least 257)")
     t.add_argument("--out", required=True, help="where to write tokenizer.json")
     t.add_argument("--field", default="text", help="JSONL key or column holding the text (default: text)")
-    t.add_argument("--min-frequency", type=int, default=2, help="fewest occurrences of a merged pair (default: 2)")
+    t.add_argument("--min-frequency", type=count(least=1, most=2**31, what="an occurrence count"), default=2, help="fewest occurrences of a merged pair (default: 2)")
     t.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from atoll.node.tokenizer import ProgressLine, train_bpe
+    from pathlib import Path
 
+    from atoll.node.tokenizer import ProgressLine, train_bpe
+    from atoll.preflight import check_output_file
+
+    check_output_file(Path(args.out), "--out")  # before the corpus is read, not after
     progress = ProgressLine()
     seen = [0, 0]
 

@@ -35,7 +35,7 @@ from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.plan import Plan
-from atoll.preflight import check_listen, usable_state_dir
+from atoll.preflight import check_dial_address, check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import CertificateError, cert_from_pem, find_ca, fingerprint
 from atoll.serde import (link_to_proto, plan_from_packed, plan_from_proto, profile_to_proto,
@@ -888,8 +888,16 @@ def run_node_cli(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
+    if args.checkpoint_dir:
+        usable_state_dir(Path(args.checkpoint_dir), "--checkpoint-dir")
     if not args.no_listen:
         check_listen(args.listen, "--listen")
+    check_dial_address(args.coordinator, "--coordinator")
+    if args.advertise:
+        check_dial_address(args.advertise, "--advertise")
+    from atoll.node.profiler import parse_device
+
+    parse_device(args.device)  # a typo, or a GPU this machine lacks, is said now, not once the coordinator answers
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")

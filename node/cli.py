@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from atoll.argtypes import count, number, seconds
+
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
@@ -33,7 +35,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "share its network card, so the coordinator measures what each gets while all send at once, and "
                    "[cluster] host_tp runs tensor parallelism among them. Give it where containers each have a "
                    "hostname of their own (docker), the same for every node of one machine")
-    p.add_argument("--wan-latency-ms", type=float, default=0.0,
+    p.add_argument("--wan-latency-ms", type=number(least=0, most=60_000, what="milliseconds"), default=0.0,
                    help="testbeds only: hold each tensor sent to a peer of another region this many ms, to emulate a "
                    "wide-area link's one-way latency where the kernel cannot delay packets (default 0: off)")
     p.add_argument("--checkpoint-dir", help="this node's own checkpoint folder: its checkpoints and the copies it keeps "
@@ -45,10 +47,10 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="accept no connections (behind NAT or a firewall): this node opens the streams to its "
                    "neighbours itself, and a node that accepts connections relays between it and others like it. "
                    "Without it, the coordinator dials --advertise back at join and tells the node what it found"),
-    p.add_argument("--profile-seconds", type=float, default=3.0, help="time budget of the start-up profile")
+    p.add_argument("--profile-seconds", type=seconds(most=3600), default=3.0, help="time budget of the start-up profile")
     p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files of every step under DIR/<node "
                    "id>/ (overrides [train] tensorboard_dir; needs the tensorboard package: atoll[tensorboard])")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=count(most=4096, what="a thread count"), default=None,
                    help="CPU threads torch may use (default: torch's choice, one per core). With several nodes on "
                    "one machine give each cores / nodes, or they slow each other down many times over")
     p.set_defaults(func=_run_node)

@@ -1,7 +1,7 @@
 """What a node says when it cannot reach its coordinator: which step of the path failed and what to check.
 
-`diagnose` looks at the path below gRPC (the name resolves, the port accepts a TCP connection) so the
-message can tell a typo from a stopped coordinator, a firewall or a TLS mismatch. `FirstContactWatch`
+`diagnose` (`atoll.netcheck`) looks at the path below gRPC (the name resolves, the port accepts a TCP connection)
+so the message can tell a typo from a stopped coordinator, a firewall or a TLS mismatch. `FirstContactWatch`
 says it once, a few seconds into the first contact, while the agent keeps retrying.
 """
 
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+
+from atoll.netcheck import diagnose
+
+__all__ = ["FIRST_CONTACT_WARNING", "FirstContactWatch", "diagnose", "process_age"]
 
 log = logging.getLogger("atoll.node")
 
@@ -31,39 +34,6 @@ def process_age() -> float:
         return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start time in ticks
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2)) -> str:
-    """A line saying why HOST:PORT may not answer as a coordinator, and what to check."""
-    host, _, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
-              f"firewall between here and there drops that port, and TLS (--tls-ca exactly when the coordinator "
-              f"runs with TLS)")
-    if not host or not port_text.isdigit():
-        return f"{address!r} is not HOST:PORT; give --coordinator as HOST:PORT"
-    try:
-        infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        return f"the host name {host!r} does not resolve ({e.strerror}); check the address (--coordinator)"
-    try:
-        family, kind, proto, _, sockaddr = infos[0]
-        with socket.socket(family, kind, proto) as s:
-            s.settimeout(timeout.total_seconds())
-            s.connect(sockaddr)
-    except ConnectionRefusedError:
-        return (f"{host} refuses connections on port {port_text}: nothing listens there. Is the coordinator "
-                f"running, and on that port (its --listen)?")
-    except (socket.timeout, TimeoutError):
-        return (f"no answer from {host}:{port_text} within {timeout.total_seconds():.0f}s: a firewall may drop the "
-                f"packets, or the address is not the coordinator's; {checks}")
-    except OSError as e:
-        return f"cannot connect to {host}:{port_text} ({e.strerror or e}); {checks}"
-    if tls:
-        return (f"{address} accepts connections but the TLS handshake or the call failed: check that --tls-ca is "
-                f"the coordinator's certificate authority and that the coordinator runs with TLS")
-    return (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
-            f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
 
 
 class FirstContactWatch:
