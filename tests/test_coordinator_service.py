@@ -30,15 +30,19 @@ def profile(host: str = "h1") -> pb.NodeProfile:
                           memory_total_bytes=16 << 30, memory_free_bytes=8 << 30, cpu_count=4)
 
 
+def _start(dial_back: bool) -> CoordinatorService:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)),
+                              dial_back=dial_back)
+    return CoordinatorService(job=job, token=TOKEN, options=opts,
+                              config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0,
+                                                   tick=timedelta(milliseconds=50))).start()
+
+
 @pytest.fixture(scope="module")
 def service() -> Iterator[CoordinatorService]:
-    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
     # the joins below advertise placeholder addresses nobody listens on: trust them instead of dialing back
-    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)),
-                              dial_back=False)
-    svc = CoordinatorService(job=job, token=TOKEN, options=opts,
-                             config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0,
-                                                  tick=timedelta(milliseconds=50))).start()
+    svc = _start(dial_back=False)
     yield svc
     svc.stop()
 
@@ -97,12 +101,7 @@ def test_bad_joins_get_their_status_codes(service: CoordinatorService, request_:
 def test_a_malformed_address_is_refused_before_the_coordinator_dials_it() -> None:
     """With dial-back on, a port past 65535 (which `socket.create_connection` answers with OverflowError) or a
     wildcard is INVALID_ARGUMENT, never dialled and never an UNKNOWN; a well-formed closed port still joins."""
-    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    opts = CoordinatorOptions(membership=MembershipOptions(lease=timedelta(seconds=30), settle=timedelta(0)),
-                              dial_back=True)
-    svc = CoordinatorService(job=job, token=TOKEN, options=opts,
-                             config=ServiceConfig(listen="127.0.0.1:0", metrics_port=0,
-                                                  tick=timedelta(milliseconds=50))).start()
+    svc = _start(dial_back=True)
     try:
         for address in ("127.0.0.1:1180591620717411303424", "127.0.0.1:0", "0.0.0.0:7000", "no-port"):
             req = pb.JoinRequest(token=TOKEN, profile=profile("bad"), peer_address=address)
