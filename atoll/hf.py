@@ -31,11 +31,12 @@ Presets (`HF_PRESETS`) hold the published config.json of well-known models, so a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atoll.modelspec import ModelConfig
+from atoll.modelspec import SIZE_LIMITS, ModelConfig, read_text_file, shown
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 BASE_PREFIX = {"llama": "model.", "qwen2": "model.", "gpt2": "transformer."}
@@ -73,18 +74,66 @@ class HfConfigError(ValueError):
     """A Hugging Face config.json that Atoll cannot train; the message says which field and what to change."""
 
 
+_MISSING = object()
+
+
 def _need(d: dict[str, Any], key: str, where: str) -> Any:
     if d.get(key) is None:
         raise HfConfigError(f"{where}: config.json has no {key!r}; it is needed for model_type {d.get('model_type')!r}")
     return d[key]
 
 
+def _int(d: dict[str, Any], key: str, where: str, size: str, default: Any = _MISSING, label: str = "") -> Any:
+    """`d[key]`, an integer from 1 to the limit of the ModelConfig field `size` (`SIZE_LIMITS`); absent or null:
+    `default` (none given: the key is needed). `label` names the key in errors (default: the key)."""
+    value = d.get(key)
+    if value is None:
+        return _need(d, key, where) if default is _MISSING else default
+    limit = SIZE_LIMITS[size]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= limit:
+        raise HfConfigError(f"{where}: {label or key} must be an integer from 1 to {limit:,} (a generous limit no "
+                            f"real model meets), got {shown(value)}")
+    return value
+
+
+def _float(d: dict[str, Any], key: str, where: str, default: float, label: str = "") -> float:
+    """`d[key]` as a finite positive float; absent or null: `default`."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise HfConfigError(f"{where}: {label or key} must be a finite positive number, got {shown(value)}")
+    return float(value)
+
+
+def _bool(d: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    """`d[key]`, true or false; absent or null: `default`."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise HfConfigError(f"{where}: {key} must be true or false, got {shown(value)}")
+    return value
+
+
+def _object(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """`d[key]`, a JSON object; absent or null: an empty one."""
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise HfConfigError(f"{where}: {key} must be an object ({{\"rope_type\": ..., ...}}) or null, got "
+                            f"{shown(value)}")
+    return value
+
+
 def _rope(d: dict[str, Any], where: str) -> tuple[float, tuple[float, float, float, int] | None]:
     """(theta, llama3 scaling) from either the transformers v4 fields (rope_theta, rope_scaling) or v5's
     rope_parameters."""
-    params = d.get("rope_parameters") or {}
-    theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
-    scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    params = _object(d, "rope_parameters", where)
+    theta = _float(d, "rope_theta", where, _float(params, "rope_theta", where, 10000.0, "rope_parameters.rope_theta"))
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    scaling = _object(d, "rope_scaling", where) or (params if params.get("rope_type", "default") != "default" else None)
     if not scaling:
         return theta, None
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -92,52 +141,73 @@ def _rope(d: dict[str, Any], where: str) -> tuple[float, tuple[float, float, flo
         return theta, None
     if kind != "llama3":
         raise HfConfigError(f"{where}: rope scaling of type {kind!r} is not supported (only 'llama3' and none)")
-    return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
-                   int(scaling["original_max_position_embeddings"]))
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in names if scaling.get(k) is None]
+    if missing:
+        raise HfConfigError(f"{where}: {key} of type 'llama3' has no {', '.join(missing)}; it needs {', '.join(names)}")
+    factor, low, high = (_float(scaling, k, where, 0.0, f"{key}.{k}") for k in names[:3])
+    return theta, (factor, low, high, _int(scaling, names[3], where, "seq_len", label=f"{key}.{names[3]}"))
 
 
 def config_from_hf(d: dict[str, Any], *, name: str | None = None, where: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a Hugging Face config.json (a dict); `where` names it in errors.
+    """The ModelConfig of a Hugging Face config.json (a dict); `where` names it in errors, each an HfConfigError
+    of one line naming the key and what it should be.
 
     Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) equals full causal attention on
     sequences no longer than the window, so such a model's seq_len is capped at its window.
     """
+    if not isinstance(d, dict):
+        raise HfConfigError(f"{where} must hold a JSON object, got {shown(d)}")
+    try:
+        return _config_from_hf(d, name, where)
+    except HfConfigError:
+        raise
+    except ValueError as e:  # ModelConfig's own checks (heads that do not divide the width, ...)
+        raise HfConfigError(f"{where}: {e}") from None
+
+
+def _config_from_hf(d: dict[str, Any], name: str | None, where: str) -> ModelConfig:
     kind = d.get("model_type")
     if kind not in MODEL_TYPES:
-        raise HfConfigError(f"{where}: model_type {kind!r} is not supported; use one of {', '.join(MODEL_TYPES)}")
+        raise HfConfigError(f"{where}: model_type {shown(kind)} is not supported; use one of {', '.join(MODEL_TYPES)}")
     label = name or str(d.get("_name_or_path") or kind).rstrip("/").split("/")[-1] or kind
     if kind == "gpt2":
         act = d.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-            raise HfConfigError(f"{where}: activation_function {act!r} is not supported (gelu_new, gelu)")
-        if d.get("scale_attn_by_inverse_layer_idx"):
+            raise HfConfigError(f"{where}: activation_function {shown(act)} is not supported (gelu_new, gelu)")
+        if _bool(d, "scale_attn_by_inverse_layer_idx", where, False):
             raise HfConfigError(f"{where}: scale_attn_by_inverse_layer_idx is not supported; set it to false")
-        return ModelConfig(name=label, style="gpt", vocab_size=_need(d, "vocab_size", where),
-                           d_model=_need(d, "n_embd", where), n_layers=_need(d, "n_layer", where),
-                           n_heads=_need(d, "n_head", where), ffn_hidden=d.get("n_inner"),
-                           seq_len=_need(d, "n_positions", where), tied_head=bool(d.get("tie_word_embeddings", True)),
-                           norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), gelu_tanh=act != "gelu")
-    d_model, heads = _need(d, "hidden_size", where), _need(d, "num_attention_heads", where)
-    if d.get("head_dim") not in (None, d_model // heads):
-        raise HfConfigError(f"{where}: head_dim {d['head_dim']} differs from hidden_size / num_attention_heads "
+        return ModelConfig(name=label, style="gpt", vocab_size=_int(d, "vocab_size", where, "vocab_size"),
+                           d_model=_int(d, "n_embd", where, "d_model"), n_layers=_int(d, "n_layer", where, "n_layers"),
+                           n_heads=_int(d, "n_head", where, "n_heads"),
+                           ffn_hidden=_int(d, "n_inner", where, "ffn_hidden", None),
+                           seq_len=_int(d, "n_positions", where, "seq_len"),
+                           tied_head=_bool(d, "tie_word_embeddings", where, True),
+                           norm_eps=_float(d, "layer_norm_epsilon", where, 1e-5), gelu_tanh=act != "gelu")
+    d_model, heads = _int(d, "hidden_size", where, "d_model"), _int(d, "num_attention_heads", where, "n_heads")
+    head_dim = _int(d, "head_dim", where, "d_model", None)
+    if head_dim not in (None, d_model // heads):
+        raise HfConfigError(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads "
                             f"({d_model // heads}); Atoll's blocks need them equal")
     if d.get("hidden_act", "silu") != "silu":
-        raise HfConfigError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (silu)")
-    if d.get("mlp_bias"):
+        raise HfConfigError(f"{where}: hidden_act {shown(d['hidden_act'])} is not supported (silu)")
+    if _bool(d, "mlp_bias", where, False):
         raise HfConfigError(f"{where}: mlp_bias is not supported; set it to false")
-    if kind in ("llama", "mistral") and d.get("attention_bias"):
+    if kind in ("llama", "mistral") and _bool(d, "attention_bias", where, False):
         raise HfConfigError(f"{where}: attention_bias (biases on q, k, v and o) is not supported; Qwen2-style "
                             "q/k/v biases are (model_type qwen2)")
     theta, scaling = _rope(d, where)
-    seq_len = _need(d, "max_position_embeddings", where)
-    window = d.get("sliding_window") if (kind == "mistral" or d.get("use_sliding_window")) else None
+    seq_len = _int(d, "max_position_embeddings", where, "seq_len")
+    sliding = kind == "mistral" or _bool(d, "use_sliding_window", where, False)
+    window = _int(d, "sliding_window", where, "seq_len", None) if sliding else None
     if window:
-        seq_len = min(seq_len, int(window))
-    return ModelConfig(name=label, style="llama", vocab_size=_need(d, "vocab_size", where), d_model=d_model,
-                       n_layers=_need(d, "num_hidden_layers", where), n_heads=heads,
-                       n_kv_heads=d.get("num_key_value_heads") or None, ffn_hidden=_need(d, "intermediate_size", where),
-                       seq_len=seq_len, tied_head=bool(d.get("tie_word_embeddings", False)),
-                       qkv_bias=True if kind == "qwen2" else None, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        seq_len = min(seq_len, window)
+    return ModelConfig(name=label, style="llama", vocab_size=_int(d, "vocab_size", where, "vocab_size"),
+                       d_model=d_model, n_layers=_int(d, "num_hidden_layers", where, "n_layers"), n_heads=heads,
+                       n_kv_heads=_int(d, "num_key_value_heads", where, "n_kv_heads", None),
+                       ffn_hidden=_int(d, "intermediate_size", where, "ffn_hidden"), seq_len=seq_len,
+                       tied_head=_bool(d, "tie_word_embeddings", where, False),
+                       qkv_bias=True if kind == "qwen2" else None, norm_eps=_float(d, "rms_norm_eps", where, 1e-6),
                        rope_theta=theta, rope_scaling=scaling)
 
 
@@ -146,11 +216,12 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"no Hugging Face config at {p}: give the path of a config.json (or of its folder)")
+    text = read_text_file(p, "Hugging Face config", "give the path of a config.json (or of its folder)", HfConfigError)
     try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        d = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, or an integer too long to read
         raise HfConfigError(f"{p} is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise HfConfigError(f"{p} must hold a JSON object")

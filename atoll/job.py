@@ -21,7 +21,9 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
     [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training),
                   host_tp (true: tensor parallelism over the nodes that share a machine)
 
-Every error names the field (`train.micro_batch`) and says what to change.
+Every error names the field (`train.micro_batch`) and says what to change. Numbers are bounded where a real job
+never goes (`MAX_STEPS` and the others below, `atoll.modelspec.SIZE_LIMITS` for the model), so that what the spec
+asks for fits the wire's integers and torch's, and every float is finite.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -36,7 +39,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.modelspec import SIZE_LIMITS, ModelConfig, ModelSpec, preset, read_text_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -47,6 +50,30 @@ CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk")
 COMPRESSION_MODES = ("adaptive", *CODECS)
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+MAX_STEPS = 10**12
+"""The most steps a spec's step count may name (train.steps, warmup, eval_every, loss_scale_window,
+checkpoint.interval and keep): far beyond any real job, well inside the 64-bit step counters of the wire."""
+MAX_GLOBAL_BATCH = 10**8
+"""The most sequences per optimizer step (train.global_batch, so micro_batch too): far beyond any real job; the
+plan sends both as 32-bit integers."""
+MAX_TOKENS = 2**63 - 1
+"""The most tokens a job may train (train.steps x global_batch x seq_len): nodes and the coordinator count them
+in 64-bit integers."""
+MAX_SEED = 2**40 - 1
+"""The largest train.seed: nodes seed torch generators with seed x 1,000,003 plus an index (a layer, a step, a
+held-out batch past 2**62), which must fit a signed 64-bit integer."""
+MAX_NODES = 1_000_000
+"""The most nodes (one a GPU) cluster.expected_nodes and checkpoint.replicas may name."""
+MAX_EVAL_BATCHES = 1_000_000
+"""The most global batches in one validation pass (train.eval_batches)."""
+MAX_ROUND_STEPS = 10**9
+"""The most inner steps of an outer round (outer.inner_steps, apply_after): the plan sends them as 32-bit
+integers."""
+MAX_LOSS_SCALE = 2.0**64
+"""The largest fp16 loss scale (train.loss_scale): scales in use are near 2**16, and torch keeps it in fp32."""
+MAX_DEADLINE_SECONDS = 10**7
+"""The longest outer.deadline_seconds (about 116 days)."""
 
 
 TOKEN_ENV = "ATOLL_TOKEN"
@@ -62,11 +89,14 @@ def resolve_token(token: str | None = None, token_file: str | Path | None = None
         return token
     if token_file:
         path = Path(token_file)
+        if path.is_dir():
+            raise IsADirectoryError(f"token file {path} is a folder, not a file; pass the file that holds the job "
+                                    f"token (runs/coordinator/token in a coordinator's state dir)")
         if not path.is_file():
             raise FileNotFoundError(f"token file {path}: no such file. A coordinator started without --token-file "
                                     f"writes its token into its state dir (runs/coordinator/token by default): copy "
                                     f"that file here, or put a secret of your own on its first line")
-        text = path.read_text(encoding="utf-8").strip()
+        text = read_text_file(path, "token file", "pass the file that holds the job token").strip()
         if not text:
             raise ValueError(f"token file {path} is empty; put the job token on its first line")
         return text
@@ -80,6 +110,25 @@ class JobSpecError(ValueError):
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise JobSpecError(message)
+
+
+def _check_at_most(section: str, obj: Any, limits: dict[str, tuple[int | float, str]]) -> None:
+    """Each named field of `obj` at most its limit; `limits` maps a field to (limit, why a real job never
+    meets it)."""
+    for name, (limit, why) in limits.items():
+        value = getattr(obj, name)
+        _check(value <= limit, f"{section}.{name} must be at most {limit:,} ({why}), got {value}")
+
+
+def _check_finite(section: str, obj: Any) -> None:
+    """Every float field of `obj` finite: TOML reads inf and nan, which no field takes."""
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        _check(not isinstance(value, float) or math.isfinite(value),
+               f"{section}.{f.name} must be a finite number, got {value}")
+
+
+_NEVER = "far beyond any real job"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +152,7 @@ class DataSpec:
     """A separate held-out source (same kinds as `source`); "": none, or `validation_fraction` of `source`."""
 
     def __post_init__(self) -> None:
+        _check_finite("data", self)
         _check(bool(self.source.strip()), 'data.source is empty: use "builtin" or the path of a text file')
         _check(self.tokenizer == "bytes" or self.tokenizer.endswith(".json"),
                f'data.tokenizer must be "bytes" or the path of a tokenizer.json, got {self.tokenizer!r}')
@@ -169,8 +219,18 @@ class TrainSpec:
     overrides it per machine)."""
 
     def __post_init__(self) -> None:
+        _check_finite("train", self)
         for name in ("global_batch", "seq_len", "micro_batch", "steps"):
             _check(getattr(self, name) > 0, f"train.{name} must be positive, got {getattr(self, name)}")
+        _check_at_most("train", self, {
+            "steps": (MAX_STEPS, _NEVER), "global_batch": (MAX_GLOBAL_BATCH, _NEVER),
+            "seq_len": (SIZE_LIMITS["seq_len"], "the longest model.seq_len"),
+            "eval_every": (MAX_STEPS, _NEVER), "eval_batches": (MAX_EVAL_BATCHES, _NEVER),
+            "loss_scale_window": (MAX_STEPS, _NEVER)})
+        _check(self.steps * self.global_batch * self.seq_len <= MAX_TOKENS,
+               f"train.steps x train.global_batch x train.seq_len (the tokens the job trains) must be at most "
+               f"{MAX_TOKENS:,} (they are counted in 64-bit integers), got "
+               f"{self.steps * self.global_batch * self.seq_len:,}; lower train.steps")
         _check(self.global_batch % self.micro_batch == 0,
                f"train.micro_batch ({self.micro_batch}) must divide train.global_batch ({self.global_batch})")
         _check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
@@ -180,10 +240,13 @@ class TrainSpec:
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0: no clipping), got {self.grad_clip}")
         _check(self.dtype in ("fp32", "bf16", "fp16"),
                f'train.precision (train.dtype) must be "fp32", "bf16" or "fp16", got {self.dtype!r}')
-        _check(self.loss_scale > 0 and self.loss_scale != float("inf"),
-               f"train.loss_scale must be a positive number, got {self.loss_scale}")
+        _check(0 < self.loss_scale <= MAX_LOSS_SCALE,
+               f"train.loss_scale must be a positive number at most 2**64 (scales in use are near 2**16), "
+               f"got {self.loss_scale}")
         _check(self.loss_scale_window >= 1, f"train.loss_scale_window must be >= 1, got {self.loss_scale_window}")
-        _check(self.seed >= 0, f"train.seed must be >= 0, got {self.seed}")
+        _check(0 <= self.seed <= MAX_SEED,
+               f"train.seed must be between 0 and 2**40 - 1 ({MAX_SEED:,}): nodes seed torch generators with "
+               f"seed x 1,000,003 + an index, which must fit a signed 64-bit integer; got {self.seed}")
         _check(self.eval_every >= 0, f"train.eval_every must be >= 0 (0: no validation), got {self.eval_every}")
         _check(self.eval_batches >= 1, f"train.eval_batches must be >= 1, got {self.eval_batches}")
         _check(self.schedule in ("1f1b", "gpipe"), f'train.schedule must be "1f1b" or "gpipe", got {self.schedule!r}')
@@ -210,6 +273,8 @@ class CheckpointSpec:
         _check(self.interval >= 0, f"checkpoint.interval must be >= 0 (0: none), got {self.interval}")
         _check(self.keep >= 0, f"checkpoint.keep must be >= 0 (0: keep all), got {self.keep}")
         _check(self.replicas >= 0, f"checkpoint.replicas must be >= 0 (0: no copies), got {self.replicas}")
+        _check_at_most("checkpoint", self, {"interval": (MAX_STEPS, _NEVER), "keep": (MAX_STEPS, _NEVER),
+                                            "replicas": (MAX_NODES, _NEVER)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,6 +330,7 @@ class OuterSpec:
     30 s); a group that misses it is left out of the round."""
 
     def __post_init__(self) -> None:
+        _check_finite("outer", self)
         _check(self.mode in OUTER_MODES, f"outer.mode must be one of {', '.join(OUTER_MODES)}, got {self.mode!r}")
         _check(self.inner_steps >= 0, f"outer.inner_steps must be >= 0 (0: chosen by the planner), got "
                                       f"{self.inner_steps}")
@@ -274,6 +340,8 @@ class OuterSpec:
         _check(0 < self.topk_fraction <= 1, f"outer.topk_fraction must be in (0, 1], got {self.topk_fraction}")
         _check(self.deadline_seconds >= 0, f"outer.deadline_seconds must be >= 0, got {self.deadline_seconds}")
         _check(self.apply_after >= 0, f"outer.apply_after must be >= 0 (0: chosen from the plan), got {self.apply_after}")
+        _check_at_most("outer", self, {"inner_steps": (MAX_ROUND_STEPS, _NEVER), "apply_after": (MAX_ROUND_STEPS, _NEVER),
+                                       "deadline_seconds": (MAX_DEADLINE_SECONDS, "about 116 days")})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +360,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         _check(self.expected_nodes >= 1, f"cluster.expected_nodes must be >= 1, got {self.expected_nodes}")
+        _check_at_most("cluster", self, {"expected_nodes": (MAX_NODES, _NEVER)})
         _check(1 <= self.min_nodes <= self.expected_nodes,
                f"cluster.min_nodes must be between 1 and cluster.expected_nodes ({self.expected_nodes}), "
                f"got {self.min_nodes}")
@@ -347,10 +416,9 @@ class JobSpec:
     @classmethod
     def load(cls, path: str | Path) -> "JobSpec":
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"job spec {path} not found; pass a TOML file such as examples/tiny.toml")
+        text = read_text_file(path, "job spec", "pass a TOML file such as examples/tiny.toml", JobSpecError)
         try:
-            return cls.from_toml(path.read_text(encoding="utf-8"))
+            return cls.from_toml(text)
         except JobSpecError as e:
             raise JobSpecError(f"{path}: {e}") from None
 
@@ -360,6 +428,8 @@ class JobSpec:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise JobSpecError(f"not valid TOML: {e}") from None
+        except ValueError as e:  # an integer of thousands of digits, which Python refuses to read
+            raise JobSpecError(f"not readable TOML: {str(e).split(';')[0]}") from None
         known = {"job", "model", "data", "train", "checkpoint", "compression", "cluster", "outer"}
         unknown = sorted(set(doc) - known)
         _check(not unknown, f"unknown section(s) {unknown}; sections: {sorted(known)}")
@@ -457,7 +527,8 @@ class _Section:
         _check(not unknown, f"unknown field(s) {unknown} in [{self.name}]; fields: {sorted(known or self.used)}")
 
 
-_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "an array"}
 
 
 def _field_kind(annotation: Any) -> type:
@@ -506,7 +577,7 @@ def _model_from(sec: _Section) -> tuple[ModelConfig, str | None, str | None]:
         if hf_path or (pretrained and not all(r in overrides for r in required)):
             try:
                 base = config_from_file(hf_path or pretrained)
-            except FileNotFoundError as e:
+            except (OSError, ValueError) as e:  # missing, a folder, not UTF-8 or JSON, a field of the wrong type
                 raise JobSpecError(f"model.{'hf_config' if hf_path else 'pretrained'}: {e}") from None
             return replace(base, **overrides), None, pretrained
         required = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")

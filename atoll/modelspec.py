@@ -27,13 +27,49 @@ for the head, the final norm's input and output and the fp32 log-probabilities o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal
 
 Style = Literal["gpt", "llama"]
 LayerKind = Literal["embedding", "block", "head"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}
+
+
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": 10_000_000, "d_model": 1_000_000, "n_layers": 10_000, "n_heads": 1_000_000,
+    "n_kv_heads": 1_000_000, "ffn_hidden": 10_000_000, "seq_len": 100_000_000,
+}
+"""The largest value of each size field of a ModelConfig: generous stated limits, far above any published model
+(vocabularies of 256k tokens, widths near 20k, 126 blocks, contexts of 10M tokens), so that a typo is refused with
+its field named rather than the planner laying out that many layers or bytes."""
+
+REQUIRED_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
+"""The ModelConfig fields without a default."""
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """`repr(value)` cut to `width` characters, for an error message that quotes what it was given."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def read_text_file(path: str | Path, what: str, hint: str, error: type[ValueError] = ValueError) -> str:
+    """The UTF-8 text of the file at `path`, every failure one line naming it: `what` says what the file is
+    ("job spec", "model file") and `hint` what to pass instead. A missing path raises FileNotFoundError, a
+    folder IsADirectoryError, and bytes that are not UTF-8 `error`."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a folder, not a file; {hint}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} not found; {hint}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -82,17 +118,22 @@ class ModelConfig:
     """gpt style: the tanh approximation of GELU (GPT-2's gelu_new); None: the exact GELU."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        self._check_types()
+        for name, limit in SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if value is None:  # n_kv_heads, ffn_hidden: the style's usual value
+                continue
+            if value <= 0:
+                raise ValueError(f"model.{name} must be positive, got {value}")
+            if value > limit:
+                raise ValueError(f"model.{name} must be at most {limit:,} (a generous limit no real model meets), "
+                                 f"got {value}")
         if self.style not in ("gpt", "llama"):
             raise ValueError(f"model.style must be 'gpt' or 'llama', got {self.style!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
-        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+        if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads})")
-        if self.ffn <= 0:
-            raise ValueError(f"model.ffn_hidden must be positive, got {self.ffn}")
         if self.style == "gpt":
             for name in ("qkv_bias", "rope_theta", "rope_scaling"):
                 if getattr(self, name) is not None:
@@ -105,11 +146,46 @@ class ModelConfig:
         if self.rope_theta is not None and not self.rope_theta > 0:
             raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
         if self.rope_scaling is not None:
-            rs = tuple(self.rope_scaling)
-            if len(rs) != 4 or not all(isinstance(x, (int, float)) and x > 0 for x in rs) or rs[1] >= rs[2]:
+            rs = self.rope_scaling
+            if not 0 < rs[3] <= SIZE_LIMITS["seq_len"] or not all(x > 0 for x in rs[:3]) or rs[1] >= rs[2]:
                 raise ValueError("model.rope_scaling must be [factor, low_freq_factor, high_freq_factor, "
-                                 f"original_max_position_embeddings], positive, low < high; got {self.rope_scaling}")
-            object.__setattr__(self, "rope_scaling", (float(rs[0]), float(rs[1]), float(rs[2]), int(rs[3])))
+                                 "original_max_position_embeddings], positive, low < high, the last at most "
+                                 f"{SIZE_LIMITS['seq_len']:,}; got {list(rs)}")
+
+    def _check_types(self) -> None:
+        """Each field of its type (integers are not booleans, numbers are finite), a number written as an integer
+        made a float, and rope_scaling made a tuple; a field of another type is one ValueError naming it."""
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"model.{name} must be {expected}, got {shown(getattr(self, name))}")
+
+        for name in ("name", "style"):
+            if not isinstance(getattr(self, name), str):
+                fail(name, "a string")
+        for name in SIZE_LIMITS:
+            value = getattr(self, name)
+            if name in ("n_kv_heads", "ffn_hidden") and value is None:
+                continue
+            if not _is_int(value):
+                fail(name, "an integer" if name in REQUIRED_FIELDS else "an integer (or left out)")
+        if not isinstance(self.tied_head, bool):
+            fail("tied_head", "true or false")
+        for name in ("qkv_bias", "gelu_tanh"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                fail(name, "true or false (or left out)")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_number(value) or not math.isfinite(value):
+                fail(name, "a finite number (or left out)")
+            object.__setattr__(self, name, float(value))
+        if self.rope_scaling is not None:
+            rs = self.rope_scaling
+            if not (isinstance(rs, (list, tuple)) and len(rs) == 4 and _is_int(rs[3])
+                    and all(_is_number(x) and math.isfinite(x) for x in rs[:3])):
+                fail("rope_scaling", "a list [factor, low_freq_factor, high_freq_factor, "
+                     "original_max_position_embeddings] of three finite numbers and an integer (or left out)")
+            object.__setattr__(self, "rope_scaling", (float(rs[0]), float(rs[1]), float(rs[2]), rs[3]))
 
     @property
     def kv_heads(self) -> int:
@@ -144,12 +220,50 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(d) - known
+    def from_dict(cls, d: Any, *, where: str | None = None) -> "ModelConfig":
+        """The ModelConfig of a dict of its fields (`to_dict`, a model JSON file); `where` names the source in
+        errors (a file's path), each one line naming the field and what it should be."""
+        prefix = f"{where}: " if where else ""
+        if not isinstance(d, dict):
+            raise ValueError(f"{prefix}a model config must be an object of model fields "
+                             f"({{\"vocab_size\": 256, \"d_model\": 64, ...}}), got {shown(d)}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
-            raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**d)
+            raise ValueError(f"{prefix}unknown model field(s) {unknown}; known: {sorted(known)}")
+        missing = [name for name in REQUIRED_FIELDS if name not in d]
+        if missing:
+            raise ValueError(f"{prefix}model field(s) {', '.join(missing)} missing; a model config needs "
+                             f"{', '.join(REQUIRED_FIELDS)}")
+        try:
+            return cls(**d)
+        except ValueError as e:
+            raise ValueError(f"{prefix}{e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """The ModelConfig of a JSON file: an object of its fields (`to_dict`), or a Hugging Face config.json
+        (one with a model_type, read by `atoll.hf.config_from_hf`). Every error is one line naming the file."""
+        text = read_text_file(path, "model file", "pass a JSON file of model fields or a Hugging Face config.json")
+        try:
+            doc = json.loads(text)
+        except ValueError as e:  # JSONDecodeError, or an integer too long to read
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+        if isinstance(doc, dict) and "model_type" in doc:
+            from atoll.hf import config_from_hf  # atoll.hf builds on this module
+
+            return config_from_hf(doc, where=str(path))
+        return cls.from_dict(doc, where=str(path))
+
+
+def _is_int(value: Any) -> bool:
+    """An int, not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 PRESETS: dict[str, ModelConfig] = {
