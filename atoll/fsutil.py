@@ -1,4 +1,5 @@
-"""Files written atomically: a temporary file in the same folder, fsync, then rename over the target."""
+"""Files written atomically (a temporary file in the same folder, fsync, then rename over the target), and text files
+a person named read with every failure said in one line."""
 
 from __future__ import annotations
 
@@ -39,3 +40,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_text_file(path: str | Path, what: str, hint: str, error: type[Exception] = ValueError,
+                   listing: str | None = None) -> str:
+    """The UTF-8 text of the file a person named at `path` (a byte-order mark dropped), every failure one line
+    naming it: `what` says what the file is ("job spec", "cluster file") and `hint` what to pass instead. An empty
+    name or something that is not a regular file raises `error`, a missing path FileNotFoundError, a folder
+    IsADirectoryError (naming up to five files in it that match the glob `listing`), and bytes that are not UTF-8
+    `error`, with the line and byte."""
+    if not str(path).strip():
+        raise error(f"{what}: the file name is empty; {hint}")
+    p = Path(path)
+    if p.is_dir():
+        inside = sorted(x.name for x in p.glob(listing) if x.is_file()) if listing else []
+        held = f" (it holds {', '.join(inside[:5])}{', ...' if len(inside) > 5 else ''})" if inside else ""
+        raise IsADirectoryError(f"{what} {p} is a folder, not a file{held}; {hint}")
+    if p.exists() and not p.is_file():
+        raise error(f"{what} {p} is not a regular file; {hint}")
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} {p}: no such file; {hint}")
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise error(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start}, line {line}: "
+                    f"0x{data[e.start]:02x}); save it as UTF-8") from None

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atoll.modelspec import SIZE_LIMITS, ModelConfig, read_text_file, shown
+from atoll.fsutil import read_text_file
+from atoll.modelspec import SIZE_LIMITS, ModelConfig, shown
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
 BASE_PREFIX = {"llama": "model.", "qwen2": "model.", "gpt2": "transformer."}

@@ -39,7 +39,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from atoll.modelspec import SIZE_LIMITS, ModelConfig, ModelSpec, preset, read_text_file
+from atoll.fsutil import read_text_file
+from atoll.modelspec import SIZE_LIMITS, ModelConfig, ModelSpec, preset
 
 if sys.version_info >= (3, 11):
     import tomllib

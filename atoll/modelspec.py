@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from atoll.fsutil import read_text_file
+
 Style = Literal["gpt", "llama"]
 LayerKind = Literal["embedding", "block", "head"]
 
@@ -55,21 +57,6 @@ def shown(value: Any, width: int = 60) -> str:
     """`repr(value)` cut to `width` characters, for an error message that quotes what it was given."""
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
-
-
-def read_text_file(path: str | Path, what: str, hint: str, error: type[ValueError] = ValueError) -> str:
-    """The UTF-8 text of the file at `path`, every failure one line naming it: `what` says what the file is
-    ("job spec", "model file") and `hint` what to pass instead. A missing path raises FileNotFoundError, a
-    folder IsADirectoryError, and bytes that are not UTF-8 `error`."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{what} {path} is a folder, not a file; {hint}")
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} not found; {hint}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise error(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -97,18 +97,21 @@ def check_dial_address(address: str, flag: str) -> None:
         raise SetupError(f"{flag} {address}: {host} is a wildcard (every interface), not an address to dial; {example}")
 
 
-def check_output_file(path: Path, flag: str) -> None:
+def check_output_file(path: Path | str, flag: str) -> None:
     """SetupError when a file cannot be written at `path` (it is a folder, a part of its folder path is a file, or
     the folder is not writable), so a command finds out before its work rather than after."""
-    path = Path(path)
+    if not str(path).strip():
+        raise SetupError(f"{flag}: the file name is empty; name a file, or leave {flag} out")
+    path = Path(path).expanduser()
     if path.is_dir():
         raise SetupError(f"{flag} {path} is a folder; give a file name (e.g. {path / 'out'})")
-    parent = path.parent
-    for up in (parent, *parent.parents):
+    if path.exists() and not path.is_file():
+        raise SetupError(f"{flag} {path} is not a regular file; name a file to write")
+    for up in path.absolute().parents:  # the nearest folder that exists (the missing ones are made when writing)
         if up.exists():
             if not up.is_dir():
                 raise SetupError(f"{flag} {path}: {up} is a file, not a folder; give another path")
-            if not os.access(up, os.W_OK):
+            if not os.access(up, os.W_OK | os.X_OK):
                 raise SetupError(f"{flag} {path}: this user ({_user()}) cannot write in {up}; give another path")
             return
 

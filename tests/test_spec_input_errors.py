@@ -274,7 +274,7 @@ def test_job_spec_that_is_not_utf8_or_a_folder(tmp_path: Path) -> None:
     folder.mkdir()
     with _raises(IsADirectoryError, f"job spec {folder} is a folder, not a file", "pass a TOML file"):
         JobSpec.load(folder)
-    with _raises(FileNotFoundError, "job spec", "not found"):
+    with _raises(FileNotFoundError, "job spec", "no such file"):
         JobSpec.load(tmp_path / "none.toml")
 
 
@@ -287,7 +287,7 @@ def test_model_json_that_is_not_utf8_or_a_folder(tmp_path: Path) -> None:
     folder.mkdir()
     with _raises(IsADirectoryError, f"model file {folder} is a folder, not a file"):
         ModelConfig.load(folder)
-    with _raises(FileNotFoundError, "model file", "not found"):
+    with _raises(FileNotFoundError, "model file", "no such file"):
         ModelConfig.load(tmp_path / "none.json")
     (tmp_path / "broken.json").write_text("{")
     with _raises(ValueError, "broken.json: not valid JSON"):

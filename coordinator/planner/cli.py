@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from atoll.argtypes import count, number
+
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+MAX_GLOBAL_BATCH = 2**24
+"""The most sequences per optimizer step `atoll plan` takes (16,777,216): thousands of times any published run's
+batch, so a larger one is a typo, refused before the planner lays out that many micro-batches."""
 
 
 def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
@@ -18,19 +23,22 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "gpt2-medium, llama-3.2-1b, qwen2.5-0.5b, mistral-7b), a JSON file of a model config, or a "
                    "Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. examples/clusters/mixed-a100-v100.toml")
-    p.add_argument("--profiles", help="measured profiles (JSON) overriding the catalog's analytic estimates")
-    p.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step (default 512)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--profiles", help="measured profiles (JSON) overriding the catalog's analytic estimates, keyed by "
+                   "the cluster's device names")
+    p.add_argument("--global-batch", type=count(most=MAX_GLOBAL_BATCH, what="a number of sequences"), default=512,
+                   help=f"sequences per optimizer step, 1 to {MAX_GLOBAL_BATCH:,} (default 512)")
+    p.add_argument("--seq-len", type=count(what="a number of tokens"), default=None,
+                   help="tokens per sequence, at most the model's seq_len (default: the model's)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training dtype")
     p.add_argument("--outer", default="auto", choices=["auto", "sync", "outer"],
                    help="across regions: auto compares one synchronous plan with replica groups per region synced "
                    "every H steps (outer mode) and keeps the faster; sync or outer force one (default auto)")
-    p.add_argument("--inner-steps", type=int, default=0, metavar="H",
+    p.add_argument("--inner-steps", type=count(least=0, most=10**9, what="a number of steps"), default=0, metavar="H",
                    help="outer mode: inner steps per round of the fastest group (default 0: the smallest H whose "
                    "sync hides behind a round)")
     p.add_argument("--outer-codec", default="auto", choices=["auto", "int8", "int4", "topk", "bf16", "fp16", "identity"],
                    help="outer mode: codec of the pseudo-gradients (default auto: from the wide-area bandwidth)")
-    p.add_argument("--topk-fraction", type=float, default=0.02,
+    p.add_argument("--topk-fraction", type=number(above=0, most=1, what="a fraction"), default=0.02,
                    help="outer mode: fraction of the pseudo-gradients top-k keeps (default 0.02)")
     p.add_argument("--no-overlap", action="store_true",
                    help="outer mode: block at each round's end until the exchange lands (default: overlap it with "
@@ -46,19 +54,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
 def load_model(name: str):
     from atoll.modelspec import ModelConfig, ModelSpec
 
-    path = Path(name)
-    if path.suffix == ".json":
-        if not path.is_file():
-            raise FileNotFoundError(f"--model {name}: no such file")
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(doc, dict) and "model_type" in doc:  # a Hugging Face config.json
-                from atoll.hf import config_from_hf
-
-                return ModelSpec.from_config(config_from_hf(doc, where=str(path)))
-            return ModelSpec.from_config(ModelConfig.from_dict(doc))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--model {name}: not valid JSON: {e}") from None
+    if Path(name).suffix == ".json":  # a model config of its fields, or a Hugging Face config.json
+        return ModelSpec.from_config(ModelConfig.load(name))
     return ModelSpec.from_preset(name)
 
 
@@ -69,10 +66,29 @@ def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.profiles import ProfileSet
     from atoll.coordinator.planner.report import format_plan
     from atoll.inputs import input_path
+    from atoll.preflight import check_output_file
 
+    # everything the user gave is checked before the search, which can take a while
+    for given, flag in ((args.json, "--json"), (args.picture, "--picture")):
+        if given is not None:
+            check_output_file(given, flag)
+    json_out, picture_out = (Path(args.json) if args.json is not None else None,
+                             Path(args.picture) if args.picture is not None else None)
+    if json_out is not None and picture_out is not None and json_out.absolute() == picture_out.absolute():
+        raise ValueError(f"--json and --picture both name {args.json}; give each its own file")
+    if not args.cluster.strip():
+        raise ValueError("--cluster: the file name is empty; name a cluster file (TOML), e.g. "
+                         "examples/clusters/two-regions.toml")
     model = load_model(args.model)
+    if args.seq_len is not None and args.seq_len > model.config.seq_len:
+        raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's seq_len ({model.config.seq_len}); lower "
+                         f"--seq-len or use a model config with a longer seq_len")
     cluster = load_cluster(input_path(args.cluster))
-    profiles = ProfileSet.load(args.profiles) if args.profiles else None
+    for note in cluster.notes:
+        print(f"note: {note}")
+    profiles = None
+    if args.profiles is not None:
+        profiles = ProfileSet.load(args.profiles, known={i.timing_key for i in cluster.islands})
     train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len or model.config.seq_len, dtype=args.dtype)
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap,
@@ -81,12 +97,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(format_plan(result.plan, cluster, search_seconds=result.seconds))
     if result.note and result.plan.mode == "sync":
         print(f"mode {result.note}")
-    if args.json:
-        result.plan.save(args.json)
+    if json_out is not None:  # a write that fails now (a full disk) is one line too: `atoll` prints an OSError so
+        result.plan.save(json_out)
         print(f"plan written to {args.json}")
-    if args.picture:
+    if picture_out is not None:
         from atoll.coordinator.planner.picture import draw_plan
 
-        draw_plan(result.plan, result.times[0], args.picture)
+        draw_plan(result.plan, result.times[0], picture_out)
         print(f"picture written to {args.picture}")
     return 0

@@ -7,19 +7,19 @@ Built either from a cluster file (TOML, `load_cluster` / `parse_cluster`):
     device = "A100-80GB"       # a catalog name, or give tflops and memory_gb (tflops_tf32, tflops_fp32,
                                # memory_gbps optional; memory_gbps, the memory bandwidth in GB/s, prices the
                                # loss and the optimizer step)
-    count = 32                 # GPUs in the group
-    gpus_per_node = 8          # default 8
+    count = 32                 # GPUs in the group (all groups together: at most 1,000,000)
+    gpus_per_node = 8          # default 8 (count when smaller; a larger one is read as count, with a note)
     region = "us-east"         # default "default"
     intra_node_gbps = 600      # per GPU, to another GPU of its node (default 600: NVLink 3 on an A100)
     inter_node_gbps = 200      # per GPU, to a GPU on another node of the group (default 100)
     latency_ms = 0.02          # one way between nodes of the group (default 0.02)
     [[link]]
-    between = ["us-east", "eu-west"]   # two regions or two group names
+    between = ["us-east", "eu-west"]   # two different regions or group names; one [[link]] per pair
     gbps = 1.0                 # between regions: the link's whole capacity; between two groups: per GPU
     latency_ms = 80
 
-where every group is one island, or from live measurements (`Cluster.from_nodes`): groups of node ids
-(one device each), their profiles and the measured link matrix.
+where every group is one island and every number is finite (nan and inf are refused), or from live measurements
+(`Cluster.from_nodes`): groups of node ids (one device each), their profiles and the measured link matrix.
 
 Units. Every figure is a line rate in Gbit/s (stored in bytes/s), and the planner counts `link_efficiency`
 of it (0.96) as reachable. Inside a region every figure is *per GPU flow*: what one GPU's traffic to one
@@ -37,6 +37,7 @@ inter-node figure). Groups of different regions with no [[link]] are not connect
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.coordinator.planner.catalog import DeviceSpec, device
+from atoll.fsutil import read_text_file
 from atoll.types import LinkMeasurement, NodeProfile
 
 if sys.version_info >= (3, 11):
@@ -110,8 +112,12 @@ class Island:
             raise ValueError(f"island {self.id!r}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
         if self.hosts and len(self.hosts) != len(self.nodes):
             raise ValueError(f"island {self.id!r}: {len(self.hosts)} hosts for {len(self.nodes)} nodes")
-        if self.intra_node_bandwidth <= 0 or self.inter_node_bandwidth <= 0:
-            raise ValueError(f"island {self.id!r}: bandwidths must be positive")
+        for what, bw in (("intra-node", self.intra_node_bandwidth), ("inter-node", self.inter_node_bandwidth)):
+            if not (bw > 0 and math.isfinite(bw)):  # (NaN fails both)
+                raise ValueError(f"island {self.id!r}: the {what} bandwidth must be a positive finite number of "
+                                 f"bytes/s, got {bw}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"island {self.id!r}: latency must be a finite number of seconds >= 0, got {self.latency_s}")
 
     @property
     def timing_key(self) -> str:
@@ -128,6 +134,8 @@ class Cluster:
     """Link between two island ids (either order); see `link`."""
     source: str = ""
     """Where the cluster came from (a file name, or "live")."""
+    notes: tuple[str, ...] = ()
+    """What reading a cluster file changed from what it says, one line each (`atoll plan` prints them)."""
 
     def __post_init__(self) -> None:
         if not self.islands:
@@ -267,6 +275,9 @@ class Cluster:
 GROUP_FIELDS = {"name", "device", "count", "gpus_per_node", "region", "intra_node_gbps", "inter_node_gbps",
                 "tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "memory_gbps", "latency_ms"}
 LINK_FIELDS = {"between", "gbps", "latency_ms"}
+MAX_CLUSTER_GPUS = 1_000_000
+"""The most GPUs a cluster file may describe, all its groups together: far beyond any cluster there is, so a larger
+count is a typo, refused before the planner names every node of it."""
 
 
 class ClusterFileError(ValueError):
@@ -275,16 +286,21 @@ class ClusterFileError(ValueError):
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (TOML)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"cluster file {path}: no such file")
-    return parse_cluster(p.read_text(encoding="utf-8"), source=str(path))
+    text = read_text_file(path, "cluster file", "name a cluster file (TOML), e.g. examples/clusters/two-regions.toml",
+                          ClusterFileError, listing="*.toml")
+    return parse_cluster(text, source=str(path))
 
 
 def _table_lines(text: str, header: str) -> list[int]:
     """1-based line numbers of each `[[header]]` table, in order."""
     pat = re.compile(r"^\s*\[\[\s*" + re.escape(header) + r"\s*\]\]")
     return [n for n, line in enumerate(text.splitlines(), 1) if pat.match(line)]
+
+
+def _top_line(text: str, key: str) -> str:
+    """`:N` for the first line that starts a `[key]` table or sets `key = ...` ("" when there is none)."""
+    pat = re.compile(r"^\s*(\[\s*" + re.escape(key) + r"\s*\]|" + re.escape(key) + r"\s*=)")
+    return next((f":{n}" for n, line in enumerate(text.splitlines(), 1) if pat.match(line)), "")
 
 
 def _field_line(text: str, start: int, key: str) -> int:
@@ -300,6 +316,28 @@ def _field_line(text: str, start: int, key: str) -> int:
     return start
 
 
+def _tables(doc: dict[str, Any], text: str, source: str, key: str, what: str) -> list[dict[str, Any]]:
+    """The `[[key]]` tables of the file, or a ClusterFileError that says how to write them."""
+    v = doc.get(key, [])
+    where = f"{source}{_top_line(text, key)}"
+    if isinstance(v, dict):
+        raise ClusterFileError(f"{where}: [{key}] is a single table; write [[{key}]] (double brackets: an array of "
+                               f"tables), one for each {what}")
+    if not isinstance(v, list):
+        raise ClusterFileError(f"{where}: {key} = {_shown(v)} is not a table; write a [[{key}]] table for each {what}")
+    bad = next((t for t in v if not isinstance(t, dict)), None)
+    if bad is not None:
+        raise ClusterFileError(f"{where}: {key} = [...] holds {_shown(bad)}, not a table; write a [[{key}]] table "
+                               f"for each {what}")
+    return v
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """`repr(value)`, cut to `width` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
     """Parse a cluster file's text; errors name the line, the [[group]] / [[link]] and the field."""
     try:
@@ -310,11 +348,13 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
     if unknown_top:
         raise ClusterFileError(f"{source}: unknown table(s) {sorted(unknown_top)}; a cluster file has [[group]] "
                                "and [[link]] tables")
-    groups = doc.get("group", [])
-    if not isinstance(groups, list) or not groups:
+    groups = _tables(doc, text, source, "group", "group of GPUs")
+    if not groups:
         raise ClusterFileError(f"{source}: no [[group]] tables; add at least one group of GPUs")
     group_lines = _table_lines(text, "group")
     islands: list[Island] = []
+    notes: list[str] = []
+    total = 0
     for gi, g in enumerate(groups):
         start = group_lines[gi] if gi < len(group_lines) else 1
         label = f"[[group]] #{gi + 1}" + (f" {g.get('name')!r}" if isinstance(g.get("name"), str) else "")
@@ -326,11 +366,17 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
         if unknown:
             key = sorted(unknown)[0]
             raise err(key, f"is unknown; known fields: {', '.join(sorted(GROUP_FIELDS))}")
-        islands.append(_parse_group(g, err, start, source, gi))
+        island = _parse_group(g, err, start, source, gi, notes)
+        total += island.gpus
+        if total > MAX_CLUSTER_GPUS:
+            raise err("count", f"brings the file to {total:,} GPUs, more than the {MAX_CLUSTER_GPUS:,} a cluster file "
+                      "may describe; check the count")
+        islands.append(island)
     names = [i.id for i in islands]
     for gi, n in enumerate(names):
         if names.index(n) != gi:
-            raise ClusterFileError(f"{source}:{_field_line(text, group_lines[gi], 'name')}: [[group]] #{gi + 1}: "
+            start = group_lines[gi] if gi < len(group_lines) else 1
+            raise ClusterFileError(f"{source}:{_field_line(text, start, 'name')}: [[group]] #{gi + 1}: "
                                    f"field 'name' {n!r} repeats [[group]] #{names.index(n) + 1}; names must be unique")
 
     link_lines = _table_lines(text, "link")
@@ -338,7 +384,8 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
     for i in islands:
         by_region.setdefault(i.region, []).append(i)
     explicit: dict[frozenset[str], Link] = {}
-    for li, raw in enumerate(doc.get("link", [])):
+    seen: dict[frozenset[str], int] = {}  # the ends a [[link]] names -> its index
+    for li, raw in enumerate(_tables(doc, text, source, "link", "link between two regions or groups")):
         start = link_lines[li] if li < len(link_lines) else 1
 
         def lerr(key: str, msg: str) -> ClusterFileError:
@@ -350,7 +397,7 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
         between = raw.get("between")
         if (not isinstance(between, list) or len(between) != 2
                 or not all(isinstance(x, str) for x in between)):
-            raise lerr("between", f"must be a list of two region or group names, got {between!r}")
+            raise lerr("between", f"must be a list of two region or group names, got {_shown(between)}")
         ends = []
         for name in between:
             if name in names:
@@ -360,6 +407,18 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
             else:
                 raise lerr("between", f"names {name!r}, which is neither a region ({', '.join(by_region)}) "
                            f"nor a group ({', '.join(names)})")
+        if between[0] == between[1]:
+            inside = ("inside a group, its inter_node_gbps and latency_ms set the links" if between[0] in names else
+                      "inside a region, give a [[link]] between two of its groups")
+            raise lerr("between", f"names {between[0]!r} twice; a [[link]] joins two different regions or groups "
+                       f"({inside})")
+        pair = frozenset(between)
+        if pair in seen:
+            first = seen[pair]
+            at = link_lines[first] if first < len(link_lines) else 1
+            raise lerr("between", f"repeats [[link]] #{first + 1} (line {at}) between {between[0]!r} and "
+                       f"{between[1]!r}; give each pair one [[link]]")
+        seen[pair] = li
         gbps = _positive(raw, "gbps", None, lerr)
         lat = _nonneg(raw, "latency_ms", 1.0, lerr) / 1e3
         shared = ends[0][0].region != ends[1][0].region or len(ends[0]) > 1
@@ -379,41 +438,58 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
             elif a.region == b.region:
                 links[key] = Link(bandwidth=min(a.inter_node_bandwidth, b.inter_node_bandwidth),
                                   latency_s=max(a.latency_s, b.latency_s))
-    return Cluster(islands=tuple(islands), links=links, source=source)
+    return Cluster(islands=tuple(islands), links=links, source=source, notes=tuple(notes))
 
 
-def _positive(d: dict[str, Any], key: str, default: float | None, err: Any) -> float:
+def _number(d: dict[str, Any], key: str, default: float | None, err: Any, *, zero: bool) -> float:
+    """`d[key]` (else `default`) as a finite number, > 0 (>= 0 with `zero`); NaN and inf are refused by name."""
     v = d.get(key, default)
     if v is None:
         raise err(key, "is missing")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-        raise err(key, f"must be a positive number, got {v!r}")
+    want = "a finite number >= 0" if zero else "a positive finite number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise err(key, f"must be {want}, got {_shown(v)}")
+    if math.isnan(v) or math.isinf(v):
+        too_big = " (TOML reads numbers beyond 1.8e308 as inf too)" if math.isinf(v) else ""
+        raise err(key, f"must be {want}, got {v}{too_big}")
+    if v < 0 or (v == 0 and not zero):
+        raise err(key, f"must be {want}, got {v!r}")
     return float(v)
+
+
+def _positive(d: dict[str, Any], key: str, default: float | None, err: Any) -> float:
+    return _number(d, key, default, err, zero=False)
 
 
 def _nonneg(d: dict[str, Any], key: str, default: float, err: Any) -> float:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise err(key, f"must be a number >= 0, got {v!r}")
-    return float(v)
+    return _number(d, key, default, err, zero=True)
 
 
-def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int) -> Island:
+def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int, notes: list[str]) -> Island:
+    """The island of one [[group]]; `err(field, message)` makes the error to raise, and `notes` gets a line for each
+    value read otherwise than written."""
     name = g.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise err("name", f"must be a non-empty string, got {name!r}")
+        raise err("name", f"must be a non-empty string, got {_shown(name)}")
     count = g.get("count")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise err("count", f"must be a positive integer (GPUs in the group), got {count!r}")
+        raise err("count", f"must be a positive integer (GPUs in the group), got {_shown(count)}")
+    if count > MAX_CLUSTER_GPUS:
+        raise err("count", f"is {count:,}, more than the {MAX_CLUSTER_GPUS:,} GPUs a cluster file may describe; "
+                  "check the count")
     gpn = g.get("gpus_per_node", min(8, count))
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
-        raise err("gpus_per_node", f"must be a positive integer, got {gpn!r}")
+        raise err("gpus_per_node", f"must be a positive integer, got {_shown(gpn)}")
+    if gpn > count:  # a group of fewer GPUs than its machine holds: they share one node
+        notes.append(str(err("gpus_per_node", f"is {gpn}, more than the group's count ({count}): read as "
+                             f"gpus_per_node = {count}, all of its GPUs on one node; write that to silence this note")))
+        gpn = count
     region = g.get("region", "default")
     if not isinstance(region, str) or not region:
-        raise err("region", f"must be a non-empty string, got {region!r}")
+        raise err("region", f"must be a non-empty string, got {_shown(region)}")
     dev_name = g.get("device")
     if dev_name is not None and not isinstance(dev_name, str):
-        raise err("device", f"must be a string (a catalog name), got {dev_name!r}")
+        raise err("device", f"must be a string (a catalog name), got {_shown(dev_name)}")
     custom = {k: g[k] for k in ("tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "memory_gbps") if k in g}
     if dev_name is None and not {"tflops", "memory_gb"} <= set(custom):
         raise err("device", "is missing: give a catalog device name, or tflops and memory_gb")

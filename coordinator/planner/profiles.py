@@ -14,19 +14,32 @@ step time:
 
 A query at another size is interpolated linearly in tokens (micro_batch x seq_len) between the nearest
 measured points, or scaled from the nearest one outside their range.
+
+A key the format does not have, a number that is not finite (JSON's NaN, Infinity) and, for `atoll plan`, a device
+the cluster does not hold are refused, naming the key, rather than left unread (the catalog's estimate planned with
+instead of the measurement) or carried into the plan.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from atoll.fsutil import read_text_file
 from atoll.types import MAX_SPLIT_OVERHEAD, LayerTiming, NodeProfile
 
 LAYER_KINDS = ("embedding", "block", "head")
+DEVICE_FIELDS = ("layers", "optimizer_s_per_gparam")
+"""The keys of one device's entry."""
+POINT_FIELDS = ("micro_batch", "seq_len", "forward_s", "backward_s", "weight_fraction", "split_overhead")
+"""The keys of one measurement (the first four required)."""
+MAX_POINT_SIZE = 2**24
+"""The largest micro_batch or seq_len a measurement may name: far beyond any a profiler runs, so a larger one is a
+typo, refused before it scales every query to nothing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,60 +112,65 @@ class ProfileSet:
         return self.devices.get(key.lower())
 
     @classmethod
-    def load(cls, path: str | Path) -> "ProfileSet":
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"profile file {path}: no such file")
+    def load(cls, path: str | Path, known: Iterable[str] | None = None) -> "ProfileSet":
+        """Read a profile file (JSON); with `known`, the device keys it may hold (see `from_dict`)."""
+        text = read_text_file(path, "profile file", "name a profile file (JSON), or leave --profiles out")
         try:
-            doc = json.loads(p.read_text(encoding="utf-8"))
+            doc = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"profile file {path}: not valid JSON: {e}") from None
-        return cls.from_dict(doc, source=str(path))
+        return cls.from_dict(doc, source=str(path), known=known)
 
     @classmethod
-    def from_dict(cls, doc: Any, source: str = "<profiles>") -> "ProfileSet":
+    def from_dict(cls, doc: Any, source: str = "<profiles>", known: Iterable[str] | None = None) -> "ProfileSet":
+        """The profiles of a parsed profile file. Every key must be one the format has (a misspelled one would be
+        left unread), and every figure a finite number in its range; with `known` (the cluster's device names, or
+        island ids), every device key must name one of them, case-insensitively: timings of a device the cluster
+        does not hold would be ignored."""
         if not isinstance(doc, dict) or not isinstance(doc.get("devices"), dict):
             raise ValueError(f"{source}: expected an object {{\"devices\": {{NAME: {{\"layers\": ...}}}}}}")
+        extra = sorted(set(doc) - {"devices"})
+        if extra:
+            raise ValueError(f"{source}: unknown key {extra[0]!r}; a profile file holds one key, \"devices\"")
+        if not doc["devices"]:
+            raise ValueError(f"{source}: \"devices\" is empty; add the timings of a device, or give no profiles")
+        allowed = {k.lower(): k for k in known} if known is not None else None
         out: dict[str, DeviceProfile] = {}
+        spelled: dict[str, str] = {}  # lower-case key -> as the file writes it
         for name, entry in doc["devices"].items():
             where = f"{source}: devices.{name}"
+            if allowed is not None and name.lower() not in allowed:
+                raise ValueError(f"{where} matches no device of the cluster (its devices: "
+                                 f"{', '.join(sorted(allowed.values())) or 'none'}; keys are case-insensitive); "
+                                 f"correct the name or leave the entry out")
+            if name.lower() in spelled:
+                raise ValueError(f"{where} repeats devices.{spelled[name.lower()]} (device keys are case-insensitive); "
+                                 f"keep one")
+            spelled[name.lower()] = name
             if not isinstance(entry, dict):
                 raise ValueError(f"{where}: expected an object with 'layers'")
+            extra = sorted(set(entry) - set(DEVICE_FIELDS))
+            if extra:
+                raise ValueError(f"{where}: unknown key {extra[0]!r}; allowed keys: {', '.join(DEVICE_FIELDS)}")
+            kinds = entry.get("layers", {})
+            if not isinstance(kinds, dict):
+                raise ValueError(f"{where}.layers: expected an object of layer kind ({', '.join(LAYER_KINDS)}) -> "
+                                 f"list of measurements, got {_shown(kinds)}")
             layers: dict[str, list[TimingPoint]] = {}
-            for kind, pts in entry.get("layers", {}).items():
+            for kind, pts in kinds.items():
                 if kind not in LAYER_KINDS:
                     raise ValueError(f"{where}.layers: unknown layer kind {kind!r}; kinds: {', '.join(LAYER_KINDS)}")
                 if not isinstance(pts, list):
                     raise ValueError(f"{where}.layers.{kind}: expected a list of measurements")
                 for k, pt in enumerate(pts):
-                    try:
-                        mb, sl = int(pt["micro_batch"]), int(pt["seq_len"])
-                        f, b = float(pt["forward_s"]), float(pt["backward_s"])
-                        wf = float(pt.get("weight_fraction", 0.0))
-                        so = float(pt.get("split_overhead", 0.0))
-                    except (KeyError, TypeError, ValueError, AttributeError) as e:
-                        raise ValueError(f"{where}.layers.{kind}[{k}]: needs micro_batch, seq_len, forward_s, "
-                                         f"backward_s and optionally weight_fraction and split_overhead ({e})") from None
-                    if mb < 1 or sl < 1 or f < 0 or b < 0:
-                        raise ValueError(f"{where}.layers.{kind}[{k}]: sizes must be >= 1 and times >= 0")
-                    if not 0.0 <= wf < 1.0:
-                        raise ValueError(f"{where}.layers.{kind}[{k}]: weight_fraction {wf} is a share of the "
-                                         f"backward, in [0, 1) (0: not measured)")
-                    if not 0.0 <= so < MAX_SPLIT_OVERHEAD:
-                        raise ValueError(f"{where}.layers.{kind}[{k}]: split_overhead {so} is the split backward's "
-                                         f"extra time over the fused one, in [0, {MAX_SPLIT_OVERHEAD:g}) (0: none)")
-                    layers.setdefault(kind, []).append(TimingPoint(tokens=mb * sl, forward_s=f, backward_s=b,
-                                                                   weight_fraction=wf, split_overhead=so))
-            try:
-                opt = float(entry.get("optimizer_s_per_gparam", 0.0))
-            except (TypeError, ValueError):
-                opt = -1.0
-            if not opt >= 0:  # (NaN too)
-                raise ValueError(f"{where}.optimizer_s_per_gparam: seconds per 1e9 parameters, a number >= 0 "
-                                 f"(0: not measured), got {entry.get('optimizer_s_per_gparam')!r}")
+                    layers.setdefault(kind, []).append(_timing_point(pt, f"{where}.layers.{kind}[{k}]"))
+            opt = entry.get("optimizer_s_per_gparam", 0.0)
+            if not _finite(opt) or opt < 0:
+                raise ValueError(f"{where}.optimizer_s_per_gparam: seconds per 1e9 parameters, a finite number >= 0 "
+                                 f"(0: not measured), got {_shown(opt)}")
             out[name.lower()] = DeviceProfile(
                 layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
-                optimizer_s_per_gparam=opt)
+                optimizer_s_per_gparam=float(opt))
         return cls(devices=out)
 
     @classmethod
@@ -194,3 +212,48 @@ class ProfileSet:
             if opt > 0 and iid.lower() in devices:
                 devices[iid.lower()] = replace(devices[iid.lower()], optimizer_s_per_gparam=opt * 1e9 / block_params)
         return replace(out, devices=devices)
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """`repr(value)`, cut to `width` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _finite(v: Any) -> bool:
+    """Whether `v` is a finite number (JSON's NaN and Infinity are not; nor is true or "0.1")."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _timing_point(pt: Any, where: str) -> TimingPoint:
+    """One measurement of a profile file, checked: `where` names it in errors (`file: devices.X.layers.block[0]`)."""
+    needs = "needs micro_batch, seq_len, forward_s, backward_s and optionally weight_fraction and split_overhead"
+    if not isinstance(pt, dict):
+        raise ValueError(f"{where}: {needs}, got {_shown(pt)}")
+    missing = [k for k in POINT_FIELDS[:4] if k not in pt]
+    if missing:
+        raise ValueError(f"{where}: {needs} (missing {', '.join(missing)})")
+    extra = sorted(set(pt) - set(POINT_FIELDS))
+    if extra:
+        raise ValueError(f"{where}: unknown key {extra[0]!r}; allowed keys: {', '.join(POINT_FIELDS)}")
+    sizes = []
+    for key in ("micro_batch", "seq_len"):
+        v = pt[key]
+        if not _finite(v) or v != int(v) or not 1 <= v <= MAX_POINT_SIZE:
+            raise ValueError(f"{where}.{key}: a whole number from 1 to {MAX_POINT_SIZE:,}, got {_shown(v)}")
+        sizes.append(int(v))
+    times = []
+    for key in ("forward_s", "backward_s"):
+        v = pt[key]
+        if not _finite(v) or v < 0:
+            raise ValueError(f"{where}.{key}: seconds, a finite number >= 0, got {_shown(v)}")
+        times.append(float(v))
+    wf, so = pt.get("weight_fraction", 0.0), pt.get("split_overhead", 0.0)
+    if not _finite(wf) or not 0.0 <= wf < 1.0:
+        raise ValueError(f"{where}: weight_fraction {_shown(wf)} is a share of the backward, in [0, 1) (0: not "
+                         f"measured)")
+    if not _finite(so) or not 0.0 <= so < MAX_SPLIT_OVERHEAD:
+        raise ValueError(f"{where}: split_overhead {_shown(so)} is the split backward's extra time over the fused one, "
+                         f"in [0, {MAX_SPLIT_OVERHEAD:g}) (0: none)")
+    return TimingPoint(tokens=sizes[0] * sizes[1], forward_s=times[0], backward_s=times[1], weight_fraction=float(wf),
+                       split_overhead=float(so))
