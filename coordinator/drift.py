@@ -29,8 +29,9 @@ Outer mode (replica groups across regions): each round waits for the slowest gro
 group back. The groups holding a node that slowed are planned afresh from their nodes' recent speeds (fewer inner
 steps a round, or their work rebalanced), every other group running on as it is (`planning.kept_groups`); the
 comparison is of tokens/s over the groups (`estimated_rate`: the running plan's groups at their slowest stages' new
-pace, through the planner's round simulation). A node that became faster replans nothing there: it holds no round
-back, and a group planned afresh starts again from the outer state at the start of its round in progress.
+pace, through the planner's round simulation). A node that became faster replans nothing there (it holds no round
+back, and a group planned afresh starts again from the outer state at the start of its round in progress) unless it
+had been planned slower than its profile: it recovered, and its group may train more inner steps a round again.
 """
 
 from __future__ import annotations

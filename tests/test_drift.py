@@ -220,7 +220,7 @@ def test_a_node_that_slows_down_in_outer_mode_has_its_group_replanned_while_the_
     """Outer mode: one node of lab-b computes 3x slower. Its group holds every round back (each round waits for
     the slowest group), so the coordinator plans lab-b afresh from its recent speeds, keeping lab-a's group running
     as it is (same since-epoch, nodes and cuts); the new plan predicts a faster round than the old one re-estimated."""
-    state, clock, region = _outer_state()
+    state, clock, region = _outer_state(steps=2000)  # long enough that the recovery below repays its switch too
     first = state.current_plan()
     assert first.mode == "outer" and len(first.groups) == 2, first.mode
     slow = next(n for n in sorted(region) if region[n] == "lab-b" and _layers(first, n) > 0)
@@ -247,10 +247,20 @@ def test_a_node_that_slows_down_in_outer_mode_has_its_group_replanned_while_the_
     _run(state, clock, {}, range(24, 50))
     _later(state, clock, 61)
     assert state.tick() == [] and state.epoch == 2
+    # the node recovers (its compute back at its profile's, a third of what the plan now predicts): its group is
+    # planned afresh again at its own speed, lab-a still running as it is
+    _run(state, clock, {slow: 1 / 3}, range(50, 63))
+    _later(state, clock, 61)
+    events = state.tick()
+    assert state.epoch == 3 and any("faster than planned" in e for e in events), events
+    third = state.current_plan()
+    assert state.speed[slow] == pytest.approx(1.0) and _group_of(third, a_node).since_epoch == kept.since_epoch
+    assert estimated_rate(third, {}) > 1.1 * estimated_rate(second, {})
 
 
 def test_a_node_that_becomes_faster_in_outer_mode_restarts_no_group() -> None:
-    """A faster node holds no round back, and a group planned afresh restarts at its round's start: no replan."""
+    """A faster node holds no round back, and a group planned afresh restarts at its round's start: no replan (unless
+    it had been planned slower than its profile, above)."""
     state, clock, region = _outer_state()
     first = state.current_plan()
     fast = next(n for n in sorted(region) if region[n] == "lab-a" and _layers(first, n) > 0)
