@@ -40,7 +40,7 @@ def authorize(method: str, request: object, caller: Caller, state: CoordinatorSt
     if caller.kind == "bootstrap":
         if method not in BOOTSTRAP_METHODS:
             raise PermissionDenied(f"{method} needs the node's own certificate, which its join brings; the job token "
-                                   f"alone may only join and read the status")
+                                   f"alone may only join, read the status and stop or extend the job")
         if method == "Join":
             _check_join(request, caller, state, authority)  # type: ignore[arg-type]
         return

@@ -45,8 +45,9 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="a link joins two nodes in one island when at least this fraction of the fastest link "
                    "measured (default 0.1: islands part at order-of-magnitude gaps)")
     p.add_argument("--drift", type=number(), nargs=2, default=(1.25, 0.10), metavar=("FACTOR", "GAIN"),
-                   help="replan when a node computes more than FACTOR times slower or faster than its plan predicted "
-                   "and the new plan predicts steps at least GAIN shorter, worth more than the switch costs "
+                   help="replan when a node's compute per step changes more than FACTOR times within the plan's epoch "
+                   "(its last steps against its first, over the median node's change) and the new plan predicts "
+                   "steps at least GAIN shorter, worth more than the switch costs "
                    "(default 1.25 0.10)")
     p.add_argument("--drift-every", type=seconds(positive=False), default=60.0, metavar="SECONDS",
                    help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
