@@ -100,7 +100,7 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
     """
     lease = 30.0
     args = ["--island-threshold", "0.001", "--lease", str(lease)]
-    steps = 400
+    steps = 150  # the job cannot end while a node is paused; 20 measured steps come first
     cluster = LocalCluster(job_path=_job(tmp_path, "stall", steps=steps, interval=50), out=tmp_path / "stall")
     victim = ""
     try:
