@@ -133,11 +133,17 @@ def train_bpe(paths: Sequence[str | Path], *, vocab_size: int, out: str | Path, 
 
 
 class ProgressLine:
-    """One status line on a terminal, rewritten at most every `interval` seconds."""
+    """One status line on a terminal, rewritten at most every `interval` seconds; into a file or a pipe (a log),
+    a line of its own at most every `log_interval` seconds, the first after that long, so a short run logs the
+    final line alone."""
 
-    def __init__(self, stream=None, interval: float = 0.5):
+    def __init__(self, stream=None, interval: float = 0.5, log_interval: float = 30.0):
         self.stream = stream if stream is not None else sys.stderr
-        self.interval, self._last, self._t0 = interval, 0.0, time.monotonic()
+        tty = getattr(self.stream, "isatty", lambda: False)()
+        self._rewrite = tty
+        self.interval = interval if tty else log_interval
+        self._t0 = time.monotonic()
+        self._last = 0.0 if tty else self._t0
 
     def __call__(self, documents: int, nbytes: int, *, final: bool = False) -> None:
         now = time.monotonic()
@@ -145,6 +151,6 @@ class ProgressLine:
             return
         self._last = now
         rate = nbytes / max(now - self._t0, 1e-9) / 1e6
-        end = "\n" if final else "\r"
+        end = "\n" if final or not self._rewrite else "\r"
         self.stream.write(f"read {documents:,} documents, {nbytes / 1e6:,.1f} MB ({rate:.1f} MB/s){end}")
         self.stream.flush()

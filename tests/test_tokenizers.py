@@ -101,3 +101,22 @@ def test_job_spec_takes_a_tokenizer_path() -> None:
         JobSpec.from_toml(base.to_toml().replace('tokenizer = "bytes"', 'tokenizer = "gpt2"'))
     # jobs that set none of the new data fields keep their ids
     assert replace(base, id="").id == base.id
+
+
+def test_the_progress_line_rewrites_itself_on_a_terminal_and_logs_sparingly_elsewhere() -> None:
+    import io
+
+    from atoll.node.tokenizer import ProgressLine
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        line = ProgressLine(stream, interval=0.0, log_interval=3600.0)
+        line(10, 1000)
+        line(20, 2000, final=True)
+    assert tty.getvalue().count("\r") == 1 and tty.getvalue().endswith("\n")
+    # a log (a file, a pipe) gets the final line alone from a run shorter than log_interval, and no carriage return
+    assert log.getvalue().count("\n") == 1 and "\r" not in log.getvalue() and "20 documents" in log.getvalue()
