@@ -154,3 +154,11 @@ def test_picture_orders_islands_as_the_pipeline_runs(tmp_path: Path) -> None:
                           num_micro_batches=2)
     draw_plan(plan, times, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_chain_never_crosses_two_regions_without_a_link(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's four-region cluster links us-east to ap only through others: planning 70b there once failed
+    an assertion, the first (unbounded) chain placing a boundary on the missing link (`inf > inf` is false)."""
+    assert main(["plan", "--model", "70b", "--cluster", str(REPO / "examples" / "clusters" / "four-regions.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 70b" in out and "tokens/s" in out

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.cluster import Cluster, Island
@@ -510,13 +511,14 @@ class Composer:
         for i in range(len(s.order) - 1, -1, -1):
             if e == 0:
                 break
-            if later is not None and self._fastest_link(s, i, later, e) > limit:
+            # (no link at all is never usable, even with no limit: `inf > inf` would let it through)
+            if later is not None and not self._fastest_link(s, i, later, e) <= min(limit, sys.float_info.max):
                 continue
             for _ in range(s.caps[i]):
                 if e == 0 or len(placed) >= max_stages:
                     break
                 # two stages on one island still pass activations over the island's own links
-                if later == i and self._fastest_link(s, i, i, e) > limit:
+                if later == i and not self._fastest_link(s, i, i, e) <= min(limit, sys.float_info.max):
                     break
                 # micro-batches in flight on a lane of it: strict 1F1B's p - i without lanes
                 lanes = s.lane(i)
