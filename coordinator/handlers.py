@@ -120,7 +120,7 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
     return pb.HeartbeatReply(
         lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval, plan_epoch=state.epoch,
         probe=probes, job_finished=bool(state.control.finished_unix), target_steps=state.target_steps,
-        coordinator_unix=now)
+        coordinator_unix=now, prune_checkpoints_before=state.prune_checkpoints_before)
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:
@@ -182,6 +182,7 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
         layer_end=req.layer_end, path=req.path, bytes=req.bytes, data_position=req.data_position,
         reported_unix=state.clock()))
     done = state.complete_checkpoint_steps()
+    state.note_complete_checkpoints(done)
     complete = bool(done) and done[-1] == req.step
     # replication progress: how many nodes hold each layer range of this step (the writer and its copies)
     copies = replication(state.store.list_checkpoints(), req.step)

@@ -142,6 +142,9 @@ class CoordinatorState:
         self._drift_next = self.started_unix + self.options.drift.interval.total_seconds()
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
+        self.prune_checkpoints_before = 0
+        """Checkpoint steps older than this are needed nowhere (`note_complete_checkpoints`); heartbeat replies
+        carry it, and nodes delete their own and their copies of older steps (0: none yet)."""
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
@@ -407,6 +410,19 @@ class CoordinatorState:
     def complete_checkpoint_steps(self) -> list[int]:
         plans = {h.plan.epoch: h.plan for h in self.store.plan_history()}
         return complete_steps(self.store.list_checkpoints(), plans)
+
+    def note_complete_checkpoints(self, done: list[int]) -> None:
+        """After a checkpoint report: the steps older than the `checkpoint.keep`-th newest complete one (and than
+        the running plan's resume step, which its nodes may still load) are needed nowhere; nodes hear it with
+        their heartbeats. Only ever raised: a node never keeps fewer than `keep` complete checkpoints job-wide."""
+        keep = self.job.checkpoint.keep
+        if keep < 1 or len(done) < keep:
+            return
+        before = done[-keep]
+        plan = self.current_plan()
+        if plan is not None and plan.resume_step > 0:
+            before = min(before, plan.resume_step)
+        self.prune_checkpoints_before = max(self.prune_checkpoints_before, before)
 
     @property
     def target_steps(self) -> int:

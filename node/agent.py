@@ -291,6 +291,10 @@ class NodeAgent:
         """Set once a heartbeat says the job has trained its last step."""
         self.target_steps = 0
         """The step the job ends at as the latest heartbeat said (`atoll job stop/extend`); 0: not heard yet."""
+        self.prune_checkpoints_before = 0
+        """Checkpoint steps older than this are needed nowhere, as the latest heartbeat said (0: not heard yet)."""
+        self.on_prune: Callable[[int], None] | None = None
+        """Called (on a thread of its own) each time `prune_checkpoints_before` rises: deletes older step folders."""
         """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
     # --- calls --------------------------------------------------------------------------------------
@@ -518,6 +522,11 @@ class NodeAgent:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
             self.target_steps = reply.target_steps or self.target_steps
+            if reply.prune_checkpoints_before > self.prune_checkpoints_before:
+                self.prune_checkpoints_before = reply.prune_checkpoints_before
+                if self.on_prune is not None:
+                    threading.Thread(target=self.on_prune, args=(reply.prune_checkpoints_before,), daemon=True,
+                                     name="atoll-prune").start()
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
@@ -933,6 +942,18 @@ def run_node_cli(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
+    pruning = threading.Lock()
+
+    def prune(before: int) -> None:  # what no node needs any more, this node's own checkpoints and its copies alike
+        from atoll.node.checkpoint import prune_older
+
+        with pruning:
+            removed = prune_older(checkpoint_dir, before)
+        if removed:
+            log.info("pruned the checkpoints of steps %s here: the job holds newer complete ones",
+                     ", ".join(map(str, removed)))
+
+    agent.on_prune = prune
 
     tensorboard: dict = {}  # the node's TensorBoard log, opened at the first plan (the job names it)
     if getattr(args, "tensorboard", None):

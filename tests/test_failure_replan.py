@@ -18,7 +18,7 @@ from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import CheckpointSpec, JobSpec, JobSpecError
 from atoll.node.agent import step_wait_timeout
-from atoll.node.checkpoint import complete_steps_on_disk, prune_checkpoints, step_dir
+from atoll.node.checkpoint import complete_steps_on_disk, prune_checkpoints, prune_older, step_dir
 from atoll.node.runner import _Reporter
 from atoll.types import StepMetrics
 from atoll.v1 import atoll_pb2 as pb
@@ -200,6 +200,41 @@ def test_prune_keeps_the_newest_complete_checkpoints_and_the_resume_step(tmp_pat
         "step-00000010", "step-00000030", "step-00000040", "step-00000045", "step-00000050", "step-00000060"]
     assert prune_checkpoints(tmp_path, total_layers=6, keep=0) == []
     assert prune_checkpoints(tmp_path, total_layers=6, keep=5) == []
+
+
+def test_a_node_holding_part_of_the_layers_or_copies_prunes_what_the_coordinator_says_no_one_needs(
+        tmp_path: Path) -> None:
+    """No step is complete on a disk holding one stage's layers and a copy of another's, so `prune_checkpoints`
+    never deletes anything there: the coordinator's job-wide word (`prune_checkpoints_before`) does."""
+    for step in (10, 20, 30, 40):
+        _write(tmp_path, step, [(0, 3)])  # this node's stage, and nothing else
+    assert prune_checkpoints(tmp_path, total_layers=6, keep=2) == []
+    assert prune_older(tmp_path, 30) == [10, 20]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000030", "step-00000040"]
+    assert prune_older(tmp_path, 0) == [] and prune_older(tmp_path / "none", 99) == []
+
+
+def test_heartbeats_say_which_checkpoints_no_node_needs(planned) -> None:
+    """Once the job holds `checkpoint.keep` complete checkpoints, heartbeat replies name the oldest of them:
+    older steps may go from every disk (never past the running plan's resume step)."""
+    state, _, ids = planned
+    plan = state.current_plan()
+    assert state.job.checkpoint.keep == 3
+    stages = [(st.layers, st.nodes[0]) for p in plan.pipelines for st in p.stages]
+
+    def beat() -> int:
+        return h.handle_heartbeat(pb.HeartbeatRequest(node_id=ids[0]), state).prune_checkpoints_before
+
+    for k, step in enumerate((10, 20, 30, 40)):
+        for (a, b), node in stages:
+            h.handle_report_checkpoint(pb.CheckpointReport(job_id=state.job.id, node_id=node, plan_epoch=plan.epoch,
+                                                           step=step, layer_start=a, layer_end=b, path="p"), state)
+        assert beat() == (0 if k < 2 else (10, 20)[k - 2])
+    # an incomplete newer step (layers no stage of the plan holds alone) moves nothing
+    (a, b), node = stages[0]
+    h.handle_report_checkpoint(pb.CheckpointReport(job_id=state.job.id, node_id=node, plan_epoch=plan.epoch,
+                                                   step=50, layer_start=a, layer_end=a + 1, path="p"), state)
+    assert b > a + 1 and beat() == 20
 
 
 def test_checkpoint_keep_is_written_only_when_set() -> None:

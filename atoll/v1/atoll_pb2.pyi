@@ -573,7 +573,7 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ..., start_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +581,7 @@ class HeartbeatReply(_message.Message):
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PRUNE_CHECKPOINTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
@@ -588,7 +589,8 @@ class HeartbeatReply(_message.Message):
     target_steps: int
     heartbeat_interval_seconds: float
     coordinator_unix: float
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ...) -> None: ...
+    prune_checkpoints_before: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
