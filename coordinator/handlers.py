@@ -290,7 +290,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     progress = summarize(recent, plan.epoch if plan is not None else 0, window=STATUS_WINDOW_STEPS)
     done = state.complete_checkpoint_steps()
     reply = pb.StatusReply(
-        job=_job_info(state),
+        job=_job_info(state), waiting=state.waiting_reason,
         members=[pb.Member(node_id=m.node_id, peer_address=m.peer_address, profile=profile_to_proto(m.profile),
                            state=m.state, last_heartbeat_unix=m.last_heartbeat_unix, joined_unix=m.joined_unix)
                  for m in members],

@@ -157,7 +157,8 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     """
     if planned is None:
         if len(alive) < cluster.expected_nodes:
-            return PlanDecision(False, f"waiting for nodes: {len(alive)} of {cluster.expected_nodes} joined")
+            return PlanDecision(False, f"waiting for nodes: {len(alive)} of {cluster.expected_nodes} joined (the job's "
+                                       f"cluster.expected_nodes; start more nodes, or lower it in the job spec)")
         if unprobed:
             return PlanDecision(False, f"waiting for link probes of {_names(unprobed)}")
         return PlanDecision(True, f"{len(alive)} nodes joined and probed (expected {cluster.expected_nodes})")

@@ -278,6 +278,10 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
 def run_coordinator_cli(args: argparse.Namespace) -> int:
     """`atoll coordinator`: serve until SIGINT/SIGTERM."""
     job = JobSpec.load(input_path(args.job))
+    if job.checkpoint.interval == 0:
+        log.warning("the job writes no checkpoints (checkpoint.interval = 0): a fault that takes every holder of a "
+                    "layer restarts it from step 0, and `atoll export` has nothing to export; set [checkpoint] "
+                    "interval in the job spec to keep them")
     state_dir = usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
     check_listen(args.listen, "--listen")
     if args.rendezvous_host:

@@ -411,6 +411,12 @@ class CoordinatorState:
         plans = {h.plan.epoch: h.plan for h in self.store.plan_history()}
         return complete_steps(self.store.list_checkpoints(), plans)
 
+    @property
+    def waiting_reason(self) -> str:
+        """Why the coordinator made no plan at its last tick where it is waiting for something before its first
+        (nodes, probes), for the status; "" once a plan runs or when it waits for nothing."""
+        return self._last_reason if self.current_plan() is None and self._last_reason.startswith("waiting") else ""
+
     def note_complete_checkpoints(self, done: list[int]) -> None:
         """After a checkpoint report: the steps older than the `checkpoint.keep`-th newest complete one (and than
         the running plan's resume step, which its nodes may still load) are needed nowhere; nodes hear it with

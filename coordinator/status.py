@@ -288,7 +288,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         for r in p.relays:  # two neighbours that both accept no connections
             out.append(f"  {r.a} <-> {r.b} relayed by {r.via} ({_rate(r.bandwidth_bytes_per_s)}, the slower leg)")
     else:
-        out.append("\nno plan yet")
+        out.append("\nno plan yet" + (f": {s.waiting}" if s.waiting else ""))
     return "\n".join(out)
 
 

@@ -349,3 +349,18 @@ def test_table_headers_are_the_json_field_names() -> None:
                       name + "_unix"}
         assert candidates & keys, f"header {header} names no JSON field"
     assert "GPUS" not in text and "DEVICES" in text
+
+
+def test_status_says_what_the_coordinator_waits_for_before_its_first_plan() -> None:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    assert job.cluster.expected_nodes == 3
+    state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
+    for host in ("a", "b"):
+        h.handle_join(pb.JoinRequest(token="t", profile=pb.NodeProfile(
+            hostname=host, device_kind="cpu", device_name="x", device_count=1, memory_total_bytes=1 << 30,
+            cpu_count=1), peer_address=""), state)
+    state.tick()
+    reply = h.handle_status(pb.StatusRequest(), state)
+    assert "waiting for nodes: 2 of 3 joined" in reply.waiting and "cluster.expected_nodes" in reply.waiting
+    assert "no plan yet: waiting for nodes: 2 of 3" in format_status(reply)
+    assert json.loads(status_json(reply))["waiting"] == reply.waiting
