@@ -10,12 +10,27 @@ from pathlib import Path
 from typing import BinaryIO
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write `path` through `write(fileobj)` so readers see the old file or the whole new one."""
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc; elsewhere the common 022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], mode: int | None = None) -> None:
+    """Write `path` through `write(fileobj)` so readers see the old file or the whole new one. `mode`: the file's
+    permissions, set before the first byte (secrets: 0o600); None: as `open` would make it, 0o666 less the umask
+    (the temporary file would otherwise leave it readable by its owner alone)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode if mode is not None else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -34,12 +49,12 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         os.close(dir_fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> None:
+    atomic_write(path, lambda f: f.write(data), mode)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
 def read_text_file(path: str | Path, what: str, hint: str, error: type[Exception] = ValueError,

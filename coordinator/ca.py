@@ -9,7 +9,6 @@ different key cannot take over the id of a live node, before or after a restart.
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -183,9 +182,4 @@ class JobAuthority:
 
 def _write_secret(path: Path, data: bytes) -> None:
     """Write a private key atomically, readable by its owner only (from the first byte: umask while writing)."""
-    old = os.umask(0o077)
-    try:
-        atomic_write_bytes(path, data)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
+    atomic_write_bytes(path, data, mode=0o600)

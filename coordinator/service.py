@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import signal
 import socket
@@ -269,8 +268,7 @@ def load_or_create_token(state_dir: Path | None, given: str | None) -> tuple[str
             return kept, str(path)
         token = secrets.token_urlsafe(24)
         state_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, token + "\n")
-        os.chmod(path, 0o600)
+        atomic_write_text(path, token + "\n", mode=0o600)
         return token, f"{path} (new)"
     return secrets.token_urlsafe(24), "generated for this run"
 

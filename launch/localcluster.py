@@ -90,8 +90,8 @@ class LocalCluster:
         self.out.mkdir(parents=True, exist_ok=True)
         self.token_file = self.out / "token"
         if not self.token_file.is_file() or not self.token_file.read_text().strip():
-            # atomic, and 0600 from the start (mkstemp's mode): a later run reuses the file
-            atomic_write_text(self.token_file, secrets.token_hex(16))
+            # atomic, and 0600 from the first byte: a later run reuses the file
+            atomic_write_text(self.token_file, secrets.token_hex(16), mode=0o600)
         self.checkpoints = self.out / "checkpoints"
 
     @property

@@ -42,8 +42,7 @@ class NodeCredentials:
             self._key = key_from_pem(key_path.read_bytes(), str(key_path))
         else:
             self._key = new_key()
-            atomic_write_bytes(key_path, key_to_pem(self._key))  # mkstemp makes it 0600
-            key_path.chmod(0o600)
+            atomic_write_bytes(key_path, key_to_pem(self._key), mode=0o600)
         self.key_pem = key_to_pem(self._key)
         self._cert_pem: bytes | None = None
         self._job_ca_pem: bytes | None = None

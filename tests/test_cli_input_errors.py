@@ -168,3 +168,19 @@ def test_status_against_nothing_says_what_it_found() -> None:
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
     with pytest.raises(ConnectionError, match="refuses connections"):
         fetch_status(f"127.0.0.1:{port}", token="t", timeout=timedelta(seconds=1))
+
+
+def test_written_files_take_the_umask_and_secrets_are_owner_only_from_the_first_byte(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from atoll.fsutil import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "plan.json", "{}")
+        atomic_write_text(tmp_path / "token", "s3cret", mode=0o600)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "plan.json").stat().st_mode) == 0o644  # as `open` would make it
+    assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
