@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         "groups the GPUs that join into islands, cuts the model into slices and runs balanced pipelines.",
     )
     parser.add_argument("--version", action="version", version=f"atoll {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-vv for debug; GRPC_VERBOSITY=INFO for gRPC's own)")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in _commands():
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # gRPC's C core logs each failed TLS handshake and more at INFO on stderr, lines a person cannot act on; its
+    # errors stay (GRPC_VERBOSITY=INFO or DEBUG brings the rest back). Set before anything imports grpc.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(-1 if args.quiet else args.verbose)
@@ -80,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         logging.getLogger("atoll").warning("interrupted")
         return 130
+    except BrokenPipeError:  # `atoll status | head`: the reader has what it wanted; leave quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes stdout at exit)
+        return 0
     except (ValueError, OverflowError, OSError) as e:  # OSError: a missing file, a folder, a busy port, a timeout
         # errors meant for the person at the terminal: say what is wrong, without a traceback (-vv shows it)
         log = logging.getLogger("atoll")
