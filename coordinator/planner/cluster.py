@@ -47,6 +47,7 @@ from typing import Any
 
 from atoll.coordinator.planner.catalog import DeviceSpec, device
 from atoll.fsutil import read_text_file
+from atoll.modelspec import shown
 from atoll.types import LinkMeasurement, NodeProfile
 
 if sys.version_info >= (3, 11):
@@ -324,18 +325,12 @@ def _tables(doc: dict[str, Any], text: str, source: str, key: str, what: str) ->
         raise ClusterFileError(f"{where}: [{key}] is a single table; write [[{key}]] (double brackets: an array of "
                                f"tables), one for each {what}")
     if not isinstance(v, list):
-        raise ClusterFileError(f"{where}: {key} = {_shown(v)} is not a table; write a [[{key}]] table for each {what}")
+        raise ClusterFileError(f"{where}: {key} = {shown(v)} is not a table; write a [[{key}]] table for each {what}")
     bad = next((t for t in v if not isinstance(t, dict)), None)
     if bad is not None:
-        raise ClusterFileError(f"{where}: {key} = [...] holds {_shown(bad)}, not a table; write a [[{key}]] table "
+        raise ClusterFileError(f"{where}: {key} = [...] holds {shown(bad)}, not a table; write a [[{key}]] table "
                                f"for each {what}")
     return v
-
-
-def _shown(value: Any, width: int = 60) -> str:
-    """`repr(value)`, cut to `width` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
@@ -397,7 +392,7 @@ def parse_cluster(text: str, source: str = "<cluster>") -> Cluster:
         between = raw.get("between")
         if (not isinstance(between, list) or len(between) != 2
                 or not all(isinstance(x, str) for x in between)):
-            raise lerr("between", f"must be a list of two region or group names, got {_shown(between)}")
+            raise lerr("between", f"must be a list of two region or group names, got {shown(between)}")
         ends = []
         for name in between:
             if name in names:
@@ -448,7 +443,7 @@ def _number(d: dict[str, Any], key: str, default: float | None, err: Any, *, zer
         raise err(key, "is missing")
     want = "a finite number >= 0" if zero else "a positive finite number"
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise err(key, f"must be {want}, got {_shown(v)}")
+        raise err(key, f"must be {want}, got {shown(v)}")
     if math.isnan(v) or math.isinf(v):
         too_big = " (TOML reads numbers beyond 1.8e308 as inf too)" if math.isinf(v) else ""
         raise err(key, f"must be {want}, got {v}{too_big}")
@@ -470,26 +465,26 @@ def _parse_group(g: dict[str, Any], err: Any, start: int, source: str, gi: int, 
     value read otherwise than written."""
     name = g.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise err("name", f"must be a non-empty string, got {_shown(name)}")
+        raise err("name", f"must be a non-empty string, got {shown(name)}")
     count = g.get("count")
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise err("count", f"must be a positive integer (GPUs in the group), got {_shown(count)}")
+        raise err("count", f"must be a positive integer (GPUs in the group), got {shown(count)}")
     if count > MAX_CLUSTER_GPUS:
         raise err("count", f"is {count:,}, more than the {MAX_CLUSTER_GPUS:,} GPUs a cluster file may describe; "
                   "check the count")
     gpn = g.get("gpus_per_node", min(8, count))
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
-        raise err("gpus_per_node", f"must be a positive integer, got {_shown(gpn)}")
+        raise err("gpus_per_node", f"must be a positive integer, got {shown(gpn)}")
     if gpn > count:  # a group of fewer GPUs than its machine holds: they share one node
         notes.append(str(err("gpus_per_node", f"is {gpn}, more than the group's count ({count}): read as "
                              f"gpus_per_node = {count}, all of its GPUs on one node; write that to silence this note")))
         gpn = count
     region = g.get("region", "default")
     if not isinstance(region, str) or not region:
-        raise err("region", f"must be a non-empty string, got {_shown(region)}")
+        raise err("region", f"must be a non-empty string, got {shown(region)}")
     dev_name = g.get("device")
     if dev_name is not None and not isinstance(dev_name, str):
-        raise err("device", f"must be a string (a catalog name), got {_shown(dev_name)}")
+        raise err("device", f"must be a string (a catalog name), got {shown(dev_name)}")
     custom = {k: g[k] for k in ("tflops", "tflops_tf32", "tflops_fp32", "memory_gb", "memory_gbps") if k in g}
     if dev_name is None and not {"tflops", "memory_gb"} <= set(custom):
         raise err("device", "is missing: give a catalog device name, or tflops and memory_gb")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from atoll.fsutil import read_text_file
+from atoll.modelspec import shown
 from atoll.types import MAX_SPLIT_OVERHEAD, LayerTiming, NodeProfile
 
 LAYER_KINDS = ("embedding", "block", "head")
@@ -155,7 +156,7 @@ class ProfileSet:
             kinds = entry.get("layers", {})
             if not isinstance(kinds, dict):
                 raise ValueError(f"{where}.layers: expected an object of layer kind ({', '.join(LAYER_KINDS)}) -> "
-                                 f"list of measurements, got {_shown(kinds)}")
+                                 f"list of measurements, got {shown(kinds)}")
             layers: dict[str, list[TimingPoint]] = {}
             for kind, pts in kinds.items():
                 if kind not in LAYER_KINDS:
@@ -167,7 +168,7 @@ class ProfileSet:
             opt = entry.get("optimizer_s_per_gparam", 0.0)
             if not _finite(opt) or opt < 0:
                 raise ValueError(f"{where}.optimizer_s_per_gparam: seconds per 1e9 parameters, a finite number >= 0 "
-                                 f"(0: not measured), got {_shown(opt)}")
+                                 f"(0: not measured), got {shown(opt)}")
             out[name.lower()] = DeviceProfile(
                 layers={k: tuple(sorted(v, key=lambda p: p.tokens)) for k, v in layers.items()},
                 optimizer_s_per_gparam=float(opt))
@@ -214,12 +215,6 @@ class ProfileSet:
         return replace(out, devices=devices)
 
 
-def _shown(value: Any, width: int = 60) -> str:
-    """`repr(value)`, cut to `width` characters for an error message."""
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
-
-
 def _finite(v: Any) -> bool:
     """Whether `v` is a finite number (JSON's NaN and Infinity are not; nor is true or "0.1")."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -229,7 +224,7 @@ def _timing_point(pt: Any, where: str) -> TimingPoint:
     """One measurement of a profile file, checked: `where` names it in errors (`file: devices.X.layers.block[0]`)."""
     needs = "needs micro_batch, seq_len, forward_s, backward_s and optionally weight_fraction and split_overhead"
     if not isinstance(pt, dict):
-        raise ValueError(f"{where}: {needs}, got {_shown(pt)}")
+        raise ValueError(f"{where}: {needs}, got {shown(pt)}")
     missing = [k for k in POINT_FIELDS[:4] if k not in pt]
     if missing:
         raise ValueError(f"{where}: {needs} (missing {', '.join(missing)})")
@@ -240,20 +235,20 @@ def _timing_point(pt: Any, where: str) -> TimingPoint:
     for key in ("micro_batch", "seq_len"):
         v = pt[key]
         if not _finite(v) or v != int(v) or not 1 <= v <= MAX_POINT_SIZE:
-            raise ValueError(f"{where}.{key}: a whole number from 1 to {MAX_POINT_SIZE:,}, got {_shown(v)}")
+            raise ValueError(f"{where}.{key}: a whole number from 1 to {MAX_POINT_SIZE:,}, got {shown(v)}")
         sizes.append(int(v))
     times = []
     for key in ("forward_s", "backward_s"):
         v = pt[key]
         if not _finite(v) or v < 0:
-            raise ValueError(f"{where}.{key}: seconds, a finite number >= 0, got {_shown(v)}")
+            raise ValueError(f"{where}.{key}: seconds, a finite number >= 0, got {shown(v)}")
         times.append(float(v))
     wf, so = pt.get("weight_fraction", 0.0), pt.get("split_overhead", 0.0)
     if not _finite(wf) or not 0.0 <= wf < 1.0:
-        raise ValueError(f"{where}: weight_fraction {_shown(wf)} is a share of the backward, in [0, 1) (0: not "
+        raise ValueError(f"{where}: weight_fraction {shown(wf)} is a share of the backward, in [0, 1) (0: not "
                          f"measured)")
     if not _finite(so) or not 0.0 <= so < MAX_SPLIT_OVERHEAD:
-        raise ValueError(f"{where}: split_overhead {_shown(so)} is the split backward's extra time over the fused one, "
+        raise ValueError(f"{where}: split_overhead {shown(so)} is the split backward's extra time over the fused one, "
                          f"in [0, {MAX_SPLIT_OVERHEAD:g}) (0: none)")
     return TimingPoint(tokens=sizes[0] * sizes[1], forward_s=times[0], backward_s=times[1], weight_fraction=float(wf),
                        split_overhead=float(so))
