@@ -325,7 +325,7 @@ def run_status_cli(args: argparse.Namespace) -> int:
         return _run_status(args)
     try:
         return _run_status(args)
-    except (ValueError, FileNotFoundError, PermissionError, ConnectionError) as e:
+    except (ValueError, OverflowError, OSError) as e:  # what `atoll` prints as one line, as JSON here
         print(json.dumps({"error": str(e)}), flush=True)
         return 2
 

@@ -314,6 +314,9 @@ def test_json_without_a_coordinator_is_json_on_stdout(capsys: pytest.CaptureFixt
     assert main(["status", "--coordinator", address, "--token-file", "/nonexistent/token", "--json"]) == 2
     out, err = capsys.readouterr()
     assert "runs/coordinator/token" in json.loads(out)["error"] and err == ""
+    assert main(["status", "--coordinator", address, "--token-file", str(Path(__file__).parent), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert "is a folder" in json.loads(out)["error"] and err == ""  # an OSError of any kind, as JSON too
     assert main(["status", "--coordinator", address, "--token", "t", "--json", "--watch", "0"]) == 2
     assert "positive number of seconds" in json.loads(capsys.readouterr().out)["error"]
 
