@@ -30,7 +30,8 @@ import grpc
 from atoll.job import TOKEN_ENV, JobSpec, resolve_token
 from atoll.node.credentials import NodeCredentials
 from atoll.node.identity import StateDirLock, load_or_create_node_id
-from atoll.node.first_contact import FirstContactWatch, diagnose
+from atoll.netcheck import diagnose
+from atoll.node.first_contact import FirstContactWatch
 from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node

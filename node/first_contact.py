@@ -15,8 +15,6 @@ from datetime import timedelta
 
 from atoll.netcheck import diagnose
 
-__all__ = ["FIRST_CONTACT_WARNING", "FirstContactWatch", "diagnose", "process_age"]
-
 log = logging.getLogger("atoll.node")
 
 FIRST_CONTACT_WARNING = timedelta(seconds=5)

@@ -20,7 +20,8 @@ from atoll.coordinator.reachability import plan_address
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
-from atoll.node.first_contact import FirstContactWatch, diagnose, process_age
+from atoll.netcheck import diagnose
+from atoll.node.first_contact import FirstContactWatch, process_age
 from atoll.v1 import atoll_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -54,6 +54,18 @@ def _roundtrip(ts: list[GrpcTransport]) -> None:
         t.flush(T)
 
 
+def _dialled_back(stack: ExitStack) -> PeerServer:
+    """n0 listens; n1 listens nowhere and opens its Connect stream to n0 (within `stack`): n0's server, whose
+    `reverse` calls n1 over that stream."""
+    a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
+    b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
+    peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
+    t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False), b)
+    stack.callback(t1.close)
+    assert t1.dialer is not None and t1.dialer.wait_connected(10)
+    return a
+
+
 @pytest.mark.timeout(60)
 def test_unreachable_middle_stage_gets_both_directions_over_its_own_streams() -> None:
     """n1 listens nowhere: n0 and n2 send to it over the Connect streams n1 opened to them."""
@@ -116,12 +128,7 @@ def test_a_tunnelled_call_must_carry_a_bounded_deadline() -> None:
     """A call over a Connect stream with a deadline past `MAX_TUNNELLED_CALL_S` (or not finite) is answered
     INVALID_ARGUMENT at once, and holds no thread of the dialing node."""
     with ExitStack() as stack:
-        a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
-        b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
-        peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
-        t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False), b)
-        stack.callback(t1.close)
-        assert t1.dialer is not None and t1.dialer.wait_connected(10)
+        a = _dialled_back(stack)
         for seconds in (MAX_TUNNELLED_CALL_S + 1, 1e9):
             with pytest.raises(TunnelError) as e:
                 a.reverse.call("n1", "Probe", iter([b""]), seconds)
@@ -409,12 +416,7 @@ def test_probes_never_dial_a_node_that_accepts_no_connections() -> None:
 
 def test_a_probe_crosses_a_connect_stream() -> None:
     with ExitStack() as stack:
-        a = stack.enter_context(PeerServer(node_id="n0", listen="127.0.0.1:0", token="tok"))
-        b = stack.enter_context(PeerServer(node_id="n1", listen=None, token="tok"))
-        peers = {0: PeerRef(node_id="n0", address=a.address), 1: PeerRef(node_id="n1", address="", route="reverse")}
-        t1 = GrpcTransport(_cfg(1, 2, peers, accepts_connections=False), b)
-        stack.callback(t1.close)
-        assert t1.dialer is not None and t1.dialer.wait_connected(10)
+        a = _dialled_back(stack)
         chunks = [pb.ProbeChunk(sender="n0").SerializeToString(), pb.ProbeChunk(payload=b"x" * 1000).SerializeToString()]
         reply = pb.ProbeReply.FromString(a.reverse.call("n1", "Probe", iter(chunks), 5.0))
         assert (reply.bytes, reply.node_id) == (1000, "n1")
