@@ -259,6 +259,14 @@ class NodeAgent:
             lambda req, seconds: self.call("Heartbeat", req, timeout=timedelta(seconds=seconds)))
         """Heartbeats on one stream to the coordinator (unary calls where it has none)."""
         self._stop = threading.Event()
+        self._leaving = threading.Event()
+        """Set by a graceful stop (`stop(leave=True)`) before its Leave goes out."""
+        self._draining = threading.Event()
+        """Set by a graceful stop: the run finishes the step in flight (with its stage's other nodes) and trains no
+        more; `_stop` then ends it, also where that step does not finish in time."""
+        self._leave_answered = threading.Event()
+        self._left = False
+        """The coordinator took this node's Leave: its next plan hands this node's live state over."""
         self._cond = threading.Condition()
         self._join_lock = threading.Lock()
         self._probes: queue.Queue[pb.ProbeTarget] = queue.Queue()
@@ -845,6 +853,16 @@ class NodeAgent:
         and tell the coordinator (best effort)."""
         if self._stop.is_set():
             return
+        if leave and self.joins:
+            self._leaving.set()
+            if self.peer is not None and self.peer.state is not None:
+                # the step in flight ends with its stage's other nodes (a ZeRO or tp stage's nodes must end at the
+                # same step to gather its state for the next plan); one that does not finish in the time steps
+                # take is cut short below
+                self._draining.set()
+                bound = min(step_wait_timeout(self.step_seconds(), self.config.handover), self.config.handover)
+                if not self.peer.state.wait_steps_over(bound):
+                    log.info("the step in flight did not finish within %.0fs; ending it", bound.total_seconds())
         if leave and self.joins and not self.flush_outbox(flush):
             log.warning("stopping with %d report(s) undelivered", len(self._outbox) + len(self._step_backlog))
         self._stop.set()
@@ -858,15 +876,17 @@ class NodeAgent:
         self._heartbeats.reset()
         left = False
         if leave and self.joins and self.peer is not None and self.peer.state is not None:
-            # the run ends at its step boundary and sends its last step reports before the Leave makes them moot
-            self.peer.state.wait_idle(self.config.handover)
+            # the run ends at its step boundary and sends its last step reports before the Leave makes them moot;
+            # a ZeRO or tp stage's handover to the others of its stage waits for the Leave (`wait_left`)
+            self.peer.state.wait_steps_over(self.config.handover)
         if leave and self.joins:
             try:
                 self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),
                           timeout=timedelta(seconds=2))
-                left = True
+                left = self._left = True
             except grpc.RpcError:
                 pass
+        self._leave_answered.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
@@ -885,6 +905,20 @@ class NodeAgent:
     @property
     def stopped(self) -> bool:
         return self._stop.is_set()
+
+    @property
+    def draining(self) -> bool:
+        """A graceful stop is under way: the run trains no further step (`RunContext.draining`)."""
+        return self._draining.is_set()
+
+    def wait_left(self, timeout: timedelta) -> bool:
+        """Whether this node is leaving gracefully and the coordinator took its Leave (waiting up to `timeout` for
+        the answer): its stage's other nodes, superseded by the plan that follows, meet it for a handover. False at
+        once where the node is not leaving."""
+        if not self._leaving.is_set():
+            return False
+        self._leave_answered.wait(timeout.total_seconds())
+        return self._left
 
 
 def run_node_cli(args: argparse.Namespace) -> int:

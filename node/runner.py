@@ -149,6 +149,13 @@ class RunContext:
     report_failure: Callable[[int, str], None] | None = None
     """Reports that this node's run failed at a step, and why, so the coordinator replans (queued, never raises);
     a run that reports its own failure says so in `PlanRunner.failure_reported`. None: the caller reports it."""
+    draining: Callable[[], bool] = lambda: False
+    """True once the node stops gracefully: the run ends at the next step boundary, with the step in flight
+    finished (its stage's other nodes finish it too), rather than at once as a superseded run does."""
+    left: Callable[[timedelta], bool] | None = None
+    """Whether this node is leaving gracefully and the coordinator took its Leave (waiting at most the given time
+    for its answer; `NodeAgent.wait_left`): the plan that follows names it in `Plan.handover`, so its stage's other
+    nodes meet it to gather a ZeRO or tp stage's state. None: the node never leaves so."""
     replicate: Callable[[Plan, int, tuple[int, int]], None] | None = None
     """Copies a checkpoint this node wrote (plan, step, layers) to `[checkpoint] replicas` other nodes, off the
     training thread (`atoll.node.replication.Replicator`); None: no copies."""
@@ -163,6 +170,9 @@ first (no `RunContext.report_failure`): short, as the report that goes out after
 plan answers."""
 TP_HANDOVER_S = 15.0
 """How long a superseded tensor-parallel stage's ranks take at most to gather its whole layers for the next plan."""
+LEAVE_ANSWER_S = 5.0
+"""How long a run ended by a graceful stop waits for the coordinator's answer to the node's Leave (sent once the
+run's steps are over) before it decides whether to meet its stage's other nodes for a handover."""
 ZERO_REPORTED_WAIT_S = 10.0
 """The same wait where the run reported its failure before the handover: the coordinator's replan answers that
 report, and the node would wait for that plan after its run anyway."""
@@ -481,7 +491,8 @@ class PlanRunner:
         watcher = threading.Thread(target=close_when_superseded, name="atoll-plan-watch", daemon=True)
         watcher.start()
         try:
-            while step < last and not stop.is_set() and not reporter.stop_requested.is_set():
+            while (step < last and not stop.is_set() and not ctx.draining()
+                   and not reporter.stop_requested.is_set()):
                 # `atoll job stop/extend` moves the end; the coordinator keeps it ahead of every stage
                 last = self.last_step if until_step is None else min(until_step, self.last_step)
                 if step >= last:
@@ -565,16 +576,22 @@ class PlanRunner:
                 ctx.report_failure(max(self.plan.resume_step, step), failed)
                 self.failure_reported = True
             if held is not None:  # what this run leaves is served to the next plan's nodes
+                held.steps_over(self.plan.epoch)  # a node stopping gracefully sends its Leave now
+                ended = stop.is_set() or ctx.draining()  # superseded, or this node stops
+                # a node leaving gracefully meets its stage's other nodes, which the plan after its Leave
+                # supersedes, for the handovers below: it holds a part of the stage's state
+                leaving = ended and ctx.left is not None and ctx.left(timedelta(seconds=LEAVE_ANSWER_S))
                 # a ZeRO stage's replicas gather its state whether the newer plan ended their run or a failed step
                 # did (one replica's send may fail while the other is superseded mid-step): they must agree to
                 # meet; a failed one waits for that plan first
-                wait = 0.0 if stop.is_set() else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
+                wait = 0.0 if ended else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
                 until = time.monotonic() + wait  # one wait for that plan, shared by both handovers below
-                states = self._zero_states(store, optimizer, step, wait=wait) if stop.is_set() or failed else None
+                states = (self._zero_states(store, optimizer, step, wait=wait, leaving=leaving)
+                          if ended or failed else None)
                 # a tp stage's ranks likewise gather its shards whole on tp rank 0 (under ZeRO: replica 0's ranks,
                 # from the state each one's replicas gathered on it just above)
                 whole = (self._tp_whole(store, module, optimizer, step, wait=max(0.0, until - time.monotonic()),
-                                        states=states) if stop.is_set() or failed else None)
+                                        states=states, leaving=leaving) if ended or failed else None)
                 held.end_run(self.plan.epoch, self._snapshot(module, optimizer, step, stage, states, whole))
             if self.tp is not None:
                 self.tp.close()
@@ -672,17 +689,19 @@ class PlanRunner:
                 self.restore.transfers.extend(fetched)
         self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
 
-    def _zero_states(self, store: dist.Store | None, optimizer, step: int, wait: float = 0.0) -> ParamStates | None:
+    def _zero_states(self, store: dist.Store | None, optimizer, step: int, wait: float = 0.0,
+                     leaving: bool = False) -> ParamStates | None:
         """A ZeRO stage superseded with every replica alive: its optimizer state gathered whole on replica 0
         (None on the others, and where that cannot be done within `ZERO_HANDOVER_S`), so that replica serves
         live state and the next plan rolls nothing back. Over a group of its own: the stage's group may hold a
         collective the supersession abandoned. The replicas agree on the step first. `wait`: seconds to wait for
-        the newer plan (a run that ended on a failed step: the coordinator replans after it)."""
+        the newer plan (a run that ended on a failed step: the coordinator replans after it). `leaving`: this
+        node left gracefully; the others meet it when the plan after its Leave keeps them (none reaches it)."""
         pl = self.placement
         if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or pl is None or store is None
                 or self.plan.mode != "sync"):
             return None
-        if not self._newer_plan_keeps(self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes, wait):
+        if not leaving and not self._newer_plan_keeps(self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes, wait):
             return None
         timeout = timedelta(seconds=ZERO_HANDOVER_S)
         try:
@@ -719,7 +738,8 @@ class PlanRunner:
     def _newer_plan_keeps(self, nodes: Sequence[str], wait: float) -> bool:
         """Whether a plan newer than this run's (waiting up to `wait` s for one) runs or leaves idle every node
         of `nodes`: they are alive and end their runs too, so a handover among them can be met. One that left or
-        died (or a run ending without a newer plan: this node leaving) would only be waited for."""
+        died would only be waited for; one that left gracefully (`Plan.handover`) meets them (`RunContext.left`).
+        A run ending without a newer plan (this node leaving) is told by `RunContext.left` instead."""
         newest = self.ctx.newest_plan
         after = newest() if newest is not None else None
         deadline = time.monotonic() + wait
@@ -728,20 +748,20 @@ class PlanRunner:
             time.sleep(0.2)
             after = newest()
         return (after is not None and after.epoch > self.plan.epoch
-                and set(nodes) <= {*after.node_addresses, *(n for i in after.idle for n in i.nodes)})
+                and set(nodes) <= {*after.node_addresses, *(n for i in after.idle for n in i.nodes), *after.handover})
 
     def _tp_whole(self, store: dist.Store | None, module, optimizer, step: int, wait: float = 0.0,
-                  states: ParamStates | None = None) -> dict | None:
+                  states: ParamStates | None = None, leaving: bool = False) -> dict | None:
         """A tensor-parallel stage superseded with its tp group alive: its whole layers and AdamW state gathered
         on tp rank 0 (None on the others, and where that cannot be done within `TP_HANDOVER_S`), so that rank
         serves live state and the next plan rolls nothing back. Over a group of its own (the tp group may hold a
         collective the supersession abandoned); the ranks agree on the step first. Under ZeRO only replica 0's
         tp ranks gather, from the state their replicas gathered on them (`states`, `_zero_states`), and only when
-        every one of them holds it."""
+        every one of them holds it. `leaving`: as for `_zero_states`."""
         pl = self.placement
         zero = isinstance(optimizer, ZeroOptimizer)
         if (self.tp is None or pl is None or store is None or self.plan.mode != "sync" or (zero and pl.replica != 0)
-                or not self._newer_plan_keeps(pl.tp_group, wait)):
+                or not (leaving or self._newer_plan_keeps(pl.tp_group, wait))):
             return None
         timeout = timedelta(seconds=TP_HANDOVER_S)
         try:
@@ -1204,6 +1224,8 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      target_steps=lambda: target[0] or getattr(run.agent, "target_steps", 0),
                      wait_bound=lambda: run.wait_timeout(timeout),
                      report_failure=lambda step, reason: run.report_failure(step=step, reason=reason),
+                     left=getattr(run.agent, "wait_left", None),
+                     draining=lambda: bool(getattr(run.agent, "draining", False)),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
                      replicate=None if replicator is None else
                      (lambda p, step, layers: replicator.submit(p, step, layers, job.checkpoint.replicas)))

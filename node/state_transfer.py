@@ -103,8 +103,9 @@ def checkpoint_file(root: Path, step: int, layers: tuple[int, int]) -> Path:
 class StateHolder:
     """What this node serves over FetchState and HeldState: its live state and its checkpoint folder.
 
-    The runner calls `begin_run(epoch)` before it changes its state and `end_run(epoch, live)` when the run
-    is over (`keep=True`: the run never touched the state, so the one held before stays valid). HeldState
+    The runner calls `begin_run(epoch)` before it changes its state, `steps_over(epoch)` once it trains no more
+    steps (only handovers among the stage's nodes are left) and `end_run(epoch, live)` when the run is over
+    (`keep=True`: the run never touched the state, so the one held before stays valid). HeldState
     for epoch e waits until no run of an epoch before e is active, so every node of plan e sees the state
     the previous plan left.
     """
@@ -115,9 +116,11 @@ class StateHolder:
         self._cond = threading.Condition()
         self._live: LiveState | None = None
         self._running: set[int] = set()
+        self._stepping: set[int] = set()
         self.served_live = 0
         """Complete serves of the live state (a leaving node waits for one: `wait_handed_over`)."""
         self._last_asked = 0.0
+        self._last_served = 0.0
         self._asked = False
 
     @property
@@ -128,10 +131,17 @@ class StateHolder:
     def begin_run(self, epoch: int) -> None:
         with self._cond:
             self._running.add(epoch)
+            self._stepping.add(epoch)
+
+    def steps_over(self, epoch: int) -> None:
+        with self._cond:
+            self._stepping.discard(epoch)
+            self._cond.notify_all()
 
     def end_run(self, epoch: int, live: LiveState | None = None, *, keep: bool = False) -> None:
         with self._cond:
             self._running.discard(epoch)
+            self._stepping.discard(epoch)
             if not keep:
                 self._live = live
             self._cond.notify_all()
@@ -199,13 +209,15 @@ class StateHolder:
                 break
         with self._cond:
             self.served_live += 1
+            self._last_served = time.monotonic()
             self._cond.notify_all()
 
-    def wait_idle(self, timeout: timedelta) -> bool:
-        """Wait until no run is active (a stopping node's run ends at its next step boundary); False on timeout."""
+    def wait_steps_over(self, timeout: timedelta) -> bool:
+        """Wait until no run trains a step (a stopping node's run ends at its next step boundary; its handovers
+        may still be under way); False on timeout."""
         end = time.monotonic() + timeout.total_seconds()
         with self._cond:
-            while self._running:
+            while self._stepping:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -219,9 +231,10 @@ class StateHolder:
 
     def wait_handed_over(self, *, most: timedelta, idle: timedelta,
                          unasked: timedelta = timedelta(seconds=10)) -> str:
-        """A leaving node's wait: until its live state was served in full once, or nobody asked about it for
-        `idle` after the new plan's nodes asked (they took it from a replica), or nobody asked at all within
-        `unasked` (no new plan needs it: the job is stopping), or `most` passed; says which."""
+        """A leaving node's wait: until its live state was served in full and nobody asked about it or fetched it
+        for `idle` since (several of the new plan's nodes may take the same layers: a ZeRO stage's replicas), or
+        nobody asked about it for `idle` after the new plan's nodes asked (they took it from a replica), or nobody
+        asked at all within `unasked` (no new plan needs it: the job is stopping), or `most` passed; says which."""
         start = time.monotonic()
         end = start + most.total_seconds()
         with self._cond:
@@ -230,16 +243,19 @@ class StateHolder:
             if self._live is None:
                 return "no live state to hand over"
             served, self._asked = self.served_live, False  # only the questions of the plan after this leave count
-            while self.served_live == served:
-                now = time.monotonic()
+            while True:
+                now, took = time.monotonic(), self.served_live - served
+                if took and now - max(self._last_asked, self._last_served) >= idle.total_seconds():
+                    return f"the live state was handed over ({took} fetch{'es' if took > 1 else ''})"
                 if now >= end:
-                    return f"nobody took the live state within {most.total_seconds():.0f}s"
-                if self._asked and now - self._last_asked >= idle.total_seconds():
+                    return (f"the live state was handed over ({took} fetch{'es' if took > 1 else ''}); stopped "
+                            f"serving it after {most.total_seconds():.0f}s" if took else
+                            f"nobody took the live state within {most.total_seconds():.0f}s")
+                if not took and self._asked and now - self._last_asked >= idle.total_seconds():
                     return "the new plan's nodes took the state from another holder"
                 if not self._asked and now - start >= unasked.total_seconds():
                     return f"no node asked for the live state within {unasked.total_seconds():.0f}s"
-                self._cond.wait(min(0.5, end - now))
-            return "the live state was handed over"
+                self._cond.wait(min(0.5, max(0.01, end - now)))
 
 
 def _file_chunks(path: Path, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:

@@ -142,6 +142,33 @@ def _settle(p: DTensor) -> DTensor:
     return g
 
 
+def forget_meshes() -> None:
+    """Clear DTensor's caches of sharding decisions. They are keyed by specs whose meshes compare equal when their
+    ranks' layout is (the process's own rank is not part of a mesh's equality), and the outputs they hold name the
+    mesh they were first computed on, with that mesh's coordinate of this process. A process whose tp rank
+    changes from one plan to the next (rank 1 of one group, rank 0 of the next) would otherwise cut a
+    redistributed tensor by its old rank: the backward of the vocab-parallel head handed each rank the other's
+    slice of the gradient."""
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:  # the native fast path's cache
+        clear()
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (getattr(propagator, "propagate_op_sharding", None),
+                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    from torch.distributed.tensor import _redistribute
+
+    transforms = getattr(_redistribute, "_gen_transform_infos", None)
+    if transforms is not None and hasattr(transforms, "cache_clear"):
+        transforms.cache_clear()
+    planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if planners is not None:
+        planners()
+
+
 class TensorParallel:
     """One rank's handle on the tp group of its stage replica: sharding, activation sharing, norms, state."""
 
@@ -182,6 +209,7 @@ class TensorParallel:
         # counters differ look for each other under different keys and never meet again. The prefix already
         # tells groups apart, so every rank starts from the same name.
         distributed_c10d._world.group_count = 0
+        forget_meshes()
         prefixed = dist.PrefixStore(prefix, store)
         arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout,
@@ -197,6 +225,7 @@ class TensorParallel:
         """Leave the tp group (destroys the process's default group when `join` made it)."""
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+            forget_meshes()
         self._owns_default_group = False
 
     @property

@@ -364,7 +364,16 @@ def test_a_leaving_node_waits_for_its_state_to_be_taken_or_for_nobody_to_want_it
     assert time.monotonic() - started < 2.0
     threading.Timer(0.3, lambda: list(holder.chunks(_request("live", 4, (0, 2))))).start()
     assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
-        "the live state was handed over"
+        "the live state was handed over (1 fetch)"
+    # a ZeRO stage's gathered state goes to each of the next plan's replicas: the node serves until nobody
+    # fetched for `idle`, not only until the first fetch
+    fetch = lambda: list(holder.chunks(_request("live", 4, (0, 2))))  # noqa: E731
+    threading.Timer(0.3, fetch).start()
+    threading.Timer(1.0, fetch).start()
+    started = time.monotonic()
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
+        "the live state was handed over (2 fetches)"
+    assert 2.0 <= time.monotonic() - started < 3.5
     threading.Timer(0.3, lambda: holder.held(2, wait=0.0)).start()  # asked, then fetched from a replica instead
     assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
         "the new plan's nodes took the state from another holder"

@@ -541,7 +541,21 @@ def _join_worker(args: dict) -> None:
     else:
         store.wait(["cancelled"], timedelta(seconds=30))
     tp.close()  # rank 1's abandoned broadcast ends as rank 0's group goes
-    _emit({"rank": args["rank"], "sum": float(t), "waited": waited})
+    # the next plans make this process the other tp rank: a column-parallel layer with a replicated output
+    # must give each rank its own rows' gradient in both (DTensor's caches once kept the first group's rank)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    rows = []
+    for name, rank in (("cut-a/", args["rank"]), ("cut-b/", 1 - args["rank"])):
+        tp = TensorParallel.join(store, name, rank=rank, size=2, device=cpu, timeout=timedelta(seconds=10))
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 6, bias=False)
+        parallelize_module(lin, tp.mesh, ColwiseParallel(output_layouts=Replicate()))
+        (lin(torch.arange(8.0).reshape(2, 4)) * torch.arange(6.0)).sum().backward()
+        rows.append([rank, lin.weight.grad.to_local().sum(1).tolist()])
+        tp.close()
+    _emit({"rank": args["rank"], "sum": float(t), "waited": waited, "rows": rows})
 
 
 @pytest.mark.integration
@@ -551,7 +565,8 @@ def test_a_rank_whose_tp_group_once_failed_to_form_still_meets_its_peers(tmp_pat
     it, a rank that once waited in vain for its peer (a late rank after a replan) looked for the next group under
     another name than its peers, and every later plan's tp group timed out. And a rank waiting for rank 0's
     activation leaves that wait as soon as its plan is superseded (it was late for the handover and the next
-    plan's group before)."""
+    plan's group before). And a process that is tp rank 1 of one group and rank 0 of the next gets rank 0's
+    gradient rows (DTensor's caches kept the first group's rank: the ranks swapped their head's gradients)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -570,6 +585,10 @@ def test_a_rank_whose_tp_group_once_failed_to_form_still_meets_its_peers(tmp_pat
                 p.kill()
             p.wait(5)
     assert [o["sum"] for o in out] == [3.0, 3.0], out
+    # d(sum_j j * y_j)/dW_jk = j * sum_i x_ik: rows j = 0..2 on tp rank 0, 3..5 on tp rank 1, whichever process
+    own = {0: [0.0, 28.0, 56.0], 1: [84.0, 112.0, 140.0]}
+    for o in out:
+        assert [own[rank] == got for rank, got in o["rows"]] == [True, True], o
     # a superseded plan ends rank 1's wait for rank 0's activation at once, not at the group's 10 s timeout
     assert out[1]["waited"] < 3.0, out
 
