@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.baselines import (BASELINES, PUBLISHED, _metis_groups, _shares, _uniform_layers,  # noqa: E402
+from bench.baselines import (BASELINES, PUBLISHED, _metis_groups, _metis_orders, _shares, _uniform_layers,  # noqa: E402
                              evaluate, flashflex_like, metis_like, sailor_like)
 
 from atoll.coordinator.planner import TrainSpec, load_cluster, parse_cluster  # noqa: E402
@@ -148,3 +148,31 @@ def test_every_published_configuration_is_predicted_within_its_target() -> None:
     for p in PUBLISHED:
         pred, chosen = predict_published(p)
         assert abs(gap(pred, p.step_s)) <= PUBLISHED_TOLERANCE, (p.name, pred, p.step_s, chosen)
+
+
+# The device groups Metis' own search lists for its example cluster (one node of 4 A100, one of 4 T4; the README's
+# SCALE_VARIANCE=1, MAX_PERMUTE_LEN=4), per stage count, as the authors published them in
+# github.com/SamsungLabs/Metis results/het_search_space (node sequence (0, 1)).
+METIS_PUBLISHED_GROUPS = {
+    1: [[8]],
+    2: [[4, 4]],
+    3: [[4, 2, 2], [2, 4, 2], [2, 2, 4]],
+    4: [[2, 2, 2, 2]],
+    5: [[4, 1, 1, 1, 1], [1, 1, 4, 1, 1], [1, 1, 1, 1, 4], [2, 2, 2, 1, 1], [1, 1, 2, 2, 2], [2, 1, 1, 2, 2],
+        [2, 2, 1, 1, 2]],
+    6: [[2, 2, 1, 1, 1, 1], [1, 1, 2, 2, 1, 1], [2, 1, 1, 2, 1, 1], [1, 1, 2, 1, 1, 2], [1, 1, 1, 1, 2, 2],
+        [2, 1, 1, 1, 1, 2]],
+    7: [[2, 1, 1, 1, 1, 1, 1], [1, 1, 2, 1, 1, 1, 1], [1, 1, 1, 1, 2, 1, 1], [1, 1, 1, 1, 1, 1, 2]],
+    8: [[1] * 8],
+}
+
+
+def test_the_metis_like_search_space_is_the_one_metis_published() -> None:
+    """The metis-like baseline's device groups (shapes, then Metis' merged orders of each) for the authors' example
+    are exactly those its published search lists: the same groups, none missing, none added."""
+    for p, published in METIS_PUBLISHED_GROUPS.items():
+        ours = [list(order) for shape in _metis_groups(8, p, variance=1, limit=None) for order in _metis_orders(shape)]
+        assert sorted(ours) == sorted(published), (p, ours)
+    # the merge keeps a long run of the smallest groups to max_permute_len units: 6 x 1 + 2 gives 4 units
+    assert len(_metis_orders((1, 1, 1, 1, 1, 1, 2))) == 4
+    assert _metis_orders((2, 4)) == [(2, 4), (4, 2)]
