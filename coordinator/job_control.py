@@ -40,7 +40,8 @@ def stop(control: JobControlRecord, *, spec_steps: int, newest_step: int, now: f
     end = min(target, newest_step + 1 + STOP_MARGIN)
     how = (f"the job stops after step {end - 1} (the newest reported is {newest_step}), with a checkpoint; "
            f"the nodes then exit") if end < target else \
-        f"the job already ends at step {target}, within {STOP_MARGIN} steps; it stops there with a checkpoint"
+        (f"the job already ends after step {target - 1} (the newest reported is {newest_step}), within "
+         f"{STOP_MARGIN} steps; it stops there with a checkpoint")
     return replace(control, target_steps=end, stopped_unix=control.stopped_unix or now), how
 
 
@@ -61,8 +62,9 @@ def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_ste
     new = target + steps
     if new > MAX_TARGET_STEPS:
         raise ControlRefused(f"a job of {new} steps is too long; extend by fewer steps")
-    return replace(control, target_steps=new), (f"the job now ends at step {new} instead of {target}; steps after the "
-                                                f"spec's {spec_steps} train at the schedule's final learning rate")
+    return replace(control, target_steps=new), (f"the job now ends after step {new - 1} instead of step {target - 1} "
+                                                f"(the newest reported is {newest_step}); steps past the spec's "
+                                                f"{spec_steps} train at the schedule's final learning rate")
 
 
 def finished(control: JobControlRecord, *, complete: bool, now: float) -> JobControlRecord | None:

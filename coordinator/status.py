@@ -225,7 +225,7 @@ def _job_state_lines(s: pb.StatusReply) -> list[str]:
                 f"serves this status until it is stopped)"]
     if s.job_state == "stopping":
         return [f"stopping (atoll job stop): the job ends after step {s.target_steps - 1}, with a checkpoint"]
-    return [f"running: ends at step {s.target_steps}"] if s.target_steps else []
+    return [f"running: ends after step {s.target_steps - 1}"] if s.target_steps else []
 
 
 def format_status(s: pb.StatusReply, now: float | None = None) -> str:

@@ -82,5 +82,5 @@ def run_job_cli(args: argparse.Namespace) -> int:
     rpc = None if args.insecure else bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
     reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0), token=token, rpc=rpc,
                         timeout=timedelta(seconds=args.timeout))
-    print(f"{reply.message} (newest reported step {reply.step}; the job ends at step {reply.target_steps})")
+    print(reply.message)  # it names the newest reported step and the last step, in the logs' numbering
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -38,7 +39,7 @@ def test_stop_ends_a_few_steps_after_the_newest_and_never_later_than_the_target(
 
 def test_extend_moves_the_end_unless_too_late_finished_or_stopping() -> None:
     c, how = jc.extend(JobControlRecord(), 50, spec_steps=100, newest_step=10)
-    assert c.target_steps == 150 and "150" in how
+    assert c.target_steps == 150 and "after step 149 instead of step 99" in how
     c, _ = jc.extend(c, 10, spec_steps=100, newest_step=120)
     assert jc.target_steps(100, c) == 160
     for control, newest, match in ((JobControlRecord(), 97, "within"), (JobControlRecord(finished_unix=1.0), 99,
@@ -163,10 +164,12 @@ def test_extend_stop_finish_and_every_node_exits(tmp_path: Path) -> None:
                 *(["--insecure"] if cluster.insecure else ["--tls-ca", str(cluster.ca_file)])]
         ext = subprocess.run(base + ["extend", "--steps", "20"] + auth, capture_output=True, text=True, timeout=60)
         assert ext.returncode == 0, ext.stderr
-        assert "ends at step 220" in ext.stdout
+        assert "the job now ends after step 219 instead of step 199" in ext.stdout, ext.stdout
         stop = subprocess.run(base + ["stop"] + auth, capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stderr
-        target = int(stop.stdout.rsplit("ends at step ", 1)[1].rstrip(")\n"))
+        # one line, one numbering (the logs' step numbers): the last step, and the newest reported once
+        assert stop.stdout.count("\n") == 1 and stop.stdout.count("newest reported") == 1, stop.stdout
+        target = int(re.search(r"after step (\d+)", stop.stdout)[1]) + 1
         assert target < 100
         status = _wait("finished", lambda: (lambda s: s if s.job_state == "finished" else None)(cluster.status()),
                        150, cluster)
