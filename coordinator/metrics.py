@@ -12,6 +12,21 @@ LATEST_ROWS = 2000
 """Newest history rows searched for the latest loss and validation loss."""
 
 
+class _UntilSet:
+    """A gauge that is absent from the exposition until its first value (a plain Gauge reads 0.0 from the start,
+    which a dashboard cannot tell from a real 0: no loss yet, no validation pass, no fp16 loss scale)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self._args = (name, documentation)
+        self._registry = registry
+        self._gauge: Gauge | None = None
+
+    def set(self, value: float) -> None:
+        if self._gauge is None:
+            self._gauge = Gauge(*self._args, registry=self._registry)
+        self._gauge.set(value)
+
+
 class CoordinatorMetrics:
     """members, islands, plan epoch, step, tokens/s, last complete checkpoint, per-link bandwidth, and the
     latest loss and validation loss."""
@@ -28,14 +43,14 @@ class CoordinatorMetrics:
         self.checkpoint_step = Gauge("atoll_last_checkpoint_step", "Latest complete checkpoint step", registry=r)
         self.link_bandwidth = Gauge("atoll_link_bandwidth_bytes_per_second", "Latest probe of each link",
                                     ["src", "dst"], registry=r)
-        self.loss = Gauge("atoll_loss", "Training loss of the latest step reported (cross entropy, nats/token)",
-                          registry=r)
-        self.loss_step = Gauge("atoll_loss_step", "Step of atoll_loss", registry=r)
-        self.val_loss = Gauge("atoll_val_loss", "Validation loss of the latest validation pass (absent before "
-                              "the first)", registry=r)
-        self.val_loss_step = Gauge("atoll_val_loss_step", "Step of atoll_val_loss", registry=r)
-        self.loss_scale = Gauge("atoll_loss_scale", "fp16: the loss scale of the latest step reported (absent under "
-                                "fp32 and bf16)", registry=r)
+        self.loss = _UntilSet("atoll_loss", "Training loss of the latest step reported (cross entropy, nats/token; "
+                              "absent before the first)", registry=r)
+        self.loss_step = _UntilSet("atoll_loss_step", "Step of atoll_loss", registry=r)
+        self.val_loss = _UntilSet("atoll_val_loss", "Validation loss of the latest validation pass (absent before "
+                                  "the first)", registry=r)
+        self.val_loss_step = _UntilSet("atoll_val_loss_step", "Step of atoll_val_loss", registry=r)
+        self.loss_scale = _UntilSet("atoll_loss_scale", "fp16: the loss scale of the latest step reported (absent "
+                                    "under fp32 and bf16)", registry=r)
         self.loop_lag = Gauge("atoll_coordinator_loop_lag_seconds", "How late the coordinator's server loop ran "
                               "(the largest over the last minute); lease expiry allows for it", registry=r)
         self.heartbeat_interval = Gauge("atoll_coordinator_heartbeat_interval_seconds", "The heartbeat interval "

@@ -166,6 +166,9 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
                 if last.HasField("plan") and last.plan.epoch != announced:
                     announced = last.plan.epoch
                     plan = plan_from_proto(last.plan)
+                    if bar.n == 0 and plan.resume_step > 0:  # --resume: the bar starts where training does
+                        start_bar_at(bar, min(plan.resume_step, steps))
+                        reached = max(reached, bar.n)
                     kinds = {m.profile.device_kind for m in last.members if m.node_id in plan.node_addresses}
                     tqdm.write(f"plan epoch {plan.epoch}, nodes {', '.join(sorted(plan.node_addresses))}:\n"
                                + format_plan(plan, device_kinds=kinds))
@@ -186,6 +189,12 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
         _draw(job, cluster.losses(), cluster.out, last, steps, time.monotonic() - started,
               history=_history(cluster.state_db))
     return 0
+
+
+def start_bar_at(bar, step: int) -> None:
+    """Start a fresh tqdm `bar` at `step` (a resumed run): shown as done, left out of the rate and the time left."""
+    bar.n = bar.initial = bar.last_print_n = step
+    bar.refresh()
 
 
 def _history(state_db: Path) -> list:

@@ -156,6 +156,14 @@ def test_plot_writes_the_whole_history_as_a_png(tmp_path):
 
 
 def test_prometheus_exports_the_latest_loss_and_validation_loss():
+    # before any step (and without validation, or under fp32): absent, not a 0.0 a dashboard would plot
+    empty = CoordinatorMetrics()
+    empty.update(CoordinatorState(store=MemoryStore(), job=_state_with_history(1).job, token="t",
+                                  clock=lambda: 1000.0))
+    text = generate_latest(empty.registry).decode()
+    assert "atoll_step 0.0" in text
+    for name in ("atoll_loss", "atoll_loss_step", "atoll_val_loss", "atoll_val_loss_step", "atoll_loss_scale"):
+        assert f"\n{name} " not in text and f"# HELP {name} " not in text, name
     state = _state_with_history(120)
     metrics = CoordinatorMetrics()
     metrics.update(state)
