@@ -55,9 +55,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_STEPS = 10**12
 """The most steps a spec's step count may name (train.steps, warmup, eval_every, loss_scale_window,
 checkpoint.interval and keep): far beyond any real job, well inside the 64-bit step counters of the wire."""
-MAX_GLOBAL_BATCH = 10**8
-"""The most sequences per optimizer step (train.global_batch, so micro_batch too): far beyond any real job; the
-plan sends both as 32-bit integers."""
+MAX_GLOBAL_BATCH = 2**24
+"""The most sequences per optimizer step (train.global_batch, so micro_batch too; `atoll plan --global-batch`):
+16,777,216, thousands of times any published run's batch, so a larger one is a typo, refused before a planner lays
+out that many micro-batches (the plan sends both as 32-bit integers)."""
 MAX_TOKENS = 2**63 - 1
 """The most tokens a job may train (train.steps x global_batch x seq_len): nodes and the coordinator count them
 in 64-bit integers."""

@@ -71,27 +71,28 @@ class _StopSignals:
             raise _Stopped(signum)
 
 
-def _prepare(out: Path, job_id: str, steps: int, resume: bool) -> bool:
-    """Make `out` ready for the run; False when there is nothing to train (a finished run to resume)."""
+def _prepare(out: Path, job_id: str, steps: int, resume: bool) -> int | None:
+    """Make `out` ready for the run: the steps an earlier run reported, which a resumed one starts from (0 for a
+    fresh run); None when there is nothing to train (a finished run to resume)."""
     from atoll.launch.localcluster import clear_run, stored_run
 
     previous = stored_run(out)
     if previous is None:
-        return True
+        return 0
     old_id, reached = previous
     if not resume:
         print(f"{out} holds an earlier run (job {old_id}, {reached} steps); starting a fresh one in its place "
               f"(--resume continues a run instead)")
         clear_run(out)
-        return True
+        return 0
     if old_id != job_id:
         raise ValueError(f"cannot resume: {out} holds job {old_id}, and the job spec is now {job_id} (it changed "
                          f"since); run without --resume for a fresh run, or give another --out")
     if reached >= steps:
         print(f"the run in {out} already finished its {steps} steps; run without --resume to train again")
-        return False
+        return None
     print(f"resuming the run in {out} from its last checkpoint ({reached} of {steps} steps were reported)")
-    return True
+    return reached
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -104,12 +105,13 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
-    if not _prepare(out, job.id, job.train.steps, args.resume):
+    start = _prepare(out, job.id, job.train.steps, args.resume)
+    if start is None:
         return 0
     stop = _StopSignals()
     previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
-        return _train(args, job, job_path, out, stop)
+        return _train(args, job, job_path, out, stop, start)
     except _Stopped as e:
         print(f"stopped by {e}: the coordinator and the nodes are shut down; --resume continues the run")
         return 128 + e.signum
@@ -121,7 +123,9 @@ def run_demo(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _StopSignals) -> int:
+def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _StopSignals, start: int = 0) -> int:
+    """Run the job on a local cluster with a progress bar; `start`: the steps an earlier run reported (--resume),
+    where the bar starts, so its rate and time left count only what this run trains."""
     from tqdm import tqdm
 
     from atoll.coordinator.planner.report import format_plan
@@ -134,7 +138,7 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
     steps = job.train.steps
     started = time.monotonic()
     last = None  # the latest status
-    reached = 0  # steps done, by the coordinator's latest loss
+    reached = start  # steps done, by the coordinator's latest loss
     try:
         address = cluster.start_coordinator()
         print(f"coordinator on {address}; starting {args.nodes} nodes (logs in {cluster.out}/)")
@@ -142,7 +146,7 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
             cluster.start_node(f"node{i + 1}", extra=["--exit-when-done"])
         announced = 0
         progressed = read_losses = time.monotonic()
-        with tqdm(total=steps, desc="training", unit="step", dynamic_ncols=True) as bar:
+        with tqdm(total=steps, initial=min(start, steps), desc="training", unit="step", dynamic_ncols=True) as bar:
             while reached < steps:
                 now = time.monotonic()
                 if args.timeout is not None and now - started > args.timeout:
@@ -166,9 +170,6 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
                 if last.HasField("plan") and last.plan.epoch != announced:
                     announced = last.plan.epoch
                     plan = plan_from_proto(last.plan)
-                    if bar.n == 0 and plan.resume_step > 0:  # --resume: the bar starts where training does
-                        start_bar_at(bar, min(plan.resume_step, steps))
-                        reached = max(reached, bar.n)
                     kinds = {m.profile.device_kind for m in last.members if m.node_id in plan.node_addresses}
                     tqdm.write(f"plan epoch {plan.epoch}, nodes {', '.join(sorted(plan.node_addresses))}:\n"
                                + format_plan(plan, device_kinds=kinds))
@@ -189,12 +190,6 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
         _draw(job, cluster.losses(), cluster.out, last, steps, time.monotonic() - started,
               history=_history(cluster.state_db))
     return 0
-
-
-def start_bar_at(bar, step: int) -> None:
-    """Start a fresh tqdm `bar` at `step` (a resumed run): shown as done, left out of the rate and the time left."""
-    bar.n = bar.initial = bar.last_print_n = step
-    bar.refresh()
 
 
 def _history(state_db: Path) -> list:

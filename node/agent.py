@@ -215,8 +215,16 @@ class _Outgoing:
     on_delivered: Callable[[], None] | None = None
 
 
-def describe_plan(plan: Plan, node_id: str) -> str:
-    """A readable account of a plan, with this node's place in it."""
+def _rendezvous_shown(address: str, coordinator_host: str) -> str:
+    """`tcp://:PORT` (every interface: the host the nodes dial the coordinator at) with that host filled in."""
+    if address.startswith("tcp://:"):
+        return f"tcp://{coordinator_host or '<the coordinator host>'}:{address[len('tcp://:'):]}"
+    return address
+
+
+def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
+    """A readable account of a plan, with this node's place in it. A rendezvous address without a host (a
+    coordinator listening on every interface) is shown at `coordinator_host`, where the node dials it."""
     lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s), global batch "
              f"{plan.global_batch}, seq {plan.seq_len}, resume at step {plan.resume_step}"]
     mine = "this node is idle in this plan"
@@ -226,10 +234,16 @@ def describe_plan(plan: Plan, node_id: str) -> str:
             send = f", sends {stage.send.codec}" if stage.send else ""
             lines.append(f"    stage {s_index}: island {stage.island}, layers [{stage.layers[0]}, {stage.layers[1]}), "
                          f"dp {stage.dp}" + (f" in {stage.lanes} lanes" if stage.lanes > 1 else "")
-                         + f" on {', '.join(stage.nodes)}{send}; rendezvous {stage.dp_rendezvous}")
+                         + (f" x tp {stage.tp}" if stage.tp > 1 else "")
+                         + f" on {', '.join(stage.nodes)}{send}"
+                         + (f"; rendezvous {_rendezvous_shown(stage.dp_rendezvous, coordinator_host)}"
+                            if stage.dp_rendezvous else ""))
             if node_id in stage.nodes:
+                index = stage.nodes.index(node_id)
+                place = (f"as replica {index // stage.tp} of {stage.dp}, tp rank {index % stage.tp} of {stage.tp}"
+                         if stage.tp > 1 else f"as rank {index} of {stage.dp}")
                 mine = (f"this node runs pipeline {p_index} stage {s_index} (layers [{stage.layers[0]}, "
-                        f"{stage.layers[1]})) as rank {stage.nodes.index(node_id)} of {stage.dp}")
+                        f"{stage.layers[1]})) {place}")
     lines.append(f"  {mine}")
     return "\n".join(lines)
 
@@ -770,7 +784,7 @@ class NodeAgent:
             self.plan = plan
             self.plan_serial += 1
             self._cond.notify_all()
-        log.info("%s", describe_plan(plan, self.node_id))
+        log.info("%s", describe_plan(plan, self.node_id, self.config.coordinator.rsplit(":", 1)[0]))
 
     # --- the caller's thread ------------------------------------------------------------------------
 

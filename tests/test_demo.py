@@ -129,18 +129,3 @@ def test_sigterm_stops_the_coordinator_and_every_node(tmp_path: Path) -> None:
                 pass
         demo.wait(10)
 
-
-def test_a_resumed_run_s_bar_starts_where_training_does() -> None:
-    """--resume: the steps before the checkpoint are shown done, not counted as if trained in the first second."""
-    import io
-
-    from tqdm import tqdm
-
-    from atoll.launch.demo import start_bar_at
-
-    out = io.StringIO()
-    with tqdm(total=100, file=out, mininterval=0, ascii=True) as bar:
-        start_bar_at(bar, 40)
-        bar.update(2)
-        assert bar.n == 42 and bar.format_dict["initial"] == 40
-    assert "40/100" in out.getvalue() and "42/100" in out.getvalue()

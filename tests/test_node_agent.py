@@ -155,6 +155,16 @@ def test_describe_plan_names_this_nodes_place() -> None:
     text = describe_plan(plan, "c")
     assert "plan epoch 3" in text and "pipeline 0 stage 1 (layers [3, 6)) as rank 1 of 2" in text
     assert "idle" in describe_plan(plan, "zz")
+    # a tp stage: the replica and the tp rank, not a rank past its dp; a rendezvous on every interface is shown at
+    # the host the node dials the coordinator at, not as tcp://:PORT
+    tp = Plan(model="tiny", global_batch=16, seq_len=64, epoch=4, job_id="j", pipelines=[PipelinePlan(
+        micro_batch=8, num_micro_batches=2, stages=[
+            StagePlan(island="cpu0", layers=(0, 3), nodes=["a"], dp_rendezvous="tcp://:29500"),
+            StagePlan(island="cpu0", layers=(3, 6), nodes=["b", "c", "d", "e"], dp=2, tp=2,
+                      dp_rendezvous="tcp://:29500")])])
+    text = describe_plan(tp, "d", "coord.example")
+    assert "as replica 1 of 2, tp rank 0 of 2" in text and "dp 2 x tp 2 on b, c, d, e" in text, text
+    assert "rendezvous tcp://coord.example:29500" in text and "tcp://:" not in text, text
 
 
 # --- agents against a coordinator ------------------------------------------------------------------------

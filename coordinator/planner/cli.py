@@ -6,12 +6,9 @@ import argparse
 from pathlib import Path
 
 from atoll.argtypes import count, number
+from atoll.job import MAX_GLOBAL_BATCH
 
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
-
-MAX_GLOBAL_BATCH = 2**24
-"""The most sequences per optimizer step `atoll plan` takes (16,777,216): thousands of times any published run's
-batch, so a larger one is a typo, refused before the planner lays out that many micro-batches."""
 
 
 def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
