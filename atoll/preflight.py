@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
@@ -82,19 +83,34 @@ def check_listen(address: str, flag: str) -> None:
                              f"machine") from None
 
 
-def check_dial_address(address: str, flag: str) -> None:
-    """SetupError unless `address` is HOST:PORT another machine can dial: a host, a port in 1-65535, an IPv6 host
-    in brackets, not a wildcard. Whether it resolves and answers is found out by dialling."""
+_HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)$")
+WILDCARDS = ("0.0.0.0", "::")
+
+
+def dial_address_problem(address: str) -> str | None:
+    """What keeps `address` from being HOST:PORT another machine can dial, as the end of a sentence that names it
+    (None: nothing). A host name of letters, digits, '.', '_' or '-', or an IP address (IPv6 in brackets), not a
+    wildcard; a port in 1-65535. Whether it resolves and answers is found out by dialling. The command line's
+    flags (`check_dial_address`) and the coordinator's Join (`coordinator.validation.check_address`) share it."""
     host, _, port_text = address.rpartition(":")
-    example = f"give HOST:PORT, e.g. {flag} 10.0.0.5:7070"
-    if not host or not port_text.isdigit():
-        raise SetupError(f"{flag} {address!r} is not HOST:PORT; {example}")
+    if not host or not port_text.isdigit() or len(port_text) > 5:
+        return "is not HOST:PORT"
     if not 0 < int(port_text) < 65536:
-        raise SetupError(f"{flag} {address}: the port must be in 1-65535")
+        return "has a port outside 1-65535"
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise SetupError(f"{flag} {address!r}: write an IPv6 host in brackets, e.g. [{host}]:{port_text}")
-    if host.strip("[]") in ("0.0.0.0", "::"):
-        raise SetupError(f"{flag} {address}: {host} is a wildcard (every interface), not an address to dial; {example}")
+        return f"has an IPv6 host without brackets: write [{host}]:{port_text}"
+    if not _HOST_RE.match(host):
+        return "has a host that is neither a name (letters, digits, '.', '_', '-') nor an IP address"
+    if host.strip("[]") in WILDCARDS:
+        return f"names {host}, a wildcard (every interface), not an address to dial"
+    return None
+
+
+def check_dial_address(address: str, flag: str) -> None:
+    """SetupError unless `address` is HOST:PORT another machine can dial (`dial_address_problem`)."""
+    problem = dial_address_problem(address)
+    if problem is not None:
+        raise SetupError(f"{flag} {address!r} {problem}; give HOST:PORT, e.g. {flag} 10.0.0.5:7070")
 
 
 def check_output_file(path: Path | str, flag: str) -> None:

@@ -9,6 +9,7 @@ import math
 import re
 
 from atoll.coordinator.errors import InvalidArgument
+from atoll.preflight import dial_address_problem
 from atoll.types import MAX_SPLIT_OVERHEAD
 from atoll.v1 import atoll_pb2 as pb
 
@@ -21,7 +22,6 @@ MAX_SECONDS = 3600.0
 MAX_BANDWIDTH = 1e13  # 10 TB/s, beyond any link
 MAX_FLOWS = 1024  # nodes of one machine that probe at once
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_ADDRESS_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
 
 
@@ -44,12 +44,11 @@ def check_node_id(node_id: str) -> None:
 
 
 def check_address(name: str, address: str) -> None:
+    """HOST:PORT a peer can dial (`atoll.preflight.dial_address_problem`, as the node's own flags are checked)."""
     check_string(name, address, required=True)
-    m = _ADDRESS_RE.match(address)
-    if m is None or not 0 < int(m.group(2)) < 65536:
-        raise InvalidArgument(f"{name} {address!r} is not HOST:PORT with a port in 1-65535")
-    if m.group(1) in ("0.0.0.0", "[::]"):
-        raise InvalidArgument(f"{name} {address!r} is a wildcard; advertise an address peers can dial "
+    problem = dial_address_problem(address)
+    if problem is not None:
+        raise InvalidArgument(f"{name} {address!r} {problem}; advertise an address peers can dial "
                               f"(atoll node --advertise HOST:PORT)")
 
 
