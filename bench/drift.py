@@ -70,38 +70,23 @@ def region_of(i: int, nodes: int, regions: int) -> str | None:
 
 def _plans(cluster) -> list[tuple[int, float, str]]:
     """(epoch, published unix time, reason) of every plan the coordinator made."""
-    from atoll.coordinator.store import SqliteStore
-
-    store = SqliteStore(cluster.state_db)
-    try:
+    with cluster.read_store() as store:
         return [(h.plan.epoch, h.created_unix, h.reason) for h in store.plan_history()]
-    finally:
-        store.close()
 
 
 def _first_step(cluster, epoch: int) -> int | None:
     """The first step any node reported under plan `epoch` (where the switch resumed the job)."""
-    from atoll.coordinator.store import SqliteStore
-
-    store = SqliteStore(cluster.state_db)
-    try:
+    with cluster.read_store() as store:
         return min((m.step for m in store.recent_steps(limit=store.recent_steps_kept) if m.plan_epoch == epoch),
                    default=None)
-    finally:
-        store.close()
 
 
 def _group_resumes(cluster, old: int, new: int) -> list[tuple[str, bool, int, int, int]]:
     """Outer mode, per replica group of plan `new`: (name, kept running, the last step any of its nodes reported
     under plan `old`, the first under `new`, its inner steps a round under `old` in the job's steps)."""
-    from atoll.coordinator.store import SqliteStore
-
-    store = SqliteStore(cluster.state_db)
-    try:
+    with cluster.read_store() as store:
         plans = {h.plan.epoch: h.plan for h in store.plan_history()}
         steps = store.recent_steps(limit=store.recent_steps_kept)
-    finally:
-        store.close()
     before, after = plans[old], plans[new]
     out = []
     for g in after.groups:

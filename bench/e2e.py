@@ -44,11 +44,8 @@ def distributed(job_path: Path, nodes: int, out: Path, timeout: float) -> dict:
             time.sleep(0.5)
         wall = time.monotonic() - t0
         status = cluster.status()
-        from atoll.coordinator.store import SqliteStore
-
-        store = SqliteStore(cluster.state_db)
-        steps = store.recent_steps(limit=1_000_000)
-        store.close()
+        with cluster.read_store() as store:
+            steps = store.recent_steps(limit=1_000_000)
     plan = plan_from_proto(status.plan)
     # step time: the interval between consecutive losses reported by the loss-reporting node, steady state
     reports = sorted((s for s in steps if s.loss is not None and s.plan_epoch == plan.epoch), key=lambda s: s.step)

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -231,6 +232,17 @@ class LocalCluster:
             time.sleep(poll)
         return losses
 
+    @contextmanager
+    def read_store(self) -> Iterator:
+        """The coordinator's store (`SqliteStore` of `state_db`), open for the block and closed after it."""
+        from atoll.coordinator.store import SqliteStore
+
+        store = SqliteStore(self.state_db)
+        try:
+            yield store
+        finally:
+            store.close()
+
     def losses(self) -> dict[int, float]:
         """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store.
 
@@ -238,12 +250,9 @@ class LocalCluster:
         arrived since the one before, so a caller asking at least once per that many reports (the demo asks
         every second) has every step of a job of any length.
         """
-        from atoll.coordinator.store import SqliteStore
-
         if not self.state_db.is_file():
             return dict(self._losses)
-        store = SqliteStore(self.state_db)
-        try:
+        with self.read_store() as store:
             # read back until the oldest report read was merged before (row order, not report times: the reports
             # a node kept through a coordinator outage arrive late, stamped with their own times)
             limit = 256
@@ -253,8 +262,6 @@ class LocalCluster:
                         or (batch[0].node_id, batch[0].plan_epoch, batch[0].step) in self._merged):
                     break
                 limit *= 4
-        finally:
-            store.close()
         for s in batch:
             key = (s.node_id, s.plan_epoch, s.step)
             if key in self._merged:
