@@ -867,6 +867,10 @@ class NodeAgent:
         and tell the coordinator (best effort)."""
         if self._stop.is_set():
             return
+        if self._draining.is_set():  # a second stop (Ctrl-C again) while the first waits for the step in flight
+            log.info("stopping now: the step in flight is cut short")
+            self._stop.set()
+            return
         if leave and self.joins:
             self._leaving.set()
             if self.peer is not None and self.peer.state is not None:
@@ -875,6 +879,9 @@ class NodeAgent:
                 # take is cut short below
                 self._draining.set()
                 bound = min(step_wait_timeout(self.step_seconds(), self.config.handover), self.config.handover)
+                if self.peer.state.stepping:
+                    log.info("stopping: the step in flight finishes first (at most %.0fs; stop again to cut it "
+                             "short), then this node leaves", bound.total_seconds())
                 if not self.peer.state.wait_steps_over(bound):
                     log.info("the step in flight did not finish within %.0fs; ending it", bound.total_seconds())
         if leave and self.joins and not self.flush_outbox(flush):

@@ -133,6 +133,12 @@ class StateHolder:
             self._running.add(epoch)
             self._stepping.add(epoch)
 
+    @property
+    def stepping(self) -> bool:
+        """A run is training steps (`begin_run` and no `steps_over` or `end_run` since)."""
+        with self._cond:
+            return bool(self._stepping)
+
     def steps_over(self, epoch: int) -> None:
         with self._cond:
             self._stepping.discard(epoch)

@@ -243,6 +243,55 @@ def test_three_agents_probe_get_a_plan_and_replan_when_one_leaves(coordinator: C
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("again", [False, True])
+def test_a_graceful_stop_lets_the_step_in_flight_finish_unless_stopped_again(coordinator: CoordinatorService,
+                                                                             tmp_path: Path, again: bool) -> None:
+    """stop() first lets the run finish the step it is in (its stage's other nodes finish it too), then leaves; a
+    second stop() (Ctrl-C again) ends that step at once."""
+    from atoll.node.state_transfer import StateHolder
+
+    finished: dict[str, str] = {}
+
+    def on_plan(run: PlanRun) -> None:
+        if run.peer.state is None:
+            run.peer.state = StateHolder(node_id=run.node_id)
+        held = run.peer.state
+        held.begin_run(run.plan.epoch)
+        try:
+            while not run.agent.draining and not run.superseded.is_set():  # steps go on until a stop
+                time.sleep(0.05)
+            cut = run.superseded.wait(1.5)  # the step in flight takes 1.5 s more, unless cut short
+            finished.setdefault(run.node_id, "cut short" if cut else "finished")
+        finally:
+            held.end_run(run.plan.epoch)
+
+    agents = [make_agent(coordinator.address, tmp_path / f"n{i}", f"host{i}") for i in range(3)]
+    threads = [threading.Thread(target=a.run, args=(on_plan,), daemon=True) for a in agents]
+    try:
+        for t in threads:
+            t.start()
+        wait_until(lambda: all(a.plan is not None and a.peer.state is not None and a.peer.state.stepping
+                               for a in agents), what="every agent stepping in plan epoch 1")
+        stopping = threading.Thread(target=agents[0].stop)
+        started = time.monotonic()
+        stopping.start()
+        if again:
+            time.sleep(0.3)
+            agents[0].stop()
+        stopping.join(20)
+        took = time.monotonic() - started
+        assert finished[agents[0].node_id] == ("cut short" if again else "finished"), finished
+        assert (took < 1.4) if again else (took >= 1.4), took
+        status = fetch_status(coordinator.address, token=TOKEN)
+        assert {m.node_id: m.state for m in status.members}[agents[0].node_id] == "left"
+    finally:
+        for a in agents:
+            a.stop()
+        for t in threads:
+            t.join(5)
+
+
+@pytest.mark.timeout(60)
 def test_agents_rejoin_by_themselves_when_the_coordinator_forgot_them(tmp_path: Path) -> None:
     first = start_coordinator()
     address = first.address
