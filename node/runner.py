@@ -580,7 +580,9 @@ class PlanRunner:
                 ended = stop.is_set() or ctx.draining()  # superseded, or this node stops
                 # a node leaving gracefully meets its stage's other nodes, which the plan after its Leave
                 # supersedes, for the handovers below: it holds a part of the stage's state
-                leaving = ended and ctx.left is not None and ctx.left(timedelta(seconds=LEAVE_ANSWER_S))
+                spread = isinstance(optimizer, ZeroOptimizer) or self.tp is not None  # a part of the state here
+                leaving = (ended and spread and ctx.left is not None
+                           and ctx.left(timedelta(seconds=LEAVE_ANSWER_S)))
                 # a ZeRO stage's replicas gather its state whether the newer plan ended their run or a failed step
                 # did (one replica's send may fail while the other is superseded mid-step): they must agree to
                 # meet; a failed one waits for that plan first
