@@ -51,8 +51,10 @@ def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_ste
         raise ControlRefused(f"extend by at least one step, got {steps}")
     target = target_steps(spec_steps, control)
     if control.finished_unix:
-        raise ControlRefused(f"the job finished at step {target}; to train on, start the coordinator with a job spec "
-                             f"of more steps on a new --state-dir, resuming from the last checkpoint")
+        raise ControlRefused(f"the job finished after step {target - 1}; to train on, `atoll export` its last "
+                             f"checkpoint and start a new job from it (`pretrained = \"EXPORT_DIR\"` under [model], more "
+                             f"steps), with a new coordinator --state-dir and new node --checkpoint-dir folders: the "
+                             f"weights carry over, not the optimizer state")
     if control.stopped_unix:
         raise ControlRefused("the job is stopping (atoll job stop); it cannot be extended")
     if newest_step + 1 + EXTEND_MARGIN > target:

@@ -132,6 +132,9 @@ class AgentConfig:
     """The job CA (PEM) the coordinator is verified with: every channel is then mutual TLS, under the certificate
     the join brings (`atoll.node.credentials`). None: plaintext, for a coordinator that runs --insecure."""
 
+    checkpoint_dir: Path | None = None
+    """Where the node writes its checkpoints: claimed for the job at the start (`claim_checkpoint_dir`), so that a
+    folder holding another job's checkpoints is refused before they are overwritten. None: not checked here."""
     handover: timedelta = timedelta(seconds=30)
     """A graceful leave serves this node's live state until the next plan's nodes took it, at most this long."""
     final_reports: timedelta = timedelta(minutes=2)
@@ -435,6 +438,11 @@ class NodeAgent:
             from atoll.node.pretrained import check_pretrained
 
             check_pretrained(self.job.model, self.job.pretrained)  # before profiling and joining, like the data
+        if self.config.checkpoint_dir is not None:
+            from atoll.node.checkpoint import claim_checkpoint_dir
+
+            if claim_checkpoint_dir(self.config.checkpoint_dir, self.job.id):  # refused: another job's checkpoints
+                log.info("checkpoints of job %s go to %s", self.job.id, self.config.checkpoint_dir)
         if self._given_profile is not None:
             self.profile = self._given_profile
         else:
@@ -982,7 +990,9 @@ def run_node_cli(args: argparse.Namespace) -> int:
         tls_ca = ca_path.read_bytes()
         log.info("verifying the coordinator and peers with the job CA %s (%s; compare with the coordinator's log)",
                  ca_path, fingerprint(cert_from_pem(tls_ca, str(ca_path))))
+    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
     config = AgentConfig(coordinator=args.coordinator, token=token, state_dir=Path(args.state_dir),
+                         checkpoint_dir=checkpoint_dir,
                          device=args.device, listen=None if args.no_listen else args.listen,
                          advertise=args.advertise, tls_ca=tls_ca,
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
@@ -997,7 +1007,6 @@ def run_node_cli(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.state_dir) / "checkpoints"
     pruning = threading.Lock()
 
     def prune(before: int) -> None:  # what no node needs any more, this node's own checkpoints and its copies alike

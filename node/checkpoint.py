@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from atoll.fsutil import atomic_write
+from atoll.fsutil import atomic_write, atomic_write_text
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule
 from atoll.node.slice_state import ParamStates, layer_of, load_slice, read_slice, save_slice
@@ -30,6 +30,36 @@ _STEP = re.compile(r"^step-(\d{8})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing or does not fit the stage; the message says which and what to do."""
+
+
+JOB_FILE = "JOB"
+"""The file in a checkpoint folder that names the job whose checkpoints it holds (`claim_checkpoint_dir`)."""
+
+
+class CheckpointDirTaken(ValueError):
+    """The checkpoint folder holds another job's checkpoints."""
+
+
+def claim_checkpoint_dir(root: Path, job_id: str) -> bool:
+    """Mark `root` as the checkpoint folder of job `job_id` (its `JOB` file), before the node writes there; True
+    where it newly claimed it. Step folders are named by step alone, so a second job writing into the folder of a
+    first one would overwrite its steps and prune the rest: a folder whose JOB file names another job that still
+    has step folders there is refused (`CheckpointDirTaken`, saying what to do). Step folders without a JOB file
+    (written before the file was kept) are taken as this job's."""
+    root = Path(root)
+    marker = root / JOB_FILE
+    owner = marker.read_text(encoding="utf-8", errors="replace").strip() if marker.is_file() else ""
+    if owner == job_id:
+        return False
+    if owner and _steps_on_disk(root):
+        raise CheckpointDirTaken(
+            f"the checkpoint folder {root} holds the checkpoints of job {owner[:80]}, and this node joined job "
+            f"{job_id}: writing there would overwrite and prune them. Give this node another --checkpoint-dir (or "
+            f"another --state-dir), or move that job's checkpoints away first (`atoll export` makes a model of a "
+            f"complete step)")
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(marker, f"{job_id}\n")
+    return True
 
 
 def step_dir(root: Path, step: int) -> Path:
