@@ -331,6 +331,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                 late_seconds=max(list(g.late_seconds.values()), default=0.0))
     reply.job_state = job_control.job_state(state.control)
     reply.finished_unix = state.control.finished_unix
+    reply.stopped_unix = state.control.stopped_unix
     reply.target_steps = state.target_steps
     return reply
 

@@ -221,8 +221,9 @@ def _job_state_lines(s: pb.StatusReply) -> list[str]:
     """Whether the job runs, is stopping or has finished (and when), with the step it ends at."""
     if s.job_state == "finished":
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(s.finished_unix))
-        return [f"finished: all {s.target_steps} steps trained, at {when}; the nodes have left (the coordinator "
-                f"serves this status until it is stopped)"]
+        how = (f"stopped (atoll job stop) after step {s.target_steps - 1}: {s.target_steps} steps trained"
+               if s.stopped_unix else f"finished: all {s.target_steps} steps trained")
+        return [f"{how}, at {when}; the nodes have left (the coordinator serves this status until it is stopped)"]
     if s.job_state == "stopping":
         return [f"stopping (atoll job stop): the job ends after step {s.target_steps - 1}, with a checkpoint"]
     return [f"running: ends after step {s.target_steps - 1}"] if s.target_steps else []

@@ -142,6 +142,9 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
     try:
         address = cluster.start_coordinator()
         print(f"coordinator on {address}; starting {args.nodes} nodes (logs in {cluster.out}/)")
+        tls = "--insecure" if cluster.insecure else f"--tls-ca {cluster.ca_file}"
+        print(f"from another terminal: atoll status --coordinator {address} --token-file {cluster.token_file} {tls} "
+              f"(atoll job stop/extend take the same flags)")
         for i in range(args.nodes):
             cluster.start_node(f"node{i + 1}", extra=["--exit-when-done"])
         announced = 0
@@ -173,6 +176,14 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
                     kinds = {m.profile.device_kind for m in last.members if m.node_id in plan.node_addresses}
                     tqdm.write(f"plan epoch {plan.epoch}, nodes {', '.join(sorted(plan.node_addresses))}:\n"
                                + format_plan(plan, device_kinds=kinds))
+                # `atoll job stop/extend` move the end: the bar follows the coordinator's target
+                if last.target_steps and last.target_steps != steps:
+                    steps = bar.total = last.target_steps
+                    bar.refresh()
+                if last.job_state == "finished":  # stopped early (atoll job stop), or done
+                    reached = max(reached, last.target_steps)
+                    bar.update(min(reached, steps) - bar.n)
+                    break
                 # the coordinator's own summary: the latest loss and the step it belongs to
                 done = last.loss_step + 1 if last.has_loss else 0
                 if done > reached:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,3 +131,45 @@ def test_sigterm_stops_the_coordinator_and_every_node(tmp_path: Path) -> None:
                 pass
         demo.wait(10)
 
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_the_demo_follows_atoll_job_extend_and_stop(tmp_path: Path) -> None:
+    """`atoll job extend` and `stop`, given with the flags the demo prints, move the end the demo's bar runs to: it
+    ends when the coordinator says the job is finished, not at the spec's step count, and not after a stall."""
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    (tmp_path / "long.toml").write_text(replace(job, id="", train=replace(job.train, steps=3000)).to_toml())
+    demo = subprocess.Popen([*ATOLL, "demo", "--job", "long.toml", "--out", "run", "--stall-timeout", "60"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert demo.stdout is not None
+        line = ""
+        while "from another terminal: atoll status" not in line:
+            line = demo.stdout.readline()
+            assert line, "the demo ended before it said how to reach its coordinator"
+        flags = line.split("atoll status ", 1)[1].split(" (", 1)[0].split()
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:  # some steps trained
+            status = subprocess.run([*ATOLL, "status", *flags, "--json"], cwd=tmp_path, capture_output=True,
+                                    text=True, timeout=60)
+            if status.returncode == 0 and int(json.loads(status.stdout).get("step", "0")) >= 20:
+                break
+            time.sleep(1.0)
+        else:
+            pytest.fail("the demo's job did not reach step 20")
+        ext = subprocess.run([*ATOLL, "job", "extend", "--steps", "500", *flags], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+        assert ext.returncode == 0 and "ends after step 3499" in ext.stdout, ext.stdout + ext.stderr
+        stop = subprocess.run([*ATOLL, "job", "stop", *flags], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        assert stop.returncode == 0, stop.stderr
+        end = int(re.search(r"after step (\d+)", stop.stdout)[1]) + 1
+        out, _ = demo.communicate(timeout=120)
+        assert demo.returncode == 0, out[-2000:]
+        assert f"over {end} steps" in out and "stall" not in out, out[-2000:]
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)

@@ -111,7 +111,7 @@ def test_extend_then_stop_through_the_handlers_and_the_acks(state: CoordinatorSt
     assert last.stop and last.target_steps == 9
     status = h.handle_status(pb.StatusRequest(), state)
     assert status.job_state == "finished" and status.finished_unix == 1000.0
-    assert "finished: all 9 steps trained" in format_status(status)
+    assert "stopped (atoll job stop) after step 8: 9 steps trained" in format_status(status)  # not "all"
     beat = h.handle_heartbeat(pb.HeartbeatRequest(node_id=node), state)
     assert beat.job_finished and beat.target_steps == 9  # a run that starts later ends there too
     assert state.job_complete()
