@@ -11,8 +11,11 @@ import socket
 from datetime import timedelta
 
 
-def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2)) -> str:
-    """A line saying why HOST:PORT may not answer as a coordinator, and what to check."""
+def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2), mtls=None) -> str:
+    """A line saying why HOST:PORT may not answer as a coordinator, and what to check. With `mtls` (the
+    `atoll.rpc.MutualTls` the call used), a TLS handshake of its own tells a wrong --tls-ca, a coordinator without
+    TLS and a job token that is not the job's apart; without TLS (--insecure), one tells a coordinator that runs
+    with TLS."""
     host, _, port_text = address.rpartition(":")
     host = host.strip("[]")
     checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
@@ -37,9 +40,111 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
                 f"packets, or the address is not the coordinator's; {checks}")
     except OSError as e:
         return f"cannot connect to {host}:{port_text} ({e.strerror or e}); {checks}"
+    probed = _tls_probe(host, sockaddr, mtls, timeout) if tls and mtls is not None else (
+        None if tls else _speaks_tls(sockaddr, timeout))
+    if probed is not None:
+        return f"{address} accepts connections, but {probed}"
     if tls:
         return (f"{address} accepts connections but the TLS handshake or the call failed: check that --tls-ca is "
                 f"the coordinator's certificate authority, that the coordinator runs with TLS (not --insecure), and "
                 f"the job token (with TLS it also vouches for this client's certificate)")
     return (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
             f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
+
+
+_REFUSED_CLIENT = ("UNKNOWN_CA", "CERTIFICATE_UNKNOWN", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "DECRYPT_ERROR",
+                   "HANDSHAKE_FAILURE", "ACCESS_DENIED")
+"""TLS alerts a server sends when it does not accept the client's certificate."""
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNEXPECTED_EOF",
+            "HTTP_REQUEST", "UNKNOWN_PROTOCOL")
+"""How a handshake fails against a plaintext (HTTP/2 without TLS) server."""
+
+
+def _context(roots_pem: bytes | None):
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if roots_pem is None:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx.load_verify_locations(cadata=roots_pem.decode("ascii", errors="replace"))
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def _handshake(ctx, sockaddr, server_name: str, timeout: timedelta, *, read: bool = False) -> bool:
+    """One TLS handshake (and, with `read`, a short read: under TLS 1.3 a server refuses the client's
+    certificate only after the client's side of the handshake is done, by an alert or by closing the connection
+    where an HTTP/2 server would send its settings). False where the server closed it so; raises ssl.SSLError /
+    OSError."""
+    with socket.create_connection(sockaddr[:2], timeout=timeout.total_seconds()) as raw, \
+            ctx.wrap_socket(raw, server_hostname=server_name) as tls:
+        if read:
+            try:
+                return tls.recv(1) != b""
+            except (socket.timeout, TimeoutError):
+                pass  # accepted: the server waits for the client's first frame
+        return True
+
+
+def _tls_probe(host: str, sockaddr, mtls, timeout: timedelta) -> str | None:
+    """What a handshake of its own says is wrong with the TLS set-up (None: nothing it can tell)."""
+    import os
+    import ssl
+    import tempfile
+
+    name = mtls.server_name or host
+    try:
+        _handshake(_context(mtls.roots_pem), sockaddr, name, timeout)
+    except ssl.SSLCertVerificationError as e:
+        if "mismatch" in str(e.verify_message).lower():
+            return (f"its certificate does not name {name} ({e.verify_message}): dial the coordinator by a name its "
+                    f"certificate holds")
+        return (f"its certificate is not signed by the authority in --tls-ca ({e.verify_message}): give --tls-ca "
+                f"the copy of this coordinator's STATE_DIR/ca.pem (its fingerprint is in the coordinator's log)")
+    except ssl.SSLError as e:
+        if any(k in str(e).upper() for k in _NOT_TLS):
+            return ("it does not speak TLS: the coordinator runs --insecure; pass --insecure too (in a closed lab "
+                    "only), or run the coordinator with TLS")
+        if not any(k in str(e).upper() for k in _REFUSED_CLIENT):
+            return None
+    except OSError:
+        return None
+    identity = mtls.identity
+    if identity is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:  # ssl loads a client identity from files only
+        cert, key = os.path.join(tmp, "cert.pem"), os.path.join(tmp, "key.pem")
+        with open(cert, "wb") as f:
+            f.write(identity.cert_pem)
+        with open(os.open(key, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+            f.write(identity.key_pem)
+        ctx = _context(mtls.roots_pem)
+        ctx.load_cert_chain(cert, key)
+        refused = ("it refuses this client's certificate, which the job token vouches for: the token is not this "
+                   "job's; pass the coordinator's STATE_DIR/token (--token-file)")
+        try:
+            if not _handshake(ctx, sockaddr, name, timeout, read=True):
+                return refused
+        except ssl.SSLError as e:
+            if any(k in str(e).upper() for k in _REFUSED_CLIENT):
+                return refused
+        except OSError:
+            return None
+    return None
+
+
+def _speaks_tls(sockaddr, timeout: timedelta) -> str | None:
+    """Without TLS (--insecure): whether the port answers a TLS handshake, as a coordinator with TLS does."""
+    import ssl
+
+    try:
+        _handshake(_context(None), sockaddr, "coordinator", timeout)
+    except ssl.SSLError as e:
+        if not any(k in str(e).upper() for k in _REFUSED_CLIENT):
+            return None
+    except OSError:
+        return None
+    return ("it speaks TLS: the coordinator runs with TLS, so leave out --insecure (and give --tls-ca, the copy of "
+            "its STATE_DIR/ca.pem, unless that file sits beside --token-file)")

@@ -66,7 +66,8 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
 
             tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
             raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}): {diagnose(address, tls=tls)}") from None
+                                  f"({code.name}): {diagnose(address, tls=tls, mtls=rpc.mtls if rpc else None)}"
+                                  ) from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()

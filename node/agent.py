@@ -380,15 +380,16 @@ class NodeAgent:
 
     def _fetch_job(self) -> JobSpec:
         # the first contact: if it has not answered in a few seconds, say why it may not and keep trying
-        watch = FirstContactWatch(self.config.coordinator, tls=self.config.tls_ca is not None)
+        mtls = self._coordinator_rpc().mtls  # a TLS handshake of its own can tell a wrong token or CA apart
+        watch = FirstContactWatch(self.config.coordinator, tls=self.config.tls_ca is not None, mtls=mtls)
         try:
             status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
         except grpc.RpcError as e:
             raise AgentError(f"the coordinator at {self.config.coordinator} refused to tell the job: "
                              f"{e.code().name}: {e.details()}") from None
         except ConnectionError as e:
-            raise ConnectionError(f"{e}; {diagnose(self.config.coordinator, tls=self.config.tls_ca is not None)}") \
-                from None
+            why = diagnose(self.config.coordinator, tls=self.config.tls_ca is not None, mtls=mtls)
+            raise ConnectionError(f"{e}; {why}") from None
         finally:
             watch.done()
         if watch.fired.is_set():

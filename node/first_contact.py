@@ -39,8 +39,9 @@ class FirstContactWatch:
     least `least` from now); `done()` stops it."""
 
     def __init__(self, address: str, *, tls: bool, after: timedelta = FIRST_CONTACT_WARNING,
-                 least: timedelta = timedelta(milliseconds=500), say: Callable[[str], None] | None = None):
-        self.address, self.tls = address, tls
+                 least: timedelta = timedelta(milliseconds=500), say: Callable[[str], None] | None = None,
+                 mtls=None):
+        self.address, self.tls, self.mtls = address, tls, mtls
         self._say = say or (lambda line: log.error("%s", line))
         self.delay = max(least.total_seconds(), after.total_seconds() - process_age())
         """Seconds from now until it speaks."""
@@ -51,7 +52,7 @@ class FirstContactWatch:
 
     def _fire(self) -> None:
         self._say(f"cannot reach the coordinator at {self.address} yet (still retrying): "
-                  f"{diagnose(self.address, tls=self.tls)}")
+                  f"{diagnose(self.address, tls=self.tls, mtls=self.mtls)}")
         self.fired.set()
 
     def done(self) -> None:

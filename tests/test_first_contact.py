@@ -132,3 +132,34 @@ def test_a_node_the_coordinator_cannot_dial_is_told_what_to_set(state: Coordinat
     assert ok.reachable and "reached" in ok.reachability
     quiet = h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(), peer_address=""), state)
     assert not quiet.reachable and "--no-listen" in quiet.reachability
+
+
+def test_diagnose_tells_a_wrong_token_a_wrong_ca_and_the_wrong_side_of_insecure_apart(tmp_path: Path) -> None:
+    """Against a coordinator with mutual TLS, a TLS handshake of diagnose's own names what is wrong: another job's
+    CA file, a token that is not the job's (its bootstrap certificate is refused), or --insecure; and against
+    one that runs --insecure, --tls-ca."""
+    from atoll.coordinator.service import CoordinatorService, ServiceConfig
+    from atoll.tls import bootstrap_rpc
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    tls = CoordinatorService(job=job, token=TOKEN, config=ServiceConfig(
+        listen="127.0.0.1:0", state_dir=tmp_path / "tls", mutual_tls=True)).start()
+    other = CoordinatorService(job=job, token=TOKEN, config=ServiceConfig(
+        listen="127.0.0.1:0", state_dir=tmp_path / "other", mutual_tls=True)).start()
+    plain = CoordinatorService(job=job, token=TOKEN, config=ServiceConfig(listen="127.0.0.1:0")).start()
+    try:
+        ca = (tmp_path / "tls" / "ca.pem").read_bytes()
+        wrong_ca = (tmp_path / "other" / "ca.pem").read_bytes()
+        right = diagnose(tls.address, tls=True, mtls=bootstrap_rpc(TOKEN, ca).mtls)
+        assert "refuses this client's certificate" not in right and "not signed" not in right, right
+        said = diagnose(tls.address, tls=True, mtls=bootstrap_rpc("not-the-token", ca).mtls)
+        assert "the token is not this job's" in said and "--token-file" in said, said
+        said = diagnose(tls.address, tls=True, mtls=bootstrap_rpc(TOKEN, wrong_ca).mtls)
+        assert "not signed by the authority in --tls-ca" in said, said
+        said = diagnose(tls.address, tls=False)
+        assert "leave out --insecure" in said, said
+        said = diagnose(plain.address, tls=True, mtls=bootstrap_rpc(TOKEN, ca).mtls)
+        assert "runs --insecure" in said, said
+    finally:
+        for svc in (tls, other, plain):
+            svc.stop()
