@@ -295,6 +295,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
     if args.tls_cert:
         check_tls_pair(Path(args.tls_cert), Path(args.tls_key))
     token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
+    if origin == "given":
+        origin = f"--token-file {args.token_file}" if args.token_file else "$ATOLL_TOKEN"
     if not args.heartbeat_budget >= 0:
         log.error("--heartbeat-budget must be a number of heartbeats a second, or 0 for a fixed cadence; got %s",
                   args.heartbeat_budget)

@@ -40,8 +40,14 @@ def _run_train(args: argparse.Namespace) -> int:
         seen[:] = [documents, nbytes]
         progress(documents, nbytes)
 
-    tok = train_bpe(args.corpus, vocab_size=args.vocab_size, out=args.out, field=args.field,
-                    min_frequency=args.min_frequency, progress=report)
+    from atoll.node.datasets import DataError
+
+    try:
+        tok = train_bpe(args.corpus, vocab_size=args.vocab_size, out=args.out, field=args.field,
+                        min_frequency=args.min_frequency, progress=report)
+    except DataError as e:  # the data's messages speak of the job spec's [data] field: here it is --field
+        raise DataError(str(e).replace("data.field", "--field").replace("set [data] field to", "give --field")
+                        .replace("set [data] field", "give --field")) from None
     progress(*seen, final=True)
     print(f"wrote {args.out}: a byte-level BPE of {tok.vocab_size} tokens (end of text: id {tok.eos_id}); use it "
           f"with [data] tokenizer = \"{args.out}\" and model.vocab_size >= {tok.vocab_size}")

@@ -131,6 +131,9 @@ def load_layers_extra(module: StageModule, optimizer: torch.optim.Optimizer, roo
 def read_checkpoint(root: Path, step: int) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model of a complete checkpoint: (its config, every layer's tensors by global name, the
     `extra` of the file holding layer 0). The one reader of whole checkpoints (`atoll export`)."""
+    if not Path(root).is_dir():
+        raise CheckpointError(f"no checkpoint folder {root}{' (it is a file)' if Path(root).exists() else ''}: give "
+                              f"the folder that holds the step-NNNNNNNN folders (a node's --checkpoint-dir)")
     folder = step_dir(root, step)
     files = _overlapping(folder, 0, 1 << 30)
     if not files:

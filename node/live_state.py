@@ -143,6 +143,8 @@ def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: 
                                reason=f"every layer has a live copy at step {s}")
         if s == steps[0]:
             why = (f"no live copy of layer(s) {_ranges(missing)} at step {s} (their holders left or failed)")
+    if checkpoint_step == 0 and not held:
+        return ResumePoint(step=0, live=False, furthest=furthest, reason="a fresh start: no state held, no checkpoint")
     return ResumePoint(step=checkpoint_step, live=False, furthest=max(furthest, checkpoint_step),
                        reason=f"{why}; resuming from the checkpoint of step {checkpoint_step} (live state held: "
                               f"{_show_held(held)})")

@@ -145,8 +145,12 @@ class Replicator:
                 source_address=self.address, plan_epoch=epoch), timeout=self.timeout.total_seconds())
         finally:
             channel.close()
-        log.info("checkpoint of step %d (layers [%d, %d)) copied to %s: %d bytes in %.2f s", step, *layers, target,
-                 reply.bytes, reply.seconds)
+        if reply.bytes:
+            log.info("checkpoint of step %d (layers [%d, %d)) copied to %s: %d bytes in %.2f s", step, *layers, target,
+                     reply.bytes, reply.seconds)
+        else:  # nothing moved: the target's folder holds that file already
+            log.info("checkpoint of step %d (layers [%d, %d)): %s holds it already (it took it before, or its "
+                     "checkpoint folder is this node's own, shared)", step, *layers, target)
         return CopyMade(node_id=target, step=step, layers=layers, path=reply.path, bytes=reply.bytes,
                         seconds=reply.seconds)
 

@@ -184,3 +184,19 @@ def test_written_files_take_the_umask_and_secrets_are_owner_only_from_the_first_
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "plan.json").stat().st_mode) == 0o644  # as `open` would make it
     assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
+
+
+def test_export_and_tokenizer_name_what_the_user_typed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing checkpoint folder is named as missing (not "steps there: none"); the tokenizer's data messages
+    name --field, the flag given, not the job spec's [data] field."""
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "nowhere"), "--step", "5",
+                 "--out", str(tmp_path / "o")]) != 0
+    err = capsys.readouterr().err
+    assert "no checkpoint folder" in err and "--checkpoint-dir" in err and "steps there" not in err, err
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"body": "hello world"}\n{"body": "more text"}\n')
+    assert main(["tokenizer", "train", "--corpus", str(corpus), "--vocab-size", "300",
+                 "--out", str(tmp_path / "t.json")]) != 0
+    err = capsys.readouterr().err
+    assert "--field 'text' is not in the first row" in err and "give --field the key" in err, err
+    assert "[data]" not in err, err
