@@ -305,6 +305,9 @@ class Plan:
     job_id: str = ""
     resume_step: int = 0
     """Step the nodes start from: the last complete checkpoint (0: the seeded initialisation)."""
+    reached_step: int = 0
+    """Steps the job had trained when the plan was made (the newest reported + 1): what a resume from
+    `resume_step`, or from live state older than it, rolls back from."""
     node_addresses: dict[str, str] = field(default_factory=dict)
     """Node id -> HOST:PORT of its Peer server (live plans)."""
     rendezvous: str = ""
@@ -405,6 +408,7 @@ class Plan:
             islands=[IslandInfo(**i) for i in d.get("islands", [])],
             pipelines=pipelines,
             epoch=d.get("epoch", 0), job_id=d.get("job_id", ""), resume_step=d.get("resume_step", 0),
+            reached_step=d.get("reached_step", 0),
             node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
             mode=d.get("mode", "sync"), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
             outer=OuterPlan(**d["outer"]) if d.get("outer") else None,

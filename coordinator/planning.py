@@ -40,6 +40,8 @@ class PlanInputs:
     """Epoch of the plan to make."""
     resume_step: int = 0
     """The last complete checkpoint step."""
+    reached_step: int = 0
+    """Steps the job had trained (the newest step reported + 1)."""
     rendezvous: str = ""
     """HOST:PORT of the coordinator's torch.distributed store ("" host: the host nodes dial the coordinator at)."""
     previous: Plan | None = None
@@ -277,6 +279,7 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
     yet (an island may host several stages, each on nodes of its own); a node listed twice is refused.
     """
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
+    plan.reached_step = max(inputs.reached_step, inputs.resume_step)
     plan.rendezvous = inputs.rendezvous
     plan.checkpoint_copies, plan.handover = list(inputs.checkpoint_copies), dict(inputs.handover)
     for g in plan.groups:

@@ -560,6 +560,15 @@ class CoordinatorState:
                            for p in plan.pipelines for s in p.stages)
         return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, inputs.members)}"
 
+    def _reached(self) -> int:
+        """Steps the job has trained: the newest step reported under the newest plan epoch that reported, + 1 (a
+        report an outage held back arrives late; one of an older epoch may be of steps rolled back since)."""
+        recent = self.store.recent_steps(256)
+        if not recent:
+            return 0
+        epoch = max(m.plan_epoch for m in recent)
+        return max(m.step for m in recent if m.plan_epoch == epoch) + 1
+
     def _drift_check(self, plan: Plan, alive: dict[str, MemberRecord], now: float) -> list[str]:
         """Replan when the running plan's devices have drifted from their planned speed and the plan the planner
         makes now is worth the switch (`atoll.coordinator.drift`); at most once every `DriftOptions.interval`,
@@ -644,7 +653,7 @@ class CoordinatorState:
         records = self.store.list_checkpoints()
         resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links, speed=speed,
-                            epoch=self.store.latest_epoch() + 1, resume_step=resume,
+                            epoch=self.store.latest_epoch() + 1, resume_step=resume, reached_step=self._reached(),
                             rendezvous=self.rendezvous,
                             previous=previous if previous is not None and not self._stale(previous) else None,
                             failed=frozenset(failed),

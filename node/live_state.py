@@ -124,12 +124,15 @@ def finishable(held: Sequence[Holder]) -> list[Holder]:
     return out
 
 
-def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: int) -> ResumePoint:
+def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: int, reached: int = 0
+                 ) -> ResumePoint:
     """The newest step at which every layer has a live copy, when it is not older than the checkpoint;
     otherwise the checkpoint step, with the reason (which layers have no live copy). A pending holder
-    counts at its own step and, where a holder of the next step can finish it, at that one (`finishable`)."""
+    counts at its own step and, where a holder of the next step can finish it, at that one (`finishable`).
+    `reached`: the steps the job had trained by its reports (`Plan.reached_step`), which the rollback counts from
+    where no live holder reaches as far (every node restarted)."""
     held = [*held, *finishable(held)]
-    furthest = max((h.reaches for h in held), default=checkpoint_step)
+    furthest = max([reached, *(h.reaches for h in held)], default=checkpoint_step)
     steps = sorted({h.reaches for h in held}, reverse=True)
     why = "no node holds live state"
     for s in steps:
@@ -143,8 +146,8 @@ def resume_point(held: Sequence[Holder], *, total_layers: int, checkpoint_step: 
                                reason=f"every layer has a live copy at step {s}")
         if s == steps[0]:
             why = (f"no live copy of layer(s) {_ranges(missing)} at step {s} (their holders left or failed)")
-    if checkpoint_step == 0 and not held:
-        return ResumePoint(step=0, live=False, furthest=furthest, reason="a fresh start: no state held, no checkpoint")
+    if checkpoint_step == 0 and not held and not reached:
+        return ResumePoint(step=0, live=False, furthest=0, reason="a fresh start: no state held, no checkpoint")
     return ResumePoint(step=checkpoint_step, live=False, furthest=max(furthest, checkpoint_step),
                        reason=f"{why}; resuming from the checkpoint of step {checkpoint_step} (live state held: "
                               f"{_show_held(held)})")

@@ -618,7 +618,8 @@ class PlanRunner:
             own = held.held(self.plan.epoch, wait=0.0)
             found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
             point = agree(store, key, resume_point(found, total_layers=self.job.model.n_layers + 2,
-                                                   checkpoint_step=self.plan.resume_step))
+                                                   checkpoint_step=self.plan.resume_step,
+                                                   reached=self.plan.reached_step))
         else:
             point = await_point(store, key, 2 * ctx.timeout + timedelta(seconds=10))
         self.restore = report = RestoreReport(point=point)

@@ -121,6 +121,20 @@ def test_the_resume_point_finishes_a_pending_holder_with_the_total_of_the_step_a
     assert (p.step, p.live) == (12, True) and all(h.finish is None for h in p.holders)
 
 
+def test_a_whole_job_restart_counts_what_it_rolls_back_from_the_reported_steps() -> None:
+    """Every node restarted: no live holder reaches as far as the reports did (309 steps trained, the checkpoint of
+    300), so the rollback counts from the plan's reached step, not from the checkpoint (it said 0 before)."""
+    p = resume_point([], total_layers=6, checkpoint_step=300, reached=309)
+    assert (p.step, p.live, p.rolled_back) == (300, False, 9)
+    # live holders at the reported step: nothing rolled back; nothing held, nothing trained: a fresh start
+    p = resume_point([_h("a", 309, 0, 3), _h("b", 309, 3, 6)], total_layers=6, checkpoint_step=300, reached=309)
+    assert (p.step, p.live, p.rolled_back) == (309, True, 0)
+    p = resume_point([], total_layers=6, checkpoint_step=0, reached=0)
+    assert (p.step, p.rolled_back) == (0, 0) and "fresh start" in p.reason
+    p = resume_point([], total_layers=6, checkpoint_step=0, reached=12)  # no checkpoint yet: back to step 0
+    assert (p.step, p.rolled_back) == (0, 12) and "checkpoint of step 0" in p.reason
+
+
 def test_held_state_says_the_state_is_pending_and_carries_the_last_total() -> None:
     module = build_slice(TINY, 3, 6, seed=0)
     state = {**slice_state(module), "grads": {}}
