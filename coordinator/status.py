@@ -295,7 +295,14 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
 
 
 def status_json(s: pb.StatusReply, indent: int | None = 2) -> str:
-    return json.dumps(MessageToDict(s, preserving_proto_field_name=True), indent=indent, sort_keys=True)
+    """The reply as JSON for scripts: the StatusReply fields (protos/atoll/v1/atoll.proto) by their proto names,
+    every field present (a zero is written, not left out) and 64-bit integers as numbers, not strings."""
+    try:
+        doc = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
+                            unquote_int64_if_possible=True)
+    except TypeError:  # a protobuf without unquote_int64_if_possible: its 64-bit integers stay strings
+        doc = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return json.dumps(doc, indent=indent, sort_keys=True)
 
 
 CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, erase the screen

@@ -154,7 +154,7 @@ def test_the_demo_follows_atoll_job_extend_and_stop(tmp_path: Path) -> None:
         while time.monotonic() < deadline:  # some steps trained
             status = subprocess.run([*ATOLL, "status", *flags, "--json"], cwd=tmp_path, capture_output=True,
                                     text=True, timeout=60)
-            if status.returncode == 0 and int(json.loads(status.stdout).get("step", "0")) >= 20:
+            if status.returncode == 0 and json.loads(status.stdout)["step"] >= 20:
                 break
             time.sleep(1.0)
         else:

@@ -140,8 +140,8 @@ def test_status_carries_the_history_and_shows_a_sparkline():
     table = format_status(s)
     assert "loss history" in table and "every step" in table
     doc = json.loads(status_json(s))
-    assert doc["history_rows"] == "300" and len(doc["history"]) == len(s.history)
-    assert doc["history"][-1]["last_step"] == "299"
+    assert doc["history_rows"] == 300 and len(doc["history"]) == len(s.history)
+    assert doc["history"][-1]["last_step"] == 299
 
 
 def test_plot_writes_the_whole_history_as_a_png(tmp_path):
