@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from atoll.argtypes import count, number
 from atoll.fsutil import atomic_write_bytes, atomic_write_text
+
+log = logging.getLogger("atoll.export")
 
 SHARD_BYTES = 2 * 1024**3
 """Default largest shard (bytes of tensor data), as `save_pretrained` uses for big models."""
@@ -47,6 +51,19 @@ def _special_ids(tokenizer: Path | None) -> tuple[int | None, int | None, dict[s
         return None, None, {}
     eos = tok.tok.id_to_token(tok.eos_id)
     return tok.eos_id, tok.eos_id, {"eos_token": eos, "bos_token": eos}
+
+
+_EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|"
+                       r"tokenizer(_config)?\.json")
+"""The files an export writes besides the configs (which every export writes anew)."""
+
+
+def stale_exported(out: Path, written: list[Path]) -> list[Path]:
+    """Files an earlier export left in `out` that this one did not write (shards of another count, a model index
+    a single file replaces, a tokenizer this export has none of): transformers would load them with the new ones."""
+    keep = {p.name for p in written}
+    return sorted(p for p in out.iterdir() if p.is_file() and _EXPORTED.fullmatch(p.name) and p.name not in keep) \
+        if out.is_dir() else []
 
 
 def export(checkpoint_dir: str | Path, step: int, out: str | Path, *, tokenizer: str | Path | None = None,
@@ -94,6 +111,9 @@ def export(checkpoint_dir: str | Path, step: int, out: str | Path, *, tokenizer:
         atomic_write_bytes(target, tok_path.read_bytes())
         tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_len, **special}
         written += [target, _json(out / "tokenizer_config.json", tcfg)]
+    for stale in stale_exported(out, written):
+        stale.unlink()
+        log.info("removed %s, left in %s by an earlier export", stale.name, out)
     return written
 
 

@@ -101,6 +101,10 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path
     generated = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_id)
     assert generated.shape[1] == ids.shape[1] + 6
     assert torch.equal(generated, _greedy(stages, ids, 6))
+    # exported again into the same folder, whole and without a tokenizer: nothing of the first export is left to
+    # load with it (its shards and index, its tokenizer)
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--step", "4", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_export_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys) -> None:
