@@ -304,3 +304,12 @@ def test_profile_files_that_are_folders_or_not_utf8(tmp_path: Path, capsys: pyte
     path = tmp_path / "p.json"
     path.write_bytes(b'{"devices": "\xff"}')
     assert f"profile file {path} is not UTF-8 text" in _plan(["--cluster", str(MIXED), "--profiles", str(path)], capsys)
+
+
+def test_a_model_that_fits_only_on_paper_is_told_to_add_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    """70b on the consumer-mix example: its states fit the cluster's memory in sum (88%), yet no layout does; the
+    message says there is too little room and how many devices would give it, not to change a batch that
+    divides already."""
+    assert main(["plan", "--model", "70b", "--cluster", str(REPO / "examples" / "clusters" / "consumer-mix.toml")]) != 0
+    err = capsys.readouterr().err
+    assert "too little room" in err and "add GPUs (about" in err and "divisible" not in err, err

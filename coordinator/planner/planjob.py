@@ -199,9 +199,21 @@ def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
     if one > best_dev:
         return (f"{head}: its largest layer ({biggest.kind} {biggest.index}) needs {one / GB:.1f} GB per device "
                 f"even under ZeRO-3, more than the {best_dev / GB:.1f} GB usable on the largest device")
+    if need > TIGHT_SHARE * usable:
+        # the sum fits, but not with the activations of the micro-batches in flight and the layers split over
+        # devices of different sizes
+        return (f"{head}: the model needs {need / GB:.1f} GB, {need / usable:.0%} of the {usable / GB:.1f} GB the "
+                f"cluster offers, too little room once its layers are split over devices of these sizes with the "
+                f"activations of the micro-batches in flight; {_memory_hint(cm, cluster, need / TIGHT_SHARE)}")
     return (f"{head}: the model needs {need / GB:.1f} GB and the cluster offers {usable / GB:.1f} GB, but no "
-            f"pipeline of at most {cm.options.max_stages} stages whose width divides global batch "
-            f"{train.global_batch} fits; try a global batch divisible by the islands' sizes, or more stages")
+            f"pipeline of at most {cm.options.max_stages} stages whose widths divide global batch "
+            f"{train.global_batch} fits; try a global batch with more divisors (a power of two, or a multiple of "
+            f"the islands' sizes)")
+
+
+TIGHT_SHARE = 0.6
+"""Past this share of a cluster's usable memory, a model whose total fits is said to lack room rather than to meet
+a batch it cannot divide (the planner's searches found no layout of it)."""
 
 
 def _memory_hint(cm: CostModel, cluster: Cluster, need: float) -> str:
