@@ -78,6 +78,10 @@ class AgentError(RuntimeError):
     """The coordinator refused the node for good (wrong token, another job, invalid profile)."""
 
 
+class JobFinished(Exception):
+    """The job this node was started for has finished already (a node started after its end)."""
+
+
 class AgentStopped(Exception):
     """`stop()` was called while the agent was still starting or re-joining."""
 
@@ -394,7 +398,13 @@ class NodeAgent:
             watch.done()
         if watch.fired.is_set():
             log.info("reached the coordinator at %s", self.config.coordinator)
-        return JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
+        job = JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
+        if status.job_state == "finished":  # type: ignore[attr-defined]
+            # nothing left to train: no profiling, no join, no plan to stand by in
+            raise JobFinished(f"job {job.id} ({job.name}) finished after step "
+                              f"{status.target_steps - 1}: nothing is left to train; "  # type: ignore[attr-defined]
+                              f"`atoll status` shows it, `atoll export` makes a model of its last checkpoint")
+        return job
 
     def _advertise(self, peer: PeerServer) -> str:
         if not peer.listening:
@@ -1078,6 +1088,9 @@ def run_node_cli(args: argparse.Namespace) -> int:
         agent.run(on_plan=on_plan)
     except AgentError as e:
         raise PermissionError(str(e)) from None
+    except JobFinished as e:
+        log.info("%s; this node exits", e)
+        return 0
     finally:
         agent.stop()
         for t in stopping:  # a graceful leave hands its state over before the process exits

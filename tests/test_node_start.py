@@ -1,6 +1,9 @@
-"""A node's checkpoint folder belongs to one job: step folders are named by step alone, so a second job writing into
+"""What a node checks at its start, before it profiles and joins.
+
+A node's checkpoint folder belongs to one job: step folders are named by step alone, so a second job writing into
 the folder of a first would overwrite its steps and prune the rest. The folder's JOB file names its job; a node
-that joins another job with that folder is refused at the start, before it writes anything, with what to do."""
+that joins another job with that folder is refused at the start, before it writes anything, with what to do. And a
+node started for a job that has finished says so and exits instead of profiling, joining and standing by."""
 
 from __future__ import annotations
 
@@ -48,5 +51,24 @@ def test_a_node_whose_folder_holds_another_jobs_checkpoints_is_refused_before_it
         assert list(fetch_status(coordinator.address, token=TOKEN).members) == []  # it never joined
         agent.stop(leave=False)
         assert step_dir(root, 25).is_dir()
+    finally:
+        coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_node_started_for_a_finished_job_says_so_and_does_not_join(tmp_path: Path) -> None:
+    from atoll.coordinator.store import JobControlRecord
+    from atoll.node.agent import JobFinished
+
+    coordinator = start_coordinator()
+    try:
+        coordinator.state.set_control(JobControlRecord(finished_unix=1000.0))
+        agent = NodeAgent(AgentConfig(coordinator=coordinator.address, token=TOKEN, state_dir=tmp_path / "n",
+                                      listen="127.0.0.1:0", connect_timeout=timedelta(seconds=20)),
+                          profile=fake_profile("h"))
+        with pytest.raises(JobFinished, match=r"finished after step 99: nothing is left to train"):
+            agent.start()
+        assert list(fetch_status(coordinator.address, token=TOKEN).members) == []
+        agent.stop(leave=False)
     finally:
         coordinator.stop()
