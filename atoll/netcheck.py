@@ -52,6 +52,9 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
             f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
 
 
+TOKEN_REFUSED = "the token is not this job's"
+"""In `diagnose`'s line where the coordinator refused the certificate the job token vouches for: a wrong token,
+which retrying cannot mend."""
 _REFUSED_CLIENT = ("UNKNOWN_CA", "CERTIFICATE_UNKNOWN", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "DECRYPT_ERROR",
                    "HANDSHAKE_FAILURE", "ACCESS_DENIED")
 """TLS alerts a server sends when it does not accept the client's certificate."""
@@ -122,8 +125,8 @@ def _tls_probe(host: str, sockaddr, mtls, timeout: timedelta) -> str | None:
             f.write(identity.key_pem)
         ctx = _context(mtls.roots_pem)
         ctx.load_cert_chain(cert, key)
-        refused = ("it refuses this client's certificate, which the job token vouches for: the token is not this "
-                   "job's; pass the coordinator's STATE_DIR/token (--token-file)")
+        refused = (f"it refuses this client's certificate, which the job token vouches for: {TOKEN_REFUSED}; pass "
+                   f"the coordinator's STATE_DIR/token (--token-file)")
         try:
             if not _handshake(ctx, sockaddr, name, timeout, read=True):
                 return refused

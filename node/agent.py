@@ -387,7 +387,13 @@ class NodeAgent:
         mtls = self._coordinator_rpc().mtls  # a TLS handshake of its own can tell a wrong token or CA apart
         watch = FirstContactWatch(self.config.coordinator, tls=self.config.tls_ca is not None, mtls=mtls)
         try:
-            status = self._retrying("fetching the job spec", lambda: self.call("GetStatus", pb.StatusRequest()))
+            def ask() -> object:
+                if watch.wrong_token:  # a wrong token never becomes right: no point retrying
+                    why = watch.said.split(", but ", 1)[-1].removeprefix("it ")
+                    raise AgentError(f"the coordinator at {self.config.coordinator} {why}")
+                return self.call("GetStatus", pb.StatusRequest())
+
+            status = self._retrying("fetching the job spec", ask)
         except grpc.RpcError as e:
             raise AgentError(f"the coordinator at {self.config.coordinator} refused to tell the job: "
                              f"{e.code().name}: {e.details()}") from None
@@ -452,7 +458,7 @@ class NodeAgent:
         if self.config.checkpoint_dir is not None:
             from atoll.node.checkpoint import claim_checkpoint_dir
 
-            if claim_checkpoint_dir(self.config.checkpoint_dir, self.job.id):  # refused: another job's checkpoints
+            if claim_checkpoint_dir(self.config.checkpoint_dir, self.job.id):  # raises on another job's steps
                 log.info("checkpoints of job %s go to %s", self.job.id, self.config.checkpoint_dir)
         if self._given_profile is not None:
             self.profile = self._given_profile

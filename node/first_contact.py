@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
-from atoll.netcheck import diagnose
+from atoll.netcheck import TOKEN_REFUSED, diagnose
 
 log = logging.getLogger("atoll.node")
 
@@ -48,12 +48,20 @@ class FirstContactWatch:
         self._timer = threading.Timer(self.delay, self._fire)
         self._timer.daemon = True
         self.fired = threading.Event()
+        self.said = ""
+        """The diagnosis, once it fired."""
         self._timer.start()
 
     def _fire(self) -> None:
-        self._say(f"cannot reach the coordinator at {self.address} yet (still retrying): "
-                  f"{diagnose(self.address, tls=self.tls, mtls=self.mtls)}")
+        self.said = diagnose(self.address, tls=self.tls, mtls=self.mtls)
+        if TOKEN_REFUSED not in self.said:  # the caller gives up on a wrong token, saying so itself
+            self._say(f"cannot reach the coordinator at {self.address} yet (still retrying): {self.said}")
         self.fired.set()
+
+    @property
+    def wrong_token(self) -> bool:
+        """The diagnosis found the job token refused: retrying cannot mend it."""
+        return self.fired.is_set() and TOKEN_REFUSED in self.said
 
     def done(self) -> None:
         self._timer.cancel()

@@ -21,7 +21,7 @@ from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.status import fetch_status
 from atoll.coordinator.store import MemberRecord, MemoryStore
 from atoll.job import JobSpec
-from atoll.node.agent import AgentConfig, NodeAgent
+from atoll.node.agent import AgentConfig, AgentError, NodeAgent
 from atoll.node.credentials import CERT_FILE, KEY_FILE, NodeCredentials
 from atoll.node.identity import StateDirLock, StateDirLocked
 from atoll.plan import PipelinePlan, Plan, StagePlan
@@ -221,3 +221,20 @@ def test_a_plaintext_or_certificate_less_client_gets_no_answer(tls_service: Coor
         pb_grpc.CoordinatorStub(make_channel(tls_service.address, wrong, token=TOKEN)).GetStatus(
             pb.StatusRequest(), timeout=3)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # the handshake fails: no certificate of this job
+
+
+@pytest.mark.timeout(60)
+def test_a_node_with_a_wrong_token_says_so_and_gives_up(tls_service: CoordinatorService, tmp_path: Path) -> None:
+    """The coordinator refuses the bootstrap certificate a wrong token vouches for; a TLS handshake of the node's
+    own says so a few seconds in, and the node stops retrying (a wrong token never becomes right) instead of
+    trying for its whole connect timeout."""
+    cfg = AgentConfig(coordinator=tls_service.address, token="not-the-job-token", state_dir=tmp_path / "n",
+                      listen="127.0.0.1:0", tls_ca=(tls_service.config.state_dir / "ca.pem").read_bytes(),
+                      connect_timeout=timedelta(seconds=50),
+                      backoff=(timedelta(milliseconds=50), timedelta(milliseconds=500)))
+    agent = NodeAgent(cfg, profile=_profile("h"))
+    started = time.monotonic()
+    with pytest.raises(AgentError, match=r"refuses this client's certificate.*the token is not this job's"):
+        agent.start()
+    assert time.monotonic() - started < 30
+    agent.stop(leave=False)
