@@ -239,15 +239,14 @@ def test_a_zero_stage_hands_its_gathered_state_over(tmp_path: Path, reference: l
                                      ["ZeRO-1 over its 2 replicas", "ZeRO state of stage 1 gathered whole"])
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_a_leaving_zero_replica_hands_its_gathered_state_over(tmp_path: Path, reference: list[float]) -> None:
-    """Stage [3, 6) runs ZeRO-1 on b1 and b2 (each holds half its AdamW state) and b1, replica 0, gets SIGTERM: it
-    stops at a step boundary and leaves; b2 (superseded by the plan without b1) meets it to gather the stage's
-    state whole on b1, which serves it until b2 and c, the next plan's ZeRO pair, have taken it. Without the
-    gather, b1's half of the AdamW state would leave with it and the stage would go back to step 0."""
-    layouts = {frozenset({"a", "b1", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"], 1)],
-               frozenset({"a", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b2", "c"], 1)]}
+def _b1_leaves_its_stage(tmp_path: Path, reference: list[float], sharded: tuple, gathered: str) -> None:
+    """Stage [3, 6) runs on b1 and b2 with its state spread over them (`sharded`: the layout's ZeRO stage and tp),
+    and b1 gets SIGTERM: it finishes the step in flight and leaves; b2, superseded by the plan without b1, meets it
+    to gather the stage's state whole on b1 (its log says `gathered`), which serves it until b2 and c, the next
+    plan's pair, have taken it. Without the gather, b1's part would leave with it and the stage would go back to
+    step 0 (the job writes no checkpoints)."""
+    layouts = {frozenset({"a", "b1", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"], *sharded)],
+               frozenset({"a", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b2", "c"], *sharded)]}
     cluster = ScriptedCluster(job=_job(4), out=tmp_path, layouts=layouts)
     try:
         for n in ("a", "b1", "b2", "c"):
@@ -260,8 +259,8 @@ def test_a_leaving_zero_replica_hands_its_gathered_state_over(tmp_path: Path, re
         for n, runs in (("a", 2), ("b2", 2), ("c", 1)):
             step, how, was, back = _after(cluster, n, runs)
             assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
-        assert "ZeRO state of stage 1 gathered whole" in cluster.log("b1")
-        assert "leaving: the live state was handed over" in cluster.log("b1")
+        assert gathered in cluster.log("b1")
+        assert "leaving: the live state was handed over (2 fetches)" in cluster.log("b1")
         assert {src for _, src, _ in cluster.transfers("c")} == {"b1"}
         close(cluster.losses(), reference, range(STEPS), 1e-4)
     finally:
@@ -270,26 +269,14 @@ def test_a_leaving_zero_replica_hands_its_gathered_state_over(tmp_path: Path, re
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
+def test_a_leaving_zero_replica_hands_its_gathered_state_over(tmp_path: Path, reference: list[float]) -> None:
+    """b1 is replica 0 of a ZeRO-1 pair (each holds half the stage's AdamW state)."""
+    _b1_leaves_its_stage(tmp_path, reference, (1,), "ZeRO state of stage 1 gathered whole")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
 def test_a_leaving_tp_rank_hands_its_gathered_shards_over(tmp_path: Path, reference: list[float]) -> None:
-    """Stage [3, 6) runs tp 2 on b1 and b2, and b1, tp rank 0, leaves gracefully: b2 meets it to gather the
-    stage's shards into whole layers on b1, which hands them to b2 and c, the next plan's tp pair."""
-    layouts = {frozenset({"a", "b1", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"], 0, 2)],
-               frozenset({"a", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b2", "c"], 0, 2)]}
-    cluster = ScriptedCluster(job=_job(4), out=tmp_path, layouts=layouts)
-    try:
-        for n in ("a", "b1", "b2", "c"):
-            cluster.start_node(n, region="lab")
-        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
-        leaver = cluster.terminate("b1")
-        left_at = cluster.top_step()
-        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["b1"])
-        assert leaver.wait(60) == 0
-        for n, runs in (("a", 2), ("b2", 2), ("c", 1)):
-            step, how, was, back = _after(cluster, n, runs)
-            assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
-        assert "tp shards of stage 1 gathered whole" in cluster.log("b1")
-        assert "leaving: the live state was handed over" in cluster.log("b1")
-        print([(s.step, s.node_id, s.plan_epoch, s.loss, reference[s.step]) for s in sorted(cluster.steps(), key=lambda s: s.unix_time) if 8 <= s.step <= 18 and s.loss is not None])
-        close(cluster.losses(), reference, range(STEPS), 1e-4)
-    finally:
-        cluster.stop()
+    """b1 is tp rank 0 of a tp pair (each holds half of every block's matrices); b2 becomes tp rank 0 of the next
+    pair, so it also checks that a process whose tp rank changed trains as one process (`forget_meshes`)."""
+    _b1_leaves_its_stage(tmp_path, reference, (0, 2), "tp shards of stage 1 gathered whole")
