@@ -183,6 +183,32 @@ def test_a_graceful_leave_hands_its_state_over(tmp_path: Path, reference: list[f
         cluster.stop()
 
 
+def _a_node_leaves(tmp_path: Path, reference: list[float], layouts: dict, nodes: tuple[str, ...], leaver: str,
+                   runs: dict[str, int], logged: list[str], c_took_from: list[str]) -> None:
+    """`nodes` train under the scripted `layouts` (no checkpoints, so any rollback would show); `leaver` gets
+    SIGTERM at step 10 or later and exits 0; each node of `runs` resumes its run number `runs[n]` from live state
+    at the step training had reached, with 0 rolled back; b1's log holds every line of `logged`; c took its state
+    from `c_took_from`; the losses are those of one process."""
+    cluster = ScriptedCluster(job=_job(len(nodes)), out=tmp_path, layouts=layouts)
+    try:
+        for n in nodes:
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
+        process = cluster.terminate(leaver)
+        left_at = cluster.top_step()
+        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=[leaver])
+        assert process.wait(60) == 0
+        for n, run in runs.items():
+            step, how, was, back = _after(cluster, n, run)
+            assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
+        for line in logged:
+            assert line in cluster.log("b1")
+        assert sorted({src for _, src, _ in cluster.transfers("c")}) == c_took_from
+        close(cluster.losses(), reference, range(STEPS), 1e-4)
+    finally:
+        cluster.stop()
+
+
 def _a_leaves_and_stage_b_hands_over(tmp_path: Path, reference: list[float], sharded: tuple, logged: list[str],
                                      stage: tuple[str, ...] = ("b1", "b2")) -> None:
     """Stage [3, 6) runs on `stage` (b1, b2, ...) with its state spread over them (`sharded`: the layout's ZeRO
@@ -191,24 +217,8 @@ def _a_leaves_and_stage_b_hands_over(tmp_path: Path, reference: list[float], sha
     back to step 0: no checkpoints); b1's log holds every line of `logged`."""
     layouts = {frozenset({"a", *stage, "c"}): [((0, 3), ["a"]), ((3, 6), list(stage), *sharded)],
                frozenset({*stage, "c"}): [((0, 3), ["c"]), ((3, 6), list(stage), *sharded)]}
-    cluster = ScriptedCluster(job=_job(len(stage) + 2), out=tmp_path, layouts=layouts)
-    try:
-        for n in ("a", *stage, "c"):
-            cluster.start_node(n, region="lab")
-        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
-        leaver = cluster.terminate("a")
-        left_at = cluster.top_step()
-        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["a"])
-        assert leaver.wait(60) == 0
-        for n in (*stage, "c"):
-            step, how, was, back = _after(cluster, n, 2 if n != "c" else 1)
-            assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
-        for line in logged:
-            assert line in cluster.log("b1")
-        assert [src for _, src, _ in cluster.transfers("c")] == ["a"]
-        close(cluster.losses(), reference, range(STEPS), 1e-4)
-    finally:
-        cluster.stop()
+    _a_node_leaves(tmp_path, reference, layouts, ("a", *stage, "c"), "a", {**{n: 2 for n in stage}, "c": 1}, logged,
+                   ["a"])
 
 
 @pytest.mark.integration
@@ -247,24 +257,8 @@ def _b1_leaves_its_stage(tmp_path: Path, reference: list[float], sharded: tuple,
     step 0 (the job writes no checkpoints)."""
     layouts = {frozenset({"a", "b1", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"], *sharded)],
                frozenset({"a", "b2", "c"}): [((0, 3), ["a"]), ((3, 6), ["b2", "c"], *sharded)]}
-    cluster = ScriptedCluster(job=_job(4), out=tmp_path, layouts=layouts)
-    try:
-        for n in ("a", "b1", "b2", "c"):
-            cluster.start_node(n, region="lab")
-        cluster.wait(lambda: cluster.top_step() >= 10, 150, "step 10")
-        leaver = cluster.terminate("b1")
-        left_at = cluster.top_step()
-        cluster.wait(lambda: len(cluster.losses()) >= STEPS, 200, "the job to finish", dead=["b1"])
-        assert leaver.wait(60) == 0
-        for n, runs in (("a", 2), ("b2", 2), ("c", 1)):
-            step, how, was, back = _after(cluster, n, runs)
-            assert (how, back) == ("live state", 0) and step == was >= left_at, (n, cluster.resumes(n))
-        assert gathered in cluster.log("b1")
-        assert "leaving: the live state was handed over (2 fetches)" in cluster.log("b1")
-        assert {src for _, src, _ in cluster.transfers("c")} == {"b1"}
-        close(cluster.losses(), reference, range(STEPS), 1e-4)
-    finally:
-        cluster.stop()
+    _a_node_leaves(tmp_path, reference, layouts, ("a", "b1", "b2", "c"), "b1", {"a": 2, "b2": 2, "c": 1},
+                   [gathered, "leaving: the live state was handed over (2 fetches)"], ["b1"])
 
 
 @pytest.mark.integration
