@@ -199,7 +199,7 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
         # whatever ended the run, the curve of what was trained (the caller then says why it ended early): the
         # coordinator's whole-job history, which keeps every step however long the job
         _draw(job, cluster.losses(), cluster.out, last, steps, time.monotonic() - started,
-              history=_history(cluster.state_db))
+              history=_history(cluster.state_db), start=start)
     return 0
 
 
@@ -216,7 +216,10 @@ def _history(state_db: Path) -> list:
         store.close()
 
 
-def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: float, history=None) -> None:
+def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: float, history=None,
+          start: int = 0) -> None:
+    """The loss curve and the plan picture, with a line of summary; `start`: the steps an earlier run reported (a
+    resumed run), so the time is said of the steps this run trained, not of the whole job's."""
     from atoll.coordinator.history import draw_history, resolution
     from atoll.launch.viz import draw_loss_curve, draw_plan_picture
     from atoll.serde import plan_from_proto
@@ -230,6 +233,7 @@ def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: f
         first = losses[min(losses)] if losses and min(losses) == rows[0].first else rows[0].loss
         summary = f"loss {first:.3f} -> {rows[-1].loss:.3f} over {reached + 1 - rows[0].first} steps"
         held = f" ({resolution(rows)})"
+        newest = reached
     elif losses:
         ordered = sorted(losses)
         complete = ordered[-1] + 1 >= steps
@@ -238,10 +242,14 @@ def _draw(job, losses: dict[int, float], out: Path, last, steps: int, elapsed: f
                                                                       f" (steps 0-{ordered[-1]} of {steps})"))
         summary = f"loss {losses[ordered[0]]:.3f} -> {losses[ordered[-1]]:.3f} over {len(ordered)} steps"
         held = ""
+        newest = ordered[-1]
     else:
         return
     rate = f"; {last.tokens_per_second:,.0f} tokens/s at the end" if last is not None and complete else ""
-    print(f"{summary} in {elapsed:.0f} s{rate}")
+    if 0 < start <= newest:  # a resumed run: its time is of the steps it trained
+        print(f"{summary}, the last {newest + 1 - start} of them in this run's {elapsed:.0f} s{rate}")
+    else:
+        print(f"{summary} in {elapsed:.0f} s{rate}")
     print(f"loss curve: {curve}{held}")
     if last is not None and last.HasField("plan"):
         picture = draw_plan_picture(plan_from_proto(last.plan), job.model_spec, out / "plan.png")

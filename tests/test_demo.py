@@ -73,6 +73,9 @@ def test_an_unfinished_run_still_gets_its_loss_curve(tmp_path: Path, capsys: pyt
     _draw(job, {0: 5.0, 1: 4.5, 2: 4.0}, tmp_path, None, steps=1500, elapsed=61.0)
     out = capsys.readouterr().out
     assert "over 3 steps in 61 s" in out and (tmp_path / "loss.png").stat().st_size > 1000
+    # a resumed run (2 steps reported before it) says its time of the steps it trained, not of the whole job's
+    _draw(job, {0: 5.0, 1: 4.5, 2: 4.0}, tmp_path, None, steps=1500, elapsed=61.0, start=2)
+    assert "over 3 steps, the last 1 of them in this run's 61 s" in capsys.readouterr().out
 
 
 def _demo(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -67,8 +67,8 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
         zb = ("; weight gradients deferred where the wgrad column gives a depth (zero-bubble: backward "
-              "computes what the previous stage waits for first; 'of n' where only n layers' defer, as memory "
-              "allows)") if any(s.defer_weights for s in pl.stages) else ""
+              "computes what the previous stage waits for first; 'd of n': depth d, on only n of the stage's layers, "
+              "as memory allows)") if any(s.defer_weights for s in pl.stages) else ""
         if any(s.in_flight for s in pl.stages):
             zb += ("; the warm column: extra forwards a stage runs before its first backward (a deep window behind "
                    "a slow link, or filling its wait for the first gradient)")
