@@ -52,6 +52,21 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
             f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
 
 
+def unanswered(address: str, code_name: str, timeout: timedelta, rpc=None) -> ConnectionError:
+    """The error a command raises when its call to the coordinator at `address` got no answer (`code_name`:
+    UNAVAILABLE or DEADLINE_EXCEEDED) within `timeout`, with `diagnose`'s line for the channel options `rpc`
+    (`atoll.rpc.RpcOptions`; None: plaintext)."""
+    tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
+    why = diagnose(address, tls=tls, mtls=rpc.mtls if rpc is not None else None)
+    return ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
+                           f"({code_name}): {why}")
+
+
+def _says(e: Exception, kinds: tuple[str, ...]) -> bool:
+    """Whether an ssl error's text names one of `kinds` (OpenSSL's reason codes)."""
+    return any(k in str(e).upper() for k in kinds)
+
+
 TOKEN_REFUSED = "the token is not this job's"
 """In `diagnose`'s line where the coordinator refused the certificate the job token vouches for: a wrong token,
 which retrying cannot mend."""
@@ -107,10 +122,10 @@ def _tls_probe(host: str, sockaddr, mtls, timeout: timedelta) -> str | None:
         return (f"its certificate is not signed by the authority in --tls-ca ({e.verify_message}): give --tls-ca "
                 f"the copy of this coordinator's STATE_DIR/ca.pem (its fingerprint is in the coordinator's log)")
     except ssl.SSLError as e:
-        if any(k in str(e).upper() for k in _NOT_TLS):
+        if _says(e, _NOT_TLS):
             return ("it does not speak TLS: the coordinator runs --insecure; pass --insecure too (in a closed lab "
                     "only), or run the coordinator with TLS")
-        if not any(k in str(e).upper() for k in _REFUSED_CLIENT):
+        if not _says(e, _REFUSED_CLIENT):
             return None
     except OSError:
         return None
@@ -131,7 +146,7 @@ def _tls_probe(host: str, sockaddr, mtls, timeout: timedelta) -> str | None:
             if not _handshake(ctx, sockaddr, name, timeout, read=True):
                 return refused
         except ssl.SSLError as e:
-            if any(k in str(e).upper() for k in _REFUSED_CLIENT):
+            if _says(e, _REFUSED_CLIENT):
                 return refused
         except OSError:
             return None
@@ -145,7 +160,7 @@ def _speaks_tls(sockaddr, timeout: timedelta) -> str | None:
     try:
         _handshake(_context(None), sockaddr, "coordinator", timeout)
     except ssl.SSLError as e:
-        if not any(k in str(e).upper() for k in _REFUSED_CLIENT):
+        if not _says(e, _REFUSED_CLIENT):
             return None
     except OSError:
         return None

@@ -43,12 +43,9 @@ def fetch_status(address: str, *, token: str | None, timeout: timedelta = timede
         if code == grpc.StatusCode.UNAUTHENTICATED:
             raise PermissionError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            from atoll.netcheck import diagnose
+            from atoll.netcheck import unanswered
 
-            tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
-            raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}): {diagnose(address, tls=tls, mtls=rpc.mtls if rpc else None)}"
-                                  ) from None
+            raise unanswered(address, code.name, timeout, rpc) from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()

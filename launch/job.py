@@ -62,12 +62,9 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
         if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
             raise ValueError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            from atoll.netcheck import diagnose
+            from atoll.netcheck import unanswered
 
-            tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
-            raise ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
-                                  f"({code.name}): {diagnose(address, tls=tls, mtls=rpc.mtls if rpc else None)}"
-                                  ) from None
+            raise unanswered(address, code.name, timeout, rpc) from None
         raise ConnectionError(f"{address}: {code.name}: {e.details()}") from None
     finally:
         channel.close()
