@@ -10,6 +10,8 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
+from atoll.preflight import dial_address_problem
+
 
 def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2), mtls=None) -> str:
     """A line saying why HOST:PORT may not answer as a coordinator, and what to check. With `mtls` (the
@@ -21,8 +23,9 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
     checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
               f"firewall between here and there drops that port, and TLS (--tls-ca exactly when the coordinator "
               f"runs with TLS)")
-    if not host or not port_text.isdigit():
-        return f"{address!r} is not HOST:PORT; give --coordinator as HOST:PORT"
+    problem = dial_address_problem(address)
+    if problem is not None:
+        return f"--coordinator {address!r} {problem}; give HOST:PORT, e.g. --coordinator 10.0.0.5:7070"
     try:
         infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
     except socket.gaierror as e:

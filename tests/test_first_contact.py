@@ -39,6 +39,8 @@ def test_diagnose_tells_a_typo_from_a_stopped_coordinator_from_a_wrong_service()
     assert "refuses connections on port" in diagnose(f"127.0.0.1:{port}", tls=False)
     assert "does not resolve" in diagnose("no-such-host.invalid:7070", tls=False)
     assert "not HOST:PORT" in diagnose("nohostport", tls=False)
+    assert "1-65535" in diagnose("h:99999", tls=False)  # the command line's own check of an address
+    assert "wildcard" in diagnose("0.0.0.0:7070", tls=False)
     with socket.socket() as listener:  # something listens, but it is not a coordinator
         listener.bind(("127.0.0.1", 0))
         listener.listen()
