@@ -74,6 +74,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     v.check_profile(req.profile)
     if req.peer_address:
         v.check_address("peer_address", req.peer_address)
+    v.check_string("session", req.session, limit=64)
     node_id = req.node_id or _new_node_id(req.profile.hostname)
     v.check_node_id(node_id)
     now = state.clock()
@@ -91,6 +92,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
         node_id=node_id, peer_address=req.peer_address, profile=profile, state="alive",
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
         last_heartbeat_unix=now, reason=decision.reason))
+    state.note_session(node_id, req.session, now)
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
             or existing.profile.unreachable != profile.unreachable \
             or device_class(existing.profile) != device_class(profile):  # its island and probe class
@@ -276,7 +278,7 @@ def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callab
     """
     known = open_watch(req, state)
     while active() and not state.closed:
-        plan = state.wait_for_plan(known, poll_seconds)
+        plan = state.wait_for_plan(known, poll_seconds, req.node_id)
         if plan is not None:
             known = plan.epoch
             yield plan_to_proto(plan)

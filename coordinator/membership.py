@@ -144,7 +144,7 @@ class PlanDecision:
 
 def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
                   last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions,
-                  stale: bool = False, moved: Set[str] = frozenset(),
+                  stale: bool = False, moved: Set[str] = frozenset(), restarted: Set[str] = frozenset(),
                   first_join_unix: float | None = None) -> PlanDecision:
     """Whether to publish a new plan now.
 
@@ -152,7 +152,8 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     members whose links to the others are not measured yet; last_change_unix: the latest join or
     departure; stale: the current plan was made by an earlier coordinator process (its rendezvous store
     is gone) and its members have all been heard from since, so it is replaced by a new epoch; moved:
-    planned members that came back at another peer address than the plan names; first_join_unix: when the
+    planned members that came back at another peer address than the plan names; restarted: planned members whose
+    process restarted since the plan was made (their runs of it are gone); first_join_unix: when the
     earliest alive member the plan does not name joined (None: not known), for the join debounce.
     """
     if planned is None:
@@ -171,6 +172,12 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
             if wait > 0:
                 return PlanDecision(False, f"members came back at new addresses; settling for {wait:.1f}s more")
             return PlanDecision(True, f"members came back at new peer addresses: {', '.join(sorted(moved))}")
+        if restarted:
+            wait = last_change_unix + options.settle.total_seconds() - now
+            if wait > 0:
+                return PlanDecision(False, f"{_names(restarted)} restarted; settling for {wait:.1f}s more")
+            return PlanDecision(True, f"{_names(restarted)} restarted (their runs of the plan are gone): a new epoch, "
+                                      f"from live state or the last complete checkpoint")
         return PlanDecision(False, "membership matches the current plan")
     if len(alive) < cluster.min_nodes:
         return PlanDecision(False, f"only {len(alive)} alive, fewer than cluster.min_nodes = {cluster.min_nodes}; "

@@ -132,6 +132,12 @@ class CoordinatorState:
                                        timeout_s=self.options.probes.in_flight_timeout.total_seconds(),
                                        figures=store.get_machine_flows(), on_figure=store.put_machine_flow)
         """Machine probes (`atoll.coordinator.machineprobe`): each machine's flow while all its nodes send."""
+        self._sessions: dict[str, str] = {}
+        """node -> the session (`JoinRequest.session`, one per node process) of its last join to this process."""
+        self._restarted: dict[str, int] = {}
+        """node -> the epoch of the plan that named it when it joined under a new session: its process restarted
+        and its run of that plan is gone with it (`note_session`). The plan is withheld from it (`newer_plan`) and
+        replaced once the settle time has passed (`membership.plan_decision`)."""
         self._last_change = self.started_unix
         self._stale_before = 0.0
         self._islands_dirty = True
@@ -174,19 +180,50 @@ class CoordinatorState:
             self._cond.notify_all()
         self._tell_plan_listeners()
 
-    def newer_plan(self, known_epoch: int) -> Plan | None:
-        """The current plan if its epoch exceeds `known_epoch` (and it is not stale), else None; never blocks."""
+    def newer_plan(self, known_epoch: int, node_id: str = "") -> Plan | None:
+        """The current plan if its epoch exceeds `known_epoch` (and it is not stale), else None; never blocks.
+        Not to `node_id` when it restarted since the plan was made (`restarted`): a new epoch follows."""
         plan = self._plan  # one reference read, atomic: no lock, so an event loop may call this
-        if plan is not None and plan.epoch > known_epoch and not self._stale(plan):
+        if plan is not None and plan.epoch > known_epoch and not self._stale(plan) \
+                and self._restarted.get(node_id) != plan.epoch:
             return plan
         return None
 
-    def wait_for_plan(self, known_epoch: int, timeout: float) -> Plan | None:
-        """The current plan once its epoch exceeds `known_epoch`, or None after `timeout` seconds or on close."""
+    def note_session(self, node_id: str, session: str, now: float) -> None:
+        """Record the session of a join. A member the current plan names that joins under a session other than its
+        last one (or the first this process hears of it) restarted: its run of the plan, and the state that run
+        held, are gone, so the plan is withheld from it and replaced by a new epoch, resumed from live state or
+        the last complete checkpoint, once the settle time has passed. (Without that, a job whose nodes all
+        restart would be handed its old plan and train again from that plan's resume step.) A join without a
+        session (an older node) is not judged."""
+        if not session:
+            return
+        with self._cond:
+            before = self._sessions.get(node_id)
+            self._sessions[node_id] = session
+            plan = self._plan
+            if before != session and plan is not None and not self._stale(plan) \
+                    and any(node_id in i.nodes for i in plan.islands):
+                self._restarted[node_id] = plan.epoch
+                self._last_change = max(self._last_change, now)
+                log.info("node %s restarted (a new process joined under its id): plan epoch %d is withheld from it "
+                         "and replaced once the settle time has passed", node_id, plan.epoch)
+
+    def restarted(self) -> set[str]:
+        """Members the current plan names whose process restarted since it was made (`note_session`)."""
+        plan = self._plan
+        if plan is None:
+            return set()
+        with self._cond:
+            return {n for n, e in self._restarted.items() if e == plan.epoch}
+
+    def wait_for_plan(self, known_epoch: int, timeout: float, node_id: str = "") -> Plan | None:
+        """The current plan once its epoch exceeds `known_epoch` (`newer_plan`), or None after `timeout` seconds or
+        on close."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self._closed:
-                plan = self.newer_plan(known_epoch)
+                plan = self.newer_plan(known_epoch, node_id)
                 if plan is not None:
                     return plan
                 left = deadline - time.monotonic()
@@ -515,12 +552,13 @@ class CoordinatorState:
                 n for n, m in alive.items() if m.last_heartbeat_unix >= self.started_unix}
             moved = set() if plan is None else {
                 n for n, addr in plan.node_addresses.items() if n in alive and plan_address(alive[n]) != addr}
+            restarted = self.restarted() & alive.keys()
             # which members lack probes matters only while membership differs from the plan (O(links) to find)
             changed = planned is None or planned != alive.keys()
             unprobed = self.unprobed(alive, now, self._probe_index) if changed else set()
             decision = plan_decision(now, alive=set(alive), planned=planned, unprobed=unprobed,
                                      last_change_unix=last_change, cluster=self.job.cluster,
-                                     options=membership, stale=stale, moved=moved,
+                                     options=membership, stale=stale, moved=moved, restarted=restarted,
                                      first_join_unix=min((m.joined_unix for n, m in alive.items()
                                                           if planned is not None and n not in planned),
                                                          default=None) if changed else None)

@@ -84,7 +84,7 @@ class PlanWatches:
                 if w.replaced:
                     raise WatchReplaced(f"a newer plan watch of node {w.node_id} replaced this one; a node keeps at "
                                         f"most {WATCHES_PER_NODE}")
-                plan = self.state.newer_plan(known)
+                plan = self.state.newer_plan(known, req.node_id)
                 if plan is not None:
                     known = plan.epoch
                     yield self._to_packed(plan) if packed else self._to_message(plan)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import queue
+import secrets
 import socket
 import statistics
 import threading
@@ -303,6 +304,8 @@ class NodeAgent:
         self.plan_serial = 0
         """Counts the plans accepted; a plan callback runs once per serial."""
         self._after_rejoin = False
+        self.session = secrets.token_hex(8)
+        """This process's session (`JoinRequest.session`): the same on each of its joins, another after a restart."""
         self.epoch = 0
         self.step = 0
         self.joins = 0
@@ -427,7 +430,8 @@ class NodeAgent:
         assert self.profile is not None and self.peer is not None and self.job is not None
         req = pb.JoinRequest(token=self.config.token, node_id=self.node_id, job_id=self.job.id,
                              profile=profile_to_proto(self.profile), peer_address=self._advertise(self.peer),
-                             csr_pem=self.credentials.csr() if self.credentials is not None else b"")
+                             csr_pem=self.credentials.csr() if self.credentials is not None else b"",
+                             session=self.session)
         with self._join_lock:
             try:
                 reply = self._retrying("joining", lambda: self.call("Join", req))

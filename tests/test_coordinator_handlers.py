@@ -34,9 +34,10 @@ def profile(host: str = "h1", name: str = "cpu-x", **kw) -> pb.NodeProfile:
     return pb.NodeProfile(**base)
 
 
-def join(state: CoordinatorState, node_id: str = "", host: str = "h1", port: int = 5001, **kw) -> pb.JoinReply:
+def join(state: CoordinatorState, node_id: str = "", host: str = "h1", port: int = 5001, session: str = "",
+         **kw) -> pb.JoinReply:
     return h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node_id, profile=profile(host, **kw),
-                                        peer_address=f"127.0.0.1:{port}"), state)
+                                        peer_address=f"127.0.0.1:{port}", session=session), state)
 
 
 @pytest.fixture
@@ -180,6 +181,50 @@ def test_a_lapsed_lease_and_a_new_node_each_make_a_new_epoch(state: CoordinatorS
     state.tick()
     assert state.epoch == 3
     assert [h_.plan.epoch for h_ in state.store.plan_history()] == [1, 2, 3]
+
+
+def test_a_planned_node_that_restarts_gets_a_new_epoch_not_its_old_plan(state: CoordinatorState, clock: Clock) -> None:
+    """Every node of a job restarts (same ids, same addresses): the old plan, whose resume step is 0, is not handed to
+    their new processes (they would train from step 0 again over newer checkpoints); once the settle time has passed
+    a new epoch is made. A retried join of one process (same session) changes nothing."""
+    ids = [join(state, host=f"h{i}", port=5000 + i, session=f"s{i}").node_id for i in range(3)]
+    probe_all(state, ids)
+    state.tick()
+    assert state.epoch == 1
+
+    def watched(node: str) -> list[int]:
+        return [p.epoch for p in h.watch_plan(pb.WatchPlanRequest(node_id=node), state,
+                                              active=iter([True, False]).__next__, poll_seconds=0.01)]
+
+    join(state, node_id=ids[0], host="h0", port=5000, session="s0")  # a retry of the same process's join
+    state.tick()
+    assert state.epoch == 1 and watched(ids[0]) == [1]
+    for i, n in enumerate(ids):  # every node restarts at its old address
+        join(state, node_id=n, host=f"h{i}", port=5000 + i, session=f"again{i}")
+    assert watched(ids[0]) == [] and watched(ids[1]) == []  # the plan whose runs are gone is withheld
+    state.tick()
+    assert state.epoch == 1  # settling: more may restart
+    clock.t += 10
+    for n in ids:
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+    events = state.tick()
+    assert state.epoch == 2 and any("restarted" in e for e in events)
+    assert watched(ids[0]) == [2]
+    # an older node sends no session: its joins are not judged
+    join(state, node_id=ids[1], host="h1", port=5001)
+    state.tick()
+    assert state.epoch == 2 and watched(ids[1]) == [2]
+
+
+def test_restarted_members_get_a_new_plan_after_settling() -> None:
+    from atoll.coordinator.membership import MembershipOptions, plan_decision
+    from atoll.job import ClusterSpec
+
+    kw = dict(alive={"a", "b"}, planned={"a", "b"}, unprobed=set(), cluster=ClusterSpec(expected_nodes=2),
+              options=MembershipOptions(), restarted={"a", "b"})
+    assert not plan_decision(10.5, last_change_unix=10.0, **kw).plan  # settling
+    d = plan_decision(12.0, last_change_unix=10.0, **kw)
+    assert d.plan and "a, b restarted" in d.reason
 
 
 def test_leave_marks_left_and_watch_yields_newer_plans(state: CoordinatorState) -> None:

@@ -143,3 +143,50 @@ def test_a_failed_step_with_every_node_alive_is_replanned(tmp_path: Path) -> Non
         if victim:
             cluster.resume(victim)
         cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_job_whose_nodes_all_restart_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """The only node of a job stops (SIGTERM) after some checkpoints and starts again on the same state dir and
+    port. The coordinator does not hand its new process the old plan (whose resume step is 0: it would train from
+    step 0 again, over the newer checkpoints); a new epoch resumes from the last complete checkpoint."""
+    port = _free_port()
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=2000, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=20),
+                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
+    path = tmp_path / "job-restart.toml"
+    path.write_text(job.to_toml())
+    cluster = LocalCluster(job_path=path, out=tmp_path / "restart")
+    listen = ["--listen", f"127.0.0.1:{port}"]
+    try:
+        cluster.start_coordinator()
+        cluster.start_node("node1", extra=listen)
+        before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 40, 150,
+                                     "two checkpoints", poll=0.2)
+        proc = cluster.procs.pop("node1")
+        proc.terminate()
+        proc.wait(60)
+        stopped = time.time()
+        held = cluster.status().last_checkpoint_step
+        cluster.start_node("node1", extra=listen)
+        after = cluster.wait_status(lambda s: s.plan.epoch > before.plan.epoch and s.step >= held + 5, 150,
+                                    "training after the restart", poll=0.2)
+        reports, plans = _steps(cluster)
+        again = sorted(s.step for s in reports if s.unix_time > stopped)
+        print(f"\ncheckpoint {held} when the node stopped; plans: "
+              f"{[(p.plan.epoch, p.plan.resume_step, p.reason[:70]) for p in plans]}; first steps after the restart: "
+              f"{again[:3]}")
+        assert after.plan.resume_step == held
+        assert again and again[0] >= held, "the restarted node trained steps before its checkpoint again"
+        assert any("restarted" in p.reason for p in plans)
+    finally:
+        cluster.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

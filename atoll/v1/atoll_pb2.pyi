@@ -505,20 +505,22 @@ class CheckpointReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem")
+    __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem", "session")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     token: str
     node_id: str
     job_id: str
     profile: NodeProfile
     peer_address: str
     csr_pem: bytes
-    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ..., csr_pem: _Optional[bytes] = ...) -> None: ...
+    session: str
+    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "name", "spec_toml")
