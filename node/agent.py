@@ -256,6 +256,10 @@ def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
     return "\n".join(lines)
 
 
+WAITING_LINE_EVERY_S = 30.0
+"""While a node has no plan to run, it says so this often."""
+
+
 class NodeAgent:
     """One node of a job. `run()` blocks until `stop()`; see the module docstring for what it does."""
 
@@ -845,10 +849,15 @@ class NodeAgent:
                     self.peer.stop()
                 return
         done = 0
+        waiting = time.monotonic()
         while not self._stop.is_set():
-            latest = self.wait_for_plan(done)
+            latest = self.wait_for_plan(done, WAITING_LINE_EVERY_S)
             if latest is None:
+                if not self._stop.is_set():
+                    log.info("waiting for a plan (%.0fs so far): `atoll status --coordinator %s` says what the "
+                             "coordinator waits for", time.monotonic() - waiting, self.config.coordinator)
                 continue
+            waiting = time.monotonic()
             done, plan = latest
             self.set_progress(plan.epoch, self.step)
             if on_plan is None:
@@ -867,6 +876,7 @@ class NodeAgent:
                 superseded.set()
                 watcher.join(timeout=5)
                 done = max(done, adopted[0])
+                waiting = time.monotonic()
         if self.error is not None:
             raise self.error
 
@@ -1022,7 +1032,9 @@ def run_node_cli(args: argparse.Namespace) -> int:
     agent = NodeAgent(config)
     stopping: list[threading.Thread] = []
 
-    def on_signal(*_: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stopping:
+            log.info("%s: this node leaves the job", signal.Signals(signum).name)
         stopping.append(threading.Thread(target=agent.stop, daemon=True, name="atoll-node-stop"))
         stopping[-1].start()
 

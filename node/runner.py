@@ -36,6 +36,7 @@ from atoll.job import JobSpec
 from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_layers, step_dir
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
+from atoll.node.progress import ProgressLine
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
@@ -490,11 +491,12 @@ class PlanRunner:
 
         watcher = threading.Thread(target=close_when_superseded, name="atoll-plan-watch", daemon=True)
         watcher.start()
+        progress = ProgressLine(last)
         try:
             while (step < last and not stop.is_set() and not ctx.draining()
                    and not reporter.stop_requested.is_set()):
                 # `atoll job stop/extend` moves the end; the coordinator keeps it ahead of every stage
-                last = self.last_step if until_step is None else min(until_step, self.last_step)
+                last = progress.total = self.last_step if until_step is None else min(until_step, self.last_step)
                 if step >= last:
                     break
                 for group in optimizer.param_groups:
@@ -538,6 +540,7 @@ class PlanRunner:
                     metrics.val_loss = val_loss
                     log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
                 reporter.put(metrics)
+                progress.step(metrics)
                 if ctx.tensorboard is not None:
                     ctx.tensorboard.write(metrics, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
                                           skipped=result.skipped)
