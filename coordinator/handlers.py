@@ -342,7 +342,7 @@ def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb
     """`atoll job stop` / `atoll job extend --steps N`: change the step the running job ends at."""
     _check_job(req.job_id, state)
     recent = state.store.recent_steps(1)
-    newest = recent[-1].step if recent else 0
+    newest = recent[-1].step if recent else None
     try:
         if req.action == "stop":
             control, how = job_control.stop(state.control, spec_steps=state.job.train.steps, newest_step=newest,
@@ -355,4 +355,4 @@ def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb
     except job_control.ControlRefused as e:
         raise FailedPrecondition(str(e)) from None
     state.set_control(control)
-    return pb.JobControlReply(target_steps=state.target_steps, step=newest, message=how)
+    return pb.JobControlReply(target_steps=state.target_steps, step=newest or 0, message=how)

@@ -32,20 +32,29 @@ def target_steps(spec_steps: int, control: JobControlRecord) -> int:
     return control.target_steps or spec_steps
 
 
-def stop(control: JobControlRecord, *, spec_steps: int, newest_step: int, now: float) -> tuple[JobControlRecord, str]:
-    """`atoll job stop`: end `STOP_MARGIN` steps after the newest reported step (never later than the target)."""
+def _newest(newest_step: int | None) -> str:
+    return "no step reported yet" if newest_step is None else f"the newest reported is step {newest_step}"
+
+
+def stop(control: JobControlRecord, *, spec_steps: int, newest_step: int | None, now: float
+         ) -> tuple[JobControlRecord, str]:
+    """`atoll job stop`: end `STOP_MARGIN` steps after the newest reported step (never later than the target).
+    Steps are named by index, as the logs and `atoll status` name them (step 0 is the first); a checkpoint by the
+    steps it follows, as its folder and `atoll export --step` name it."""
     target = target_steps(spec_steps, control)
     if control.finished_unix:
-        raise ControlRefused(f"the job already finished at step {target}; nothing to stop")
-    end = min(target, newest_step + 1 + STOP_MARGIN)
-    how = (f"the job stops after step {end - 1} (the newest reported is {newest_step}), with a checkpoint; "
-           f"the nodes then exit") if end < target else \
-        (f"the job already ends after step {target - 1} (the newest reported is {newest_step}), within "
-         f"{STOP_MARGIN} steps; it stops there with a checkpoint")
+        raise ControlRefused(f"the job already finished after step {target - 1} ({target} steps); nothing to stop")
+    newest = -1 if newest_step is None else newest_step
+    end = min(target, newest + 1 + STOP_MARGIN)
+    how = (f"the job stops after step {end - 1} ({_newest(newest_step)}), with a checkpoint of its {end} steps "
+           f"(step-{end:08d}); the nodes then exit") if end < target else \
+        (f"the job already ends after step {target - 1} ({_newest(newest_step)}), within {STOP_MARGIN} steps; it "
+         f"stops there with a checkpoint of its {target} steps (step-{target:08d})")
     return replace(control, target_steps=end, stopped_unix=control.stopped_unix or now), how
 
 
-def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_step: int) -> tuple[JobControlRecord, str]:
+def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_step: int | None
+           ) -> tuple[JobControlRecord, str]:
     """`atoll job extend --steps N`: the job ends N steps later."""
     if steps < 1:
         raise ControlRefused(f"extend by at least one step, got {steps}")
@@ -57,15 +66,17 @@ def extend(control: JobControlRecord, steps: int, *, spec_steps: int, newest_ste
                              f"weights carry over, not the optimizer state")
     if control.stopped_unix:
         raise ControlRefused("the job is stopping (atoll job stop); it cannot be extended")
-    if newest_step + 1 + EXTEND_MARGIN > target:
-        raise ControlRefused(f"the job is at step {newest_step}, within {EXTEND_MARGIN} steps of its end at {target}: "
+    newest = -1 if newest_step is None else newest_step
+    if newest + 1 + EXTEND_MARGIN > target:
+        raise ControlRefused(f"the job is at step {newest}, within {EXTEND_MARGIN} steps of its end after step "
+                             f"{target - 1}: "
                              f"some stages may have finished; extend earlier, or start a longer job from the last "
                              f"checkpoint")
     new = target + steps
     if new > MAX_TARGET_STEPS:
         raise ControlRefused(f"a job of {new} steps is too long; extend by fewer steps")
     return replace(control, target_steps=new), (f"the job now ends after step {new - 1} instead of step {target - 1} "
-                                                f"(the newest reported is {newest_step}); steps past the spec's "
+                                                f"({_newest(newest_step)}); steps past the spec's "
                                                 f"{spec_steps} train at the schedule's final learning rate")
 
 

@@ -137,8 +137,10 @@ def read_checkpoint(root: Path, step: int) -> tuple[ModelConfig, dict[str, torch
     folder = step_dir(root, step)
     files = _overlapping(folder, 0, 1 << 30)
     if not files:
-        raise CheckpointError(f"no checkpoint of step {step} under {folder}; steps there: "
-                              f"{_steps_on_disk(root) or 'none'}")
+        there = _steps_on_disk(root)
+        hint = (f" (a checkpoint is named by the steps it follows: the one after step {step}, as the logs and "
+                f"`atoll status` number steps, is {step + 1})") if step + 1 in there else ""
+        raise CheckpointError(f"no checkpoint of step {step} under {folder}; steps there: {there or 'none'}{hint}")
     states = [read_slice(f) for f in files]
     config = ModelConfig.from_dict(dict(states[0]["model"]))
     total = config.n_layers + 2

@@ -115,6 +115,8 @@ def test_export_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys) -> None
     assert "does not hold all 5 layers" in capsys.readouterr().err
     assert main(["export", "--checkpoint-dir", str(tmp_path), "--step", "9", "--out", str(tmp_path / "hf")]) == 2
     assert "steps there: [3]" in capsys.readouterr().err
+    assert main(["export", "--checkpoint-dir", str(tmp_path), "--step", "2", "--out", str(tmp_path / "hf")]) == 2
+    assert "the one after step 2, as the logs and `atoll status` number steps, is 3" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
 

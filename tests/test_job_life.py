@@ -33,8 +33,11 @@ def test_stop_ends_a_few_steps_after_the_newest_and_never_later_than_the_target(
     assert c.target_steps == 11 + jc.STOP_MARGIN and c.stopped_unix == 5.0 and "checkpoint" in how
     c2, _ = jc.stop(JobControlRecord(), spec_steps=100, newest_step=98, now=5.0)
     assert c2.target_steps == 100
-    with pytest.raises(jc.ControlRefused, match="already finished"):
+    with pytest.raises(jc.ControlRefused, match=r"already finished after step 99 \(100 steps\)"):
         jc.stop(JobControlRecord(finished_unix=1.0), spec_steps=100, newest_step=99, now=5.0)
+    c3, how = jc.stop(JobControlRecord(), spec_steps=100, newest_step=None, now=5.0)  # before any step
+    assert c3.target_steps == jc.STOP_MARGIN and "no step reported yet" in how
+    assert f"with a checkpoint of its {jc.STOP_MARGIN} steps (step-{jc.STOP_MARGIN:08d})" in how
 
 
 def test_extend_moves_the_end_unless_too_late_finished_or_stopping() -> None:

@@ -202,7 +202,10 @@ def test_the_table_shows_progress_stages_and_links() -> None:
     assert data["stage_usage"][0]["utilisation"] == 0.75 and data["link_usage"][0]["codec"] == "CODEC_INT8_BLOCK"
     assert data["measured_step_seconds"] == 0.5
     bare = format_status(pb.StatusReply(job=pb.JobInfo(name="tiny")))
-    assert "step time: measured -, predicted -" in bare and "no plan yet" in bare
+    assert "step time: measured -, predicted -" in bare and "no plan yet" in bare and "last checkpoint -" in bare
+    # a checkpoint by its folder (what `atoll export --step` takes) and the step it follows (as the logs number it)
+    assert "last checkpoint step-00000100 (after step 99)" in format_status(
+        pb.StatusReply(job=pb.JobInfo(name="tiny"), last_checkpoint_step=100))
     assert "outer mode" not in text and "replica group" not in text and data["group_usage"] == []
     # for scripts: 64-bit integers are numbers, and zeros are written (a stage's pipeline 0, layer_start 0)
     assert isinstance(data["plan"]["epoch"], int) and data["stage_usage"][0]["pipeline"] == 0
