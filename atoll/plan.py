@@ -314,6 +314,9 @@ class Plan:
     """HOST:PORT of the torch.distributed store the nodes of this epoch meet at (live plans)."""
     mode: str = "sync"
     """"sync": one synchronous step over every pipeline; "outer": replica groups with an outer sync."""
+    mode_reason: str = ""
+    """Where the plan's nodes span regions, why it trains in its mode (sync: why not replica groups; the planner's
+    `PlanResult.note`); empty in one region."""
     groups: list[ReplicaGroup] = field(default_factory=list)
     """Outer mode: the replica groups (every pipeline in exactly one)."""
     outer: OuterPlan | None = None
@@ -410,7 +413,7 @@ class Plan:
             epoch=d.get("epoch", 0), job_id=d.get("job_id", ""), resume_step=d.get("resume_step", 0),
             reached_step=d.get("reached_step", 0),
             node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
-            mode=d.get("mode", "sync"), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
+            mode=d.get("mode", "sync"), mode_reason=d.get("mode_reason", ""), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
             outer=OuterPlan(**d["outer"]) if d.get("outer") else None,
             idle=[IdleDevices(**x) for x in d.get("idle", [])],
             checkpoint_copies=[CheckpointCopy(**{**c, "layers": tuple(c["layers"])})

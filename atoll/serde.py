@@ -197,7 +197,7 @@ def _plan_to_proto(p: Plan) -> pb.Plan:
                                stages=[stage_to_proto(s, j) for j, s in enumerate(pl.stages)])
                    for k, pl in enumerate(p.pipelines)],
         resume_step=p.resume_step, node_addresses=p.node_addresses, rendezvous=p.rendezvous,
-        reached_step=p.reached_step,
+        reached_step=p.reached_step, mode_reason=p.mode_reason,
     )
 
 
@@ -238,7 +238,7 @@ def plan_from_proto(m: pb.Plan) -> Plan:
                                 stages=[stage_from_proto(s) for s in pl.stages]) for pl in m.pipelines],
         epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step, reached_step=m.reached_step,
         node_addresses=dict(m.node_addresses),
-        rendezvous=m.rendezvous, mode=m.mode or "sync", groups=[group_from_proto(g) for g in m.groups],
+        rendezvous=m.rendezvous, mode=m.mode or "sync", mode_reason=m.mode_reason, groups=[group_from_proto(g) for g in m.groups],
         outer=outer_from_proto(m.outer) if m.HasField("outer") else None,
         idle=[IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=list(x.nodes)) for x in m.idle],
         checkpoint_copies=[CheckpointCopy(node_id=c.node_id, layers=(c.layer_start, c.layer_end), address=c.address)

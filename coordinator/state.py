@@ -593,10 +593,13 @@ class CoordinatorState:
         if speed != self.speed:  # (a row per node: written only when a run moved them)
             self.store.put_speed(speed)
         self.speed = speed
-        stages = ", ".join(f"{s.island}{list(s.layers)}x{s.dp}" + (f" tp{s.tp}" if s.tp > 1 else "")
+        stages = ", ".join(f"{s.island}[{s.layers[0]}, {s.layers[1]})x{s.dp}" + (f" tp{s.tp}" if s.tp > 1 else "")
                            + (f" in {s.lanes} lanes" if s.lanes > 1 else "")
                            for p in plan.pipelines for s in p.stages)
-        return f"plan epoch {plan.epoch} ({reason}; {how}): {stages}{calibration_note(speed, inputs.members)}"
+        mode = f"; outer mode, {len(plan.groups)} replica groups" if plan.mode == "outer" else ""
+        why = f"; {plan.mode_reason}" if plan.mode_reason else ""
+        return (f"plan epoch {plan.epoch} ({reason}; {how}{mode}): {stages}{why}"
+                f"{calibration_note(speed, inputs.members)}")
 
     def _reached(self) -> int:
         """Steps the job has trained: the newest step reported under the newest plan epoch that reported, + 1 (a

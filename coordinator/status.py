@@ -234,7 +234,9 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     left off where the cell shows one (`_bytes_per_s`, `_bytes`, `_unix`) and `_seconds` written `-S`:
     PEER-ADDRESS is `peer_address`, INNER-BANDWIDTH `inner_bandwidth_bytes_per_s`, STEP-S `step_seconds`.
     Exceptions: DEVICES is an island's `gpus` (its devices, GPUs or CPUs), PROFILE the member's
-    `profile.device_kind`, `device_count` and `device_name`; RATIO and OTHER-S are derived, and so is
+    `profile.device_kind`, `device_count` and `device_name`, REGION a member's `profile.region` and an island's
+    `group` (its region), PLANNED-CODEC a stage's `send.codec` (what the plan chose for its boundary; the links
+    table shows what each link sends now, as adaptive compression measures it); RATIO and OTHER-S are derived, and so is
     COMPUTE-VS-PLAN (a node's `compute_seconds` over what the plan's stage predicted for its rows).
     """
     now = time.time() if now is None else now
@@ -252,10 +254,10 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:
-        rows = [["NODE-ID", "STATE", "PROFILE", "MEMORY-TOTAL", "PEER-ADDRESS", "LAST-HEARTBEAT"]]
+        rows = [["NODE-ID", "STATE", "REGION", "PROFILE", "MEMORY-TOTAL", "PEER-ADDRESS", "LAST-HEARTBEAT"]]
         for m in s.members:
             p = m.profile
-            rows.append([m.node_id, m.state, f"{p.device_kind} x{p.device_count} {p.device_name}"[:48],
+            rows.append([m.node_id, m.state, p.region or "-", f"{p.device_kind} x{p.device_count} {p.device_name}"[:48],
                          _bytes(p.memory_total_bytes),
                          # a node behind NAT: its neighbours send over the streams it opens
                          f"{m.peer_address or '-'} (dials out)" if p.unreachable else m.peer_address,
@@ -263,9 +265,9 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         out += _table(rows)
     out.append(f"\nislands: {len(s.islands)}")
     if s.islands:
-        rows = [["ID", "DEVICE-NAME", "DEVICES", "INNER-BANDWIDTH", "OUTER-BANDWIDTH", "NODE-IDS"]]
+        rows = [["ID", "REGION", "DEVICE-NAME", "DEVICES", "INNER-BANDWIDTH", "OUTER-BANDWIDTH", "NODE-IDS"]]
         for i in s.islands:
-            rows.append([i.id, i.device_name[:32], str(i.gpus), _rate(i.inner_bandwidth_bytes_per_s),
+            rows.append([i.id, i.group or "-", i.device_name[:32], str(i.gpus), _rate(i.inner_bandwidth_bytes_per_s),
                          _rate(i.outer_bandwidth_bytes_per_s), ", ".join(i.node_ids)])
         out += _table(rows)
     if s.HasField("plan"):
@@ -275,11 +277,13 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
                    f"step {p.resume_step}; predicted {pred.step_time_seconds:.3f} s/step, "
                    f"{pred.tokens_per_second:.0f} tokens/s" + (f", bottleneck: {pred.bottleneck}" if pred.bottleneck
                                                                else ""))
+        if p.mode != "outer" and p.mode_reason:  # (outer mode's reason is in the outer lines above)
+            out.append(f"  {p.mode_reason}")
         group_of = {k: g.name for g in p.groups for k in g.pipelines} if p.mode == "outer" else {}
         for pl in p.pipelines:
             owner = f", replica group {group_of[pl.index]}" if pl.index in group_of else ""
             out.append(f"  pipeline {pl.index}: micro-batch {pl.micro_batch} x {pl.num_micro_batches}{owner}")
-            rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODE-IDS", "SEND", "DP-RENDEZVOUS"]]
+            rows = [["STAGE", "ISLAND", "LAYERS", "DP", "NODE-IDS", "PLANNED-CODEC", "DP-RENDEZVOUS"]]
             for st in pl.stages:
                 send = _codec(st.send.codec) if st.HasField("send") else "-"
                 rows.append([str(st.index), st.island, f"[{st.layer_start}, {st.layer_end})",

@@ -233,8 +233,12 @@ def _rendezvous_shown(address: str, coordinator_host: str) -> str:
 def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
     """A readable account of a plan, with this node's place in it. A rendezvous address without a host (a
     coordinator listening on every interface) is shown at `coordinator_host`, where the node dials it."""
-    lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s), global batch "
+    mode = f", outer mode: {len(plan.groups)} replica groups" if plan.mode == "outer" else ""
+    lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s){mode}, global batch "
              f"{plan.global_batch}, seq {plan.seq_len}, resume at step {plan.resume_step}"]
+    if plan.mode_reason:
+        lines.append(f"  {plan.mode_reason}")
+    group_of = {k: g.name for g in plan.groups for k in g.pipelines} if plan.mode == "outer" else {}
     mine = "this node is idle in this plan"
     for p_index, pipeline in enumerate(plan.pipelines):
         lines.append(f"  pipeline {p_index}: micro-batch {pipeline.micro_batch} x {pipeline.num_micro_batches}")
@@ -251,7 +255,8 @@ def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
                 place = (f"as replica {index // stage.tp} of {stage.dp}, tp rank {index % stage.tp} of {stage.tp}"
                          if stage.tp > 1 else f"as rank {index} of {stage.dp}")
                 mine = (f"this node runs pipeline {p_index} stage {s_index} (layers [{stage.layers[0]}, "
-                        f"{stage.layers[1]})) {place}")
+                        f"{stage.layers[1]})) {place}"
+                        + (f", in replica group {group_of[p_index]}" if p_index in group_of else ""))
     lines.append(f"  {mine}")
     return "\n".join(lines)
 

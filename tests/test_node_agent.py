@@ -22,7 +22,7 @@ from atoll.job import JobSpec
 from atoll.node.agent import AgentConfig, AgentError, NodeAgent, PlanRun, describe_plan
 from atoll.node.identity import load_node_id, load_or_create_node_id, save_node_id
 from atoll.node.profiler import ProfileOptions, parse_device, profile_node
-from atoll.plan import PipelinePlan, Plan, StagePlan
+from atoll.plan import PipelinePlan, Plan, ReplicaGroup, StagePlan
 from atoll.types import NodeProfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +165,15 @@ def test_describe_plan_names_this_nodes_place() -> None:
     text = describe_plan(tp, "d", "coord.example")
     assert "as replica 1 of 2, tp rank 0 of 2" in text and "dp 2 x tp 2 on b, c, d, e" in text, text
     assert "rendezvous tcp://coord.example:29500" in text and "tcp://:" not in text, text
+    # outer mode: the node's replica group, and why the plan trains in its mode
+    outer = Plan(model="tiny", global_batch=16, seq_len=64, epoch=5, job_id="j", mode="outer",
+                 mode_reason="outer: 1.8x the synchronous plan", groups=[
+                     ReplicaGroup(name="lab-a", pipelines=[0]), ReplicaGroup(name="lab-b", pipelines=[1])],
+                 pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=2, stages=[
+                     StagePlan(island=f"cpu{k}", layers=(0, 6), nodes=[f"n{k}"])]) for k in range(2)])
+    text = describe_plan(outer, "n1")
+    assert "outer mode: 2 replica groups" in text and "in replica group lab-b" in text
+    assert "outer: 1.8x the synchronous plan" in text
 
 
 # --- agents against a coordinator ------------------------------------------------------------------------

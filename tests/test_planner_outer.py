@@ -119,6 +119,8 @@ def test_fast_links_between_regions_stay_synchronous() -> None:
     res = search_plan(MODEL, parse_cluster(twins, source="twins"), replace(TRAIN, global_batch=2048),
                       options=PlannerOptions(outer_wan_gap=1))
     assert res.plan.mode == "sync" and res.note.startswith("sync: replica groups per region would give")
+    # the plan carries the reason to the coordinator's log, `atoll status` and the nodes
+    assert res.plan.mode_reason == res.note and plan_from_proto(plan_to_proto(res.plan)).mode_reason == res.note
 
 
 def test_one_region_is_synchronous_whatever_the_mode() -> None:

@@ -206,6 +206,15 @@ def test_the_table_shows_progress_stages_and_links() -> None:
     # a checkpoint by its folder (what `atoll export --step` takes) and the step it follows (as the logs number it)
     assert "last checkpoint step-00000100 (after step 99)" in format_status(
         pb.StatusReply(job=pb.JobInfo(name="tiny"), last_checkpoint_step=100))
+    # across regions: why the plan is synchronous, and each member's and island's region
+    r = status_reply()
+    r.plan.mode_reason = "sync: replica groups per region would give 1.02x the synchronous plan's tokens/s"
+    r.members.add(node_id="a", state="alive", profile=pb.NodeProfile(region="lab-b", device_kind="cpu"))
+    r.islands.add(id="cpu0", group="lab-b", device_name="EPYC", gpus=1)
+    text = format_status(r, now=0.0)
+    assert "  sync: replica groups per region would give 1.02x" in text
+    assert [line.split()[2] for line in text.splitlines() if line.startswith("  a ")] == ["lab-b"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("  cpu0 ")] == ["lab-b"]
     assert "outer mode" not in text and "replica group" not in text and data["group_usage"] == []
     # for scripts: 64-bit integers are numbers, and zeros are written (a stage's pipeline 0, layer_start 0)
     assert isinstance(data["plan"]["epoch"], int) and data["stage_usage"][0]["pipeline"] == 0
@@ -348,7 +357,7 @@ def test_table_headers_are_the_json_field_names() -> None:
     text = format_status(s, now=2.0)
     # every field of the schema, zeros included (the JSON leaves out fields at their zero value)
     keys = _keys(MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
-    derived = {"RATIO", "OTHER-S", "COMPUTE-VS-PLAN", "LAYERS", "SEND", "DEVICES", "PROFILE"}  # format_status says
+    derived = {"RATIO", "OTHER-S", "COMPUTE-VS-PLAN", "LAYERS", "PLANNED-CODEC", "DEVICES", "PROFILE"}  # format_status says
     headers = [line.split() for line in text.splitlines() if line.strip().split()[:1] and line.strip().isupper()]
     assert len(headers) == 5  # stages, links, members, islands, the plan's stages
     for header in (x for row in headers for x in row if x not in derived):

@@ -61,6 +61,8 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     result = _search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
                           parallelizer=parallelizer)
     result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options)
+    if len(cluster.regions) > 1:
+        result.plan.mode_reason = result.note
     return result
 
 
