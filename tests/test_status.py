@@ -211,10 +211,10 @@ def test_the_table_shows_progress_stages_and_links() -> None:
     r.plan.mode_reason = "sync: replica groups per region would give 1.02x the synchronous plan's tokens/s"
     r.members.add(node_id="a", state="alive", profile=pb.NodeProfile(region="lab-b", device_kind="cpu"))
     r.islands.add(id="cpu0", group="lab-b", device_name="EPYC", gpus=1)
-    text = format_status(r, now=0.0)
-    assert "  sync: replica groups per region would give 1.02x" in text
-    assert [line.split()[2] for line in text.splitlines() if line.startswith("  a ")] == ["lab-b"]
-    assert [line.split()[1] for line in text.splitlines() if line.startswith("  cpu0 ")] == ["lab-b"]
+    regions = format_status(r, now=0.0)
+    assert "  sync: replica groups per region would give 1.02x" in regions
+    assert [line.split()[2] for line in regions.splitlines() if line.startswith("  a ")] == ["lab-b"]
+    assert [line.split()[1] for line in regions.splitlines() if line.startswith("  cpu0 ")] == ["lab-b"]
     assert "outer mode" not in text and "replica group" not in text and data["group_usage"] == []
     # for scripts: 64-bit integers are numbers, and zeros are written (a stage's pipeline 0, layer_start 0)
     assert isinstance(data["plan"]["epoch"], int) and data["stage_usage"][0]["pipeline"] == 0
