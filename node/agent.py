@@ -592,6 +592,22 @@ class NodeAgent:
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
 
+    def _prune_once_more(self) -> None:
+        """Before leaving: ask for the checkpoint steps no node needs any more once more and delete them here. The
+        reports just delivered (copies of the last checkpoint taken after this node's last heartbeat, at the
+        job's end) may have moved that horizon, and no later heartbeat would bring it."""
+        if self.on_prune is None:
+            return
+        with self._cond:
+            req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
+        try:
+            reply = self.call("Heartbeat", req, timeout=timedelta(seconds=2))
+        except grpc.RpcError:
+            return
+        if reply.prune_checkpoints_before > self.prune_checkpoints_before:
+            self.prune_checkpoints_before = reply.prune_checkpoints_before
+            self.on_prune(reply.prune_checkpoints_before)
+
     def _machine_probe(self, target: pb.ProbeTarget) -> None:
         """Probe `target` at its start (the coordinator's clock, corrected by this node's offset from it) as one of
         `target.flows` flows every node of this machine sends at once (`atoll.coordinator.machineprobe`)."""
@@ -928,8 +944,11 @@ class NodeAgent:
                              "short), then this node leaves", bound.total_seconds())
                 if not self.peer.state.wait_steps_over(bound):
                     log.info("the step in flight did not finish within %.0fs; ending it", bound.total_seconds())
-        if leave and self.joins and not self.flush_outbox(flush):
-            log.warning("stopping with %d report(s) undelivered", len(self._outbox) + len(self._step_backlog))
+        if leave and self.joins:
+            if not self.flush_outbox(flush):
+                log.warning("stopping with %d report(s) undelivered", len(self._outbox) + len(self._step_backlog))
+            else:
+                self._prune_once_more()
         self._stop.set()
         with self._cond:
             self._cond.notify_all()

@@ -380,3 +380,23 @@ def test_run_raises_when_the_coordinator_later_refuses_the_node(coordinator: Coo
     assert not t.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], AgentError) and "token" in str(errors[0])
     coordinator.state.token = TOKEN
+
+
+@pytest.mark.timeout(60)
+def test_a_leaving_node_prunes_what_reports_it_just_delivered_made_needless(coordinator: CoordinatorService,
+                                                                            tmp_path: Path) -> None:
+    """A node holding copies of the last checkpoint hears that older steps are needless only with a heartbeat
+    reply; at the job's end none comes after its last reports, so it asks once more as it leaves."""
+    agent = make_agent(coordinator.address, tmp_path / "n0", "host0")
+    pruned: list[int] = []
+    agent.on_prune = pruned.append
+    try:
+        agent.start()
+        wait_until(lambda: agent.joins == 1, what="the join")
+        time.sleep(0.2)  # a heartbeat or two with no horizon yet
+        coordinator.state.prune_checkpoints_before = 300  # a report raised it after the last heartbeat
+        agent.heartbeat_interval = 3600.0
+        agent.stop()
+        assert pruned and pruned[-1] == 300
+    finally:
+        agent.stop()
