@@ -8,9 +8,14 @@ firewall or a TLS mismatch. The node says it while it retries its first contact 
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from atoll.preflight import dial_address_problem
+
+T = TypeVar("T")
 
 
 def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2), mtls=None) -> str:
@@ -18,6 +23,16 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
     `atoll.rpc.MutualTls` the call used), a TLS handshake of its own tells a wrong --tls-ca, a coordinator without
     TLS and a job token that is not the job's apart; without TLS (--insecure), one tells a coordinator that runs
     with TLS."""
+    return diagnosis(address, tls=tls, timeout=timeout, mtls=mtls)[1]
+
+
+def diagnosis(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2), mtls=None) -> tuple[bool, str]:
+    """(whether a TCP connection to `address` opened, `diagnose`'s line)."""
+    line = _diagnose(address, tls=tls, timeout=timeout, mtls=mtls)
+    return line.startswith(f"{address} accepts connections"), line
+
+
+def _diagnose(address: str, *, tls: bool, timeout: timedelta, mtls) -> str:
     host, _, port_text = address.rpartition(":")
     host = host.strip("[]")
     checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
@@ -53,6 +68,33 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
                 f"the job token (with TLS it also vouches for this client's certificate)")
     return (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
             f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
+
+
+def call_coordinator(call: Callable[[float, bool], T], address: str, timeout: timedelta, rpc=None,
+                     say: Callable[[str], None] | None = None) -> T:
+    """`call(seconds, wait_for_ready)`: one call to the coordinator at `address`, first without waiting for the
+    channel (a coordinator that answers answers at once). Where it cannot connect, `diagnose` says why: a server
+    that accepts connections but refuses this client, or speaks no TLS, or is no coordinator, is said at once
+    (PermissionError for a token that is not the job's, else ConnectionError): waiting cannot mend it. Where
+    nothing answers yet (a coordinator starting or restarting), `say` hears why, and the call waits for the
+    channel for the rest of `timeout`; what it raises is the caller's to handle, as before."""
+    import grpc
+
+    start = time.monotonic()
+    try:
+        return call(timeout.total_seconds(), False)
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+    tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
+    reached, why = diagnosis(address, tls=tls, mtls=rpc.mtls if rpc is not None else None)
+    if reached:
+        raise (PermissionError if TOKEN_REFUSED in why else ConnectionError)(
+            f"the coordinator at {address} did not take the call: {why}")
+    left = max(0.1, timeout.total_seconds() - (time.monotonic() - start))
+    if say is not None:
+        say(f"no answer from {address} yet ({why}); waiting up to {left:.3g}s more (--timeout)")
+    return call(left, True)
 
 
 def unanswered(address: str, code_name: str, timeout: timedelta, rpc=None) -> ConnectionError:
@@ -122,8 +164,9 @@ def _tls_probe(host: str, sockaddr, mtls, timeout: timedelta) -> str | None:
         if "mismatch" in str(e.verify_message).lower():
             return (f"its certificate does not name {name} ({e.verify_message}): dial the coordinator by a name its "
                     f"certificate holds")
-        return (f"its certificate is not signed by the authority in --tls-ca ({e.verify_message}): give --tls-ca "
-                f"the copy of this coordinator's STATE_DIR/ca.pem (its fingerprint is in the coordinator's log)")
+        return (f"its certificate is not signed by the job CA this command trusts (--tls-ca, or the ca.pem beside "
+                f"--token-file) ({e.verify_message}): give --tls-ca the copy of this coordinator's STATE_DIR/ca.pem "
+                f"(its fingerprint is in the coordinator's log)")
     except ssl.SSLError as e:
         if _says(e, _NOT_TLS):
             return ("it does not speak TLS: the coordinator runs --insecure; pass --insecure too (in a closed lab "

@@ -26,18 +26,23 @@ from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
 
 def fetch_status(address: str, *, token: str | None, timeout: timedelta = timedelta(seconds=10),
-                 rpc: RpcOptions | None = None, history_points: int = 0) -> pb.StatusReply:
+                 rpc: RpcOptions | None = None, history_points: int = 0,
+                 say: Callable[[str], None] | None = None) -> pb.StatusReply:
     """Ask the coordinator at `address` (with at most `history_points` points of the loss history; 0: enough
-    for a sparkline); raises ConnectionError / PermissionError with what to do."""
+    for a sparkline); raises ConnectionError / PermissionError with what to do. `say` hears why, when nothing
+    answers at once and the call waits (`atoll.netcheck.call_coordinator`)."""
+    from atoll.netcheck import call_coordinator
     from atoll.preflight import check_dial_address
 
     check_dial_address(address, "--coordinator")  # a malformed address is said at once, not after the timeout
     channel = make_channel(address, rpc, token=token)
+    stub = pb_grpc.CoordinatorStub(channel)
     try:
-        # wait_for_ready: a coordinator that is (re)starting gets the whole timeout to come up
-        return pb_grpc.CoordinatorStub(channel).GetStatus(pb.StatusRequest(history_points=history_points),
-                                                          timeout=timeout.total_seconds(),
-                                                          wait_for_ready=True)
+        # a coordinator that is (re)starting gets the whole timeout to come up; one that refuses this client is
+        # said at once
+        return call_coordinator(lambda seconds, ready: stub.GetStatus(
+            pb.StatusRequest(history_points=history_points), timeout=seconds, wait_for_ready=ready),
+            address, timeout, rpc, say)
     except grpc.RpcError as e:
         code = e.code()
         if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -342,6 +347,10 @@ def run_status_cli(args: argparse.Namespace) -> int:
         return 2
 
 
+def _to_stderr(line: str) -> None:
+    print(f"atoll: {line}", file=sys.stderr, flush=True)
+
+
 def _run_status(args: argparse.Namespace) -> int:
     if args.watch is not None and not 0 < args.watch <= MAX_SECONDS:  # NaN fails too
         raise ValueError(f"--watch takes a positive number of seconds, got {args.watch:g}")
@@ -355,13 +364,14 @@ def _run_status(args: argparse.Namespace) -> int:
         rpc = bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
 
     def fetch() -> pb.StatusReply:
-        return fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc)
+        return fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc,
+                            say=None if args.json else _to_stderr)  # --json: stdout only, for scripts
 
     if getattr(args, "plot", None):
         if args.watch is not None:
             raise ValueError("--plot writes one picture; leave out --watch")
         reply = fetch_status(args.coordinator, token=token, timeout=timedelta(seconds=args.timeout), rpc=rpc,
-                             history_points=PLOT_POINTS)
+                             history_points=PLOT_POINTS, say=None if args.json else _to_stderr)
         path = plot_history(reply, args.plot)
         print(json.dumps({"plot": str(path), "history_resolution": reply.history_resolution}) if args.json else
               f"loss curve of job {reply.job.name} written to {path} ({reply.history_resolution})")

@@ -8,6 +8,7 @@ newest reported step, with a checkpoint, and its nodes exit; an extended one tra
 from __future__ import annotations
 
 import argparse
+import sys
 from datetime import timedelta
 
 import grpc
@@ -41,7 +42,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
 
 
 def control_job(address: str, action: str, *, steps: int = 0, token: str | None, rpc=None,
-                timeout: timedelta = timedelta(seconds=10)):
+                timeout: timedelta = timedelta(seconds=10), say=None):
     """One ControlJob call; returns the `JobControlReply`. Raises PermissionError (token), ValueError (refused,
     with the coordinator's reason) or ConnectionError (no answer)."""
     from atoll.rpc import make_channel
@@ -50,11 +51,15 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
 
     from atoll.preflight import check_dial_address
 
+    from atoll.netcheck import call_coordinator
+
     check_dial_address(address, "--coordinator")  # a malformed address is said at once, not after the timeout
     channel = make_channel(address, rpc, token=token)
+    stub = pb_grpc.CoordinatorStub(channel)
     try:
-        return pb_grpc.CoordinatorStub(channel).ControlJob(pb.JobControlRequest(action=action, steps=steps),
-                                                           timeout=timeout.total_seconds(), wait_for_ready=True)
+        return call_coordinator(lambda seconds, ready: stub.ControlJob(
+            pb.JobControlRequest(action=action, steps=steps), timeout=seconds, wait_for_ready=ready),
+            address, timeout, rpc, say)
     except grpc.RpcError as e:
         code = e.code()
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -79,6 +84,7 @@ def run_job_cli(args: argparse.Namespace) -> int:
         raise ValueError("atoll job needs the job token: --token-file or $ATOLL_TOKEN")
     rpc = None if args.insecure else bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
     reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0), token=token, rpc=rpc,
-                        timeout=timedelta(seconds=args.timeout))
+                        timeout=timedelta(seconds=args.timeout),
+                        say=lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True))
     print(reply.message)  # it names the newest reported step and the last step, in the logs' numbering
     return 0

@@ -157,11 +157,24 @@ def test_diagnose_tells_a_wrong_token_a_wrong_ca_and_the_wrong_side_of_insecure_
         said = diagnose(tls.address, tls=True, mtls=bootstrap_rpc("not-the-token", ca).mtls)
         assert "the token is not this job's" in said and "--token-file" in said, said
         said = diagnose(tls.address, tls=True, mtls=bootstrap_rpc(TOKEN, wrong_ca).mtls)
-        assert "not signed by the authority in --tls-ca" in said, said
+        assert "not signed by the job CA this command trusts (--tls-ca" in said, said
         said = diagnose(tls.address, tls=False)
         assert "leave out --insecure" in said, said
         said = diagnose(plain.address, tls=True, mtls=bootstrap_rpc(TOKEN, ca).mtls)
         assert "runs --insecure" in said, said
+        # atoll status and atoll job say such a refusal at once, not after their timeout: waiting cannot mend it
+        from atoll.coordinator.status import fetch_status
+        from atoll.launch.job import control_job
+
+        t0 = time.monotonic()
+        with pytest.raises(PermissionError, match="the token is not this job's"):
+            fetch_status(tls.address, token="not-the-token", rpc=bootstrap_rpc("not-the-token", ca),
+                         timeout=timedelta(seconds=30))
+        with pytest.raises(ConnectionError, match="not signed by the job CA"):
+            control_job(tls.address, "stop", token=TOKEN, rpc=bootstrap_rpc(TOKEN, wrong_ca),
+                        timeout=timedelta(seconds=30))
+        assert time.monotonic() - t0 < 15
+        assert fetch_status(tls.address, token=TOKEN, rpc=bootstrap_rpc(TOKEN, ca)).job.name == job.name
     finally:
         for svc in (tls, other, plain):
             svc.stop()
