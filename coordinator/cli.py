@@ -17,7 +17,8 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
         "SIGUSR1 has every link probed again.")
     p.add_argument("--job", required=True, help="job spec (TOML), e.g. examples/tiny.toml (the examples are "
                    "installed with atoll, so that one is found from any folder)")
-    p.add_argument("--listen", default="0.0.0.0:7070", help="HOST:PORT of the gRPC server (port 0 picks one)")
+    p.add_argument("--listen", default="0.0.0.0:7070", help="HOST:PORT of the gRPC server (port 0 picks one; "
+                   "default 0.0.0.0:7070, every interface: 127.0.0.1:7070 for this machine only)")
     p.add_argument("--state-dir", default="runs/coordinator", help="folder for the coordinator's SQLite state")
     p.add_argument("--token-file", help="file holding the job token (else $ATOLL_TOKEN, else one is generated "
                    "into STATE_DIR/token: copy that file to the nodes)")

@@ -70,7 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in _commands():
         register(sub)
+    _say_defaults(parser)
     return parser
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Help that names each option's default where its own text does not (a flag's off, and a missing value,
+    go unsaid)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, False, True, argparse.SUPPRESS, "")
+                or "default" in text.lower() or text == argparse.SUPPRESS):
+            return action.help
+        shown = " ".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _say_defaults(parser: argparse.ArgumentParser) -> None:
+    """`_DefaultsHelp` for every subcommand's parser, however deep."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                child.formatter_class = _DefaultsHelp
+                _say_defaults(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--token", help="job token; shows in the process list, so prefer --token-file or $ATOLL_TOKEN")
     p.add_argument("--token-file", help="file holding the job token (the coordinator's STATE_DIR/token)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT of this node's peer server (port 0 picks one)")
+    p.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT of this node's peer server (default 0.0.0.0:0: "
+                   "every interface, a port picked at each start; give a fixed port where a firewall must let "
+                   "it in)")
     p.add_argument("--advertise", help="HOST:PORT peers should dial (default: the listen address, with a "
                    "wildcard host replaced by this machine's hostname)")
     p.add_argument("--state-dir", default="runs/node", help="folder that keeps this node's stable id, key and "

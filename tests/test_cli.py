@@ -88,3 +88,32 @@ def test_metrics_bind_loopback_unless_asked() -> None:
 
     args = build_parser().parse_args(["coordinator", "--job", "j.toml", "--metrics-port", "0"])
     assert args.metrics_host == "127.0.0.1" and ServiceConfig().metrics_host == "127.0.0.1"
+
+
+def test_every_option_with_a_value_says_its_default() -> None:
+    """`atoll SUBCOMMAND --help` names each option's default where its own text does not."""
+    import argparse
+
+    from atoll.launch.cli import build_parser
+
+    def parsers(p: argparse.ArgumentParser):
+        yield p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for child in dict.fromkeys(a.choices.values()):
+                    yield from parsers(child)
+
+    unsaid = []
+    for p in list(parsers(build_parser()))[1:]:
+        text = p.format_help()
+        text = text[text.index("options:"):]  # past the usage lines
+        for a in p._actions:
+            if a.option_strings and a.default not in (None, False, True, argparse.SUPPRESS, "") \
+                    and a.help != argparse.SUPPRESS:
+                chunk = text[text.index(a.option_strings[-1]):]
+                following = [m for m in (chunk.find("\n  -", 1),) if m > 0]  # up to the next option
+                if "default" not in chunk[:following[0] if following else None].lower():
+                    unsaid.append(f"{p.prog} {a.option_strings[-1]}")
+    assert not unsaid, unsaid
+    node = next(p for p in parsers(build_parser()) if p.prog == "atoll node").format_help()
+    assert "(default: cpu)" in " ".join(node.split())
