@@ -23,6 +23,7 @@ from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import bootstrap_rpc, find_ca
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
+from atoll.units import duration
 
 
 def fetch_status(address: str, *, token: str | None, timeout: timedelta = timedelta(seconds=10),
@@ -80,7 +81,7 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 def _seconds(x: float) -> str:
     if x <= 0:
         return "-"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+    return duration(x)
 
 
 def _codec(codec: int) -> str:
@@ -164,7 +165,7 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
                                   else "")
     out = [f"\nouter mode: {len(p.groups)} replica groups, H={o.inner_steps}, {codec} pseudo-gradients, {optimizer}, "
            f"{'overlapped' if o.overlap else 'blocking'}, deadline {o.deadline_seconds:g} s; predicted sync "
-           f"{o.sync_seconds:.1f} s per round vs {o.round_seconds:.1f} s of compute"]
+           f"{duration(o.sync_seconds)} per round vs {duration(o.round_seconds)} of compute"]
     if s.group_usage:
         out.append("groups (SYNC: the newest exchange, bytes summed over the group's nodes, seconds of its slowest):")
         rows = [["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]]
@@ -279,7 +280,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         p = s.plan
         pred = p.predicted
         out.append(f"\nplan epoch {p.epoch}: {p.model}, global batch {p.global_batch}, seq {p.seq_len}, resume at "
-                   f"step {p.resume_step}; predicted {pred.step_time_seconds:.3f} s/step, "
+                   f"step {p.resume_step}; predicted {duration(pred.step_time_seconds)} a step, "
                    f"{pred.tokens_per_second:.0f} tokens/s" + (f", bottleneck: {pred.bottleneck}" if pred.bottleneck
                                                                else ""))
         if p.mode != "outer" and p.mode_reason:  # (outer mode's reason is in the outer lines above)

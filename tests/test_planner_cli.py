@@ -100,10 +100,10 @@ def test_unused_islands_are_explained(tmp_path: Path, capsys: pytest.CaptureFixt
     cluster.write_text(UNUSED)
     assert main(["plan", "--model", "1.3b", "--cluster", str(cluster)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    unused = lines[lines.index("unused:") + 1:]
-    far = next(line for line in unused if line.startswith("  far: unused, "))
+    unused = lines[lines.index("idle:") + 1:]
+    far = next(line for line in unused if line.startswith("  far: idle, "))
     assert "links are too slow" in far and "0.0001 Gbit/s to a100" in far
-    tiny = next(line for line in unused if line.startswith("  tiny: unused, "))
+    tiny = next(line for line in unused if line.startswith("  tiny: idle, "))
     assert "too little memory" in tiny
 
 

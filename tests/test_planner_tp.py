@@ -116,4 +116,4 @@ inter_node_gbps = 10
     assert [(x.island, x.gpus) for x in plan.idle] == [("slow", 8)] and plan.idle[0].reason
     assert Plan.from_json(plan.to_json()).idle == plan.idle
     text = format_plan(plan, cluster)
-    assert "unused:" in text and f"slow: unused, {plan.idle[0].reason}" in text
+    assert "idle:" in text and f"slow: idle, {plan.idle[0].reason}" in text

@@ -190,9 +190,9 @@ def status_reply() -> pb.StatusReply:
 def test_the_table_shows_progress_stages_and_links() -> None:
     text = format_status(status_reply(), now=0.0)
     assert "step 4   loss 1.0000 (step 4)   1,067 tokens/s" in text
-    assert "measured 500.0 ms (median of 5 steps), predicted 400.0 ms; measured / predicted 1.25" in text
+    assert "measured 500 ms (median of 5 steps), predicted 400 ms; measured / predicted 1.25" in text
     stage = next(line for line in text.splitlines() if line.split()[:3] == ["0", "0", "a"])
-    assert stage.split()[-1] == "75%" and "300.0 ms" in stage and "50.0 ms" in stage
+    assert stage.split()[-1] == "75%" and "300 ms" in stage and "50 ms" in stage
     # 300 ms of compute a step against the plan's 2 x 100 ms
     assert "1.50x" in stage.split() and "compute: measured / predicted 1.50 per node" in text
     link = next(line for line in text.splitlines() if " forward " in line)
@@ -235,13 +235,13 @@ def outer_status_reply() -> pb.StatusReply:
 def test_the_table_shows_outer_mode_and_its_groups() -> None:
     text = format_status(outer_status_reply(), now=0.0)
     assert ("outer mode: 3 replica groups, H=50, int4 pseudo-gradients, lr 0.7 momentum 0.9 nesterov, overlapped, "
-            "deadline 30 s; predicted sync 11.2 s per round vs 14.0 s of compute") in text
+            "deadline 30 s; predicted sync 11.20 s per round vs 14.00 s of compute") in text
     lines = text.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
     assert header.split() == ["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S",
                               "LATE-S"]
     rows = [line.split() for line in lines[lines.index(header) + 1:lines.index(header) + 4]]
-    assert rows[0] == ["0", "lab-a", "100", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50", "s", "250.0", "ms"]
+    assert rows[0] == ["0", "lab-a", "100", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50", "s", "250", "ms"]
     assert rows[1][:6] == ["1", "lab-b", "80", "1,024,000", "1", "1/1"] and rows[1][-2:] == ["4.00", "s"]
     assert rows[2] == ["2", "lab-c", "0", "0", "0", "0/0", "-", "-", "-"]
     assert "pipeline 1: micro-batch 2 x 4, replica group lab-b" in text
@@ -381,3 +381,10 @@ def test_status_says_what_the_coordinator_waits_for_before_its_first_plan() -> N
     assert "waiting for nodes: 2 of 3 joined" in reply.waiting and "cluster.expected_nodes" in reply.waiting
     assert "no plan yet: waiting for nodes: 2 of 3" in format_status(reply)
     assert json.loads(status_json(reply))["waiting"] == reply.waiting
+
+
+def test_durations_keep_three_digits_in_the_unit_that_shows_them() -> None:
+    from atoll.units import duration
+
+    assert [duration(x) for x in (0.0, 4.2e-4, 0.0123, 0.5, 4.2, 1234.0)] == \
+        ["0 s", "420 µs", "12.3 ms", "500 ms", "4.20 s", "1,234 s"]

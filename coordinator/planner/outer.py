@@ -49,6 +49,7 @@ from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
 from atoll.coordinator.planner.simulator import OuterSimResult, simulate_outer
 from atoll.modelspec import ModelSpec
 from atoll.plan import GB, OuterPlan, Plan, Prediction, ReplicaGroup
+from atoll.units import duration
 
 if TYPE_CHECKING:
     from atoll.compression.spec import CodecSpec
@@ -372,12 +373,12 @@ def outer_plan(choice: OuterChoice, sync_plan: Plan, cluster: Cluster, model: Mo
     mfu = (f + b) * tps / peak if peak > 0 else 0.0
     pace = max(range(len(choice.groups)), key=lambda k: choice.group_steps[k] * choice.groups[k].step_s)
     pg = choice.groups[pace]
-    bottleneck = (f"outer rounds of {sim.round_s:.1f} s paced by group {pg.region} "
-                  f"({choice.group_steps[pace]} inner steps of {pg.step_s:.2f} s; within a step: "
+    bottleneck = (f"outer rounds of {duration(sim.round_s)} paced by group {pg.region} "
+                  f"({choice.group_steps[pace]} inner steps of {duration(pg.step_s)}; within a step: "
                   f"{pg.result.plan.predicted.bottleneck})")
     if sim.exposed_s > 0.01 * sim.round_s:
-        bottleneck = (f"outer sync over {choice.sync.link}: {choice.sync.seconds:.1f} s per round, "
-                      f"{sim.exposed_s:.1f} s of it exposed; {bottleneck}")
+        bottleneck = (f"outer sync over {choice.sync.link}: {duration(choice.sync.seconds)} per round, "
+                      f"{duration(sim.exposed_s)} of it exposed; {bottleneck}")
     outer = OuterPlan(inner_steps=choice.inner_steps, codec=choice.codec.codec,
                       topk_fraction=choice.codec.topk_fraction if choice.codec.codec == "topk" else 0.0,
                       block_size=choice.codec.block_size if choice.codec.codec in ("int8", "int4") else 0,

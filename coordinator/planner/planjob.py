@@ -19,6 +19,7 @@ from atoll.coordinator.planner.tied import mixes_cuts
 from atoll.modelspec import ModelSpec
 from atoll.coordinator.planner.unused import explain_unused
 from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.units import duration
 
 
 @dataclass(kw_only=True)
@@ -240,7 +241,7 @@ def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> 
     st = c.stages[worst_stage]
     lanes = f", {st.cost.lanes} lanes at once" if st.cost.lanes > 1 else ""
     what = (f"compute of stage {worst_stage} on {st.island.id} (layers [{st.start}, {st.end}), "
-            f"{st.cost.time_s * 1e3:.1f} ms per micro-batch{lanes})")
+            f"{duration(st.cost.time_s)} per micro-batch{lanes})")
     if c.links:
         # a link paces the pipeline by its time on the wire; its latency is left to the window before it
         worst_link = max(range(len(c.links)), key=lambda i: c.links[i].forward_s - c.links[i].latency_s)
@@ -248,10 +249,10 @@ def _bottleneck(c: Candidate, pipeline_s: float, step_s: float, busy: float) -> 
         wire = x.forward_s - x.latency_s
         if wire > st.cost.pace_s:
             what = (f"link {c.stages[worst_link].island.id} -> {c.stages[worst_link + 1].island.id} "
-                    f"({x.codec}, {wire * 1e3:.1f} ms per micro-batch on the wire)")
+                    f"({x.codec}, {duration(wire)} per micro-batch on the wire)")
     tail = step_s - pipeline_s
     bubble = 1 - busy / pipeline_s if pipeline_s > 0 else 0.0
-    return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {tail:.2f} s"
+    return f"{what}; pipeline bubble {bubble:.0%}, all-reduce and optimizer {duration(tail)}"
 
 
 class NodeAssignmentError(ValueError):

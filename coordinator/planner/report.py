@@ -9,6 +9,7 @@ from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
 from atoll.coordinator.planner.unused import UnusedIsland
 from atoll.plan import Plan, StagePlan
+from atoll.units import duration
 
 
 def device_word(kinds: Iterable[str]) -> str:
@@ -37,7 +38,7 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
              f"{gpus_used} of {total} {devices}"]
     # MFU needs the devices' peak FLOP/s, which CPUs and devices known only by their profile lack
     mfu = f"   MFU {p.mfu:.1%}" if p.mfu > 0 else ""
-    lines.append(f"  step {p.step_time_s:.3f} s   {p.tokens_per_s:,.0f} tokens/s{mfu}")
+    lines.append(f"  step {duration(p.step_time_s)}   {p.tokens_per_s:,.0f} tokens/s{mfu}")
     lines.append(f"  bottleneck: {p.bottleneck}")
     if search_seconds is not None:
         lines.append(f"  planned in {search_seconds:.2f} s")
@@ -56,7 +57,7 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
         lines.append("replica groups:")
         for g in plan.groups:
             lines.append(f"  {g.name:<16} pipelines {', '.join(map(str, g.pipelines)):<8} {g.inner_steps:>4} inner "
-                         f"steps of {g.step_time_s:.2f} s per round   {g.tokens_per_s:,.0f} tokens/s")
+                         f"steps of {duration(g.step_time_s)} per round   {g.tokens_per_s:,.0f} tokens/s")
             for k in g.pipelines:
                 group_of[k] = g.name
     lines.append("islands:")
@@ -83,11 +84,11 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
         for j, s in enumerate(pl.stages):
             send = "-"
             if s.send is not None:
-                send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {s.send.seconds * 1e3:.1f} ms"
+                send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {duration(s.send.seconds)}"
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
                          + f" {_shape(s):>13} {s.zero:>4} {_recomputed(s):>6} "
                          f"{_deferred(s):>8} {s.in_flight or '-':>4} "
-                         f"{s.compute_s * 1e3:>7.1f}ms {s.memory_gb_per_device:>6.1f}GB  {send}")
+                         f"{duration(s.compute_s):>9} {_gb(s.memory_gb_per_device):>8}  {send}")
     return "\n".join(lines)
 
 
@@ -103,6 +104,11 @@ def _deferred(s: StagePlan) -> str:
     if not s.defer_weights:
         return "-"
     return f"{s.defer_weights} of {len(s.defer_layers)}" if s.defer_layers else str(s.defer_weights)
+
+
+def _gb(gb: float) -> str:
+    """Memory per device: GB, or MB where that would print 0.0GB."""
+    return f"{gb:.1f}GB" if gb >= 0.1 else f"{gb * 1e3:.1f}MB"
 
 
 def _recomputed(s: StagePlan) -> str:
@@ -122,15 +128,15 @@ def _unused_lines(plan: Plan, unused: Sequence[UnusedIsland], devices: str) -> l
         for x in plan.idle:
             n = total.get(x.island, x.gpus)
             nodes = f" ({', '.join(x.nodes)})" if x.nodes else ""
-            head = (f"unused{nodes}," if x.gpus >= n else
+            head = (f"idle{nodes}," if x.gpus >= n else
                     f"{n - x.gpus} of its {n} {devices} used, {x.gpus} idle{nodes};")
             lines.append(f"  {x.island}: {head} {x.reason}")
-        return ["unused:"] + lines
+        return ["idle:"] + lines
     why = {u.island: u.reason for u in unused}
     for i in plan.islands:
         n = on.get(i.id, 0)
         if n == 0:
-            lines.append(f"  {i.id}: unused, {why.get(i.id, 'the plan found is faster without it')}")
+            lines.append(f"  {i.id}: idle, {why.get(i.id, 'the plan found is faster without it')}")
         elif n < i.gpus:
             lines.append(f"  {i.id}: {n} of its {i.gpus} {devices} used; the plan found is faster with fewer")
-    return (["unused:"] + lines) if lines else []
+    return (["idle:"] + lines) if lines else []

@@ -12,6 +12,7 @@ from atoll.coordinator.planner.parallelizer import DefaultParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.modelspec import ModelSpec
 from atoll.plan import GB, Plan
+from atoll.units import duration
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,4 +92,4 @@ def _reason(isl: Island, plan: Plan, cluster: Cluster, cm: CostModel, used: list
 
 
 def _s(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds < 100 else f"{seconds:,.0f} s"
+    return duration(seconds)
