@@ -130,7 +130,8 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
     p.add_argument("--checkpoint-dir", required=True, help="the nodes' --checkpoint-dir (holding step-NNNNNNNN/)")
     p.add_argument("--step", type=count(least=0, what="a step"), required=True, help="the checkpoint's step (a complete one)")
     p.add_argument("--out", required=True, help="the folder to write (created if missing)")
-    p.add_argument("--tokenizer", help="the job's tokenizer.json, copied into the folder")
+    p.add_argument("--tokenizer", help="the job's tokenizer.json (its [data] tokenizer), copied into the folder; "
+                   "without it the folder holds no tokenizer (a job on bytes has none to give)")
     p.add_argument("--shard-size", type=number(above=0, most=1024, what="a size in GiB"), default=SHARD_BYTES / 1024**3,
                    help="largest safetensors shard in GiB (default: 2)")
     p.set_defaults(func=_run)
@@ -147,4 +148,9 @@ def _run(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({size / 1e6:.1f} MB) to {args.out}: load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+    if not args.tokenizer:
+        log.warning("no tokenizer in %s (no --tokenizer): AutoTokenizer cannot load it from there. A job with a "
+                    "[data] tokenizer file: export again with --tokenizer that tokenizer.json. A job on bytes (the "
+                    "default): a token is a UTF-8 byte, so list(text.encode()) are its ids and bytes(ids).decode() "
+                    "its text", args.out)
     return 0

@@ -105,6 +105,8 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path
     # load with it (its shards and index, its tokenizer)
     assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--step", "4", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    err = capsys.readouterr().err
+    assert "no tokenizer in" in err and "--tokenizer" in err  # said, with what to do
 
 
 def test_export_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys) -> None:
