@@ -246,10 +246,11 @@ CA_FILE = "ca.pem"
 """Name of the job CA's certificate in the coordinator's state dir (and, by default, beside a token file)."""
 
 
-def find_ca(tls_ca: str | Path | None, token_file: str | Path | None) -> Path:
+def find_ca(tls_ca: str | Path | None, token_file: str | Path | None, *, ca_hash_flag: bool = False) -> Path:
     """The job CA file a client verifies the coordinator with: `--tls-ca`, else `ca.pem` beside the token file.
 
-    Raises FileNotFoundError with what to pass when there is none.
+    Raises FileNotFoundError with what to pass when there is none (`ca_hash_flag`: the command also takes
+    --ca-hash, `atoll node`'s way to fetch the CA by its fingerprint).
     """
     if tls_ca:
         path = Path(tls_ca)
@@ -260,9 +261,11 @@ def find_ca(tls_ca: str | Path | None, token_file: str | Path | None) -> Path:
         beside = Path(token_file).parent / CA_FILE
         if beside.is_file():
             return beside
+    by_hash = (" or --ca-hash with the fingerprint the coordinator logs (it fetches the CA and checks it),"
+               if ca_hash_flag else "")
     raise FileNotFoundError(f"no job CA to verify the coordinator with: pass --tls-ca <copy of the coordinator's "
                             f"STATE_DIR/{CA_FILE}> (its fingerprint is in the coordinator's log), or put it beside "
-                            f"--token-file; --insecure only if the coordinator runs --insecure")
+                            f"--token-file,{by_hash} --insecure only if the coordinator runs --insecure")
 
 
 def coordinator_name(ca_pem: bytes) -> str | None:

@@ -280,6 +280,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         log.warning("the job writes no checkpoints (checkpoint.interval = 0): a fault that takes every holder of a "
                     "layer restarts it from step 0, and `atoll export` has nothing to export; set [checkpoint] "
                     "interval in the job spec to keep them")
+    given_token = resolve_token(None, args.token_file)  # (a missing --token-file is said before any folder is made)
     state_dir = usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
     check_listen(args.listen, "--listen")
     if args.rendezvous_host:
@@ -294,7 +295,7 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                          "coordinator's certificate)")
     if args.tls_cert:
         check_tls_pair(Path(args.tls_cert), Path(args.tls_key))
-    token, origin = load_or_create_token(state_dir, resolve_token(None, args.token_file))
+    token, origin = load_or_create_token(state_dir, given_token)
     if origin == "given":
         origin = f"--token-file {args.token_file}" if args.token_file else "$ATOLL_TOKEN"
     if not args.heartbeat_budget >= 0:

@@ -1015,9 +1015,8 @@ def run_node_cli(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    usable_state_dir(Path(args.state_dir))  # setup mistakes: one line each, before anything starts
-    if args.checkpoint_dir:
-        usable_state_dir(Path(args.checkpoint_dir), "--checkpoint-dir")
+    # setup mistakes: one line each, before anything starts; the checks that create nothing first, so a mistake
+    # leaves no empty folders behind
     if not args.no_listen:
         check_listen(args.listen, "--listen")
     check_dial_address(args.coordinator, "--coordinator")
@@ -1029,6 +1028,9 @@ def run_node_cli(args: argparse.Namespace) -> int:
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")
+    usable_state_dir(Path(args.state_dir))
+    if args.checkpoint_dir:
+        usable_state_dir(Path(args.checkpoint_dir), "--checkpoint-dir")
     if args.insecure:
         tls_ca = None
         log.warning("INSECURE: --insecure talks plaintext gRPC to the coordinator and to peers: anyone on the network "
@@ -1041,7 +1043,7 @@ def run_node_cli(args: argparse.Namespace) -> int:
         log.info("verifying the coordinator and peers with the job CA it presented, which matches --ca-hash %s",
                  fingerprint(cert_from_pem(tls_ca, "the fetched job CA")))
     else:
-        ca_path = find_ca(args.tls_ca, args.token_file)
+        ca_path = find_ca(args.tls_ca, args.token_file, ca_hash_flag=True)
         tls_ca = ca_path.read_bytes()
         log.info("verifying the coordinator and peers with the job CA %s (%s; compare with the coordinator's log)",
                  ca_path, fingerprint(cert_from_pem(tls_ca, str(ca_path))))

@@ -203,3 +203,27 @@ def test_export_and_tokenizer_name_what_the_user_typed(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     assert "--field 'text' is not in the first row" in err and "give --field the key" in err, err
     assert "[data]" not in err, err
+
+
+def test_a_node_without_a_job_ca_is_told_of_tls_ca_and_ca_hash(tmp_path: Path) -> None:
+    from atoll.tls import find_ca
+
+    (tmp_path / "token").write_text("t")
+    with pytest.raises(FileNotFoundError, match="--tls-ca") as status:
+        find_ca(None, tmp_path / "token")
+    assert "--ca-hash" not in str(status.value)  # atoll status and atoll job take no --ca-hash
+    with pytest.raises(FileNotFoundError, match="--ca-hash with the fingerprint the coordinator logs"):
+        find_ca(None, tmp_path / "token", ca_hash_flag=True)
+
+
+def test_a_setup_mistake_leaves_no_empty_folders(tmp_path: Path) -> None:
+    from atoll.launch.cli import main
+
+    job = str(Path(__file__).resolve().parents[1] / "examples" / "tiny.toml")
+    assert main(["coordinator", "--job", job, "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "coord"),
+                 "--token-file", str(tmp_path / "missing-token")]) == 2
+    (tmp_path / "token").write_text("t")
+    assert main(["node", "--coordinator", "127.0.0.1:7070", "--token-file", str(tmp_path / "token"), "--device",
+                 "cuda:7", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "node"), "--checkpoint-dir",
+                 str(tmp_path / "ckpt")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["token"]
