@@ -82,3 +82,10 @@ def read_text_file(path: str | Path, what: str, hint: str, error: type[Exception
         line = data[:e.start].count(b"\n") + 1
         raise error(f"{what} {p} is not UTF-8 text ({e.reason} at byte {e.start}, line {line}: "
                     f"0x{data[e.start]:02x}); save it as UTF-8") from None
+
+
+def shown_path(path: str | Path) -> str:
+    """`path` for a message: a relative one with the folder it was read against, where a job spec's paths are
+    read (the current folder of the process, not the spec's own folder)."""
+    p = Path(path)
+    return str(p) if p.is_absolute() else f"{p} (in {Path.cwd()})"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from atoll.fsutil import read_text_file
+from atoll.fsutil import read_text_file, shown_path
 from atoll.modelspec import SIZE_LIMITS, ModelConfig, shown
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
@@ -218,7 +218,8 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        raise FileNotFoundError(f"no Hugging Face config at {p}: give the path of a config.json (or of its folder)")
+        raise FileNotFoundError(f"no Hugging Face config at {shown_path(p)}: give the path of a config.json (or of its "
+                                f"folder); a relative path is read from the folder the command runs in")
     text = read_text_file(p, "Hugging Face config", "give the path of a config.json (or of its folder)", HfConfigError)
     try:
         d = json.loads(text)

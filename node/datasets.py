@@ -38,7 +38,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from atoll.fsutil import atomic_write_text
+from atoll.fsutil import atomic_write_text, shown_path
 from atoll.node.data import BUILTIN_CORPUS, Batch, TokenDataset
 
 log = logging.getLogger("atoll.node.datasets")
@@ -108,7 +108,7 @@ class Source:
     def open(cls, path: str | Path, fmt: str = "auto", field: str = "text") -> "Source":
         p = Path(path)
         if not p.exists():
-            raise DataError(f"data source {p} does not exist; give a text, JSONL or Parquet file, a folder of them, "
+            raise DataError(f"data source {shown_path(p)} does not exist; give a text, JSONL or Parquet file, a folder of them, "
                             f"or a datasets.save_to_disk folder (each node reads it from its own disk)")
         kind = detect_format(p) if fmt == "auto" else fmt
         if kind not in STREAMED:
@@ -562,7 +562,7 @@ def _kind(source: str, fmt: str) -> str:
         return "text"
     p = Path(source)
     if not p.exists():
-        raise DataError(f"data source {p} does not exist; give a text, JSONL or Parquet file, a folder of them or a "
+        raise DataError(f"data source {shown_path(p)} does not exist; give a text, JSONL or Parquet file, a folder of them or a "
                         f"datasets.save_to_disk folder (each node reads it from its own disk)")
     return detect_format(p)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from atoll.fsutil import atomic_write
+from atoll.fsutil import atomic_write, shown_path
 from atoll.node.data import ByteTokenizer
 from atoll.node.datasets import DataError, Source, detect_format
 
@@ -31,7 +31,7 @@ class HFTokenizer:
         Tokenizer = _tokenizers().Tokenizer
         p = Path(path)
         if not p.is_file():
-            raise DataError(f"tokenizer file {p} does not exist; train one with `atoll tokenizer train --corpus FILE "
+            raise DataError(f"tokenizer file {shown_path(p)} does not exist; train one with `atoll tokenizer train --corpus FILE "
                             f"--vocab-size N --out {p}` or copy a model's tokenizer.json there (each node reads it "
                             f"from its own disk)")
         try:

@@ -120,3 +120,18 @@ def test_the_progress_line_rewrites_itself_on_a_terminal_and_logs_sparingly_else
     assert tty.getvalue().count("\r") == 1 and tty.getvalue().endswith("\n")
     # a log (a file, a pipe) gets the final line alone from a run shorter than log_interval, and no carriage return
     assert log.getvalue().count("\n") == 1 and "\r" not in log.getvalue() and "20 documents" in log.getvalue()
+
+
+def test_a_missing_relative_path_is_named_with_the_folder_it_was_read_in(tmp_path, monkeypatch) -> None:
+    """A job spec's paths are read from the folder the command runs in: the message says which."""
+    import pytest
+
+    from atoll.hf import load_hf_config
+    from atoll.node.datasets import DataError
+    from atoll.node.tokenizer import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=f"tokenizer file tok.json \\(in {tmp_path}\\) does not exist"):
+        load_tokenizer("tok.json")
+    with pytest.raises(FileNotFoundError, match=f"models/x/config.json \\(in {tmp_path}\\)"):
+        load_hf_config("models/x/config.json")
