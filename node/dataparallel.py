@@ -17,6 +17,7 @@ once their timeout has passed.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -60,6 +61,20 @@ def cancel_event() -> threading.Event | None:
 
 CANCEL_POLL_S = 0.05
 """How often a wait looks at its cancel event; the wait itself wakes the moment the collective completes."""
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def collective_failed(what: str, started: float, timeout: timedelta, error: BaseException) -> str:
+    """A collective's failure as one line: how long it ran (time.monotonic() since `started`) against its limit,
+    and the backend's reason without its source-file prefix or further lines ("failed after 0.8 s (limit 120 s):
+    Connection closed by peer [10.0.0.2]:41234")."""
+    elapsed = time.monotonic() - started
+    how = "timed out" if elapsed >= 0.99 * timeout.total_seconds() else "failed"
+    lines = str(error).strip().splitlines()
+    reason = _SOURCE_PREFIX.sub("", lines[0]) if lines else type(error).__name__
+    return f"{what} {how} after {elapsed:.1f} s (limit {timeout.total_seconds():g} s): {reason}"
 
 
 def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:

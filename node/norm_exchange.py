@@ -14,13 +14,14 @@ its own slice; the stages exchange one scalar each (their squared norm), never t
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from atoll.node.dataparallel import CollectiveCancelled, wait_collective
+from atoll.node.dataparallel import CollectiveCancelled, collective_failed, wait_collective
 
 
 class NormExchangeError(RuntimeError):
@@ -102,13 +103,14 @@ class DistNormExchange(NormExchange):
 
     def all_sum(self, value: float, timeout: timedelta) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        started = time.monotonic()
         work = self.group.allreduce([t])
         try:
             wait_collective(work, timeout, "norm exchange all-reduce")
         except CollectiveCancelled:
             raise
         except RuntimeError as e:
-            raise NormExchangeError(f"norm exchange all-reduce failed or timed out after {timeout}: {e}") from e
+            raise NormExchangeError(collective_failed("norm exchange all-reduce", started, timeout, e)) from e
         return float(t.item())
 
 

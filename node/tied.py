@@ -24,6 +24,7 @@ and last stages of such a model train with plain AdamW and the segment averager 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.plan import Plan
-from atoll.node.dataparallel import CollectiveCancelled, CollectiveError, wait_collective
+from atoll.node.dataparallel import CollectiveCancelled, CollectiveError, collective_failed, wait_collective
 
 
 class TiedPlanError(ValueError):
@@ -99,13 +100,14 @@ class TiedGradients:
         g = p.grad
         flat = g.mul(self.share)
         what = f"tied-weight gradient sum over {self.group.size()} holders"
+        started = time.monotonic()
         work = self.group.allreduce([flat])
         try:
             wait_collective(work, timeout, what)
         except CollectiveCancelled:
             raise
         except RuntimeError as e:
-            raise CollectiveError(f"{what} failed or timed out after {timeout}: {e}") from e
+            raise CollectiveError(collective_failed(what, started, timeout, e)) from e
         g.copy_(flat)
 
 

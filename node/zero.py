@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
@@ -73,7 +74,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from atoll.node.dataparallel import CollectiveError, wait_collective, wait_done
+from atoll.node.dataparallel import CollectiveError, collective_failed, wait_collective, wait_done
 
 ZERO2_BUCKETS = 32
 """ZeRO-2 cuts a stage into at least this many buckets (of at most `bucket_bytes`): it holds the staged
@@ -417,11 +418,12 @@ class ZeroOptimizer:
         what = f"ZeRO-1 gradient reduce-scatter of bucket {i} over {self.world} replicas"
         done = threading.Event()
         fut.add_done_callback(lambda _: done.set())
+        started = time.monotonic()
         wait_done(done, self.timeout, what)
         try:
             got = fut.result()
         except RuntimeError as e:
-            raise CollectiveError(f"{what} failed or timed out after {self.timeout}: {e}") from e
+            raise CollectiveError(collective_failed(what, started, self.timeout, e)) from e
         if got is not None:  # an NCCL work started on this thread
             self._wait(got, f"gradient reduce-scatter of bucket {i}")
 

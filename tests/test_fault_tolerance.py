@@ -248,3 +248,18 @@ def test_a_failed_run_reports_its_failure_before_its_zero_handover(tmp_path: Pat
     assert step >= 2 and f"step {step} failed on pipeline 0 stage 0" in reason, failures
     assert events.index(failures[0]) < events.index(("asked for the newest plan",)), events
     assert run.runners["a"].failure_reported
+
+
+def test_a_collective_failure_says_how_long_it_ran_against_its_limit() -> None:
+    import time
+    from datetime import timedelta
+
+    from atoll.node.dataparallel import collective_failed
+
+    e = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                     "[127.0.0.1]:4242\nException raised from ...")
+    said = collective_failed("ZeRO-1 gradient reduce-scatter", time.monotonic() - 0.8, timedelta(minutes=2), e)
+    assert said.startswith("ZeRO-1 gradient reduce-scatter failed after 0.8 s (limit 120 s): Connection closed by")
+    assert "pair.cc" not in said and "\n" not in said
+    late = collective_failed("norm exchange all-reduce", time.monotonic() - 10.0, timedelta(seconds=10), e)
+    assert " timed out after 10.0 s (limit 10 s)" in late
