@@ -102,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.verbose:
+        # torch's C++ side logs a warning and a 20-frame stack for each socket a peer closed (a rendezvous store
+        # or a collective whose peers stopped): nothing a person can act on, since the run's own error says what
+        # failed. Its errors stay; -v (before torch is imported) brings the warnings back.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     setup_logging(-1 if args.quiet else args.verbose)
     try:
         return int(args.func(args) or 0)
