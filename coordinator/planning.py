@@ -48,7 +48,8 @@ class PlanInputs:
     """The plan being replaced (from this coordinator process): an outer-mode plan's replica groups that are
     intact are kept as they run, so a change in one region does not stop the others."""
     failed: frozenset[str] = frozenset()
-    """Nodes that reported their run of the previous plan failed: their groups are replanned."""
+    """Nodes that reported their run of the previous plan failed, or whose process restarted since it was made: their
+    groups are replanned."""
     replan: frozenset[str] = frozenset()
     """Nodes whose replica group is planned afresh though it could run on (a drift replan: its devices no longer
     run at the speeds it was planned for)."""

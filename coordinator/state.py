@@ -691,6 +691,7 @@ class CoordinatorState:
         else:  # formed this round from the same members (thousands of them take seconds to form again)
             links, matrix, islands = formed
         failed = {f.node_id for f in self.failures().values() if previous is not None and f.epoch == previous.epoch}
+        failed |= self.restarted()  # (outer mode: a restarted node's replica group is planned afresh, not kept)
         records = self.store.list_checkpoints()
         resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links, speed=speed,
