@@ -1,4 +1,5 @@
-"""Figures for people: a duration in the unit that shows it, from microseconds to hours of seconds."""
+"""Figures for people: a duration in the unit that shows it, from microseconds to hours of seconds; a count with
+its noun."""
 
 from __future__ import annotations
 
@@ -16,3 +17,8 @@ def duration(seconds: float) -> str:
     if x < 100:
         return f"{seconds:.2f} s"
     return f"{seconds:,.0f} s"
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` with its noun, singular for one: counted(1, "node") -> "1 node", counted(3, "node") -> "3 nodes"."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

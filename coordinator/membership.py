@@ -18,6 +18,7 @@ from typing import Literal
 
 from atoll.coordinator.store import MemberRecord
 from atoll.job import ClusterSpec
+from atoll.units import counted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +163,7 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
                                        f"cluster.expected_nodes; start more nodes, or lower it in the job spec)")
         if unprobed:
             return PlanDecision(False, f"waiting for link probes of {_names(unprobed)}")
-        return PlanDecision(True, f"{len(alive)} nodes joined and probed (expected {cluster.expected_nodes})")
+        return PlanDecision(True, f"{counted(len(alive), 'node')} joined and probed (expected {cluster.expected_nodes})")
     if set(alive) == set(planned):
         if stale:
             return PlanDecision(True, "the coordinator restarted and the plan's members are back: a new epoch with "

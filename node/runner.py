@@ -37,6 +37,7 @@ from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_lay
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
 from atoll.node.progress import ProgressLine
+from atoll.units import counted
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
@@ -1094,8 +1095,8 @@ class PlanRunner:
         zero = ZeroOptimizer.from_adamw(optimizer, group, ZeroConfig(
             stage=stage, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
             grad_scale=self._row_weight()), timeout=cfg.collective_timeout, count_replicated=pl.tp_rank == 0)
-        log.info("pipeline %d stage %d: ZeRO-%d over its %d replicas (%d buckets)%s", pl.pipeline, pl.stage, stage,
-                 zero.world, len(zero.buckets), f", of tp rank {pl.tp_rank}'s shards" if st.tp > 1 else "")
+        log.info("pipeline %d stage %d: ZeRO-%d over its %d replicas (%s)%s", pl.pipeline, pl.stage, stage,
+                 zero.world, counted(len(zero.buckets), "bucket"), f", of tp rank {pl.tp_rank}'s shards" if st.tp > 1 else "")
         return zero, None
 
     def _check_memory(self, step: int, measured: int) -> None:

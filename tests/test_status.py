@@ -388,3 +388,7 @@ def test_durations_keep_three_digits_in_the_unit_that_shows_them() -> None:
 
     assert [duration(x) for x in (0.0, 4.2e-4, 0.0123, 0.5, 4.2, 1234.0)] == \
         ["0 s", "420 µs", "12.3 ms", "500 ms", "4.20 s", "1,234 s"]
+    from atoll.units import counted
+
+    assert (counted(1, "node"), counted(3, "node"), counted(1, "micro-batch", "micro-batches")) == \
+        ("1 node", "3 nodes", "1 micro-batch")

@@ -14,6 +14,7 @@ from atoll.coordinator.planner.outer import format_bytes
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate, simulate_outer
 from atoll.fsutil import atomic_write
 from atoll.plan import Plan
+from atoll.units import counted
 
 KIND_COLOR = {"F": "#4c9be8", "B": "#f28e2b", "W": "#edc948", "sync": "#59a14f", "opt": "#9c755f"}
 KIND_NAME = {"F": "forward", "B": "backward", "W": "weight gradients (deferred)", "sync": "all-reduce",
@@ -212,7 +213,7 @@ def draw_plan(plan: Plan, times: PipelineTimes, path: str | Path) -> None:
     else:
         _islands_row(top, plan, list(plan.islands), 0.0, 1.0, 0.02, 0.96, palette, devices, boxes)
         top.set_title(f"islands in pipeline order and {len(plan.pipelines)} pipeline(s); timeline of pipeline 0 "
-                      f"({len(pl.stages)} stages, {pl.num_micro_batches} micro-batches)", fontsize=9)
+                      f"({counted(len(pl.stages), 'stage')}, {counted(pl.num_micro_batches, 'micro-batch', 'micro-batches')})", fontsize=9)
     top.set_xlim(0, 1)
     top.set_ylim(0, 1)
     top.axis("off")

@@ -9,7 +9,7 @@ from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
 from atoll.coordinator.planner.unused import UnusedIsland
 from atoll.plan import Plan, StagePlan
-from atoll.units import duration
+from atoll.units import counted, duration
 
 
 def device_word(kinds: Iterable[str]) -> str:
@@ -76,7 +76,7 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
         if any(s.lanes > 1 for s in pl.stages):
             zb += ("; dp LxD: L lanes of D replicas, lane i % L taking micro-batch i (a stage wider than a "
                    "micro-batch has sequences, each lane at 1/L of the pace; compute is a lane's)")
-        lines.append(f"pipeline {k}: {len(pl.stages)} stages, {pl.num_micro_batches} micro-batches of "
+        lines.append(f"pipeline {k}: {counted(len(pl.stages), 'stage')}, {counted(pl.num_micro_batches, 'micro-batch', 'micro-batches')} of "
                      f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
                      f"possible{owner}){zb}")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp x tp':>13} {'zero':>4} {'recomp':>6} "
