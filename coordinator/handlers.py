@@ -6,6 +6,7 @@ untimely requests, and never import grpc: `atoll.coordinator.servicer` maps the 
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from collections.abc import Callable, Iterator
@@ -32,6 +33,8 @@ RECENT_STEPS_IN_STATUS = 32
 MAX_FAILURE_REASON = 1000
 """Longest reason a failure report may carry."""
 STATUS_WINDOW_STEPS = 8
+
+log = logging.getLogger("atoll.coordinator")
 
 
 def check_token(given: str | None, state: CoordinatorState) -> None:
@@ -248,6 +251,12 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
         raise FailedPrecondition(f"failure of plan epoch {req.plan_epoch}; the plans run so far are 1-{epoch}")
     if req.step > state.target_steps:
         raise InvalidArgument(f"failure at step {req.step}, past the job's {state.target_steps} steps")
+    if req.lost_checkpoint_step:  # whatever the epoch: the files are gone either way
+        dropped = state.store.drop_checkpoints(req.lost_checkpoint_step, req.node_id)
+        if dropped:
+            log.warning("node %s lost its files of the checkpoint of step %d (%s): %d index record(s) dropped; the "
+                        "next plan resumes from a step held whole", req.node_id, req.lost_checkpoint_step,
+                        req.reason[:200], dropped)
     if req.plan_epoch < epoch:
         return pb.Ack(message=f"plan epoch {req.plan_epoch} is already replaced by epoch {epoch}; ignored")
     recorded = state.record_failure(RunFailureRecord(epoch=req.plan_epoch, node_id=req.node_id, step=req.step,

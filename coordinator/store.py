@@ -204,6 +204,10 @@ class Store(ABC):
     @abstractmethod
     def list_checkpoints(self) -> list[CheckpointRecord]:
         """Ordered by step, epoch, layers."""
+    @abstractmethod
+    def drop_checkpoints(self, step: int, node_id: str) -> int:
+        """Forget `node_id`'s files of the checkpoint of `step` (the node found them missing or unreadable); the
+        number of records dropped."""
 
     # step metrics
     @abstractmethod
@@ -371,6 +375,13 @@ class MemoryStore(Store):
     def list_checkpoints(self) -> list[CheckpointRecord]:
         with self._lock:
             return [copy.deepcopy(self._s.checkpoints[k]) for k in sorted(self._s.checkpoints)]
+
+    def drop_checkpoints(self, step: int, node_id: str) -> int:
+        with self._lock:
+            gone = [k for k in self._s.checkpoints if k[0] == step and k[2] == node_id]
+            for k in gone:
+                del self._s.checkpoints[k]
+            return len(gone)
 
     def add_step(self, metrics: StepMetrics) -> None:
         with self._lock:
@@ -642,6 +653,10 @@ class SqliteStore(Store):
         rows = self._read("SELECT * FROM checkpoints ORDER BY step, plan_epoch, node_id, layer_start, layer_end")
         return [CheckpointRecord(step=s, plan_epoch=e, node_id=n, layer_start=a, layer_end=b, path=p, bytes=nb,
                                  data_position=dp, reported_unix=t) for s, e, n, a, b, p, nb, dp, t in rows]
+
+    def drop_checkpoints(self, step: int, node_id: str) -> int:
+        with self._tx() as db:
+            return db.execute("DELETE FROM checkpoints WHERE step = ? AND node_id = ?", (step, node_id)).rowcount
 
     def add_step(self, metrics: StepMetrics) -> None:
         with self._tx() as db:

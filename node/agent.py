@@ -196,11 +196,12 @@ class PlanRun:
         self.agent.send_later("ReportCheckpoint", report, epoch=self.current.epoch, what=what,
                               on_delivered=on_delivered)
 
-    def report_failure(self, *, step: int, reason: str) -> None:
-        """Queue a report that this node's run of the plan failed at `step`, so the coordinator replans."""
+    def report_failure(self, *, step: int, reason: str, lost_checkpoint_step: int = 0) -> None:
+        """Queue a report that this node's run of the plan failed at `step`, so the coordinator replans
+        (`lost_checkpoint_step`: this node's files of that checkpoint are missing or unreadable)."""
         self.agent.send_later("ReportFailure", pb.RunFailure(
             job_id=self.plan.job_id, node_id=self.node_id, plan_epoch=self.current.epoch, step=step,
-            reason=reason[:MAX_FAILURE_REASON]), epoch=self.current.epoch,
+            reason=reason[:MAX_FAILURE_REASON], lost_checkpoint_step=lost_checkpoint_step), epoch=self.current.epoch,
             what=f"failure of plan epoch {self.current.epoch}")
 
     def wait_timeout(self, default: timedelta) -> timedelta:

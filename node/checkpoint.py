@@ -22,7 +22,7 @@ import torch
 from atoll.fsutil import atomic_write, atomic_write_text
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule
-from atoll.node.slice_state import ParamStates, layer_of, load_slice, read_slice, save_slice
+from atoll.node.slice_state import ParamStates, SliceStateError, layer_of, load_slice, read_slice, save_slice
 
 _FILE = re.compile(r"^layers-(\d{4})-(\d{4})\.pt$")
 _STEP = re.compile(r"^step-(\d{8})$")
@@ -113,8 +113,7 @@ def load_layers_extra(module: StageModule, optimizer: torch.optim.Optimizer, roo
     files = _overlapping(folder, module.start, module.end)
     if not files:
         raise CheckpointError(f"no checkpoint of step {step} holds layers [{module.start}, {module.end}) under "
-                              f"{folder}; nodes that take over layers need the same --checkpoint-dir "
-                              "(a shared file system)")
+                              f"{folder}, and no node the plan names held a copy to fetch")
     sources: list[Any] = list(files)
     if module.tied_copy is not None:  # a tied head's copy missing from a cut that kept it with the embedding
         sources = [read_slice(f) for f in files]
@@ -123,9 +122,20 @@ def load_layers_extra(module: StageModule, optimizer: torch.optim.Optimizer, roo
             sources += [read_slice(f) for f in _overlapping(folder, 0, 1) if f not in files]
     try:
         extra = load_slice(module, sources, optimizer)
-    except ValueError as e:
+    except (ValueError, SliceStateError) as e:
         raise CheckpointError(f"checkpoint of step {step} under {folder}: {e}") from e
     return dict(extra)
+
+
+def set_aside(root: Path, step: int, layers: tuple[int, int]) -> list[Path]:
+    """Rename this node's files of the checkpoint of `step` overlapping `layers` to `*.damaged` (a file that could
+    not be loaded), so a copy can be fetched in their place; the files renamed."""
+    moved = []
+    for f in _overlapping(step_dir(root, step), *layers):
+        target = f.with_name(f.name + ".damaged")
+        f.replace(target)
+        moved.append(target)
+    return moved
 
 
 def read_checkpoint(root: Path, step: int) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:

@@ -162,13 +162,12 @@ def fetch_checkpoint(plan: Plan, root: Path, layers: tuple[int, int], *, node_id
     Returns the fetches made. Raises StateTransferError naming the layers no holder could give."""
     step = plan.resume_step
     region = plan.region_of(node_id)
-    have = [c for c in plan.checkpoint_copies if c.node_id == node_id]
     # ranges to get: the copies' ranges overlapping ours, from a covering chain (the files of one cut)
     ranges = sorted({c.layers for c in plan.checkpoint_copies if c.layers[0] < layers[1] and layers[0] < c.layers[1]})
     fetched: list[FetchStats] = []
     for rng in ranges:
         dest = checkpoint_file(root, step, rng)
-        if dest.is_file() or any(c.layers == rng for c in have):
+        if dest.is_file():  # (what is on disk counts, not what the index credits this node with: a file may be gone)
             continue
         holders = sorted((c for c in plan.checkpoint_copies if c.layers == rng and c.node_id != node_id and c.address),
                          key=lambda c: (plan.region_of(c.node_id) != region, c.node_id))

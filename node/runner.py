@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from atoll.compression import CodecSpec
 from atoll.job import JobSpec
-from atoll.node.checkpoint import load_layers_extra, prune_checkpoints, save_layers, step_dir
+from atoll.node.checkpoint import (CheckpointError, load_layers_extra, prune_checkpoints, save_layers, set_aside,
+                                   step_dir)
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
 from atoll.node.progress import ProgressLine
@@ -347,6 +348,8 @@ class PlanRunner:
         """What the checkpoint this run loaded carries beside the layers (`save_layers(extra=...)`)."""
         self.failure_reported = False
         """Whether `run` reported its failed step through `RunContext.report_failure` (before its handover)."""
+        self.lost_checkpoint_step = 0
+        """The checkpoint step whose files this node found missing or unreadable (0: none), for its failure report."""
         self._finished_loss: tuple[int, float] | None = None
         """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         self._data: object | None = None
@@ -689,12 +692,25 @@ class PlanRunner:
         checkpoint folder lacks from the nodes holding copies (`Plan.checkpoint_copies`)."""
         pl, ctx = self.placement, self.ctx
         assert pl is not None
-        if self.plan.checkpoint_copies:
-            fetched = fetch_checkpoint(self.plan, ctx.checkpoint_dir, pl.layers, node_id=ctx.node_id, token=ctx.token,
-                                       rpc=ctx.rpc, timeout=ctx.timeout)
-            if getattr(self, "restore", None) is not None:
-                self.restore.transfers.extend(fetched)
-        self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
+        for attempt in range(2):
+            try:
+                if self.plan.checkpoint_copies:
+                    fetched = fetch_checkpoint(self.plan, ctx.checkpoint_dir, pl.layers, node_id=ctx.node_id,
+                                               token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
+                    if getattr(self, "restore", None) is not None:
+                        self.restore.transfers.extend(fetched)
+                self._checkpoint_extra = load_layers_extra(module, optimizer, ctx.checkpoint_dir, step)
+                return
+            except (CheckpointError, StateTransferError) as e:
+                # a file deleted or damaged since it was written: set aside what cannot be read and fetch a copy
+                # once; failing that, the coordinator hears that this node lost the step (its index forgets this
+                # node's files of it, and a plan after this one resumes from a step held whole)
+                moved = set_aside(ctx.checkpoint_dir, step, pl.layers) if attempt == 0 else []
+                if attempt == 0 and moved and self.plan.checkpoint_copies:
+                    log.warning("%s; set aside %s and fetching a copy", e, ", ".join(m.name for m in moved))
+                    continue
+                self.lost_checkpoint_step = step
+                raise
 
     def _zero_states(self, store: dist.Store | None, optimizer, step: int, wait: float = 0.0,
                      leaving: bool = False) -> ParamStates | None:
@@ -1247,7 +1263,8 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         log.error("%s; %s and waiting for a new plan", e,
                   "reported it" if runner is not None and runner.failure_reported else "reporting it")
         if runner is None or not runner.failure_reported:
-            run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e))
+            run.report_failure(step=max(plan.resume_step, last_step[0] + 1), reason=str(e),
+                               lost_checkpoint_step=getattr(runner, "lost_checkpoint_step", 0))
         run.superseded.wait()
         return False
     finally:

@@ -81,7 +81,11 @@ def read_slice(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no saved slice at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as e:  # torch's zip reader on a truncated file, ...
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise SliceStateError(f"{path} cannot be read, the file is damaged ({first})") from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise SliceStateError(f"{path} is not a saved slice of format {FORMAT}")
     return state

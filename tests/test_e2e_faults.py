@@ -190,3 +190,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_newest_checkpoint_resumes_from_the_one_before(tmp_path: Path) -> None:
+    """The job's only node stops; its newest checkpoint folder is deleted before it starts again. The plan that
+    resumes from that step fails on the node, which reports the step lost; the coordinator forgets those files and
+    the next plan resumes from the checkpoint before (it did not retry the lost step for ever)."""
+    import shutil
+
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=2000, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=20),
+                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
+    path = tmp_path / "job-lost.toml"
+    path.write_text(job.to_toml())
+    cluster = LocalCluster(job_path=path, out=tmp_path / "lost")
+    try:
+        cluster.start_coordinator()
+        cluster.start_node("node1")
+        cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 60, 150, "three checkpoints",
+                            poll=0.2)
+        proc = cluster.procs.pop("node1")
+        proc.terminate()
+        proc.wait(60)
+        newest = cluster.status().last_checkpoint_step
+        shutil.rmtree(cluster.checkpoints / f"step-{newest:08d}")
+        cluster.start_node("node1")
+        after = cluster.wait_status(lambda s: s.plan.resume_step == newest - 20 and s.step >= newest, 150,
+                                    "training from the checkpoint before the lost one", poll=0.2)
+        _, plans = _steps(cluster)
+        print(f"\nnewest checkpoint {newest} deleted; plans: {[(p.plan.epoch, p.plan.resume_step) for p in plans]}")
+        assert after.last_checkpoint_step >= newest - 20
+        assert [p.plan.resume_step for p in plans].count(newest) <= 1  # the lost step is tried once at most
+    finally:
+        cluster.stop()

@@ -107,6 +107,9 @@ class TestStoreContract:
         store.add_checkpoint(CheckpointRecord(step=0, plan_epoch=1, node_id="b", layer_start=3, layer_end=6))
         cps = store.list_checkpoints()
         assert [(c.step, c.node_id, c.path) for c in cps] == [(0, "b", ""), (25, "a", "/y")]
+        # a node that lost its files of a step: only its records of that step go
+        assert store.drop_checkpoints(25, "a") == 1 and store.drop_checkpoints(25, "b") == 0
+        assert [(c.step, c.node_id) for c in store.list_checkpoints()] == [(0, "b")]
 
     def test_recent_steps_are_bounded(self, store: Store) -> None:
         store.recent_steps_kept = 5

@@ -649,18 +649,20 @@ class LeaveRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RunFailure(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "reason")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "reason", "lost_checkpoint_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LOST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
     step: int
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    lost_checkpoint_step: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
     __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds")
