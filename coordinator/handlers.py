@@ -125,7 +125,8 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
     return pb.HeartbeatReply(
         lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval, plan_epoch=state.epoch,
         probe=probes, job_finished=bool(state.control.finished_unix), target_steps=state.target_steps,
-        coordinator_unix=now, prune_checkpoints_before=state.prune_checkpoints_before)
+        coordinator_unix=now, prune_checkpoints_before=state.prune_checkpoints_before,
+        keep_checkpoint_step=state.keep_checkpoint_step)
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:

@@ -455,17 +455,20 @@ class CoordinatorState:
         return self._last_reason if self.current_plan() is None and self._last_reason.startswith("waiting") else ""
 
     def note_complete_checkpoints(self, done: list[int]) -> None:
-        """After a checkpoint report: the steps older than the `checkpoint.keep`-th newest complete one (and than
-        the running plan's resume step, which its nodes may still load) are needed nowhere; nodes hear it with
-        their heartbeats. Only ever raised: a node never keeps fewer than `keep` complete checkpoints job-wide."""
+        """After a checkpoint report: the steps older than the `checkpoint.keep`-th newest complete one are needed
+        nowhere but the running plan's resume step (`keep_checkpoint_step`); nodes hear both with their heartbeats.
+        Only ever raised: a node never keeps fewer than `keep` complete checkpoints job-wide. (Bounded by the resume
+        step instead, nodes holding copies kept every step since it for as long as a plan ran.)"""
         keep = self.job.checkpoint.keep
         if keep < 1 or len(done) < keep:
             return
-        before = done[-keep]
+        self.prune_checkpoints_before = max(self.prune_checkpoints_before, done[-keep])
+
+    @property
+    def keep_checkpoint_step(self) -> int:
+        """The running plan's resume step, which nodes keep however old it is (its nodes may still load it)."""
         plan = self.current_plan()
-        if plan is not None and plan.resume_step > 0:
-            before = min(before, plan.resume_step)
-        self.prune_checkpoints_before = max(self.prune_checkpoints_before, before)
+        return plan.resume_step if plan is not None else 0
 
     @property
     def target_steps(self) -> int:

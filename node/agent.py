@@ -336,8 +336,11 @@ class NodeAgent:
         """The step the job ends at as the latest heartbeat said (`atoll job stop/extend`); 0: not heard yet."""
         self.prune_checkpoints_before = 0
         """Checkpoint steps older than this are needed nowhere, as the latest heartbeat said (0: not heard yet)."""
-        self.on_prune: Callable[[int], None] | None = None
-        """Called (on a thread of its own) each time `prune_checkpoints_before` rises: deletes older step folders."""
+        self.keep_checkpoint_step = 0
+        """The running plan's resume step, kept however old (`HeartbeatReply.keep_checkpoint_step`)."""
+        self.on_prune: Callable[[int, int], None] | None = None
+        """Called (on a thread of its own) with (`prune_checkpoints_before`, `keep_checkpoint_step`) each time the first
+        rises: deletes older step folders but the second."""
         """What stopped the agent from inside (a refusal, a dead loop); `run()` raises it."""
 
     # --- calls --------------------------------------------------------------------------------------
@@ -584,10 +587,12 @@ class NodeAgent:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
             self.target_steps = reply.target_steps or self.target_steps
+            self.keep_checkpoint_step = reply.keep_checkpoint_step
             if reply.prune_checkpoints_before > self.prune_checkpoints_before:
                 self.prune_checkpoints_before = reply.prune_checkpoints_before
                 if self.on_prune is not None:
-                    threading.Thread(target=self.on_prune, args=(reply.prune_checkpoints_before,), daemon=True,
+                    threading.Thread(target=self.on_prune, args=(reply.prune_checkpoints_before,
+                                                                 reply.keep_checkpoint_step), daemon=True,
                                      name="atoll-prune").start()
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
@@ -605,9 +610,10 @@ class NodeAgent:
             reply = self.call("Heartbeat", req, timeout=timedelta(seconds=2))
         except grpc.RpcError:
             return
+        self.keep_checkpoint_step = reply.keep_checkpoint_step
         if reply.prune_checkpoints_before > self.prune_checkpoints_before:
             self.prune_checkpoints_before = reply.prune_checkpoints_before
-            self.on_prune(reply.prune_checkpoints_before)
+            self.on_prune(reply.prune_checkpoints_before, reply.keep_checkpoint_step)
 
     def _machine_probe(self, target: pb.ProbeTarget) -> None:
         """Probe `target` at its start (the coordinator's clock, corrected by this node's offset from it) as one of
@@ -1069,11 +1075,11 @@ def run_node_cli(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     pruning = threading.Lock()
 
-    def prune(before: int) -> None:  # what no node needs any more, this node's own checkpoints and its copies alike
+    def prune(before: int, keep: int) -> None:  # what no node needs any more, its own checkpoints and copies alike
         from atoll.node.checkpoint import prune_older
 
         with pruning:
-            removed = prune_older(checkpoint_dir, before)
+            removed = prune_older(checkpoint_dir, before, keep=keep)
         if removed:
             log.info("pruned the checkpoints of steps %s here: the job holds newer complete ones",
                      ", ".join(map(str, removed)))

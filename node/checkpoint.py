@@ -193,17 +193,18 @@ def complete_steps_on_disk(root: Path, total_layers: int) -> list[int]:
     return sorted(done)
 
 
-def prune_older(root: Path, before: int) -> list[int]:
+def prune_older(root: Path, before: int, *, keep: int = 0) -> list[int]:
     """Delete the step folders older than `before` (the coordinator's word that no node needs them: the job holds
-    `checkpoint.keep` newer complete checkpoints); return the steps deleted. Unlike `prune_checkpoints` it needs no
-    complete step on this disk, so a node holding some layers, or copies of other nodes' layers, prunes too."""
+    `checkpoint.keep` newer complete checkpoints) but the folder of step `keep` (the running plan's resume step);
+    return the steps deleted. Unlike `prune_checkpoints` it needs no complete step on this disk, so a node holding
+    some layers, or copies of other nodes' layers, prunes too."""
     removed = []
     root = Path(root)
     if before <= 0 or not root.is_dir():
         return removed
     for folder in sorted(root.iterdir()):
         m = _STEP.match(folder.name)
-        if m is not None and folder.is_dir() and int(m.group(1)) < before:
+        if m is not None and folder.is_dir() and int(m.group(1)) < before and int(m.group(1)) != keep:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(int(m.group(1)))
     return removed

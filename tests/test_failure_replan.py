@@ -212,18 +212,23 @@ def test_a_node_holding_part_of_the_layers_or_copies_prunes_what_the_coordinator
     assert prune_older(tmp_path, 30) == [10, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000030", "step-00000040"]
     assert prune_older(tmp_path, 0) == [] and prune_older(tmp_path / "none", 99) == []
+    # the running plan's resume step stays, however old
+    assert prune_older(tmp_path, 50, keep=30) == [40]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000030"]
 
 
 def test_heartbeats_say_which_checkpoints_no_node_needs(planned) -> None:
     """Once the job holds `checkpoint.keep` complete checkpoints, heartbeat replies name the oldest of them:
-    older steps may go from every disk (never past the running plan's resume step)."""
+    older steps may go from every disk but the running plan's resume step, which they name too."""
     state, _, ids = planned
     plan = state.current_plan()
     assert state.job.checkpoint.keep == 3
     stages = [(st.layers, st.nodes[0]) for p in plan.pipelines for st in p.stages]
 
     def beat() -> int:
-        return h.handle_heartbeat(pb.HeartbeatRequest(node_id=ids[0]), state).prune_checkpoints_before
+        reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=ids[0]), state)
+        assert reply.keep_checkpoint_step == plan.resume_step  # kept whatever its age
+        return reply.prune_checkpoints_before
 
     for k, step in enumerate((10, 20, 30, 40)):
         for (a, b), node in stages:

@@ -389,7 +389,7 @@ def test_a_leaving_node_prunes_what_reports_it_just_delivered_made_needless(coor
     reply; at the job's end none comes after its last reports, so it asks once more as it leaves."""
     agent = make_agent(coordinator.address, tmp_path / "n0", "host0")
     pruned: list[int] = []
-    agent.on_prune = pruned.append
+    agent.on_prune = lambda before, keep: pruned.append(before)
     try:
         agent.start()
         wait_until(lambda: agent.joins == 1, what="the join")

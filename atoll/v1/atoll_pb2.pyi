@@ -579,7 +579,7 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ..., start_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before", "keep_checkpoint_step")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -588,6 +588,7 @@ class HeartbeatReply(_message.Message):
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_UNIX_FIELD_NUMBER: _ClassVar[int]
     PRUNE_CHECKPOINTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
@@ -596,7 +597,8 @@ class HeartbeatReply(_message.Message):
     heartbeat_interval_seconds: float
     coordinator_unix: float
     prune_checkpoints_before: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ...) -> None: ...
+    keep_checkpoint_step: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ..., keep_checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
