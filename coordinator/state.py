@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -77,6 +78,10 @@ class CoordinatorOptions:
     @property
     def heartbeat(self) -> timedelta:
         return self.heartbeat_interval or self.membership.lease / 4
+
+
+_SECONDS = re.compile(r"\d+(\.\d+)?s\b")
+"""A countdown in a reason for not planning (compared without it, so the reason is logged once)."""
 
 
 class CoordinatorState:
@@ -575,7 +580,8 @@ class CoordinatorState:
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason, formed))
         else:
-            if decision.reason != self._last_reason:
+            # once per reason, not once per tick: a countdown in it ("settling for 0.3s more") changes every tick
+            if _SECONDS.sub("", decision.reason) != _SECONDS.sub("", self._last_reason):
                 log.info("not planning: %s", decision.reason)
             if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
                 events.extend(self._drift_check(plan, alive, now))

@@ -56,10 +56,10 @@ _REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITIO
 MAX_FAILURE_REASON = 1000
 """Longest failure reason sent; the coordinator refuses longer ones."""
 STEP_BACKLOG = 4096
+"""Step reports kept while the coordinator is away; beyond it the oldest are dropped (and the node says so)."""
 FINISHED_GRACE = timedelta(minutes=2)
 """How long after the job finished a node running a stage may take to end its run (its last checkpoint) before
 it is stopped anyway."""
-"""Step reports kept while the coordinator is away; beyond it the oldest are dropped."""
 
 
 def step_wait_timeout(step_seconds: Sequence[float], default: timedelta, *,
@@ -325,6 +325,7 @@ class NodeAgent:
         """Watch with WatchPlanPacked; False once the coordinator said it has none."""
         self._outbox: deque[_Outgoing] = deque()
         self._step_backlog: deque[_Outgoing] = deque(maxlen=STEP_BACKLOG)
+        self._dropped_steps = 0
         """Step reports that met an outage; the outbox sends them after its other reports."""
         self._refused_steps = 0
         self._outbox_cond = threading.Condition()
@@ -675,7 +676,7 @@ class NodeAgent:
         go_on = pb.StepAck(plan_epoch=metrics.plan_epoch, stop=False)
         with self._outbox_cond:
             if self._step_backlog:  # keep the order: behind what waits already
-                self._step_backlog.append(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
+                self._backlog_step(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
                 self._outbox_cond.notify_all()
                 return go_on
         try:
@@ -690,9 +691,18 @@ class NodeAgent:
                                 e.code().name, e.details(), self._refused_steps)
                 return go_on
             with self._outbox_cond:
-                self._step_backlog.append(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
+                self._backlog_step(_Outgoing("ReportStep", req, metrics.plan_epoch, f"step {metrics.step}"))
                 self._outbox_cond.notify_all()
             return go_on
+
+    def _backlog_step(self, out: _Outgoing) -> None:
+        """Queue a step report behind the others (`_outbox_cond` held); past `STEP_BACKLOG` the oldest goes, said."""
+        if len(self._step_backlog) == self._step_backlog.maxlen:
+            self._dropped_steps += 1
+            if self._dropped_steps == 1 or self._dropped_steps % 1000 == 0:
+                log.warning("the coordinator has been away for %d step reports: the oldest are dropped (%d so far; "
+                            "the loss history will have a gap there)", STEP_BACKLOG, self._dropped_steps)
+        self._step_backlog.append(out)
 
     def send_later(self, method: str, request, *, epoch: int, what: str,
                    on_delivered: Callable[[], None] | None = None) -> None:
@@ -881,7 +891,7 @@ class NodeAgent:
         while not self._stop.is_set():
             latest = self.wait_for_plan(done, WAITING_LINE_EVERY_S)
             if latest is None:
-                if not self._stop.is_set():
+                if not (self._stop.is_set() or self._leaving.is_set() or self.job_finished.is_set()):
                     log.info("waiting for a plan (%.0fs so far): `atoll status --coordinator %s` says what the "
                              "coordinator waits for", time.monotonic() - waiting, self.config.coordinator)
                 continue

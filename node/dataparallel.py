@@ -72,9 +72,21 @@ def collective_failed(what: str, started: float, timeout: timedelta, error: Base
     Connection closed by peer [10.0.0.2]:41234")."""
     elapsed = time.monotonic() - started
     how = "timed out" if elapsed >= 0.99 * timeout.total_seconds() else "failed"
+    return f"{what} {how} after {elapsed:.1f} s (limit {timeout.total_seconds():g} s): {backend_reason(error)}"
+
+
+_BACKEND_ADVICE = (" This may indicate", " Check the logs of the remote worker")
+"""Where gloo's and NCCL's general advice starts in their messages (cut: the run's own line says what failed)."""
+
+
+def backend_reason(error: BaseException) -> str:
+    """A torch.distributed backend's error as one line: its first, without the source-file prefix or the general
+    advice that follows ("Connection closed by peer [10.0.0.2]:41234")."""
     lines = str(error).strip().splitlines()
     reason = _SOURCE_PREFIX.sub("", lines[0]) if lines else type(error).__name__
-    return f"{what} {how} after {elapsed:.1f} s (limit {timeout.total_seconds():g} s): {reason}"
+    for advice in _BACKEND_ADVICE:
+        reason = reason.split(advice, 1)[0]
+    return reason.rstrip(" .") or type(error).__name__
 
 
 def wait_collective(work: dist.Work, timeout: timedelta, what: str) -> None:

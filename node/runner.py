@@ -44,7 +44,7 @@ from atoll.node.slice_state import ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, cancel_collectives_on,
+from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, backend_reason, cancel_collectives_on,
                                      release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
@@ -528,7 +528,7 @@ class PlanRunner:
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break
-                    failed = f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {e}"
+                    failed = f"step {step} failed on pipeline {pl.pipeline} stage {pl.stage}: {backend_reason(e)}"
                     raise RunFailed(failed) from e
                 step += 1
                 if ctx.wait_bound is not None:  # the first epoch's waits too follow the measured step time

@@ -263,3 +263,9 @@ def test_a_collective_failure_says_how_long_it_ran_against_its_limit() -> None:
     assert "pair.cc" not in said and "\n" not in said
     late = collective_failed("norm exchange all-reduce", time.monotonic() - 10.0, timedelta(seconds=10), e)
     assert " timed out after 10.0 s (limit 10 s)" in late
+    from atoll.node.dataparallel import backend_reason
+
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4242: "
+                        "Connection reset by peer. This may indicate a possible application crash on rank 0 or a "
+                        "network set up issue. Check the logs of the remote worker before reporting an error. GLHF!")
+    assert backend_reason(gloo) == "Read error [127.0.0.1]:4242: Connection reset by peer"

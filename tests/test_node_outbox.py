@@ -106,3 +106,22 @@ def test_step_reports_never_raise_and_wait_in_order_for_the_coordinator(agent: N
     assert agent.flush_outbox(timedelta(seconds=5))
     assert got == [0, 1, 2, 3]
     assert agent.report_step(metrics(9)).stop  # the coordinator's answer, once nothing waits
+
+
+def test_a_full_step_backlog_drops_the_oldest_and_says_so(caplog) -> None:
+    """While the coordinator is away a node keeps `STEP_BACKLOG` step reports; past that the oldest go, logged."""
+    import logging
+    from collections import deque
+
+    from atoll.node import agent as agent_module
+    from atoll.node.agent import NodeAgent, _Outgoing
+
+    a = NodeAgent.__new__(NodeAgent)  # only the backlog: no coordinator, no threads
+    a._step_backlog = deque(maxlen=3)
+    a._dropped_steps = 0
+    with caplog.at_level(logging.WARNING, logger="atoll"):
+        for i in range(5):
+            a._backlog_step(_Outgoing("ReportStep", None, 1, f"step {i}"))
+    assert [o.what for o in a._step_backlog] == ["step 2", "step 3", "step 4"] and a._dropped_steps == 2
+    assert sum("the oldest are dropped" in r.message for r in caplog.records) == 1
+    assert agent_module.STEP_BACKLOG == 4096
