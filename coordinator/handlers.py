@@ -49,12 +49,12 @@ def _check_job(job_id: str, state: CoordinatorState) -> None:
                                  f"at that job's coordinator")
 
 
-def _known(node_id: str, state: CoordinatorState) -> MemberRecord:
+def _known(node_id: str, state: CoordinatorState, *, left_too: bool = False) -> MemberRecord:
     v.check_node_id(node_id)
     member = state.store.peek_member(node_id)  # (the store's record, read only: no copy per heartbeat)
     if member is None:
         raise NotFound(f"node {node_id} is not a member of job {state.job.id}; join first")
-    if member.state != "alive":
+    if member.state != "alive" and not (left_too and member.state == "left"):
         raise NotFound(f"node {node_id} was marked {member.state} ({member.reason}); join again")
     return member
 
@@ -175,7 +175,9 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
 
 def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) -> pb.Ack:
     _check_job(req.job_id, state)
-    _known(req.node_id, state)
+    # a node that left still holds its files: the checkpoint a leaving node writes of its live state (nobody
+    # took it), and copies reported after it left, count for the restart of the job
+    _known(req.node_id, state, left_too=True)
     if req.plan_epoch > state.epoch or req.plan_epoch == 0:
         raise FailedPrecondition(f"checkpoint for plan epoch {req.plan_epoch}; the plans run so far are 1-{state.epoch}")
     layers = state.job.model_spec.num_layers

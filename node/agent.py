@@ -599,6 +599,34 @@ class NodeAgent:
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
 
+    def _checkpoint_on_leave(self) -> None:
+        """A leaving node whose live state nobody took (every node of the job stopping at once, say): write it as
+        a checkpoint of its step and report it, so the job restarted later resumes there instead of at its last
+        checkpoint. The nodes of a job stopped together end at the same step, so together they write that step
+        whole. State with a step whose update is pending (its norm exchange failed) is not a checkpoint."""
+        from atoll.fsutil import atomic_write_bytes
+        from atoll.node.state_transfer import checkpoint_file
+
+        holder = self.peer.state if self.peer is not None else None
+        live = holder.live if holder is not None else None
+        root = self.config.checkpoint_dir
+        if live is None or live.pending or root is None or self.job is None or live.step <= 0:
+            return
+        path = checkpoint_file(root, live.step, live.layers)
+        try:
+            if not path.is_file():
+                atomic_write_bytes(path, live.data)
+            self.call("ReportCheckpoint", pb.CheckpointReport(
+                job_id=self.job.id, node_id=self.node_id, plan_epoch=live.epoch, step=live.step,
+                layer_start=live.layers[0], layer_end=live.layers[1], path=str(path), bytes=len(live.data),
+                data_position=live.step * self.job.train.global_batch), timeout=timedelta(seconds=5))
+        except (OSError, grpc.RpcError) as e:
+            log.warning("leaving: the live state of layers [%d, %d) after step %d could not be kept as a checkpoint "
+                        "(%s)", *live.layers, live.step, e.details() if isinstance(e, grpc.RpcError) else e)
+            return
+        log.info("leaving: kept the live state as the checkpoint of step %d (layers [%d, %d)): a restart resumes "
+                 "there", live.step, *live.layers)
+
     def _prune_once_more(self) -> None:
         """Before leaving: ask for the checkpoint steps no node needs any more once more and delete them here. The
         reports just delivered (copies of the last checkpoint taken after this node's last heartbeat, at the
@@ -996,6 +1024,8 @@ class NodeAgent:
             self.peer.state_access.hand_over()
             outcome = self.peer.state.wait_handed_over(most=self.config.handover, idle=timedelta(seconds=5))
             log.info("leaving: %s", outcome)
+            if not any(k in outcome for k in ("handed over", "another holder")):
+                self._checkpoint_on_leave()
         if self.peer is not None:
             self.peer.stop()
         self._channel.close()
