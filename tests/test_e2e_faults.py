@@ -58,6 +58,24 @@ def _failed(cluster: LocalCluster) -> list[str]:
     return [f"{n} (code {p.returncode})" for n, p in cluster.procs.items() if p.poll() not in (None, 0)]
 
 
+def _one_node(tmp: Path, name: str, *, steps: int, interval: int) -> LocalCluster:
+    """A cluster of the tiny job with one node (`expected_nodes = 1`): a coordinator to start, then "node1"."""
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=steps, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=interval),
+                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
+    path = tmp / f"job-{name}.toml"
+    path.write_text(job.to_toml())
+    return LocalCluster(job_path=path, out=tmp / name)
+
+
+def _stop(cluster: LocalCluster, name: str) -> None:
+    """SIGTERM a node (a graceful leave) and wait for it to exit."""
+    proc = cluster.procs.pop(name)
+    proc.terminate()
+    proc.wait(90)
+
+
 @pytest.mark.timeout(300)
 def test_a_coordinator_outage_across_a_checkpoint_step_kills_no_node(tmp_path: Path) -> None:
     """SIGKILL the coordinator just before a checkpoint step and restart it on its state dir 4 s later: every
@@ -151,22 +169,14 @@ def test_a_job_whose_nodes_all_restart_resumes_from_its_checkpoint(tmp_path: Pat
     port. The coordinator does not hand its new process the old plan (whose resume step is 0: it would train from
     step 0 again, over the newer checkpoints); a new epoch resumes from the last complete checkpoint."""
     port = _free_port()
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=2000, warmup=5),
-                  checkpoint=replace(job.checkpoint, interval=20),
-                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
-    path = tmp_path / "job-restart.toml"
-    path.write_text(job.to_toml())
-    cluster = LocalCluster(job_path=path, out=tmp_path / "restart")
+    cluster = _one_node(tmp_path, "restart", steps=2000, interval=20)
     listen = ["--listen", f"127.0.0.1:{port}"]
     try:
         cluster.start_coordinator()
         cluster.start_node("node1", extra=listen)
         before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 40, 150,
                                      "two checkpoints", poll=0.2)
-        proc = cluster.procs.pop("node1")
-        proc.terminate()
-        proc.wait(60)
+        _stop(cluster, "node1")
         stopped = time.time()
         held = cluster.status().last_checkpoint_step
         cluster.start_node("node1", extra=listen)
@@ -199,21 +209,13 @@ def test_a_lost_newest_checkpoint_resumes_from_the_one_before(tmp_path: Path) ->
     the next plan resumes from the checkpoint before (it did not retry the lost step for ever)."""
     import shutil
 
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=2000, warmup=5),
-                  checkpoint=replace(job.checkpoint, interval=20),
-                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
-    path = tmp_path / "job-lost.toml"
-    path.write_text(job.to_toml())
-    cluster = LocalCluster(job_path=path, out=tmp_path / "lost")
+    cluster = _one_node(tmp_path, "lost", steps=2000, interval=20)
     try:
         cluster.start_coordinator()
         cluster.start_node("node1")
         cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 60, 150, "three checkpoints",
                             poll=0.2)
-        proc = cluster.procs.pop("node1")
-        proc.terminate()
-        proc.wait(60)
+        _stop(cluster, "node1")
         newest = cluster.status().last_checkpoint_step  # (the node's leave kept the step it reached)
         shutil.rmtree(cluster.checkpoints / f"step-{newest:08d}")
         before = max(int(f.name.removeprefix("step-")) for f in cluster.checkpoints.glob("step-*"))
@@ -233,20 +235,12 @@ def test_a_job_stopped_by_stopping_its_nodes_keeps_its_last_step(tmp_path: Path)
     """Every node of a job gets SIGTERM between two checkpoints: nobody takes their live state, so each writes it
     as a checkpoint of the step it reached and reports it; started again, the job resumes there, not at its last
     periodic checkpoint."""
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=5000, warmup=5),
-                  checkpoint=replace(job.checkpoint, interval=1000),
-                  cluster=replace(job.cluster, expected_nodes=1, min_nodes=1))
-    path = tmp_path / "job-stopped.toml"
-    path.write_text(job.to_toml())
-    cluster = LocalCluster(job_path=path, out=tmp_path / "stopped")
+    cluster = _one_node(tmp_path, "stopped", steps=5000, interval=1000)
     try:
         cluster.start_coordinator()
         cluster.start_node("node1")
         cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step >= 30, 150, "30 steps", poll=0.2)
-        proc = cluster.procs.pop("node1")
-        proc.terminate()
-        proc.wait(90)
+        _stop(cluster, "node1")
         kept = cluster.status()
         assert 30 < kept.last_checkpoint_step < 1000, kept.last_checkpoint_step
         cluster.start_node("node1")
