@@ -28,11 +28,6 @@ def diagnose(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=
 
 def diagnosis(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds=2), mtls=None) -> tuple[bool, str]:
     """(whether a TCP connection to `address` opened, `diagnose`'s line)."""
-    line = _diagnose(address, tls=tls, timeout=timeout, mtls=mtls)
-    return line.startswith(f"{address} accepts connections"), line
-
-
-def _diagnose(address: str, *, tls: bool, timeout: timedelta, mtls) -> str:
     host, _, port_text = address.rpartition(":")
     host = host.strip("[]")
     checks = (f"check the address and port (--coordinator {address}), that the coordinator runs there, that no "
@@ -40,34 +35,40 @@ def _diagnose(address: str, *, tls: bool, timeout: timedelta, mtls) -> str:
               f"runs with TLS)")
     problem = dial_address_problem(address)
     if problem is not None:
-        return f"--coordinator {address!r} {problem}; give HOST:PORT, e.g. --coordinator 10.0.0.5:7070"
+        return False, f"--coordinator {address!r} {problem}; give HOST:PORT, e.g. --coordinator 10.0.0.5:7070"
     try:
         infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        return f"the host name {host!r} does not resolve ({e.strerror}); check the address (--coordinator)"
+        return False, f"the host name {host!r} does not resolve ({e.strerror}); check the address (--coordinator)"
     try:
         family, kind, proto, _, sockaddr = infos[0]
         with socket.socket(family, kind, proto) as s:
             s.settimeout(timeout.total_seconds())
             s.connect(sockaddr)
     except ConnectionRefusedError:
-        return (f"{host} refuses connections on port {port_text}: nothing listens there. Is the coordinator "
+        return False, (f"{host} refuses connections on port {port_text}: nothing listens there. Is the coordinator "
                 f"running, and on that port (its --listen)?")
     except (socket.timeout, TimeoutError):
-        return (f"no answer from {host}:{port_text} within {timeout.total_seconds():.0f}s: a firewall may drop the "
+        return False, (f"no answer from {host}:{port_text} within {timeout.total_seconds():.0f}s: a firewall may drop the "
                 f"packets, or the address is not the coordinator's; {checks}")
     except OSError as e:
-        return f"cannot connect to {host}:{port_text} ({e.strerror or e}); {checks}"
+        return False, f"cannot connect to {host}:{port_text} ({e.strerror or e}); {checks}"
     probed = _tls_probe(host, sockaddr, mtls, timeout) if tls and mtls is not None else (
         None if tls else _speaks_tls(sockaddr, timeout))
     if probed is not None:
-        return f"{address} accepts connections, but {probed}"
+        return True, f"{address} accepts connections, but {probed}"
     if tls:
-        return (f"{address} accepts connections but the TLS handshake or the call failed: check that --tls-ca is "
+        return True, (f"{address} accepts connections but the TLS handshake or the call failed: check that --tls-ca is "
                 f"the coordinator's certificate authority, that the coordinator runs with TLS (not --insecure), and "
                 f"the job token (with TLS it also vouches for this client's certificate)")
-    return (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
+    return True, (f"{address} accepts connections but does not answer as an Atoll coordinator: if the coordinator runs "
             f"with TLS, pass --tls-ca; otherwise check that the port is the coordinator's")
+
+
+def _tls_of(rpc) -> dict:
+    """`diagnose`'s TLS arguments for the channel options `rpc` (`atoll.rpc.RpcOptions`; None: plaintext)."""
+    return {"tls": rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None),
+            "mtls": rpc.mtls if rpc is not None else None}
 
 
 def call_coordinator(call: Callable[[float, bool], T], address: str, timeout: timedelta, rpc=None,
@@ -86,8 +87,7 @@ def call_coordinator(call: Callable[[float, bool], T], address: str, timeout: ti
     except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.UNAVAILABLE:
             raise
-    tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
-    reached, why = diagnosis(address, tls=tls, mtls=rpc.mtls if rpc is not None else None)
+    reached, why = diagnosis(address, **_tls_of(rpc))
     if reached:
         raise (PermissionError if TOKEN_REFUSED in why else ConnectionError)(
             f"the coordinator at {address} did not take the call: {why}")
@@ -101,8 +101,7 @@ def unanswered(address: str, code_name: str, timeout: timedelta, rpc=None) -> Co
     """The error a command raises when its call to the coordinator at `address` got no answer (`code_name`:
     UNAVAILABLE or DEADLINE_EXCEEDED) within `timeout`, with `diagnose`'s line for the channel options `rpc`
     (`atoll.rpc.RpcOptions`; None: plaintext)."""
-    tls = rpc is not None and (rpc.mtls is not None or rpc.tls_root_ca is not None)
-    why = diagnose(address, tls=tls, mtls=rpc.mtls if rpc is not None else None)
+    why = diagnose(address, **_tls_of(rpc))
     return ConnectionError(f"no coordinator answered at {address} within {timeout.total_seconds():g}s "
                            f"({code_name}): {why}")
 

@@ -325,8 +325,9 @@ class NodeAgent:
         """Watch with WatchPlanPacked; False once the coordinator said it has none."""
         self._outbox: deque[_Outgoing] = deque()
         self._step_backlog: deque[_Outgoing] = deque(maxlen=STEP_BACKLOG)
-        self._dropped_steps = 0
         """Step reports that met an outage; the outbox sends them after its other reports."""
+        self._dropped_steps = 0
+        """Step reports the full backlog dropped (`_backlog_step`)."""
         self._refused_steps = 0
         self._outbox_cond = threading.Condition()
         self._step_seconds: deque[float] = deque(maxlen=64)
@@ -337,8 +338,6 @@ class NodeAgent:
         """The step the job ends at as the latest heartbeat said (`atoll job stop/extend`); 0: not heard yet."""
         self.prune_checkpoints_before = 0
         """Checkpoint steps older than this are needed nowhere, as the latest heartbeat said (0: not heard yet)."""
-        self.keep_checkpoint_step = 0
-        """The running plan's resume step, kept however old (`HeartbeatReply.keep_checkpoint_step`)."""
         self.on_prune: Callable[[int, int], None] | None = None
         """Called (on a thread of its own) with (`prune_checkpoints_before`, `keep_checkpoint_step`) each time the first
         rises: deletes older step folders but the second."""
@@ -588,13 +587,7 @@ class NodeAgent:
                     self._queued.add(target.node_id)
                     self._probes.put(target)
             self.target_steps = reply.target_steps or self.target_steps
-            self.keep_checkpoint_step = reply.keep_checkpoint_step
-            if reply.prune_checkpoints_before > self.prune_checkpoints_before:
-                self.prune_checkpoints_before = reply.prune_checkpoints_before
-                if self.on_prune is not None:
-                    threading.Thread(target=self.on_prune, args=(reply.prune_checkpoints_before,
-                                                                 reply.keep_checkpoint_step), daemon=True,
-                                     name="atoll-prune").start()
+            self._heard_prune(reply, wait=False)
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
@@ -639,10 +632,21 @@ class NodeAgent:
             reply = self.call("Heartbeat", req, timeout=timedelta(seconds=2))
         except grpc.RpcError:
             return
-        self.keep_checkpoint_step = reply.keep_checkpoint_step
-        if reply.prune_checkpoints_before > self.prune_checkpoints_before:
-            self.prune_checkpoints_before = reply.prune_checkpoints_before
-            self.on_prune(reply.prune_checkpoints_before, reply.keep_checkpoint_step)
+        self._heard_prune(reply, wait=True)
+
+    def _heard_prune(self, reply: pb.HeartbeatReply, *, wait: bool) -> None:
+        """Follow a heartbeat reply's prune horizon: when it rose, `on_prune` deletes the older step folders but the
+        running plan's resume step (on a thread of its own, or at once with `wait`)."""
+        if reply.prune_checkpoints_before <= self.prune_checkpoints_before:
+            return
+        self.prune_checkpoints_before = reply.prune_checkpoints_before
+        if self.on_prune is None:
+            return
+        args = (reply.prune_checkpoints_before, reply.keep_checkpoint_step)
+        if wait:
+            self.on_prune(*args)
+        else:
+            threading.Thread(target=self.on_prune, args=args, daemon=True, name="atoll-prune").start()
 
     def _machine_probe(self, target: pb.ProbeTarget) -> None:
         """Probe `target` at its start (the coordinator's clock, corrected by this node's offset from it) as one of
