@@ -80,6 +80,8 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     v.check_string("session", req.session, limit=64)
     node_id = req.node_id or _new_node_id(req.profile.hostname)
     v.check_node_id(node_id)
+    if req.node_id:
+        state.check_session(node_id, req.session, joining=True)
     now = state.clock()
     existing = state.store.get_member(node_id)
     decision = join_decision(now, existing, hostname=req.profile.hostname, started_unix=state.started_unix,
@@ -95,7 +97,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
         node_id=node_id, peer_address=req.peer_address, profile=profile, state="alive",
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
         last_heartbeat_unix=now, reason=decision.reason))
-    state.note_session(node_id, req.session, now)
+    state.note_session(node_id, req.session, now, req.peer_address)
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
             or existing.profile.unreachable != profile.unreachable \
             or device_class(existing.profile) != device_class(profile):  # its island and probe class
@@ -108,6 +110,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
     _known(req.node_id, state)
+    state.check_session(req.node_id, req.session)
     now = state.clock()
     # an epoch above ours is recorded, not refused: a node that outlived a coordinator's lost state
     # still runs its old plan until the new one arrives
@@ -148,6 +151,7 @@ def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack
 def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepAck:
     _check_job(req.job_id, state)
     _known(req.node_id, state)
+    state.check_session(req.node_id, req.session)
     if req.plan_epoch > state.epoch:
         raise FailedPrecondition(f"step metrics for plan epoch {req.plan_epoch}, but the newest is {state.epoch}")
     if len(req.links) > 64:
@@ -178,6 +182,7 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
     # a node that left still holds its files: the checkpoint a leaving node writes of its live state (nobody
     # took it), and copies reported after it left, count for the restart of the job
     _known(req.node_id, state, left_too=True)
+    state.check_session(req.node_id, req.session)
     if req.plan_epoch > state.epoch or req.plan_epoch == 0:
         raise FailedPrecondition(f"checkpoint for plan epoch {req.plan_epoch}; the plans run so far are 1-{state.epoch}")
     layers = state.job.model_spec.num_layers
@@ -205,6 +210,7 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
 
     _check_job(req.job_id, state)
     _known(req.node_id, state)
+    state.check_session(req.node_id, req.session)
     plan = state.current_plan()
     if plan is None or plan.mode != "outer" or plan.outer is None:
         raise FailedPrecondition("the current plan has no replica groups; wait for the next plan")
@@ -248,6 +254,7 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
     """
     _check_job(req.job_id, state)
     _known(req.node_id, state)
+    state.check_session(req.node_id, req.session)
     v.check_string("reason", req.reason, required=True, limit=MAX_FAILURE_REASON)
     epoch = state.epoch
     if req.plan_epoch == 0 or req.plan_epoch > epoch:
@@ -269,6 +276,7 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
 
 def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
     _known(req.node_id, state)
+    state.check_session(req.node_id, req.session)
     v.check_string("reason", req.reason)
     state.store.set_member_state(req.node_id, "left", req.reason or "left")
     state.membership_changed(state.clock())
@@ -279,6 +287,7 @@ def open_watch(req: pb.WatchPlanRequest, state: CoordinatorState) -> int:
     """Check a plan watch; the epoch the watcher already has. An empty node id (a status tool) needs no membership."""
     if req.node_id:
         _known(req.node_id, state)
+        state.check_session(req.node_id, req.session)
     return req.known_epoch
 
 
@@ -292,6 +301,8 @@ def watch_plan(req: pb.WatchPlanRequest, state: CoordinatorState, active: Callab
     while active() and not state.closed:
         plan = state.wait_for_plan(known, poll_seconds, req.node_id)
         if plan is not None:
+            if req.node_id:  # a newer process of the node may have joined since the watch opened
+                state.check_session(req.node_id, req.session)
             known = plan.epoch
             yield plan_to_proto(plan)
 

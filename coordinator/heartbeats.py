@@ -83,6 +83,8 @@ class HeartbeatStreams:
                     every()
                 if not s.node_id:
                     check(req)
+                    # a process that no longer speaks for the node must not replace the stream of the one that does
+                    self.state.check_session(req.node_id, req.session)
                     self._claim(s, req.node_id)
                 elif req.node_id != s.node_id:
                     raise InvalidArgument(f"a heartbeat stream speaks for one node: it opened for "

@@ -33,6 +33,7 @@ from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFa
 from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
 from atoll.coordinator import job_control
+from atoll.coordinator.errors import FailedPrecondition
 from atoll.coordinator.reachability import plan_address, separate_unreachable, unreachable_nodes
 from atoll.coordinator.sampling import SampleProgress
 from atoll.coordinator.store import JobControlRecord, JobRecord, MemberRecord, Store, StoreError
@@ -43,6 +44,16 @@ from atoll.types import LinkMeasurement, StepMetrics
 log = logging.getLogger("atoll.coordinator")
 
 Planner = Callable[[PlanInputs], tuple[Plan, str]]
+
+
+@dataclass(frozen=True)
+class NodeSession:
+    """A node process as the coordinator knows it: its session and when and from where it joined (0, "": heard
+    first by a request other than a join)."""
+
+    session: str
+    joined_unix: float
+    peer_address: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,8 +148,11 @@ class CoordinatorState:
                                        timeout_s=self.options.probes.in_flight_timeout.total_seconds(),
                                        figures=store.get_machine_flows(), on_figure=store.put_machine_flow)
         """Machine probes (`atoll.coordinator.machineprobe`): each machine's flow while all its nodes send."""
-        self._sessions: dict[str, str] = {}
-        """node -> the session (`JoinRequest.session`, one per node process) of its last join to this process."""
+        self._sessions: dict[str, NodeSession] = {}
+        """node -> the session (`JoinRequest.session`, one per node process) of its last join to this process, or of
+        the first request heard from it (`check_session`)."""
+        self._superseded: set[str] = set()
+        """Sessions a newer process of the same node replaced: refused for good (`check_session`), a join too."""
         self._restarted: dict[str, int] = {}
         """node -> the epoch of the plan that named it when it joined under a new session: its process restarted
         and its run of that plan is gone with it (`note_session`). The plan is withheld from it (`newer_plan`) and
@@ -194,7 +208,36 @@ class CoordinatorState:
             return plan
         return None
 
-    def note_session(self, node_id: str, session: str, now: float) -> None:
+    def check_session(self, node_id: str, session: str, *, joining: bool = False) -> None:
+        """Refuse (FailedPrecondition) a request of a node process that no longer speaks for `node_id`: a newer
+        process joined under its id since (a restart, or a second machine started from a copy of its state dir).
+        A node's first request this coordinator process hears (it restarted since the join) records its session.
+        A join (`joining`) is refused only under a session already replaced: a new one is a restart
+        (`note_session`). A request without a session (an older node) is not judged. Cheap and lock-free: an
+        event loop calls it."""
+        if not session:
+            return
+        if session in self._superseded:
+            raise FailedPrecondition(self._fenced(node_id))
+        if joining:
+            return
+        current = self._sessions.get(node_id)
+        if current is None:
+            current = self._sessions.setdefault(node_id, NodeSession(session, 0.0, ""))
+        if current.session != session:
+            raise FailedPrecondition(self._fenced(node_id))
+
+    def _fenced(self, node_id: str) -> str:
+        current = self._sessions.get(node_id)
+        where = ""
+        if current is not None and current.joined_unix:
+            where = (f" at {time.strftime('%H:%M:%S', time.localtime(current.joined_unix))}"
+                     + (f" from peer address {current.peer_address}" if current.peer_address else ""))
+        return (f"another process joined as node {node_id}{where}, after this one, and speaks for the node now: "
+                f"this process stops. Two machines share one node identity (one started from a copy of the other's "
+                f"state dir): give this one a --state-dir of its own to join as a new node")
+
+    def note_session(self, node_id: str, session: str, now: float, peer_address: str = "") -> None:
         """Record the session of a join. A member the current plan names that joins under a session other than its
         last one (or the first this process hears of it) restarted: its run of the plan, and the state that run
         held, are gone, so the plan is withheld from it and replaced by a new epoch, resumed from live state or
@@ -204,8 +247,13 @@ class CoordinatorState:
         if not session:
             return
         with self._cond:
-            before = self._sessions.get(node_id)
-            self._sessions[node_id] = session
+            last = self._sessions.get(node_id)
+            before = last.session if last is not None else None
+            self._sessions[node_id] = NodeSession(session, now, peer_address)
+            if before is not None and before != session:
+                self._superseded.add(before)
+                log.info("node %s joined from a new process (peer address %s); requests of its previous process "
+                         "are refused from now on", node_id, peer_address or "none")
             plan = self._plan
             if before != session and plan is not None and not self._stale(plan) \
                     and any(node_id in i.nodes for i in plan.islands):

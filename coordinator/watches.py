@@ -86,6 +86,8 @@ class PlanWatches:
                                         f"most {WATCHES_PER_NODE}")
                 plan = self.state.newer_plan(known, req.node_id)
                 if plan is not None:
+                    if req.node_id:  # a newer process of the node may have joined since the watch opened
+                        self.state.check_session(req.node_id, req.session)
                     known = plan.epoch
                     yield self._to_packed(plan) if packed else self._to_message(plan)
                     continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -36,6 +37,7 @@ from atoll.node.first_contact import FirstContactWatch
 from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
+from atoll.node.signals import handle_on_thread, stuck_main_thread
 from atoll.plan import Plan
 from atoll.preflight import check_dial_address, check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel
@@ -60,6 +62,9 @@ STEP_BACKLOG = 4096
 FINISHED_GRACE = timedelta(minutes=2)
 """How long after the job finished a node running a stage may take to end its run (its last checkpoint) before
 it is stopped anyway."""
+STUCK_AFTER_STOP = timedelta(seconds=30)
+"""How long the main thread of a stopped node (`atoll node`) may stay inside a blocking call before the process
+exits without it (`run_node_cli`)."""
 
 
 def step_wait_timeout(step_seconds: Sequence[float], default: timedelta, *,
@@ -365,7 +370,12 @@ class NodeAgent:
             self._heartbeats.reset()  # the next heartbeat stream opens on the certificate's channel
 
     def call(self, method: str, request, timeout: timedelta | None = None):
-        """One unary call to the coordinator with the configured deadline."""
+        """One unary call to the coordinator with the configured deadline; a request that speaks for this node
+        carries this process's session (`HeartbeatRequest.session`). One for another node (the report of a copy
+        it took of this node's checkpoint) carries none: this process does not speak for it."""
+        if "session" in request.DESCRIPTOR.fields_by_name and not request.session \
+                and request.node_id == self.node_id:
+            request.session = self.session
         return getattr(self._stub, method)(request, timeout=(timeout or self.config.call_timeout).total_seconds())
 
     def _backoff_cap(self) -> float:
@@ -550,7 +560,8 @@ class NodeAgent:
         while not self._stop.wait(wait):
             wait = self.heartbeat_interval
             with self._cond:
-                req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
+                req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step,
+                                          session=self.session)
             # a heartbeat stuck on a reconnecting channel is not worth more than the next one: bound its
             # deadline by two intervals, so an outage is retried well within the lease
             deadline = min(self.config.call_timeout, timedelta(seconds=max(1.0, 2 * self.heartbeat_interval)))
@@ -561,6 +572,8 @@ class NodeAgent:
                     self._rejoin(e.details() or "")
                 elif e.code() == grpc.StatusCode.UNAUTHENTICATED:
                     raise AgentError(f"heartbeat refused: {e.details()}") from None
+                elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # another process speaks for this node now
+                    raise AgentError(f"stopping: {e.details()}") from None
                 elif unavailable_since is None:
                     unavailable_since = time.monotonic()
                     log.warning("heartbeat failed (%s: %s); retrying", e.code().name, e.details())
@@ -627,7 +640,8 @@ class NodeAgent:
         if self.on_prune is None:
             return
         with self._cond:
-            req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step)
+            req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step,
+                                      session=self.session)
         try:
             reply = self.call("Heartbeat", req, timeout=timedelta(seconds=2))
         except grpc.RpcError:
@@ -832,7 +846,7 @@ class NodeAgent:
             method = self._stub.WatchPlanPacked if self._packed_plans else self._stub.WatchPlan
             # wait_for_ready: through an outage the call waits for the channel and opens the moment the
             # coordinator is back, rather than at the next retry of a backoff
-            stream = method(pb.WatchPlanRequest(node_id=self.node_id, known_epoch=known),
+            stream = method(pb.WatchPlanRequest(node_id=self.node_id, known_epoch=known, session=self.session),
                             timeout=self.config.watch_timeout.total_seconds(), wait_for_ready=True)
             self._stream = stream
             if self._stop.is_set():  # stop() may have looked at the previous stream
@@ -868,6 +882,8 @@ class NodeAgent:
                     self._rejoin(e.details() or "")
                 elif code == grpc.StatusCode.UNAUTHENTICATED:
                     raise AgentError(f"plan watch refused: {e.details()}") from None
+                elif code == grpc.StatusCode.FAILED_PRECONDITION:  # another process speaks for this node now
+                    raise AgentError(f"stopping: {e.details()}") from None
                 else:
                     log.debug("plan watch ended (%s), reconnecting in %.1fs", code.name, wait)
             if self._watch_wake.wait(wait):  # a heartbeat got through again (or stop): reopen now
@@ -1041,6 +1057,10 @@ class NodeAgent:
     def stopped(self) -> bool:
         return self._stop.is_set()
 
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Wait until the agent stops (`stop()`, or a loop that failed); whether it has."""
+        return self._stop.wait(timeout)
+
     @property
     def draining(self) -> bool:
         """A graceful stop is under way: the run trains no further step (`RunContext.draining`)."""
@@ -1108,15 +1128,39 @@ def run_node_cli(args: argparse.Namespace) -> int:
                          wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
     stopping: list[threading.Thread] = []
+    main_done = threading.Event()
 
-    def on_signal(signum: int, _frame: object) -> None:
+    def on_signal(sig: signal.Signals) -> None:
+        # on a thread of its own (`handle_on_thread`): heard at once, even while the main thread is inside a call
+        # into the backend that runs no Python until it returns. The first stops gracefully, the second cuts the
+        # step in flight short, the third exits without waiting for anything
+        if len(stopping) >= 2:
+            log.warning("%s a third time: exiting at once", sig.name)
+            logging.shutdown()
+            os._exit(128 + int(sig))
         if not stopping:
-            log.info("%s: this node leaves the job", signal.Signals(signum).name)
+            log.info("%s: this node leaves the job", sig.name)
         stopping.append(threading.Thread(target=agent.stop, daemon=True, name="atoll-node-stop"))
         stopping[-1].start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    def exit_if_stuck() -> None:
+        # once the node has stopped (left, its state handed over or kept; or refused by the coordinator), the main
+        # thread has nothing left to wait for: if it is still inside a blocking call after STUCK_AFTER_STOP, the
+        # process exits without it rather than hang on until that call's own timeout
+        agent.wait_stopped()
+        for t in list(stopping):
+            t.join()
+        if main_done.wait(STUCK_AFTER_STOP.total_seconds()):
+            return
+        log.error("this node has stopped, but its main thread is still blocked %.0fs later in %s, a call that "
+                  "answers no signal until its own timeout (a process group waiting for a peer that is not coming, "
+                  "say); exiting without waiting for it", STUCK_AFTER_STOP.total_seconds(),
+                  stuck_main_thread() or "a call")
+        logging.shutdown()
+        os._exit(1)
+
+    handle_on_thread((signal.SIGINT, signal.SIGTERM), on_signal)
+    threading.Thread(target=exit_if_stuck, daemon=True, name="atoll-node-stuck").start()
     pruning = threading.Lock()
 
     def prune(before: int, keep: int) -> None:  # what no node needs any more, its own checkpoints and copies alike
@@ -1196,4 +1240,5 @@ def run_node_cli(args: argparse.Namespace) -> int:
             t.join(config.handover.total_seconds() + 30.0)
         if tensorboard.get("log") is not None:  # flushes what is queued
             tensorboard["log"].close()
+        main_done.set()
     return 0

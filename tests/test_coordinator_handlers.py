@@ -355,3 +355,47 @@ def test_an_outer_sync_under_the_plan_a_node_has_not_replaced_yet_finds_its_move
         arrive(b0, 1, 0)
     with pytest.raises(InvalidArgument, match="group 7 does not exist"):
         arrive(a0, 2, 7)
+
+
+def test_a_replaced_node_process_is_fenced_out(state: CoordinatorState, clock: Clock) -> None:
+    """Two processes with one node id (a restart, or a second machine started from a copy of the state dir that
+    kept its hostname): the one that joined last speaks for the node; every request of the other is refused with
+    FAILED_PRECONDITION, its Leave does not remove the node, and it cannot take the id back by joining again."""
+    node = join(state, host="h0", port=5000, session="first").node_id
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    clock.t += 1
+    join(state, node_id=node, host="h0", port=6000, session="second")
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="second"), state)
+    stale = [
+        lambda: h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state),
+        lambda: h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=node, step=1, session="first"),
+                                     state),
+        lambda: h.handle_report_failure(pb.RunFailure(job_id=state.job.id, node_id=node, plan_epoch=1,
+                                                      session="first"), state),
+        lambda: h.open_watch(pb.WatchPlanRequest(node_id=node, session="first"), state),
+        lambda: h.handle_leave(pb.LeaveRequest(node_id=node, session="first"), state),
+        lambda: join(state, node_id=node, host="h0", port=5000, session="first"),
+    ]
+    for call in stale:
+        with pytest.raises(FailedPrecondition, match=f"another process joined as node {node} .* from peer address "
+                                                     "127.0.0.1:6000.*--state-dir"):
+            call()
+    assert state.store.get_member(node).state == "alive"
+    assert state.store.get_member(node).peer_address == "127.0.0.1:6000"
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="second"), state)
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node), state)  # an older node sends none: not judged
+    h.handle_leave(pb.LeaveRequest(node_id=node, session="second"), state)
+    assert state.store.get_member(node).state == "left"
+
+
+def test_a_restarted_coordinator_takes_the_first_process_it_hears_from(job: JobSpec, clock: Clock) -> None:
+    """A coordinator that restarted knows no sessions: the first request of a member records its session, and a
+    second process speaking for the same node is refused."""
+    store = MemoryStore()
+    first = CoordinatorState(store=store, job=job, token=TOKEN, clock=clock)
+    node = join(first, host="h0", session="a").node_id
+    again = CoordinatorState(store=store, job=job, token=TOKEN, clock=clock)
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)
+    with pytest.raises(FailedPrecondition, match="another process joined as node"):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="b"), again)
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)

@@ -251,3 +251,36 @@ def test_a_job_stopped_by_stopping_its_nodes_keeps_its_last_step(tmp_path: Path)
         assert after.plan.resume_step == kept.last_checkpoint_step
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_second_process_under_a_copied_node_id_fences_out_the_first(tmp_path: Path) -> None:
+    """A second machine starts from a copy of a node's state dir (same node id, same hostname, as a cloned VM has):
+    the coordinator takes it as the node restarted, and the first process, whose requests it now refuses, stops
+    with an error that says why and what to do, instead of both training as one node."""
+    import shutil
+
+    from atoll.node.identity import load_node_id
+
+    cluster = _one_node(tmp_path, "clone", steps=5000, interval=20)
+    try:
+        cluster.start_coordinator()
+        cluster.start_node("node1")
+        before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step >= 10, 150, "training", poll=0.2)
+        node_id = load_node_id(cluster.out / "node1")
+        assert node_id
+        shutil.copytree(cluster.out / "node1", cluster.out / "clone")  # its key and certificate too
+        cluster.start_node("clone")
+        first = cluster.procs["node1"]
+        code = first.wait(90)
+        log = (cluster.out / "node1.log").read_text()
+        assert code != 0, log[-2000:]
+        assert f"another process joined as node {node_id}" in log and "--state-dir" in log, log[-2000:]
+        after = cluster.wait_status(lambda s: s.plan.epoch > before.plan.epoch and s.step >= before.step + 5, 150,
+                                    "the second process training", poll=0.2, dead=frozenset({"node1"}))
+        assert cluster.procs["clone"].poll() is None
+        print(f"\nfirst process exited {code} with: "
+              f"{next(line for line in log.splitlines() if 'another process joined' in line)[:160]}; "
+              f"plan epoch {before.plan.epoch} -> {after.plan.epoch}, training at step {after.step}")
+    finally:
+        cluster.stop()

@@ -400,3 +400,61 @@ def test_a_leaving_node_prunes_what_reports_it_just_delivered_made_needless(coor
         assert pruned and pruned[-1] == 300
     finally:
         agent.stop()
+
+
+def test_a_request_carries_the_session_only_where_it_speaks_for_this_node(tmp_path: Path) -> None:
+    """The report of a copy another node took of this node's checkpoint is sent by this process but speaks for that
+    node: stamped with this process's session, the coordinator would take this process for that node's."""
+    from atoll.v1 import atoll_pb2 as pb
+
+    agent = make_agent("127.0.0.1:9", tmp_path, "h")
+    sent: list = []
+
+    class Stub:
+        def __getattr__(self, method: str):
+            return lambda request, timeout: sent.append(request)
+
+    agent._stub = Stub()  # type: ignore[assignment]
+    try:
+        agent.call("ReportCheckpoint", pb.CheckpointReport(node_id=agent.node_id, step=10))
+        agent.call("ReportCheckpoint", pb.CheckpointReport(node_id="other-node", step=10, copy_of=agent.node_id))
+        agent.call("Leave", pb.LeaveRequest(node_id=agent.node_id))
+        assert [r.session for r in sent] == [agent.session, "", agent.session] and agent.session
+    finally:
+        agent.stop(leave=False)
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_replaced_by_a_second_process_of_its_node_stops_with_why(coordinator: CoordinatorService,
+                                                                         tmp_path: Path) -> None:
+    """Two processes under one node id (the second started from a copy of the first's state dir): the first is
+    refused from then on, and its run ends with an AgentError that says so; the second carries on."""
+    import shutil
+
+    first = make_agent(coordinator.address, tmp_path / "a", "h")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            first.run()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    wait_until(lambda: first.joins == 1, what="the first join")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    second = make_agent(coordinator.address, tmp_path / "b", "h")
+    assert second.node_id == first.node_id
+    try:
+        second.start()
+        t.join(20)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], AgentError), errors
+        assert f"another process joined as node {first.node_id}" in str(errors[0])
+        assert coordinator.state.store.get_member(second.node_id).state == "alive"
+        time.sleep(1.0)  # the second keeps heartbeating unrefused
+        assert second.error is None and not second.stopped
+    finally:
+        second.stop()
+        first.stop()

@@ -433,7 +433,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +457,7 @@ class StepMetrics(_message.Message):
     RESTORE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -480,10 +481,11 @@ class StepMetrics(_message.Message):
     restore_bytes: int
     restore_seconds: float
     steps_rolled_back: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +496,7 @@ class CheckpointReport(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     COPY_OF_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -504,7 +507,8 @@ class CheckpointReport(_message.Message):
     bytes: int
     data_position: int
     copy_of: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem", "session")
@@ -555,14 +559,16 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ..., certificate_pem: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "step")
+    __slots__ = ("node_id", "plan_epoch", "step", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     step: int
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class ProbeTarget(_message.Message):
     __slots__ = ("node_id", "address", "probe_bytes", "start_unix", "flows")
@@ -615,12 +621,14 @@ class Ack(_message.Message):
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class WatchPlanRequest(_message.Message):
-    __slots__ = ("node_id", "known_epoch")
+    __slots__ = ("node_id", "known_epoch", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     known_epoch: int
-    def __init__(self, node_id: _Optional[str] = ..., known_epoch: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, node_id: _Optional[str] = ..., known_epoch: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class PackedPlan(_message.Message):
     __slots__ = ("epoch", "plan_bytes", "plan_zstd")
@@ -643,31 +651,35 @@ class StepAck(_message.Message):
     def __init__(self, plan_epoch: _Optional[int] = ..., stop: _Optional[bool] = ..., target_steps: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("node_id", "reason")
+    __slots__ = ("node_id", "reason", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class RunFailure(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "reason", "lost_checkpoint_step")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "reason", "lost_checkpoint_step", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LOST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
     step: int
     reason: str
     lost_checkpoint_step: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -679,6 +691,7 @@ class OuterSyncRequest(_message.Message):
     SYNC_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -690,7 +703,8 @@ class OuterSyncRequest(_message.Message):
     sync_bytes: int
     sync_seconds: float
     late_seconds: float
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ...) -> None: ...
+    session: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterParticipant(_message.Message):
     __slots__ = ("group", "tokens", "since_epoch", "node_ids")
