@@ -65,7 +65,7 @@ def _new_node_id(hostname: str) -> str:
 
 
 def _job_info(state: CoordinatorState) -> pb.JobInfo:
-    return pb.JobInfo(job_id=state.job.id, name=state.job.name, spec_toml=state.spec_toml)
+    return pb.JobInfo(job_id=state.job.id, name=state.job.name, spec_toml=state.spec_toml, run_id=state.run_id)
 
 
 def handle_join(req: pb.JoinRequest, state: CoordinatorState,

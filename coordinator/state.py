@@ -8,6 +8,7 @@ loop; tests call it with their own clock. An operator may pin the plan (`atoll c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -44,6 +45,12 @@ from atoll.types import LinkMeasurement, StepMetrics
 log = logging.getLogger("atoll.coordinator")
 
 Planner = Callable[[PlanInputs], tuple[Plan, str]]
+
+
+def run_id_of(job: JobRecord) -> str:
+    """The run id of a job as a state dir holds it: made from when that state dir first held it, so the same dir
+    gives the same id after any restart, and a fresh one another."""
+    return hashlib.sha256(f"{job.job_id}/{job.created_unix!r}".encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,12 @@ class CoordinatorState:
                              f"that state was written; restart with the original spec to resume that job, or give a "
                              f"new --state-dir (or empty this one) to start this job afresh")
         if stored is None:
-            store.put_job(JobRecord(job_id=job.id, name=job.name, spec_toml=job.to_toml(), created_unix=clock()))
+            stored = JobRecord(job_id=job.id, name=job.name, spec_toml=job.to_toml(), created_unix=clock())
+            store.put_job(stored)
+        self.run_id = run_id_of(stored)
+        """This state dir's run of the job (`JobInfo.run_id`): a coordinator started on a fresh state dir runs the
+        job afresh under another one, and a node refuses to train it over the checkpoints of an earlier run
+        (`atoll.node.checkpoint.claim_checkpoint_dir`)."""
         self.spec_toml = job.to_toml()
         self.started_unix = clock()
         self._cond = threading.Condition(threading.RLock())

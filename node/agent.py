@@ -319,6 +319,8 @@ class NodeAgent:
         self.plan_serial = 0
         """Counts the plans accepted; a plan callback runs once per serial."""
         self._after_rejoin = False
+        self.run_id = ""
+        """The coordinator's run of the job (`JobInfo.run_id`), known once the job is fetched."""
         self.session = secrets.token_hex(8)
         """This process's session (`JoinRequest.session`): the same on each of its joins, another after a restart."""
         self.epoch = 0
@@ -431,6 +433,7 @@ class NodeAgent:
         if watch.fired.is_set():
             log.info("reached the coordinator at %s", self.config.coordinator)
         job = JobSpec.from_toml(status.job.spec_toml)  # type: ignore[attr-defined]
+        self.run_id = status.job.run_id  # type: ignore[attr-defined]
         if status.job_state == "finished":  # type: ignore[attr-defined]
             # nothing left to train: no profiling, no join, no plan to stand by in
             raise JobFinished(f"job {job.id} ({job.name}) finished after step "
@@ -461,6 +464,7 @@ class NodeAgent:
             except grpc.RpcError as e:
                 raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
             self._use_certificate(reply)  # type: ignore[arg-type]
+            self._follow_run(reply.job.run_id)  # type: ignore[attr-defined]
             self.heartbeat_interval = reply.heartbeat_interval_seconds or 1.0  # type: ignore[attr-defined]
             self.joins += 1
             log.info("joined job %s as %s (peer address %s, heartbeat every %.1fs)", self.job.id, self.node_id,
@@ -469,6 +473,22 @@ class NodeAgent:
                 (log.info if reply.reachable or not req.peer_address else log.warning)(  # type: ignore[attr-defined]
                     "%s", reply.reachability)  # type: ignore[attr-defined]
             return reply  # type: ignore[return-value]
+
+    def _follow_run(self, run_id: str) -> None:
+        """A re-join to a coordinator that runs the job under another run (it lost its state dir and started afresh):
+        this process goes on with its live state under that run, so its checkpoint folder does too (`RUN_FILE`);
+        a node started later on the folder then joins the run rather than being refused as an earlier run's."""
+        if not run_id or run_id == self.run_id:
+            return
+        before, self.run_id = self.run_id, run_id
+        if before and self.config.checkpoint_dir is not None:
+            from atoll.fsutil import atomic_write_text
+            from atoll.node.checkpoint import RUN_FILE
+
+            log.warning("the coordinator runs the job under a new run (%s, was %s: it started on a fresh state dir); "
+                        "this node goes on with its live state, and its checkpoints with it", run_id, before)
+            if self.config.checkpoint_dir.is_dir():
+                atomic_write_text(self.config.checkpoint_dir / RUN_FILE, f"{run_id}\n")
 
     def start(self) -> NodeAgent:
         """Fetch the spec, profile, start the peer server, join and start the loops."""
@@ -485,7 +505,8 @@ class NodeAgent:
         if self.config.checkpoint_dir is not None:
             from atoll.node.checkpoint import claim_checkpoint_dir
 
-            if claim_checkpoint_dir(self.config.checkpoint_dir, self.job.id):  # raises on another job's steps
+            # raises on another job's steps, or an earlier run's of this job
+            if claim_checkpoint_dir(self.config.checkpoint_dir, self.job.id, self.run_id):
                 log.info("checkpoints of job %s go to %s", self.job.id, self.config.checkpoint_dir)
         if self._given_profile is not None:
             self.profile = self._given_profile

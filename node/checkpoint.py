@@ -36,28 +36,47 @@ JOB_FILE = "JOB"
 """The file in a checkpoint folder that names the job whose checkpoints it holds (`claim_checkpoint_dir`)."""
 
 
+RUN_FILE = "RUN"
+"""The file in a checkpoint folder that names the coordinator's run of the job its steps belong to."""
+
+
 class CheckpointDirTaken(ValueError):
     """The checkpoint folder holds another job's checkpoints."""
 
 
-def claim_checkpoint_dir(root: Path, job_id: str) -> bool:
-    """Mark `root` as the checkpoint folder of job `job_id` (its `JOB` file), before the node writes there; True
-    where it newly claimed it. Step folders are named by step alone, so a second job writing into the folder of a
-    first one would overwrite its steps and prune the rest: a folder whose JOB file names another job that still
-    has step folders there is refused (`CheckpointDirTaken`, saying what to do). Step folders without a JOB file
-    (written before the file was kept) are taken as this job's."""
+def claim_checkpoint_dir(root: Path, job_id: str, run_id: str = "") -> bool:
+    """Mark `root` as the checkpoint folder of job `job_id` (its `JOB` file) and of the coordinator's run of it
+    (`run_id`, its `RUN` file), before the node writes there; True where it newly claimed it for the job. Step
+    folders are named by step alone, so a second job writing into the folder of a first one would overwrite its
+    steps and prune the rest: a folder whose JOB file names another job that still has step folders there is refused
+    (`CheckpointDirTaken`, saying what to do). So is one whose steps belong to an earlier run of the same job (a
+    coordinator started on a fresh state dir runs the job afresh, from step 0, over them). Step folders without a
+    JOB file, or without a RUN file (written before the files were kept), are taken as this job's and run's; an
+    empty `run_id` (an older coordinator) checks no run."""
     root = Path(root)
     marker = root / JOB_FILE
     owner = marker.read_text(encoding="utf-8", errors="replace").strip() if marker.is_file() else ""
-    if owner == job_id:
-        return False
-    if owner and _steps_on_disk(root):
+    steps = _steps_on_disk(root)
+    if owner and owner != job_id and steps:
         raise CheckpointDirTaken(
             f"the checkpoint folder {root} holds the checkpoints of job {owner[:80]}, and this node joined job "
             f"{job_id}: writing there would overwrite and prune them. Give this node another --checkpoint-dir (or "
             f"another --state-dir), or move that job's checkpoints away first (`atoll export` makes a model of a "
             f"complete step)")
+    run_file = root / RUN_FILE
+    held = run_file.read_text(encoding="utf-8", errors="replace").strip() if run_file.is_file() else ""
+    if run_id and held and held != run_id and owner == job_id and steps:
+        raise CheckpointDirTaken(
+            f"the checkpoint folder {root} holds steps {steps[0]}-{steps[-1]} of an earlier run of job {job_id} "
+            f"(run {held[:40]}), and the coordinator runs the job afresh (run {run_id}: it was started on another "
+            f"state dir than that run's), from step 0 over them. To go on with that run, start the coordinator on "
+            f"its --state-dir; to start afresh, move those step folders away first (`atoll export` makes a model "
+            f"of a complete step), or give this node another --checkpoint-dir")
     root.mkdir(parents=True, exist_ok=True)
+    if run_id and held != run_id:
+        atomic_write_text(run_file, f"{run_id}\n")
+    if owner == job_id:
+        return False
     atomic_write_text(marker, f"{job_id}\n")
     return True
 

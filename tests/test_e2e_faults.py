@@ -284,3 +284,30 @@ def test_a_second_process_under_a_copied_node_id_fences_out_the_first(tmp_path: 
               f"plan epoch {before.plan.epoch} -> {after.plan.epoch}, training at step {after.step}")
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_coordinator_on_a_fresh_state_dir_does_not_train_over_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
+    """A job trains and checkpoints; its coordinator is then started again on a fresh state dir (the old one moved
+    away, or a typo in --state-dir), same spec. It knows no checkpoint and would run the job from step 0, over the
+    node's earlier steps (overwriting and pruning them): the node is refused before it joins, with what to do."""
+    cluster = _one_node(tmp_path, "fresh", steps=2000, interval=20)
+    try:
+        cluster.start_coordinator()
+        cluster.start_node("node1")
+        cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 40, 150, "two checkpoints",
+                            poll=0.2)
+        _stop(cluster, "node1")
+        cluster.kill_coordinator()
+        (cluster.out / "coordinator").rename(cluster.out / "coordinator-earlier")
+        steps = sorted(p.name for p in cluster.checkpoints.glob("step-*"))
+        cluster.start_coordinator()
+        cluster.start_node("node1")
+        code = cluster.procs["node1"].wait(90)
+        log = (cluster.out / "node1.log").read_text()
+        assert code != 0 and "of an earlier run of job" in log and "--state-dir" in log, log[-3000:]
+        assert sorted(p.name for p in cluster.checkpoints.glob("step-*")) == steps  # nothing overwritten or pruned
+        assert not cluster.status().members  # it never joined
+        print(f"\nrefused: {next(line for line in log.splitlines() if 'earlier run' in line)[:240]}")
+    finally:
+        cluster.stop()

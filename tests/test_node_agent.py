@@ -20,6 +20,7 @@ from atoll.coordinator.status import fetch_status
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
 from atoll.node.agent import AgentConfig, AgentError, NodeAgent, PlanRun, describe_plan
+from atoll.node.checkpoint import RUN_FILE
 from atoll.node.identity import load_node_id, load_or_create_node_id, save_node_id
 from atoll.node.profiler import ProfileOptions, parse_device, profile_node
 from atoll.plan import PipelinePlan, Plan, ReplicaGroup, StagePlan
@@ -194,8 +195,9 @@ def start_coordinator(listen: str = "127.0.0.1:0", store: MemoryStore | None = N
                               config=ServiceConfig(listen=listen, tick=timedelta(milliseconds=50))).start()
 
 
-def make_agent(address: str, state_dir: Path, host: str) -> NodeAgent:
+def make_agent(address: str, state_dir: Path, host: str, checkpoint_dir: Path | None = None) -> NodeAgent:
     cfg = AgentConfig(coordinator=address, token=TOKEN, state_dir=state_dir, listen="127.0.0.1:0",
+                      checkpoint_dir=checkpoint_dir,
                       connect_timeout=timedelta(seconds=20),
                       backoff=(timedelta(milliseconds=50), timedelta(milliseconds=500)))
     return NodeAgent(cfg, profile=fake_profile(host))
@@ -304,12 +306,14 @@ def test_a_graceful_stop_lets_the_step_in_flight_finish_unless_stopped_again(coo
 def test_agents_rejoin_by_themselves_when_the_coordinator_forgot_them(tmp_path: Path) -> None:
     first = start_coordinator()
     address = first.address
-    agents = [make_agent(address, tmp_path / f"n{i}", f"host{i}") for i in range(3)]
+    agents = [make_agent(address, tmp_path / f"n{i}", f"host{i}", checkpoint_dir=tmp_path / f"c{i}")
+              for i in range(3)]
     try:
         for a in agents:
             a.start()
         wait_until(lambda: all(a.plan is not None for a in agents), what="plan epoch 1")
         ids = sorted(a.node_id for a in agents)
+        assert (tmp_path / "c0" / RUN_FILE).read_text() == f"{first.state.run_id}\n"
         first.stop()
         second = start_coordinator(listen=address, store=MemoryStore())  # same address, no memory of anyone
         try:
@@ -320,6 +324,10 @@ def test_agents_rejoin_by_themselves_when_the_coordinator_forgot_them(tmp_path: 
             # its epoch 1 is not the old epoch 1: every agent takes it
             wait_until(lambda: all(a.plan_serial == 2 for a in agents), what="agents to take the new plan")
             assert all(a.plan == second.state.current_plan() for a in agents)
+            # the agents go on under the new coordinator's run, and so do their checkpoint folders: a node started
+            # on one later joins that run instead of being refused as an earlier run's
+            assert second.state.run_id != first.state.run_id
+            assert all((tmp_path / f"c{i}" / RUN_FILE).read_text() == f"{second.state.run_id}\n" for i in range(3))
         finally:
             second.stop()
     finally:

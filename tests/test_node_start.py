@@ -15,7 +15,7 @@ from test_node_agent import TOKEN, fake_profile, start_coordinator
 
 from atoll.coordinator.status import fetch_status
 from atoll.node.agent import AgentConfig, NodeAgent
-from atoll.node.checkpoint import JOB_FILE, CheckpointDirTaken, claim_checkpoint_dir, step_dir
+from atoll.node.checkpoint import JOB_FILE, RUN_FILE, CheckpointDirTaken, claim_checkpoint_dir, step_dir
 
 
 def test_a_folder_is_claimed_once_and_another_jobs_steps_are_refused(tmp_path: Path) -> None:
@@ -34,6 +34,27 @@ def test_a_folder_is_claimed_once_and_another_jobs_steps_are_refused(tmp_path: P
     legacy = tmp_path / "legacy"
     step_dir(legacy, 100).mkdir(parents=True)
     assert claim_checkpoint_dir(legacy, "job-c") and step_dir(legacy, 100).is_dir()
+
+
+def test_an_earlier_runs_steps_of_the_same_job_are_refused(tmp_path: Path) -> None:
+    """A coordinator started on a fresh state dir runs the job afresh (another run id): a node whose folder holds
+    the steps of the earlier run is refused rather than training from step 0 over them and pruning them."""
+    root = tmp_path / "ckpt"
+    assert claim_checkpoint_dir(root, "job-a", "run-1")
+    assert (root / RUN_FILE).read_text() == "run-1\n"
+    assert not claim_checkpoint_dir(root, "job-a", "run-1")  # a restart of the same run
+    assert not claim_checkpoint_dir(root, "job-a", "run-2")  # no steps yet: nothing to lose, the folder follows
+    assert (root / RUN_FILE).read_text() == "run-2\n"
+    step_dir(root, 40).mkdir()
+    step_dir(root, 60).mkdir()
+    with pytest.raises(CheckpointDirTaken, match=r"holds steps 40-60 of an earlier run of job job-a \(run run-2\).*"
+                                                 r"--state-dir.*atoll export.*--checkpoint-dir"):
+        claim_checkpoint_dir(root, "job-a", "run-3")
+    assert (root / RUN_FILE).read_text() == "run-2\n" and step_dir(root, 60).is_dir()  # nothing touched
+    assert not claim_checkpoint_dir(root, "job-a")  # an older coordinator tells no run: not judged
+    # steps written before RUN files were kept are taken as the run's that claims them first
+    (root / RUN_FILE).unlink()
+    assert not claim_checkpoint_dir(root, "job-a", "run-3") and (root / RUN_FILE).read_text() == "run-3\n"
 
 
 @pytest.mark.timeout(60)

@@ -529,14 +529,16 @@ class JoinRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "spec_toml")
+    __slots__ = ("job_id", "name", "spec_toml", "run_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     spec_toml: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., spec_toml: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., spec_toml: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "job", "lease_seconds", "heartbeat_interval_seconds", "reachable", "reachability", "certificate_pem", "ca_pem")
