@@ -1065,7 +1065,7 @@ class NodeAgent:
             self.peer.state_access.hand_over()
             outcome = self.peer.state.wait_handed_over(most=self.config.handover, idle=timedelta(seconds=5))
             log.info("leaving: %s", outcome)
-            if not any(k in outcome for k in ("handed over", "another holder")):
+            if not outcome.taken:
                 self._checkpoint_on_leave()
         if self.peer is not None:
             self.peer.stop()

@@ -236,7 +236,7 @@ class StateHolder:
             self._live = None
 
     def wait_handed_over(self, *, most: timedelta, idle: timedelta,
-                         unasked: timedelta = timedelta(seconds=10)) -> str:
+                         unasked: timedelta = timedelta(seconds=10)) -> HandOver:
         """A leaving node's wait: until its live state was served in full and nobody asked about it or fetched it
         for `idle` since (several of the new plan's nodes may take the same layers: a ZeRO stage's replicas), or
         nobody asked about it for `idle` after the new plan's nodes asked (they took it from a replica), or nobody
@@ -247,21 +247,36 @@ class StateHolder:
             while self._running and time.monotonic() < end:  # the run ends at its next step boundary
                 self._cond.wait(min(0.5, max(0.0, end - time.monotonic())))
             if self._live is None:
-                return "no live state to hand over"
+                return HandOver(False, "no live state to hand over")
             served, self._asked = self.served_live, False  # only the questions of the plan after this leave count
             while True:
                 now, took = time.monotonic(), self.served_live - served
+                fetches = f"{took} fetch{'es' if took > 1 else ''}"
                 if took and now - max(self._last_asked, self._last_served) >= idle.total_seconds():
-                    return f"the live state was handed over ({took} fetch{'es' if took > 1 else ''})"
+                    return HandOver(True, f"the live state was handed over ({fetches})")
                 if now >= end:
-                    return (f"the live state was handed over ({took} fetch{'es' if took > 1 else ''}); stopped "
-                            f"serving it after {most.total_seconds():.0f}s" if took else
-                            f"nobody took the live state within {most.total_seconds():.0f}s")
+                    return HandOver(True, f"the live state was handed over ({fetches}); stopped serving it after "
+                                          f"{most.total_seconds():.0f}s") if took else \
+                        HandOver(False, f"nobody took the live state within {most.total_seconds():.0f}s")
                 if not took and self._asked and now - self._last_asked >= idle.total_seconds():
-                    return "the new plan's nodes took the state from another holder"
+                    return HandOver(True, "the new plan's nodes took the state from another holder")
                 if not self._asked and now - start >= unasked.total_seconds():
-                    return f"no node asked for the live state within {unasked.total_seconds():.0f}s"
+                    return HandOver(False, f"no node asked for the live state within {unasked.total_seconds():.0f}s")
                 self._cond.wait(min(0.5, max(0.01, end - now)))
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """How a leaving node's wait for its live state to be taken ended (`StateHolder.wait_handed_over`)."""
+
+    taken: bool
+    """The next plan's nodes have the state: this node served it, or they took it from another holder. False: nobody
+    took it (the job is stopping, or no plan came), so the leaving node keeps it as a checkpoint."""
+    said: str
+    """What happened, for the log."""
+
+    def __str__(self) -> str:
+        return self.said
 
 
 def _file_chunks(path: Path, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:

@@ -359,11 +359,12 @@ def test_a_leaving_node_waits_for_its_state_to_be_taken_or_for_nobody_to_want_it
     holder.end_run(1, live)
     holder.held(1, wait=0.0)  # a question from before the leave does not count
     started = time.monotonic()
-    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1),
-                                   unasked=timedelta(seconds=0.5)) == "no node asked for the live state within 0s"
+    out = holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1),
+                                  unasked=timedelta(seconds=0.5))
+    assert not out.taken and out.said == "no node asked for the live state within 0s"
     assert time.monotonic() - started < 2.0
     threading.Timer(0.3, lambda: list(holder.chunks(_request("live", 4, (0, 2))))).start()
-    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)).said == \
         "the live state was handed over (1 fetch)"
     # a ZeRO stage's gathered state goes to each of the next plan's replicas: the node serves until nobody
     # fetched for `idle`, not only until the first fetch
@@ -371,14 +372,15 @@ def test_a_leaving_node_waits_for_its_state_to_be_taken_or_for_nobody_to_want_it
     threading.Timer(0.3, fetch).start()
     threading.Timer(1.0, fetch).start()
     started = time.monotonic()
-    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
+    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)).said == \
         "the live state was handed over (2 fetches)"
     assert 2.0 <= time.monotonic() - started < 3.5
     threading.Timer(0.3, lambda: holder.held(2, wait=0.0)).start()  # asked, then fetched from a replica instead
-    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == \
-        "the new plan's nodes took the state from another holder"
+    out = holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1))
+    assert out.taken and out.said == "the new plan's nodes took the state from another holder"
     holder.forget_live()
-    assert holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1)) == "no live state to hand over"
+    out = holder.wait_handed_over(most=timedelta(seconds=5), idle=timedelta(seconds=1))
+    assert not out.taken and out.said == "no live state to hand over"
 
 
 def test_a_checkpoint_pruned_between_the_check_and_the_read_is_not_found(tmp_path: Path,
