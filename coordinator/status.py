@@ -247,7 +247,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     """
     now = time.time() if now is None else now
     loss = f"loss {s.loss:.4f} (step {s.loss_step})   " if s.has_loss else ""
-    out = [f"job {s.job.name} ({s.job.job_id})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
+    run = f", run {s.job.run_id}" if s.job.run_id else ""
+    out = [f"job {s.job.name} ({s.job.job_id}{run})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
            f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            # a step by its index, as the logs name it; a checkpoint by the steps it follows, as its folder does
            + (f"step-{s.last_checkpoint_step:08d} (after step {s.last_checkpoint_step - 1})"
