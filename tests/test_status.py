@@ -172,7 +172,7 @@ def test_handle_status_carries_the_groups_in_outer_mode() -> None:
 
 def status_reply() -> pb.StatusReply:
     s = pb.StatusReply(
-        job=pb.JobInfo(job_id="j1", name="tiny"), step=4, tokens_per_second=1067.0, has_loss=True, loss=1.0,
+        job=pb.JobInfo(job_id="j1", name="tiny", run_id="r9"), step=4, tokens_per_second=1067.0, has_loss=True, loss=1.0,
         loss_step=4, measured_step_seconds=0.5, measured_steps=5,
         stage_usage=[pb.StageUsage(node_id="a", pipeline=0, stage=0, steps=5, step_seconds=0.4,
                                    compute_seconds=0.3, wait_seconds=0.05, utilisation=0.75)],
@@ -189,6 +189,7 @@ def status_reply() -> pb.StatusReply:
 
 def test_the_table_shows_progress_stages_and_links() -> None:
     text = format_status(status_reply(), now=0.0)
+    assert text.startswith("job tiny (j1, run r9)   plan epoch 1")
     assert "step 4   loss 1.0000 (step 4)   1,067 tokens/s" in text
     assert "measured 500 ms (median of 5 steps), predicted 400 ms; measured / predicted 1.25" in text
     stage = next(line for line in text.splitlines() if line.split()[:3] == ["0", "0", "a"])
