@@ -16,7 +16,7 @@ from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, Invalid
                                       Unauthenticated)
 from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.islands import device_class
-from atoll.coordinator.membership import RunFailureRecord, join_decision
+from atoll.coordinator.membership import RunFailureRecord, join_decision, lease_deadline
 from atoll.coordinator import job_control
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.reachability import unreachable_advice
@@ -88,6 +88,8 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
                              options=state.membership_options(now))
     if decision.kind == "conflict":
         raise AlreadyExists(decision.reason)
+    if decision.kind == "update" and existing is not None:
+        _refuse_a_copy_elsewhere(state, existing, req, now)
     profile = profile_from_proto(req.profile)
     why = dial_back(req.peer_address) if dial_back is not None and req.peer_address else None
     profile.unreachable = profile.unreachable or not req.peer_address or why is not None
@@ -106,6 +108,31 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     return pb.JoinReply(node_id=node_id, job=_job_info(state), lease_seconds=cadence.lease,
                         heartbeat_interval_seconds=cadence.interval,
                         reachable=not profile.unreachable, reachability=reachability)
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0] if address else ""
+
+
+def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, req: pb.JoinRequest, now: float) -> None:
+    """A join under a new session while the node's current process lives on (heard within its lease) at another
+    peer host: a second machine started from a copy of its state dir (a cloned VM keeps the hostname, which
+    `join_decision` compares). Refused, so that the copy, not the running node, is the one to stop: taking it for
+    a restart would fence the running process out, and two machines restarted by their supervisors would take the
+    id from each other for ever. A new session from the same host is a restart; once the lease lapsed, the copy
+    may take the id over (the first machine is gone)."""
+    current = state.session_of(existing.node_id)
+    there, here = _host(existing.peer_address), _host(req.peer_address)
+    if not (req.session and current and current != req.session and there and here and there != here):
+        return
+    deadline = lease_deadline(existing, state.started_unix, state.membership_options(now))
+    if now > deadline:
+        return
+    raise AlreadyExists(
+        f"node id {existing.node_id} is held by a live process at {existing.peer_address} (heard "
+        f"{max(0.0, now - existing.last_heartbeat_unix):.0f}s ago), and this one at {req.peer_address} started "
+        f"from a copy of its state dir: give this one a --state-dir of its own to join as a new node. If that "
+        f"process is gone, this one may take its place once its lease lapses (in {deadline - now:.0f}s)")
 
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:

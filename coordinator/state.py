@@ -239,6 +239,11 @@ class CoordinatorState:
         if current.session != session:
             raise FailedPrecondition(self._fenced(node_id))
 
+    def session_of(self, node_id: str) -> str:
+        """The session of the node's current process ("": none known to this coordinator process)."""
+        current = self._sessions.get(node_id)
+        return current.session if current is not None else ""
+
     def _fenced(self, node_id: str) -> str:
         current = self._sessions.get(node_id)
         where = ""

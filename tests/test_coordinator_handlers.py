@@ -399,3 +399,30 @@ def test_a_restarted_coordinator_takes_the_first_process_it_hears_from(job: JobS
     with pytest.raises(FailedPrecondition, match="another process joined as node"):
         h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="b"), again)
     h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)
+
+
+def test_a_copy_on_another_host_is_refused_while_the_node_lives(state: CoordinatorState, clock: Clock) -> None:
+    """A second machine started from a copy of a node's state dir (a cloned VM: same hostname, another address)
+    joins while the node heartbeats: the copy is refused, not taken for a restart (which would fence the running
+    node out, and two supervised machines would take the id from each other for ever). Once the node's lease has
+    lapsed the copy takes its place; a new process on the node's own host is a restart."""
+    node = h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile("vm"), peer_address="10.0.0.1:5000",
+                                        session="first"), state).node_id
+
+    def copy(session: str, address: str = "10.0.0.2:5000") -> pb.JoinReply:
+        return h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), peer_address=address,
+                                            session=session), state)
+
+    clock.t += 2
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    with pytest.raises(AlreadyExists, match=r"held by a live process at 10.0.0.1:5000 .* this one at 10.0.0.2:5000 "
+                                            r"started from a copy of its state dir.*--state-dir"):
+        copy("clone")
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)  # the node trains on
+    assert state.store.get_member(node).peer_address == "10.0.0.1:5000"
+    copy("restarted", "10.0.0.1:5001")  # its own host: a restart, the old process is fenced
+    with pytest.raises(FailedPrecondition):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    clock.t += 3600  # the node is gone: its lease lapsed, the copy may take its place
+    copy("clone")
+    assert state.store.get_member(node).peer_address == "10.0.0.2:5000"
