@@ -178,6 +178,8 @@ class OuterOutbox:
             encoded = []
             for name in request.names:
                 if name not in tensors:
+                    if name.startswith("momentum/"):
+                        continue  # none yet (no round exchanged, or no momentum): the fetcher starts it at zero
                     raise KeyError(f"node {self.node_id} holds no outer state for {name!r}")
                 encoded.append((name, encode_tensor(tensors[name], CodecSpec("identity"))))
             request = pb.OuterFetchRequest(round=round_)
@@ -613,10 +615,14 @@ class OuterSync:
                     for node, names in by_node.items():
                         if node in parts and parts[node][0] == newest:
                             continue  # already of the newest round seen
+                        # the momentum too: every group applies the same outer update to the same anchor, so a
+                        # group that starts its momentum afresh would step its anchor away from the others'
+                        wanted = [f"anchor/{n}" for n in names] + (
+                            [f"momentum/{n}" for n in names] if self.cfg.momentum > 0 else [])
                         tensors, r, _ = fetch_outer(self.plan.node_addresses[node], pb.OuterFetchRequest(
-                            job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state",
-                            names=[f"anchor/{n}" for n in names], sender=self.cfg.node_id), token=self.cfg.token,
-                            rpc=self.cfg.rpc, timeout=self.cfg.deadline, node=node)
+                            job_id=self.cfg.job_id, plan_epoch=epochs[g], kind="state", names=wanted,
+                            sender=self.cfg.node_id), token=self.cfg.token, rpc=self.cfg.rpc,
+                            timeout=self.cfg.deadline, node=node)
                         parts[node] = (r, tensors)
                     rounds = sorted({r for r, _ in parts.values()})
                     if len(rounds) == 1:
@@ -626,8 +632,10 @@ class OuterSync:
                                              f"{' and '.join(map(str, rounds))}; retry once it lands")
                     time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, give_up - time.monotonic())))
                 round_ = next(iter(parts.values()))[0]
-                anchor = {k[len("anchor/"):]: t for _, tensors in parts.values() for k, t in tensors.items()}
-                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": {}}, params_too=True)
+                fetched = {k: t for _, tensors in parts.values() for k, t in tensors.items()}
+                anchor = {k[len("anchor/"):]: t for k, t in fetched.items() if k.startswith("anchor/")}
+                momentum = {k[len("momentum/"):]: t for k, t in fetched.items() if k.startswith("momentum/")}
+                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": momentum}, params_too=True)
                 log.info("took the outer state of round %d from group %d", round_, g)
                 return round_
             except (grpc.RpcError, OuterSyncError, KeyError) as e:

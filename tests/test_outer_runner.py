@@ -203,6 +203,48 @@ def test_a_rejoining_group_fetches_again_the_parts_of_an_older_round(monkeypatch
         sync.fetch_state([0], {0: 3})
 
 
+def test_a_rejoining_group_takes_the_outer_momentum_with_the_anchor(monkeypatch) -> None:
+    """Every group applies the same outer update to the same anchor; a group that joins live ones takes their
+    momentum with the anchor, or its first Nesterov step would move its anchor away from theirs for good. A holder
+    without momentum yet (no round exchanged) serves the anchor alone."""
+    from types import SimpleNamespace
+
+    from atoll.compression import CodecSpec
+    from atoll.node import outer as outer_mod
+
+    outbox = outer_mod.OuterOutbox(job_id="j", epoch=3, node_id="a")
+    outbox.put_state(8, {"anchor/layers.0.w": torch.ones(2), "momentum/layers.0.w": torch.full((2,), 0.5)})
+    served = outbox.frames(pb.OuterFetchRequest(job_id="j", plan_epoch=3, kind="state",
+                                                names=["anchor/layers.0.w", "momentum/layers.0.w",
+                                                       "momentum/layers.9.w"]), wait=0.0)
+    assert len(list(served)) >= 2  # the anchor and the momentum it holds; none for a parameter without
+    with pytest.raises(KeyError):
+        outbox.frames(pb.OuterFetchRequest(job_id="j", plan_epoch=3, kind="state", names=["anchor/layers.9.w"]),
+                      wait=0.0)
+
+    sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync.params = {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)}
+    sync.holders = {0: {0: ["a"], 1: ["b"]}}
+    sync.plan = SimpleNamespace(node_addresses={"a": "a:1", "b": "b:1"})
+    sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="c", group=1, inner_steps=2, codec=CodecSpec("identity"),
+                                     deadline=timedelta(seconds=5), momentum=0.9, nesterov=True)
+    asked: list[str] = []
+
+    def fetch(address, request, *, node, **kw):
+        asked.extend(request.names)
+        held = {"a": {"anchor/layers.0.w": 1.0, "momentum/layers.0.w": 0.5}, "b": {"anchor/layers.1.w": 2.0}}[node]
+        return {n: torch.full((2,), v) for n, v in held.items() if n in request.names}, 8, 0
+
+    loaded = {}
+    monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
+    monkeypatch.setattr(sync, "load_state_dict", lambda state, params_too: loaded.update(state), raising=False)
+    monkeypatch.setattr(outer_mod, "layer_of", lambda name: int(name.split(".")[1]))
+    assert sync.fetch_state([0], {0: 3}) == 8
+    assert sorted(asked) == ["anchor/layers.0.w", "anchor/layers.1.w", "momentum/layers.0.w", "momentum/layers.1.w"]
+    assert sorted(loaded["anchor"]) == ["layers.0.w", "layers.1.w"]
+    assert list(loaded["momentum"]) == ["layers.0.w"] and float(loaded["momentum"]["layers.0.w"][0]) == 0.5
+
+
 def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     """A run that a newer plan ends (its group is not kept) stops waiting for an outer exchange stuck on a peer
     that is gone: the wait and the fetch's retries end within a moment, not after their minutes-long deadline."""
