@@ -64,6 +64,12 @@ class Holder:
     gives the state after `step` + 1 steps (`atoll.node.roll_forward`)."""
     pending_loss: tuple[float, float] | None = None
     """A pending last stage's (loss share, row weight) of step `step` (`LiveState.pending_loss`)."""
+    group: str = ""
+    """Outer mode: the replica group whose run left the state (`OuterPosition`); "": a synchronous plan's."""
+    outer_round: int = 0
+    steps_in_round: int = 0
+    inner_steps: int = 0
+    landed: bool = False
 
     @property
     def reaches(self) -> int:
@@ -243,7 +249,9 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
         return [Holder(node_id=n, address=addresses.get(n, ""), step=r.step, layers=(r.layer_start, r.layer_end),
                        region=plan.region_of(n) if n in plan.node_addresses else "", epoch=r.plan_epoch,
                        pending=r.pending, norm_total=r.norm_total if r.has_norm_total else None,
-                       pending_loss=(r.pending_loss, r.pending_weight) if r.has_pending_loss else None)
+                       pending_loss=(r.pending_loss, r.pending_weight) if r.has_pending_loss else None,
+                       group=r.replica_group, outer_round=r.outer_round, steps_in_round=r.steps_in_round,
+                       inner_steps=r.inner_steps, landed=r.outer_landed)
                 for n, r in sorted(replies.items()) if r.holds]
 
 

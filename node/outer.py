@@ -342,6 +342,16 @@ class OuterSync:
         self.end_round()
         return True
 
+    def count_late(self, tokens: int) -> bool:
+        """Count an inner step a run ended on (superseded after its optimizer stepped), without ending a round or
+        applying an exchange; False where the step ends the round (it is then not counted)."""
+        if self.steps_in_round + 1 >= self.cfg.inner_steps:
+            return False
+        self.tokens_in_round += tokens
+        self.steps_in_round += 1
+        self.inner_steps_done += 1
+        return True
+
     def end_round(self) -> None:
         if self.cfg.overlap and self._pending is not None:
             self._land()
@@ -593,9 +603,14 @@ class OuterSync:
                     p.copy_(self.anchor[n])
         self.outbox.put_state(self.round, self._state_tensors())
 
-    def fetch_state(self, groups: Sequence[int], epochs: Mapping[int, int]) -> int:
+    @property
+    def landed(self) -> bool:
+        """No exchange is in flight: every ended round's outer update is applied to the parameters."""
+        return self._pending is None
+
+    def fetch_state(self, groups: Sequence[int], epochs: Mapping[int, int], *, params_too: bool = True) -> int:
         """Take the outer state (anchor and momentum of this node's parameters) from a live group; start the
-        parameters from it; return the round it belongs to. Tries the groups in order.
+        parameters from it (unless not `params_too`); return the round it belongs to. Tries the groups in order.
 
         A group's nodes apply each round on their own, a step or so apart (the first stage finishes its inner
         steps before the last), so the parts fetched from its nodes may come from two rounds: the parts of the
@@ -635,7 +650,8 @@ class OuterSync:
                 fetched = {k: t for _, tensors in parts.values() for k, t in tensors.items()}
                 anchor = {k[len("anchor/"):]: t for k, t in fetched.items() if k.startswith("anchor/")}
                 momentum = {k[len("momentum/"):]: t for k, t in fetched.items() if k.startswith("momentum/")}
-                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": momentum}, params_too=True)
+                self.load_state_dict({"round": round_, "anchor": anchor, "momentum": momentum},
+                                     params_too=params_too)
                 log.info("took the outer state of round %d from group %d", round_, g)
                 return round_
             except (grpc.RpcError, OuterSyncError, KeyError) as e:

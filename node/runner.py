@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
+import grpc
 import torch
 import torch.distributed as dist
 
@@ -38,11 +39,13 @@ from atoll.node.checkpoint import (CheckpointError, load_layers_extra, prune_che
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
 from atoll.node.progress import ProgressLine
+from atoll.v1 import atoll_pb2 as pb
 from atoll.units import counted
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
 from atoll.node.slice_state import ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
-from atoll.node.state_transfer import LiveState, StateHolder, StateTransferError, deserialize_state, fetch_state
+from atoll.node.state_transfer import (LiveState, OuterPosition, StateHolder, StateTransferError, deserialize_state,
+                                       fetch_state)
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, backend_reason, cancel_collectives_on,
                                      release_later, wait_collective)
@@ -54,8 +57,9 @@ from atoll.node.store_exchange import StoreNormExchange
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
-from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, RoundDecision, RoundStats, group_index,
-                              layer_of, load_outer_state, save_outer_state)
+from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, OuterSyncError, RoundDecision, RoundStats,
+                              fetch_outer, group_holders, group_index, layer_of, load_outer_state, responsible,
+                              save_outer_state)
 from atoll.node.outer import Participant as OuterParticipant
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
@@ -218,6 +222,15 @@ class _SegmentAverager:
             averager.average_(self.local(mine), timeout)
 
 
+def continuing_steps(done: int, inner_before: int, inner_now: int) -> int:
+    """Where a replica group that goes on with its round stands in it under the plan's inner steps: the `done` of
+    `inner_before` steps of the round it trained, as the same share of `inner_now` (a group planned afresh may get
+    fewer or more a round), at least one and short of the round's end, so the round still ends where it should."""
+    if inner_now == inner_before:
+        return done
+    return min(inner_now - 1, max(1, round(done * inner_now / inner_before)))
+
+
 def apply_after_steps(job: JobSpec, outer, group) -> int:
     """After how many inner steps of the next round a group applies a round's average (see OuterSpec.apply_after):
     the job's setting, or enough steps for the plan's predicted exchange to land, plus one. The same for every
@@ -352,6 +365,8 @@ class PlanRunner:
         """The checkpoint step whose files this node found missing or unreadable (0: none), for its failure report."""
         self._finished_loss: tuple[int, float] | None = None
         """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
+        self._outer_counted: int | None = None
+        """Outer mode: the step up to which the outer sync has counted this run's inner steps (`_snapshot`)."""
         self._data: object | None = None
         """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
         with the first stage's checkpoints."""
@@ -413,8 +428,12 @@ class PlanRunner:
             store = self._store() if (pl.num_stages > 1 or pl.segments or len(pl.loss_group) > 1 or pl.tp > 1) \
                 else None
             live = self._restore_live(module, optimizer, store, cfg)
+            # outer mode: a replica group planned afresh goes on with the round its previous nodes were in
+            continuing = self._restore_group_live(module, optimizer, store) if live is None else None
             if live is not None:
                 step = live
+            elif continuing is not None:
+                step = continuing.step
             elif step > 0 and not self._older_groups():  # a group joining live ones takes their outer state
                 self._load_checkpoint(module, optimizer, step)
                 log.info("loaded layers [%d, %d) from the checkpoint of step %d", *pl.layers, step)
@@ -431,7 +450,7 @@ class PlanRunner:
             optimizer, averager = self._zero(optimizer, averager, cfg)
             averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
-                step = self._start_outer(store, module, step, stop)
+                step = self._start_outer(store, module, step, stop, continuing)
             transport = self._transport(pl)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
             cancelling.__exit__(None, None, None)
@@ -525,6 +544,8 @@ class PlanRunner:
                         # reported without a loss: the batch's mean could not be agreed (one replica's rows' loss
                         # would not be the step's)
                         reporter.put(self._metrics(step - 1, result, None, transport))
+                        if outer is not None and outer.count_late(job.train.global_batch * job.train.seq_len):
+                            self._outer_counted = step  # its round position goes with the state it leaves
                     if stop.is_set():
                         log.info("plan epoch %d superseded during step %d", self.plan.epoch, step)
                         break
@@ -554,6 +575,7 @@ class PlanRunner:
                     try:
                         outer.refresh(self.current_plan())
                         ended = outer.after_step(job.train.global_batch * job.train.seq_len)
+                        self._outer_counted = step
                         if step >= last:
                             outer.finish()  # the last round lands before the final checkpoint
                     except Exception as e:  # the exchange failed or came too late: this run cannot go on
@@ -624,6 +646,8 @@ class PlanRunner:
         if store is None or ctx.node_id == resume_leader(self.plan):  # one node asks everyone (n calls, not n^2)
             own = held.held(self.plan.epoch, wait=0.0)
             found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
+            # a replica group's state (an outer-mode run) is one group's trajectory: never mixed into a whole job's
+            found = [h for h in found if not h.group]
             point = agree(store, key, resume_point(found, total_layers=self.job.model.n_layers + 2,
                                                    checkpoint_step=self.plan.resume_step,
                                                    reached=self.plan.reached_step))
@@ -633,16 +657,7 @@ class PlanRunner:
         if not point.live:
             log.info("%s; %s", report.line(), point.reason)
             return None
-        mine = held.live
-        blobs: dict[str, tuple[bytes, Holder]] = {}
-        parts = []
-        for h, rng in sources(point, pl.layers, ctx.node_id, self.plan.region_of(ctx.node_id)):
-            if h.node_id == ctx.node_id and mine is not None and mine.step == h.step and mine.layers == h.layers:
-                blobs[h.node_id] = (mine.data, h)
-            if h.node_id not in blobs:
-                blobs[h.node_id] = self._fetch_live(point, h, rng, report)
-            data, given = blobs[h.node_id]
-            parts.append((slice_part(deserialize_state(data, h.node_id), rng), given.finish))
+        parts = self._live_parts(point, report)
         self._checkpoint_extra = load_slice(module, [p for p, _ in parts], optimizer)  # fp16: the loss scale
         pending = [(p, t) for p, t in parts if t is not None]
         if pending:
@@ -659,6 +674,98 @@ class PlanRunner:
                 self._finished_loss = (point.step - 1, loss)
         log.info("%s", report.line())
         return point.step
+
+    def _live_parts(self, point: ResumePoint, report: RestoreReport) -> list[tuple[dict, float | None]]:
+        """This stage's layers from the live holders of `point` (its own state where it holds them), each part
+        with the total that finishes it (None: nothing pending)."""
+        pl, ctx = self.placement, self.ctx
+        assert pl is not None and ctx.peer_server.state is not None
+        mine = ctx.peer_server.state.live
+        blobs: dict[str, tuple[bytes, Holder]] = {}
+        parts = []
+        for h, rng in sources(point, pl.layers, ctx.node_id, self.plan.region_of(ctx.node_id)):
+            if h.node_id == ctx.node_id and mine is not None and mine.step == h.step and mine.layers == h.layers:
+                blobs[h.node_id] = (mine.data, h)
+            if h.node_id not in blobs:
+                blobs[h.node_id] = self._fetch_live(point, h, rng, report)
+            data, given = blobs[h.node_id]
+            parts.append((slice_part(deserialize_state(data, h.node_id), rng), given.finish))
+        return parts
+
+    def _restore_group_live(self, module, optimizer, store: dist.Store | None) -> ResumePoint | None:
+        """Outer mode, a replica group planned afresh (a node of it left, joined or died) while older groups train
+        on: where its nodes hold the live state its previous nodes left in the middle of a round, and the older
+        groups still train that round, load this stage's layers from it and return the agreed point; the group goes
+        on with the round from there (`_start_outer`) instead of starting it again. None: it starts at the older
+        groups' round, from its anchor (`OuterSync.fetch_state`). The group's nodes agree on one answer."""
+        pl, ctx, plan = self.placement, self.ctx, self.plan
+        held = ctx.peer_server.state
+        if held is None or plan.mode != "outer" or pl is None or plan.outer is None:
+            return None
+        group = plan.groups[pl.group]
+        older = self._older_groups()
+        if not older or (group.since_epoch or plan.epoch) != plan.epoch:
+            return None
+        nodes = sorted({n for p in group.pipelines for st in plan.pipelines[p].stages for n in st.nodes})
+        key = f"{self._group_prefix()}/outer-resume"
+        if store is None or ctx.node_id == nodes[0]:
+            point = agree(store, key, self._group_point(module, nodes, older))
+        else:
+            point = await_point(store, key, 2 * ctx.timeout + timedelta(seconds=10))
+        if not point.live:
+            log.info("replica group %s starts at the other groups' round: %s", group.name, point.reason)
+            return None
+        self.restore = report = RestoreReport(point=point)
+        parts = self._live_parts(point, report)
+        self._checkpoint_extra = load_slice(module, [p for p, _ in parts], optimizer)
+        log.info("%s", report.line())
+        return point
+
+    def _group_point(self, module, nodes: list[str], older: list[int]) -> ResumePoint:
+        """The leader's answer for `_restore_group_live`: the newest step at which the group's nodes hold every
+        layer of the group's own state, landed, in the middle of a round the older groups are still in."""
+        plan, ctx, pl = self.plan, self.ctx, self.placement
+        assert pl is not None and ctx.peer_server.state is not None
+        group = plan.groups[pl.group]
+        view = replace(plan, node_addresses={n: plan.node_addresses.get(n, "") for n in nodes}, idle=[])
+        own = ctx.peer_server.state.held(plan.epoch, wait=0.0)
+        found = gather_held(view, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
+        if group.inner_steps < 2:  # a round of one step has no middle to go on from
+            return ResumePoint(step=0, live=False, reason="its rounds are of one inner step")
+        usable = [h for h in found if h.group == group.name and h.landed and 0 < h.steps_in_round < h.inner_steps
+                  and not h.pending]
+        total = self.job.model.n_layers + 2
+        point = resume_point(usable, total_layers=total, checkpoint_step=0)
+        if not point.live:
+            return replace(point, reason=f"no state of its own at one step mid-round covers every layer ({point.reason})")
+        rounds = {(h.outer_round, h.steps_in_round, h.inner_steps) for h in point.holders}
+        if len(rounds) != 1:
+            return ResumePoint(step=0, live=False, reason=f"its live parts are of different rounds: {sorted(rounds)}")
+        (r, k, _), = rounds
+        theirs = self._older_round(module, older)
+        if theirs != r:
+            return ResumePoint(step=0, live=False, reason=f"the other groups are at round {theirs}, past the round "
+                                                          f"{r} its state is in" if theirs is not None else
+                               "no older group told its round")
+        return replace(point, reason=f"its nodes hold its state at inner step {k} of round {r}, which the other "
+                                     f"groups still train")
+
+    def _older_round(self, module, older: list[int]) -> int | None:
+        """The outer round an older group's published state is of (the round it trains), asked of the node that
+        exchanges one of this stage's parameters there; None when no older group answers."""
+        plan, ctx = self.plan, self.ctx
+        name = next(n for n, _ in module.named_parameters())
+        for g in older:
+            node = responsible(name, group_holders(plan, g))
+            try:
+                _, round_, _ = fetch_outer(plan.node_addresses[node], pb.OuterFetchRequest(
+                    job_id=plan.job_id, plan_epoch=plan.groups[g].since_epoch, kind="state",
+                    names=[f"anchor/{name}"], sender=ctx.node_id), token=ctx.token, rpc=ctx.rpc,
+                    timeout=min(ctx.timeout, timedelta(seconds=30)), node=node)
+                return round_
+            except (grpc.RpcError, OuterSyncError, KeyError) as e:
+                log.info("could not ask group %d for its round: %s", g, e)
+        return None
 
     def _fetch_live(self, point: ResumePoint, first: Holder, rng: tuple[int, int], report: RestoreReport
                     ) -> tuple[bytes, Holder]:
@@ -721,8 +828,9 @@ class PlanRunner:
         the newer plan (a run that ended on a failed step: the coordinator replans after it). `leaving`: this
         node left gracefully; the others meet it when the plan after its Leave keeps them (none reaches it)."""
         pl = self.placement
-        if (not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or pl is None or store is None
-                or self.plan.mode != "sync"):
+        if not isinstance(optimizer, ZeroOptimizer) or optimizer.world < 2 or pl is None or store is None:
+            return None
+        if self.plan.mode != "sync" and self._outer_counted != step:  # no round position: nothing to go on from
             return None
         if not leaving and not self._newer_plan_keeps(self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes, wait):
             return None
@@ -817,8 +925,16 @@ class PlanRunner:
                  and stage.exchanged[0] == step - 1 else None)
         if whole is not None:  # tp: the whole layers its ranks gathered (`_tp_whole`), no pending gradients
             return LiveState.of(whole, step=step, epoch=self.plan.epoch, norm_total=total)
-        if self.plan.mode != "sync" or pl is None or pl.tp > 1 or (isinstance(optimizer, ZeroOptimizer)
-                                                                   and states is None):
+        outer = None
+        if self.plan.mode == "outer" and self.outer is not None and pl is not None:
+            if self._outer_counted != step:
+                return None  # a step the outer sync has not counted: no round position to go on from
+            # where the state stands in its group's rounds: the group planned afresh goes on from it mid-round
+            o = self.outer
+            outer = OuterPosition(group=self.plan.groups[pl.group].name, round=o.round, steps_in_round=o.steps_in_round,
+                                  inner_steps=o.cfg.inner_steps, landed=o.landed)
+        if (self.plan.mode != "sync" and outer is None) or pl is None or pl.tp > 1 or (
+                isinstance(optimizer, ZeroOptimizer) and states is None):
             return None
         if states is None and step == 0 and not optimizer.state:  # nothing trained: the next plan starts afresh
             return None
@@ -827,10 +943,11 @@ class PlanRunner:
         # exchange of that step failed can be finished to this step (`live_state.finishable`)
         if states is not None:  # ZeRO: whole weights and the gathered AdamW state, no pending gradients (sharded)
             return LiveState.of(slice_state(module, states, extra=extra), step=step, epoch=self.plan.epoch,
-                                norm_total=total)
+                                norm_total=total, outer=outer)
         state = slice_state(module, optimizer, extra=extra)
         loss = None
-        if stage is not None:
+        # (a replica group's state is served at the step it completed: a step half taken there is dropped)
+        if stage is not None and outer is None:
             grads = pending_grads(module, stage.unexchanged, step)
             if grads is not None:
                 state["grads"] = grads
@@ -839,7 +956,8 @@ class PlanRunner:
                     # every last-stage replica and reports it (`live_state.finished_loss`)
                     weight = self._row_weight()
                     loss = (stage.unexchanged_loss * weight, weight)
-        return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total, pending_loss=loss)
+        return LiveState.of(state, step=step, epoch=self.plan.epoch, norm_total=total, pending_loss=loss,
+                            outer=outer)
 
     def _older_groups(self) -> list[int]:
         """Outer mode: the other replica groups that have trained since before this node's group formed."""
@@ -849,11 +967,13 @@ class PlanRunner:
         return [g for g, grp in enumerate(plan.groups) if g != pl.group and 0 < grp.since_epoch < self.run_epoch]
 
     def _start_outer(self, store: dist.Store | None, module: torch.nn.Module, step: int,
-                     stop: threading.Event | None = None) -> int:
+                     stop: threading.Event | None = None, continuing: ResumePoint | None = None) -> int:
         """Set up the outer sync of this node's layers; return the step to train from.
 
         Its outer state comes from the checkpoint of `step` (a whole-job resume), or, for a group that
-        (re)joins while older groups train on, from one of those groups; otherwise the start parameters.
+        (re)joins while older groups train on, from one of those groups; otherwise the start parameters. A group
+        that goes on with its round from its own live state (`continuing`, `_restore_group_live`) takes the anchor
+        and momentum of that round from an older group (every group holds the same) and keeps its parameters.
         """
         plan, pl, ctx = self.plan, self.placement, self.ctx
         assert pl is not None and plan.outer is not None
@@ -884,16 +1004,34 @@ class PlanRunner:
                                        segment_groups=segment_groups, timeout=ctx.timeout,
                                        plan_source=self.current_plan, stop=stop)
         older = self._older_groups()
+        if older and continuing is not None:
+            at = continuing.holders[0]
+            round_ = outer.fetch_state(older, {g: plan.groups[g].since_epoch for g in older}, params_too=False)
+            if round_ != at.outer_round:
+                raise OuterSyncError(f"the other groups moved on to round {round_} while this group took its state "
+                                     f"of round {at.outer_round}; the next plan starts it at their round")
+            k = continuing_steps(at.steps_in_round, at.inner_steps, group.inner_steps)
+            outer.round, outer.steps_in_round = at.outer_round, k
+            outer.tokens_in_round = at.steps_in_round * self.job.train.global_batch * self.job.train.seq_len
+            step = at.outer_round * group.inner_steps + k  # the group's steps count in rounds of its own H
+            log.info("replica group %s goes on with round %d at inner step %d of %d (step %d): the %d inner steps "
+                     "it had trained of the round%s are kept", group.name, at.outer_round, k, group.inner_steps, step,
+                     at.steps_in_round, f" (of {at.inner_steps} a round then)" if at.inner_steps != group.inner_steps
+                     else "")
+            self._outer_counted = step
+            return step
         if older:
             epochs = {g: plan.groups[g].since_epoch for g in older}
             round_ = outer.fetch_state(older, epochs)
-            return max(step, round_ * group.inner_steps)
+            self._outer_counted = max(step, round_ * group.inner_steps)
+            return self._outer_counted
         state = load_outer_state(ctx.checkpoint_dir, step, pl.layers) if step > 0 else None
         if state is not None:
             outer.load_state_dict(state)
             log.info("outer state of round %d loaded from the checkpoint of step %d", outer.round, step)
         else:
             outer.round = step // group.inner_steps
+        self._outer_counted = step
         return step
 
     def _store(self) -> dist.Store:

@@ -52,6 +52,22 @@ class StateTransferError(RuntimeError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class OuterPosition:
+    """Outer mode: where a live state stands in its replica group's rounds (`HeldStateReply.replica_group`...)."""
+
+    group: str
+    """The name of the replica group whose run left the state."""
+    round: int
+    """The round the state is in: the next to end."""
+    steps_in_round: int
+    """Inner steps of that round the state has trained."""
+    inner_steps: int
+    """The group's inner steps a round."""
+    landed: bool
+    """Every earlier round's outer update is applied to the parameters (no exchange was in flight)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LiveState:
     """A stage's weights and optimizer state after `step` steps, serialized (the checkpoint file format)."""
 
@@ -69,14 +85,16 @@ class LiveState:
     pending_loss: tuple[float, float] | None = None
     """A pending last stage's (loss share, row weight) of step `step`: its mean loss over its rows times their
     share of the global batch, and that share (the shares of all last-stage replicas add up to the batch's loss)."""
+    outer: OuterPosition | None = None
+    """Outer mode: the replica group and the round the state is in; None: a synchronous plan's state."""
 
     @classmethod
     def of(cls, state: dict[str, Any], *, step: int, epoch: int, norm_total: float | None = None,
-           pending_loss: tuple[float, float] | None = None) -> LiveState:
+           pending_loss: tuple[float, float] | None = None, outer: OuterPosition | None = None) -> LiveState:
         data = serialize_state(state)
         return cls(step=step, layers=(int(state["start"]), int(state["end"])), data=data, checksum=crc32(data),
                    epoch=epoch, pending="grads" in state, norm_total=norm_total,
-                   pending_loss=pending_loss if "grads" in state else None)
+                   pending_loss=pending_loss if "grads" in state else None, outer=outer)
 
 
 def serialize_state(state: dict[str, Any]) -> bytes:
@@ -171,7 +189,8 @@ class StateHolder:
                                  pending=live.pending, has_norm_total=live.norm_total is not None,
                                  norm_total=live.norm_total or 0.0, has_pending_loss=live.pending_loss is not None,
                                  pending_loss=live.pending_loss[0] if live.pending_loss else 0.0,
-                                 pending_weight=live.pending_loss[1] if live.pending_loss else 0.0)
+                                 pending_weight=live.pending_loss[1] if live.pending_loss else 0.0,
+                                 **(_outer_fields(live.outer) if live.outer is not None else {}))
 
     def chunks(self, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:
         """The chunks answering `request`. Raises KeyError (not held here), ValueError (a bad request)."""
@@ -277,6 +296,11 @@ class HandOver:
 
     def __str__(self) -> str:
         return self.said
+
+
+def _outer_fields(o: OuterPosition) -> dict[str, Any]:
+    return {"replica_group": o.group, "outer_round": o.round, "steps_in_round": o.steps_in_round,
+            "inner_steps": o.inner_steps, "outer_landed": o.landed}
 
 
 def _file_chunks(path: Path, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:

@@ -379,3 +379,15 @@ def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retrie
                       lambda: current[0], "n")
     with pytest.raises(grpc.RpcError):
         bad(3, 5, True, RoundStats())
+
+
+def test_a_group_that_goes_on_with_its_round_keeps_its_share_of_it() -> None:
+    """A group planned afresh with other inner steps a round stands at the same share of its round, never at its
+    start or end (the round still ends, and the steps it trained count)."""
+    from atoll.node.runner import continuing_steps
+
+    assert continuing_steps(11, 40, 40) == 11
+    assert continuing_steps(11, 40, 27) == 7  # 11/40 of 27
+    assert continuing_steps(1, 40, 10) == 1  # never back at the round's start
+    assert continuing_steps(39, 40, 10) == 9  # never at its end
+    assert continuing_steps(5, 10, 100) == 50

@@ -1035,7 +1035,7 @@ class HeldStateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
 
 class HeldStateReply(_message.Message):
-    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id", "pending", "has_norm_total", "norm_total", "has_pending_loss", "pending_loss", "pending_weight")
+    __slots__ = ("holds", "step", "layer_start", "layer_end", "bytes", "plan_epoch", "node_id", "pending", "has_norm_total", "norm_total", "has_pending_loss", "pending_loss", "pending_weight", "replica_group", "outer_round", "steps_in_round", "inner_steps", "outer_landed")
     HOLDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -1049,6 +1049,11 @@ class HeldStateReply(_message.Message):
     HAS_PENDING_LOSS_FIELD_NUMBER: _ClassVar[int]
     PENDING_LOSS_FIELD_NUMBER: _ClassVar[int]
     PENDING_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    OUTER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_IN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LANDED_FIELD_NUMBER: _ClassVar[int]
     holds: bool
     step: int
     layer_start: int
@@ -1062,7 +1067,12 @@ class HeldStateReply(_message.Message):
     has_pending_loss: bool
     pending_loss: float
     pending_weight: float
-    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., pending: _Optional[bool] = ..., has_norm_total: _Optional[bool] = ..., norm_total: _Optional[float] = ..., has_pending_loss: _Optional[bool] = ..., pending_loss: _Optional[float] = ..., pending_weight: _Optional[float] = ...) -> None: ...
+    replica_group: str
+    outer_round: int
+    steps_in_round: int
+    inner_steps: int
+    outer_landed: bool
+    def __init__(self, holds: _Optional[bool] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bytes: _Optional[int] = ..., plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., pending: _Optional[bool] = ..., has_norm_total: _Optional[bool] = ..., norm_total: _Optional[float] = ..., has_pending_loss: _Optional[bool] = ..., pending_loss: _Optional[float] = ..., pending_weight: _Optional[float] = ..., replica_group: _Optional[str] = ..., outer_round: _Optional[int] = ..., steps_in_round: _Optional[int] = ..., inner_steps: _Optional[int] = ..., outer_landed: _Optional[bool] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("job_id", "step", "layer_start", "layer_end", "source", "source_address", "plan_epoch")
