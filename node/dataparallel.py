@@ -21,7 +21,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -137,16 +137,29 @@ def wait_done(done: threading.Event, timeout: timedelta, what: str) -> None:
         done.wait(min(CANCEL_POLL_S, left))
 
 
-def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta) -> None:
+def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta,
+           gone: Callable[[], str | None] | None = None) -> None:
     """Say that `rank` has come to the group meeting at `store` and wait until all `size` ranks have, at most
     `timeout`. Inside `cancel_collectives_on(event)` the wait ends (CollectiveCancelled) as soon as `event` is set:
     building a process group waits for its peers in C++ and cannot be interrupted, so the group is built only once
-    every rank is known to be there."""
+    every rank is known to be there. `gone`: says why a peer will not come (its process is gone), else None;
+    asked once a second while waiting and once more when every rank has arrived (a rank that arrived and then
+    died would leave the group's constructor waiting for it until `timeout`)."""
     store.set(f"arrived/{rank}", b"1")
     keys = [f"arrived/{r}" for r in range(size)]
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.01
+    asked = time.monotonic()
+
+    def ask() -> None:
+        reason = gone() if gone is not None else None
+        if reason is not None:
+            raise CollectiveError(f"the rendezvous was abandoned: {reason}")
+
     while not store.check(keys):
+        if gone is not None and time.monotonic() - asked >= 1.0:
+            ask()
+            asked = time.monotonic()
         event: threading.Event | None = getattr(_cancel, "event", None)
         if event is not None and event.is_set():
             raise CollectiveCancelled("the rendezvous was abandoned: the plan it belongs to was superseded")
@@ -156,6 +169,7 @@ def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta) -> No
                                   f"{timeout}")
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
+    ask()
 
 
 def release_later(objects: list[object], after: timedelta) -> None:

@@ -186,15 +186,37 @@ report, and the node would wait for that plan after its run anyway."""
 
 
 def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta,
-           device: torch.device) -> dist.ProcessGroup:
+           device: torch.device, gone: Callable[[], str | None] | None = None) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(prefix, store)
-    arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
+    # a newer plan ends the wait for peers not coming; `gone` a peer whose process is gone
+    arrive(prefixed, rank=rank, size=size, timeout=timeout, gone=gone)
     if device.type == "cuda":
         # the group's own timeout bounds an operation a run abandoned (`release_later` drops the group after it)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def _peer_gone(addresses: dict[str, str], nodes: Sequence[str]) -> Callable[[], str | None]:
+    """A check for `arrive`: which of `nodes` refuses connections at its peer address (its process is gone:
+    SIGKILLed, crashed), else None. Nodes without an address, or that cannot be told (a timeout), count as alive."""
+    import socket
+
+    def check() -> str | None:
+        for n in nodes:
+            address = addresses.get(n, "")
+            if not address:
+                continue
+            host, port = address.rsplit(":", 1)
+            try:
+                socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+            except ConnectionRefusedError:
+                return f"node {n} refuses connections at {address} (its process is gone)"
+            except (OSError, ValueError):
+                continue
+        return None
+    return check
 
 
 class _SegmentAverager:
@@ -617,6 +639,8 @@ class PlanRunner:
                 # meet; a failed one waits for that plan first
                 wait = 0.0 if ended else ZERO_REPORTED_WAIT_S if self.failure_reported else ZERO_FAILED_WAIT_S
                 until = time.monotonic() + wait  # one wait for that plan, shared by both handovers below
+                if spread and (ended or failed) and store is not None:
+                    store = self._handover_store(store)
                 states = (self._zero_states(store, optimizer, step, wait=wait, leaving=leaving)
                           if ended or failed else None)
                 # a tp stage's ranks likewise gather its shards whole on tp rank 0 (under ZeRO: replica 0's ranks,
@@ -840,7 +864,8 @@ class PlanRunner:
             # shards whole, `_tp_whole`)
             group = self._handover_group(store, f"zero-handover-{pl.pipeline}-{pl.stage}-{pl.tp_rank}", optimizer.rank,
                                          optimizer.world, step, timeout, device=optimizer.flat.device,
-                                         torn=optimizer.torn)
+                                         torn=optimizer.torn,
+                                         peers=self.plan.pipelines[pl.pipeline].stages[pl.stage].nodes)
             if group is None:
                 log.info("the ZeRO replicas of stage %d ended at different steps or inside a parameter update: no "
                          "live state", pl.stage)
@@ -855,11 +880,14 @@ class PlanRunner:
         return states
 
     def _handover_group(self, store: dist.Store, name: str, rank: int, size: int, step: int, timeout: timedelta,
-                        *, device: torch.device, torn: bool = False) -> dist.ProcessGroup | None:
+                        *, device: torch.device, torn: bool = False, peers: Sequence[str] = ()
+                        ) -> dist.ProcessGroup | None:
         """A group of its own for a handover among a stage's ranks (the stage's groups may hold a collective the
         supersession abandoned), once they agree they ended at the same step (sum and sum of squares) and none
         inside a parameter update (`torn`); None where they do not."""
-        group = _group(store, f"{self._group_prefix()}/{name}/", rank, size, timeout, self.ctx.device)
+        peers = [n for n in peers if n != self.ctx.node_id]
+        group = _group(store, f"{self._group_prefix()}/{name}/", rank, size, timeout, self.ctx.device,
+                       gone=_peer_gone(self.plan.node_addresses, peers))
         steps = torch.tensor([float(step), float(step) ** 2, float(torn)], dtype=torch.float64, device=device)
         wait_collective(group.allreduce([steps]), timeout, f"{name} step check")
         if abs(float(steps[1]) * size - float(steps[0]) ** 2) > 0.5 or float(steps[2]) > 0:
@@ -897,7 +925,8 @@ class PlanRunner:
         timeout = timedelta(seconds=TP_HANDOVER_S)
         try:
             group = self._handover_group(store, f"tp-handover-{pl.pipeline}-{pl.stage}-{pl.replica}", pl.tp_rank,
-                                         pl.tp, step, timeout, device=self.ctx.device, torn=zero and states is None)
+                                         pl.tp, step, timeout, device=self.ctx.device, torn=zero and states is None,
+                                         peers=pl.tp_group)
             if group is None:
                 log.info("the tp ranks of stage %d ended at different steps%s: no live state", pl.stage,
                          " or without their replicas' ZeRO state" if zero else "")
@@ -1039,6 +1068,20 @@ class PlanRunner:
             raise RunFailed("the plan names no rendezvous store; the coordinator must publish one")
         host, port = self.plan.rendezvous.rsplit(":", 1)
         return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False, timeout=self.ctx.timeout)
+
+    def _handover_store(self, store: dist.Store) -> dist.Store:
+        """A connection of its own to the rendezvous store for the handovers at the end of a run. The run's may be
+        dead: a coordinator restarted on its state dir binds the same port, so the plan stays current and training
+        goes on over groups formed already, but the run's client socket went with the old process, and its first
+        use fails with "Broken pipe" (the gather would fail and the next plan roll back). The run's connection is
+        kept where no new one opens within the handover's bound."""
+        try:
+            host, port = self.plan.rendezvous.rsplit(":", 1)
+            return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False,
+                                 timeout=min(self.ctx.timeout, timedelta(seconds=ZERO_HANDOVER_S)))
+        except Exception as e:  # noqa: BLE001 - the handover then tries the run's own connection
+            log.info("no new connection to the rendezvous store for the handover (%s)", e)
+            return store
 
     def _group_prefix(self) -> str:
         """Where this run's process groups meet in the rendezvous store. In outer mode the replica groups of

@@ -311,3 +311,42 @@ def test_a_coordinator_on_a_fresh_state_dir_does_not_train_over_an_earlier_runs_
         print(f"\nrefused: {next(line for line in log.splitlines() if 'earlier run' in line)[:240]}")
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_zero_replica_leaving_after_a_coordinator_restart_hands_its_state_over(tmp_path: Path) -> None:
+    """Two nodes run one stage as ZeRO-1 replicas; the coordinator is killed and restarted on its state dir (the
+    plan stays current), then one replica leaves gracefully. The replicas gather the stage's state for the next
+    plan over a new connection to the rendezvous store (the run's own died with the old coordinator process: its
+    first use failed with "Broken pipe", and the next plan rolled back to the last checkpoint)."""
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=5000, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=1000),
+                  cluster=replace(job.cluster, expected_nodes=2, min_nodes=1))
+    path = tmp_path / "job-zero.toml"
+    path.write_text(job.to_toml())
+    cluster = LocalCluster(job_path=path, out=tmp_path / "zero")
+    args = ["--island-threshold", "0.001"]
+    try:
+        cluster.start_coordinator(extra=args)
+        cluster.start_node("node1")
+        cluster.start_node("node2")
+        first = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step >= 20, 120, "training", poll=0.2)
+        assert any(st.dp == 2 for p in first.plan.pipelines for st in p.stages), first.plan
+        cluster.kill_coordinator()
+        time.sleep(1.0)
+        cluster.restart_coordinator(extra=args)
+        back = cluster.wait_status(lambda s: s.step >= first.step + 10, 120, "training after the restart", poll=0.2)
+        assert back.plan.epoch == first.plan.epoch  # the plan stayed current
+        _stop(cluster, "node2")
+        after = cluster.wait_status(lambda s: s.plan.epoch > first.plan.epoch and s.step > back.step, 120,
+                                    "training under the next plan", poll=0.2, dead=frozenset({"node2"}))
+        reports, _ = _steps(cluster)
+        resumed = [r for r in reports if r.plan_epoch == after.plan.epoch and r.restored_from]
+        log1 = (cluster.out / "node1.log").read_text()
+        print(f"\nplan epoch {first.plan.epoch} -> {after.plan.epoch}: "
+              f"{[(r.restored_from, r.steps_rolled_back) for r in resumed]}")
+        assert "Broken pipe" not in log1 and "could not be gathered" not in log1, log1[-3000:]
+        assert resumed and all(r.restored_from == "live" and r.steps_rolled_back == 0 for r in resumed), log1[-3000:]
+    finally:
+        cluster.stop()

@@ -120,6 +120,39 @@ def test_a_rendezvous_waits_for_every_rank_and_ends_when_the_plan_is_superseded(
     late.join()
 
 
+@pytest.mark.timeout(30)
+def test_a_rendezvous_ends_at_once_when_a_peer_that_arrived_is_gone() -> None:
+    """A handover's peer arrived at the rendezvous and was then killed: the group's constructor would wait for it
+    until its timeout (15 s), so the rendezvous asks whether its peers live (their peer servers refuse connections
+    once their process is gone) and gives up at once, naming the peer; one still coming is waited for."""
+    import socket
+
+    from atoll.node.runner import _peer_gone
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{closed.getsockname()[1]}"  # nothing listens there once the socket is closed
+    with socket.socket() as alive:
+        alive.bind(("127.0.0.1", 0))
+        alive.listen()
+        live = f"127.0.0.1:{alive.getsockname()[1]}"
+        check = _peer_gone({"b": dead, "c": live, "d": ""}, ["c", "d", "b"])
+        assert check() == f"node b refuses connections at {dead} (its process is gone)"
+        assert _peer_gone({"c": live, "d": ""}, ["c", "d"])() is None  # alive, or no address to tell by
+        store = dist.HashStore()
+        dist.PrefixStore("g/", store).set("arrived/1", b"1")  # rank 1 arrived, then died
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match="node b refuses connections"):
+            arrive(dist.PrefixStore("g/", store), rank=0, size=2, timeout=timedelta(seconds=20), gone=check)
+        assert time.monotonic() - t0 < 2.0
+        # a peer that is slow to come, not gone: waited for as before
+        late = threading.Timer(1.5, lambda: dist.PrefixStore("h/", store).set("arrived/1", b"1"))
+        late.start()
+        arrive(dist.PrefixStore("h/", store), rank=0, size=2, timeout=timedelta(seconds=10),
+               gone=_peer_gone({"c": live}, ["c"]))
+        late.join()
+
+
 def _dp_run(tmp_path: Path, *, wait_bound: timedelta | None, supersede_after: float | None):
     """Nodes a and b as threads, the tiny model as one stage with two replicas. b goes silent after a few steps
     while holding its groups (a hung machine); returns (how a's run ended, seconds from b's silence to it)."""
