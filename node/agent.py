@@ -62,6 +62,8 @@ STEP_BACKLOG = 4096
 FINISHED_GRACE = timedelta(minutes=2)
 """How long after the job finished a node running a stage may take to end its run (its last checkpoint) before
 it is stopped anyway."""
+LEAVE_RETRY = timedelta(seconds=15)
+"""How long a leaving node retries its Leave while the coordinator is away (`NodeAgent._send_leave`)."""
 STUCK_AFTER_STOP = timedelta(seconds=30)
 """How long the main thread of a stopped node (`atoll node`) may stay inside a blocking call before the process
 exits without it (`run_node_cli`)."""
@@ -639,6 +641,8 @@ class NodeAgent:
         root = self.config.checkpoint_dir
         if live is None or live.pending or root is None or self.job is None or live.step <= 0:
             return
+        if live.outer is not None:  # a replica group's state mid-round: outer-mode checkpoints are taken at round
+            return  # ends, with the outer state beside the layers
         path = checkpoint_file(root, live.step, live.layers)
         try:
             if not path.is_file():
@@ -1050,12 +1054,7 @@ class NodeAgent:
             # a ZeRO or tp stage's handover to the others of its stage waits for the Leave (`wait_left`)
             self.peer.state.wait_steps_over(self.config.handover)
         if leave and self.joins:
-            try:
-                self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),
-                          timeout=timedelta(seconds=2))
-                left = self._left = True
-            except grpc.RpcError:
-                pass
+            left = self._left = self._send_leave(LEAVE_RETRY)
         self._leave_answered.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -1073,6 +1072,29 @@ class NodeAgent:
         for channel in self._old_channels:
             channel.close()
         self._state_lock.release()
+
+    def _send_leave(self, most: timedelta) -> bool:
+        """Tell the coordinator this node leaves; retried while the coordinator is away (a restart takes seconds)
+        for at most `most`. Whether it took the Leave: only then do the next plan's nodes fetch this node's live
+        state (or it keeps that state as a checkpoint); without, the coordinator notices the node gone when its
+        lease lapses and the job resumes from its last checkpoint."""
+        end = time.monotonic() + most.total_seconds()
+        wait = 0.25
+        while True:
+            try:
+                self.call("Leave", pb.LeaveRequest(node_id=self.node_id, reason="node stopped"),
+                          timeout=timedelta(seconds=2))
+                return True
+            except grpc.RpcError as e:
+                if e.code() not in _RETRYABLE or time.monotonic() + wait >= end:
+                    log.warning("leaving: the coordinator did not take this node's Leave (%s: %s); it notices the "
+                                "node gone when its lease lapses, and its live state is not handed over",
+                                e.code().name, e.details())
+                    return False
+            except ValueError:  # the channel is closed
+                return False
+            time.sleep(wait)
+            wait = min(2 * wait, 2.0)
 
     @property
     def stopped(self) -> bool:

@@ -466,3 +466,38 @@ def test_an_agent_replaced_by_a_second_process_of_its_node_stops_with_why(coordi
     finally:
         second.stop()
         first.stop()
+
+
+def test_a_leave_is_retried_while_the_coordinator_is_away(tmp_path: Path) -> None:
+    """A node stopped while its coordinator restarts: its Leave is retried for a while (only a Leave the coordinator
+    took lets the next plan's nodes fetch the node's live state), then given up with a warning."""
+    import grpc
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "restarting"
+
+    agent = make_agent("127.0.0.1:9", tmp_path, "h")
+    answers: list = [Unavailable(), Unavailable(), None]
+    calls: list[float] = []
+
+    class Stub:
+        def Leave(self, request, timeout):  # noqa: N802 - the gRPC method's name
+            calls.append(time.monotonic())
+            answer = answers.pop(0) if answers else Unavailable()
+            if answer is not None:
+                raise answer
+            return None
+
+    agent._stub = Stub()  # type: ignore[assignment]
+    try:
+        assert agent._send_leave(timedelta(seconds=10)) and len(calls) == 3
+        calls.clear()
+        t0 = time.monotonic()
+        assert not agent._send_leave(timedelta(seconds=1.5))  # the coordinator stays away
+        assert len(calls) >= 2 and time.monotonic() - t0 < 3.0
+    finally:
+        agent.stop(leave=False)
