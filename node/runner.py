@@ -768,9 +768,9 @@ class PlanRunner:
         (r, k, _), = rounds
         theirs = self._older_round(module, older)
         if theirs != r:
-            return ResumePoint(step=0, live=False, reason=f"the other groups are at round {theirs}, past the round "
-                                                          f"{r} its state is in" if theirs is not None else
-                               "no older group told its round")
+            said = (f"the other groups are at round {theirs}, not the round {r} its state is in"
+                    if theirs is not None else "no older group told its round")
+            return ResumePoint(step=0, live=False, reason=said)
         return replace(point, reason=f"its nodes hold its state at inner step {k} of round {r}, which the other "
                                      f"groups still train")
 
