@@ -63,7 +63,7 @@ FINISHED_GRACE = timedelta(minutes=2)
 """How long after the job finished a node running a stage may take to end its run (its last checkpoint) before
 it is stopped anyway."""
 LEAVE_RETRY = timedelta(seconds=15)
-"""How long a leaving node retries its Leave while the coordinator is away (`NodeAgent._send_leave`)."""
+"""How long a node stopped while its coordinator is away retries its Leave (`NodeAgent._send_leave`)."""
 STUCK_AFTER_STOP = timedelta(seconds=30)
 """How long the main thread of a stopped node (`atoll node`) may stay inside a blocking call before the process
 exits without it (`run_node_cli`)."""
@@ -323,6 +323,8 @@ class NodeAgent:
         self._after_rejoin = False
         self.run_id = ""
         """The coordinator's run of the job (`JobInfo.run_id`), known once the job is fetched."""
+        self._away_since: float | None = None
+        """When (time.monotonic) the heartbeats stopped getting through; None while they do."""
         self.session = secrets.token_hex(8)
         """This process's session (`JoinRequest.session`): the same on each of its joins, another after a restart."""
         self.epoch = 0
@@ -576,7 +578,7 @@ class NodeAgent:
             return list(self._step_seconds)
 
     def _heartbeat_loop(self) -> None:
-        unavailable_since: float | None = None
+        self._away_since = None
         # the first heartbeat goes at once: its reply hands this node the peers to probe, and a plan waits for
         # every member's probes (after a full interval, the last node to join held the plan back by as long)
         wait = 0.0
@@ -597,13 +599,13 @@ class NodeAgent:
                     raise AgentError(f"heartbeat refused: {e.details()}") from None
                 elif e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # another process speaks for this node now
                     raise AgentError(f"stopping: {e.details()}") from None
-                elif unavailable_since is None:
-                    unavailable_since = time.monotonic()
+                elif self._away_since is None:
+                    self._away_since = time.monotonic()
                     log.warning("heartbeat failed (%s: %s); retrying", e.code().name, e.details())
                 continue
-            if unavailable_since is not None:
-                log.info("coordinator reachable again after %.1fs", time.monotonic() - unavailable_since)
-                unavailable_since = None
+            if self._away_since is not None:
+                log.info("coordinator reachable again after %.1fs", time.monotonic() - self._away_since)
+                self._away_since = None
                 with self._outbox_cond:
                     self._outbox_cond.notify_all()  # deliver what waited for the coordinator now
                 self._watch_wake.set()  # and reopen the plan watch if it is waiting to retry
@@ -1021,6 +1023,9 @@ class NodeAgent:
             log.info("stopping now: the step in flight is cut short")
             self._stop.set()
             return
+        # a node stopped while its coordinator is away (restarting) retries its Leave until it is back; one whose
+        # coordinator went away as it stopped (the whole job stopping at once) tries once, as before
+        leave_retry = LEAVE_RETRY if self._away_since is not None else timedelta(0)
         if leave and self.joins:
             self._leaving.set()
             if self.peer is not None and self.peer.state is not None:
@@ -1054,7 +1059,7 @@ class NodeAgent:
             # a ZeRO or tp stage's handover to the others of its stage waits for the Leave (`wait_left`)
             self.peer.state.wait_steps_over(self.config.handover)
         if leave and self.joins:
-            left = self._left = self._send_leave(LEAVE_RETRY)
+            left = self._left = self._send_leave(leave_retry)
         self._leave_answered.set()
         for t in self._threads:
             if t is not threading.current_thread():
@@ -1087,9 +1092,10 @@ class NodeAgent:
                 return True
             except grpc.RpcError as e:
                 if e.code() not in _RETRYABLE or time.monotonic() + wait >= end:
-                    log.warning("leaving: the coordinator did not take this node's Leave (%s: %s); it notices the "
-                                "node gone when its lease lapses, and its live state is not handed over",
-                                e.code().name, e.details())
+                    if most.total_seconds() > 0:
+                        log.warning("leaving: the coordinator did not take this node's Leave within %.0fs (%s: %s); "
+                                    "it notices the node gone when its lease lapses, and its live state is not "
+                                    "handed over", most.total_seconds(), e.code().name, e.details())
                     return False
             except ValueError:  # the channel is closed
                 return False
