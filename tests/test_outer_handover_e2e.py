@@ -1,5 +1,5 @@
 """Outer mode, end to end on loopback: two regions of two nodes train as replica groups; one node of lab-b leaves
-gracefully in the middle of a round. lab-b is planned afresh while lab-a trains on, and the replanned group goes on
+gracefully early in a round. lab-b is planned afresh while lab-a trains on, and the replanned group goes on
 with the round from its own live state (the leaving node hands its layers over) instead of starting it again."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from atoll.serde import plan_from_proto
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
-INNER = 40
+INNER = 160
 _GOES_ON = re.compile(r"replica group (\S+) goes on with round (\d+) at inner step (\d+) of \d+ \(step (\d+)\)")
 
 
@@ -65,9 +65,10 @@ def test_a_replanned_group_goes_on_with_its_round(tmp_path: Path) -> None:
         def b_at() -> int:
             return max((r.step for r in _steps(cluster) if r.node_id in b_ids), default=-1)
 
-        # lab-b in the middle of its second round (well clear of the round's ends)
-        cluster.wait_status(lambda s: b_at() >= INNER and 8 <= (b_at() + 1) % INNER <= INNER - 15, 120,
-                            "lab-b in the middle of a round", poll=0.1)
+        # lab-b early in its second round: lab-a, which trains the same round (the groups meet at its end), has
+        # most of the round left while lab-b is replanned and looks for it (a busy machine slows that down)
+        cluster.wait_status(lambda s: b_at() >= INNER and 8 <= (b_at() + 1) % INNER <= INNER // 4, 120,
+                            "lab-b early in a round", poll=0.1)
         left_at = b_at()
         proc = cluster.procs.pop("b1")
         proc.terminate()  # a graceful leave: it hands its layers over
@@ -89,10 +90,10 @@ def test_a_replanned_group_goes_on_with_its_round(tmp_path: Path) -> None:
             assert "loaded layers" not in (cluster.out / f"{n}.log").read_text()
         a_steps = [r.step for r in _steps(cluster) if r.node_id == a_ids[0]]
         assert a_steps == sorted(a_steps)
-        # the job goes on: lab-b ends the round it went on with, and its next
+        # the job goes on: lab-b ends the round it went on with
         new_inner = plan_from_proto(after.plan).groups
         h = next(g.inner_steps for g in new_inner if g.name == went_on.group(1))
-        cluster.wait_status(lambda s: b_at() >= (int(round_) + 2) * h, 120, "lab-b past the round's end",
+        cluster.wait_status(lambda s: b_at() >= (int(round_) + 1) * h + 2, 120, "lab-b past the round's end",
                             dead=frozenset({"b1"}))
     finally:
         cluster.stop()
