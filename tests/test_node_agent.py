@@ -212,6 +212,21 @@ def wait_until(cond: Callable[[], bool], timeout: float = 20.0, what: str = "con
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def run_in_thread(agent: NodeAgent) -> tuple[threading.Thread, list[BaseException]]:
+    """`agent.run()` on a thread of its own; what it raised lands in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, errors
+
+
 @pytest.fixture
 def coordinator() -> Iterator[CoordinatorService]:
     svc = start_coordinator()
@@ -352,16 +367,7 @@ def test_stop_while_waiting_for_a_coordinator_ends_run_quietly(tmp_path: Path) -
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
     agent = make_agent(address, tmp_path, "h")
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            agent.run()
-        except BaseException as e:  # noqa: BLE001 - the test reports it
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, errors = run_in_thread(agent)
     time.sleep(0.5)
     agent.stop()
     t.join(5)
@@ -372,16 +378,7 @@ def test_stop_while_waiting_for_a_coordinator_ends_run_quietly(tmp_path: Path) -
 def test_run_raises_when_the_coordinator_later_refuses_the_node(coordinator: CoordinatorService,
                                                                tmp_path: Path) -> None:
     agent = make_agent(coordinator.address, tmp_path, "h")
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            agent.run()
-        except BaseException as e:  # noqa: BLE001 - the test reports it
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, errors = run_in_thread(agent)
     wait_until(lambda: agent.joins == 1, what="the join")
     coordinator.state.token = "rotated"  # every later call is refused
     t.join(15)
@@ -440,16 +437,7 @@ def test_an_agent_replaced_by_a_second_process_of_its_node_stops_with_why(coordi
     import shutil
 
     first = make_agent(coordinator.address, tmp_path / "a", "h")
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            first.run()
-        except BaseException as e:  # noqa: BLE001 - the test reports it
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, errors = run_in_thread(first)
     wait_until(lambda: first.joins == 1, what="the first join")
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     second = make_agent(coordinator.address, tmp_path / "b", "h")

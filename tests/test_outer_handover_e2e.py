@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from atoll.coordinator.store import SqliteStore
 from atoll.job import JobSpec
 from atoll.launch.localcluster import LocalCluster
 from atoll.serde import plan_from_proto
@@ -38,11 +37,8 @@ def _job(tmp: Path) -> Path:
 def _steps(cluster: LocalCluster) -> list:
     if not cluster.state_db.is_file():
         return []
-    store = SqliteStore(cluster.state_db)
-    try:
+    with cluster.read_store() as store:
         return store.recent_steps(limit=1_000_000)
-    finally:
-        store.close()
 
 
 def _ids(cluster: LocalCluster, names: list[str]) -> list[str]:
