@@ -344,6 +344,10 @@ class Plan:
                 return island.group
         return ""
 
+    def group_nodes(self, group: int) -> set[str]:
+        """The nodes of replica group `group`: every node of its pipelines' stages."""
+        return {n for p in self.groups[group].pipelines for st in self.pipelines[p].stages for n in st.nodes}
+
     def group_of(self, pipeline: int) -> int:
         """Index of the replica group that runs `pipeline` (0 in a synchronous plan)."""
         for g, group in enumerate(self.groups):

@@ -49,13 +49,16 @@ def _check_job(job_id: str, state: CoordinatorState) -> None:
                                  f"at that job's coordinator")
 
 
-def _known(node_id: str, state: CoordinatorState, *, left_too: bool = False) -> MemberRecord:
+def _known(node_id: str, state: CoordinatorState, *, left_too: bool = False, session: str = "") -> MemberRecord:
+    """The member record of `node_id`, which must be alive (or left, with `left_too`), asked by the process that
+    speaks for it now (`session`, `CoordinatorState.check_session`)."""
     v.check_node_id(node_id)
     member = state.store.peek_member(node_id)  # (the store's record, read only: no copy per heartbeat)
     if member is None:
         raise NotFound(f"node {node_id} is not a member of job {state.job.id}; join first")
     if member.state != "alive" and not (left_too and member.state == "left"):
         raise NotFound(f"node {node_id} was marked {member.state} ({member.reason}); join again")
+    state.check_session(node_id, session)
     return member
 
 
@@ -136,8 +139,7 @@ def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, re
 
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
-    _known(req.node_id, state)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, session=req.session)
     now = state.clock()
     # an epoch above ours is recorded, not refused: a node that outlived a coordinator's lost state
     # still runs its old plan until the new one arrives
@@ -177,8 +179,7 @@ def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack
 
 def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepAck:
     _check_job(req.job_id, state)
-    _known(req.node_id, state)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, session=req.session)
     if req.plan_epoch > state.epoch:
         raise FailedPrecondition(f"step metrics for plan epoch {req.plan_epoch}, but the newest is {state.epoch}")
     if len(req.links) > 64:
@@ -208,8 +209,7 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
     _check_job(req.job_id, state)
     # a node that left still holds its files: the checkpoint a leaving node writes of its live state (nobody
     # took it), and copies reported after it left, count for the restart of the job
-    _known(req.node_id, state, left_too=True)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, left_too=True, session=req.session)
     if req.plan_epoch > state.epoch or req.plan_epoch == 0:
         raise FailedPrecondition(f"checkpoint for plan epoch {req.plan_epoch}; the plans run so far are 1-{state.epoch}")
     layers = state.job.model_spec.num_layers
@@ -236,16 +236,14 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     from atoll.coordinator.outer import GroupInfo
 
     _check_job(req.job_id, state)
-    _known(req.node_id, state)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, session=req.session)
     plan = state.current_plan()
     if plan is None or plan.mode != "outer" or plan.outer is None:
         raise FailedPrecondition("the current plan has no replica groups; wait for the next plan")
     if req.plan_epoch > plan.epoch:
         raise FailedPrecondition(f"outer sync for plan epoch {req.plan_epoch}, but the newest is {plan.epoch}")
     groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
-                        nodes=frozenset(n for p in g.pipelines for st in plan.pipelines[p].stages for n in st.nodes))
-              for i, g in enumerate(plan.groups)]
+                        nodes=frozenset(plan.group_nodes(i))) for i, g in enumerate(plan.groups)]
     group = req.group
     if req.plan_epoch < plan.epoch:
         # a node that has not adopted the newest plan yet names its group by its own plan's index, which the
@@ -280,8 +278,7 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
     A failure of an older epoch is acknowledged and ignored (a newer plan already replaced it).
     """
     _check_job(req.job_id, state)
-    _known(req.node_id, state)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, session=req.session)
     v.check_string("reason", req.reason, required=True, limit=MAX_FAILURE_REASON)
     epoch = state.epoch
     if req.plan_epoch == 0 or req.plan_epoch > epoch:
@@ -302,8 +299,7 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
 
 
 def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
-    _known(req.node_id, state)
-    state.check_session(req.node_id, req.session)
+    _known(req.node_id, state, session=req.session)
     v.check_string("reason", req.reason)
     state.store.set_member_state(req.node_id, "left", req.reason or "left")
     state.membership_changed(state.clock())
@@ -313,8 +309,7 @@ def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
 def open_watch(req: pb.WatchPlanRequest, state: CoordinatorState) -> int:
     """Check a plan watch; the epoch the watcher already has. An empty node id (a status tool) needs no membership."""
     if req.node_id:
-        _known(req.node_id, state)
-        state.check_session(req.node_id, req.session)
+        _known(req.node_id, state, session=req.session)
     return req.known_epoch
 
 

@@ -102,7 +102,7 @@ def kept_groups(inputs: PlanInputs) -> list[int]:
     region = {n: m.profile.region for n, m in inputs.members.items()}
     kept = []
     for g, group in enumerate(prev.groups):
-        nodes = {n for p in group.pipelines for st in prev.pipelines[p].stages for n in st.nodes}
+        nodes = prev.group_nodes(g)
         if not nodes or any(n not in inputs.members or plan_address(inputs.members[n]) != prev.node_addresses.get(n)
                             or n in inputs.failed or n in inputs.replan for n in nodes):
             continue

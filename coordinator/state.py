@@ -702,13 +702,12 @@ class CoordinatorState:
             return []
         # outer mode: the replica groups of the nodes that slowed are planned afresh from their recent speeds (their
         # nodes' factors; the others' predictions stand) and every other group runs on as it is (`kept_groups`). A
-        # node that became faster holds no round back, and a group planned afresh restarts at the start of the round
-        # it was in (the outer state the groups last agreed on), so a speed-up counts only where the node had been
+        # node that became faster holds no round back, and a group planned afresh may start the round it was in again
+        # (where the others have moved on to the next), so a speed-up counts only where the node had been
         # planned slower than its profile (it recovered: its group can train more inner steps a round again)
         if outer:
             slowed = {n for n, f in off.items() if f > 1.0 or self.speed.get(n, 1.0) > 1.0}
-            groups = [{n for p in g.pipelines for st in plan.pipelines[p].stages for n in st.nodes}
-                      for g in plan.groups]
+            groups = [plan.group_nodes(g) for g in range(len(plan.groups))]
             replan = frozenset(n for g in groups if not g.isdisjoint(slowed) for n in g)
             if not replan:
                 return []

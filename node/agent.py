@@ -486,13 +486,12 @@ class NodeAgent:
             return
         before, self.run_id = self.run_id, run_id
         if before and self.config.checkpoint_dir is not None:
-            from atoll.fsutil import atomic_write_text
-            from atoll.node.checkpoint import RUN_FILE
+            from atoll.node.checkpoint import mark_run
 
             log.warning("the coordinator runs the job under a new run (%s, was %s: it started on a fresh state dir); "
                         "this node goes on with its live state, and its checkpoints with it", run_id, before)
             if self.config.checkpoint_dir.is_dir():
-                atomic_write_text(self.config.checkpoint_dir / RUN_FILE, f"{run_id}\n")
+                mark_run(self.config.checkpoint_dir, run_id)
 
     def start(self) -> NodeAgent:
         """Fetch the spec, profile, start the peer server, join and start the loops."""
@@ -584,9 +583,7 @@ class NodeAgent:
         wait = 0.0
         while not self._stop.wait(wait):
             wait = self.heartbeat_interval
-            with self._cond:
-                req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step,
-                                          session=self.session)
+            req = self._heartbeat_request()
             # a heartbeat stuck on a reconnecting channel is not worth more than the next one: bound its
             # deadline by two intervals, so an outage is retried well within the lease
             deadline = min(self.config.call_timeout, timedelta(seconds=max(1.0, 2 * self.heartbeat_interval)))
@@ -666,14 +663,17 @@ class NodeAgent:
         job's end) may have moved that horizon, and no later heartbeat would bring it."""
         if self.on_prune is None:
             return
-        with self._cond:
-            req = pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step,
-                                      session=self.session)
+        req = self._heartbeat_request()
         try:
             reply = self.call("Heartbeat", req, timeout=timedelta(seconds=2))
         except grpc.RpcError:
             return
         self._heard_prune(reply, wait=True)
+
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
+        with self._cond:
+            return pb.HeartbeatRequest(node_id=self.node_id, plan_epoch=self.epoch, step=self.step,
+                                       session=self.session)
 
     def _heard_prune(self, reply: pb.HeartbeatReply, *, wait: bool) -> None:
         """Follow a heartbeat reply's prune horizon: when it rose, `on_prune` deletes the older step folders but the

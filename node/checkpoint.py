@@ -74,11 +74,16 @@ def claim_checkpoint_dir(root: Path, job_id: str, run_id: str = "") -> bool:
             f"of a complete step), or give this node another --checkpoint-dir")
     root.mkdir(parents=True, exist_ok=True)
     if run_id and held != run_id:
-        atomic_write_text(run_file, f"{run_id}\n")
+        mark_run(root, run_id)
     if owner == job_id:
         return False
     atomic_write_text(marker, f"{job_id}\n")
     return True
+
+
+def mark_run(root: Path, run_id: str) -> None:
+    """Name `run_id` as the run the steps in checkpoint folder `root` belong to (its `RUN` file, atomically)."""
+    atomic_write_text(Path(root) / RUN_FILE, f"{run_id}\n")
 
 
 def step_dir(root: Path, step: int) -> Path:

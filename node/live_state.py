@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from atoll.node.dataparallel import CANCEL_POLL_S, CollectiveCancelled, CollectiveError, cancel_event
-from atoll.node.state_transfer import FetchStats, held_state
+from atoll.node.state_transfer import FetchStats, OuterPosition, held_state, outer_position
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions
 from atoll.types import StepMetrics
@@ -64,12 +64,9 @@ class Holder:
     gives the state after `step` + 1 steps (`atoll.node.roll_forward`)."""
     pending_loss: tuple[float, float] | None = None
     """A pending last stage's (loss share, row weight) of step `step` (`LiveState.pending_loss`)."""
-    group: str = ""
-    """Outer mode: the replica group whose run left the state (`OuterPosition`); "": a synchronous plan's."""
-    outer_round: int = 0
-    steps_in_round: int = 0
-    inner_steps: int = 0
-    landed: bool = False
+    outer: OuterPosition | None = None
+    """Outer mode: the replica group whose run left the state and its place in the group's rounds; None: a
+    synchronous plan's state."""
 
     @property
     def reaches(self) -> int:
@@ -95,7 +92,8 @@ class ResumePoint:
     def from_json(cls, text: str) -> ResumePoint:
         d = json.loads(text)
         holders = tuple(Holder(**{**h, "layers": tuple(h["layers"]),
-                                  "pending_loss": tuple(h["pending_loss"]) if h.get("pending_loss") else None})
+                                  "pending_loss": tuple(h["pending_loss"]) if h.get("pending_loss") else None,
+                                  "outer": OuterPosition(**h["outer"]) if h.get("outer") else None})
                         for h in d.pop("holders"))
         return cls(**d, holders=holders)
 
@@ -250,8 +248,7 @@ def gather_held(plan: Plan, node_id: str, own: pb.HeldStateReply, *, token: str 
                        region=plan.region_of(n) if n in plan.node_addresses else "", epoch=r.plan_epoch,
                        pending=r.pending, norm_total=r.norm_total if r.has_norm_total else None,
                        pending_loss=(r.pending_loss, r.pending_weight) if r.has_pending_loss else None,
-                       group=r.replica_group, outer_round=r.outer_round, steps_in_round=r.steps_in_round,
-                       inner_steps=r.inner_steps, landed=r.outer_landed)
+                       outer=outer_position(r))
                 for n, r in sorted(replies.items()) if r.holds]
 
 

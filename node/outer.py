@@ -105,8 +105,7 @@ def responsible(name: str, holders: Mapping[int, Sequence[str]]) -> str:
 def _group_in(plan: Plan, part: Participant) -> int | None:
     """The index in `plan` of participant `part`'s replica group (the same since-epoch and nodes), or None."""
     for g, grp in enumerate(plan.groups):
-        nodes = {n for p in grp.pipelines for st in plan.pipelines[p].stages for n in st.nodes}
-        if (grp.since_epoch or plan.epoch) == part.since_epoch and nodes == set(part.nodes):
+        if (grp.since_epoch or plan.epoch) == part.since_epoch and plan.group_nodes(g) == set(part.nodes):
             return g
     return None
 

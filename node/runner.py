@@ -670,7 +670,7 @@ class PlanRunner:
             own = held.held(self.plan.epoch, wait=0.0)
             found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
             # a replica group's state (an outer-mode run) is one group's trajectory: never mixed into a whole job's
-            found = [h for h in found if not h.group]
+            found = [h for h in found if h.outer is None]
             point = agree(store, key, resume_point(found, total_layers=self.job.model.n_layers + 2,
                                                    checkpoint_step=self.plan.resume_step,
                                                    reached=self.plan.reached_step))
@@ -729,7 +729,7 @@ class PlanRunner:
         older = self._older_groups()
         if not older or (group.since_epoch or plan.epoch) != plan.epoch:
             return None
-        nodes = sorted({n for p in group.pipelines for st in plan.pipelines[p].stages for n in st.nodes})
+        nodes = sorted(plan.group_nodes(pl.group))
         key = f"{self._group_prefix()}/outer-resume"
         if store is None or ctx.node_id == nodes[0]:
             point = agree(store, key, self._group_point(module, nodes, older))
@@ -755,13 +755,13 @@ class PlanRunner:
         found = gather_held(view, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
         if group.inner_steps < 2:  # a round of one step has no middle to go on from
             return ResumePoint(step=0, live=False, reason="its rounds are of one inner step")
-        usable = [h for h in found if h.group == group.name and h.landed and 0 < h.steps_in_round < h.inner_steps
-                  and not h.pending]
+        usable = [h for h in found if h.outer is not None and h.outer.group == group.name and h.outer.landed
+                  and 0 < h.outer.steps_in_round < h.outer.inner_steps and not h.pending]
         total = self.job.model.n_layers + 2
         point = resume_point(usable, total_layers=total, checkpoint_step=0)
         if not point.live:
             return replace(point, reason=f"no state of its own at one step mid-round covers every layer ({point.reason})")
-        rounds = {(h.outer_round, h.steps_in_round, h.inner_steps) for h in point.holders}
+        rounds = {(h.outer.round, h.outer.steps_in_round, h.outer.inner_steps) for h in point.holders if h.outer}
         if len(rounds) != 1:
             return ResumePoint(step=0, live=False, reason=f"its live parts are of different rounds: {sorted(rounds)}")
         (r, k, _), = rounds
@@ -1031,17 +1031,18 @@ class PlanRunner:
                                        plan_source=self.current_plan, stop=stop)
         older = self._older_groups()
         if older and continuing is not None:
-            at = continuing.holders[0]
+            at = continuing.holders[0].outer
+            assert at is not None  # (`_group_point` takes only holders that have one)
             round_ = outer.fetch_state(older, {g: plan.groups[g].since_epoch for g in older}, params_too=False)
-            if round_ != at.outer_round:
+            if round_ != at.round:
                 raise OuterSyncError(f"the other groups moved on to round {round_} while this group took its state "
-                                     f"of round {at.outer_round}; the next plan starts it at their round")
+                                     f"of round {at.round}; the next plan starts it at their round")
             k = continuing_steps(at.steps_in_round, at.inner_steps, group.inner_steps)
-            outer.round, outer.steps_in_round = at.outer_round, k
+            outer.round, outer.steps_in_round = at.round, k
             outer.tokens_in_round = at.steps_in_round * self.job.train.global_batch * self.job.train.seq_len
-            step = at.outer_round * group.inner_steps + k  # the group's steps count in rounds of its own H
+            step = at.round * group.inner_steps + k  # the group's steps count in rounds of its own H
             log.info("replica group %s goes on with round %d at inner step %d of %d (step %d): the %d inner steps "
-                     "it had trained of the round%s are kept", group.name, at.outer_round, k, group.inner_steps, step,
+                     "it had trained of the round%s are kept", group.name, at.round, k, group.inner_steps, step,
                      at.steps_in_round, f" (of {at.inner_steps} a round then)" if at.inner_steps != group.inner_steps
                      else "")
             self._outer_counted = step
@@ -1060,11 +1061,13 @@ class PlanRunner:
         self._outer_counted = step
         return step
 
-    def _store(self) -> dist.Store:
+    def _store(self, timeout: timedelta | None = None) -> dist.Store:
+        """A connection to the plan's rendezvous store (its operations bounded by `timeout`, else the run's)."""
         if not self.plan.rendezvous:
             raise RunFailed("the plan names no rendezvous store; the coordinator must publish one")
         host, port = self.plan.rendezvous.rsplit(":", 1)
-        return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False, timeout=self.ctx.timeout)
+        return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False,
+                             timeout=timeout or self.ctx.timeout)
 
     def _handover_store(self, store: dist.Store) -> dist.Store:
         """A connection of its own to the rendezvous store for the handovers at the end of a run. The run's may be
@@ -1073,9 +1076,7 @@ class PlanRunner:
         use fails with "Broken pipe" (the gather would fail and the next plan roll back). The run's connection is
         kept where no new one opens within the handover's bound."""
         try:
-            host, port = self.plan.rendezvous.rsplit(":", 1)
-            return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False,
-                                 timeout=min(self.ctx.timeout, timedelta(seconds=ZERO_HANDOVER_S)))
+            return self._store(min(self.ctx.timeout, timedelta(seconds=ZERO_HANDOVER_S)))
         except Exception as e:  # noqa: BLE001 - the handover then tries the run's own connection
             log.info("no new connection to the rendezvous store for the handover (%s)", e)
             return store

@@ -303,6 +303,15 @@ def _outer_fields(o: OuterPosition) -> dict[str, Any]:
             "inner_steps": o.inner_steps, "outer_landed": o.landed}
 
 
+def outer_position(reply: pb.HeldStateReply) -> OuterPosition | None:
+    """The place in its replica group's rounds a held state stands at (`_outer_fields` read back); None: a
+    synchronous plan's state."""
+    if not reply.replica_group:
+        return None
+    return OuterPosition(group=reply.replica_group, round=reply.outer_round, steps_in_round=reply.steps_in_round,
+                         inner_steps=reply.inner_steps, landed=reply.outer_landed)
+
+
 def _file_chunks(path: Path, request: pb.StateFetchRequest) -> Iterator[pb.StateChunk]:
     data = path.read_bytes()  # checkpoint files are a stage's state: small next to memory; read once, consistent
     total, checksum = len(data), crc32(data)

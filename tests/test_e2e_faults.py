@@ -69,6 +69,17 @@ def _one_node(tmp: Path, name: str, *, steps: int, interval: int) -> LocalCluste
     return LocalCluster(job_path=path, out=tmp / name)
 
 
+def _checkpointed(cluster: LocalCluster, at_least: int, extra: list[str] | None = None):
+    """Start the coordinator and node1, wait for a checkpoint of at least step `at_least`, then stop node1 gracefully;
+    the status at that checkpoint."""
+    cluster.start_coordinator()
+    cluster.start_node("node1", extra=extra)
+    reached = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= at_least, 150,
+                                  f"a checkpoint of step {at_least} or later", poll=0.2)
+    _stop(cluster, "node1")
+    return reached
+
+
 def _stop(cluster: LocalCluster, name: str) -> None:
     """SIGTERM a node (a graceful leave) and wait for it to exit."""
     proc = cluster.procs.pop(name)
@@ -172,11 +183,7 @@ def test_a_job_whose_nodes_all_restart_resumes_from_its_checkpoint(tmp_path: Pat
     cluster = _one_node(tmp_path, "restart", steps=2000, interval=20)
     listen = ["--listen", f"127.0.0.1:{port}"]
     try:
-        cluster.start_coordinator()
-        cluster.start_node("node1", extra=listen)
-        before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 40, 150,
-                                     "two checkpoints", poll=0.2)
-        _stop(cluster, "node1")
+        before = _checkpointed(cluster, 40, extra=listen)
         stopped = time.time()
         held = cluster.status().last_checkpoint_step
         cluster.start_node("node1", extra=listen)
@@ -211,11 +218,7 @@ def test_a_lost_newest_checkpoint_resumes_from_the_one_before(tmp_path: Path) ->
 
     cluster = _one_node(tmp_path, "lost", steps=2000, interval=20)
     try:
-        cluster.start_coordinator()
-        cluster.start_node("node1")
-        cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 60, 150, "three checkpoints",
-                            poll=0.2)
-        _stop(cluster, "node1")
+        _checkpointed(cluster, 60)
         newest = cluster.status().last_checkpoint_step  # (the node's leave kept the step it reached)
         shutil.rmtree(cluster.checkpoints / f"step-{newest:08d}")
         before = max(int(f.name.removeprefix("step-")) for f in cluster.checkpoints.glob("step-*"))
@@ -293,11 +296,7 @@ def test_a_coordinator_on_a_fresh_state_dir_does_not_train_over_an_earlier_runs_
     node's earlier steps (overwriting and pruning them): the node is refused before it joins, with what to do."""
     cluster = _one_node(tmp_path, "fresh", steps=2000, interval=20)
     try:
-        cluster.start_coordinator()
-        cluster.start_node("node1")
-        cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.last_checkpoint_step >= 40, 150, "two checkpoints",
-                            poll=0.2)
-        _stop(cluster, "node1")
+        _checkpointed(cluster, 40)
         cluster.kill_coordinator()
         (cluster.out / "coordinator").rename(cluster.out / "coordinator-earlier")
         steps = sorted(p.name for p in cluster.checkpoints.glob("step-*"))
