@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import threading
+import urllib.parse
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field, replace
@@ -389,6 +390,16 @@ def make_channel(target: str, options: RpcOptions | None = None, *, token: str |
     if options.mtls is not None and not options.mtls.send_token:
         token = None
     return grpc.intercept_channel(channel, _ClientDefaults(token, options.default_deadline))
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC `context.peer()` string ("ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:[::1]:5" -> "::1";
+    "" for one without a host, such as a unix socket). gRPC may percent-encode it ("ipv6:%5B::1%5D:5")."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind not in ("ipv4", "ipv6") or not rest:
+        return ""
+    host = rest.rsplit(":", 1)[0] if kind == "ipv4" or rest.startswith("[") else rest
+    return host.strip("[]")
 
 
 def peer_certificate(context: grpc.ServicerContext) -> bytes | None:

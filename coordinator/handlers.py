@@ -72,9 +72,10 @@ def _job_info(state: CoordinatorState) -> pb.JobInfo:
 
 
 def handle_join(req: pb.JoinRequest, state: CoordinatorState,
-                dial_back: Callable[[str], str | None] | None = None) -> pb.JoinReply:
+                dial_back: Callable[[str], str | None] | None = None, seen_from: str = "") -> pb.JoinReply:
     """`dial_back(address)` says why the coordinator cannot reach the node's Peer server (None: it can); a node
-    that advertises no address (`--no-listen`) or cannot be reached joins as one that accepts no connections."""
+    that advertises no address (`--no-listen`) or cannot be reached joins as one that accepts no connections.
+    `seen_from`: the host the join's connection came from ("": not known)."""
     check_token(req.token, state)
     _check_job(req.job_id, state)
     v.check_profile(req.profile)
@@ -92,7 +93,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     if decision.kind == "conflict":
         raise AlreadyExists(decision.reason)
     if decision.kind == "update" and existing is not None:
-        _refuse_a_copy_elsewhere(state, existing, req, now)
+        _refuse_a_copy_elsewhere(state, existing, req, now, seen_from)
     profile = profile_from_proto(req.profile)
     why = dial_back(req.peer_address) if dial_back is not None and req.peer_address else None
     profile.unreachable = profile.unreachable or not req.peer_address or why is not None
@@ -102,7 +103,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
         node_id=node_id, peer_address=req.peer_address, profile=profile, state="alive",
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
         last_heartbeat_unix=now, reason=decision.reason))
-    state.note_session(node_id, req.session, now, req.peer_address)
+    state.note_session(node_id, req.session, now, req.peer_address, seen_from)
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
             or existing.profile.unreachable != profile.unreachable \
             or device_class(existing.profile) != device_class(profile):  # its island and probe class
@@ -117,23 +118,34 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0] if address else ""
 
 
-def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, req: pb.JoinRequest, now: float) -> None:
+def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, req: pb.JoinRequest, now: float,
+                             seen_from: str) -> None:
     """A join under a new session while the node's current process lives on (heard within its lease) at another
-    peer host: a second machine started from a copy of its state dir (a cloned VM keeps the hostname, which
+    host: a second machine started from a copy of its state dir (a cloned VM keeps the hostname, which
     `join_decision` compares). Refused, so that the copy, not the running node, is the one to stop: taking it for
     a restart would fence the running process out, and two machines restarted by their supervisors would take the
     id from each other for ever. A new session from the same host is a restart; once the lease lapsed, the copy
-    may take the id over (the first machine is gone)."""
-    current = state.session_of(existing.node_id)
+    may take the id over (the first machine is gone).
+
+    The hosts compared are the two processes' advertised peer addresses; where either advertises none (a
+    `--no-listen` node), the hosts their joins' connections came from (two copies behind one NAT look alike
+    there, and are taken for a restart)."""
+    current = state.process_of(existing.node_id)
+    if not (req.session and current is not None and current.session and current.session != req.session):
+        return
     there, here = _host(existing.peer_address), _host(req.peer_address)
-    if not (req.session and current and current != req.session and there and here and there != here):
+    if not (there and here):
+        there, here = current.seen_from, seen_from
+    if not (there and here and there != here):
         return
     deadline = lease_deadline(existing, state.started_unix, state.membership_options(now))
     if now > deadline:
         return
+    held = existing.peer_address or f"host {there}"
+    this = req.peer_address or f"host {here}"
     raise AlreadyExists(
-        f"node id {existing.node_id} is held by a live process at {existing.peer_address} (heard "
-        f"{max(0.0, now - existing.last_heartbeat_unix):.0f}s ago), and this one at {req.peer_address} started "
+        f"node id {existing.node_id} is held by a live process at {held} (heard "
+        f"{max(0.0, now - existing.last_heartbeat_unix):.0f}s ago), and this one at {this} started "
         f"from a copy of its state dir: give this one a --state-dir of its own to join as a new node. If that "
         f"process is gone, this one may take its place once its lease lapses (in {deadline - now:.0f}s)")
 

@@ -25,7 +25,7 @@ from atoll.coordinator.validation import check_address
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
 from atoll.coordinator.heartbeats import HeartbeatStreams, StreamReplaced, TooManyHeartbeatStreams
 from atoll.coordinator.dialback import dial_back
-from atoll.rpc import peer_certificate, token_from_metadata, token_matches
+from atoll.rpc import peer_certificate, peer_host, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -114,7 +114,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if request.peer_address and self.state.options.dial_back and _dialable(request.peer_address) and \
                 token_matches(token_from_metadata(context), self.state.token):
             why = dial_back(request.peer_address)
-        return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why),
+        seen_from = peer_host(context.peer())
+        return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why,
+                                                                         seen_from=seen_from),
                            request, context)
 
     def ControlJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:

@@ -56,11 +56,13 @@ def run_id_of(job: JobRecord) -> str:
 @dataclass(frozen=True)
 class NodeSession:
     """A node process as the coordinator knows it: its session and when and from where it joined (0, "": heard
-    first by a request other than a join)."""
+    first by a request other than a join): the peer address it advertised, and the host its join came from (the
+    connection's address as the coordinator saw it, behind any NAT; "" where not known)."""
 
     session: str
     joined_unix: float
     peer_address: str
+    seen_from: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +246,10 @@ class CoordinatorState:
         current = self._sessions.get(node_id)
         return current.session if current is not None else ""
 
+    def process_of(self, node_id: str) -> NodeSession | None:
+        """The node's current process as this coordinator process knows it (None: not heard from yet)."""
+        return self._sessions.get(node_id)
+
     def _fenced(self, node_id: str) -> str:
         current = self._sessions.get(node_id)
         where = ""
@@ -254,7 +260,8 @@ class CoordinatorState:
                 f"this process stops. Two machines share one node identity (one started from a copy of the other's "
                 f"state dir): give this one a --state-dir of its own to join as a new node")
 
-    def note_session(self, node_id: str, session: str, now: float, peer_address: str = "") -> None:
+    def note_session(self, node_id: str, session: str, now: float, peer_address: str = "",
+                     seen_from: str = "") -> None:
         """Record the session of a join. A member the current plan names that joins under a session other than its
         last one (or the first this process hears of it) restarted: its run of the plan, and the state that run
         held, are gone, so the plan is withheld from it and replaced by a new epoch, resumed from live state or
@@ -266,7 +273,7 @@ class CoordinatorState:
         with self._cond:
             last = self._sessions.get(node_id)
             before = last.session if last is not None else None
-            self._sessions[node_id] = NodeSession(session, now, peer_address)
+            self._sessions[node_id] = NodeSession(session, now, peer_address, seen_from)
             if before is not None and before != session:
                 self._superseded.add(before)
                 log.info("node %s joined from a new process (peer address %s); requests of its previous process "

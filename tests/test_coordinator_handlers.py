@@ -426,3 +426,35 @@ def test_a_copy_on_another_host_is_refused_while_the_node_lives(state: Coordinat
     clock.t += 3600  # the node is gone: its lease lapsed, the copy may take its place
     copy("clone")
     assert state.store.get_member(node).peer_address == "10.0.0.2:5000"
+
+
+def test_a_copy_of_a_node_that_accepts_no_connections_is_judged_by_where_its_join_came_from(
+        state: CoordinatorState, clock: Clock) -> None:
+    """A `--no-listen` node advertises no peer address, so its copy on another machine is told apart by the host
+    its join's connection came from; a new process from the node's own host is still a restart, and a join from
+    an unknown host (the connection's address not known) is not judged."""
+    node = h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile("vm"), session="first"), state,
+                         seen_from="198.51.100.7").node_id
+
+    def copy(session: str, seen_from: str) -> pb.JoinReply:
+        return h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), session=session),
+                             state, seen_from=seen_from)
+
+    clock.t += 2
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    with pytest.raises(AlreadyExists, match=r"live process at host 198.51.100.7 .* this one at host 203.0.113.9 "
+                                            r"started from a copy"):
+        copy("clone", "203.0.113.9")
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)  # the node trains on
+    copy("restarted", "198.51.100.7")  # its own host: a restart
+    with pytest.raises(FailedPrecondition):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    copy("again", "")  # where the join came from is not known: taken for a restart
+    assert state.process_of(node).session == "again"
+
+
+@pytest.mark.parametrize("peer, host", [("ipv4:10.0.0.5:41234", "10.0.0.5"), ("ipv6:[::1]:5", "::1"),
+                                        ("ipv6:%5B2001:db8::1%5D:443", "2001:db8::1"), ("unix:/tmp/s", ""), ("", "")])
+def test_the_host_of_a_grpc_peer(peer: str, host: str) -> None:
+    from atoll.rpc import peer_host
+    assert peer_host(peer) == host

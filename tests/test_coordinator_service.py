@@ -187,3 +187,10 @@ def test_status_command_prints_a_table_and_json(service: CoordinatorService,
     capsys.readouterr()
     assert main(["status", "--coordinator", service.address, "--token", "wrong", "--insecure"]) == 2
     assert "token" in capsys.readouterr().err
+
+
+def test_a_join_records_the_host_its_connection_came_from(service: CoordinatorService) -> None:
+    """What the coordinator compares when a node that advertises no peer address is joined again from elsewhere
+    (handlers._refuse_a_copy_elsewhere): the join's connection host, read from the gRPC peer."""
+    reply = stub(service).Join(pb.JoinRequest(token=TOKEN, profile=profile("no-listen"), session="s1"), timeout=5)
+    assert service.state.process_of(reply.node_id).seen_from == "127.0.0.1"
