@@ -69,7 +69,7 @@ from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
-from atoll.plan import GB, Plan
+from atoll.plan import GB, STORE_INSTANCE_KEY, Plan
 from atoll.rpc import RpcOptions
 from atoll.types import StepMetrics
 
@@ -195,6 +195,39 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+
+
+def _group_again(connect: Callable[[timedelta], dist.Store], store: dist.Store, prefix: str, rank: int, size: int,
+                 timeout: timedelta, device: torch.device, gone: Callable[[], str | None] | None = None
+                 ) -> dist.ProcessGroup:
+    """`_group`, met again where the rendezvous store itself went away while the ranks met (its coordinator was
+    killed): a coordinator restarted on its state dir binds the same port again, empty. Each rank then opens a new
+    connection (`connect(bound)`) and meets the others there, all within `timeout` from the first try. Meetings are
+    named after the store's instance (`STORE_INSTANCE_KEY`), so a rank that lost the meeting on the old store and
+    one that comes to it only now, on the new store, meet under one name. Any other failure, and a store not back
+    in time, is raised."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+        try:
+            return _group(store, prefix + _store_instance(store), rank, size, left, device, gone)
+        except dist.DistNetworkError as e:
+            lost = e
+        log.info("the rendezvous store went away while the ranks met (%s); meeting again over a new connection",
+                 str(lost).splitlines()[0][:160])
+        left_s = deadline - time.monotonic()
+        try:  # (a client keeps dialing until its timeout: the store is back once the coordinator restarted)
+            store = connect(timedelta(seconds=max(left_s, 0.1)))
+        except (dist.DistError, RuntimeError, OSError) as e:
+            raise CollectiveError(f"the rendezvous store went away while the ranks met and was not back within "
+                                  f"{timeout}: {str(lost).splitlines()[0][:160]}") from e
+
+
+def _store_instance(store: dist.Store) -> str:
+    """The rendezvous store's instance (`STORE_INSTANCE_KEY`) as a prefix part ("": a store without one)."""
+    if not store.check([STORE_INSTANCE_KEY]):
+        return ""
+    return f"store-{store.get(STORE_INSTANCE_KEY).decode(errors='replace')}/"
 
 
 def _peer_gone(addresses: dict[str, str], nodes: Sequence[str]) -> Callable[[], str | None]:
@@ -881,10 +914,11 @@ class PlanRunner:
                         ) -> dist.ProcessGroup | None:
         """A group of its own for a handover among a stage's ranks (the stage's groups may hold a collective the
         supersession abandoned), once they agree they ended at the same step (sum and sum of squares) and none
-        inside a parameter update (`torn`); None where they do not."""
+        inside a parameter update (`torn`); None where they do not. A coordinator killed and restarted while they
+        meet costs a new meeting, not the handover (`_group_again`)."""
         peers = [n for n in peers if n != self.ctx.node_id]
-        group = _group(store, f"{self._group_prefix()}/{name}/", rank, size, timeout, self.ctx.device,
-                       gone=_peer_gone(self.plan.node_addresses, peers))
+        group = _group_again(self._store, store, f"{self._group_prefix()}/{name}/", rank, size, timeout,
+                             self.ctx.device, gone=_peer_gone(self.plan.node_addresses, peers))
         steps = torch.tensor([float(step), float(step) ** 2, float(torn)], dtype=torch.float64, device=device)
         wait_collective(group.allreduce([steps]), timeout, f"{name} step check")
         if abs(float(steps[1]) * size - float(steps[0]) ** 2) > 0.5 or float(steps[2]) > 0:

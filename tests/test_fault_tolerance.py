@@ -153,6 +153,57 @@ def test_a_rendezvous_ends_at_once_when_a_peer_that_arrived_is_gone() -> None:
         late.join()
 
 
+@pytest.mark.timeout(60)
+def test_ranks_meet_again_when_the_rendezvous_store_restarts_under_them() -> None:
+    """The coordinator that hosts the rendezvous store is killed while a handover's ranks meet, and restarted on
+    its state dir (the same port, no keys): the rank that was waiting loses its connection, opens a new one and
+    meets the other, which comes to the meeting only after the restart, on the new store (the meeting is named
+    after the store's instance); the group they form works. Without the store back in time it fails, saying so."""
+    from atoll.coordinator.service import _rendezvous_store
+    from atoll.node.runner import _group_again
+
+    first, address = _rendezvous_store("127.0.0.1:0")
+    port = int(address.rsplit(":", 1)[1])
+
+    def connect(bound: timedelta) -> dist.Store:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound)
+
+    sums: dict[int, float] = {}
+    failed: list[BaseException] = []
+
+    def rank(r: int, store: dist.Store, name: str = "handover/", bound: float = 30.0) -> None:
+        try:
+            group = _group_again(connect, store, name, r, 2, timedelta(seconds=bound), torch.device("cpu"))
+            t = torch.tensor([float(r + 1)])
+            group.allreduce([t]).wait(timedelta(seconds=10))
+            sums[r] = float(t)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failed.append(e)
+
+    early = threading.Thread(target=rank, args=(0, connect(timedelta(seconds=5))))
+    early.start()
+    time.sleep(1.0)  # rank 0 waits at the meeting
+    del first  # the coordinator is killed: its store goes with it
+    time.sleep(0.5)
+    second, again = _rendezvous_store("127.0.0.1:0", previous=address)  # restarted on its state dir
+    assert again == address
+    late = threading.Thread(target=rank, args=(1, connect(timedelta(seconds=5))))
+    late.start()
+    early.join(40)
+    late.join(40)
+    assert not failed, failed
+    assert sums == {0: 3.0, 1: 3.0}
+
+    t0 = time.monotonic()
+    waiting = threading.Thread(target=rank, args=(0, connect(timedelta(seconds=5)), "alone/", 4.0))  # none comes
+    waiting.start()
+    time.sleep(0.5)
+    del second  # and not restarted
+    waiting.join(20)
+    assert failed and "was not back within 0:00:04" in str(failed[0]), failed
+    assert time.monotonic() - t0 < 10
+
+
 def _dp_run(tmp_path: Path, *, wait_bound: timedelta | None, supersede_after: float | None):
     """Nodes a and b as threads, the tiny model as one stage with two replicas. b goes silent after a few steps
     while holding its groups (a hung machine); returns (how a's run ended, seconds from b's silence to it)."""
