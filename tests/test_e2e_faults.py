@@ -312,28 +312,40 @@ def test_a_coordinator_on_a_fresh_state_dir_does_not_train_over_an_earlier_runs_
         cluster.stop()
 
 
+ZERO_ARGS = ["--island-threshold", "0.001"]
+
+
+def _zero_replicas(tmp: Path, name: str):
+    """Two nodes training the tiny model as one stage of two ZeRO-1 replicas, 20 steps in: (cluster, status)."""
+    job = JobSpec.load(REPO / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=5000, warmup=5),
+                  checkpoint=replace(job.checkpoint, interval=1000),
+                  cluster=replace(job.cluster, expected_nodes=2, min_nodes=1))
+    path = tmp / f"job-{name}.toml"
+    path.write_text(job.to_toml())
+    cluster = LocalCluster(job_path=path, out=tmp / name)
+    try:
+        cluster.start_coordinator(extra=ZERO_ARGS)
+        cluster.start_node("node1")
+        cluster.start_node("node2")
+        # (a node slow to start under load joins after the first plan: wait for the plan of both)
+        return cluster, cluster.wait_status(lambda s: s.step >= 20 and any(st.dp == 2 for p in s.plan.pipelines
+                                                                          for st in p.stages),
+                                            120, "training as replicas", poll=0.2)
+    except BaseException:
+        cluster.stop()
+        raise
+
+
 @pytest.mark.timeout(240)
 def test_a_zero_replica_leaving_after_a_coordinator_restart_hands_its_state_over(tmp_path: Path) -> None:
     """Two nodes run one stage as ZeRO-1 replicas; the coordinator is killed and restarted on its state dir (the
     plan stays current), then one replica leaves gracefully. The replicas gather the stage's state for the next
     plan over a new connection to the rendezvous store (the run's own died with the old coordinator process: its
     first use failed with "Broken pipe", and the next plan rolled back to the last checkpoint)."""
-    job = JobSpec.load(REPO / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=5000, warmup=5),
-                  checkpoint=replace(job.checkpoint, interval=1000),
-                  cluster=replace(job.cluster, expected_nodes=2, min_nodes=1))
-    path = tmp_path / "job-zero.toml"
-    path.write_text(job.to_toml())
-    cluster = LocalCluster(job_path=path, out=tmp_path / "zero")
-    args = ["--island-threshold", "0.001"]
+    cluster, first = _zero_replicas(tmp_path, "zero")
+    args = ZERO_ARGS
     try:
-        cluster.start_coordinator(extra=args)
-        cluster.start_node("node1")
-        cluster.start_node("node2")
-        # (a node slow to start under load joins after the first plan: wait for the plan of both)
-        first = cluster.wait_status(lambda s: s.step >= 20 and any(st.dp == 2 for p in s.plan.pipelines
-                                                                   for st in p.stages), 120, "training as replicas",
-                                    poll=0.2)
         cluster.kill_coordinator()
         time.sleep(1.0)
         cluster.restart_coordinator(extra=args)
@@ -349,5 +361,45 @@ def test_a_zero_replica_leaving_after_a_coordinator_restart_hands_its_state_over
               f"{[(r.restored_from, r.steps_rolled_back) for r in resumed]}")
         assert "Broken pipe" not in log1 and "could not be gathered" not in log1, log1[-3000:]
         assert resumed and all(r.restored_from == "live" and r.steps_rolled_back == 0 for r in resumed), log1[-3000:]
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_coordinator_killed_while_zero_replicas_meet_for_a_handover_costs_no_step(tmp_path: Path) -> None:
+    """Two ZeRO-1 replicas of one stage; one leaves gracefully and the coordinator, which hosts the rendezvous
+    store, is SIGKILLed as soon as it has taken the Leave (the leaving replica waits at the handover's meeting then)
+    and restarted 1 s later on its state dir, with an empty store on the same port. The replicas meet again on the
+    new store and the next plan resumes from their live state (the meeting failed with "Connection reset by peer",
+    and the next plan rolled back to the last checkpoint)."""
+    import sqlite3
+    from contextlib import closing
+
+    cluster, first = _zero_replicas(tmp_path, "meet")
+    args = ZERO_ARGS
+    try:
+        leaving = cluster.procs.pop("node2")
+        leaving.terminate()
+        t0, left = time.monotonic(), False
+        while not left and time.monotonic() - t0 < 60:
+            with closing(sqlite3.connect(f"file:{cluster.state_db}?mode=ro", uri=True)) as db:
+                left = any(state == "left" for state, in db.execute("select state from members"))
+            time.sleep(0.01)
+        assert left, "the coordinator never took node2's Leave"
+        cluster.kill_coordinator()
+        killed = time.monotonic() - t0
+        time.sleep(1.0)
+        cluster.restart_coordinator(extra=args)
+        leaving.wait(90)
+        after = cluster.wait_status(lambda s: s.plan.epoch > first.plan.epoch and s.step > first.step, 120,
+                                    "training under the next plan", poll=0.2, dead=frozenset({"node2"}))
+        reports, _ = _steps(cluster)
+        resumed = [r for r in reports if r.plan_epoch == after.plan.epoch and r.restored_from]
+        logs = "".join((cluster.out / f"{n}.log").read_text() for n in ("node1", "node2"))
+        print(f"\ncoordinator killed {killed:.2f}s after node2's SIGTERM; plan epoch {first.plan.epoch} -> "
+              f"{after.plan.epoch}: {[(r.restored_from, r.steps_rolled_back) for r in resumed]}")
+        assert "meeting again over a new connection" in logs, logs[-3000:]
+        assert "could not be gathered" not in logs, logs[-3000:]
+        assert resumed and all(r.restored_from == "live" and r.steps_rolled_back == 0 for r in resumed), logs[-3000:]
     finally:
         cluster.stop()
