@@ -64,11 +64,12 @@ class HeartbeatStreams:
 
     async def serve(self, requests: AsyncIterator[pb.HeartbeatRequest],
                     check: Callable[[pb.HeartbeatRequest], None],
-                    every: Callable[[], None] | None = None) -> AsyncIterator[pb.HeartbeatReply]:
+                    every: Callable[[], None] | None = None, seen_from: str = "") -> AsyncIterator[pb.HeartbeatReply]:
         """A reply for every heartbeat of `requests`, in order, until the node closes the stream, the stream's life
         ends (the node opens the next), or a newer stream of the same node replaces it. `check(request)` raises for
         a request the caller may not send (its certificate is another node's), on the first; `every()` raises
-        before any heartbeat the stream may no longer send (its token is no longer the job's)."""
+        before any heartbeat the stream may no longer send (its token is no longer the job's). `seen_from`: the
+        host the stream came from (a coordinator restarted since the node joined learns it here)."""
         if len(self._open) >= self.max_streams:
             raise TooManyHeartbeatStreams(
                 f"the coordinator holds {len(self._open)} heartbeat streams, its limit (max_heartbeat_streams); "
@@ -84,7 +85,7 @@ class HeartbeatStreams:
                 if not s.node_id:
                     check(req)
                     # a process that no longer speaks for the node must not replace the stream of the one that does
-                    self.state.check_session(req.node_id, req.session)
+                    self.state.check_session(req.node_id, req.session, seen_from=seen_from)
                     self._claim(s, req.node_id)
                 elif req.node_id != s.node_id:
                     raise InvalidArgument(f"a heartbeat stream speaks for one node: it opened for "

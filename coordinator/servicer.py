@@ -146,8 +146,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             def check(req: pb.HeartbeatRequest) -> None:
                 authz.authorize("Heartbeat", req, caller, self.state, self.authority)
 
-            async with aclosing(self.heartbeats.serve(requests, check,
-                                                      lambda: handlers.check_token(token, self.state))) as replies:
+            async with aclosing(self.heartbeats.serve(requests, check, lambda: handlers.check_token(token, self.state),
+                                                      seen_from=peer_host(context.peer()))) as replies:
                 async for reply in replies:
                     yield reply
         except Exception as e:  # noqa: BLE001

@@ -57,7 +57,8 @@ def run_id_of(job: JobRecord) -> str:
 class NodeSession:
     """A node process as the coordinator knows it: its session and when and from where it joined (0, "": heard
     first by a request other than a join): the peer address it advertised, and the host its join came from (the
-    connection's address as the coordinator saw it, behind any NAT; "" where not known)."""
+    connection's address as the coordinator saw it, behind any NAT; for a process first heard by its heartbeat
+    stream, the stream's; "" where not known)."""
 
     session: str
     joined_unix: float
@@ -222,13 +223,14 @@ class CoordinatorState:
             return plan
         return None
 
-    def check_session(self, node_id: str, session: str, *, joining: bool = False) -> None:
+    def check_session(self, node_id: str, session: str, *, joining: bool = False, seen_from: str = "") -> None:
         """Refuse (FailedPrecondition) a request of a node process that no longer speaks for `node_id`: a newer
         process joined under its id since (a restart, or a second machine started from a copy of its state dir).
         A node's first request this coordinator process hears (it restarted since the join) records its session.
         A join (`joining`) is refused only under a session already replaced: a new one is a restart
-        (`note_session`). A request without a session (an older node) is not judged. Cheap and lock-free: an
-        event loop calls it."""
+        (`note_session`). A request without a session (an older node) is not judged. `seen_from`: the host the
+        request came from, recorded with a session first heard this way. Cheap and lock-free: an event loop calls
+        it."""
         if not session:
             return
         if session in self._superseded:
@@ -237,7 +239,7 @@ class CoordinatorState:
             return
         current = self._sessions.get(node_id)
         if current is None:
-            current = self._sessions.setdefault(node_id, NodeSession(session, 0.0, ""))
+            current = self._sessions.setdefault(node_id, NodeSession(session, 0.0, "", seen_from))
         if current.session != session:
             raise FailedPrecondition(self._fenced(node_id))
 

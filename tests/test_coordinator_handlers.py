@@ -453,6 +453,23 @@ def test_a_copy_of_a_node_that_accepts_no_connections_is_judged_by_where_its_joi
     assert state.process_of(node).session == "again"
 
 
+def test_a_restarted_coordinator_learns_where_a_no_listen_node_is_from_its_heartbeats(job: JobSpec,
+                                                                                     clock: Clock) -> None:
+    """A coordinator restarted since a `--no-listen` node joined learns the node's host from the first heartbeat
+    stream it hears (`HeartbeatStreams.serve` passes the stream's host to `check_session`), so a copy joining from
+    another host is still refused."""
+    store = MemoryStore()
+    first = CoordinatorState(store=store, job=job, token=TOKEN, clock=clock)
+    node = h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile("vm"), session="a"), first,
+                         seen_from="198.51.100.7").node_id
+    again = CoordinatorState(store=store, job=job, token=TOKEN, clock=clock)
+    again.check_session(node, "a", seen_from="198.51.100.7")  # its heartbeat stream, first heard
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)
+    with pytest.raises(AlreadyExists, match=r"live process at host 198.51.100.7 .* this one at host 203.0.113.9"):
+        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), session="clone"), again,
+                      seen_from="203.0.113.9")
+
+
 @pytest.mark.parametrize("peer, host", [("ipv4:10.0.0.5:41234", "10.0.0.5"), ("ipv6:[::1]:5", "::1"),
                                         ("ipv6:%5B2001:db8::1%5D:443", "2001:db8::1"), ("unix:/tmp/s", ""), ("", "")])
 def test_the_host_of_a_grpc_peer(peer: str, host: str) -> None:

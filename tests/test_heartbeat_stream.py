@@ -224,3 +224,20 @@ def test_a_stopping_coordinator_ends_its_heartbeat_streams_at_once() -> None:
     with pytest.raises(grpc.RpcError) as info:
         sender.beat(pb.HeartbeatRequest(node_id=node), 2)
     assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def test_a_process_first_heard_on_its_heartbeat_stream_is_known_by_the_streams_host(
+        coordinator: CoordinatorService) -> None:
+    """A node process the coordinator first hears of by its heartbeat stream (the coordinator restarted since its
+    join) is recorded with the host the stream came from, which a copy of a `--no-listen` node is told apart by."""
+    stub = _stub(coordinator)
+    node = _join(stub, "h-stream")  # (a join without a session records none: as if before a restart)
+    assert coordinator.state.process_of(node) is None
+    sender = _sender(stub)
+    try:
+        sender.beat(pb.HeartbeatRequest(node_id=node, session="s-1"), 5)
+        assert sender.streaming
+        heard = coordinator.state.process_of(node)
+        assert heard is not None and heard.session == "s-1" and heard.seen_from == "127.0.0.1"
+    finally:
+        sender.reset()
