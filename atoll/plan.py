@@ -90,11 +90,6 @@ def lane_in_flight(warmup: int, lanes: int, micro_batches: int) -> int:
     return min(warmup // lanes + 1, -(-micro_batches // lanes))
 
 
-STORE_INSTANCE_KEY = "atoll/store-instance"
-"""A key of the rendezvous store (`Plan.rendezvous`): a random name the coordinator sets when it starts the store.
-A store restarted with its coordinator (same port, no keys) has a new one, so ranks that meet name their meeting
-after it and meet again on the new store (`node.runner._group_again`)."""
-
 @dataclass(kw_only=True)
 class SendPlan:
     """The link from a stage to the next: codec of the activations and the predicted transfer."""

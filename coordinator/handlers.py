@@ -128,14 +128,17 @@ def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, re
     may take the id over (the first machine is gone).
 
     The hosts compared are the two processes' advertised peer addresses; where either advertises none (a
-    `--no-listen` node), the hosts their joins' connections came from (two copies behind one NAT look alike
-    there, and are taken for a restart)."""
+    `--no-listen` node), the hosts their joins' connections came from, of one address family. Two copies behind
+    one NAT look alike there, and are taken for a restart; a node restarted within its lease behind a NAT that
+    gives each connection another of several addresses is refused until the lease lapses."""
     current = state.process_of(existing.node_id)
     if not (req.session and current is not None and current.session and current.session != req.session):
         return
     there, here = _host(existing.peer_address), _host(req.peer_address)
     if not (there and here):
         there, here = current.seen_from, seen_from
+        if (":" in there) != (":" in here):  # IPv4 once, IPv6 the next time: one dual-stack machine may do that
+            return
     if not (there and here and there != here):
         return
     deadline = lease_deadline(existing, state.started_unix, state.membership_options(now))

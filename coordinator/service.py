@@ -32,7 +32,6 @@ from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
 from atoll.preflight import SetupError, check_listen, check_output_file, check_tls_pair, usable_state_dir
 from atoll.job import JobSpec, resolve_token
-from atoll.plan import STORE_INSTANCE_KEY
 from atoll.coordinator.watches import PlanWatches, add_coordinator_to_server
 from atoll.coordinator.heartbeats import HeartbeatStreams
 from atoll.coordinator.looplag import LoopLag
@@ -126,7 +125,6 @@ def _rendezvous_store(listen: str, previous: str = ""):
         log.warning("the rendezvous port %d of the last plan is taken (%s); using a new one, so the next plan "
                     "starts from the last checkpoint", port, e)
         store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    store.set(STORE_INSTANCE_KEY, secrets.token_hex(8))  # what ranks name their meetings after
     return store, f"{advertised}:{store.port}"
 
 

@@ -168,6 +168,9 @@ class CoordinatorState:
         the first request heard from it (`check_session`)."""
         self._superseded: set[str] = set()
         """Sessions a newer process of the same node replaced: refused for good (`check_session`), a join too."""
+        self._hosts: dict[str, str] = {}
+        """session -> the host its process was first heard from by a request that says so (its heartbeat stream),
+        for a process whose join this coordinator process did not see (`process_of`)."""
         self._restarted: dict[str, int] = {}
         """node -> the epoch of the plan that named it when it joined under a new session: its process restarted
         and its run of that plan is gone with it (`note_session`). The plan is withheld from it (`newer_plan`) and
@@ -242,6 +245,8 @@ class CoordinatorState:
             current = self._sessions.setdefault(node_id, NodeSession(session, 0.0, "", seen_from))
         if current.session != session:
             raise FailedPrecondition(self._fenced(node_id))
+        if seen_from and not current.seen_from:  # first heard by a request that did not say where from
+            self._hosts.setdefault(session, seen_from)  # (no lock on the event loop: `process_of` joins them)
 
     def session_of(self, node_id: str) -> str:
         """The session of the node's current process ("": none known to this coordinator process)."""
@@ -250,7 +255,10 @@ class CoordinatorState:
 
     def process_of(self, node_id: str) -> NodeSession | None:
         """The node's current process as this coordinator process knows it (None: not heard from yet)."""
-        return self._sessions.get(node_id)
+        current = self._sessions.get(node_id)
+        if current is not None and not current.seen_from and current.session in self._hosts:
+            return replace(current, seen_from=self._hosts[current.session])
+        return current
 
     def _fenced(self, node_id: str) -> str:
         current = self._sessions.get(node_id)

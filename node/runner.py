@@ -69,7 +69,7 @@ from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
-from atoll.plan import GB, STORE_INSTANCE_KEY, Plan
+from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions
 from atoll.types import StepMetrics
 
@@ -202,32 +202,30 @@ def _group_again(connect: Callable[[timedelta], dist.Store], store: dist.Store, 
                  ) -> dist.ProcessGroup:
     """`_group`, met again where the rendezvous store itself went away while the ranks met (its coordinator was
     killed): a coordinator restarted on its state dir binds the same port again, empty. Each rank then opens a new
-    connection (`connect(bound)`) and meets the others there, all within `timeout` from the first try. Meetings are
-    named after the store's instance (`STORE_INSTANCE_KEY`), so a rank that lost the meeting on the old store and
-    one that comes to it only now, on the new store, meet under one name. Any other failure, and a store not back
-    in time, is raised."""
+    connection (`connect(bound)`) and meets the others there under the same name, all within `timeout` from the
+    first try: the new store holds none of the old meeting's keys, so a rank that lost the meeting on the old store
+    and one that comes to it only now meet as if nothing happened. Any other failure, and a store not back in time,
+    is raised. (Only the rendezvous and a gloo group's set-up are covered: NCCL reads the store at its first
+    collective.)"""
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
         left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
         try:
-            return _group(store, prefix + _store_instance(store), rank, size, left, device, gone)
+            return _group(store, prefix, rank, size, left, device, gone)
         except dist.DistNetworkError as e:
             lost = e
+        lost_line = str(lost).splitlines()[0][:160] if str(lost) else type(lost).__name__
         log.info("the rendezvous store went away while the ranks met (%s); meeting again over a new connection",
-                 str(lost).splitlines()[0][:160])
+                 lost_line)
         left_s = deadline - time.monotonic()
+        if left_s <= 0.1:
+            raise CollectiveError(f"the rendezvous store went away while the ranks met, with no time left of "
+                                  f"{timeout} to meet again: {lost_line}") from lost
         try:  # (a client keeps dialing until its timeout: the store is back once the coordinator restarted)
-            store = connect(timedelta(seconds=max(left_s, 0.1)))
+            store = connect(timedelta(seconds=left_s))
         except (dist.DistError, RuntimeError, OSError) as e:
             raise CollectiveError(f"the rendezvous store went away while the ranks met and was not back within "
-                                  f"{timeout}: {str(lost).splitlines()[0][:160]}") from e
-
-
-def _store_instance(store: dist.Store) -> str:
-    """The rendezvous store's instance (`STORE_INSTANCE_KEY`) as a prefix part ("": a store without one)."""
-    if not store.check([STORE_INSTANCE_KEY]):
-        return ""
-    return f"store-{store.get(STORE_INSTANCE_KEY).decode(errors='replace')}/"
+                                  f"{timeout}: {lost_line}") from e
 
 
 def _peer_gone(addresses: dict[str, str], nodes: Sequence[str]) -> Callable[[], str | None]:

@@ -449,8 +449,19 @@ def test_a_copy_of_a_node_that_accepts_no_connections_is_judged_by_where_its_joi
     copy("restarted", "198.51.100.7")  # its own host: a restart
     with pytest.raises(FailedPrecondition):
         h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="first"), state)
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="restarted"), state)
+    copy("v6", "2001:db8::7")  # another address family: one dual-stack machine may connect either way
+    assert state.process_of(node).session == "v6"
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="v6"), state)
     copy("again", "")  # where the join came from is not known: taken for a restart
     assert state.process_of(node).session == "again"
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="again"), state)
+    # a node that advertises an address now, and a copy that does not: told apart by where their joins came from
+    h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), peer_address="10.0.0.1:5000",
+                                 session="listening"), state, seen_from="2001:db8::7")
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="listening"), state)
+    with pytest.raises(AlreadyExists, match=r"live process at 10.0.0.1:5000 .* this one at host 2001:db8::9"):
+        copy("clone-2", "2001:db8::9")
 
 
 def test_a_restarted_coordinator_learns_where_a_no_listen_node_is_from_its_heartbeats(job: JobSpec,
@@ -463,8 +474,9 @@ def test_a_restarted_coordinator_learns_where_a_no_listen_node_is_from_its_heart
     node = h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile("vm"), session="a"), first,
                          seen_from="198.51.100.7").node_id
     again = CoordinatorState(store=store, job=job, token=TOKEN, clock=clock)
-    again.check_session(node, "a", seen_from="198.51.100.7")  # its heartbeat stream, first heard
-    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node, session="a"), again)  # heard first without a host
+    assert again.process_of(node).seen_from == ""
+    again.check_session(node, "a", seen_from="198.51.100.7")  # then its heartbeat stream
     with pytest.raises(AlreadyExists, match=r"live process at host 198.51.100.7 .* this one at host 203.0.113.9"):
         h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), session="clone"), again,
                       seen_from="203.0.113.9")

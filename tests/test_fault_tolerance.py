@@ -157,8 +157,8 @@ def test_a_rendezvous_ends_at_once_when_a_peer_that_arrived_is_gone() -> None:
 def test_ranks_meet_again_when_the_rendezvous_store_restarts_under_them() -> None:
     """The coordinator that hosts the rendezvous store is killed while a handover's ranks meet, and restarted on
     its state dir (the same port, no keys): the rank that was waiting loses its connection, opens a new one and
-    meets the other, which comes to the meeting only after the restart, on the new store (the meeting is named
-    after the store's instance); the group they form works. Without the store back in time it fails, saying so."""
+    meets the other, which comes to the meeting only after the restart, on the new store; the group they form
+    works. Without the store back in time it fails, saying so."""
     from atoll.coordinator.service import _rendezvous_store
     from atoll.node.runner import _group_again
 
