@@ -57,7 +57,8 @@ def test_profile_measures_the_jobs_layers_quickly() -> None:
     share = {t.layer_kind: t.weight_fraction for t in p.layer_timings}
     assert 0.05 < share["block"] < 0.95 and 0.05 < share["head"] < 0.95 and share["embedding"] == 0
     extra = {t.layer_kind: t.split_overhead for t in p.layer_timings}
-    assert 0 <= extra["block"] < 2 and 0 <= extra["head"] < 2 and extra["embedding"] == 0
+    # (in the range the profiler reports, its cap included: a loaded machine can time the split path at it)
+    assert 0 <= extra["block"] <= 2 and 0 <= extra["head"] <= 2 and extra["embedding"] == 0
     assert p.optimizer_step_seconds > 0
 
 
