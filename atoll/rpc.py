@@ -392,6 +392,26 @@ def make_channel(target: str, options: RpcOptions | None = None, *, token: str |
     return grpc.intercept_channel(channel, _ClientDefaults(token, options.default_deadline))
 
 
+RETRY_AFTER_KEY = "atoll-retry-after-s"
+"""Trailing metadata of a refusal that may pass when tried again later: the seconds to wait first."""
+
+
+def retry_after(error: grpc.RpcError) -> float | None:
+    """The seconds a refusal says to wait before trying once more (`RETRY_AFTER_KEY`); None: it does not say."""
+    try:
+        metadata = error.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an error without metadata (a local failure)
+        return None
+    for key, value in metadata:
+        if key == RETRY_AFTER_KEY:
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                return None
+            return seconds if 0 <= seconds <= 3600 else None
+    return None
+
+
 def peer_host(peer: str) -> str:
     """The host of a gRPC `context.peer()` string ("ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:[::1]:5" -> "::1";
     "" for one without a host, such as a unix socket). gRPC may percent-encode it ("ipv6:%5B::1%5D:5")."""

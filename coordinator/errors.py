@@ -20,7 +20,12 @@ class NotFound(CoordinatorError):
 
 
 class AlreadyExists(CoordinatorError):
-    """Another live node holds the claimed node id."""
+    """Another live node holds the claimed node id. `retry_after_s`: when a join may be tried once more (the
+    holder's lease lapses then), sent as the `atoll.rpc.RETRY_AFTER_KEY` trailing metadata; None: never."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(CoordinatorError):

@@ -129,8 +129,9 @@ def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, re
 
     The hosts compared are the two processes' advertised peer addresses; where either advertises none (a
     `--no-listen` node), the hosts their joins' connections came from, of one address family. Two copies behind
-    one NAT look alike there, and are taken for a restart; a node restarted within its lease behind a NAT that
-    gives each connection another of several addresses is refused until the lease lapses."""
+    one NAT look alike there, and are taken for a restart. The refusal says when the holder's lease lapses
+    (`retry_after_s`): the node tries once more then, so a node restarted from another address (a NAT that gives
+    each connection another of several addresses) takes its own place by itself."""
     current = state.process_of(existing.node_id)
     if not (req.session and current is not None and current.session and current.session != req.session):
         return
@@ -150,7 +151,8 @@ def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, re
         f"node id {existing.node_id} is held by a live process at {held} (heard "
         f"{max(0.0, now - existing.last_heartbeat_unix):.0f}s ago), and this one at {this} started "
         f"from a copy of its state dir: give this one a --state-dir of its own to join as a new node. If that "
-        f"process is gone, this one may take its place once its lease lapses (in {deadline - now:.0f}s)")
+        f"process is gone, this one may take its place once its lease lapses (in {deadline - now:.0f}s)",
+        retry_after_s=deadline - now + 1.0)
 
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:

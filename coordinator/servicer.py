@@ -25,7 +25,7 @@ from atoll.coordinator.validation import check_address
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
 from atoll.coordinator.heartbeats import HeartbeatStreams, StreamReplaced, TooManyHeartbeatStreams
 from atoll.coordinator.dialback import dial_back
-from atoll.rpc import peer_certificate, peer_host, token_from_metadata, token_matches
+from atoll.rpc import RETRY_AFTER_KEY, peer_certificate, peer_host, token_from_metadata, token_matches
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
 
@@ -59,6 +59,9 @@ def _status(method: str, e: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 def _abort(context: grpc.ServicerContext, method: str, e: Exception) -> NoReturn:
+    after = getattr(e, "retry_after_s", None)
+    if after is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{after:.1f}"),))
     context.abort(*_status(method, e))
 
 

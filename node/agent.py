@@ -40,7 +40,7 @@ from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.node.signals import handle_on_thread, stuck_main_thread
 from atoll.plan import Plan
 from atoll.preflight import check_dial_address, check_listen, usable_state_dir
-from atoll.rpc import RpcOptions, make_channel
+from atoll.rpc import RpcOptions, make_channel, retry_after
 from atoll.tls import CertificateError, cert_from_pem, find_ca, fingerprint
 from atoll.serde import (link_to_proto, plan_from_packed, plan_from_proto, profile_to_proto,
                          step_metrics_to_proto)
@@ -464,7 +464,26 @@ class NodeAgent:
                              session=self.session)
         with self._join_lock:
             try:
-                reply = self._retrying("joining", lambda: self.call("Join", req))
+                try:
+                    reply = self._retrying("joining", lambda: self.call("Join", req))
+                except grpc.RpcError as e:
+                    # a refusal that may pass later (another process holds the id, its lease not yet lapsed: this
+                    # may be that node restarted from another address) is tried once more when it says
+                    after = retry_after(e) if e.code() == grpc.StatusCode.ALREADY_EXISTS else None
+                    if after is None:
+                        raise
+                    log.warning("the coordinator refused the join (%s); trying once more in %.0fs, when that "
+                                "process's lease has lapsed", e.details(), after)
+                    if self._stop.wait(after):
+                        raise AgentStopped("stopped while waiting to join again") from None
+                    try:
+                        reply = self._retrying("joining", lambda: self.call("Join", req))
+                    except grpc.RpcError as again:
+                        if again.code() != grpc.StatusCode.ALREADY_EXISTS:
+                            raise
+                        raise AgentError(f"the coordinator refused the join again once the lease it named had "
+                                         f"passed, so the process holding the node id lives: {again.details()}"
+                                         ) from None
             except grpc.RpcError as e:
                 raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
             self._use_certificate(reply)  # type: ignore[arg-type]

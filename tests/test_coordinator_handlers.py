@@ -480,10 +480,3 @@ def test_a_restarted_coordinator_learns_where_a_no_listen_node_is_from_its_heart
     with pytest.raises(AlreadyExists, match=r"live process at host 198.51.100.7 .* this one at host 203.0.113.9"):
         h.handle_join(pb.JoinRequest(token=TOKEN, node_id=node, profile=profile("vm"), session="clone"), again,
                       seen_from="203.0.113.9")
-
-
-@pytest.mark.parametrize("peer, host", [("ipv4:10.0.0.5:41234", "10.0.0.5"), ("ipv6:[::1]:5", "::1"),
-                                        ("ipv6:%5B2001:db8::1%5D:443", "2001:db8::1"), ("unix:/tmp/s", ""), ("", "")])
-def test_the_host_of_a_grpc_peer(peer: str, host: str) -> None:
-    from atoll.rpc import peer_host
-    assert peer_host(peer) == host

@@ -194,3 +194,22 @@ def test_a_join_records_the_host_its_connection_came_from(service: CoordinatorSe
     (handlers._refuse_a_copy_elsewhere): the join's connection host, read from the gRPC peer."""
     reply = stub(service).Join(pb.JoinRequest(token=TOKEN, profile=profile("no-listen"), session="s1"), timeout=5)
     assert service.state.process_of(reply.node_id).seen_from == "127.0.0.1"
+
+
+def test_a_copy_refused_while_the_node_lives_is_told_when_to_try_again(service: CoordinatorService) -> None:
+    """The refusal of a copy of a node's state dir on another address carries when its holder's lease lapses
+    (`atoll.rpc.RETRY_AFTER_KEY`), which a node waits for before it tries once more; other refusals carry none."""
+    from atoll.rpc import retry_after
+
+    first = stub(service).Join(pb.JoinRequest(token=TOKEN, profile=profile("vm-copied"), session="one",
+                                              peer_address="127.0.0.1:6201"), timeout=5)
+    stub(service).Heartbeat(pb.HeartbeatRequest(node_id=first.node_id, session="one"), timeout=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub(service).Join(pb.JoinRequest(token=TOKEN, node_id=first.node_id, profile=profile("vm-copied"),
+                                          session="two", peer_address="127.0.0.2:6201"), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    after = retry_after(refused.value)
+    assert after is not None and 1.0 <= after <= 31.0, after  # the fixture's lease is 30 s
+    with pytest.raises(grpc.RpcError) as bad:
+        stub(service).Join(pb.JoinRequest(token=TOKEN, profile=profile(""), session="x"), timeout=5)
+    assert retry_after(bad.value) is None

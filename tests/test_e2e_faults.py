@@ -290,6 +290,42 @@ def test_a_second_process_under_a_copied_node_id_fences_out_the_first(tmp_path: 
 
 
 @pytest.mark.timeout(240)
+def test_a_copy_on_another_address_is_refused_and_a_restart_from_there_joins_once_the_lease_lapses(
+        tmp_path: Path) -> None:
+    """A copy of a node's state dir started on another address (127.0.0.2) while the node trains is refused, waits
+    for the lease the refusal names, is refused again (the node still heartbeats) and exits saying what to do; the
+    node trains on. The node then dies and the same copy starts at once: refused while the dead node's lease
+    lasts, it tries again when it lapses and takes the node's place, without anyone restarting it."""
+    import shutil
+
+    lease = ["--lease", "4"]
+    cluster = _one_node(tmp_path, "elsewhere", steps=5000, interval=1000)
+    try:
+        cluster.start_coordinator(extra=lease)
+        cluster.start_node("node1")
+        before = cluster.wait_status(lambda s: s.plan.epoch >= 1 and s.step >= 10, 150, "training", poll=0.2)
+        shutil.copytree(cluster.out / "node1", cluster.out / "copy")
+        cluster.start_node("copy", extra=["--listen", "127.0.0.2:0"])
+        code = cluster.procs.pop("copy").wait(90)
+        log = (cluster.out / "copy.log").read_text()
+        assert code != 0 and "trying once more in" in log and "--state-dir of its own" in log, log[-3000:]
+        assert cluster.procs["node1"].poll() is None
+        cluster.procs.pop("node1").kill()
+        t0 = time.monotonic()
+        (cluster.out / "copy.log").rename(cluster.out / "copy-refused.log")
+        cluster.start_node("copy", extra=["--listen", "127.0.0.2:0"])
+        after = cluster.wait_status(lambda s: s.plan.epoch > before.plan.epoch and s.step > before.step, 150,
+                                    "the restarted node training", poll=0.2, dead=frozenset({"node1"}))
+        took = time.monotonic() - t0
+        log = (cluster.out / "copy.log").read_text()
+        assert "trying once more in" in log and cluster.procs["copy"].poll() is None, log[-3000:]
+        print(f"\ncopy refused twice and exited {code}; restarted from 127.0.0.2 after a SIGKILL, training again "
+              f"{took:.1f}s later (plan epoch {before.plan.epoch} -> {after.plan.epoch})")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(240)
 def test_a_coordinator_on_a_fresh_state_dir_does_not_train_over_an_earlier_runs_checkpoints(tmp_path: Path) -> None:
     """A job trains and checkpoints; its coordinator is then started again on a fresh state dir (the old one moved
     away, or a typo in --state-dir), same spec. It knows no checkpoint and would run the job from step 0, over the

@@ -129,3 +129,27 @@ def test_tls_round_trip(tmp_path: Path) -> None:
         plain.close()
     finally:
         handle.stop()
+
+
+@pytest.mark.parametrize("peer, host", [("ipv4:10.0.0.5:41234", "10.0.0.5"), ("ipv6:[::1]:5", "::1"),
+                                        ("ipv6:%5B2001:db8::1%5D:443", "2001:db8::1"), ("unix:/tmp/s", ""), ("", "")])
+def test_the_host_of_a_grpc_peer(peer: str, host: str) -> None:
+    from atoll.rpc import peer_host
+    assert peer_host(peer) == host
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, metadata):
+        self._metadata = metadata
+
+    def trailing_metadata(self):
+        return self._metadata
+
+
+@pytest.mark.parametrize("metadata, seconds", [((("atoll-retry-after-s", "7.5"),), 7.5), ((), None), (None, None),
+                                               ((("atoll-retry-after-s", "soon"),), None),
+                                               ((("atoll-retry-after-s", "-1"),), None),
+                                               ((("other", "3"),), None)])
+def test_a_refusal_says_when_to_try_again(metadata, seconds) -> None:
+    from atoll.rpc import retry_after
+    assert retry_after(_Refusal(metadata)) == seconds
