@@ -248,11 +248,6 @@ class CoordinatorState:
         if seen_from and not current.seen_from:  # first heard by a request that did not say where from
             self._hosts.setdefault(session, seen_from)  # (no lock on the event loop: `process_of` joins them)
 
-    def session_of(self, node_id: str) -> str:
-        """The session of the node's current process ("": none known to this coordinator process)."""
-        current = self._sessions.get(node_id)
-        return current.session if current is not None else ""
-
     def process_of(self, node_id: str) -> NodeSession | None:
         """The node's current process as this coordinator process knows it (None: not heard from yet)."""
         current = self._sessions.get(node_id)
