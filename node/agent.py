@@ -463,29 +463,26 @@ class NodeAgent:
                              csr_pem=self.credentials.csr() if self.credentials is not None else b"",
                              session=self.session)
         with self._join_lock:
-            try:
+            again = False
+            while True:
                 try:
                     reply = self._retrying("joining", lambda: self.call("Join", req))
+                    break
                 except grpc.RpcError as e:
+                    copy = e.code() == grpc.StatusCode.ALREADY_EXISTS
+                    if copy and again:
+                        raise AgentError(f"the coordinator refused the join again once the lease it named had "
+                                         f"passed, so the process holding the node id lives: {e.details()}") from None
                     # a refusal that may pass later (another process holds the id, its lease not yet lapsed: this
                     # may be that node restarted from another address) is tried once more when it says
-                    after = retry_after(e) if e.code() == grpc.StatusCode.ALREADY_EXISTS else None
+                    after = retry_after(e) if copy else None
                     if after is None:
-                        raise
+                        raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
                     log.warning("the coordinator refused the join (%s); trying once more in %.0fs, when that "
                                 "process's lease has lapsed", e.details(), after)
                     if self._stop.wait(after):
                         raise AgentStopped("stopped while waiting to join again") from None
-                    try:
-                        reply = self._retrying("joining", lambda: self.call("Join", req))
-                    except grpc.RpcError as again:
-                        if again.code() != grpc.StatusCode.ALREADY_EXISTS:
-                            raise
-                        raise AgentError(f"the coordinator refused the join again once the lease it named had "
-                                         f"passed, so the process holding the node id lives: {again.details()}"
-                                         ) from None
-            except grpc.RpcError as e:
-                raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
+                    again = True
             self._use_certificate(reply)  # type: ignore[arg-type]
             self._follow_run(reply.job.run_id)  # type: ignore[attr-defined]
             self.heartbeat_interval = reply.heartbeat_interval_seconds or 1.0  # type: ignore[attr-defined]

@@ -417,6 +417,8 @@ def test_a_coordinator_killed_while_zero_replicas_meet_for_a_handover_costs_no_s
         leaving = cluster.procs.pop("node2")
         leaving.terminate()
         t0, left = time.monotonic(), False
+        # (read-only SQLite every 10 ms, not `cluster.read_store()`: opening the store checks and writes its schema,
+        # and the kill must follow the Leave within the handover's meeting)
         while not left and time.monotonic() - t0 < 60:
             with closing(sqlite3.connect(f"file:{cluster.state_db}?mode=ro", uri=True)) as db:
                 left = any(state == "left" for state, in db.execute("select state from members"))
