@@ -122,7 +122,10 @@ def test_checkpoint_copies_and_their_fetch_pass_the_state_rules_over_mutual_tls(
 @pytest.mark.timeout(300)
 def test_a_joiner_takes_a_running_stages_live_state_over_mutual_tls(tmp_path: Path) -> None:
     """b2 joins a running stage: b1 serves it its layers' live state once it too follows the plan naming b2."""
-    steps = 200  # a joining process starts, profiles and is probed before it is planned
+    # a joining process starts, profiles and is probed before it is planned: the job must outlast that under load
+    # (200 steps, 11 s here, once ended before b2 was planned with another test running beside it); the test ends,
+    # killing every process, as soon as b2 resumed
+    steps = 5000
     layouts = {frozenset({"a", "b1"}): [((0, 3), ["a"]), ((3, 6), ["b1"])],
                frozenset({"a", "b1", "b2"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"])]}
     job = _job(2)
