@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
@@ -148,7 +149,14 @@ def test_unknown_nodes_duplicates_and_the_path_to_a_plan(service: CoordinatorSer
     text = format_status(status)
     assert "cpu0" in text and "1.00 GB/s" in text and f"plan epoch {plan.epoch}" in text
     assert '"islands"' in status_json(status)
-    metrics = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=5).read().decode()
+    # (the gauges follow the loop round that published the plan, a moment after the watch has it: read again
+    # until they do, for at most a few seconds)
+    deadline = time.monotonic() + 5
+    while True:
+        metrics = urllib.request.urlopen(f"http://{service.metrics_address}/metrics", timeout=5).read().decode()
+        if f"atoll_plan_epoch {float(plan.epoch)}" in metrics or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert f"atoll_plan_epoch {float(plan.epoch)}" in metrics
     assert 'atoll_members{state="alive"} 4.0' in metrics and "atoll_islands 1.0" in metrics
     assert "atoll_link_bandwidth_bytes_per_second{" in metrics
