@@ -183,17 +183,20 @@ def test_the_job_survives_a_coordinator_kill_and_a_node_kill(tmp_path: Path) -> 
     assert coordinator.trained_while_down, coordinator.note  # neighbours trained on while it was away
     assert coordinator.next_step_s is not None and coordinator.next_step_s < cfg.outage
     assert coordinator.detection_s is not None and coordinator.detection_s < 60, coordinator  # every node back
-    if node.role.startswith("pipeline"):  # a node the plan ran: its death is noticed within lease + tick
-        assert node.detection_s is not None and node.detection_s <= cfg.lease + 2.0, node
+    if node.role.startswith("pipeline"):  # a node the plan ran: its death is noticed within about a lease (the
+        # lease from its last heartbeat, plus the coordinator's tick and any loop lag a loaded machine adds, and the
+        # monitor's own polling): twice the lease bounds it without timing the machine
+        assert node.detection_s is not None and node.detection_s <= 2 * cfg.lease, node
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_job_that_ends_while_the_coordinator_is_away_is_recorded_complete(tmp_path: Path) -> None:
-    """The coordinator is killed 30 steps before the end and stays away 8 s: the nodes train to the end
+    """The coordinator is killed 20 steps before the end and stays away 12 s: the nodes train to the end
     meanwhile, wait for it with their last step and checkpoint reports, and the restarted coordinator records
     the job finished with every step, on the plan it had."""
-    cfg = DriverConfig(nodes=3, gap_steps=5, first_at=90, min_steps=10, outage=8.0, lease=9.0,
+    # (20 steps take 2-4 s here: the outage outlasts them on a machine three times slower)
+    cfg = DriverConfig(nodes=3, gap_steps=5, first_at=100, min_steps=10, outage=12.0, lease=13.0,
                        recover_timeout=120.0, room_seconds=0.0)
     job = write_job(cfg, 120, tmp_path / "job.toml")
     driver = FaultDriver(cfg, job, tmp_path / "run", say=print)

@@ -51,7 +51,7 @@ def start(tmp: Path, listen: str, log_name: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "atoll", "coordinator", "--job", str(ROOT / "examples" / "tiny.toml"), "--listen",
          listen, "--state-dir", str(tmp / "state"), "--token-file", str(tmp / "token"), "--address-file", str(addr),
-         "--lease", "4"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ATOLL_LOG_LEVEL": "DEBUG"})
+         "--lease", "10"], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ATOLL_LOG_LEVEL": "DEBUG"})
     wait_until(lambda: addr.exists() or proc.poll() is not None, 30, "the coordinator to listen")
     assert proc.poll() is None, (tmp / log_name).read_text()
     return proc

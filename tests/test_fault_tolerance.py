@@ -259,8 +259,9 @@ def _service(tmp: Path, listen: str) -> CoordinatorService:
 @pytest.mark.timeout(90)
 def test_calls_to_the_coordinator_resume_within_a_heartbeat_interval_after_an_outage(tmp_path: Path) -> None:
     """Lease 8 s, heartbeats every 2 s; the coordinator away for 6 s. With the default backoff (doubling up to 5 s)
-    the plan watch would reopen about 5 s after it is back; capped by the heartbeat interval, within about 2 s, and
-    no node joins again."""
+    the plan watch would reopen about 5 s after it is back; capped by the heartbeat interval, within about 2.4 s (2 s
+    plus jitter), and no node joins again. The bounds are 4 s: above the cap with room for a loaded machine's
+    handshakes and RPCs, below the uncapped backoff."""
     service = _service(tmp_path, "127.0.0.1:0")
     address = service.address
     agents = []
@@ -282,13 +283,13 @@ def test_calls_to_the_coordinator_resume_within_a_heartbeat_interval_after_an_ou
         service = _service(tmp_path, address)
         back = time.monotonic()
         while service.watches.open < 3:
-            assert time.monotonic() - back < 3.0, f"{service.watches.open} of 3 plan watches back after 3 s"
+            assert time.monotonic() - back < 4.0, f"{service.watches.open} of 3 plan watches back after 4 s"
             time.sleep(0.05)
-        assert delivered.wait(3.0), "the queued report was not delivered within 3 s of the coordinator's return"
+        assert delivered.wait(4.0), "the queued report was not delivered within 4 s of the coordinator's return"
         restarted = time.time()
-        end = time.monotonic() + 3.0
+        end = time.monotonic() + 4.0
         while not all(m.last_heartbeat_unix > restarted for m in service.store.list_members()):
-            assert time.monotonic() < end, "heartbeats did not resume within 3 s"
+            assert time.monotonic() < end, "heartbeats did not resume within 4 s"
             time.sleep(0.05)
         assert all(a.joins == 1 for a in agents)
     finally:
