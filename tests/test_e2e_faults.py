@@ -300,8 +300,9 @@ def test_a_copy_on_another_address_is_refused_and_a_restart_from_there_joins_onc
 
     # The second start must reach the coordinator while the dead node's lease still runs (its last heartbeat at
     # most a heartbeat before the kill), or it joins at once and the retry goes untested: a node's start-up
-    # (Python, torch, the profile) took over 3 s on a loaded 2-core machine, so the lease leaves it 10.
-    lease = ["--lease", "10"]
+    # (Python, torch, the profile) took about 5 s on a loaded 2-core machine: the lease leaves it 15, less a
+    # heartbeat interval (a quarter of the lease).
+    lease = ["--lease", "15"]
     cluster = _one_node(tmp_path, "elsewhere", steps=5000, interval=1000)
     try:
         cluster.start_coordinator(extra=lease)
