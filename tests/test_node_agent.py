@@ -287,7 +287,7 @@ def test_a_graceful_stop_lets_the_step_in_flight_finish_unless_stopped_again(coo
         try:
             while not run.agent.draining and not run.superseded.is_set():  # steps go on until a stop
                 time.sleep(0.05)
-            cut = run.superseded.wait(1.5)  # the step in flight takes 1.5 s more, unless cut short
+            cut = run.superseded.wait(6.0)  # the step in flight takes 6 s more, unless cut short
             finished.setdefault(run.node_id, "cut short" if cut else "finished")
         finally:
             held.end_run(run.plan.epoch)
@@ -308,7 +308,8 @@ def test_a_graceful_stop_lets_the_step_in_flight_finish_unless_stopped_again(coo
         stopping.join(20)
         took = time.monotonic() - started
         assert finished[agents[0].node_id] == ("cut short" if again else "finished"), finished
-        assert (took < 1.4) if again else (took >= 1.4), took
+        # (cut short: the second stop 0.3 s in, then the Leave and the threads' ends, well under the step's 6 s)
+        assert (took < 4.0) if again else (took >= 5.9), took
         status = fetch_status(coordinator.address, token=TOKEN)
         assert {m.node_id: m.state for m in status.members}[agents[0].node_id] == "left"
     finally:

@@ -84,7 +84,8 @@ def test_tensors_arrive_no_sooner_than_the_added_latency(pair) -> None:
     got = [t1.recv(TensorKey(1, mb, "forward"), T) for mb in range(4)]
     took = time.monotonic() - start
     assert all(torch.equal(g, a) for g, a in zip(got, acts, strict=True))
-    assert LATENCY.total_seconds() <= took < 2.5 * LATENCY.total_seconds(), took
+    # (four latencies one after another would take 4x: 3.5x leaves a loaded machine room and still tells them apart)
+    assert LATENCY.total_seconds() <= took < 3.5 * LATENCY.total_seconds(), took
 
     start = time.monotonic()  # the other direction has no added latency
     t1.send(TensorKey(1, 0, "backward"), torch.ones(SHAPE))
