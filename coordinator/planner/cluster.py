@@ -145,6 +145,9 @@ class Cluster:
         dup = {x for x in ids if ids.count(x) > 1}
         if dup:
             raise ValueError(f"{self.source or 'cluster'}: island ids must be unique, repeated: {sorted(dup)}")
+        # each island's link to itself, made once (the search asks for it hundreds of thousands of times)
+        object.__setattr__(self, "_inner", {i.id: Link(bandwidth=i.inter_node_bandwidth, latency_s=i.latency_s)
+                                            for i in self.islands})
 
     def island(self, island_id: str) -> Island:
         for i in self.islands:
@@ -155,8 +158,10 @@ class Cluster:
     def link(self, a: str, b: str) -> Link | None:
         """The link between islands a and b (inside a when a == b), or None when they are not connected."""
         if a == b:
-            i = self.island(a)
-            return Link(bandwidth=i.inter_node_bandwidth, latency_s=i.latency_s)
+            got = self._inner.get(a)  # type: ignore[attr-defined]
+            if got is None:
+                self.island(a)  # raises KeyError naming the islands
+            return got
         return self.links.get(frozenset((a, b)))
 
     @property

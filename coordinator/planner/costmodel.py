@@ -262,10 +262,10 @@ class CostModel:
         self.grad_bytes_per_param = states["gradients"] / total
         self.opt_bytes_per_param = states["optimizer"] / total
         self.max_layer_params = max(layer.params for layer in model.layers)
-
-    @property
-    def num_layers(self) -> int:
-        return self.model.num_layers
+        self.num_layers: int = model.num_layers
+        """Layers including the embedding and the head (read on every step of the search: a plain attribute)."""
+        # per layer, the bytes per sequence of the activation it sends on (`stage_output_bytes`)
+        self._out_per_seq = [layer.out_bytes_per_token(train.dtype) * train.seq_len for layer in model.layers]
 
     # --- compute -------------------------------------------------------------------------------------
 
@@ -423,7 +423,7 @@ class CostModel:
         activations: the activation it sent, held for its backward (none on the last stage)."""
         if end >= self.num_layers:
             return 0
-        return self.model.boundary_bytes(end, micro_batch, self.train.seq_len, self.train.dtype)
+        return self._out_per_seq[end - 1] * micro_batch  # `ModelSpec.boundary_bytes`, one product per call
 
     # --- communication -------------------------------------------------------------------------------
 

@@ -195,8 +195,12 @@ class DefaultParallelizer:
 
     def _blocks(self, a: int, b: int) -> tuple[int, int]:
         """The blocks [first, last) of slice [a, b), the only layers the runtime recomputes (empty: first = last)."""
-        first = max(a, 1)
-        return first, max(first, min(b, self.cm.num_layers - 1))
+        # (comparisons, not max/min: called a million times in a large search)
+        first = a if a > 1 else 1
+        last = self.cm.num_layers - 1
+        if b < last:
+            last = b
+        return first, (last if last > first else first)
 
     def _savings(self, t: LayerTable) -> list[int]:
         """Prefix sums of what recomputing each layer saves per micro-batch in flight (0 off the blocks)."""
@@ -381,7 +385,7 @@ class DefaultParallelizer:
             upto = self._recompute_upto(t, a, end, k, over)
             if upto is None:
                 return False
-            return tpre[end] - tpre[a] + tc + t.pf[upto] - t.pf[self._blocks(a, end)[0]] <= limit_s
+            return tpre[end] - tpre[a] + tc + t.pf[upto] - t.pf[a if a > 1 else 1] <= limit_s  # `_blocks`' first
 
         while lo < hi:
             mid = (lo + hi) // 2

@@ -226,16 +226,15 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
     e = len(orders)
     nxt = [0] * e
     free = [0.0] * e
-    f_in: list[dict[int, float]] = [dict() for _ in range(n)]  # activation arrival at stage i
-    b_in: list[dict[int, float]] = [dict() for _ in range(n)]  # gradient arrival at stage i
-    f_done: list[dict[int, float]] = [dict() for _ in range(n)]
+    # per stage and micro-batch (None: not yet): activation arrival, gradient arrival, forward done
+    f_in: list[list[float | None]] = [[0.0] * m] + [[None] * m for _ in range(n - 1)]
+    b_in: list[list[float | None]] = [[None] * m for _ in range(n)]
+    f_done: list[list[float | None]] = [[None] * m for _ in range(n)]
     # the wire of a boundary: one per pair of lanes it joins (their replicas send over their own links); boundary
     # i's wires from wire[i], the pair (a, b) at wire[i] + a * lanes[i + 1] + b
     wire = list(itertools.accumulate([0] + [a * b for a, b in zip(lanes, lanes[1:])]))
     link_f = [0.0] * wire[-1]
     link_b = [0.0] * wire[-1]
-    for j in range(m):
-        f_in[0][j] = 0.0
     busy = [0.0] * n
     last_b = [0.0] * n
     events: list[Event] = []
@@ -256,10 +255,10 @@ def simulate(p: PipelineTimes, *, record: bool = False) -> SimResult:
         while nxt[x] < count:
             kind, j = order[nxt[x]]
             if kind == "F":
-                ready = f_in[i].get(j)
+                ready = f_in[i][j]
                 dur = dur_f[i]
             elif kind == "B":
-                ready = f_done[i].get(j) if i == n - 1 else b_in[i].get(j)
+                ready = f_done[i][j] if i == n - 1 else b_in[i][j]
                 dur = dur_b[i]
             else:  # a deferred weight gradient: needs nothing from a neighbour
                 ready, dur = 0.0, dur_w[i]
