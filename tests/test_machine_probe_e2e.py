@@ -53,8 +53,11 @@ def test_the_nodes_of_a_machine_probe_at_once_and_share_its_link(tmp_path: Path)
         machine_of = {m.node_id: m.profile.hostname for m in status.members}
         lone = [x.bandwidth_bytes_per_s * 8 / 1e6 for x in status.links
                 if machine_of.get(x.src) != machine_of.get(x.dst) and x.bandwidth_bytes_per_s > 0]
-        for machine, (flows, mbit) in got.items():  # two flows at once share the 40 Mbit/s: about 20 each
-            assert flows == 2 and 0.3 * RATE / 1e6 < mbit < 0.65 * RATE / 1e6, (machine, got, lone)
+        # two flows at once share the 40 Mbit/s: about 20 each, below what one flow alone gets (the upper bound);
+        # the lower bound only says the probe measured the link, not a stall (on a loaded CI machine the senders'
+        # CPU held one round to 11.7 Mbit/s each)
+        for machine, (flows, mbit) in got.items():
+            assert flows == 2 and 0.2 * RATE / 1e6 < mbit < 0.65 * RATE / 1e6, (machine, got, lone)
         for name in ("m1-0", "m1-1", "m2-0", "m2-1"):
             assert "as one of 2 flows from this machine at once" in (cluster.out / f"{name}.log").read_text()
         print(f"\nlone probes between the machines: {sorted(round(x, 1) for x in lone)} Mbit/s; "
