@@ -15,6 +15,7 @@ import random
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -706,9 +707,7 @@ class CoordinatorState:
         outer = plan.mode == "outer" and plan.outer is not None and bool(plan.groups)
         if not opts.enabled or (plan.mode != "sync" and not outer) or plan.predicted.step_time_s <= 0:
             return []
-        nodes = sum(len(st.nodes) for p in plan.pipelines for st in p.stages)
-        steps = self.store.recent_steps(min(max(CALIBRATION_REPORTS_PER_NODE, 2 * opts.min_steps + 2) * nodes,
-                                            CALIBRATION_REPORTS_MAX))
+        steps = self._reports_of(plan, max(CALIBRATION_REPORTS_PER_NODE, 2 * opts.min_steps + 2))
         off = drifted(speed_changes(epoch_compute(plan, steps), opts.min_steps), opts.threshold)
         if not off:
             return []
@@ -795,9 +794,24 @@ class CoordinatorState:
         runs of that plan measured against its prediction (`calibration.speed_factors`)."""
         if previous is None:
             return dict(self.speed)
-        nodes = sum(len(s.nodes) for p in previous.pipelines for s in p.stages)
-        steps = self.store.recent_steps(min(CALIBRATION_REPORTS_PER_NODE * nodes, CALIBRATION_REPORTS_MAX))
-        return compound(self.speed, speed_factors(previous, steps))
+        return compound(self.speed, speed_factors(previous, self._reports_of(previous, CALIBRATION_REPORTS_PER_NODE)))
+
+    def _reports_of(self, plan: Plan, per_node: int) -> list[StepMetrics]:
+        """The newest step reports, oldest first, reaching back until each node of `plan` has `per_node` of its
+        epoch among them, or to the epoch's start, or to the most kept (`CALIBRATION_REPORTS_MAX`, the store's
+        `recent_steps_kept`). Not a fixed count over all nodes: nodes report as fast as they step, so a node that
+        slowed down (outer mode: its replica group falling behind the others') would have the fewest reports in
+        such a window just when its speed matters, and too few to be judged at all."""
+        nodes = {n for p in plan.pipelines for st in p.stages for n in st.nodes}
+        most = min(CALIBRATION_REPORTS_MAX, self.store.recent_steps_kept)
+        limit = min(per_node * len(nodes), most)
+        while True:
+            steps = self.store.recent_steps(limit)
+            counts = Counter(m.node_id for m in steps if m.plan_epoch == plan.epoch)
+            if (len(steps) < limit or limit >= most or any(m.plan_epoch < plan.epoch for m in steps)
+                    or all(counts[n] >= per_node for n in nodes)):
+                return steps
+            limit = min(2 * limit, most)
 
 
 DRIFT_BACKOFF_MAX = 16

@@ -258,6 +258,35 @@ def test_a_node_that_slows_down_in_outer_mode_has_its_group_replanned_while_the_
     assert estimated_rate(third, {}) > 1.1 * estimated_rate(second, {})
 
 
+def test_a_slowed_group_is_judged_from_its_own_reports_while_the_other_group_reports_five_times_as_many() -> None:
+    """Outer mode: the groups step at their own pace, so the group holding a slowed node reports a fraction of the
+    other's steps. The check reads back until each node has reports enough (a fixed count of the newest reports,
+    four nodes x 24, held eight steps of the slow group's: too few to judge, and the drift went unseen)."""
+    state, clock, region = _outer_state(steps=2000)
+    first = state.current_plan()
+    slow = next(n for n in sorted(region) if region[n] == "lab-b" and _layers(first, n) > 0)
+    _run(state, clock, {}, range(0, 11))
+    expected = predicted_compute(first)
+    a_step = 11
+    for step in range(11, 26):
+        clock.t += 1.0
+        for _ in range(5):  # lab-a runs five steps to each of lab-b's
+            for n in (n for n in expected if region[n] == "lab-a"):
+                h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=n, plan_epoch=first.epoch,
+                                                    step=a_step, compute_seconds=expected[n], step_seconds=0.2,
+                                                    unix_time=clock.t), state)
+            a_step += 1
+        for n in (n for n in expected if region[n] == "lab-b"):
+            h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=n, plan_epoch=first.epoch, step=step,
+                                                compute_seconds=expected[n] * (3.0 if n == slow else 1.0),
+                                                step_seconds=1.0, unix_time=clock.t), state)
+    _later(state, clock, 61)
+    events = state.tick()
+    assert state.epoch == 2, events
+    assert any(f"drift: node {slow} computes 3.00x slower than planned" in e for e in events), events
+    assert state.speed[slow] == pytest.approx(3.0)
+
+
 def test_a_node_that_becomes_faster_in_outer_mode_restarts_no_group() -> None:
     """A faster node holds no round back, and a group planned afresh restarts at its round's start: no replan (unless
     it had been planned slower than its profile, above)."""
