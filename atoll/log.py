@@ -15,9 +15,22 @@ def setup_logging(verbosity: int = 0) -> None:
         level = logging.getLevelName(override.upper())
         if not isinstance(level, int):
             raise ValueError(f"ATOLL_LOG_LEVEL={override!r} is not a log level (use DEBUG, INFO, WARNING, ERROR)")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger("atoll")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever `sys.stderr` is when a record is emitted, not the stream it was when the
+    handler was made (as `logging.lastResort` does): a process that replaces its stderr later (a daemon, a
+    wrapper that captures output) keeps its logs, and none go to a stream that has since been closed."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)  # StreamHandler's would set the stream this class reads from sys.stderr
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
