@@ -178,13 +178,18 @@ def _link_usage(reports: Sequence[StepMetrics]) -> list[LinkUsage]:
 
 
 def summarize(reports: Sequence[StepMetrics], epoch: int, window: int = 8) -> Progress:
-    """The job's progress from its recent reports (oldest first), over the last `window` steps of `epoch`."""
+    """The job's progress from its recent reports (oldest first), over the last `window` steps of `epoch`; each
+    pipeline's stages and links over its own last `window` steps (outer mode: replica groups step at their own
+    pace, and a group that fell behind, the one a user looks for, has none of the newest step numbers)."""
     latest = max((r.step for r in reports), default=0)
     with_loss = [r for r in reports if r.loss is not None]
     newest_loss = max(with_loss, key=lambda r: (r.plan_epoch, r.step), default=None)
     ours = [r for r in reports if r.plan_epoch == epoch]
-    recent_steps = set(sorted({r.step for r in ours})[-window:])
-    recent = [r for r in ours if r.step in recent_steps]
+    steps_of: dict[int, set[int]] = {}
+    for r in ours:
+        steps_of.setdefault(r.pipeline, set()).add(r.step)
+    recent_steps = {p: set(sorted(steps)[-window:]) for p, steps in steps_of.items()}
+    recent = [r for r in ours if r.step in recent_steps[r.pipeline]]
     times = step_times(ours)
     measured = [times[s] for s in sorted(times)[-window:]]
     return Progress(

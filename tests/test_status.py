@@ -103,6 +103,19 @@ def test_only_the_current_epoch_and_window_are_summarised() -> None:
     assert (empty.step, empty.loss, empty.tokens_per_second, empty.measured_step_seconds) == (0, None, 0.0, 0.0)
 
 
+def test_each_pipeline_is_summarised_over_its_own_last_steps() -> None:
+    """Outer mode: replica groups step at their own pace. The group that fell behind (pipeline 1, at step 9 while
+    pipeline 0 is at 30) keeps its stages and links in the summary, over its own last steps."""
+    ahead = [report("a", s, 0, pipeline=0, period=0.2) for s in range(31)]
+    behind = [report("b", s, 0, pipeline=1, period=0.7, step_seconds=0.7, compute_seconds=0.6,
+                     links=[LinkStats(peer="x", direction="forward", bytes_raw=10, bytes_wire=10, seconds=0.1)])
+              for s in range(10)]
+    p = summarize(sorted(ahead + behind, key=lambda r: r.unix_time), epoch=1, window=4)
+    assert [(u.pipeline, u.node_id, u.steps) for u in p.stages] == [(0, "a", 4), (1, "b", 4)]
+    assert p.stages[1].compute_seconds == pytest.approx(0.6)
+    assert [(x.src, x.pipeline, x.steps) for x in p.links] == [("b", 1, 4)]
+
+
 def test_handle_status_carries_the_summary() -> None:
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
     state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
