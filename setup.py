@@ -13,4 +13,7 @@ for folder, package in COMPONENTS.items():
     packages.append(package)
     packages.extend(f"{package}.{sub}" for sub in find_packages(folder))
 
+# folders of data files only (the built-in corpus, the example cluster files): packages of their own, or setuptools
+# warns at every install that they would be ignored
+packages += ["atoll.data", "atoll.examples.clusters"]
 setup(packages=packages, package_dir=package_dir)
