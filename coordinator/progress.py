@@ -130,10 +130,20 @@ def _tokens(reports: Sequence[StepMetrics]) -> dict[int, int]:
 
 
 def _tokens_per_second(reports: Sequence[StepMetrics], window: int) -> float:
-    tokens, times = _tokens(reports), step_times(reports)
-    steps = sorted(s for s in tokens if times.get(s, 0.0) > 0)[-window:]
-    total_s = sum(times[s] for s in steps)
-    return sum(tokens[s] for s in steps) / total_s if total_s > 0 else 0.0
+    """Tokens per second over each pipeline's last `window` complete steps, summed over the pipelines. The same
+    as one rate over the job's steps where the pipelines step together (a synchronous plan); in outer mode each
+    replica group steps at its own pace, and one rate over the steps every group had reported took the slowest
+    group's step time for all of them."""
+    by_pipeline: dict[int, list[StepMetrics]] = {}
+    for r in reports:
+        by_pipeline.setdefault(r.pipeline, []).append(r)
+    total = 0.0
+    for ours in by_pipeline.values():
+        tokens, times = _tokens(ours), step_times(ours)
+        steps = sorted(s for s in tokens if times.get(s, 0.0) > 0)[-window:]
+        total_s = sum(times[s] for s in steps)
+        total += sum(tokens[s] for s in steps) / total_s if total_s > 0 else 0.0
+    return total
 
 
 def throughput(reports: Iterable[StepMetrics], epoch: int, window: int = 5) -> tuple[int, float]:

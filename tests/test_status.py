@@ -114,6 +114,8 @@ def test_each_pipeline_is_summarised_over_its_own_last_steps() -> None:
     assert [(u.pipeline, u.node_id, u.steps) for u in p.stages] == [(0, "a", 4), (1, "b", 4)]
     assert p.stages[1].compute_seconds == pytest.approx(0.6)
     assert [(x.src, x.pipeline, x.steps) for x in p.links] == [("b", 1, 4)]
+    # each pipeline's tokens over its own steps' times: 256 every 0.2 s and 256 every 0.7 s
+    assert p.tokens_per_second == pytest.approx(256 / 0.2 + 256 / 0.7)
 
 
 def test_handle_status_carries_the_summary() -> None:
