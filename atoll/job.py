@@ -452,7 +452,7 @@ class JobSpec:
         if isinstance(train_sec, dict) and "precision" in train_sec:  # the documented name of train.dtype
             _check("dtype" not in train_sec, "[train] sets both precision and dtype; keep precision")
             train_sec = {("dtype" if k == "precision" else k): v for k, v in train_sec.items()}
-        train = _build(TrainSpec, "train", train_sec)
+        train = _build(TrainSpec, "train", train_sec, spelt={"dtype": "precision"})
         checkpoint = _build(CheckpointSpec, "checkpoint", doc.get("checkpoint", {}))
         compression = _build(CompressionSpec, "compression", doc.get("compression", {}))
         cluster = _build(ClusterSpec, "cluster", doc.get("cluster", {}))
@@ -542,14 +542,17 @@ def _field_kind(annotation: Any) -> type:
     raise TypeError(f"no TOML kind for {annotation!r}")  # pragma: no cover - a programming error
 
 
-def _build(cls: Any, name: str, table: dict[str, Any]) -> Any:
+def _build(cls: Any, name: str, table: dict[str, Any], spelt: dict[str, str] | None = None) -> Any:
+    """`cls` from a TOML table; `spelt` maps a field to the name the docs and examples write it as (an error
+    lists that name)."""
     sec = _Section(name, table)
     kwargs = {}
     for f in fields(cls):
         value = sec.get(f.name, _field_kind(f.type))
         if value is not None:
             kwargs[f.name] = value
-    sec.done()
+    spelt = spelt or {}
+    sec.done(sorted(f"{spelt[f.name]} (or {f.name})" if f.name in spelt else f.name for f in fields(cls)))
     missing = [f.name for f in fields(cls)
                if f.name not in kwargs and f.default is MISSING and f.default_factory is MISSING]
     _check(not missing, f"[{name}] is missing {', '.join(f'{name}.{m}' for m in missing)}")

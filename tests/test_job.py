@@ -86,6 +86,12 @@ def test_invalid_specs_name_the_field(change: tuple[str, str], needle: str) -> N
         JobSpec.from_toml(text)
 
 
+def test_an_unknown_train_field_lists_precision_as_the_examples_spell_it() -> None:
+    with pytest.raises(JobSpecError, match=r"'precision \(or dtype\)'") as e:
+        JobSpec.from_toml(BASE.replace("steps = 10", 'steps = 10\nprecison = "bf16"'))
+    assert "'dtype'" not in str(e.value)
+
+
 def test_missing_train_and_name_and_file() -> None:
     with pytest.raises(JobSpecError, match=r"\[train\] is missing"):
         JobSpec.from_toml('[job]\nname = "x"\n[model]\npreset = "tiny"\n')
