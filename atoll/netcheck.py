@@ -39,14 +39,14 @@ def diagnosis(address: str, *, tls: bool, timeout: timedelta = timedelta(seconds
     try:
         infos = socket.getaddrinfo(host, int(port_text), type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        return False, f"the host name {host!r} does not resolve ({e.strerror}); check the address (--coordinator)"
+        return False, f"the host name {host!r} {DOES_NOT_RESOLVE} ({e.strerror}); check the address (--coordinator)"
     try:
         family, kind, proto, _, sockaddr = infos[0]
         with socket.socket(family, kind, proto) as s:
             s.settimeout(timeout.total_seconds())
             s.connect(sockaddr)
     except ConnectionRefusedError:
-        return False, (f"{host} refuses connections on port {port_text}: nothing listens there. Is the coordinator "
+        return False, (f"{host} refuses connections on port {port_text}: {NOTHING_LISTENS}. Is the coordinator "
                 f"running, and on that port (its --listen)?")
     except (socket.timeout, TimeoutError):
         return False, (f"no answer from {host}:{port_text} within {timeout.total_seconds():.0f}s: a firewall may drop the "
@@ -74,11 +74,14 @@ def _tls_of(rpc) -> dict:
 def call_coordinator(call: Callable[[float, bool], T], address: str, timeout: timedelta, rpc=None,
                      say: Callable[[str], None] | None = None) -> T:
     """`call(seconds, wait_for_ready)`: one call to the coordinator at `address`, first without waiting for the
-    channel (a coordinator that answers answers at once). Where it cannot connect, `diagnose` says why: a server
-    that accepts connections but refuses this client, or speaks no TLS, or is no coordinator, is said at once
-    (PermissionError for a token that is not the job's, else ConnectionError): waiting cannot mend it. Where
-    nothing answers yet (a coordinator starting or restarting), `say` hears why, and the call waits for the
-    channel for the rest of `timeout`; what it raises is the caller's to handle, as before."""
+    channel (a coordinator that answers answers at once). Where it cannot connect, `diagnose` says why. Said at
+    once, as ConnectionError (PermissionError for a token that is not the job's): a server that accepts
+    connections but refuses this client, speaks no TLS or is no coordinator, a host that refuses the connection
+    (nothing listens on the port: the coordinator is not running there) and a name that does not resolve.
+    Waiting mends none of them, and a person at a prompt should not wait out `timeout` to hear it (`--watch`
+    asks again at each interval). Where the connection gets no answer at all (a coordinator host still booting,
+    a firewall), `say` hears why and the call waits for the channel for the rest of `timeout`; what it raises is
+    the caller's to handle, as before."""
     import grpc
 
     start = time.monotonic()
@@ -91,6 +94,8 @@ def call_coordinator(call: Callable[[float, bool], T], address: str, timeout: ti
     if reached:
         raise (PermissionError if TOKEN_REFUSED in why else ConnectionError)(
             f"the coordinator at {address} did not take the call: {why}")
+    if NOTHING_LISTENS in why or DOES_NOT_RESOLVE in why:
+        raise ConnectionError(f"no coordinator at {address}: {why}")
     left = max(0.1, timeout.total_seconds() - (time.monotonic() - start))
     if say is not None:
         say(f"no answer from {address} yet ({why}); waiting up to {left:.3g}s more (--timeout)")
@@ -111,6 +116,10 @@ def _says(e: Exception, kinds: tuple[str, ...]) -> bool:
     return any(k in str(e).upper() for k in kinds)
 
 
+NOTHING_LISTENS = "nothing listens there"
+"""In `diagnose`'s line where the host refused the TCP connection."""
+DOES_NOT_RESOLVE = "does not resolve"
+"""In `diagnose`'s line where the host name has no address."""
 TOKEN_REFUSED = "the token is not this job's"
 """In `diagnose`'s line where the coordinator refused the certificate the job token vouches for: a wrong token,
 which retrying cannot mend."""

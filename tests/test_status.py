@@ -337,7 +337,7 @@ def test_json_without_a_coordinator_is_json_on_stdout(capsys: pytest.CaptureFixt
     monkeypatch.setenv("ATOLL_TOKEN", "t")
     assert main(["status", "--coordinator", address, "--insecure", "--json", "--timeout", "0.5"]) == 2
     out, err = capsys.readouterr()
-    assert "no coordinator answered" in json.loads(out)["error"] and err == ""
+    assert "nothing listens there" in json.loads(out)["error"] and err == ""
     assert main(["status", "--coordinator", address, "--json"]) == 2  # no job CA to verify it with
     out, err = capsys.readouterr()
     assert "--tls-ca" in json.loads(out)["error"] and err == ""
