@@ -681,7 +681,7 @@ class RunFailure(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -694,6 +694,10 @@ class OuterSyncRequest(_message.Message):
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_HASHES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -706,7 +710,21 @@ class OuterSyncRequest(_message.Message):
     sync_seconds: float
     late_seconds: float
     session: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
+    fetched_version: int
+    unreachable: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
+    version: int
+    anchor_hashes: _containers.RepeatedCompositeFieldContainer[OuterAnchorHash]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ...) -> None: ...
+
+class OuterAnchorHash(_message.Message):
+    __slots__ = ("round", "layer", "crc32")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    layer: int
+    crc32: int
+    def __init__(self, round: _Optional[int] = ..., layer: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class OuterParticipant(_message.Message):
     __slots__ = ("group", "tokens", "since_epoch", "node_ids")
@@ -721,16 +739,22 @@ class OuterParticipant(_message.Message):
     def __init__(self, group: _Optional[int] = ..., tokens: _Optional[int] = ..., since_epoch: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OuterSyncReply(_message.Message):
-    __slots__ = ("decided", "participants", "wait_seconds", "latest_round")
+    __slots__ = ("decided", "participants", "wait_seconds", "latest_round", "version", "final", "checkpointer")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTER_FIELD_NUMBER: _ClassVar[int]
     decided: bool
     participants: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
     wait_seconds: float
     latest_round: int
-    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ...) -> None: ...
+    version: int
+    final: bool
+    checkpointer: OuterParticipant
+    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ..., version: _Optional[int] = ..., final: _Optional[bool] = ..., checkpointer: _Optional[_Union[OuterParticipant, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("history_points",)
@@ -833,7 +857,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -859,6 +883,9 @@ class StatusReply(_message.Message):
     HISTORY_ROWS_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     STOPPED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -884,7 +911,10 @@ class StatusReply(_message.Message):
     history_rows: int
     waiting: str
     stopped_unix: float
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ...) -> None: ...
+    anchor_mismatches: int
+    anchor_mismatch: str
+    final_checkpoint_step: int
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class JobControlRequest(_message.Message):
     __slots__ = ("job_id", "action", "steps")
@@ -949,20 +979,22 @@ class ProbeReply(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class OuterFetchRequest(_message.Message):
-    __slots__ = ("job_id", "plan_epoch", "round", "kind", "names", "sender")
+    __slots__ = ("job_id", "plan_epoch", "round", "kind", "names", "sender", "origin")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     plan_epoch: int
     round: int
     kind: str
     names: _containers.RepeatedScalarFieldContainer[str]
     sender: str
-    def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ...) -> None: ...
+    origin: str
+    def __init__(self, job_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., kind: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., sender: _Optional[str] = ..., origin: _Optional[str] = ...) -> None: ...
 
 class ConnectFrame(_message.Message):
     __slots__ = ("node_id", "call", "method", "message", "end", "code", "details", "reply", "timeout_seconds")
