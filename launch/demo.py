@@ -193,6 +193,12 @@ def _train(args: argparse.Namespace, job, job_path: Path, out: Path, stop: _Stop
                     bar.set_postfix(loss=f"{last.loss:.3f}", tok_s=f"{last.tokens_per_second:,.0f}")
                 if reached < steps:
                     time.sleep(0.25)
+            # the bar ends on the loss the summary below prints (the history's newest step), not on the last
+            # poll's, which may be a few steps older or another pipeline's
+            rows = [r for r in _history(cluster.state_db) if r.loss is not None]
+            if rows:
+                bar.set_postfix(loss=f"{rows[-1].loss:.3f}",
+                                tok_s=f"{last.tokens_per_second:,.0f}" if last is not None else "-")
     finally:
         stop.disarm()  # from here a stop signal must not cut the shutdown short
         cluster.stop()

@@ -89,6 +89,10 @@ def test_demo_from_another_folder_then_again_with_an_edited_job(tmp_path: Path) 
     first = _demo(tmp_path)  # the README's `atoll demo`, outside the checkout
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "over 100 steps" in first.stdout
+    # the progress bar ends on the loss the summary prints
+    summary = re.search(r"loss [0-9.]+ -> ([0-9.]+) over", first.stdout)
+    bar = re.findall(r"loss=([0-9.]+)", first.stderr)
+    assert summary and bar and bar[-1] == summary.group(1), (bar[-3:], first.stdout[-500:])
     assert (tmp_path / "runs" / "demo" / "loss.png").is_file() and (tmp_path / "runs" / "demo" / "plan.png").is_file()
 
     again = _demo(tmp_path, "--resume")
