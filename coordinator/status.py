@@ -154,6 +154,15 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
     return out
 
 
+def _step_headline(s: pb.StatusReply) -> str:
+    """`step N`; in outer mode, where replica groups step at their own pace, the range from the slowest group's
+    step to the fastest's (the newest report alone is the fastest group's)."""
+    steps = [g.inner_step for g in s.group_usage if g.tokens]  # a group yet to report a step has none
+    if s.HasField("plan") and s.plan.mode == "outer" and len(steps) > 1 and min(steps) != max(steps):
+        return f"step {min(steps)}-{max(steps)} (slowest-fastest of {len(steps)} groups training)"
+    return f"step {s.step}"
+
+
 def _outer_lines(s: pb.StatusReply) -> list[str]:
     """Outer mode: how the replica groups sync, and each group's rounds."""
     p = s.plan
@@ -249,7 +258,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     loss = f"loss {s.loss:.4f} (step {s.loss_step})   " if s.has_loss else ""
     run = f", run {s.job.run_id}" if s.job.run_id else ""
     out = [f"job {s.job.name} ({s.job.job_id}{run})   plan epoch {s.plan.epoch if s.HasField('plan') else 0}   "
-           f"step {s.step}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
+           f"{_step_headline(s)}   {loss}{s.tokens_per_second:,.0f} tokens/s   last checkpoint "
            # a step by its index, as the logs name it; a checkpoint by the steps it follows, as its folder does
            + (f"step-{s.last_checkpoint_step:08d} (after step {s.last_checkpoint_step - 1})"
               if s.last_checkpoint_step else "-")]

@@ -250,6 +250,8 @@ def outer_status_reply() -> pb.StatusReply:
 
 def test_the_table_shows_outer_mode_and_its_groups() -> None:
     text = format_status(outer_status_reply(), now=0.0)
+    # the headline's step is each group's, not the newest report's (the fastest group's)
+    assert "step 80-100 (slowest-fastest of 2 groups training)" in text.splitlines()[0]
     assert ("outer mode: 3 replica groups, H=50, int4 pseudo-gradients, lr 0.7 momentum 0.9 nesterov, overlapped, "
             "deadline 30 s; predicted sync 11.20 s per round vs 14.00 s of compute") in text
     lines = text.splitlines()
