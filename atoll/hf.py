@@ -71,6 +71,18 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+TRAIN_SEQ_LEN = 2048
+"""Tokens per sequence a Hugging Face model is planned at unless the user says otherwise (`train_seq_len`)."""
+
+
+def train_seq_len(config: ModelConfig) -> int:
+    """The sequence length to train a Hugging Face model at by default: its positions' reach (n_positions,
+    max_position_embeddings) capped at `TRAIN_SEQ_LEN`. A config's reach is the longest context the model serves
+    (131,072 for Llama 3.2), which pretraining meets only in a last long-context phase; one such sequence alone
+    can outgrow a device (the head's fp32 log-probabilities: 67 GB for Llama 3.2's vocabulary)."""
+    return min(config.seq_len, TRAIN_SEQ_LEN)
+
+
 class HfConfigError(ValueError):
     """A Hugging Face config.json that Atoll cannot train; the message says which field and what to change."""
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from atoll.argtypes import count, number
+from atoll.hf import TRAIN_SEQ_LEN
 from atoll.job import MAX_GLOBAL_BATCH
 
 SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -25,7 +26,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--global-batch", type=count(most=MAX_GLOBAL_BATCH, what="a number of sequences"), default=512,
                    help=f"sequences per optimizer step, 1 to {MAX_GLOBAL_BATCH:,} (default 512)")
     p.add_argument("--seq-len", type=count(what="a number of tokens"), default=None,
-                   help="tokens per sequence, at most the model's seq_len (default: the model's)")
+                   help="tokens per sequence, at most the model's seq_len (default: the model's; for a Hugging Face "
+                   f"preset or config.json, its positions' reach capped at {TRAIN_SEQ_LEN:,}, a length models are "
+                   "trained at)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="training dtype")
     p.add_argument("--outer", default="auto", choices=["auto", "sync", "outer"],
                    help="across regions: auto compares one synchronous plan with replica groups per region synced "
@@ -56,6 +59,27 @@ def load_model(name: str):
     return ModelSpec.from_preset(name)
 
 
+def default_seq_len(name: str, model) -> tuple[int, str]:
+    """The tokens per sequence `atoll plan --model name` plans without --seq-len, and a line that says so: a
+    Hugging Face preset's or config.json's training default (`atoll.hf.train_seq_len`; its own figure is the
+    longest context it serves), else the model's seq_len ("" to say: Atoll's presets are lengths they train at)."""
+    import json
+
+    from atoll.hf import HF_PRESETS, train_seq_len
+
+    if Path(name).suffix == ".json":  # load_model read it already: a Hugging Face config has a model_type
+        doc = json.loads(Path(name).read_text(encoding="utf-8"))
+        hf, what = isinstance(doc, dict) and "model_type" in doc, "the Hugging Face config's"
+    else:
+        hf, what = name.lower() in HF_PRESETS, "the preset's"
+    full = model.config.seq_len
+    if not hf:
+        return full, ""
+    seq = train_seq_len(model.config)
+    reach = f" of its {full:,}-token context" if seq < full else ""
+    return seq, f"seq_len {seq:,} ({what} training default{reach}; --seq-len to change)"
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.cluster import load_cluster
     from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
@@ -80,13 +104,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len > model.config.seq_len:
         raise ValueError(f"--seq-len ({args.seq_len}) exceeds the model's seq_len ({model.config.seq_len}); lower "
                          f"--seq-len or use a model config with a longer seq_len")
-    cluster = load_cluster(input_path(args.cluster))
+    cluster = load_cluster(input_path(args.cluster), source=args.cluster)
     for note in cluster.notes:
         print(f"note: {note}")
     profiles = None
     if args.profiles is not None:
         profiles = ProfileSet.load(args.profiles, known={i.timing_key for i in cluster.islands})
-    train = TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len or model.config.seq_len, dtype=args.dtype)
+    seq_len, said = (args.seq_len, "") if args.seq_len is not None else default_seq_len(args.model, model)
+    if said:
+        print(said)
+    train = TrainSpec(global_batch=args.global_batch, seq_len=seq_len, dtype=args.dtype)
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap,
                              zero_bubble=not args.no_zero_bubble, fill_warmup=not args.no_zero_bubble)

@@ -290,11 +290,12 @@ class ClusterFileError(ValueError):
     """A cluster file that cannot be used; the message names the file, line and field."""
 
 
-def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster file (TOML)."""
+def load_cluster(path: str | Path, *, source: str | None = None) -> Cluster:
+    """Read a cluster file (TOML); `source` names it in messages and `Cluster.source` (default: `path`), e.g. as
+    the user typed it where `path` is the installed example it found (`atoll.inputs.input_path`)."""
     text = read_text_file(path, "cluster file", "name a cluster file (TOML), e.g. examples/clusters/two-regions.toml",
                           ClusterFileError, listing="*.toml")
-    return parse_cluster(text, source=str(path))
+    return parse_cluster(text, source=str(path) if source is None else source)
 
 
 def _table_lines(text: str, header: str) -> list[int]:

@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from atoll.coordinator.planner.cluster import GBPS, Cluster
+from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
 from atoll.coordinator.planner.costmodel import CostModel, LinkCodecModel
 from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
@@ -15,7 +15,8 @@ from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.coordinator.planner.multipipe import SEVERAL_PIPELINES_MIN_GAIN, MultiCandidate, several_pipelines
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
-from atoll.coordinator.planner.tied import mixes_cuts
+from atoll.coordinator.planner.tied import holds_tied_weight, mixes_cuts, tied_copy_params
+from atoll.hf import TRAIN_SEQ_LEN
 from atoll.modelspec import ModelSpec
 from atoll.coordinator.planner.unused import explain_unused
 from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
@@ -186,6 +187,9 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
 def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
     """Why nothing fits: the memory the model needs against what the cluster offers, or the batch shape."""
     model, train = cm.model, cm.train
+    too_long = _sequence_too_long(cm, cluster)
+    if too_long:
+        return f"model {model.name} cannot be placed on {cluster.source or 'the cluster'}: {too_long}"
     states = sum(model.model_state_bytes(0, model.num_layers, train.dtype, train.optimizer).values())
     act = model.activation_bytes(0, model.num_layers, 1, train.seq_len, train.dtype, recompute=True)
     need = states + act
@@ -208,10 +212,68 @@ def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
         return (f"{head}: the model needs {need / GB:.1f} GB, {need / usable:.0%} of the {usable / GB:.1f} GB the "
                 f"cluster offers, too little room once its layers are split over devices of these sizes with the "
                 f"activations of the micro-batches in flight; {_memory_hint(cm, cluster, need / TIGHT_SHARE)}")
+    g = train.global_batch
+    more = "a multiple of the islands' sizes" if g & (g - 1) == 0 else "a power of two, or a multiple of the islands' sizes"
     return (f"{head}: the model needs {need / GB:.1f} GB and the cluster offers {usable / GB:.1f} GB, but no "
             f"pipeline of at most {cm.options.max_stages} stages whose widths divide global batch "
-            f"{train.global_batch} fits; try a global batch with more divisors (a power of two, or a multiple of "
-            f"the islands' sizes)")
+            f"{g} fits; try a global batch with more divisors ({more})")
+
+
+def _sequence_too_long(cm: CostModel, cluster: Cluster) -> str:
+    """Why one sequence fits no device, or "" when each layer fits one sequence somewhere: the layer that fits
+    nowhere, at the least memory any stage holding it can take (micro-batch 1, one in flight, its states sharded
+    over a whole island where the runtime may, any tp), with the figures and what to change. Activations grow
+    with the sequence and no number of devices shares one sequence's, so this is a cause of its own."""
+    from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
+
+    model, train, o = cm.model, cm.train, cm.options
+    par = DefaultParallelizer(cm)
+    n = model.num_layers
+    best: tuple[float, float, float, int, Island] | None = None  # (need / usable, need, activations, layer, island)
+    for i in range(n):
+        fits, least = False, None
+        for isl in cluster.islands:
+            usable = cm.memory_capacity(isl)
+            for tp in (t for t in par.tps if t <= isl.gpus_per_node):
+                d = max(1, isl.gpus // tp)
+                zero = 0 if holds_tied_weight(model, i, i + 1) else max(o.zero_stages, default=0)
+                q = SliceQuery(start=i, end=i + 1, micro_batch=1, dp=d * tp, in_flight=1, batch=d)
+                need = par.evaluate(q, isl, zero=zero, tp=tp).memory_bytes
+                act = cm.table(isl, 1, tp).act[i] + cm.stage_output_bytes(i + 1, 1)
+                if need <= usable:
+                    fits = True
+                    break
+                if least is None or need / usable < least[0]:
+                    least = (need / usable, need, act, i, isl)
+            if fits:
+                break
+        if not fits and least is not None and (best is None or least[0] > best[0]):
+            best = least
+    if best is None:
+        return ""
+    _, need, act, i, isl = best
+    usable = cm.memory_capacity(isl)
+    layer = model.layers[i]
+    what = {"embedding": "the embedding", "head": "the head", "block": f"block {i}"}[layer.kind]
+    parts = f"its activations {act / GB:.1f} GB"
+    if layer.kind == "head" and layer.saved_fp32_elems_per_token:
+        logp = train.seq_len * layer.saved_fp32_elems_per_token * 4
+        parts += (f", {logp / GB:.1f} GB of them the fp32 log-probabilities over the {model.config.vocab_size:,}-token "
+                  "vocabulary that the loss keeps")
+    elif layer.kind == "block":
+        parts += " (recomputation cannot shrink them: a recomputed block holds them all again in its backward)"
+    copy = " (the tied embedding's copy included)" if tied_copy_params(model, i, i + 1) else ""
+    parts += f"; its weights, gradients and optimizer states {(need - act) / GB:.1f} GB{copy}"
+    fit = int(train.seq_len * (usable - (need - act)) / act) if act > 0 and usable > need - act else 0
+    shorter = 1 << (fit.bit_length() - 1) if fit > 0 else 0
+    hint = "train shorter sequences (--seq-len, or train.seq_len in a job)"
+    if shorter:
+        usual = f", and {TRAIN_SEQ_LEN:,} is what such models usually train at" if shorter > TRAIN_SEQ_LEN else ""
+        hint = (f"train shorter sequences: --seq-len (or train.seq_len in a job) {shorter:,} fits {what}{usual}")
+    return (f"one sequence of {train.seq_len:,} tokens fits on no device: {what} (layer {i}) alone needs "
+            f"{need / GB:.1f} GB with it at the least ({parts}), and the roomiest device for it, {isl.device.name}, "
+            f"has {usable / GB:.1f} GB usable ({1 - o.memory_reserve_fraction:.0%} of its memory). {hint[0].upper()}"
+            f"{hint[1:]}; or use devices of more than {need / GB / (1 - o.memory_reserve_fraction):.0f} GB")
 
 
 TIGHT_SHARE = 0.6
