@@ -48,6 +48,15 @@ from atoll.fsutil import atomic_write_text
 GB = 1e9
 
 
+def resume_words(resume_step: int, reached_step: int) -> str:
+    """Where a plan's nodes start, for a person: the checkpoint step, and where the job had reached beyond it the
+    live state that nodes keep instead (a graceful leave or a replan keeps the steps since the checkpoint)."""
+    if reached_step > resume_step:
+        return (f"resume at step {reached_step} from live state where the nodes hold it, else at step {resume_step} "
+                f"(the newest checkpoint)")
+    return f"resume at step {resume_step}"
+
+
 def shares(micro_batch: int, dp: int) -> list[tuple[int, int]]:
     """Rows [first, last) of a micro-batch of `micro_batch` rows for each of `dp` replicas: consecutive, as
     even as possible (the first `micro_batch % dp` replicas take one row more): how a stage's replicas share each micro-batch of its pipeline."""

@@ -18,6 +18,7 @@ from atoll.coordinator.calibration import predicted_compute, spread
 from atoll.coordinator.history import draw_history, from_proto, sparkline
 from atoll.job import resolve_token
 from atoll.argtypes import MAX_SECONDS
+from atoll.plan import resume_words
 from atoll.serde import plan_from_proto
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import bootstrap_rpc, find_ca
@@ -289,8 +290,8 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     if s.HasField("plan"):
         p = s.plan
         pred = p.predicted
-        out.append(f"\nplan epoch {p.epoch}: {p.model}, global batch {p.global_batch}, seq {p.seq_len}, resume at "
-                   f"step {p.resume_step}; predicted {duration(pred.step_time_seconds)} a step, "
+        out.append(f"\nplan epoch {p.epoch}: {p.model}, global batch {p.global_batch}, seq {p.seq_len}, "
+                   f"{resume_words(p.resume_step, p.reached_step)}; predicted {duration(pred.step_time_seconds)} a step, "
                    f"{pred.tokens_per_second:.0f} tokens/s" + (f", bottleneck: {pred.bottleneck}" if pred.bottleneck
                                                                else ""))
         if p.mode != "outer" and p.mode_reason:  # (outer mode's reason is in the outer lines above)

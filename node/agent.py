@@ -38,7 +38,7 @@ from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.node.signals import handle_on_thread, stuck_main_thread
-from atoll.plan import Plan
+from atoll.plan import Plan, resume_words
 from atoll.preflight import check_dial_address, check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel, retry_after
 from atoll.tls import CertificateError, cert_from_pem, find_ca, fingerprint
@@ -243,7 +243,7 @@ def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
     coordinator listening on every interface) is shown at `coordinator_host`, where the node dials it."""
     mode = f", outer mode: {len(plan.groups)} replica groups" if plan.mode == "outer" else ""
     lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s){mode}, global batch "
-             f"{plan.global_batch}, seq {plan.seq_len}, resume at step {plan.resume_step}"]
+             f"{plan.global_batch}, seq {plan.seq_len}, {resume_words(plan.resume_step, plan.reached_step)}"]
     if plan.mode_reason:
         lines.append(f"  {plan.mode_reason}")
     group_of = {k: g.name for g in plan.groups for k in g.pipelines} if plan.mode == "outer" else {}

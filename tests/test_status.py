@@ -410,3 +410,14 @@ def test_durations_keep_three_digits_in_the_unit_that_shows_them() -> None:
 
     assert (counted(1, "node"), counted(3, "node"), counted(1, "micro-batch", "micro-batches")) == \
         ("1 node", "3 nodes", "1 micro-batch")
+
+
+def test_the_plan_line_says_live_state_resumes_past_the_checkpoint() -> None:
+    """After a graceful leave the plan's resume step is the newest checkpoint (400), but the nodes that hold live
+    state go on from where the job had reached (409): the line says both, not "resume at step 400" alone."""
+    s = status_reply()
+    s.plan.resume_step, s.plan.reached_step = 400, 409
+    text = format_status(s, now=0.0)
+    assert "resume at step 409 from live state where the nodes hold it, else at step 400" in text
+    s.plan.reached_step = 400  # nothing trained past the checkpoint
+    assert "resume at step 400;" in format_status(s, now=0.0)
