@@ -188,9 +188,12 @@ def _new_layer(config: ModelConfig, index: int) -> nn.Module:
     return {"embedding": Embedding, "block": Block, "head": Head}[layer_kind(config, index)](config)
 
 
-def build_layer(config: ModelConfig, index: int, seed: int = 0) -> nn.Module:
-    """One layer on the CPU, initialised as in every slice."""
-    module = _new_layer(config, index)
+def build_layer(config: ModelConfig, index: int, seed: int = 0, *, tied_copy: bool = False) -> nn.Module:
+    """One layer on the CPU, initialised as in every slice. `tied_copy`: a tied model's head holding its own copy
+    of the shared weight, as on a stage without the embedding (a tied head built alone has no weight otherwise)."""
+    if tied_copy and not (config.tied_head and layer_kind(config, index) == "head"):
+        raise ValueError(f"layer {index} is not the head of a tied model: it holds no copy of the tied weight")
+    module = Head(config, tied_copy=True) if tied_copy else _new_layer(config, index)
     _init_layer(module, config, seed, index)
     return module
 

@@ -205,7 +205,10 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
     mb = job.train.micro_batch
     sizes = options.micro_batches or tuple(sorted({max(1, mb // 2), mb, 2 * mb}))
     deadline = time.perf_counter() + options.budget.total_seconds()
-    layers = {kind: build_layer(cfg, index).to(dev, dtype)
+    # a tied head runs a linear over the vocabulary with the shared weight and computes that weight's gradient in
+    # its backward, not deferred, whether it borrows the embedding's weight or holds its own copy: the copy's head
+    # times both (built alone, the borrowing head would have no weight)
+    layers = {kind: build_layer(cfg, index, tied_copy=kind == "head" and cfg.tied_head).to(dev, dtype)
               for kind, index in (("embedding", 0), ("block", 1), ("head", cfg.n_layers + 1))}
     g = torch.Generator(device="cpu").manual_seed(0)
 

@@ -281,3 +281,41 @@ def test_a_stage_holding_a_copy_refuses_to_train_without_the_sum() -> None:
         with pytest.raises(ValueError, match="tied embedding weight"):
             PipelineStage(build_slice(config, a, e), stage=s, num_stages=2, transport=InProcessLinks(2).transport(s),
                           config=StageConfig(micro_batches=1), norm_exchange=norms.member(s))
+
+
+# --- the node's start-up profile -------------------------------------------------------------------------
+
+
+def test_a_node_profiles_a_tied_model_with_the_heads_own_compute(monkeypatch) -> None:
+    """A tied head built alone has no weight of its own: the profile times it as a stage runs it, a linear over
+    the vocabulary whose weight's gradient its backward computes (summed with the other copy's, never deferred)."""
+    from atoll.job import JobSpec
+    from atoll.node import profiler
+    from atoll.node.profiler import ProfileOptions, profile_node
+
+    repo = Path(__file__).resolve().parent.parent
+    config = replace(config_from_hf(TIED["gpt2"]), name="tied")
+    job = JobSpec.load(repo / "examples" / "tiny.toml")
+    job = replace(job, model=config, model_preset=None, train=replace(job.train, seq_len=32))
+    built, logits, grads = [], [], [0]
+    real_build, real_loss = profiler.build_layer, profiler.lm_loss
+
+    def build(cfg, index, *args, **kwargs):
+        layer = real_build(cfg, index, *args, **kwargs)
+        if index == cfg.n_layers + 1 and layer.lm is not None:
+            built.append(layer)
+            layer.lm.weight.register_hook(lambda g: grads.__setitem__(0, grads[0] + 1))
+        return layer
+
+    def loss(out, ids):
+        logits.append(tuple(out.shape))
+        return real_loss(out, ids)
+
+    monkeypatch.setattr(profiler, "build_layer", build)
+    monkeypatch.setattr(profiler, "lm_loss", loss)
+    p = profile_node(job, "cpu", ProfileOptions(micro_batches=(2,), repeats=2))
+    head = next(t for t in p.layer_timings if t.layer_kind == "head")
+    assert head.forward_seconds > 0 and head.backward_seconds > 0
+    assert head.weight_fraction == 0 and head.split_overhead == 0  # nothing of it deferred
+    assert len(built) == 1 and set(logits) == {(2, 32, config.vocab_size)}
+    assert grads[0] == len(logits) >= 3  # the weight's gradient in every timed backward (a warm-up round, two timed)
