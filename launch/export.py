@@ -4,7 +4,10 @@ The folder holds the weights as safetensors (one `model.safetensors`, or shards 
 with `model.safetensors.index.json`), `config.json` (`atoll.hf.hf_config`: model_type gpt2, llama or
 qwen2), `generation_config.json`, and, with `--tokenizer`, the tokenizer (`tokenizer.json` and a
 `tokenizer_config.json` naming the fast tokenizer), so `transformers.AutoModelForCausalLM.from_pretrained`
-and `AutoTokenizer.from_pretrained` load it. Every file is written atomically; weights stay fp32.
+and `AutoTokenizer.from_pretrained` load it. Exported again into the same folder without `--tokenizer`, the
+folder keeps the tokenizer the earlier export wrote. Every file is written atomically; weights stay fp32.
+The context length is the config's (`n_positions`, `max_position_embeddings`); `generation_config.json` sets no
+`max_length` (transformers warns when one is set beside a caller's `max_new_tokens`).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ _EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors
 
 def stale_exported(out: Path, written: list[Path]) -> list[Path]:
     """Files an earlier export left in `out` that this one did not write (shards of another count, a model index
-    a single file replaces, a tokenizer this export has none of): transformers would load them with the new ones."""
+    a single file replaces): transformers would load them with the new ones."""
     keep = {p.name for p in written}
     return sorted(p for p in out.iterdir() if p.is_file() and _EXPORTED.fullmatch(p.name) and p.name not in keep) \
         if out.is_dir() else []
@@ -82,8 +85,11 @@ def export(checkpoint_dir: str | Path, step: int, out: str | Path, *, tokenizer:
         raise FileNotFoundError(f"tokenizer {tok_path} not found: give the tokenizer.json the job trained with")
     config, tensors, extra = read_checkpoint(Path(checkpoint_dir), step)
     weights = to_hf_tensors(config, tensors)
-    bos, eos, special = _special_ids(tok_path)
     out = Path(out)
+    if tok_path is None and (out / "tokenizer.json").is_file():
+        tok_path = out / "tokenizer.json"  # an earlier export's: kept, its special ids in the configs again
+        log.info("kept the tokenizer an earlier export wrote in %s", out)
+    bos, eos, special = _special_ids(tok_path)
     written: list[Path] = []
     groups = _shards(weights, shard_bytes)
     meta = {"format": "pt"}
@@ -104,11 +110,12 @@ def export(checkpoint_dir: str | Path, step: int, out: str | Path, *, tokenizer:
     cfg = hf_config(config, bos_token_id=bos, eos_token_id=eos)
     cfg["atoll"] = {"step": step, "model": config.name, "data_position": int(extra.get("data_position", 0))}
     written.append(_json(out / "config.json", cfg))
-    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False, "max_length": config.seq_len}
+    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
     written.append(_json(out / "generation_config.json", gen))
     if tok_path is not None:
         target = out / "tokenizer.json"
-        atomic_write_bytes(target, tok_path.read_bytes())
+        if tok_path != target:
+            atomic_write_bytes(target, tok_path.read_bytes())
         tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_len, **special}
         written += [target, _json(out / "tokenizer_config.json", tcfg)]
     for stale in stale_exported(out, written):
@@ -131,7 +138,8 @@ def register(sub) -> None:  # type: ignore[no-untyped-def]
     p.add_argument("--step", type=count(least=0, what="a step"), required=True, help="the checkpoint's step (a complete one)")
     p.add_argument("--out", required=True, help="the folder to write (created if missing)")
     p.add_argument("--tokenizer", help="the job's tokenizer.json (its [data] tokenizer), copied into the folder; "
-                   "without it the folder holds no tokenizer (a job on bytes has none to give)")
+                   "without it the folder keeps the tokenizer an earlier export wrote there, or holds none (a job on "
+                   "bytes has none to give)")
     p.add_argument("--shard-size", type=number(above=0, most=1024, what="a size in GiB"), default=SHARD_BYTES / 1024**3,
                    help="largest safetensors shard in GiB (default: 2)")
     p.set_defaults(func=_run)
@@ -148,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({size / 1e6:.1f} MB) to {args.out}: load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
-    if not args.tokenizer:
+    if not any(f.name == "tokenizer.json" for f in files):
         log.warning("no tokenizer in %s (no --tokenizer): AutoTokenizer cannot load it from there. A job with a "
                     "[data] tokenizer file: export again with --tokenizer that tokenizer.json. A job on bytes (the "
                     "default): a token is a UTF-8 byte, so list(text.encode()) are its ids and bytes(ids).decode() "

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,6 +50,28 @@ def _trained_checkpoint(config, cuts: list[int], root: Path, step: int) -> list[
     return [s.eval() for s in stages]
 
 
+class _TransformersWarnings(logging.Handler):
+    """Every warning `transformers` logs or raises while it is entered (its loggers do not reach pytest's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self._caught = warnings.catch_warnings(record=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> None:
+        logging.getLogger("transformers").addHandler(self)
+        self._seen = self._caught.__enter__()
+        warnings.simplefilter("always")
+
+    def __exit__(self, *exc) -> None:
+        self._caught.__exit__(*exc)
+        logging.getLogger("transformers").removeHandler(self)
+        self.messages += [str(w.message) for w in self._seen]
+
+
 def _greedy(stages: list[StageModule], ids: torch.Tensor, n: int) -> torch.Tensor:
     with torch.no_grad():
         for _ in range(n):
@@ -63,14 +87,23 @@ LLAMA3 = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermed
           "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
           "tie_word_embeddings": True}
+# heads wider than hidden_size / heads with q/k norms (Qwen3); Gemma's narrower heads, (1 + weight) norms, scaled
+# embedding and tanh-GELU gate, its tied head on a stage of its own
+QWEN3 = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False}
+GEMMA = {"model_type": "gemma", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 # Atoll's own presets export too: the demo's tiny model (gpt style, exact GELU, untied) and a llama-style one
 TINY = replace(preset("tiny"), vocab_size=300)
 TINY_LLAMA = replace(preset("tiny"), style="llama", vocab_size=300, n_kv_heads=2, ffn_hidden=96)
 
 
 @pytest.mark.parametrize("shape,cuts", [(QWEN, [0, 2, 5]), (GPT2, [0, 5]), (LLAMA3, [0, 4]), (TINY, [0, 3, 6]),
-                                        (TINY_LLAMA, [0, 2, 6])],
-                         ids=["qwen2-two-stages", "gpt2-tied", "llama3-rope-tied", "atoll-tiny", "atoll-tiny-llama"])
+                                        (TINY_LLAMA, [0, 2, 6]), (QWEN3, [0, 2, 4]), (GEMMA, [0, 3, 5])],
+                         ids=["qwen2-two-stages", "gpt2-tied", "llama3-rope-tied", "atoll-tiny", "atoll-tiny-llama",
+                              "qwen3-wide-heads", "gemma-tied-two-stages"])
 def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path: Path, capsys) -> None:
     from atoll.node.tokenizer import train_bpe
 
@@ -84,7 +117,8 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == {"llama": "qwen2" if config.has_qkv_bias else "llama", "gpt": "gpt2"}[config.style]
+    assert cfg["model_type"] == (shape["model_type"] if isinstance(shape, dict) else
+                                 {"llama": "llama", "gpt": "gpt2"}[config.style])
     assert cfg["atoll"]["step"] == 4
     assert cfg["eos_token_id"] == tok.eos_id
 
@@ -98,15 +132,29 @@ def test_export_loads_in_transformers_with_the_same_logits(shape, cuts, tmp_path
         for s in stages:
             x = s(x)
         torch.testing.assert_close(hf(ids).logits, x, atol=1e-5, rtol=0)
-    generated = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_id)
+    # the context length is the config's; a max_length beside the caller's max_new_tokens would be warned about
+    assert "max_length" not in json.loads((out / "generation_config.json").read_text())
+    assert hf.config.max_position_embeddings == config.seq_len
+    warned = _TransformersWarnings()
+    with warned:
+        generated = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_id)
+    assert warned.messages == []
     assert generated.shape[1] == ids.shape[1] + 6
     assert torch.equal(generated, _greedy(stages, ids, 6))
-    # exported again into the same folder, whole and without a tokenizer: nothing of the first export is left to
-    # load with it (its shards and index, its tokenizer)
+    # exported again into the same folder, whole and without --tokenizer: nothing of the first export's weights is
+    # left to load with it (its shards and index), and the tokenizer it wrote stays, its ids in the configs
     assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--step", "4", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert "no tokenizer in" not in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.eos_id
+    assert transformers.AutoTokenizer.from_pretrained(out)(text).input_ids == tok.encode(text).tolist()
+    # into a new folder without --tokenizer: none there, said with what to do
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "ckpt"), "--step", "4", "--out", str(tmp_path / "bare")]) == 0
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]
     err = capsys.readouterr().err
-    assert "no tokenizer in" in err and "--tokenizer" in err  # said, with what to do
+    assert "no tokenizer in" in err and "--tokenizer" in err
 
 
 def test_export_refuses_an_incomplete_checkpoint(tmp_path: Path, capsys) -> None:
