@@ -33,6 +33,9 @@ RECENT_STEPS_IN_STATUS = 32
 MAX_FAILURE_REASON = 1000
 """Longest reason a failure report may carry."""
 STATUS_WINDOW_STEPS = 8
+MAX_ANCHOR_HASHES = 8192
+"""Most anchor hashes one outer sync carries (one per layer the node holds, for a round or two)."""
+MAX_GROUP_NODES = 100_000
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -216,9 +219,8 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
         plan = state.current_plan()
         # outer mode: each replica group ends at its own last inner step (`job_complete` knows them)
         complete = state.job_complete() if plan is not None and plan.mode == "outer" else req.step + 1 >= target
-        done = job_control.finished(state.control, complete=complete, now=state.clock())
-        if done is not None:
-            state.set_control(done)
+        if complete:  # finished once its final checkpoint is held too
+            state.note_trained(state.clock())
     return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= target, target_steps=target)
 
 
@@ -240,6 +242,7 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
         reported_unix=state.clock()))
     done = state.complete_checkpoint_steps()
     state.note_complete_checkpoints(done)
+    state.try_finish(state.clock())  # the final checkpoint of a trained job finishes it
     complete = bool(done) and done[-1] == req.step
     # replication progress: how many nodes hold each layer range of this step (the writer and its copies)
     copies = replication(state.store.list_checkpoints(), req.step)
@@ -249,8 +252,10 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
 
 
 def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.OuterSyncReply:
-    """A node's arrival at (or question about) an outer round; the reply says whether it is decided."""
-    from atoll.coordinator.outer import GroupInfo
+    """A node's arrival at (or question about) an outer round, repeated with every question (so a restarted
+    coordinator hears it again), with what the node holds of the decision, the participants out of its reach and
+    its anchor hashes; the reply says whether the round is decided, and whether the decision is final."""
+    from atoll.coordinator.outer import GroupInfo, Participant
 
     _check_job(req.job_id, state)
     _known(req.node_id, state, session=req.session)
@@ -278,15 +283,35 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
         raise InvalidArgument("round, tokens or inner_step out of range")
     for name in ("sync_seconds", "late_seconds"):
         v.check_seconds(name, getattr(req, name))
+    if len(req.unreachable) > len(plan.groups) or len(req.anchor_hashes) > MAX_ANCHOR_HASHES:
+        raise InvalidArgument(f"{len(req.unreachable)} unreachable participants and {len(req.anchor_hashes)} anchor "
+                              f"hashes in one outer sync; at most {len(plan.groups)} and {MAX_ANCHOR_HASHES}")
+    if any(h.round > req.round for h in req.anchor_hashes):
+        raise InvalidArgument(f"an anchor hash of a round after round {req.round}, which the node is at")
+    if any(len(x.node_ids) > MAX_GROUP_NODES for x in req.unreachable):
+        raise InvalidArgument(f"an unreachable participant of more than {MAX_GROUP_NODES} nodes")
     deadline = plan.outer.deadline_s or 60.0
     stats = {"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
+    unreachable = [Participant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch, nodes=tuple(x.node_ids))
+                   for x in req.unreachable]
     d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
                            group=group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
-                           deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch)
-    return pb.OuterSyncReply(
+                           deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch,
+                           fetched_version=req.fetched_version, unreachable=unreachable, version=req.version)
+    if req.anchor_hashes:
+        for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
+                                              [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):
+            log.error("%s: the replica groups' outer parameters have drifted apart; the job goes on, but its groups "
+                      "no longer train one model (report it with the nodes' logs)", line)
+
+    def part(x) -> pb.OuterParticipant:
+        return pb.OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch, node_ids=list(x.nodes))
+    reply = pb.OuterSyncReply(
         decided=d.decided, wait_seconds=d.wait_seconds, latest_round=max(state.outer.latest_decided, 0),
-        participants=[pb.OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
-                                          node_ids=list(x.nodes)) for x in d.participants])
+        participants=[part(x) for x in d.participants], version=d.version, final=d.final)
+    if d.checkpointer is not None:
+        reply.checkpointer.CopyFrom(part(d.checkpointer))
+    return reply
 
 
 def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack:
@@ -393,6 +418,9 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                 sync_bytes=float(sum(list(g.sync_bytes.values()))),  # summed over the group's nodes
                 sync_seconds=max(list(g.sync_seconds.values()), default=0.0),  # its slowest node
                 late_seconds=max(list(g.late_seconds.values()), default=0.0))
+    reply.final_checkpoint_step = state.final_checkpoint_step()
+    reply.anchor_mismatches = state.outer.anchor_mismatches
+    reply.anchor_mismatch = state.outer.last_mismatch
     reply.job_state = job_control.job_state(state.control)
     reply.finished_unix = state.control.finished_unix
     reply.stopped_unix = state.control.stopped_unix

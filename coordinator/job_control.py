@@ -88,6 +88,26 @@ def finished(control: JobControlRecord, *, complete: bool, now: float) -> JobCon
     return replace(control, finished_unix=now)
 
 
+FINAL_CHECKPOINT_LEASES = 2.0
+"""Leases a trained job waits for its final checkpoint once its writers trained their last step: a node writing it
+is alive, so its report comes within a lease or two, or the node is gone."""
+
+
+def finish_with_checkpoint(now: float, *, trained_unix: float, final_steps: set[int], done_steps: set[int],
+                           writers_busy: bool, bound_s: float) -> tuple[bool, str]:
+    """Whether a job whose last step was trained at `trained_unix` is finished at `now`: once a complete checkpoint of
+    one of `final_steps` is held (none expected: at once), or, without it, once the writers are no longer training
+    (`writers_busy`) and `bound_s` passed; with a reason ("" for the ordinary end)."""
+    if not final_steps or done_steps & final_steps:
+        return True, ""
+    if writers_busy or now < trained_unix + bound_s:
+        return False, f"waiting for the final checkpoint (step-{min(final_steps):08d})"
+    newest = max(done_steps, default=0)
+    held = f"step-{newest:08d}" if newest else "none"
+    return True, (f"the job trained its steps but its final checkpoint (step-{min(final_steps):08d}) was not written "
+                  f"within {bound_s:.0f}s: the newest complete checkpoint held is {held}; resume or export from that")
+
+
 def job_state(control: JobControlRecord) -> str:
     """"finished", "stopping" (`atoll job stop` given) or "running"."""
     if control.finished_unix:

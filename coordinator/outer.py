@@ -5,18 +5,36 @@ its nodes have. A round waits only for the groups that existed when it began (th
 arrival): a group formed later (a region replanned after a node died) is not waited for, so its start-up
 never stalls the others; it may still take part if it arrives before the decision. `round_decision` is a pure function of (now, the round's arrivals, the plan's groups,
 the deadline): the round is decided once every group has arrived, or `deadline` after the first group
-did; its participants are the groups that arrived by then. A decision never changes: every node applies
-the same average, and a group left out (late, crashed, cut off) still fetches the participants' payloads.
+did; its participants are the groups that arrived by then.
+
+The coordinator's decision is the only one: every node applies exactly its set of participants, a group left
+out (late, crashed, cut off) included. A node fetches each contribution from any node that holds it, within a
+bound; one that stays out of its reach past the bound is reported, and the round is decided again for everyone
+without it (`redecide`: a new version of the decision). Nodes apply a decision only once it is final
+(`decision_final`): every node that arrived at the round holds its contributions, or `FINAL_AFTER_DEADLINES`
+deadlines passed since it was made. Arrivals and decisions are written to the store as they happen, so a
+restarted coordinator resumes the rounds in flight (nodes repeat their arrival with every question, too).
+
+Each node reports a crc32 of its anchor per layer once a round landed (`anchor_mismatch`): the same layer's
+hashes must agree on every node of every group, and a mismatch is logged and counted in the status.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+log = logging.getLogger("atoll.coordinator.outer")
 
 KEEP_DECIDED = 64
 """Decided rounds remembered (a group more rounds late than this takes the outer state afresh)."""
+FINAL_AFTER_DEADLINES = 2.0
+"""A decision is final at the latest this many outer deadlines after it was made: a node fetches each contribution
+for at most one deadline before it reports it out of reach, so a node silent for two (dead, or cut off from the
+coordinator) holds up nobody; it takes the final decision's contributions from any node holding them later."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,12 +63,44 @@ class Participant:
     nodes: tuple[str, ...]
 
 
+def same_group(a: Participant, b: Participant) -> bool:
+    """Whether two participants are one replica group (the same since-epoch and nodes; indices may differ)."""
+    return a.since_epoch == b.since_epoch and set(a.nodes) == set(b.nodes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     decided: bool
     participants: tuple[Participant, ...] = ()
     wait_seconds: float = 0.0
     reason: str = ""
+    version: int = 0
+    """1 for the first decision of a round, one more for each re-decision (`redecide`)."""
+    decided_unix: float = 0.0
+    checkpointer: Participant | None = None
+    """The group that writes the job's checkpoints: the first group of the plan the round was decided under."""
+    final: bool = False
+    """Every node that must apply it holds its contributions (`decision_final`): nodes apply it now."""
+
+
+def decision_to_json(d: Decision) -> str:
+    def part(p: Participant | None) -> dict | None:
+        return None if p is None else {"group": p.group, "tokens": p.tokens, "since_epoch": p.since_epoch,
+                                       "nodes": list(p.nodes)}
+    return json.dumps({"participants": [part(p) for p in d.participants], "reason": d.reason, "version": d.version,
+                       "decided_unix": d.decided_unix, "checkpointer": part(d.checkpointer), "final": d.final},
+                      sort_keys=True)
+
+
+def decision_from_json(text: str) -> Decision:
+    d = json.loads(text)
+
+    def part(x: dict | None) -> Participant | None:
+        return None if x is None else Participant(group=int(x["group"]), tokens=int(x["tokens"]),
+                                                  since_epoch=int(x["since_epoch"]), nodes=tuple(x["nodes"]))
+    return Decision(decided=True, participants=tuple(part(x) for x in d["participants"]), reason=d["reason"],
+                    version=int(d["version"]), decided_unix=float(d["decided_unix"]),
+                    checkpointer=part(d.get("checkpointer")), final=bool(d.get("final", False)))
 
 
 def complete_groups(arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> dict[int, int]:
@@ -80,8 +130,49 @@ def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupIn
     parts = tuple(Participant(group=i, tokens=t, since_epoch=by_index[i].since_epoch,
                               nodes=tuple(sorted(by_index[i].nodes))) for i, t in sorted(done.items()))
     left = sorted(g.name for g in groups if g.index not in done)
-    return Decision(decided=True, participants=parts,
+    first_group = groups[0] if groups else None
+    writer = None if first_group is None else Participant(group=first_group.index, tokens=0,
+                                                          since_epoch=first_group.since_epoch,
+                                                          nodes=tuple(sorted(first_group.nodes)))
+    return Decision(decided=True, participants=parts, version=1, decided_unix=now, checkpointer=writer,
                     reason="every group arrived" if everyone else f"deadline passed without {', '.join(left)}")
+
+
+def redecide(now: float, decision: Decision, out_of_reach: Participant, node: str) -> Decision | None:
+    """The round decided again without `out_of_reach`, whose contribution `node` could not fetch within its bound;
+    None when the decision does not have it (an earlier re-decision left it out already)."""
+    parts = tuple(p for p in decision.participants if not same_group(p, out_of_reach))
+    if len(parts) == len(decision.participants):
+        return None
+    gone = f"group {out_of_reach.group} ({', '.join(out_of_reach.nodes)})"
+    return replace(decision, participants=parts, version=decision.version + 1, decided_unix=now, final=False,
+                   reason=f"decided again without {gone}: its contribution stayed out of reach of node {node}")
+
+
+def decision_final(now: float, decision: Decision, arrived: Iterable[str], fetched: Mapping[str, int],
+                   bound_s: float) -> tuple[bool, str]:
+    """Whether every node that arrived at the round holds the contributions of `decision` (`fetched`: node -> the
+    newest version it holds whole), or `bound_s` passed since it was made; with the reason."""
+    waiting = sorted(n for n in arrived if fetched.get(n, 0) != decision.version)
+    if not waiting:
+        return True, "every node that arrived holds its contributions"
+    if now >= decision.decided_unix + bound_s:
+        return True, (f"{len(waiting)} node(s) did not say they hold its contributions within {bound_s:.0f}s "
+                      f"({', '.join(waiting[:4])}); they take them from any node that does")
+    return False, f"waiting for {', '.join(waiting[:4])}{' ...' if len(waiting) > 4 else ''} to fetch its contributions"
+
+
+def anchor_mismatch(round_: int, layer: int, crcs: Mapping[str, int], groups: Mapping[str, str]) -> str | None:
+    """A line naming the nodes (and their groups) whose anchor of `layer` after `round_` differs, or None when every
+    node reported the same crc32."""
+    by_crc: dict[int, list[str]] = {}
+    for node, crc in sorted(crcs.items()):
+        by_crc.setdefault(crc, []).append(node)
+    if len(by_crc) < 2:
+        return None
+    parts = "; ".join(f"{crc:08x} on " + ", ".join(f"{n} ({groups.get(n, '?')})" for n in nodes)
+                      for crc, nodes in sorted(by_crc.items(), key=lambda kv: -len(kv[1])))
+    return f"outer round {round_}, layer {layer}: the anchors differ: {parts}"
 
 
 @dataclass
@@ -100,32 +191,80 @@ class GroupProgress:
 
 
 class OuterRounds:
-    """The coordinator's record of outer rounds (in memory: a restarted coordinator decides the rounds in
-    flight afresh from the nodes' repeated arrivals). Thread-safe."""
+    """The coordinator's record of outer rounds: arrivals, decisions (with their re-decisions and finality) and the
+    nodes' anchor hashes. With a store, arrivals and decisions are written as they happen and read back at start,
+    so a restarted coordinator resumes the rounds in flight. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, store=None, now: float = 0.0) -> None:
         self._lock = threading.Lock()
+        self._store = store
+        """An `atoll.coordinator.store.Store` (None: in memory only)."""
         self._arrivals: dict[int, RoundArrivals] = {}
+        self._fetched: dict[int, dict[str, int]] = {}
+        """round -> node -> the newest decision version the node holds every contribution of."""
         self._decided: dict[int, Decision] = {}
         self.progress: dict[int, GroupProgress] = {}
         self.latest_decided = -1
+        self._hashes: dict[tuple[int, int], dict[str, int]] = {}
+        self._hash_groups: dict[str, str] = {}
+        self.anchor_mismatches = 0
+        """(round, layer)s whose anchors differed between nodes."""
+        self.last_mismatch = ""
+        if store is not None:
+            self._load(now)
+
+    def _load(self, now: float) -> None:
+        arrivals, decisions = self._store.outer_rounds()
+        for r, text in decisions.items():
+            d = decision_from_json(text)
+            if not d.final:  # its bound counts from now: the nodes' confirmations are heard again from now
+                d = replace(d, decided_unix=max(d.decided_unix, now))
+            self._decided[r] = d
+            self.latest_decided = max(self.latest_decided, r)
+        for a in arrivals:
+            if a.round in self._decided and self._decided[a.round].final:
+                continue
+            rec = self._arrivals.setdefault(a.round, RoundArrivals(epoch=a.epoch))
+            rec.nodes[a.node_id] = (a.group, a.tokens)
+        if decisions or arrivals:
+            pending = sorted(set(self._arrivals) | {r for r, d in self._decided.items() if not d.final})
+            log.info("outer rounds resumed from the store: newest decided %d; in flight: %s", self.latest_decided,
+                     ", ".join(map(str, pending)) or "none")
+
+    def _keep(self, round_: int, decision: Decision) -> None:
+        self._decided[round_] = decision
+        self.latest_decided = max(self.latest_decided, round_)
+        if self._store is not None:
+            self._store.put_outer_decision(round_, decision_to_json(decision))
 
     def arrive(self, now: float, *, round_: int, node: str, group: int, tokens: int, inner_step: int,
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
-               epoch: int = 0) -> Decision:
+               epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
+               version: int = 0) -> Decision:
+        """A node's arrival at `round_` (or its question, `node` empty), repeated with every question: what it
+        holds of the decision (`fetched_version`) and which participants of decision `version` stayed out of its
+        reach. Returns the round's decision as it stands (`Decision.final`: apply it)."""
+        from atoll.coordinator.store import OuterArrivalRecord
+
         with self._lock:
-            if round_ in self._decided:
-                return self._decided[round_]
-            if round_ <= self.latest_decided - KEEP_DECIDED:
+            decision = self._decided.get(round_)
+            if decision is not None and decision.final:
+                if unreachable:
+                    log.warning("outer round %d: node %s could not fetch %s, but the round is final already; it "
+                                "takes the contributions from any node holding them", round_, node,
+                                ", ".join(f"group {x.group}" for x in unreachable))
+                return decision
+            if decision is None and round_ <= self.latest_decided - KEEP_DECIDED:
                 return Decision(decided=False, reason=f"round {round_} is too old; take the outer state afresh")
             arrivals = self._arrivals.setdefault(round_, RoundArrivals(epoch=epoch))
             if node:
                 first_time = node not in arrivals.nodes
                 arrivals.nodes[node] = (group, tokens)
-                for g in groups:
-                    if g.index not in arrivals.completed and node in g.nodes and complete_groups(arrivals, [g]):
-                        arrivals.completed[g.index] = now
                 if first_time:
+                    if self._store is not None:
+                        self._store.add_outer_arrival(OuterArrivalRecord(
+                            round=round_, node_id=node, group=group, tokens=tokens, epoch=arrivals.epoch,
+                            arrived_unix=now))
                     p = self.progress.setdefault(group, GroupProgress())
                     p.name = next((g.name for g in groups if g.index == group), p.name)
                     if round_ >= p.round:
@@ -134,22 +273,75 @@ class OuterRounds:
                         p.sync_bytes[node] = int(stats.get("bytes", 0))
                         p.sync_seconds[node] = float(stats.get("seconds", 0.0))
                         p.late_seconds[node] = float(stats.get("late", 0.0))
-            decision = round_decision(now, arrivals, groups, deadline_s)
-            if decision.decided:
-                self._decided[round_] = decision
-                self.latest_decided = max(self.latest_decided, round_)
-                ins = {pt.group: pt.tokens for pt in decision.participants}
-                for g in groups:
-                    p = self.progress.setdefault(g.index, GroupProgress(name=g.name))
-                    if g.index in ins:
-                        p.rounds_in += 1
-                        p.tokens += ins[g.index]
-                    else:
-                        p.rounds_missed += 1
-                self._arrivals.pop(round_, None)
-                for old in [r for r in self._decided if r <= round_ - KEEP_DECIDED]:
-                    del self._decided[old]
+                if fetched_version:
+                    self._fetched.setdefault(round_, {})[node] = fetched_version
+            # (every complete group, not only the arriving node's: after a restart the times start afresh)
+            for g in groups:
+                if g.index not in arrivals.completed and complete_groups(arrivals, [g]):
+                    arrivals.completed[g.index] = now
+            if decision is None:
+                decision = round_decision(now, arrivals, groups, deadline_s)
+                if not decision.decided:
+                    return decision
+                self._keep(round_, decision)
+                self._count(decision, groups)
+            for x in unreachable:
+                again = redecide(now, decision, x, node) if version == decision.version else None
+                if again is not None:
+                    log.warning("outer round %d: %s (version %d)", round_, again.reason, again.version)
+                    decision = again
+                    self._keep(round_, decision)
+                    p = self.progress.get(x.group)
+                    if p is not None:  # counted in with the first version: missed after all
+                        p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
+                        p.tokens = max(0, p.tokens - x.tokens)
+            final, why = decision_final(now, decision, arrivals.nodes, self._fetched.get(round_, {}),
+                                        FINAL_AFTER_DEADLINES * deadline_s)
+            if not final:
+                return decision
+            decision = replace(decision, final=True)
+            self._keep(round_, decision)
+            if decision.version > 1 or not why.startswith("every"):
+                log.info("outer round %d is final at version %d: %s", round_, decision.version, why)
+            self._arrivals.pop(round_, None)
+            self._fetched.pop(round_, None)
+            for old in [r for r in self._decided if r <= round_ - KEEP_DECIDED]:
+                del self._decided[old]
+            for key in [k for k in self._hashes if k[0] <= round_ - KEEP_DECIDED]:
+                del self._hashes[key]
+            if self._store is not None:
+                self._store.drop_outer_rounds(before=round_ - KEEP_DECIDED + 1)
             return decision
+
+    def _count(self, decision: Decision, groups: Sequence[GroupInfo]) -> None:
+        ins = {pt.group: pt.tokens for pt in decision.participants}
+        for g in groups:
+            p = self.progress.setdefault(g.index, GroupProgress(name=g.name))
+            if g.index in ins:
+                p.rounds_in += 1
+                p.tokens += ins[g.index]
+            else:
+                p.rounds_missed += 1
+
+    def report_hashes(self, node: str, group: str, hashes: Iterable[tuple[int, int, int]]) -> list[str]:
+        """Record a node's anchor hashes, (round, layer, crc32) each; the mismatches they reveal, as log lines (a
+        (round, layer) is counted once, however many nodes then disagree)."""
+        found = []
+        with self._lock:
+            self._hash_groups[node] = group
+            for round_, layer, crc in hashes:
+                if round_ <= self.latest_decided - KEEP_DECIDED:
+                    continue
+                crcs = self._hashes.setdefault((round_, layer), {})
+                before = len(set(crcs.values()))
+                crcs[node] = crc
+                if before == 1 and len(set(crcs.values())) > 1:
+                    line = anchor_mismatch(round_, layer, crcs, self._hash_groups)
+                    if line is not None:
+                        self.anchor_mismatches += 1
+                        self.last_mismatch = line
+                        found.append(line)
+        return found
 
     def reset_progress(self) -> None:
         with self._lock:

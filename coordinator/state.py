@@ -192,8 +192,10 @@ class CoordinatorState:
         self._failures: dict[int, RunFailureRecord] = {}
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
-        self.outer = OuterRounds()
-        """Outer-sync rounds of the replica groups (outer-mode plans)."""
+        self._trained_unix = 0.0
+        """When the job's last step was first reported (0: not yet): it finishes once its final checkpoint is held."""
+        self.outer = OuterRounds(store, now=self.started_unix)
+        """Outer-sync rounds of the replica groups (outer-mode plans), resumed from the store after a restart."""
         self._plan_listeners: list[Callable[[], None]] = []
         self.cadence = HeartbeatCadence(self.options.heartbeat.total_seconds(),
                                         self.options.membership.lease.total_seconds(), self.options.heartbeat_budget)
@@ -562,6 +564,61 @@ class CoordinatorState:
         self.store.put_control(control)
         self.control = control
 
+    def final_checkpoint_steps(self) -> set[int]:
+        """The steps one of whose complete checkpoints is the job's final one: the last step (outer mode: that of
+        each group, the plan's first writing it); none expected of a synchronous job without a checkpoint interval."""
+        plan = self.current_plan()
+        if plan is not None and plan.mode == "outer" and plan.outer is not None:
+            rounds = max(1, self.target_steps // plan.outer.inner_steps)
+            return {rounds * g.inner_steps for g in plan.groups}
+        return {self.target_steps} if self.job.checkpoint.interval else set()
+
+    def final_checkpoint_step(self) -> int:
+        """The step of the checkpoint the job is to end with (the status's): the writing group's last step."""
+        plan = self.current_plan()
+        if plan is not None and plan.mode == "outer" and plan.outer is not None and plan.groups:
+            return max(1, self.target_steps // plan.outer.inner_steps) * plan.groups[0].inner_steps
+        return min(self.final_checkpoint_steps(), default=0)
+
+    def note_trained(self, now: float) -> None:
+        """The job's last step was reported: it finishes once its final checkpoint is held (`try_finish`)."""
+        if not self._trained_unix:
+            self._trained_unix = now
+        self.try_finish(now)
+
+    def try_finish(self, now: float) -> None:
+        """Mark the job finished once it trained its steps and holds its final checkpoint, or, bounded, without it
+        (`job_control.finish_with_checkpoint`; the log and the status then name the newest checkpoint held)."""
+        if self.control.finished_unix or not self._trained_unix:
+            return
+        finals = self.final_checkpoint_steps()
+        done = set(self.complete_checkpoint_steps()) if finals else set()
+        bound = job_control.FINAL_CHECKPOINT_LEASES * self.options.membership.lease.total_seconds()
+        ok, why = job_control.finish_with_checkpoint(now, trained_unix=self._trained_unix, final_steps=finals,
+                                                     done_steps=done, writers_busy=self._writers_busy(),
+                                                     bound_s=bound)
+        if not ok:
+            return
+        if why:
+            log.error("%s", why)
+        finished = job_control.finished(self.control, complete=True, now=now)
+        if finished is not None:
+            self.set_control(finished)
+
+    def _writers_busy(self) -> bool:
+        """Outer mode: a node of the checkpoint-writing group (the plan's first) is alive and its group has not reported
+        its last step yet (other groups may finish first)."""
+        plan = self.current_plan()
+        if plan is None or plan.mode != "outer" or plan.outer is None or not plan.groups:
+            return False
+        first = plan.groups[0]
+        alive = {n for n, m in self.store.members_view().items() if m.state == "alive"}
+        if not alive & plan.group_nodes(0):
+            return False
+        last = max(1, self.target_steps // plan.outer.inner_steps) * first.inner_steps - 1
+        return not any(s.step >= last and s.pipeline in first.pipelines and s.plan_epoch == plan.epoch
+                       for s in self.store.recent_steps(64))
+
     def job_complete(self) -> bool:
         """The last step has been trained (a stage reported it): no more plans are made."""
         last = self.target_steps - 1
@@ -631,6 +688,8 @@ class CoordinatorState:
         planned = None if plan is None else {n for i in plan.islands for n in i.nodes}
         if self.job_complete():
             decision = PlanDecision(False, f"the job has completed its {self.target_steps} steps")
+            if not self.control.finished_unix:  # (also after a restart between the last step and its checkpoint)
+                self.note_trained(now)
         else:
             # a plan from before a restart is replaced once all its members have been heard from since, and
             # a plan naming a member's old peer address once that member is back at its new one

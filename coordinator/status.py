@@ -187,6 +187,14 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
     return out
 
 
+def _anchor_lines(s: pb.StatusReply) -> list[str]:
+    """Outer mode: whether the nodes' anchor hashes have agreed at every round (they must)."""
+    if not s.anchor_mismatches:
+        return ["anchors: every node's hashes agree at every round reported"]
+    return [f"ANCHOR MISMATCH: {s.anchor_mismatches} (round, layer)s whose anchors differ between nodes; the newest: "
+            f"{s.anchor_mismatch}"]
+
+
 PLOT_POINTS = 1_000_000
 """History points `--plot` asks for: every row the coordinator's store holds."""
 
@@ -237,7 +245,12 @@ def _job_state_lines(s: pb.StatusReply) -> list[str]:
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(s.finished_unix))
         how = (f"stopped (atoll job stop) after step {s.target_steps - 1}: {s.target_steps} steps trained"
                if s.stopped_unix else f"finished: all {s.target_steps} steps trained")
-        return [f"{how}, at {when}; the nodes have left (the coordinator serves this status until it is stopped)"]
+        out = [f"{how}, at {when}; the nodes have left (the coordinator serves this status until it is stopped)"]
+        if s.final_checkpoint_step and s.last_checkpoint_step < s.final_checkpoint_step:
+            newest = f"step-{s.last_checkpoint_step:08d}" if s.last_checkpoint_step else "none"
+            out.append(f"WITHOUT ITS FINAL CHECKPOINT (step-{s.final_checkpoint_step:08d}): the newest complete one "
+                       f"held is {newest}; resume or export from that")
+        return out
     if s.job_state == "stopping":
         return [f"stopping (atoll job stop): the job ends after step {s.target_steps - 1}, with a checkpoint"]
     return [f"running: ends after step {s.target_steps - 1}"] if s.target_steps else []
@@ -268,6 +281,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     out += _progress_lines(s)
     if s.HasField("plan") and s.plan.mode == "outer":
         out += _outer_lines(s)
+        out += _anchor_lines(s)
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:

@@ -104,6 +104,19 @@ class CheckpointRecord:
 
 
 @dataclass(kw_only=True)
+class OuterArrivalRecord:
+    """A node's arrival at an outer round (`atoll.coordinator.outer`): its pseudo-gradients are ready to fetch."""
+
+    round: int
+    node_id: str
+    group: int
+    tokens: int
+    epoch: int
+    """The plan epoch when the round's first node arrived."""
+    arrived_unix: float = 0.0
+
+
+@dataclass(kw_only=True)
 class StoredPlan:
     plan: Plan
     created_unix: float = 0.0
@@ -256,6 +269,31 @@ class Store(ABC):
         if not hasattr(self, "_machine_flows"):
             self._machine_flows: dict[str, tuple[float | None, float]] = {}
         self._machine_flows[machine] = (bytes_per_s, measured_unix)
+
+    # outer rounds (atoll.coordinator.outer): non-abstract, kept in memory here; SqliteStore keeps them in its file
+    def add_outer_arrival(self, arrival: OuterArrivalRecord) -> None:
+        """Record a node's arrival at a round (a repeated one replaces it)."""
+        if not hasattr(self, "_outer_arrivals"):
+            self._outer_arrivals: dict[tuple[int, str], OuterArrivalRecord] = {}
+        self._outer_arrivals[(arrival.round, arrival.node_id)] = copy.copy(arrival)
+
+    def put_outer_decision(self, round_: int, decision_json: str) -> None:
+        """Keep a round's decision as it stands now (its JSON, `atoll.coordinator.outer.decision_to_json`)."""
+        if not hasattr(self, "_outer_decisions"):
+            self._outer_decisions: dict[int, str] = {}
+        self._outer_decisions[round_] = decision_json
+
+    def outer_rounds(self) -> tuple[list[OuterArrivalRecord], dict[int, str]]:
+        """Every arrival kept (by round, then node) and round -> its decision's JSON."""
+        arrivals = getattr(self, "_outer_arrivals", {})
+        return ([copy.copy(arrivals[k]) for k in sorted(arrivals)], dict(getattr(self, "_outer_decisions", {})))
+
+    def drop_outer_rounds(self, before: int) -> None:
+        """Forget the arrivals and decisions of the rounds before `before`."""
+        for k in [k for k in getattr(self, "_outer_arrivals", {}) if k[0] < before]:
+            del self._outer_arrivals[k]
+        for r in [r for r in getattr(self, "_outer_decisions", {}) if r < before]:
+            del self._outer_decisions[r]
 
     def close(self) -> None:
         """Release files."""
@@ -446,6 +484,10 @@ CREATE TABLE IF NOT EXISTS control (
     finished_unix REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS speed (node_id TEXT PRIMARY KEY, factor REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS machine_flows (machine TEXT PRIMARY KEY, bytes_per_s REAL, measured_unix REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS outer_arrivals (
+    round INTEGER NOT NULL, node_id TEXT NOT NULL, grp INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    epoch INTEGER NOT NULL, arrived_unix REAL NOT NULL, PRIMARY KEY (round, node_id));
+CREATE TABLE IF NOT EXISTS outer_decisions (round INTEGER PRIMARY KEY, decision_json TEXT NOT NULL);
 """
 
 
@@ -734,6 +776,25 @@ class SqliteStore(Store):
 
     def put_machine_flow(self, machine: str, bytes_per_s: float | None, measured_unix: float) -> None:
         self._write("INSERT OR REPLACE INTO machine_flows VALUES (?, ?, ?)", (machine, bytes_per_s, measured_unix))
+
+    def add_outer_arrival(self, arrival: OuterArrivalRecord) -> None:
+        a = arrival
+        self._write("INSERT OR REPLACE INTO outer_arrivals VALUES (?, ?, ?, ?, ?, ?)",
+                    (a.round, a.node_id, a.group, a.tokens, a.epoch, a.arrived_unix))
+
+    def put_outer_decision(self, round_: int, decision_json: str) -> None:
+        self._write("INSERT OR REPLACE INTO outer_decisions VALUES (?, ?)", (round_, decision_json))
+
+    def outer_rounds(self) -> tuple[list[OuterArrivalRecord], dict[int, str]]:
+        arrivals = [OuterArrivalRecord(round=r, node_id=n, group=g, tokens=t, epoch=e, arrived_unix=u)
+                    for r, n, g, t, e, u in self._read("SELECT round, node_id, grp, tokens, epoch, arrived_unix "
+                                                       "FROM outer_arrivals ORDER BY round, node_id")]
+        return arrivals, {r: text for r, text in self._read("SELECT round, decision_json FROM outer_decisions")}
+
+    def drop_outer_rounds(self, before: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM outer_arrivals WHERE round < ?", (before,))
+            db.execute("DELETE FROM outer_decisions WHERE round < ?", (before,))
 
     def close(self) -> None:
         try:

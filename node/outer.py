@@ -12,16 +12,23 @@ At the end of round r (a fixed inner step of its group, the same for every node 
 3. start the exchange of round r in the background: each parameter has one *responsible* node per group
    (spread over the holders of its layer, so every data-parallel replica carries a share of the bytes);
    it encodes D under the plan's codec (error feedback keeps what a lossy codec drops) into its outbox,
-   tells the coordinator it arrived, and once the coordinator decides the round's participants (every
-   group, or those in time by the deadline) fetches the same parameters' payloads from the responsible
-   nodes of the other participants over gRPC (`Peer.FetchOuter`), averages them weighted by the tokens each
-   group trained, and applies the outer optimizer (Nesterov momentum, or plain averaging with lr 1 and no
-   momentum). The new values reach the other holders in the group through an all-reduce over the group's
-   own (in-island) process group of the layer segment;
+   tells the coordinator it arrived (again with every question: a restarted coordinator hears it anew), and
+   once the coordinator decides the round's participants (every group, or those in time by the deadline)
+   fetches the same parameters' payloads of every other participant over gRPC (`Peer.FetchOuter`) from any
+   node that holds them: the participant's responsible nodes, or the responsible nodes of any other group,
+   which fetched them too and serve them on (a relay, when one link is cut). It retries for at most the
+   plan's outer deadline (`OuterConfig.deadline`); a contribution out of reach past it is reported, and the
+   coordinator decides the round again for everyone without it. No node leaves a contribution out on its
+   own. Once the coordinator says the decision is final (every node holds its contributions), the node
+   averages them weighted by the tokens each group trained and applies the outer optimizer (Nesterov
+   momentum, or plain averaging with lr 1 and no momentum). The new values reach the other holders in the
+   group through an all-reduce over the group's own (in-island) process group of the layer segment;
 4. without overlap, wait for it at once and rebase.
 
-Every node applies the same decision to the same anchor, so the groups' outer parameters never drift,
-including a group that was left out of a round (it still fetches the participants' payloads).
+Every node applies the same final decision to the same anchor, so the groups' outer parameters never drift,
+including a group that was left out of a round (it still fetches the participants' payloads). Each node
+reports a crc32 of its anchor per layer once a round landed (`anchor_hashes`); the coordinator flags any
+mismatch.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import grpc
@@ -56,18 +63,34 @@ MAX_NAMES_PER_FETCH = 4096
 STATE_ROUND_RETRIES = 8
 """Times a joining group fetches again the parts of a group's outer state that came from an older round than
 the rest (waits of 0.05 s doubling to 1 s between them, about 4.5 s in all, within the deadline)."""
-_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
-                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED})
-"""Codes a fetch of outer tensors retries until its deadline: a peer restarting, busy, or killed mid-answer."""
 
 
 class OuterSyncError(RuntimeError):
     """An outer exchange could not complete; the message says which round, which peer and why."""
 
 
-class ParticipantGone(OuterSyncError):
-    """A participant of a decided round is in no plan any more (its group was replanned, e.g. after one of its
-    nodes died) and its payloads cannot be fetched: it is left out of this node's average of the round."""
+class OutOfReach(OuterSyncError):
+    """A participant's contribution could not be fetched from any node holding it within the bound (or its group is
+    in no plan any more and nobody serves it): reported to the coordinator, which decides the round again."""
+
+
+def origin_key(part: Participant) -> str:
+    """How a relay names a participant whose payloads it serves on (`OuterFetchRequest.origin`): its since-epoch and
+    first node (a node is in one group of an epoch)."""
+    return f"{part.since_epoch}/{min(part.nodes)}"
+
+
+def anchor_hashes(anchor: Mapping[str, torch.Tensor], round_: int) -> tuple[tuple[int, int, int], ...]:
+    """(round, layer, crc32) of the anchor's tensors of each layer, by name in sorted order (every holder of a layer
+    hashes the same bytes); -0.0 hashes as 0.0."""
+    crcs: dict[int, int] = {}
+    for name in sorted(anchor):
+        layer = layer_of(name)
+        t = anchor[name].detach()
+        t = (t + 0 if t.is_floating_point() else t).cpu().contiguous().reshape(-1)
+        crc = zlib.crc32(name.encode("utf-8"), crcs.get(layer, 0))
+        crcs[layer] = zlib.crc32(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", crc)
+    return tuple((round_, layer, crc) for layer, crc in sorted(crcs.items()))
 
 
 def layer_of(name: str) -> int:
@@ -120,6 +143,8 @@ class OuterOutbox:
         self.job_id, self.epoch, self.node_id = job_id, epoch, node_id
         self._cond = threading.Condition()
         self._rounds: dict[int, dict[str, EncodedTensor]] = {}
+        self._relays: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        """round -> origin_key -> the other participants' payloads this node fetched (decoded), served on."""
         self._state: tuple[int, dict[str, torch.Tensor]] | None = None
         self._closed = False
 
@@ -129,6 +154,13 @@ class OuterOutbox:
             for old in [r for r in self._rounds if r <= round_ - KEEP_ROUNDS]:
                 del self._rounds[old]
             self._cond.notify_all()
+
+    def put_relay(self, round_: int, origin: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Another participant's payloads of `round_` this node fetched: served on to a node that cannot reach it."""
+        with self._cond:
+            self._relays.setdefault(round_, {})[origin] = tensors
+            for old in [r for r in self._relays if r <= round_ - KEEP_ROUNDS]:
+                del self._relays[old]
 
     def put_state(self, round_: int, tensors: dict[str, torch.Tensor]) -> None:
         """The outer state as of the start of `round_` (tensors are kept by reference: pass copies)."""
@@ -150,7 +182,22 @@ class OuterOutbox:
                               f"{request.plan_epoch}; retry after the plan settles")
         if not 0 < len(request.names) <= MAX_NAMES_PER_FETCH:
             raise ValueError(f"ask for 1-{MAX_NAMES_PER_FETCH} parameters, got {len(request.names)}")
-        if request.kind == "delta":
+        if request.kind == "delta" and request.origin:
+            if len(request.origin) > 200:
+                raise ValueError(f"origin {request.origin[:40]!r}... is too long to name a participant")
+            with self._cond:
+                held = self._relays.get(request.round, {}).get(request.origin)
+            if held is None:
+                raise LookupError(f"node {self.node_id} holds no payloads of {request.origin} for round "
+                                  f"{request.round} (yet)")
+            encoded = []
+            for name in request.names:
+                if name not in held:
+                    raise KeyError(f"node {self.node_id} did not fetch {name!r} of {request.origin} in round "
+                                   f"{request.round}")
+                # what the participant's codec decoded to, bit for bit (identity keeps every bit)
+                encoded.append((name, encode_tensor(held[name], CodecSpec("identity"))))
+        elif request.kind == "delta":
             deadline = time.monotonic() + wait
             with self._cond:
                 while request.round not in self._rounds and not self._closed:
@@ -236,10 +283,33 @@ class Participant:
 class RoundDecision:
     round: int
     participants: tuple[Participant, ...]
+    version: int = 1
+    """The coordinator's version of the decision: one more for each re-decision."""
+    final: bool = True
+    """Every node that must apply it holds its contributions: apply it."""
+    checkpointer: Participant | None = None
+    """The group that writes the job's checkpoints (None: the coordinator did not say)."""
 
 
-Arrive = Callable[[int, int, bool, "RoundStats"], RoundDecision | None]
-"""(round, tokens, arrived, stats of the previous exchange) -> the decision, or None while undecided."""
+@dataclass(frozen=True, kw_only=True)
+class RoundReport:
+    """What a node tells the coordinator with every question about a round (each repeats the whole report, so a
+    restarted coordinator hears it again)."""
+
+    round: int
+    tokens: int
+    previous: RoundStats
+    fetched_version: int = 0
+    """The decision version whose every contribution this node holds (0: none yet)."""
+    unreachable: tuple[Participant, ...] = ()
+    """Participants of decision `version` whose contribution stayed out of this node's reach past the bound."""
+    version: int = 0
+    hashes: tuple[tuple[int, int, int], ...] = ()
+    """(round, layer, crc32) of this node's anchor after the last round it landed (`anchor_hashes`)."""
+
+
+Arrive = Callable[[RoundReport], RoundDecision | None]
+"""The node's report -> the round's decision as it stands, or None while undecided or the coordinator is away."""
 
 
 @dataclass
@@ -274,7 +344,8 @@ class OuterConfig:
     """With overlap: apply round r's average after this many inner steps of round r + 1 (waiting for it if it
     has not landed); 0 applies it at the end of round r + 1. Every node of a group applies it at the same step."""
     deadline: timedelta = timedelta(seconds=60)
-    """Bound of one exchange: the coordinator's decision plus the fetches."""
+    """The plan's outer deadline. It bounds the fetch of each contribution: retried from every node holding it for at
+    most this long, then reported out of reach (the coordinator decides the round again without it)."""
     token: str | None = None
     rpc: RpcOptions = field(default_factory=RpcOptions)
     latency_to: Callable[[str], timedelta] = lambda node: timedelta(0)
@@ -286,6 +357,7 @@ class _Result:
     round: int
     anchor: dict[str, torch.Tensor]
     stats: RoundStats
+    decision: RoundDecision | None = None
 
 
 class OuterSync:
@@ -321,6 +393,10 @@ class OuterSync:
         self.steps_in_round = 0
         self.inner_steps_done = 0
         self.last = RoundStats()
+        self.checkpointer: Participant | None = None
+        """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
+        self._hashes: tuple[tuple[int, int, int], ...] = ()
+        """This node's anchor hashes after the last round it landed, sent with its next arrival."""
         self._pending: Future[_Result] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-outer")
         self._fetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atoll-outer-fetch")
@@ -361,7 +437,7 @@ class OuterSync:
         self.last.inner_step = self.inner_steps_done
         self.round += 1
         self.tokens_in_round = self.steps_in_round = 0
-        self._pending = self._pool.submit(self._exchange, round_, tokens, deltas, self.last)
+        self._pending = self._pool.submit(self._exchange, round_, tokens, deltas, self.last, self._hashes)
         if not self.cfg.overlap:
             self._land()
 
@@ -397,6 +473,9 @@ class OuterSync:
                 p.add_(result.anchor[n] - self.snapshot[n])
         self.anchor = result.anchor
         self.last = result.stats
+        if result.decision is not None and result.decision.checkpointer is not None:
+            self.checkpointer = result.decision.checkpointer
+        self._hashes = anchor_hashes(self.anchor, result.round)
         self.outbox.put_state(self.round, self._state_tensors())
         if result.stats.late_seconds > 0.05:
             log.info("outer round %d landed %.2fs late (the exchange outlasted a round)", result.round,
@@ -417,7 +496,8 @@ class OuterSync:
 
     # --- the exchange (background thread) ------------------------------------------------------------
 
-    def _exchange(self, round_: int, tokens: int, deltas: dict[str, torch.Tensor], previous: RoundStats) -> _Result:
+    def _exchange(self, round_: int, tokens: int, deltas: dict[str, torch.Tensor], previous: RoundStats,
+                  hashes: tuple[tuple[int, int, int], ...] = ()) -> _Result:
         t0 = time.perf_counter()
         encoded: dict[str, EncodedTensor] = {}
         own: dict[str, torch.Tensor] = {}
@@ -431,148 +511,194 @@ class OuterSync:
             encoded[n] = enc
             own[n] = get_codec(enc.spec).decode(enc.payload, enc.shape, enc.dtype)  # what the others will see
         self.outbox.put_round(round_, encoded)
-        decision = self._decide(round_, tokens, previous)
-        stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
-        contributions: list[tuple[float, dict[str, torch.Tensor]]] = []
-        futures = []
         plan = self.plan  # one snapshot: the runner may swap in a newer plan meanwhile
         own_since = plan.groups[group_index(plan, self.cfg.node_id)].since_epoch or plan.epoch
-        for part in decision.participants:
+
+        def is_own(part: Participant) -> bool:
             # this node's group by identity, not index: the round may have been decided under another plan
-            if self.cfg.node_id in part.nodes and part.since_epoch == own_since:
-                contributions.append((float(part.tokens), own))
-                continue
-            futures.append((part, self._fetch_pool.submit(self._fetch_group, part, round_)))
-        for part, fut in futures:
-            try:
-                tensors, nbytes = fut.result(timeout=self.cfg.deadline.total_seconds() + self.timeout.total_seconds())
-            except ParticipantGone as e:
-                log.warning("outer round %d: %s; left out of this node's average", round_, e)
-                continue
-            stats.wire_bytes += nbytes
-            contributions.append((float(part.tokens), tensors))
-        stats.wire_bytes += sum(memoryview(e.payload).nbytes for e in encoded.values()) * (len(futures))
+            return self.cfg.node_id in part.nodes and part.since_epoch == own_since
+
+        decision, fetched, nbytes = self._settle(
+            RoundReport(round=round_, tokens=tokens, previous=previous, hashes=hashes), is_own)
+        stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
+        # the final decision's set, in its order (every node sums in the same order: the same bits everywhere)
+        contributions = [(float(p.tokens), own if is_own(p) else fetched[origin_key(p)])
+                         for p in decision.participants]
+        others = sum(1 for p in decision.participants if not is_own(p))
+        stats.wire_bytes = nbytes + sum(memoryview(e.payload).nbytes for e in encoded.values()) * others
         total = sum(w for w, _ in contributions)
         new_values: dict[str, torch.Tensor] = {}
-        if total > 0:
-            for n in self.mine:
-                mean = sum(w * c[n].float() for w, c in contributions) / total
-                update = mean
-                if self.cfg.momentum > 0:
-                    m = self.momentum.get(n)
-                    m = mean.clone() if m is None else m.mul_(self.cfg.momentum).add_(mean)
-                    self.momentum[n] = m
-                    update = mean + self.cfg.momentum * m if self.cfg.nesterov else m
-                new_values[n] = self.anchor[n] - self.cfg.lr * update.to(self.anchor[n].dtype)
+        for n in self.mine:
+            if total <= 0:  # nobody's contribution (every participant out of reach): the anchor stays
+                new_values[n] = self.anchor[n].clone()
+                continue
+            mean = sum(w * c[n].float() for w, c in contributions) / total
+            update = mean
+            if self.cfg.momentum > 0:
+                m = self.momentum.get(n)
+                m = mean.clone() if m is None else m.mul_(self.cfg.momentum).add_(mean)
+                self.momentum[n] = m
+                update = mean + self.cfg.momentum * m if self.cfg.nesterov else m
+            new_values[n] = self.anchor[n] - self.cfg.lr * update.to(self.anchor[n].dtype)
         anchor = self._share(new_values)
         stats.seconds = time.perf_counter() - t0
-        return _Result(round=round_, anchor=anchor, stats=stats)
+        return _Result(round=round_, anchor=anchor, stats=stats, decision=decision)
 
-    def _decide(self, round_: int, tokens: int, previous: RoundStats) -> RoundDecision:
+    def _settle(self, report: RoundReport, is_own: Callable[[Participant], bool]
+                ) -> tuple[RoundDecision, dict[str, dict[str, torch.Tensor]], int]:
+        """Ask the coordinator about the round until its decision is final, fetching each version's contributions
+        and reporting those out of reach: (the final decision, origin_key -> the contribution, wire bytes)."""
+        round_ = report.round
         deadline = time.monotonic() + self.timeout.total_seconds() + self.cfg.deadline.total_seconds()
-        arrived = False
+        fetched: dict[str, dict[str, torch.Tensor]] = {}
+        nbytes = 0
         wait = 0.02  # a round is usually decided within a round trip of the last group's arrival: ask often
         while True:
-            decision = self.arrive(round_, tokens, not arrived, previous)
-            arrived = True
-            if decision is not None:
-                return decision
+            decision = self.arrive(report)
+            if decision is not None and report.fetched_version != decision.version:
+                missing = [p for p in decision.participants if not is_own(p) and origin_key(p) not in fetched]
+                futures = [(p, self._fetch_pool.submit(self._fetch_contribution, p, round_)) for p in missing]
+                out_of_reach = []
+                for part, fut in futures:
+                    try:
+                        tensors, got = fut.result(timeout=self.cfg.deadline.total_seconds() + 30.0)
+                    except (OutOfReach, FutureTimeout) as e:
+                        log.warning("outer round %d: %s; reported to the coordinator, which decides the round "
+                                    "again", round_, e)
+                        out_of_reach.append(part)
+                        continue
+                    fetched[origin_key(part)] = tensors
+                    self.outbox.put_relay(round_, origin_key(part), tensors)
+                    nbytes += got
+                if decision.final:
+                    if out_of_reach:
+                        raise OuterSyncError(
+                            f"outer round {round_} is final, but this node could reach no node holding the "
+                            f"contribution of group(s) {', '.join(str(p.group) for p in out_of_reach)}; its group "
+                            f"takes the outer state afresh from a live group after the replan")
+                    return decision, fetched, nbytes
+                report = replace(report, fetched_version=0 if out_of_reach else decision.version,
+                                 version=decision.version, unreachable=tuple(out_of_reach))
+                wait = 0.02
+                continue  # tell the coordinator at once
+            if decision is not None and decision.final:
+                return decision, fetched, nbytes
             if time.monotonic() > deadline:
-                raise OuterSyncError(f"the coordinator did not decide outer round {round_} in time")
+                what = "decide" if decision is None else f"make final its decision (version {decision.version}) of"
+                raise OuterSyncError(f"the coordinator did not {what} outer round {round_} in time")
             self._check_stop()
             time.sleep(wait)
             wait = min(wait * 1.5, 0.2)
 
-    def _participant_plan(self, part: Participant, round_: int) -> tuple[dict[int, list[str]], Mapping[str, str]]:
-        """The layer holders and peer addresses of participant `part`, from the plan that has its group (the
-        same since-epoch and nodes). The coordinator decides with its newest plan; when a group was replanned
-        meanwhile, this node's run plan names the old group (its group index may even name another), so the
-        newest adopted plan is looked at, waiting a little for a plan this node has not adopted yet."""
-        deadline = time.monotonic() + self.cfg.deadline.total_seconds()
+    def _find_group(self, part: Participant) -> tuple[Plan, int] | None:
+        """The plan (newest adopted first) that has participant `part`'s group, and its index there; None: none."""
+        plans = [self.plan_source(), self.plan] if self.plan_source is not None else [self.plan]
+        for plan in plans:
+            g = _group_in(plan, part)
+            if g is not None:
+                return plan, g
+        return None
+
+    def _sources(self, part: Participant) -> list[tuple[str, dict[str, list[str]], Mapping[str, str], int, str]]:
+        """Where this node's parameters of `part`'s contribution can be fetched, in order: the participant's own
+        responsible nodes, then those of each other group of the newest plan (they fetched them too, and serve them
+        on). Each: (what, node -> names, addresses, the epoch to name, origin)."""
+        def by_node(holders: Mapping[int, Sequence[str]]) -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {}
+            for n in self.mine:
+                out.setdefault(responsible(n, holders), []).append(n)
+            return out
+
+        out = []
+        found = self._find_group(part)
+        if found is not None:
+            plan, g = found
+            out.append((f"group {part.group}", by_node(group_holders(plan, g)), plan.node_addresses,
+                        part.since_epoch, ""))
+        plan = self.plan_source() if self.plan_source is not None else self.plan
+        for q, grp in enumerate(plan.groups):
+            nodes = plan.group_nodes(q)
+            if self.cfg.node_id in nodes or ((grp.since_epoch or plan.epoch) == part.since_epoch
+                                             and nodes == set(part.nodes)):
+                continue
+            out.append((f"group {q} (a relay)", by_node(group_holders(plan, q)), plan.node_addresses,
+                        grp.since_epoch or plan.epoch, origin_key(part)))
+        return out
+
+    def _gone(self, part: Participant) -> bool:
+        """The newest adopted plan is at least as new as `part`'s group, yet has it no more: it was replanned away
+        and will serve nothing again (relays may still hold its payloads)."""
+        if self.plan_source is None:
+            return False
+        newest = self.plan_source()
+        return newest.epoch >= part.since_epoch and _group_in(newest, part) is None
+
+    def _fetch_contribution(self, part: Participant, round_: int) -> tuple[dict[str, torch.Tensor], int]:
+        """This node's parameters of `part`'s contribution to `round_`, from any node holding them, retried for at
+        most `OuterConfig.deadline` (the bound); OutOfReach past it."""
+        bound = self.cfg.deadline.total_seconds()
+        deadline = time.monotonic() + bound
+        wait = 0.1
+        tried: list[str] = []
         while True:
-            plans = [self.plan_source(), self.plan] if self.plan_source is not None else [self.plan]
-            for plan in plans:
-                g = _group_in(plan, part)
-                if g is not None:
-                    return group_holders(plan, g), plan.node_addresses
-            self._check_gone(part, round_)
+            for what, by_node, addresses, epoch, origin in self._sources(part):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    out: dict[str, torch.Tensor] = {}
+                    nbytes = 0
+                    for node, names in by_node.items():
+                        address = addresses.get(node)
+                        if address is None:
+                            raise OuterSyncError(f"the plan has no address for node {node}")
+                        tensors, _, got = fetch_outer(
+                            address, pb.OuterFetchRequest(job_id=self.cfg.job_id, plan_epoch=epoch, round=round_,
+                                                          kind="delta", names=names, sender=self.cfg.node_id,
+                                                          origin=origin),
+                            token=self.cfg.token, rpc=self.cfg.rpc, timeout=timedelta(seconds=max(0.5, left)),
+                            latency=self.cfg.latency_to(node), node=node)
+                        out.update(tensors)
+                        nbytes += got
+                    if tried:
+                        log.info("outer round %d: group %d's contribution fetched from %s after %d failed tries",
+                                 round_, part.group, what, len(tried))
+                    return out, nbytes
+                except (grpc.RpcError, CodecError, OuterSyncError) as e:
+                    # a node killed mid-answer ends its stream in any of these ways (UNAVAILABLE, INTERNAL,
+                    # CANCELLED, a truncated tensor, parameters missing); a relay that has not fetched it yet
+                    # answers UNAVAILABLE or NOT_FOUND: every source is tried in turn until the bound
+                    why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+                    tried.append(f"{what}: {why}")
+            if self._gone(part) or time.monotonic() + wait > deadline:
+                gone = " (its group is in no plan any more)" if self._gone(part) else ""
+                raise OutOfReach(f"the contribution of group {part.group} ({', '.join(part.nodes)}){gone} to round "
+                                 f"{round_} could not be fetched from any of its holders within {bound:.0f}s "
+                                 f"({len(tried)} tries; the last: {tried[-1] if tried else 'no holder known'})")
             self._check_stop()
-            if time.monotonic() > deadline:
-                raise OuterSyncError(f"outer round {round_}: no plan of this node has group {part.group} "
-                                     f"(since epoch {part.since_epoch}, nodes {', '.join(part.nodes)})")
-            time.sleep(0.1)
+            time.sleep(wait)
+            wait = min(2 * wait, 1.0)
 
     def _check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
             raise OuterSyncError("the run was stopped while an outer exchange was in flight")
 
-    def _check_gone(self, part: Participant, round_: int) -> None:
-        """Raise ParticipantGone when the newest adopted plan is at least as new as `part`'s group, yet has it no
-        more: the group was replanned away and will serve nothing again."""
-        if self.plan_source is None:
-            return
-        newest = self.plan_source()
-        if newest.epoch >= part.since_epoch and _group_in(newest, part) is None:
-            raise ParticipantGone(f"group {part.group} (since epoch {part.since_epoch}, nodes "
-                                  f"{', '.join(part.nodes)}) is not in plan epoch {newest.epoch}")
-
-    def _fetch_group(self, part: Participant, round_: int) -> tuple[dict[str, torch.Tensor], int]:
-        holders, addresses = self._participant_plan(part, round_)
-        by_node: dict[str, list[str]] = {}
-        for n in self.mine:
-            by_node.setdefault(responsible(n, holders), []).append(n)
-        out: dict[str, torch.Tensor] = {}
-        nbytes = 0
-        for node, names in by_node.items():
-            tensors, got = self._fetch(node, pb.OuterFetchRequest(
-                job_id=self.cfg.job_id, plan_epoch=part.since_epoch, round=round_, kind="delta", names=names,
-                sender=self.cfg.node_id), addresses, part)
-            out.update(tensors)
-            nbytes += got
-        return out, nbytes
-
-    def _fetch(self, node: str, request: pb.OuterFetchRequest, addresses: Mapping[str, str] | None = None,
-               part: Participant | None = None) -> tuple[dict[str, torch.Tensor], int]:
-        address = (self.plan.node_addresses if addresses is None else addresses).get(node)
-        if address is None:
-            raise OuterSyncError(f"the plan has no address for node {node}")
-        deadline = time.monotonic() + self.cfg.deadline.total_seconds() + self.timeout.total_seconds()
-        wait = 0.1
-        while True:
-            try:
-                tensors, _, nbytes = fetch_outer(address, request, token=self.cfg.token, rpc=self.cfg.rpc,
-                                                 timeout=self.cfg.deadline, latency=self.cfg.latency_to(node),
-                                                 node=node)
-                return tensors, nbytes
-            except (grpc.RpcError, CodecError, OuterSyncError) as e:
-                # a node killed mid-answer ends its stream in any of these ways (UNAVAILABLE, INTERNAL, CANCELLED,
-                # a truncated tensor, parameters missing)
-                why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
-                transient = not isinstance(e, grpc.RpcError) or e.code() in _TRANSIENT
-                if part is not None:  # a participant whose group was replanned away (a node died) serves no more:
-                    # every survivor leaves it out alike, whatever the error was
-                    self._check_gone(part, request.round)
-                if not transient or time.monotonic() + wait > deadline:
-                    raise OuterSyncError(f"fetching outer {request.kind} of round {request.round} from {node} "
-                                         f"({address}) failed: {why}") from None
-                self._check_stop()
-                time.sleep(wait)
-                wait = min(2 * wait, 2.0)
-
     def _share(self, new_values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The new anchor of every parameter: this node's own results, and the other holders' through an
-        all-reduce per shared layer segment (each value has one non-zero contributor)."""
+        all-reduce per shared layer segment. Each value has one contributor and zeros beside it, so every holder
+        gets the responsible node's bits exactly (x + 0 is x; a difference added back to the old anchor is not
+        always): the anchor hashes of all holders agree."""
         anchor = {n: t.clone() for n, t in self.anchor.items()}
         anchor.update(new_values)
         for names, group in self.segment_groups:
-            flat = torch.cat([(new_values[n] - self.anchor[n]).reshape(-1) if n in new_values
+            flat = torch.cat([new_values[n].reshape(-1) if n in new_values
                               else torch.zeros_like(self.anchor[n]).reshape(-1) for n in names])
             group.allreduce([flat]).wait(self.timeout)
             offset = 0
             for n in names:
                 k = self.anchor[n].numel()
                 if n not in new_values:
-                    anchor[n] = self.anchor[n] + flat[offset:offset + k].view_as(self.anchor[n])
+                    anchor[n] = flat[offset:offset + k].view_as(self.anchor[n]).clone()
                 offset += k
         return anchor
 

@@ -56,7 +56,7 @@ from atoll.node.store_exchange import StoreNormExchange
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
-from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, OuterSyncError, RoundDecision, RoundStats,
+from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, OuterSyncError, RoundDecision, RoundReport,
                               fetch_outer, group_holders, group_index, layer_of, load_outer_state, responsible,
                               save_outer_state)
 from atoll.node.outer import Participant as OuterParticipant
@@ -300,21 +300,33 @@ def _live_extra(step: int, scaler: LossScaler | None) -> dict:
 
 
 def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan], node_id: str):
-    """The OuterSync `arrive` callable over the coordinator RPC: None while the round is undecided, the
-    coordinator is away, or it asks to wait for the next plan (FAILED_PRECONDITION: a plan this node has not
-    adopted yet moved its group; the caller retries under the newest adopted plan until the run is superseded or
-    the round's deadline passes); an error the coordinator refuses for good propagates."""
+    """The OuterSync `arrive` callable over the coordinator RPC: every question repeats the node's whole report
+    (its arrival too), so a coordinator restarted mid-round hears it again at the next question. None while the
+    round is undecided, the coordinator is away, or it asks to wait for the next plan (FAILED_PRECONDITION: a plan
+    this node has not adopted yet moved its group; the caller retries under the newest adopted plan until the run
+    is superseded or the round's deadline passes); an error the coordinator refuses for good propagates."""
     import grpc
 
     from atoll.v1 import atoll_pb2 as pb
 
-    def arrive(round_: int, tokens: int, arrived: bool, previous: RoundStats) -> RoundDecision | None:
+    def participant(p: OuterParticipant) -> pb.OuterParticipant:
+        return pb.OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, node_ids=list(p.nodes))
+
+    def from_proto(p: pb.OuterParticipant) -> OuterParticipant:
+        return OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, nodes=tuple(p.node_ids))
+
+    def arrive(report: RoundReport) -> RoundDecision | None:
         plan = plan_source()  # the newest adopted plan: group indices are the coordinator's current ones
         group = group_index(plan, node_id)
-        req = pb.OuterSyncRequest(job_id=plan.job_id, node_id=node_id, plan_epoch=plan.epoch, round=round_,
-                                  group=group, arrived=arrived, tokens=tokens,
+        previous = report.previous
+        req = pb.OuterSyncRequest(job_id=plan.job_id, node_id=node_id, plan_epoch=plan.epoch, round=report.round,
+                                  group=group, arrived=True, tokens=report.tokens,
                                   inner_step=previous.inner_step, sync_bytes=previous.wire_bytes,
-                                  sync_seconds=max(0.0, previous.seconds), late_seconds=max(0.0, previous.late_seconds))
+                                  sync_seconds=max(0.0, previous.seconds), late_seconds=max(0.0, previous.late_seconds),
+                                  fetched_version=report.fetched_version, version=report.version,
+                                  unreachable=[participant(p) for p in report.unreachable],
+                                  anchor_hashes=[pb.OuterAnchorHash(round=r, layer=layer, crc32=crc)
+                                                 for r, layer, crc in report.hashes])
         try:
             reply = call(req)
         except grpc.RpcError as e:
@@ -324,9 +336,9 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
             raise
         if not reply.decided:
             return None
-        return RoundDecision(round=round_, participants=tuple(
-            OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, nodes=tuple(p.node_ids))
-            for p in reply.participants))
+        return RoundDecision(round=report.round, participants=tuple(from_proto(p) for p in reply.participants),
+                             version=reply.version, final=reply.final,
+                             checkpointer=from_proto(reply.checkpointer) if reply.HasField("checkpointer") else None)
     return arrive
 
 
@@ -1338,6 +1350,20 @@ class PlanRunner:
                     "the planner's memory model underestimates this stage (a device near its limit may run out)",
                     pl.pipeline, pl.stage, step, measured / GB, 100 * (measured / predicted - 1), predicted / GB)
 
+    def _writes_outer_checkpoints(self) -> bool:
+        """Outer mode: whether this node's replica group writes the job's checkpoints. The coordinator names the
+        group with each round's decision (its newest plan's first group), so the writer follows the current plan:
+        a replan that keeps this group running may make it the writer or not. Every node of a group applies the
+        same decisions at the same step, so they agree at each checkpoint. Before any round landed: this run's
+        plan's first group."""
+        pl, outer = self.placement, self.outer
+        assert pl is not None
+        writer = outer.checkpointer if outer is not None else None
+        if writer is None:
+            return pl.group == 0
+        own = self.plan.groups[pl.group].since_epoch or self.plan.epoch
+        return self.ctx.node_id in writer.nodes and writer.since_epoch == own
+
     def _checkpoint(self, module, optimizer, step: int) -> None:
         """Write this stage's checkpoint of `step` and queue its report.
 
@@ -1348,9 +1374,14 @@ class PlanRunner:
         pl = self.placement
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
-        # (outer mode: the first pipeline of group 0; a whole-job resume starts every group from its state)
-        first = self.plan.groups[0].pipelines[0] if self.plan.mode == "outer" else 0
-        if pl.pipeline != first or pl.group != 0:
+        # (outer mode: the first pipeline of the writing group; a whole-job resume starts every group from its state)
+        if self.plan.mode == "outer":
+            if not self._writes_outer_checkpoints():
+                return
+            first = self.plan.groups[pl.group].pipelines[0]
+        else:
+            first = 0
+        if pl.pipeline != first:
             return
         if isinstance(optimizer, ZeroOptimizer):  # every replica of the stage sends its shard to replica 0
             try:

@@ -112,9 +112,17 @@ def test_extend_then_stop_through_the_handlers_and_the_acks(state: CoordinatorSt
     assert "stopping" in format_status(status)
     last = _step(state, node, 8)
     assert last.stop and last.target_steps == 9
+    # trained, but not finished before its final checkpoint is held, or a bounded wait for it passed
+    assert h.handle_status(pb.StatusRequest(), state).job_state == "stopping"
+    bound = jc.FINAL_CHECKPOINT_LEASES * state.options.membership.lease.total_seconds()
+    state.clock = lambda: 1000.0 + bound
+    h.handle_heartbeat(pb.HeartbeatRequest(node_id=node), state)  # (alive: its lease is not what this is about)
+    state.tick()
     status = h.handle_status(pb.StatusRequest(), state)
-    assert status.job_state == "finished" and status.finished_unix == 1000.0
-    assert "stopped (atoll job stop) after step 8: 9 steps trained" in format_status(status)  # not "all"
+    assert status.job_state == "finished" and status.finished_unix == 1000.0 + bound
+    text = format_status(status)
+    assert "stopped (atoll job stop) after step 8: 9 steps trained" in text  # not "all"
+    assert "WITHOUT ITS FINAL CHECKPOINT (step-00000009): the newest complete one held is none" in text
     beat = h.handle_heartbeat(pb.HeartbeatRequest(node_id=node), state)
     assert beat.job_finished and beat.target_steps == 9  # a run that starts later ends there too
     assert state.job_complete()

@@ -15,6 +15,7 @@ import torch
 from pipeline_harness import run_pinned_plan, stage, tiny_job
 
 from atoll.coordinator.outer import GroupInfo, OuterRounds
+from atoll.coordinator.outer import Participant as OuterParticipant
 from atoll.job import JobSpec
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.model import build_slice
@@ -46,16 +47,24 @@ def _arbiter(plan: Plan):
               for i, g in enumerate(plan.groups)]
     lock = threading.Lock()
 
-    def call(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
-        import time
+    def part(p) -> pb.OuterParticipant:
+        return pb.OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, node_ids=list(p.nodes))
 
+    def call(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
         with lock:
             d = rounds.arrive(time.time(), round_=req.round, node=req.node_id if req.arrived else "",
                               group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
-                              deadline_s=plan.outer.deadline_s)
-        return pb.OuterSyncReply(decided=d.decided, participants=[
-            pb.OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, node_ids=list(p.nodes))
-            for p in d.participants])
+                              deadline_s=plan.outer.deadline_s, fetched_version=req.fetched_version,
+                              version=req.version, unreachable=[
+                                  OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
+                                                   nodes=tuple(x.node_ids)) for x in req.unreachable])
+            rounds.report_hashes(req.node_id, plan.groups[req.group].name,
+                                 [(h.round, h.layer, h.crc32) for h in req.anchor_hashes])
+        reply = pb.OuterSyncReply(decided=d.decided, participants=[part(p) for p in d.participants],
+                                  version=d.version, final=d.final)
+        if d.checkpointer is not None:
+            reply.checkpointer.CopyFrom(part(d.checkpointer))
+        return reply
     return call, rounds
 
 
@@ -258,9 +267,13 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     sync.plan = SimpleNamespace(node_addresses={"b1": "b1:1"})
     sync.plan_source = None
     sync.timeout = timedelta(seconds=120)
+    sync.mine = ["layers.0.w"]
     sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
                                      deadline=timedelta(seconds=30))
     sync.stop = threading.Event()
+    part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b1",))
+    monkeypatch.setattr(sync, "_sources", lambda p: [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, "")],
+                        raising=False)
 
     tries = []
 
@@ -273,7 +286,7 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
     monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
     with pytest.raises(outer_mod.OuterSyncError, match="stopped"):
-        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"))
+        sync._fetch_contribution(part, 3)
     assert len(tries) == 3
 
     # the runner's wait for the pending exchange: without a stop it waits its bound, with one it ends at once
@@ -290,57 +303,70 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     assert sync._wait_pending(pending, 1.0) == "done"
 
 
-def test_a_participant_killed_mid_answer_is_left_out_once_replanned_away(monkeypatch) -> None:
-    """A participant's node killed while it streams its round ends the stream with INTERNAL or a truncated
-    tensor, not only UNAVAILABLE: the fetch retries those too, and once the newest plan has the participant's
-    group no more it is left out (ParticipantGone), as every survivor does; before, such an error failed this
-    node's run, so a region that lost a node replanned the other region's groups too (they went back to their
-    round's start). A refusal that retrying cannot mend still fails at once."""
+def test_a_contribution_is_fetched_from_any_holder_and_reported_out_of_reach_past_the_bound(monkeypatch) -> None:
+    """A participant's node killed while it streams its round ends the stream with INTERNAL, CANCELLED or a truncated
+    tensor: the fetch tries every node holding the contribution (the participant's own, then another group's that
+    fetched it and serves it on) until one answers. Past the bound, or at once when the participant's group is in no
+    plan any more and no relay has it, it is OutOfReach, for the coordinator to decide the round again: no node
+    leaves a contribution out on its own (before, each node did, and the groups' anchors parted for good)."""
     from types import SimpleNamespace
 
     from atoll.compression import CodecError, CodecSpec
     from atoll.node import outer as outer_mod
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
-    sync.plan = SimpleNamespace(node_addresses={"b1": "b1:1"})
     newest = [SimpleNamespace(epoch=1)]
     sync.plan_source = lambda: newest[0]
     sync.timeout = timedelta(seconds=120)
+    sync.mine = ["layers.0.w"]
     sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
                                      deadline=timedelta(seconds=30))
     sync.stop = threading.Event()
     part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b0", "b1"))
+    sources = [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, ""),
+               ("group 2 (a relay)", {"c0": ["layers.0.w"]}, {"c0": "c0:1"}, 1, outer_mod.origin_key(part))]
+    monkeypatch.setattr(sync, "_sources", lambda p: sources, raising=False)
     in_plan = {1: True}
     monkeypatch.setattr(outer_mod, "_group_in", lambda plan, p: 1 if in_plan.get(plan.epoch) else None)
 
     def Broken(code: grpc.StatusCode) -> _RpcError:  # noqa: N802 - read as the error it makes
         return _RpcError(code, "RST_STREAM with error code 2")
 
-    errors = [Broken(grpc.StatusCode.INTERNAL), CodecError("stream ended inside tensor 'w': truncated"),
-              Broken(grpc.StatusCode.CANCELLED)]
+    asked: list[tuple[str, str]] = []
+    answers = [Broken(grpc.StatusCode.INTERNAL), Broken(grpc.StatusCode.UNAVAILABLE),  # b1, then the relay c0
+               CodecError("stream ended inside tensor 'w': truncated"), None]  # b1 again, then c0 has it
 
-    def fetch(*a, **kw):
-        if not errors:
-            newest[0] = SimpleNamespace(epoch=2)  # the coordinator replanned the participant's region
-        raise errors.pop(0) if errors else Broken(grpc.StatusCode.UNAVAILABLE)
+    def fetch(address, request, *, node, **kw):
+        asked.append((node, request.origin))
+        a = answers.pop(0)
+        if a is not None:
+            raise a
+        return {n: torch.ones(2) for n in request.names}, 3, 8
 
     monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
     monkeypatch.setattr(outer_mod.time, "sleep", lambda s: None)
-    with pytest.raises(outer_mod.ParticipantGone, match="not in plan epoch 2"):
-        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
-    assert not errors
+    tensors, nbytes = sync._fetch_contribution(part, 3)
+    assert list(tensors) == ["layers.0.w"] and nbytes == 8
+    assert asked == [("b1", ""), ("c0", "1/b0"), ("b1", ""), ("c0", "1/b0")]
 
-    # a refusal is final while the participant is still planned ...
-    newest[0] = SimpleNamespace(epoch=1)
-    monkeypatch.setattr(outer_mod, "fetch_outer",
-                        lambda *a, **kw: (_ for _ in ()).throw(Broken(grpc.StatusCode.PERMISSION_DENIED)))
-    with pytest.raises(outer_mod.OuterSyncError, match="PERMISSION_DENIED") as info:
-        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
-    assert not isinstance(info.value, outer_mod.ParticipantGone)
-    # ... and a gone one is left out whatever it answered
+    # nobody answers: out of reach once the bound passed
+    clock = [0.0]
+    monkeypatch.setattr(outer_mod.time, "monotonic", lambda: clock[0])
+
+    def refused(*a, **kw):
+        clock[0] += 4.0
+        raise Broken(grpc.StatusCode.UNAVAILABLE)
+
+    monkeypatch.setattr(outer_mod, "fetch_outer", refused)
+    with pytest.raises(outer_mod.OutOfReach, match="within 30s"):
+        sync._fetch_contribution(part, 3)
+    assert clock[0] <= 30.0 + 8.0
+    # a participant replanned away is out of reach after one pass over the holders, not after the bound
     newest[0] = SimpleNamespace(epoch=2)
-    with pytest.raises(outer_mod.ParticipantGone):
-        sync._fetch("b1", pb.OuterFetchRequest(round=3, kind="delta"), part=part)
+    clock[0] = 0.0
+    with pytest.raises(outer_mod.OutOfReach, match="in no plan any more"):
+        sync._fetch_contribution(part, 3)
+    assert clock[0] == 8.0
 
 
 def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retried(monkeypatch) -> None:
@@ -348,7 +374,7 @@ def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retrie
     the end of the node's run; a refusal for good (INVALID_ARGUMENT) still ends it."""
     from types import SimpleNamespace
 
-    from atoll.node.outer import RoundStats
+    from atoll.node.outer import RoundReport, RoundStats
     from atoll.node.runner import _arrive_via
 
     def Refused(code: grpc.StatusCode) -> _RpcError:  # noqa: N802 - read as the error it makes
@@ -359,10 +385,12 @@ def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retrie
 
     def call(req):
         seen.append((req.plan_epoch, req.group))
+        assert req.arrived  # every question repeats the arrival (a restarted coordinator hears it again)
         if req.plan_epoch == 1:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION)
-        return pb.OuterSyncReply(decided=True, participants=[pb.OuterParticipant(group=0, tokens=5, since_epoch=1,
-                                                                                 node_ids=["n"])])
+        return pb.OuterSyncReply(decided=True, version=2, final=True, participants=[
+            pb.OuterParticipant(group=0, tokens=5, since_epoch=1, node_ids=["n"])],
+            checkpointer=pb.OuterParticipant(group=0, since_epoch=1, node_ids=["n"]))
 
     current = [plans[0]]
     import atoll.node.runner as runner_mod
@@ -370,15 +398,17 @@ def test_an_arrival_the_coordinator_asks_to_repeat_under_the_next_plan_is_retrie
     index = {1: 1, 2: 0}  # the node's group moved from index 1 to 0 in epoch 2
     monkeypatch.setattr(runner_mod, "group_index", lambda plan, node: index[plan.epoch])
     arrive = _arrive_via(call, lambda: current[0], "n")
-    assert arrive(3, 5, True, RoundStats()) is None  # asked to wait for the next plan: retried later
+    report = RoundReport(round=3, tokens=5, previous=RoundStats())
+    assert arrive(report) is None  # asked to wait for the next plan: retried later
     current[0] = plans[1]  # adopted
-    decision = arrive(3, 5, False, RoundStats())
+    decision = arrive(report)
     assert decision is not None and decision.participants[0].nodes == ("n",)
+    assert decision.version == 2 and decision.final and decision.checkpointer.nodes == ("n",)
     assert seen == [(1, 1), (2, 0)]
     bad = _arrive_via(lambda req: (_ for _ in ()).throw(Refused(grpc.StatusCode.INVALID_ARGUMENT)),
                       lambda: current[0], "n")
     with pytest.raises(grpc.RpcError):
-        bad(3, 5, True, RoundStats())
+        bad(report)
 
 
 def test_a_group_that_goes_on_with_its_round_keeps_its_share_of_it() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from atoll.coordinator.store import (CheckpointRecord, JobRecord, MemberRecord, MemoryStore, SqliteStore, Store,
-                                     StoreError)
+from atoll.coordinator.store import (CheckpointRecord, JobRecord, MemberRecord, MemoryStore, OuterArrivalRecord,
+                                     SqliteStore, Store, StoreError)
 from atoll.plan import IslandInfo, PipelinePlan, Plan, StagePlan
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 
@@ -120,6 +120,25 @@ class TestStoreContract:
         assert [s.step for s in steps] == [3, 4, 5, 6, 7]
         assert steps[0].loss == 3.0 and steps[1].loss is None and steps[0].links[0].codec == "int8"
         assert [s.step for s in store.recent_steps(2)] == [6, 7]
+
+
+    def test_outer_rounds_round_trip(self, store: Store) -> None:
+        """Arrivals and decisions of outer rounds, read back as written; a repeated arrival or decision replaces the
+        one before; the rounds before a bound are dropped together."""
+        for r, node, group in [(3, "b", 1), (3, "a", 0), (4, "a", 0)]:
+            store.add_outer_arrival(OuterArrivalRecord(round=r, node_id=node, group=group, tokens=64 * (group + 1),
+                                                       epoch=2, arrived_unix=10.0 + r))
+        store.add_outer_arrival(OuterArrivalRecord(round=3, node_id="b", group=1, tokens=99, epoch=2, arrived_unix=14.0))
+        store.put_outer_decision(3, '{"version": 1}')
+        store.put_outer_decision(3, '{"version": 2}')
+        store.put_outer_decision(4, '{"version": 1}')
+        arrivals, decisions = store.outer_rounds()
+        assert [(a.round, a.node_id, a.group, a.tokens, a.epoch, a.arrived_unix) for a in arrivals] == [
+            (3, "a", 0, 64, 2, 13.0), (3, "b", 1, 99, 2, 14.0), (4, "a", 0, 64, 2, 14.0)]
+        assert decisions == {3: '{"version": 2}', 4: '{"version": 1}'}
+        store.drop_outer_rounds(before=4)
+        arrivals, decisions = store.outer_rounds()
+        assert [(a.round, a.node_id) for a in arrivals] == [(4, "a")] and decisions == {4: '{"version": 1}'}
 
 
 def test_sqlite_state_survives_reopen(tmp_path: Path) -> None:

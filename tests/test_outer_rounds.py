@@ -1,0 +1,162 @@
+"""The coordinator's outer rounds: one decision per round, decided again for everyone when a contribution stays out
+of a node's reach, applied once final; arrivals and decisions that outlive a coordinator restart; anchor hashes
+whose mismatch the log and `atoll status` flag."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from atoll.coordinator import handlers as h
+from atoll.coordinator.outer import (FINAL_AFTER_DEADLINES, GroupInfo, OuterRounds, Participant, decision_final,
+                                     decision_from_json, decision_to_json, redecide, round_decision, RoundArrivals)
+from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.status import format_status
+from atoll.coordinator.store import MemberRecord, MemoryStore, SqliteStore
+from atoll.job import JobSpec
+from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup, StagePlan
+from atoll.types import NodeProfile
+from atoll.v1 import atoll_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = [GroupInfo(index=0, name="lab-a", nodes=frozenset({"a0", "a1"}), since_epoch=1),
+          GroupInfo(index=1, name="lab-b", nodes=frozenset({"b0"}), since_epoch=1)]
+DEADLINE = 10.0
+
+
+def _arrive(rounds: OuterRounds, now: float, node: str, round_: int = 3, **kw):
+    group = 0 if node.startswith("a") else 1
+    return rounds.arrive(now, round_=round_, node=node, group=group, tokens=100 * (group + 1), inner_step=0,
+                         groups=GROUPS, deadline_s=DEADLINE, epoch=1, **kw)
+
+
+def test_a_restarted_coordinator_resumes_the_round_from_its_store(tmp_path: Path) -> None:
+    """A coordinator killed mid-round kept the arrivals it had heard: restarted on its store, it decides the round
+    with them as soon as the last group arrives (before, arrivals lived in memory, nodes told them once, and the
+    round waited out every node's deadline). A decided round's decision, and its finality, survive too."""
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=0.0)
+    assert not _arrive(rounds, 0.0, "a0").decided
+    assert not _arrive(rounds, 0.5, "a1").decided  # lab-a complete, waiting for lab-b
+    store.close()  # killed
+
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=100.0)  # restarted long after the deadline: it counts from the restart
+    d = _arrive(rounds, 100.0, "b0")
+    assert d.decided and d.version == 1 and [p.group for p in d.participants] == [0, 1], d.reason
+    assert d.checkpointer is not None and set(d.checkpointer.nodes) == {"a0", "a1"}
+    assert not d.final  # the nodes hold no contributions yet
+    for n in ("a0", "a1", "b0"):
+        d = _arrive(rounds, 101.0, n, fetched_version=1)
+    assert d.final
+    store.close()
+
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=200.0)
+    again = rounds.arrive(200.0, round_=3, node="", group=0, tokens=0, inner_step=0, groups=GROUPS,
+                          deadline_s=DEADLINE)
+    assert again.final and again.version == 1 and [p.group for p in again.participants] == [0, 1]
+    assert rounds.latest_decided == 3
+    store.close()
+
+
+def test_a_contribution_out_of_reach_is_decided_again_for_everyone() -> None:
+    """One node could not fetch lab-b's contribution within its bound: the round is decided again without it (a new
+    version), and every node, also those that had fetched it, is told the new version; it is final only once every
+    node that arrived holds that version's contributions. A stale report (of an older version) changes nothing, and
+    a final decision never changes."""
+    rounds = OuterRounds()
+    for n in ("a0", "a1", "b0"):
+        d = _arrive(rounds, 0.0, n)
+    assert d.decided and d.version == 1
+    lab_b = d.participants[1]
+    d = _arrive(rounds, 1.0, "b0", fetched_version=1)
+    d = _arrive(rounds, 1.0, "a1", fetched_version=1)
+    assert not d.final  # a0 has not said
+    d = _arrive(rounds, 5.0, "a0", unreachable=[lab_b], version=1)
+    assert d.version == 2 and [p.group for p in d.participants] == [0] and not d.final
+    assert "out of reach of node a0" in d.reason
+    d = _arrive(rounds, 5.1, "a1", unreachable=[lab_b], version=1)  # the same report of the old version: no change
+    assert d.version == 2
+    d = _arrive(rounds, 5.2, "b0", fetched_version=1)  # b0 still holds version 1 only: not final
+    assert not d.final
+    for n in ("a0", "a1", "b0"):
+        d = _arrive(rounds, 5.3, n, fetched_version=2)
+    assert d.final and d.version == 2
+    d = _arrive(rounds, 6.0, "a0", unreachable=[d.participants[0]], version=2)
+    assert d.final and d.version == 2 and [p.group for p in d.participants] == [0]
+    # lab-b counted in with the first version, missed after all
+    assert (rounds.progress[1].rounds_in, rounds.progress[1].rounds_missed) == (0, 1)
+
+
+def test_decisions_as_pure_functions() -> None:
+    arr = RoundArrivals(epoch=1, nodes={"a0": (0, 100), "a1": (0, 100), "b0": (1, 200)}, completed={0: 0.0, 1: 1.0})
+    d = round_decision(1.0, arr, GROUPS, DEADLINE)
+    assert d.decided and d.version == 1 and d.decided_unix == 1.0
+    assert decision_from_json(decision_to_json(d)) == d
+    b = Participant(group=7, tokens=0, since_epoch=1, nodes=("b0",))  # by identity: another plan's index
+    again = redecide(2.0, d, b, "a0")
+    assert again is not None and again.version == 2 and [p.group for p in again.participants] == [0]
+    assert redecide(3.0, again, b, "a1") is None  # left out already
+    ok, why = decision_final(2.5, again, ["a0", "a1", "b0"], {"a0": 2, "a1": 2, "b0": 1}, FINAL_AFTER_DEADLINES * 10)
+    assert not ok and "b0" in why
+    ok, why = decision_final(22.0, again, ["a0", "a1", "b0"], {"a0": 2, "a1": 2, "b0": 1}, 20.0)
+    assert ok and "b0" in why  # a node silent past the bound holds up nobody
+
+
+def _outer_state() -> CoordinatorState:
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
+    plan = Plan(model="tiny", global_batch=8, seq_len=64, epoch=1, mode="outer", job_id=job.id, pipelines=[
+        PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[StagePlan(island="i-a", layers=(0, 4), nodes=["a0"])]),
+        PipelinePlan(micro_batch=2, num_micro_batches=4, stages=[StagePlan(island="i-b", layers=(0, 4), nodes=["b0"])])],
+        groups=[ReplicaGroup(name="lab-a", pipelines=[0], inner_steps=5),
+                ReplicaGroup(name="lab-b", pipelines=[1], inner_steps=5)],
+        outer=OuterPlan(inner_steps=5, codec="int8", deadline_s=10.0))
+    for n in ("a0", "b0"):
+        state.store.put_member(MemberRecord(node_id=n, peer_address=f"{n}:1", profile=NodeProfile(
+            hostname=n, device_kind="cpu", device_name="c", memory_total_bytes=1 << 30)))
+    state.publish(plan, "test")
+    return state
+
+
+def test_an_anchor_hash_mismatch_is_flagged_in_the_log_and_the_status(caplog) -> None:
+    """Each node reports a crc32 of its anchor per layer with its next arrival; the same layer after the same round
+    must hash alike on every node of every group. A mismatch is logged as an error and shown by `atoll status`."""
+    state = _outer_state()
+    job_id = state.job.id
+
+    def sync(node: str, group: int, hashes: list[tuple[int, int, int]]) -> pb.OuterSyncReply:
+        return h.handle_outer_sync(pb.OuterSyncRequest(
+            job_id=job_id, node_id=node, plan_epoch=1, round=4, group=group, arrived=True, tokens=10,
+            anchor_hashes=[pb.OuterAnchorHash(round=r, layer=layer, crc32=c) for r, layer, c in hashes]), state)
+
+    sync("a0", 0, [(3, 0, 0x11), (3, 1, 0x22)])
+    sync("b0", 1, [(3, 0, 0x11), (3, 1, 0x22)])
+    status = h.handle_status(pb.StatusRequest(), state)
+    assert status.anchor_mismatches == 0
+    assert "every node's hashes agree" in format_status(status)
+    with caplog.at_level(logging.ERROR, logger="atoll.coordinator"):
+        sync("a0", 0, [(4, 0, 0x11), (4, 1, 0x23)])
+        sync("b0", 1, [(4, 0, 0x11), (4, 1, 0x22)])
+        sync("b0", 1, [(4, 0, 0x11), (4, 1, 0x22)])  # repeated with the next question: counted once
+    status = h.handle_status(pb.StatusRequest(), state)
+    assert status.anchor_mismatches == 1
+    assert "outer round 4, layer 1" in status.anchor_mismatch and "a0 (lab-a)" in status.anchor_mismatch
+    assert "b0 (lab-b)" in status.anchor_mismatch
+    assert "ANCHOR MISMATCH" in format_status(status)
+    assert any("layer 1: the anchors differ" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
+
+
+def test_an_outer_sync_with_bad_reports_is_refused() -> None:
+    import pytest
+
+    from atoll.coordinator.errors import InvalidArgument
+
+    state = _outer_state()
+    with pytest.raises(InvalidArgument, match="after round"):
+        h.handle_outer_sync(pb.OuterSyncRequest(job_id=state.job.id, node_id="a0", plan_epoch=1, round=2, group=0,
+                                                arrived=True, anchor_hashes=[pb.OuterAnchorHash(round=3)]), state)
+    with pytest.raises(InvalidArgument, match="unreachable"):
+        h.handle_outer_sync(pb.OuterSyncRequest(job_id=state.job.id, node_id="a0", plan_epoch=1, round=2, group=0,
+                                                arrived=True, unreachable=[pb.OuterParticipant()] * 3), state)
