@@ -1,7 +1,7 @@
 """Hugging Face decoder-only models as Atoll model shapes: config.json in and out, and parameter names.
 
 Pure mapping, no torch: `config_from_hf(config_json)` turns a `transformers` config (model_type llama,
-mistral, qwen2 or gpt2) into an `atoll.modelspec.ModelConfig`, `hf_config(model)` writes one back, and
+mistral, qwen2, qwen3, gemma or gpt2) into an `atoll.modelspec.ModelConfig`, `hf_config(model)` writes one back, and
 `param_map(model, layer)` says where each Atoll parameter of a layer lives in a Hugging Face checkpoint.
 
 Atoll's modules keep two fused linears that Hugging Face keeps apart, so the mapping is one-to-one per row
@@ -12,11 +12,12 @@ range rather than per name:
 GPT-2's ``Conv1D`` stores its weight as (in, out), the transpose of a linear's (out, in): those entries
 carry ``transpose=True``. Everything else maps name to name:
 
-    Atoll (layer i)        llama / mistral / qwen2                      gpt2
+    Atoll (layer i)        llama / mistral / qwen2 / qwen3 / gemma      gpt2
     0: tok.weight          model.embed_tokens.weight                    transformer.wte.weight
     0: pos.weight          -                                            transformer.wpe.weight
     i: norm1.*             model.layers.{i-1}.input_layernorm.*         transformer.h.{i-1}.ln_1.*
     i: qkv.*               model.layers.{i-1}.self_attn.{q,k,v}_proj.*  transformer.h.{i-1}.attn.c_attn.* (T)
+    i: q_norm, k_norm      model.layers.{i-1}.self_attn.{q,k}_norm.*    - (qwen3 only)
     i: proj.*              model.layers.{i-1}.self_attn.o_proj.*        transformer.h.{i-1}.attn.c_proj.* (T)
     i: norm2.*             model.layers.{i-1}.post_attention_layernorm  transformer.h.{i-1}.ln_2.*
     i: fc.*                model.layers.{i-1}.mlp.{gate,up}_proj.*      transformer.h.{i-1}.mlp.c_fc.* (T)
@@ -39,9 +40,15 @@ from typing import Any
 from atoll.fsutil import read_text_file, shown_path
 from atoll.modelspec import SIZE_LIMITS, ModelConfig, shown
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
-BASE_PREFIX = {"llama": "model.", "qwen2": "model.", "gpt2": "transformer."}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+BASE_PREFIX = {"llama": "model.", "qwen2": "model.", "qwen3": "model.", "gemma": "model.", "gpt2": "transformer."}
 """The base model's prefix in a causal-LM checkpoint; files saved from the base model alone lack it."""
+UNBUILT = {"gemma2": "logit soft-capping, alternating sliding windows and norms after each sublayer",
+           "gemma3": "a vision tower, logit soft-capping, alternating sliding windows and norms after each sublayer",
+           "gemma3_text": "alternating local and global attention with two rope bases and norms after each sublayer"}
+"""Model types of families near the supported ones, with what Atoll's blocks do not build of them."""
+HEAD_DIM = {"qwen3": 128, "gemma": 256}
+"""transformers' head_dim where a config.json of the type leaves it out (others: hidden_size / heads)."""
 
 # the published config.json of each model (the fields Atoll reads and the ones it writes back)
 HF_PRESETS: dict[str, dict[str, Any]] = {
@@ -68,8 +75,17 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                    "sliding_window": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
                    "bos_token_id": 1, "eos_token_id": 2},  # Mistral-7B-v0.1
+    "qwen3-0.6b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                   "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True,
+                   "hidden_act": "silu", "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    "gemma-2b": {"model_type": "gemma", "vocab_size": 256000, "hidden_size": 2048, "intermediate_size": 16384,
+                 "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+                 "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+                 "hidden_act": "gelu_pytorch_tanh", "attention_bias": False, "tie_word_embeddings": True,
+                 "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1},
 }
-
 
 TRAIN_SEQ_LEN = 2048
 """Tokens per sequence a Hugging Face model is planned at unless the user says otherwise (`train_seq_len`)."""
@@ -181,6 +197,9 @@ def config_from_hf(d: dict[str, Any], *, name: str | None = None, where: str = "
 
 def _config_from_hf(d: dict[str, Any], name: str | None, where: str) -> ModelConfig:
     kind = d.get("model_type")
+    if kind in UNBUILT:
+        raise HfConfigError(f"{where}: model_type {kind!r} is not supported ({UNBUILT[kind]}); supported: "
+                            f"{', '.join(MODEL_TYPES)}")
     if kind not in MODEL_TYPES:
         raise HfConfigError(f"{where}: model_type {shown(kind)} is not supported; use one of {', '.join(MODEL_TYPES)}")
     label = name or str(d.get("_name_or_path") or kind).rstrip("/").split("/")[-1] or kind
@@ -198,17 +217,24 @@ def _config_from_hf(d: dict[str, Any], name: str | None, where: str) -> ModelCon
                            tied_head=_bool(d, "tie_word_embeddings", where, True),
                            norm_eps=_float(d, "layer_norm_epsilon", where, 1e-5), gelu_tanh=act != "gelu")
     d_model, heads = _int(d, "hidden_size", where, "d_model"), _int(d, "num_attention_heads", where, "n_heads")
-    head_dim = _int(d, "head_dim", where, "d_model", None)
-    if head_dim not in (None, d_model // heads):
-        raise HfConfigError(f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads "
-                            f"({d_model // heads}); Atoll's blocks need them equal")
-    if d.get("hidden_act", "silu") != "silu":
-        raise HfConfigError(f"{where}: hidden_act {shown(d['hidden_act'])} is not supported (silu)")
+    gemma = kind == "gemma"
+    head_dim = _int(d, "head_dim", where, "head_dim", HEAD_DIM.get(kind))
+    if head_dim == d_model // heads and d_model % heads == 0:
+        head_dim = None  # the width's own share: written as the default, so equal shapes compare equal
+    # Gemma's legacy "gelu" means the tanh approximation (transformers rewrites it so); hidden_activation wins
+    act_key = "hidden_activation" if gemma and d.get("hidden_activation") is not None else "hidden_act"
+    act = d.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+    tanh_gelu = ("gelu_pytorch_tanh", "gelu_new", "gelu") if gemma else ("gelu_pytorch_tanh", "gelu_new")
+    if act != "silu" and act not in tanh_gelu:
+        raise HfConfigError(f"{where}: {act_key} {shown(act)} is not supported (silu, gelu_pytorch_tanh)")
     if _bool(d, "mlp_bias", where, False):
         raise HfConfigError(f"{where}: mlp_bias is not supported; set it to false")
-    if kind in ("llama", "mistral") and _bool(d, "attention_bias", where, False):
+    if kind != "qwen2" and _bool(d, "attention_bias", where, False):
         raise HfConfigError(f"{where}: attention_bias (biases on q, k, v and o) is not supported; Qwen2-style "
                             "q/k/v biases are (model_type qwen2)")
+    if gemma and _bool(d, "use_bidirectional_attention", where, False):
+        raise HfConfigError(f"{where}: use_bidirectional_attention is not supported (Atoll trains causal models); "
+                            "set it to false")
     theta, scaling = _rope(d, where)
     seq_len = _int(d, "max_position_embeddings", where, "seq_len")
     sliding = kind == "mistral" or _bool(d, "use_sliding_window", where, False)
@@ -219,9 +245,11 @@ def _config_from_hf(d: dict[str, Any], name: str | None, where: str) -> ModelCon
                        d_model=d_model, n_layers=_int(d, "num_hidden_layers", where, "n_layers"), n_heads=heads,
                        n_kv_heads=_int(d, "num_key_value_heads", where, "n_kv_heads", None),
                        ffn_hidden=_int(d, "intermediate_size", where, "ffn_hidden"), seq_len=seq_len,
-                       tied_head=_bool(d, "tie_word_embeddings", where, False),
+                       tied_head=_bool(d, "tie_word_embeddings", where, gemma),
                        qkv_bias=True if kind == "qwen2" else None, norm_eps=_float(d, "rms_norm_eps", where, 1e-6),
-                       rope_theta=theta, rope_scaling=scaling)
+                       rope_theta=theta, rope_scaling=scaling, head_dim=head_dim,
+                       qk_norm=True if kind == "qwen3" else None, norm_unit_offset=True if gemma else None,
+                       embed_scale=True if gemma else None, gelu_tanh=True if act != "silu" else None)
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
@@ -253,11 +281,25 @@ def hf_preset(name: str) -> ModelConfig | None:
     return None if d is None else config_from_hf(d, name=name.lower(), where=f"preset {name!r}")
 
 
+_FAMILY = {frozenset(): "llama", frozenset({"qkv_bias"}): "qwen2", frozenset({"qk_norm"}): "qwen3",
+           frozenset({"norm_unit_offset", "embed_scale"}): "gemma"}
+"""The llama style's options each Hugging Face type holds: q/k/v biases (qwen2), q/k norms (qwen3), (1 + weight)
+norms with a scaled embedding (gemma)."""
+
+
 def model_type(config: ModelConfig) -> str:
-    """The Hugging Face model_type that holds this shape: gpt2, qwen2 (q/k/v biases) or llama."""
-    if config.style == "gpt":
+    """The Hugging Face model_type that holds this shape: gpt2, or for the llama style llama, qwen2, qwen3 or gemma
+    (`_FAMILY`); a mix of options no one type holds is a ValueError saying so."""
+    c = config
+    if c.style == "gpt":
         return "gpt2"
-    return "qwen2" if config.has_qkv_bias else "llama"
+    on = frozenset(n for n in ("qkv_bias", "qk_norm", "norm_unit_offset", "embed_scale") if getattr(c, n))
+    kind = _FAMILY.get(on)
+    if kind is None:
+        raise ValueError(f"no Hugging Face model_type holds this model's mix of {', '.join(sorted(on))} (qwen2 has "
+                         "qkv_bias, qwen3 qk_norm, gemma norm_unit_offset with embed_scale): change those model fields "
+                         "to load or export Hugging Face weights")
+    return kind
 
 
 def hf_config(config: ModelConfig, *, bos_token_id: int | None = None,
@@ -272,16 +314,22 @@ def hf_config(config: ModelConfig, *, bos_token_id: int | None = None,
                 "layer_norm_epsilon": c.eps, "activation_function": "gelu_new" if c.gelu_tanh else "gelu",
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}
     kind = model_type(c)
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                    "gemma": "GemmaForCausalLM"}[kind]
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM"], "model_type": kind,
+        "architectures": [architecture], "model_type": kind,
         "hidden_size": c.d_model, "intermediate_size": c.ffn, "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim,
-        "max_position_embeddings": c.seq_len, "rms_norm_eps": c.eps, "rope_theta": c.theta, "hidden_act": "silu",
-        "attention_dropout": 0.0, **common}
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
+        "max_position_embeddings": c.seq_len, "rms_norm_eps": c.eps, "rope_theta": c.theta,
+        "hidden_act": "gelu_pytorch_tanh" if c.gelu_tanh else "silu", "attention_dropout": 0.0, **common}
+    if kind in ("llama", "qwen3", "gemma"):
+        out.update(attention_bias=False)
     if kind == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    else:
+        out.update(mlp_bias=False)
+    if kind in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if kind == "gemma":  # transformers' Gemma takes token 0 as padding (its embedding row untrained) unless told
+        out.update(pad_token_id=None)
     if c.rope_scaling is not None:
         factor, low, high, original = c.rope_scaling
         out["rope_scaling"] = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
@@ -340,6 +388,7 @@ def param_map(config: ModelConfig, index: int, *, tied_copy: bool = False) -> di
     out = {
         "norm1.weight": HfTensor((f"{h}.input_layernorm.weight",)),
         "qkv.weight": HfTensor(tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv")),
+        **({f"{p}_norm.weight": HfTensor((f"{h}.self_attn.{p}_norm.weight",)) for p in "qk"} if c.qk_norm else {}),
         "proj.weight": HfTensor((f"{h}.self_attn.o_proj.weight",)),
         "norm2.weight": HfTensor((f"{h}.post_attention_layernorm.weight",)),
         "fc.weight": HfTensor((f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight")),
@@ -353,7 +402,7 @@ def param_map(config: ModelConfig, index: int, *, tied_copy: bool = False) -> di
 def split_sizes(config: ModelConfig, atoll_name: str) -> list[int]:
     """Rows of each Hugging Face tensor stacked in a fused Atoll parameter (`qkv.*` or a SwiGLU `fc.*`)."""
     if atoll_name.startswith("qkv.") and config.style != "gpt":
-        return [config.d_model, config.kv_dim, config.kv_dim]
+        return [config.q_dim, config.kv_dim, config.kv_dim]
     if atoll_name.startswith("fc.") and config.style != "gpt":
         return [config.ffn, config.ffn]
     return []

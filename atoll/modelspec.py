@@ -7,16 +7,18 @@ A slice is a half-open range `[a, b)` of these layers.
 Two styles share the description:
 - ``gpt``: learned position embedding, LayerNorm (weight + bias), biased linears, GELU MLP.
 - ``llama``: rotary positions (no position embedding), RMSNorm (weight only), no biases (or q/k/v biases
-  only, as Qwen2 has), SwiGLU MLP.
+  only, as Qwen2 has), SwiGLU MLP. Options of the family: a head width other than d_model / n_heads and
+  RMSNorms of each query and key head (Qwen3); norms scaling by (1 + weight), an embedding scaled by
+  sqrt(d_model) and a tanh-GELU gate (Gemma).
 
-Hugging Face configs (llama, mistral, qwen2, gpt2) map onto these two styles: `atoll.hf`.
+Hugging Face configs (llama, mistral, qwen2, qwen3, gemma, gpt2) map onto these two styles: `atoll.hf`.
 
 Units: parameters are counts, FLOPs are per token (a multiply-add is 2 FLOPs), memory is in bytes.
 
 FLOP convention (the one `torch.utils.flop_counter.FlopCounterMode` uses, and tested against it):
 only matrix multiplications count: the linear layers, and attention's two products (QK^T and AV)
-over the full score matrix even though it is causal, so a block costs 4 * seq_len * d_model per token
-for attention. Element-wise work (norms, activations, softmax, RoPE, residual adds) and the embedding
+over the full score matrix even though it is causal, so a block costs 4 * seq_len * n_heads * head_dim per
+token for attention. Element-wise work (norms, activations, softmax, RoPE, residual adds) and the embedding
 lookup count as 0. Backward is twice the forward (gradients of both inputs and weights), including
 the first block (its input gradient feeds the embedding). Note that FlopCounterMode sees the attention
 products only under the math or CUDA kernels, not the CPU flash kernel.
@@ -43,7 +45,7 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfl
 
 SIZE_LIMITS: dict[str, int] = {
     "vocab_size": 10_000_000, "d_model": 1_000_000, "n_layers": 10_000, "n_heads": 1_000_000,
-    "n_kv_heads": 1_000_000, "ffn_hidden": 10_000_000, "seq_len": 100_000_000,
+    "n_kv_heads": 1_000_000, "ffn_hidden": 10_000_000, "seq_len": 100_000_000, "head_dim": 1_000_000,
 }
 """The largest value of each size field of a ModelConfig: generous stated limits, far above any published model
 (vocabularies of 256k tokens, widths near 20k, 126 blocks, contexts of 10M tokens), so that a typo is refused with
@@ -51,6 +53,8 @@ its field named rather than the planner laying out that many layers or bytes."""
 
 REQUIRED_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len")
 """The ModelConfig fields without a default."""
+LLAMA_ONLY = ("qkv_bias", "rope_theta", "rope_scaling", "head_dim", "qk_norm", "norm_unit_offset", "embed_scale")
+"""The ModelConfig fields that apply to the llama style only."""
 
 
 def shown(value: Any, width: int = 60) -> str:
@@ -82,7 +86,7 @@ class ModelConfig:
     n_layers: int
     """Transformer blocks."""
     n_heads: int
-    """Attention heads; must divide d_model."""
+    """Attention heads; must divide d_model unless head_dim is set."""
     n_kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None means n_heads. Must divide n_heads."""
     ffn_hidden: int | None = None
@@ -102,7 +106,19 @@ class ModelConfig:
     """llama style: Llama 3 frequency scaling (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings); None: none."""
     gelu_tanh: bool | None = None
-    """gpt style: the tanh approximation of GELU (GPT-2's gelu_new); None: the exact GELU."""
+    """The MLP's activation is GELU's tanh approximation: in the gpt style instead of the exact GELU (GPT-2's
+    gelu_new), in the llama style as the gate instead of SiLU (GeGLU, Gemma's gelu_pytorch_tanh); None: the
+    style's own (GELU, SiLU)."""
+    head_dim: int | None = None
+    """llama style: width of one attention head, so q is n_heads x head_dim wide and k, v n_kv_heads x head_dim
+    (Qwen3, Gemma: 8 heads of 256 over a width of 2048); None: d_model / n_heads. Even (rotary pairs)."""
+    qk_norm: bool | None = None
+    """llama style: an RMSNorm over head_dim on each query and key head before the rotary positions (Qwen3);
+    None: none."""
+    norm_unit_offset: bool | None = None
+    """llama style: every RMSNorm scales by (1 + weight), its weights starting at 0 (Gemma); None: by weight."""
+    embed_scale: bool | None = None
+    """llama style: the token embedding's output is multiplied by sqrt(d_model) (Gemma); None: not scaled."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -117,17 +133,19 @@ class ModelConfig:
                                  f"got {value}")
         if self.style not in ("gpt", "llama"):
             raise ValueError(f"model.style must be 'gpt' or 'llama', got {self.style!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model}), or set "
+                             f"model.head_dim (llama style)")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads})")
         if self.style == "gpt":
-            for name in ("qkv_bias", "rope_theta", "rope_scaling"):
+            for name in LLAMA_ONLY:
                 if getattr(self, name) is not None:
                     raise ValueError(f"model.{name} applies to the llama style only; remove it or set "
                                      f"model.style = \"llama\"")
-        elif self.gelu_tanh is not None:
-            raise ValueError("model.gelu_tanh applies to the gpt style only; remove it or set model.style = \"gpt\"")
+        elif self.head_size % 2:
+            raise ValueError(f"the llama style's head width ({self.head_size}) must be even (rotary positions turn "
+                             "pairs of it): change model.head_dim, or model.d_model / model.n_heads")
         if self.norm_eps is not None and not self.norm_eps > 0:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps}")
         if self.rope_theta is not None and not self.rope_theta > 0:
@@ -150,13 +168,13 @@ class ModelConfig:
                 fail(name, "a string")
         for name in SIZE_LIMITS:
             value = getattr(self, name)
-            if name in ("n_kv_heads", "ffn_hidden") and value is None:
+            if name in ("n_kv_heads", "ffn_hidden", "head_dim") and value is None:
                 continue
             if not _is_int(value):
                 fail(name, "an integer" if name in REQUIRED_FIELDS else "an integer (or left out)")
         if not isinstance(self.tied_head, bool):
             fail("tied_head", "true or false")
-        for name in ("qkv_bias", "gelu_tanh"):
+        for name in ("qkv_bias", "gelu_tanh", "qk_norm", "norm_unit_offset", "embed_scale"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 fail(name, "true or false (or left out)")
         for name in ("norm_eps", "rope_theta"):
@@ -179,12 +197,18 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """Width of one attention head: head_dim, or d_model / n_heads."""
+        return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention's output): n_heads x the head width."""
+        return self.n_heads * self.head_size
 
     @property
     def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
+        return self.kv_heads * self.head_size
 
     @property
     def ffn(self) -> int:
@@ -325,7 +349,7 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelSpec":
         c = config
-        d, v, f, kv, s = c.d_model, c.vocab_size, c.ffn, c.kv_dim, c.seq_len
+        d, v, f, kv, s, q = c.d_model, c.vocab_size, c.ffn, c.kv_dim, c.seq_len, c.q_dim
         gpt = c.style == "gpt"
         norm_params = 2 * d if gpt else d
         layers: list[LayerSpec] = []
@@ -334,20 +358,26 @@ class ModelSpec:
         layers.append(LayerSpec(0, "embedding", emb_params, 0.0, 0.0, d, saved_elems_per_token=d))
 
         # matmul weights of one block (multiply-adds per token = these counts)
-        attn_w = d * (d + 2 * kv) + d * d
+        attn_w = d * (q + 2 * kv) + q * d
         mlp_w = (2 if gpt else 3) * d * f
-        bias = (d + 2 * kv) + d + f + d if gpt else ((d + 2 * kv) if c.has_qkv_bias else 0)
-        block_params = attn_w + mlp_w + bias + 2 * norm_params
-        attn_scores = 4 * s * d  # QK^T and AV, per token, full matrix
+        bias = (d + 2 * kv) + d + f + d if gpt else ((q + 2 * kv) if c.has_qkv_bias else 0)
+        head_norms = 2 * c.head_size if c.qk_norm else 0  # one RMSNorm weight each for q and k, shared by heads
+        block_params = attn_w + mlp_w + bias + 2 * norm_params + head_norms
+        attn_scores = 4 * s * q  # QK^T and AV, per token, full matrix
         fwd = 2.0 * (attn_w + mlp_w) + attn_scores
-        # saved for backward: norm inputs, qkv, attention output, MLP input/hidden/activated
-        saved = 2 * d + (d + 2 * kv) + 2 * d + (2 if gpt else 3) * f + d
+        # saved for backward: norm inputs, qkv, attention output (and its copy as proj's input), the MLP's input,
+        # hidden and activated
+        saved = 2 * d + (q + 2 * kv) + 2 * q + (2 if gpt else 3) * f + d
         if not gpt:
-            # q and k before and after RoPE, k and v repeated to every head (GQA), SiLU's output
-            saved += (d + kv) + (2 * d if kv != d else 0) + f
+            # q and k before and after RoPE, k and v repeated to every head (GQA), the gate activation's output
+            saved += (q + kv) + (2 * q if kv != q else 0) + f
+            if c.qk_norm:  # each head norm's input
+                saved += q + kv
+            if c.norm_unit_offset:  # each (1 + weight) norm's normalised input, kept for its product
+                saved += 2 * d
         # deferred weight gradients: per linear layer its input and its output's gradient (qkv, proj, fc, out)
         fc_out = f if gpt else 2 * f
-        stash = (d + (d + 2 * kv)) + (d + d) + (d + fc_out) + (f + d)
+        stash = (d + (q + 2 * kv)) + (q + d) + (d + fc_out) + (f + d)
         for i in range(1, c.n_layers + 1):
             layers.append(LayerSpec(i, "block", block_params, fwd, 2.0 * fwd, d, saved_elems_per_token=saved,
                                     flops_wgrad_per_token=2.0 * (attn_w + mlp_w), wgrad_elems_per_token=stash))

@@ -35,18 +35,21 @@ def half_blocks(spec: ModelSpec) -> ModelSpec:
     """`spec` with each block as two layers, its attention half and its MLP half (`ModelSpec.from_config`'s
     arithmetic, split)."""
     c = spec.config
-    d, f, kv, s = c.d_model, c.ffn, c.kv_dim, c.seq_len
+    d, f, kv, s, q = c.d_model, c.ffn, c.kv_dim, c.seq_len, c.q_dim
     gpt = c.style == "gpt"
     norm = 2 * d if gpt else d
-    attn_w, mlp_w = d * (d + 2 * kv) + d * d, (2 if gpt else 3) * d * f
-    attn_bias = (d + 2 * kv) + d if gpt else ((d + 2 * kv) if c.has_qkv_bias else 0)
+    attn_w, mlp_w = d * (q + 2 * kv) + q * d, (2 if gpt else 3) * d * f
+    attn_bias = (d + 2 * kv) + d if gpt else ((q + 2 * kv) if c.has_qkv_bias else 0)
+    attn_bias += 2 * c.head_size if c.qk_norm else 0
     mlp_bias = f + d if gpt else 0
-    attn_fwd, mlp_fwd = 2.0 * attn_w + 4 * s * d, 2.0 * mlp_w
-    attn_saved, mlp_saved = d + (d + 2 * kv) + 2 * d, d + (2 if gpt else 3) * f + d
-    if not gpt:  # RoPE's q and k before and after, GQA's repeated k and v; SiLU's output
-        attn_saved += (d + kv) + (2 * d if kv != d else 0)
+    attn_fwd, mlp_fwd = 2.0 * attn_w + 4 * s * q, 2.0 * mlp_w
+    attn_saved, mlp_saved = d + (q + 2 * kv) + 2 * q, d + (2 if gpt else 3) * f + d
+    if not gpt:  # RoPE's q and k before and after, GQA's repeated k and v, the q/k norms' inputs; the gate's output
+        attn_saved += (q + kv) + (2 * q if kv != q else 0) + ((q + kv) if c.qk_norm else 0)
         mlp_saved += f
-    attn_stash, mlp_stash = (d + (d + 2 * kv)) + (d + d), (d + (f if gpt else 2 * f)) + (f + d)
+    if c.norm_unit_offset:  # each (1 + weight) norm's normalised input
+        attn_saved, mlp_saved = attn_saved + d, mlp_saved + d
+    attn_stash, mlp_stash = (d + (q + 2 * kv)) + (q + d), (d + (f if gpt else 2 * f)) + (f + d)
     layers = [spec.layers[0]]
     for _ in range(c.n_layers):
         layers.append(LayerSpec(len(layers), "block", attn_w + attn_bias + norm, attn_fwd, 2 * attn_fwd, d,

@@ -25,16 +25,33 @@ from atoll.modelspec import ModelConfig
 from atoll.node.wgrad import DeferrableLinear
 
 
-def _norm(config: ModelConfig) -> nn.Module:
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm that scales by (1 + weight), computed in fp32 and cast back (Gemma's); the weight starts at 0."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _norm(config: ModelConfig, width: int | None = None) -> nn.Module:
+    """The style's norm over `width` features (default: d_model)."""
+    width = config.d_model if width is None else width
     if config.style == "gpt":
-        return nn.LayerNorm(config.d_model, eps=config.eps)
-    return nn.RMSNorm(config.d_model, eps=config.eps)
+        return nn.LayerNorm(width, eps=config.eps)
+    if config.norm_unit_offset:
+        return OffsetRMSNorm(width, config.eps)
+    return nn.RMSNorm(width, eps=config.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
     """Rotary inverse frequencies (head_dim / 2,), fp32, with Llama 3's scaling when the config has it
     (the same arithmetic as `transformers`' rope initialisation, so pretrained weights see the same angles)."""
-    hd = config.head_dim
+    hd = config.head_size
     inv = 1.0 / (config.theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
     if config.rope_scaling is None:
         return inv
@@ -49,15 +66,19 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 class Embedding(nn.Module):
-    """Token embedding (+ learned positions in the gpt style). Input: (batch, seq) int64 token ids."""
+    """Token embedding (+ learned positions in the gpt style; times sqrt(d_model) with `embed_scale`).
+    Input: (batch, seq) int64 token ids."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(config.vocab_size, config.d_model)
         self.pos = nn.Embedding(config.seq_len, config.d_model) if config.style == "gpt" else None
+        self.scale = math.sqrt(config.d_model) if config.embed_scale else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids)
+        if self.scale is not None:  # the scale rounded to the table's dtype first, as transformers' Gemma does
+            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
         if self.pos is not None:
             x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
         return x
@@ -75,12 +96,15 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         c = config
-        self.n_heads, self.kv_heads, self.head_dim = c.n_heads, c.kv_heads, c.head_dim
+        self.n_heads, self.kv_heads, self.head_dim = c.n_heads, c.kv_heads, c.head_size
         gpt = c.style == "gpt"
         self.gpt = gpt
         self.norm1 = _norm(c)
-        self.qkv = DeferrableLinear(c.d_model, c.d_model + 2 * c.kv_dim, bias=c.has_qkv_bias)
-        self.proj = DeferrableLinear(c.d_model, c.d_model, bias=gpt)
+        self.qkv = DeferrableLinear(c.d_model, c.q_dim + 2 * c.kv_dim, bias=c.has_qkv_bias)
+        # Qwen3: one norm over head_dim for every query head, one for every key head (before the rotary positions)
+        self.q_norm = _norm(c, c.head_size) if c.qk_norm else None
+        self.k_norm = _norm(c, c.head_size) if c.qk_norm else None
+        self.proj = DeferrableLinear(c.q_dim, c.d_model, bias=gpt)
         self.norm2 = _norm(c)
         if gpt:
             self.fc = DeferrableLinear(c.d_model, c.ffn, bias=True)
@@ -88,6 +112,7 @@ class Block(nn.Module):
             self.fc = DeferrableLinear(c.d_model, 2 * c.ffn, bias=False)  # gate and up, fused
         self.out = DeferrableLinear(c.ffn, c.d_model, bias=gpt)
         self.gelu = "tanh" if c.gelu_tanh else "none"
+        self.gate_gelu = bool(c.gelu_tanh)  # llama style: a tanh-GELU gate (GeGLU) instead of SiLU
         self.config = c
         # rotary angles for the sequence length last seen, made on first use (so a block built on the meta
         # device holds no table, and a long max position costs nothing until it is used)
@@ -105,11 +130,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         h = self.norm1(x)
-        # q width from the head count: d, or its tp shard's heads (atoll.node.tp lowers n_heads/kv_heads)
+        # q width from the head count: n_heads x head_dim, or its tp shard's heads (atoll.node.tp lowers
+        # n_heads/kv_heads)
         qd = self.n_heads * self.head_dim
         q, k, v = self.qkv(h).split([qd, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if not self.gpt:
             cos, sin = self.rope(s, q.device)
@@ -125,7 +154,7 @@ class Block(nn.Module):
             h = F.gelu(self.fc(h), approximate=self.gelu)
         else:
             gate, up = self.fc(h).chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = (F.gelu(gate, approximate="tanh") if self.gate_gelu else F.silu(gate)) * up
         return x + self.out(h)
 
 
@@ -162,6 +191,9 @@ def _init_layer(module: nn.Module, config: ModelConfig, seed: int, index: int) -
                 continue
             std = residual_std if name.startswith(("proj.", "out.")) else 0.02
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+        for m in module.modules():  # a (1 + weight) norm is the identity scale at weight 0
+            if isinstance(m, OffsetRMSNorm):
+                m.weight.zero_()
 
 
 def init_tied_copy(head: Head, config: ModelConfig, seed: int) -> None:

@@ -73,9 +73,14 @@ def _check_shape(config: ModelConfig, folder: Path) -> None:
 def _resolved(c: ModelConfig) -> ModelConfig:
     """`c` with the None defaults spelt out, so equal shapes compare equal however they were written."""
     llama = c.style == "llama"
+
+    def flag(name: str) -> bool | None:
+        return bool(getattr(c, name)) if llama else None
+
     return replace(c, n_kv_heads=c.kv_heads, ffn_hidden=c.ffn, norm_eps=c.eps,
                    qkv_bias=c.has_qkv_bias if llama else None, rope_theta=c.theta if llama else None,
-                   gelu_tanh=None if llama else bool(c.gelu_tanh))
+                   gelu_tanh=bool(c.gelu_tanh), head_dim=c.head_size if llama else None, qk_norm=flag("qk_norm"),
+                   norm_unit_offset=flag("norm_unit_offset"), embed_scale=flag("embed_scale"))
 
 
 def check_pretrained(config: ModelConfig, folder: str | Path) -> None:

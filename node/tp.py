@@ -18,7 +18,11 @@ the shards are exactly the unsharded model's weights:
 - blocks: `qkv` column-wise with heads split (rank k holds q heads `[k n/t, (k+1) n/t)` and the kv heads they
   read: the rows of q, k and v are reordered so each rank's contiguous shard is its own q|k|v, and the block's
   head counts lowered to the shard's), `proj` row-wise; MLP `fc` column-wise (SwiGLU: gate and up reordered
-  the same way), `out` row-wise; norms replicated. Needs t to divide n_heads, n_kv_heads and the MLP width.
+  the same way), `out` row-wise; norms replicated. Needs t to divide n_heads, n_kv_heads and the MLP width;
+  a head width other than d_model / n_heads (`head_dim`) cuts the same way, whole heads per rank. Qwen3's
+  per-head q/k norms are replicated, but each rank runs them over its own heads only, so a rank's gradient of
+  their weights is a partial sum: backward sums it over the tp group as it reaches the weight (`_HeadShardNorm`),
+  and the weight stays a plain replicated tensor like the other norms'.
 - embedding: the token table vocab-parallel (row-wise over the vocabulary, the lookup's partial sums
   all-reduced); learned positions replicated (a seq_len x d table).
 - head: the LM head vocab-parallel (column-wise), its logits all-gathered so the loss is computed as in one
@@ -92,6 +96,41 @@ def _swiglu_order(ffn: int, tp: int) -> torch.Tensor:
     return torch.cat([gate, ffn + gate], dim=1).reshape(-1)
 
 
+class _SumGradOverTp(torch.autograd.Function):
+    """The identity forward; backward sums the gradient over the tp group (every rank's backward reaches it in the
+    same order, as DTensor's own collectives)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _HeadShardNorm(nn.Module):
+    """A block's q or k norm (one weight over head_dim, shared by every head) on a tp rank holding some of the
+    heads: its forward is the norm's own, and the weight's gradient from this rank's heads is summed over the tp
+    group. The weight keeps its name (`q_norm.weight`), so checkpoints are those of the unsharded block."""
+
+    def __init__(self, norm: nn.Module, group: dist.ProcessGroup):
+        super().__init__()
+        self.weight = norm.weight
+        del norm.weight  # the inner norm runs with the summing view of it, set per forward
+        self.inner, self.group = norm, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inner.weight = _SumGradOverTp.apply(self.weight, self.group)
+        try:
+            return self.inner(x)
+        finally:
+            del self.inner.weight
+
+
 def shard_module(module: StageModule, mesh: DeviceMesh) -> dict[str, torch.Tensor]:
     """Shard `module`'s layers in place over the 1-D `mesh`; return the row order applied per parameter name.
 
@@ -114,6 +153,9 @@ def shard_module(module: StageModule, mesh: DeviceMesh) -> dict[str, torch.Tenso
                         orders[f"{prefix}{sub}.{pname}"] = order
             parallelize_module(layer, mesh, {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
                                              "fc": ColwiseParallel(), "out": RowwiseParallel()})
+            if layer.q_norm is not None and layer.k_norm is not None:
+                group = mesh.get_group()
+                layer.q_norm, layer.k_norm = _HeadShardNorm(layer.q_norm, group), _HeadShardNorm(layer.k_norm, group)
             layer.n_heads //= tp
             layer.kv_heads //= tp
         elif isinstance(layer, Embedding) and not module.config.tied_head:

@@ -28,7 +28,9 @@ transformers = pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parent.parent
 
-# small shapes of each family: GQA + SwiGLU (llama), q/k/v biases (qwen2), Llama 3 rope scaling, GPT-2
+# small shapes of each family: GQA + SwiGLU (llama), q/k/v biases (qwen2), Llama 3 rope scaling, GPT-2, heads
+# wider than hidden_size / heads with q/k norms (qwen3), and Gemma's (1 + weight) norms, scaled embedding, tanh-GELU
+# gate and tied head, its heads narrower than hidden_size / heads
 SMALL = {
     "llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -48,6 +50,14 @@ SMALL = {
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
               "tie_word_embeddings": False, "use_sliding_window": False},
+    "qwen3": {"model_type": "qwen3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "tie_word_embeddings": False},
+    "gemma": {"model_type": "gemma", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 12,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "hidden_act": "gelu_pytorch_tanh", "tie_word_embeddings": True},
     "gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 64,
              "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
              "tie_word_embeddings": False},
@@ -92,6 +102,11 @@ def test_presets_follow_the_published_configs() -> None:
     assert preset("mistral-7b").seq_len == 4096  # capped at the sliding window
     gpt2 = preset("gpt2")
     assert gpt2.style == "gpt" and gpt2.gelu_tanh and gpt2.tied_head and gpt2.seq_len == 1024
+    qwen3 = preset("qwen3-0.6b")  # 16 heads of 128 over a width of 1,024
+    assert (qwen3.q_dim, qwen3.kv_dim, qwen3.qk_norm, qwen3.tied_head) == (2048, 1024, True, True)
+    gemma = preset("gemma-2b")
+    assert gemma.norm_unit_offset and gemma.embed_scale and gemma.gelu_tanh and gemma.tied_head
+    assert ModelSpec.from_config(gemma).total_params == 2_506_172_416  # the published 2.51B
     # the qkv biases are counted by the planner's spec: one block of qwen2.5 holds d + 2 kv of them
     assert ModelSpec.from_config(qwen).layers[1].params - \
         ModelSpec.from_config(replace(qwen, qkv_bias=None)).layers[1].params == 896 + 2 * 128
@@ -102,10 +117,37 @@ def test_unsupported_configs_say_what_to_change() -> None:
         config_from_hf({"model_type": "bert"})
     with pytest.raises(HfConfigError, match="rope scaling of type 'yarn'"):
         config_from_hf({**SMALL["llama"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(HfConfigError, match="head_dim"):
-        config_from_hf({**SMALL["llama"], "head_dim": 32})
+    with pytest.raises(HfConfigError, match=r"model_type 'gemma2' is not supported \(logit soft-capping.*\); "
+                                            r"supported: .*qwen3, gemma"):
+        config_from_hf({**SMALL["gemma"], "model_type": "gemma2"})
+    with pytest.raises(HfConfigError, match="hidden_act 'relu' is not supported"):
+        config_from_hf({**SMALL["qwen3"], "hidden_act": "relu"})
+    with pytest.raises(HfConfigError, match="attention_bias"):
+        config_from_hf({**SMALL["qwen3"], "attention_bias": True})
     with pytest.raises(ValueError, match="llama style only"):
         replace(preset("gpt2"), qkv_bias=True)
+    with pytest.raises(ValueError, match="llama style only"):
+        replace(preset("gpt2"), head_dim=32)
+    with pytest.raises(ValueError, match="must be even"):
+        replace(config_from_hf(SMALL["qwen3"]), head_dim=15)
+
+
+def test_head_width_activation_and_defaults_follow_transformers() -> None:
+    qwen3 = config_from_hf(SMALL["qwen3"])
+    assert (qwen3.head_size, qwen3.q_dim, qwen3.kv_dim, qwen3.qk_norm, qwen3.tied_head) == (32, 128, 64, True, False)
+    # a head_dim equal to the width's share is the default; absent, each type takes transformers' own default
+    assert config_from_hf({**SMALL["llama"], "head_dim": 16}) == config_from_hf(SMALL["llama"])
+    assert config_from_hf({k: v for k, v in SMALL["qwen3"].items() if k != "head_dim"}).head_size == 128
+    gemma = {k: v for k, v in SMALL["gemma"].items() if k not in ("head_dim", "hidden_act", "tie_word_embeddings")}
+    got = config_from_hf(gemma)
+    assert (got.head_size, got.gelu_tanh, got.tied_head, got.norm_unit_offset, got.embed_scale) == \
+        (256, True, True, True, True)
+    # Gemma's legacy "gelu" is the tanh approximation (as transformers reads it); hidden_activation wins over it
+    assert config_from_hf({**gemma, "hidden_act": "gelu"}).gelu_tanh
+    assert config_from_hf({**gemma, "hidden_act": "gelu", "hidden_activation": "silu"}).gelu_tanh is None
+    for shape in (SMALL["qwen3"], SMALL["gemma"]):
+        config = config_from_hf(shape)
+        assert config_from_hf(hf_config(config), name=config.name) == config
 
 
 def test_job_takes_hf_config_and_pretrained(tmp_path: Path) -> None:
@@ -229,7 +271,8 @@ def test_pretrained_stages_give_the_logits_of_transformers(family: str, tmp_path
         read.append([])
         stage = build_slice(config, a, b, init=False)
         pretrained.load_pretrained(stage, folder)
-        own = {n for i in range(a, b) for spec in param_map(config, i).values() for n in spec.names}
+        copy = config.tied_head and a > 0 and b == total  # a tied head on a stage of its own reads the embedding
+        own = {n for i in range(a, b) for spec in param_map(config, i, tied_copy=copy).values() for n in spec.names}
         assert read[-1] and {n.removeprefix("transformer.").removeprefix("model.") for n in read[-1]} <= \
             {n.removeprefix("transformer.").removeprefix("model.") for n in own}
         stages.append(stage.eval())

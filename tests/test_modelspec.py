@@ -23,6 +23,11 @@ CONFIGS = {
     # Hugging Face shapes: Qwen2's q/k/v biases (with its rope theta and norm epsilon), GPT-2's tanh GELU
     "qwen2-qkv-bias": replace(BASE, style="llama", n_kv_heads=2, qkv_bias=True, rope_theta=1e6, norm_eps=1e-6),
     "gpt2-gelu-tanh": replace(BASE, gelu_tanh=True, tied_head=True),
+    # heads wider than d_model / n_heads with q/k norms (Qwen3), and narrower with Gemma's norms, scaled embedding
+    # and tanh-GELU gate
+    "qwen3-wide-heads": replace(BASE, style="llama", n_kv_heads=2, head_dim=32, qk_norm=True),
+    "gemma-narrow-heads": replace(BASE, style="llama", n_kv_heads=1, head_dim=8, norm_unit_offset=True,
+                                  embed_scale=True, gelu_tanh=True),
 }
 
 
@@ -75,7 +80,8 @@ def test_slice_flops_and_params_sum_their_layers():
         spec.slice_params(3, 3)
 
 
-@pytest.mark.parametrize("name,tolerance", [("gpt", 0.02), ("llama-gqa", 0.2)])
+@pytest.mark.parametrize("name,tolerance", [("gpt", 0.02), ("llama-gqa", 0.2), ("qwen3-wide-heads", 0.2),
+                                            ("gemma-narrow-heads", 0.2)])
 def test_saved_activations_match_what_autograd_keeps(name, tolerance):
     config = CONFIGS[name]
     spec = ModelSpec.from_config(config)

@@ -156,7 +156,8 @@ def _module_worker(args: dict) -> None:
     fresh = dist.ProcessGroupGloo(dist.PrefixStore("handover/", store), args["rank"], 2, timedelta(seconds=30))
     handed = tp.full_state(sharded, opt, {"step": 3}, group=fresh, timeout=timedelta(seconds=30))
     out: dict = {"rank": args["rank"], "steps": rows, "exact": exact, "deferred": len(pending),
-                 "deferred_err": deferred_err, "stash": stash, "handed": handed is not None}
+                 "deferred_err": deferred_err, "stash": stash, "handed": handed is not None,
+                 "vocab_parallel": isinstance(sharded.layers["0"].tok.weight, DTensor)}
     if state is not None and handed is not None:
         out["handover_equal"] = (
             sorted(handed["tensors"]) == sorted(state["tensors"]) and handed["extra"] == {"step": 3}
@@ -449,11 +450,12 @@ def _run_in_process(job, tmp_path: Path, *, resume_step: int = 0, until: int | N
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tied,qkv_bias", [(False, False), (True, False), (False, True)],
-                         ids=["vocab-parallel", "tied-replicated", "qkv-bias"])
-def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_bias: bool) -> None:
+@pytest.mark.parametrize("tied,qkv_bias,wide", [(False, False, False), (True, False, False), (False, True, False),
+                                               (False, False, True)],
+                         ids=["vocab-parallel", "tied-vocab-parallel", "qkv-bias", "head-dim-qk-norm"])
+def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_bias: bool, wide: bool) -> None:
     """The sharding itself, two processes, no pipeline: the vocab-parallel embedding and head over an odd
-    vocabulary (uneven shards; untied), or a tied embedding and head kept whole (tied), GQA and SwiGLU blocks,
+    vocabulary (uneven shards), untied or tied (the head's matmul with the sharded table), GQA and SwiGLU blocks,
     two of them recomputed in backward (their collectives run again); losses, the clipping norm (each element
     once), the gathered weights and AdamW state after three steps."""
     import torch.distributed as dist
@@ -462,6 +464,9 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
     model = {**GQA, "tied_head": tied, "seq_len": 32, "vocab_size": 255}  # an odd vocabulary: uneven shards
     if qkv_bias:  # Qwen2's q/k/v biases are cut with the fused qkv rows
         model["qkv_bias"] = True
+    if wide:  # heads twice d_model / n_heads wide (whole heads per rank), Qwen3's q/k norms (each rank's gradient
+        # of their weights a partial sum over its heads) and Gemma's norms, scaled embedding and tanh-GELU gate
+        model.update(head_dim=32, qk_norm=True, norm_unit_offset=True, embed_scale=True, gelu_tanh=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     logs = [tmp_path / f"rank-{r}.log" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, "--module-worker",
@@ -484,6 +489,7 @@ def test_sharded_model_trains_as_the_whole_one(tmp_path: Path, tied: bool, qkv_b
         assert abs(sharded - whole) <= (1e-6 if k == 0 else 1e-4) * whole, (k, sharded, whole, out[0])
         assert abs(norm - whole_norm) <= (1e-6 if k == 0 else 1e-3) * whole_norm, (k, norm, whole_norm, out[0])
     assert out[0]["steps"] == out[1]["steps"]  # the ranks agree exactly
+    assert all(o["vocab_parallel"] for o in out)  # the token table sharded, tied or not
     for stage, got in out[0]["zero"].items():  # ZeRO over the shards steps as AdamW over the whole model
         assert got["norm"] <= 1e-4 and got["weights"] < 2e-3 and got["exp_avg"] < 1e-5, (stage, got)
     # zero-bubble under tp: every linear layer's product deferred, the same gradients, the planner's bytes
