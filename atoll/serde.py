@@ -18,6 +18,7 @@ CODEC_BY_NAME: dict[str, int] = {
     "int8": pb.CODEC_INT8_BLOCK,
     "int4": pb.CODEC_INT4_BLOCK,
     "topk": pb.CODEC_TOPK,
+    "sparse2": pb.CODEC_SPARSE2,
 }
 CODEC_NAME: dict[int, str] = {v: k for k, v in CODEC_BY_NAME.items()}
 

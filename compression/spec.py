@@ -25,12 +25,13 @@ class CodecSpec:
     """A codec and its parameters. Parameters a codec does not use are kept but ignored by it."""
 
     codec: str
-    """One of "identity", "fp16", "bf16", "int8", "int4", "topk" (the only positional field)."""
+    """One of "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2" (the only positional field)."""
     _: KW_ONLY
     block_size: int = DEFAULT_BLOCK_SIZE
     """int8/int4: elements that share one absmax scale (>= 1)."""
     topk_fraction: float = DEFAULT_TOPK_FRACTION
-    """topk: fraction of elements kept, in (0, 1]; stored at float32 precision, as on the wire."""
+    """topk, sparse2 (per chunk): fraction of elements kept, in (0, 1]; stored at float32 precision, as on the
+    wire."""
     zstd_level: int = 0
     """0: no lossless stage; 1..22: a zstd stage at this level after the codec."""
 
@@ -58,7 +59,7 @@ class CodecSpec:
         base = self.codec
         if self.codec in ("int8", "int4"):
             base += f"/{self.block_size}"
-        elif self.codec == "topk":
+        elif self.codec in ("topk", "sparse2"):
             base += f"/{self.topk_fraction:.3g}"
         return base + (f"+zstd{self.zstd_level}" if self.zstd_level else "")
 

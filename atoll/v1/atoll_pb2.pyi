@@ -15,6 +15,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT8_BLOCK: _ClassVar[Codec]
     CODEC_INT4_BLOCK: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_SPARSE2: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ CODEC_BF16: Codec
 CODEC_INT8_BLOCK: Codec
 CODEC_INT4_BLOCK: Codec
 CODEC_TOPK: Codec
+CODEC_SPARSE2: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
