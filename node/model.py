@@ -170,6 +170,8 @@ class Head(nn.Module):
         # the tied copy's gradient is summed with the embedding's after backward: computed there, not deferred
         self.lm = nn.Linear(config.d_model, config.vocab_size, bias=False) if tied_copy else \
             DeferrableLinear(config.d_model, config.vocab_size, bias=False) if not config.tied_head else None
+        # the matmul with the embedding's weight: `atoll.node.tp` swaps in its vocab-parallel form
+        self.tied_linear = F.linear
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(x)
@@ -177,7 +179,7 @@ class Head(nn.Module):
             return self.lm(h)
         if tied_weight is None:
             raise RuntimeError("a tied head on the embedding's stage needs the embedding's weight")
-        return F.linear(h, tied_weight)
+        return self.tied_linear(h, tied_weight)
 
 
 def _init_layer(module: nn.Module, config: ModelConfig, seed: int, index: int) -> None:

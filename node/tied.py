@@ -17,7 +17,8 @@ embedding's stage counts the summed gradient); checkpoints keep the copy with th
 resumes from its own files; a checkpoint written by a cut that kept embedding and head together gives the
 head's stage the embedding's tensor); `atoll export` writes the tied Hugging Face folder (one tensor).
 Tensor parallelism is not combined with the first or last stage of a tied model cut into stages (`check_tied_plan`
-says so; the planner plans tied models with tp = 1), and the first
+says so; the planner plans those two at tp = 1, and may shard the stages between them or a whole model's one
+stage: `atoll.node.tp`), and the first
 and last stages of such a model train with plain AdamW and the segment averager where the plan asks for ZeRO
 (the runner logs it); the stages between them are not affected.
 """

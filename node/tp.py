@@ -28,10 +28,10 @@ the shards are exactly the unsharded model's weights:
 - head: the LM head vocab-parallel (column-wise), its logits all-gathered so the loss is computed as in one
   process (`lm_loss` and the schedule unchanged; `loss_parallel` would spare the gather of b x s x vocab
   logits per micro-batch, at the price of running every last-stage backward under its context).
-- a tied head (embedding and head share a weight) stays replicated whole: the head's matmul takes the
-  embedding's weight as a plain argument, outside any parallel style (sharding it would need a head of its
-  own for tp); the blocks carry the sharding. A tied model cut into stages keeps its first and last stage
-  (the copies of the tied weight, `atoll.node.tied`) at tp = 1.
+- a tied head (embedding and head share a weight) on the embedding's stage: the table is vocab-parallel as
+  above, and the head's matmul takes that sharded table (`Head.tied_linear`, the head's vocab-parallel form:
+  its logits all-gathered); the weight's gradient is the sum of both uses' on each rank's rows. A tied model
+  cut into stages keeps its first and last stage (the copies of the tied weight, `atoll.node.tied`) at tp = 1.
 
 Runtime. Activations enter and leave a tp stage through its tp rank 0 only (`share` broadcasts what rank 0
 received to the others; only rank 0 sends), so the pipeline transport is unchanged. Every rank computes the
@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -158,11 +159,26 @@ def shard_module(module: StageModule, mesh: DeviceMesh) -> dict[str, torch.Tenso
                 layer.q_norm, layer.k_norm = _HeadShardNorm(layer.q_norm, group), _HeadShardNorm(layer.k_norm, group)
             layer.n_heads //= tp
             layer.kv_heads //= tp
-        elif isinstance(layer, Embedding) and not module.config.tied_head:
+        elif isinstance(layer, Embedding) and (not module.config.tied_head or module.is_last):
+            # a tied table is sharded where the head using it is too (a stage holding the whole model)
             parallelize_module(layer, mesh, {"tok": RowwiseParallel(input_layouts=Replicate())})
         elif isinstance(layer, Head) and layer.lm is not None:
             parallelize_module(layer, mesh, {"lm": ColwiseParallel(output_layouts=Replicate())})
+        elif isinstance(layer, Head) and module.is_first:
+            layer.tied_linear = _vocab_parallel_linear(mesh)
     return orders
+
+
+def _vocab_parallel_linear(mesh: DeviceMesh) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A tied head's matmul with the vocab-parallel embedding table (a DTensor sharded over its rows), as
+    `ColwiseParallel(output_layouts=Replicate())` runs an untied head: the input replicated (its gradient's partial
+    sums all-reduced in backward), each rank's logits of its rows, all-gathered."""
+
+    def linear(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = DTensor.from_local(h, mesh, [Replicate()], run_check=False)
+        return F.linear(x, weight).redistribute(mesh, [Replicate()]).to_local()
+
+    return linear
 
 
 def _unorder(t: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -124,12 +124,12 @@ def test_the_planner_cuts_a_tied_model_and_prices_the_tied_sum() -> None:
     train = TrainSpec(global_batch=256, seq_len=1024)
     tied = replace(preset("llama-3.2-1b"), seq_len=1024, n_layers=64)
     # pipelines of one stage each are the best plan here with ZeRO; without it the model is cut (it used to be
-    # kept whole whatever the options), with the copies' sum priced and no tensor parallelism
+    # kept whole whatever the options), with the copies' sum priced and the copies' stages unsharded (tp = 1)
     for opts in (PlannerOptions(), PlannerOptions(zero_stages=(0,), several_pipelines=False)):
         result = search_plan(ModelSpec.from_config(tied), cluster, train, options=opts)
         plan = result.plan
         assert not mixes_cuts([len(p.stages) for p in plan.pipelines])
-        assert all(st.tp == 1 for p in plan.pipelines for st in p.stages)
+        check_tied_plan(plan, range(len(plan.pipelines)))
     assert any(len(p.stages) > 1 for p in plan.pipelines)
     # the first and last stage each wait on the copies' all-reduce besides their own gradient sync
     cm = CostModel(ModelSpec.from_config(tied), train, None, PlannerOptions(zero_stages=(0,), max_tp=1))
@@ -151,6 +151,42 @@ def test_the_planner_cuts_a_tied_model_and_prices_the_tied_sum() -> None:
     assert tied_sync_seconds(untied, cluster, a, b) == 0.0
     assert mixes_cuts([1, 2]) and not mixes_cuts([2, 3]) and not mixes_cuts([1, 1])
 
+
+
+def test_the_planner_shards_a_tied_model_where_no_stage_holds_a_copy() -> None:
+    """Tensor parallelism on a whole tied model's one stage (its table and head vocab-parallel, `atoll.node.tp`) and
+    on the stages between a cut's first and last; never on a stage holding a copy of the tied weight, in `cost`
+    and in `reach` (whose start the composer places without asking `cost` again)."""
+    from atoll.coordinator.planner.cluster import load_cluster
+    from atoll.coordinator.planner.costmodel import CostModel
+    from atoll.coordinator.planner.options import TrainSpec
+    from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
+    from atoll.coordinator.planner.planjob import search_plan
+
+    repo = Path(__file__).resolve().parent.parent
+    cluster = load_cluster(repo / "examples" / "clusters" / "mixed-a100-v100.toml")
+    v100 = next(i for i in cluster.islands if i.id == "v100")
+    train = TrainSpec(global_batch=256, seq_len=1024)
+    tied = replace(preset("llama-3.2-1b"), seq_len=1024)
+    total = tied.n_layers + 2
+    par = DefaultParallelizer(CostModel(ModelSpec.from_config(tied), train))
+
+    def cost(a: int, e: int):  # 96 sequences over the island's 64 V100s: tp 2 pays (rows per replica)
+        return par.cost(SliceQuery(start=a, end=e, micro_batch=1, dp=64, in_flight=1, batch=96), v100)
+
+    assert cost(0, total).tp == 2 and cost(5, 10).tp == 2 and cost(1, total - 1).tp == 2
+    for a, e in ((1, total), (0, 10)):  # the head's stage with its copy, the embedding's of a cut
+        got = cost(a, e)
+        assert got is not None and got.tp == 1 and got.zero == 0
+    for end in (10, total):
+        for limit in (0.03, 0.1, 0.2, 0.3):
+            a = par.reach(v100, 1, 64, 1, end, limit, batch=96)
+            if a < end:
+                got = cost(a, end)
+                assert got is not None and got.time_s <= limit, (end, limit, a)
+    plan = search_plan(ModelSpec.from_config(tied), cluster, train).plan
+    check_tied_plan(plan, range(len(plan.pipelines)))
+    assert any(st.tp > 1 for p in plan.pipelines for st in p.stages)  # tied models used to plan tp = 1 throughout
 
 
 def test_the_planner_counts_the_copy_in_memory_and_keeps_zero_off_the_copies() -> None:

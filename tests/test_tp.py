@@ -325,6 +325,30 @@ def test_tp2_second_stage_matches_one_process_and_its_checkpoint_resumes_under_t
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_a_tied_model_on_one_tp2_stage_matches_one_process_and_resumes_unsharded(tmp_path: Path) -> None:
+    """A tied model (the tiny GPT with tied_head) kept whole on one stage sharded over two processes: its token
+    table vocab-parallel, and the head's matmul with that sharded table (its gradient the sum of both uses'); the
+    checkpoint holds the whole table, and one unsharded process resumes from it."""
+    from atoll.node.local import train_local
+    from atoll.node.slice_state import read_slice
+    from atoll.plan import PipelinePlan
+
+    job = _job(steps=4, interval=2)
+    job = replace(job, model=replace(job.model, tied_head=True), model_preset=None)
+    expected, _ = train_local(job)
+    total = job.model.n_layers + 2
+    got = run_processes(job, [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        _stage((0, total), ["a", "b"], tp=2)])], tmp_path, until=2)
+    _assert_match(got, expected, range(2))
+    saved = read_slice(tmp_path / "ckpt" / "step-00000002" / f"layers-0000-{total:04d}.pt")
+    assert tuple(saved["tensors"]["layers.0.tok.weight"].shape) == (job.model.vocab_size, job.model.d_model)
+    assert f"layers.{total - 1}.lm.weight" not in saved["tensors"]  # one tensor, no copy
+    resumed = _run_in_process(job, tmp_path, resume_step=2)
+    _assert_match({**got, **resumed}, expected, range(4))
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_tp2_replicas_in_two_lanes_match_one_process(tmp_path: Path) -> None:
     """Lanes of tensor-parallel replicas: stage 1's two replicas of two processes each take alternate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
@@ -104,9 +104,6 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
                  parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
-    if model.config.tied_head and options.max_tp > 1:
-        # the runtime does not shard the stages holding the tied weight's copies (atoll.node.tied): tp = 1
-        options = replace(options, max_tp=1)
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
