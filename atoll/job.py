@@ -152,6 +152,17 @@ class DataSpec:
     """Share of the source held out for validation (rows of a streamed source, the tail of "builtin")."""
     validation: str = ""
     """A separate held-out source (same kinds as `source`); "": none, or `validation_fraction` of `source`."""
+    shuffle: bool = True
+    """Train on a streamed source's samples in a seeded order (train.seed) rather than in source order: each
+    window of `shuffle_window` consecutive samples is read in a permutation of its own, so neighbouring rows of a
+    corpus (a file's documents, often sorted by source or date) do not fill the same steps. On by default, as
+    training expects batches that are not ordered by the corpus. The order is a function of (seed, step) alone:
+    every data-parallel replica reads disjoint samples and a resumed job continues with exactly the batches an
+    uninterrupted one reads (`atoll.node.datasets`). The "builtin" corpus is sampled in random windows anyway;
+    false does not apply there. Held-out batches stay in source order."""
+    shuffle_window: int = 1024
+    """Samples per shuffled window: the reach of the shuffle, and what a node holds at once (window x seq_len
+    tokens, 16 MB at seq_len 2048). A corpus ordered at a larger scale than this is shuffled at the source."""
 
     def __post_init__(self) -> None:
         _check_finite("data", self)
@@ -167,6 +178,15 @@ class DataSpec:
                "set data.validation (a separate held-out source) or data.validation_fraction, not both")
         _check(self.format in ("auto", "text") or self.source != "builtin",
                f'data.format = "{self.format}" does not fit data.source = "builtin" (a text corpus)')
+        _check(isinstance(self.shuffle_window, int) and not isinstance(self.shuffle_window, bool)
+               and 1 <= self.shuffle_window <= 1 << 24,
+               f"data.shuffle_window must be an integer from 1 to {1 << 24:,} samples, got {self.shuffle_window!r}")
+        default_window = self.shuffle_window == DataSpec.shuffle_window
+        _check(self.source != "builtin" or (self.shuffle and default_window),
+               'data.shuffle and data.shuffle_window do not apply to data.source = "builtin" (sampled in random '
+               "windows at every step): remove them, or give a streamed source")
+        _check(self.shuffle or default_window,
+               "data.shuffle_window applies when data.shuffle is true: remove it, or set data.shuffle = true")
 
     @property
     def has_validation(self) -> bool:
@@ -503,7 +523,7 @@ class JobSpec:
 
 _TRAIN_WRITTEN_WHEN_SET = ("loss_scale", "loss_scale_window", "tensorboard_dir", "eval_every", "eval_batches",
                            "zero_bubble")
-_DATA_WRITTEN_WHEN_SET = ("format", "field", "validation_fraction", "validation")
+_DATA_WRITTEN_WHEN_SET = ("format", "field", "validation_fraction", "validation", "shuffle", "shuffle_window")
 """[train] fields written only when they differ from their defaults, so jobs without them keep their ids."""
 
 

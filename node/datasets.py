@@ -8,12 +8,17 @@ never the whole corpus at once. (The shipped corpus, "builtin", is small and sam
 `atoll.node.data.TokenDataset` instead.)
 
 Packing: the documents' tokens, each followed by the tokenizer's end-of-text token when it has one (not
-between the lines of a text file, one running text), make one stream, in source order, repeated epoch after epoch. Sample `i` is the window of seq_len + 1 tokens
-starting at token `i * seq_len` of that stream, and step `k` of a global batch `B` takes samples
-`[k * B, (k + 1) * B)`; a data-parallel replica takes its rows `[first, last)` of them. So every node derives
-the same samples for a step from the step alone (the first stage's inputs and the last stage's targets
-agree without exchanging data), replicas' rows are disjoint, and the data position of a step is a sample
-counter, `k * B`, which a checkpoint records. A resumed job reads forward to that sample, tokenizing without
+between the lines of a text file, one running text), make one stream, in source order, repeated epoch after
+epoch. Sample `i` is the window of seq_len + 1 tokens starting at token `i * seq_len` of that stream, and step
+`k` of a global batch `B` takes the samples in places `[k * B, (k + 1) * B)` of the training order; a
+data-parallel replica takes its rows `[first, last)` of them. The order is the samples' own (`[data] shuffle =
+false`) or shuffled (the default): the places are cut into windows of `W` (`shuffle_window`), and place `w W + j`
+holds sample `w W + pi_w(j)`, `pi_w` a permutation of W drawn from (seed, w) by a fixed hash (`window_order`),
+so the same on every node, in every process and on every version. A node reads a window's samples at once (it
+holds W x seq_len tokens). So every node derives the same samples for a step from the step alone (the first
+stage's inputs and the last stage's targets agree without exchanging data), replicas' rows are disjoint (a
+permutation maps disjoint places to disjoint samples), and the data position of a step is a sample counter,
+`k * B`, which a checkpoint records. A resumed job reads forward to that sample, tokenizing without
 training, from the restart point its checkpoint holds (`StreamingDataset.save_cursor`) or from the first
 row (`DataPosition` says which file, row and token it is), and continues at the exact row.
 
@@ -52,6 +57,8 @@ MARK_EVERY = 1 << 20
 CURSOR_FILE = "data-cursor.json"
 """A checkpoint's record of where the training stream can start reading again (`StreamingDataset.save_cursor`)."""
 _GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: i * _GOLDEN mod 2^64 spreads rows evenly over [0, 2^64)
+_ODD = 0xD1B54A32D192ED03  # an odd 64-bit multiplier (R2's), so windows and seeds hash apart
+_MASK = (1 << 64) - 1
 
 
 class DataError(ValueError):
@@ -457,11 +464,71 @@ class PackedStream:
         raise AssertionError("the row holding a buffered token is always kept")  # pragma: no cover
 
 
-class StreamingDataset:
-    """Packed samples of a streamed source, addressed like `TokenDataset`: the rows of a step's global batch."""
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise over uint64 (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
-    def __init__(self, train: PackedStream, seq_len: int, validation: PackedStream | None = None):
+
+def window_order(seed: int, window: int, size: int) -> np.ndarray:
+    """The permutation of `size` places of shuffled window `window`: the places sorted by a 64-bit hash of
+    (seed, window, place). Plain integer arithmetic, so every node, process and library version draws the same."""
+    # splitmix64 twice: a key from (seed, window), then one hash per place from the key's own sequence
+    key = _mix64(np.array([(seed * _GOLDEN + window * _ODD + _ODD) & _MASK], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        hashed = _mix64(key + np.arange(1, size + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
+    return np.argsort(hashed, kind="stable")
+
+
+class StreamingDataset:
+    """Packed samples of a streamed source, addressed like `TokenDataset`: the rows of a step's global batch.
+
+    `shuffle_window` W > 0 reads the training samples in the seeded order of the module docstring (0: in source
+    order); held-out samples are read in source order."""
+
+    def __init__(self, train: PackedStream, seq_len: int, validation: PackedStream | None = None, *,
+                 shuffle_window: int = 0, seed: int = 0):
+        if shuffle_window < 0:
+            raise ValueError(f"shuffle_window must be 0 (source order) or positive, got {shuffle_window}")
         self.train, self.validation, self.seq_len = train, validation, seq_len
+        self.shuffle_window, self.seed = shuffle_window, seed
+        self._windows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # window -> (its order, its tokens)
+
+    def sample_at(self, place: int) -> int:
+        """The training sample in place `place` of the training order (shuffled: its window is read, as the step
+        that trains on it will)."""
+        if not self.shuffle_window:
+            return place
+        w, j = divmod(place, self.shuffle_window)
+        return w * self.shuffle_window + int(self._window(w)[0][j])
+
+    def _window(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """(order, tokens) of shuffled window `w`, the tokens its samples end to end, plus one. The two read last
+        are kept: a step's rows lie in at most two, read in order."""
+        held = self._windows.pop(w, None)
+        if held is not None:
+            self._windows[w] = held  # now the most recently read
+            return held
+        n = self.shuffle_window * self.seq_len
+        order, flat = window_order(self.seed, w, self.shuffle_window), self.train.tokens(w * n, (w + 1) * n + 1)
+        self._windows[w] = (order, flat)
+        while len(self._windows) > 2:  # the least recently read goes
+            del self._windows[next(iter(self._windows))]
+        return order, flat
+
+    def _shuffled(self, first_place: int, count: int) -> Batch:
+        L, W = self.seq_len, self.shuffle_window
+        inputs, targets = torch.empty(count, L, dtype=torch.int64), torch.empty(count, L, dtype=torch.int64)
+        for r, place in enumerate(range(first_place, first_place + count)):
+            w, j = divmod(place, W)
+            order, flat = self._window(w)
+            k = int(order[j]) * L  # the sample's first token within its window
+            inputs[r] = torch.from_numpy(flat[k:k + L].copy())
+            targets[r] = torch.from_numpy(flat[k + 1:k + L + 1].copy())
+        return Batch(inputs, targets)
 
     def _samples(self, stream: PackedStream, first_sample: int, count: int) -> Batch:
         L = self.seq_len
@@ -472,9 +539,12 @@ class StreamingDataset:
         return Batch(inputs, targets)
 
     def rows(self, step: int, global_batch: int, first: int, last: int) -> Batch:
-        """Rows [first, last) of the global batch of `step`: samples step * global_batch + [first, last)."""
+        """Rows [first, last) of the global batch of `step`: the samples in places step * global_batch + [first,
+        last) of the training order."""
         if not 0 <= first < last <= global_batch:
             raise ValueError(f"rows [{first}, {last}) are outside a global batch of {global_batch}")
+        if self.shuffle_window:
+            return self._shuffled(step * global_batch + first, last - first)
         return self._samples(self.train, step * global_batch + first, last - first)
 
     def global_batch(self, step: int, global_batch: int) -> Batch:
@@ -493,13 +563,17 @@ class StreamingDataset:
         return self.validation is not None
 
     def position(self, sample: int) -> DataPosition:
-        """Where training sample `sample` (the data position of step k is k x global batch) starts."""
-        return self.train.position(sample * self.seq_len)
+        """Where the training sample in place `sample` of the training order (the data position of step k is
+        k x global batch) starts."""
+        return self.train.position(self.sample_at(sample) * self.seq_len)
 
     def save_cursor(self, folder: Path, sample: int) -> Path | None:
-        """Write where to start reading to reach training sample `sample` into `folder` (a checkpoint's step
-        folder; atomically), with the sample's position for people; None when there is nothing to save."""
-        point = self.train.restart_point(sample * self.seq_len)
+        """Write where to start reading to reach the training sample in place `sample` (and, shuffled, the rest of
+        its window) into `folder` (a checkpoint's step folder; atomically), with the sample's position for people;
+        None when there is nothing to save."""
+        W = self.shuffle_window
+        first = sample // W * W if W else sample  # a shuffled window is read from its start
+        point = self.train.restart_point(first * self.seq_len)
         if point is None:
             return None
         pos = self.position(sample)
@@ -552,7 +626,8 @@ def open_dataset(data, *, seq_len: int, seed: int = 0, vocab_size: int | None = 
         validation = PackedStream(Source.open(data.validation, "auto", data.field), tok, name="validation")
     elif fraction:
         validation = PackedStream(source, tok, keep=lambda r: held_out(r, fraction), name="validation")
-    return StreamingDataset(train, seq_len, validation)
+    return StreamingDataset(train, seq_len, validation, shuffle_window=data.shuffle_window if data.shuffle else 0,
+                            seed=seed)
 
 
 def _kind(source: str, fmt: str) -> str:

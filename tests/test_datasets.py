@@ -1,5 +1,8 @@
 """Streamed datasets: JSONL, Parquet and datasets folders packed into samples, exact resume, sharding over
-replicas, the held-out split, bad configs, and the validation loss of a pipeline run."""
+replicas, the seeded shuffle, the held-out split, bad configs, and the validation loss of a pipeline run.
+
+The tests of the packing itself (sample i is the stream's window i, where each starts) read in source order
+(`shuffle=False`); the shuffled order is tested against it."""
 
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def _check_resume(spec: DataSpec, docs: list[str], vocab: int, files_rows: list[
 
 def test_jsonl_resumes_at_the_exact_row(tmp_path: Path) -> None:
     docs = _docs()
-    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)))
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), shuffle=False)
     _check_resume(spec, docs, 256, [])
 
 
@@ -103,14 +106,14 @@ def test_parquet_resumes_at_the_exact_row_with_a_trained_tokenizer(tmp_path: Pat
     docs = _docs()
     folder = _parquet_folder(tmp_path / "pq", docs)
     tok = train_bpe([folder], vocab_size=400, out=tmp_path / "tokenizer.json")
-    spec = DataSpec(source=str(folder), tokenizer=str(tmp_path / "tokenizer.json"))
+    spec = DataSpec(source=str(folder), tokenizer=str(tmp_path / "tokenizer.json"), shuffle=False)
     _check_resume(spec, docs, tok.vocab_size, [len(docs) // 2])
 
 
 def test_text_file_streams_its_lines_and_resumes_at_the_exact_line(tmp_path: Path) -> None:
     lines = [d.replace("\n", " ") + "\n" for d in _docs()]
     (tmp_path / "c.txt").write_text("".join(lines))
-    spec = DataSpec(source=str(tmp_path / "c.txt"))
+    spec = DataSpec(source=str(tmp_path / "c.txt"), shuffle=False)
     _check_resume(spec, lines, 256, [])
     # one running text: no end-of-text token between lines, even with a tokenizer that has one
     tok = train_bpe([tmp_path / "c.txt"], vocab_size=400, out=tmp_path / "tokenizer.json")
@@ -124,7 +127,7 @@ def test_a_checkpoints_restart_point_skips_the_rows_before_it(tmp_path: Path, mo
 
     monkeypatch.setattr(atoll.node.datasets, "MARK_EVERY", 100)
     docs = _docs()
-    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), validation_fraction=0.1)
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), validation_fraction=0.1, shuffle=False)
     straight = open_dataset(spec, seq_len=L)
     batches = [straight.rows(k, B, 0, B) for k in range(30)]
     path = straight.save_cursor(tmp_path / "step", 25 * B)
@@ -160,12 +163,12 @@ def test_formats_give_the_same_samples(tmp_path: Path) -> None:
     for g in got[1:]:
         assert torch.equal(g, got[0])
     # the packed stream is the documents end to end (bytes: no end-of-text token)
-    first = open_dataset(DataSpec(source=str(sources[0])), seq_len=L).rows(0, B, 0, B)
+    first = open_dataset(DataSpec(source=str(sources[0]), shuffle=False), seq_len=L).rows(0, B, 0, B)
     assert ByteTokenizer().decode(first.inputs[0]) == "".join(docs)[:L]
 
 
 def test_replica_shards_are_deterministic_and_disjoint(tmp_path: Path) -> None:
-    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs())))
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs())), shuffle=False)
     whole = open_dataset(spec, seq_len=L).global_batch(3, 8)
     for cuts in ([0, 8], [0, 4, 8], [0, 1, 3, 8], [0, 2, 4, 6, 8]):
         # each replica is its own node: its own dataset, asked only for its rows
@@ -179,6 +182,79 @@ def test_replica_shards_are_deterministic_and_disjoint(tmp_path: Path) -> None:
     # and steps follow each other: step 4's first row continues step 3's last
     nxt = open_dataset(spec, seq_len=L).rows(4, 8, 0, 1)
     assert nxt.inputs[0, 0] == whole.targets[7, -1]
+
+
+def _samples(batches: list) -> list[tuple[int, ...]]:
+    return [tuple(row.tolist()) for b in batches for row in b.inputs]
+
+
+def test_shuffle_is_seeded_sharded_and_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import atoll.node.datasets
+
+    monkeypatch.setattr(atoll.node.datasets, "MARK_EVERY", 100)
+    docs = _docs()
+    W = 10  # samples per shuffled window: steps of B = 4 straddle windows
+    spec = DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", docs)), shuffle_window=W)
+    assert spec.shuffle  # the default
+    steps = 30
+    source = _samples([open_dataset(replace(spec, shuffle=False, shuffle_window=1024), seq_len=L).rows(k, B, 0, B)
+                       for k in range(steps)])
+    straight = open_dataset(spec, seq_len=L, seed=5)
+    shuffled = [straight.rows(k, B, 0, B) for k in range(steps)]
+    order = _samples(shuffled)
+    assert order != source
+    # each window is a permutation of the source's samples in it: none dropped, none repeated
+    for w in range(steps * B // W):
+        assert sorted(order[w * W:(w + 1) * W]) == sorted(source[w * W:(w + 1) * W])
+        assert order[w * W:(w + 1) * W] != source[w * W:(w + 1) * W]
+    for b in shuffled:  # targets are still the inputs shifted by one token of the same sample
+        assert torch.equal(b.inputs[:, 1:], b.targets[:, :-1])
+    # the same seed gives the same order in another process; another seed another order
+    assert _samples([open_dataset(spec, seq_len=L, seed=5).rows(k, B, 0, B) for k in range(steps)]) == order
+    assert _samples([open_dataset(spec, seq_len=L, seed=6).rows(k, B, 0, B) for k in range(steps)]) != order
+    # replicas, each its own node asking only for its rows: disjoint, and together the global batch
+    for cuts in ([0, 2, 4], [0, 1, 3, 4]):
+        parts = [open_dataset(spec, seq_len=L, seed=5).rows(7, B, a, b) for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat([p.inputs for p in parts]), shuffled[7].inputs)
+        assert torch.equal(torch.cat([p.targets for p in parts]), shuffled[7].targets)
+    # a resumed node: a fresh dataset asked for step 17 first gives the batches an uninterrupted run read, and
+    # the checkpoint's restart point (before the window of step 17's first sample) spares reading from row 0
+    path = straight.save_cursor(tmp_path / "step", 17 * B)
+    assert path is not None
+    saved = json.loads(path.read_text())
+    assert 0 < saved["offset"] <= 17 * B // W * W * L
+    pos = straight.position(17 * B)  # the position of the sample in place 17 B, not of source sample 17 B
+    assert saved["position"] == {"sample": 17 * B, "epoch": pos.epoch, "file": str(pos.file), "row": pos.row,
+                                 "token": pos.token}
+    assert straight.sample_at(17 * B) != 17 * B
+    resumed = open_dataset(spec, seq_len=L, seed=5)
+    encoded: list[str] = []
+    encode = resumed.train.tokenizer.encode_batch
+    monkeypatch.setattr(resumed.train.tokenizer, "encode_batch", lambda texts: encoded.extend(texts) or encode(texts))
+    assert resumed.load_cursor(tmp_path / "step")
+    for k in range(17, steps):
+        got = resumed.rows(k, B, 0, B)
+        assert torch.equal(got.inputs, shuffled[k].inputs) and torch.equal(got.targets, shuffled[k].targets)
+    assert docs.index(encoded[0]) >= saved["row"] > 0
+    # going back (a rollback) reads the same batches again
+    for k in (3, 16, 29):
+        assert torch.equal(straight.rows(k, B, 1, 3).inputs, shuffled[k].inputs[1:3])
+
+
+def test_shuffle_options_are_checked_and_jobs_without_them_keep_their_ids(tmp_path: Path) -> None:
+    with pytest.raises(JobSpecError, match='do not apply to data.source = "builtin"'):
+        DataSpec(shuffle=False)
+    with pytest.raises(JobSpecError, match="data.shuffle_window applies when data.shuffle is true"):
+        DataSpec(source="c.jsonl", shuffle=False, shuffle_window=64)
+    with pytest.raises(JobSpecError, match="data.shuffle_window must be an integer from 1"):
+        DataSpec(source="c.jsonl", shuffle_window=0)
+    text = (REPO / "examples" / "tiny.toml").read_text()
+    job = JobSpec.from_toml(text)
+    assert "shuffle" not in job.to_toml()  # written only when set: a job file from before keeps its id
+    own = JobSpec.from_toml(text.replace('source = "builtin"', f'source = "{tmp_path}/c.jsonl"'))
+    pinned = JobSpec.from_toml(text.replace('source = "builtin"', f'source = "{tmp_path}/c.jsonl"\nshuffle = false'))
+    assert own.data.shuffle and not pinned.data.shuffle and pinned.id != own.id
+    assert JobSpec.from_toml(pinned.to_toml()) == pinned
 
 
 def _tags(ids: torch.Tensor) -> set[int]:
@@ -267,7 +343,9 @@ def test_bad_configs_give_one_clear_error(tmp_path: Path) -> None:
 
 def _pipeline_job(tmp_path: Path, steps: int, interval: int = 0) -> JobSpec:
     job = tiny_job(steps, interval=interval, warmup=1)
-    return replace(job, data=DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs(300))), validation_fraction=0.2),
+    # shuffled in windows of 24 samples: a step of 16 straddles two, and a resume at step 2 starts inside the second
+    return replace(job, data=DataSpec(source=str(_jsonl(tmp_path / "c.jsonl", _docs(300))), validation_fraction=0.2,
+                                      shuffle_window=24),
                    train=replace(job.train, eval_every=2, eval_batches=2))  # together: eval_every needs held-out data
 
 
