@@ -18,8 +18,8 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         description="Cut a model into slices, place them on islands of a cluster file and compose balanced "
         "pipelines; print the plan with its predicted step time, tokens/s, MFU and bottleneck.")
     p.add_argument("--model", required=True, help="model preset (tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b, gpt2, "
-                   "gpt2-medium, llama-3.2-1b, qwen2.5-0.5b, mistral-7b), a JSON file of a model config, or a "
-                   "Hugging Face config.json")
+                   "gpt2-medium, llama-3.2-1b, qwen2.5-0.5b, qwen3-0.6b, gemma-2b, mistral-7b), a JSON file of a model "
+                   "config, or a Hugging Face config.json")
     p.add_argument("--cluster", required=True, help="cluster file (TOML), e.g. examples/clusters/mixed-a100-v100.toml")
     p.add_argument("--profiles", help="measured profiles (JSON) overriding the catalog's analytic estimates, keyed by "
                    "the cluster's device names")
