@@ -53,6 +53,17 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--drift-every", type=seconds(positive=False), default=60.0, metavar="SECONDS",
                    help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
                    "for drift")
+    p.add_argument("--start-fresh", action="store_true",
+                   help="start a new job in --state-dir: whatever state is there (store, CA, identities) is moved "
+                   "into STATE_DIR/aside/<time>/, never deleted; the token and backups stay. Without it the "
+                   "coordinator refuses a state dir it cannot read whole")
+    p.add_argument("--restore", metavar="BACKUP",
+                   help="bring this backup of the store back (one of STATE_DIR/backups/coordinator-*.db), after "
+                   "checking it; the store it replaces is moved into STATE_DIR/aside/<time>/")
+    p.add_argument("--backup-every", type=seconds(positive=False), default=300.0, metavar="SECONDS",
+                   help="back the store up online every SECONDS into STATE_DIR/backups (default 300); 0: never")
+    p.add_argument("--backups-kept", type=count(least=1, what="backups"), default=3,
+                   help="how many of the newest backups are kept (default 3)")
     p.add_argument("--address-file", help="write the real HOST:PORT here once listening (for scripts and tests)")
     p.add_argument("--plan", metavar="FILE.json",
                    help="publish this plan instead of planning (an operator's pin): JSON as `atoll plan --json` "

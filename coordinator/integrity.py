@@ -46,7 +46,8 @@ def damaged(path: Path, what: str) -> DamagedState:
     return DamagedState(
         f"{path} is damaged: {what}. The coordinator will not start on it, as it would lose the job's state "
         f"(members, plans, the checkpoint index) without a word. Move it aside (mv {path} {path}.damaged) and "
-        f"restart with --state-dir NEW to start the job afresh, or restore a backup of it")
+        f"restart with --state-dir NEW to start the job afresh (--start-fresh moves the old state aside for you), or "
+        f"restore a backup of it (--restore BACKUP)")
 
 
 def check_file(path: Path) -> bool:

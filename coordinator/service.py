@@ -12,6 +12,7 @@ import logging
 import secrets
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,7 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from atoll.coordinator import backups, statedir
 from atoll.coordinator.heap import settle_heap
 from atoll.coordinator.drift import DriftOptions
 from atoll.coordinator.islands import IslandOptions
@@ -77,6 +79,10 @@ class ServiceConfig:
     rendezvous_host: str | None = None
     """Address the rendezvous store (torch's TCPStore, which cannot authenticate) binds and plans name: one only
     the nodes' private network reaches. None: the listen host (every interface for a wildcard listen)."""
+    backup_every: timedelta | None = timedelta(minutes=5)
+    """Interval of the store's online backups into state_dir/backups (None: none; no state_dir: none)."""
+    backups_kept: int = 3
+    """Backups kept (the newest); older ones are deleted as new ones are written."""
     mutual_tls: bool = False
     """Serve mutual TLS under the job CA (`atoll.coordinator.ca`, kept in state_dir; in memory without one): nodes
     join with the token and a signing request, and every later call is checked against the node's certificate.
@@ -95,6 +101,10 @@ class ServiceConfig:
             raise ValueError(f"max_watch_life must be positive, got {self.max_watch_life}")
         if self.max_heartbeat_streams < 1:
             raise ValueError(f"max_heartbeat_streams must be at least 1, got {self.max_heartbeat_streams}")
+        if self.backup_every is not None and self.backup_every <= timedelta(0):
+            raise ValueError(f"backup_every must be positive (or None for no backups), got {self.backup_every}")
+        if self.backups_kept < 1:
+            raise ValueError(f"backups_kept must be at least 1, got {self.backups_kept}")
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
@@ -135,9 +145,15 @@ class CoordinatorService:
                  options: CoordinatorOptions | None = None, store: Store | None = None,
                  planner: Planner | None = None):
         self.config = config or ServiceConfig()
-        if store is None:
-            store = SqliteStore(self.config.state_dir / DB_NAME) if self.config.state_dir else MemoryStore()
-        self.store = store
+        self._state_dir: Path | None = None
+        """The state dir whose `state.json` this service keeps (the one its own store is in)."""
+        if store is None and self.config.state_dir is not None:
+            # a dir it cannot read whole is refused before SQLite or the CA loader would start anew over it
+            statedir.check(self.config.state_dir, mutual_tls=self.config.mutual_tls)
+            store = SqliteStore(self.config.state_dir / DB_NAME)
+            self._state_dir = self.config.state_dir
+        self.store = store if store is not None else MemoryStore()
+        store = self.store
         self.authority: JobAuthority | None = None
         if self.config.mutual_tls:
             self.authority = (JobAuthority.load_or_create(self.config.state_dir) if self.config.state_dir
@@ -153,6 +169,13 @@ class CoordinatorService:
                                                               last.rendezvous if last is not None else "")
         self.state = CoordinatorState(store=store, job=job, token=token, options=options, rendezvous=rendezvous,
                                       **({"planner": planner} if planner is not None else {}))
+        if self._state_dir is not None:
+            statedir.mark_open(self._state_dir, job_id=self.state.job.id,
+                               ca_fingerprint=self.authority.fingerprint if self.authority is not None else "")
+        self.newest_backup: backups.Backup | None = (backups.newest(backups.backup_folder(self._state_dir))
+                                                     if self._state_dir is not None else None)
+        """The newest backup of the store (shown by `atoll status`), None before the first."""
+        self._backups = threading.Thread(target=self._run_backups, name="atoll-coordinator-backup", daemon=True)
         self.metrics = CoordinatorMetrics()
         self.health = health_aio.HealthServicer()
         self.watches = PlanWatches(self.state, max_watches=self.config.max_watches,
@@ -206,6 +229,8 @@ class CoordinatorService:
             self.metrics_address = f"{self.config.metrics_host}:{port}"
         self.metrics.update(self.state)
         self._loop.start()
+        if self._state_dir is not None and self.config.backup_every is not None:
+            self._backups.start()
         log.info("coordinator of job %s (%s) listening on %s%s; plan epoch %d, %d members known",
                  self.state.job.id, self.state.job.name, self.address,
                  f", metrics on http://{self.metrics_address}/metrics" if self.metrics_address else "",
@@ -227,6 +252,23 @@ class CoordinatorService:
             except Exception:  # noqa: BLE001 - the loop must outlive one bad round; the log says what failed
                 log.exception("coordinator loop round failed")
 
+    def backup(self) -> backups.Backup:
+        """Take a backup of the store now (the backup thread's work, at its interval)."""
+        assert self._state_dir is not None, "backups are of a store in a state dir"
+        taken = backups.take(self._state_dir / DB_NAME, backups.backup_folder(self._state_dir),
+                             keep=self.config.backups_kept)
+        self.newest_backup = taken
+        return taken
+
+    def _run_backups(self) -> None:
+        assert self.config.backup_every is not None
+        while not self._stop.wait(self.config.backup_every.total_seconds()):
+            try:
+                taken = self.backup()
+                log.debug("backed the store up to %s", taken.path)
+            except (OSError, sqlite3.Error) as e:  # a full disk, say: the store itself goes on
+                log.warning("the store's backup failed (%s); the next is tried in %s", e, self.config.backup_every)
+
     def stop(self) -> None:
         self._stop.set()
         self.loop_lag.stop()
@@ -240,12 +282,16 @@ class CoordinatorService:
         self.watches.close()
         if self._loop.is_alive():
             self._loop.join(timeout=5)
+        if self._backups.is_alive():
+            self._backups.join(timeout=30)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self.store.close()
         if self.authority is not None:
             self.authority.close()
+        if self._state_dir is not None:
+            statedir.mark_closed(self._state_dir)  # the store closed whole: its log is folded in and gone
 
     def __enter__(self) -> CoordinatorService:
         return self.start()
@@ -295,6 +341,21 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                          "coordinator's certificate)")
     if args.tls_cert:
         check_tls_pair(Path(args.tls_cert), Path(args.tls_key))
+    if args.start_fresh and args.restore:
+        raise SetupError("--start-fresh and --restore exclude each other: --start-fresh begins a new job, --restore "
+                         "brings a backup of this one back")
+    if args.start_fresh:
+        aside = statedir.start_fresh(state_dir)
+        log.warning("--start-fresh: %s; a new job starts in %s", f"the old state is in {aside}" if aside else
+                    "there was no state to set aside", state_dir)
+    if args.restore:
+        try:
+            aside = backups.restore(Path(args.restore), state_dir)
+        except backups.RestoreError as e:
+            log.error("%s", e)
+            return 2
+        log.warning("--restore: the store of %s is back in %s%s", args.restore, state_dir,
+                    f" (the one it replaced is in {aside})" if aside else "")
     token, origin = load_or_create_token(state_dir, given_token)
     if origin == "given":
         origin = f"--token-file {args.token_file}" if args.token_file else "$ATOLL_TOKEN"
@@ -317,7 +378,9 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                                  heartbeat_budget=args.heartbeat_budget or None, drift=drift)
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
-                           rendezvous_host=args.rendezvous_host)
+                           rendezvous_host=args.rendezvous_host,
+                           backup_every=timedelta(seconds=args.backup_every) if args.backup_every > 0 else None,
+                           backups_kept=args.backups_kept)
     if args.insecure:
         log.warning("INSECURE: --insecure serves plaintext gRPC without node certificates: anyone on the network "
                     "reads the job token and every tensor, and any token holder can speak as any node. Use it only "
@@ -332,6 +395,9 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         log.info("publishing the pinned plan of %s while every node it names is alive", args.plan)
     try:
         service = CoordinatorService(job=job, token=token, config=config, options=options, planner=planner).start()
+    except statedir.UnreadableState as e:  # a store, log, CA or identities file missing or cut short
+        log.error("%s", e)
+        return 2
     except StoreError as e:  # a state dir of another job or version: one line saying what to do
         log.error("%s: %s", state_dir, e)
         return 2
