@@ -46,6 +46,7 @@ CHUNK = 4096
 DEFAULT_FRACTION = 1 / 64
 """Outer mode's default density: 64 of each 4,096 elements, as SparseLoCo and Covenant-72B send."""
 _SCALE_ROUNDING = 2.0 ** -8  # a scale rounded to nearest bfloat16 is off by at most this much, relative
+_SLICE = 1 << 19  # elements whose magnitudes are ranked at once
 _QUANT_ERROR = 0.07
 """Relative L2 error of the two-level values on the kept tail of N(0, 1) data at 1-3% (measured: 0.067)."""
 
@@ -133,8 +134,7 @@ class Sparse2Codec(Codec):
         parts: list[torch.Tensor] = []
         start = 0
         for c, length, k in _groups(n, self.fraction):
-            x = flat[start: start + c * length].view(c, length).float()
-            parts += self._encode_group(x, k, start)
+            parts += self._encode_group(flat[start: start + c * length].view(c, length), k, start)
             start += c * length
         out = torch.cat(parts)
         assert out.numel() == self.payload_size(n, flat.dtype)
@@ -143,12 +143,16 @@ class Sparse2Codec(Codec):
     def _encode_group(self, x: torch.Tensor, k: int, first: int) -> list[torch.Tensor]:
         c, length = x.shape
         low = _low_bits(length, k)
-        mag = x.abs()
         if k == length:
             idx = torch.arange(length, device=x.device).expand(c, length)
         else:
-            idx = torch.topk(mag, k, dim=1, sorted=False).indices.sort(dim=1).values
-        a = mag.gather(1, idx)
+            # by slices of chunks: the magnitudes (in the tensor's own dtype: order is all that matters) stay
+            # a few MiB whatever the tensor's size
+            rows = max(1, _SLICE // length)
+            idx = torch.cat([torch.topk(x[r: r + rows].abs(), k, dim=1, sorted=False).indices
+                             for r in range(0, c, rows)]).sort(dim=1).values
+        v = x.gather(1, idx).float()
+        a = v.abs()
         mean = a.mean(1, keepdim=True)
         upper = a > mean
         n_up = upper.sum(1, keepdim=True)
@@ -165,7 +169,7 @@ class Sparse2Codec(Codec):
         s = scales.float()
         # each value takes the nearer of the two (rounded) levels
         up = (a > (s[:, :1] + s[:, 1:]) * 0.5).to(torch.uint8)
-        neg = (x.gather(1, idx) < 0).to(torch.uint8)
+        neg = (v < 0).to(torch.uint8)
         codes = (neg << 1) | up
         high = (idx >> low) + torch.arange(k, device=x.device)
         bitmap = torch.zeros(c, k + ((length - 1) >> low) + 1, dtype=torch.uint8, device=x.device)

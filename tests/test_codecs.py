@@ -15,7 +15,7 @@ from atoll.serde import CODEC_BY_NAME
 from atoll.v1 import atoll_pb2 as pb
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-LOSSY = ["fp16", "bf16", "int8", "int4", "topk"]
+LOSSY = ["fp16", "bf16", "int8", "int4", "topk", "sparse2"]
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.one_of(

@@ -179,7 +179,7 @@ def test_corrupt_zstd_frame() -> None:
 
 
 @pytest.mark.parametrize("spec", [CodecSpec("identity"), CodecSpec("fp16"), CodecSpec("int8"), CodecSpec("int4"),
-                                  CodecSpec("topk")])
+                                  CodecSpec("topk"), CodecSpec("sparse2")])
 def test_truncated_payload_for_every_codec(spec: CodecSpec) -> None:
     enc = encode_tensor(torch.randn(3000), spec)
     with pytest.raises(CodecError, match="must be .* bytes"):
