@@ -175,13 +175,14 @@ def _flat_chunk(cluster: Cluster, parts: list[tuple[Island, int]]) -> tuple[Isla
     isls = [i for i, _ in parts]
     ids = tuple(i.id for i in isls)
     slow = min(isls, key=lambda i: i.device.tflops_16)
-    inner = min([i.inter_node_bandwidth for i in isls]
+    inner = min([i.inter_node_bandwidth for i in isls if i.inter_node_bandwidth is not None]
                 + [lk.bandwidth for a in ids for b in ids if a < b and (lk := cluster.link(a, b)) is not None])
     dev = replace(slow.device, tflops_16=min(i.device.tflops_16 for i in isls),
                   tflops_32=min(i.device.tflops_32 for i in isls), memory_gb=min(i.device.memory_gb for i in isls))
     return replace(slow, id="+".join(ids), device=dev, gpus=sum(n for _, n in parts),
                    gpus_per_node=min(i.gpus_per_node for i in isls), inter_node_bandwidth=inner,
-                   intra_node_bandwidth=min(i.intra_node_bandwidth for i in isls), latency_s=max(i.latency_s for i in isls)), ids
+                   intra_node_bandwidth=min(i.intra_node_bandwidth or inner for i in isls),
+                   latency_s=max(i.latency_s for i in isls)), ids
 
 
 def _split(total: int, weights: list[float]) -> list[int] | None:

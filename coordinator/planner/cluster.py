@@ -90,11 +90,14 @@ class Island:
     """Devices sharing one host (and its network interface)."""
     region: str = "default"
     """Region; links between regions come from [[link]] entries."""
-    intra_node_bandwidth: float = 600 * GBPS
-    """Bytes/s of line rate from one device to another of its host."""
-    inter_node_bandwidth: float = 100 * GBPS
+    intra_node_bandwidth: float | None = 600 * GBPS
+    """Bytes/s of line rate from one device to another of its host; None where each host holds one device and
+    nothing measured it (a live island of one node)."""
+    inter_node_bandwidth: float | None = 100 * GBPS
     """Bytes/s of line rate from one device to a device on another host of the island, per GPU flow (every
-    device of a host sending at once; see the module docstring)."""
+    device of a host sending at once; see the module docstring); None for an island of one host with no such
+    figure (a live island of one node has no link inside it to measure: its links all lead out of it). No stage
+    on the island needs it then: its replicas share a host (dp 1 on one node)."""
     latency_s: float = INTER_NODE_LATENCY_S
     """One-way latency between hosts of the island."""
     nodes: tuple[str, ...] = ()
@@ -114,9 +117,15 @@ class Island:
         if self.hosts and len(self.hosts) != len(self.nodes):
             raise ValueError(f"island {self.id!r}: {len(self.hosts)} hosts for {len(self.nodes)} nodes")
         for what, bw in (("intra-node", self.intra_node_bandwidth), ("inter-node", self.inter_node_bandwidth)):
+            if bw is None:
+                continue
             if not (bw > 0 and math.isfinite(bw)):  # (NaN fails both)
                 raise ValueError(f"island {self.id!r}: the {what} bandwidth must be a positive finite number of "
                                  f"bytes/s, got {bw}")
+        if self.intra_node_bandwidth is None and self.gpus_per_node > 1:
+            raise ValueError(f"island {self.id!r}: {self.gpus_per_node} devices per host need an intra-node bandwidth")
+        if self.inter_node_bandwidth is None and self.gpus > self.gpus_per_node:
+            raise ValueError(f"island {self.id!r}: {self.gpus} devices over several hosts need an inter-node bandwidth")
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"island {self.id!r}: latency must be a finite number of seconds >= 0, got {self.latency_s}")
 
@@ -145,9 +154,10 @@ class Cluster:
         dup = {x for x in ids if ids.count(x) > 1}
         if dup:
             raise ValueError(f"{self.source or 'cluster'}: island ids must be unique, repeated: {sorted(dup)}")
-        # each island's link to itself, made once (the search asks for it hundreds of thousands of times)
+        # each island's link to itself, made once (the search asks for it hundreds of thousands of times); an
+        # island of one node has none
         object.__setattr__(self, "_inner", {i.id: Link(bandwidth=i.inter_node_bandwidth, latency_s=i.latency_s)
-                                            for i in self.islands})
+                                            for i in self.islands if i.inter_node_bandwidth is not None})
 
     def island(self, island_id: str) -> Island:
         for i in self.islands:
@@ -156,7 +166,8 @@ class Cluster:
         raise KeyError(f"no island {island_id!r}; islands: {[i.id for i in self.islands]}")
 
     def link(self, a: str, b: str) -> Link | None:
-        """The link between islands a and b (inside a when a == b), or None when they are not connected."""
+        """The link between islands a and b (inside a when a == b), or None when they are not connected (a == b:
+        an island of one node, which has no link inside it)."""
         if a == b:
             got = self._inner.get(a)  # type: ignore[attr-defined]
             if got is None:
@@ -189,7 +200,10 @@ class Cluster:
         profile it joined with (device name, memory, layer timings; timings are looked up under the island
         id, see `ProfileSet.from_node_profiles`); `links` are measurements, or (src, dst) ->
         (bandwidth bytes/s, latency seconds). Inside an island the slowest measured link counts; between
-        islands the median of the measured pairs. Unmeasured pairs fall back to the slowest measured link.
+        islands the median of the measured pairs. Unmeasured pairs fall back to the slowest measured link. An
+        island of one node has no link inside it: its intra- and inter-node figures are None (the slowest link
+        measured anywhere, a wide-area one, stood in for them before and made every one-node region look as slow
+        inside as the links between regions).
 
         `hosts` (node id -> machine) groups the nodes of each island by machine: the island's `gpus_per_node` is
         then the fewest nodes any of its machines holds (the planner's tp bound), its intra-node bandwidth the
@@ -247,8 +261,9 @@ class Cluster:
             # with machines, `inside` holds the links between them; unmeasured, those within them stand in, as
             # every link of the island did before
             inner = inside.get(iid, []) or same_host.get(iid, [])
-            bw = min((b for b, _ in inner), default=floor_bw)
-            lat = max((t for _, t in inner), default=floor_lat)
+            lone = len(node_ids) == 1  # no link inside to measure, nor to make up
+            bw: float | None = None if lone else min((b for b, _ in inner), default=floor_bw)
+            lat = 0.0 if lone else max((t for _, t in inner), default=floor_lat)
             per_node, intra, order, machines = 1, bw, tuple(node_ids), ()
             if hosts is not None:
                 by_host: dict[str, list[str]] = {}
@@ -257,7 +272,7 @@ class Cluster:
                 order = tuple(n for ns in by_host.values() for n in ns)
                 machines = tuple(h for h, ns in by_host.items() for _ in ns)
                 per_node = min(len(ns) for ns in by_host.values())
-                intra = min((b for b, _ in same_host.get(iid, [])), default=bw)
+                intra = None if lone else min((b for b, _ in same_host.get(iid, [])), default=bw)
             built.append(Island(id=iid, group=iid, device=dev, gpus=len(node_ids), gpus_per_node=per_node,
                                 region=(regions or {}).get(iid, "default"), intra_node_bandwidth=intra,
                                 inter_node_bandwidth=bw, latency_s=lat, nodes=order, hosts=machines,

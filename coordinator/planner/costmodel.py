@@ -440,9 +440,12 @@ class CostModel:
         eff = self.options.link_efficiency
         g = max(1, min(replicas, per_node or island.gpus_per_node, island.gpus_per_node))
         k = -(-replicas // g)
-        intra, inter = island.intra_node_bandwidth * eff, island.inter_node_bandwidth * eff
+        # (an island's figures are None only where it has no such link: then no all-reduce crosses one)
         if k == 1:
+            intra = island.intra_node_bandwidth * eff
             return 2 * (replicas - 1) / replicas / intra, 2 * (replicas - 1) * INTRA_NODE_LATENCY_S
+        inter = island.inter_node_bandwidth * eff
+        intra = (island.intra_node_bandwidth or 0.0) * eff
         if g > 1 and intra > inter:
             return (2 * (g - 1) / g / intra + 2 * (k - 1) / k / (g * inter),
                     2 * (g - 1) * INTRA_NODE_LATENCY_S + 2 * (k - 1) * island.latency_s)

@@ -9,7 +9,8 @@ several pipelines), as a *replica group* that trains the whole global batch ever
   fp32 parameters spread over the replicas of those layers, through the codec) to the nodes holding the
   same layers in every other group. A region link's shared capacity carries a group's whole encoded replica
   (bytes / capacity); a per-node link (live clusters) carries every host's share in parallel (the busiest
-  host's bytes / the link's bandwidth), and no host sends faster than its network interface. Regions
+  host's bytes / the link's bandwidth), and no host sends faster than its network interface (`nic_bandwidth`:
+  the island's figure between hosts, or for a live island of one node the fastest link measured from it). Regions
   without a direct link are reached over the widest path; a link carries every flow routed over it, each
   direction apart. Plus the route's one-way latency;
 - a round: the fastest group trains H inner steps, every other group the whole steps that fit in about the
@@ -28,8 +29,9 @@ The choices, in this order:
 - groups: of the regions that can each hold the model, every set of two or more that is connected, the one
   with the most tokens/s (a region too slow to pay for the wider sync is left out, and the reason says so);
 - mode ("auto"): considered only where the regions meet over links at least `outer_wan_gap` times slower
-  than the links inside them (wide-area links), and then outer when it predicts at least `outer_min_gain`
-  x the synchronous plan's tokens/s.
+  than the links measured inside them (wide-area links; a region of one node has none, and where no region has
+  one there is nothing to compare), and then outer when it predicts at least `outer_min_gain` x the
+  synchronous plan's tokens/s.
 
 An outer-mode token is worth less than a synchronous one (the groups see each other's progress once a
 round); plans and reports say so beside the tokens/s.
@@ -112,8 +114,8 @@ class OuterChoice:
     sim: OuterSimResult
     tokens_per_s: float
     hides: bool
-    left_out: list[str]
-    """Why feasible regions were left out of the groups."""
+    left_out: dict[str, str]
+    """Region -> why it was left out of the groups (a line naming it)."""
 
 
 def pseudo_gradient_bytes(spec: CodecSpec, numel: int) -> int:
@@ -168,17 +170,27 @@ def region_links(cluster: Cluster) -> dict[frozenset[str], Link]:
     return out
 
 
-def wan_gap(cluster: Cluster) -> tuple[float, float] | None:
-    """(slowest link between two regions, slowest link inside a region) in bytes/s; None without two
-    connected regions."""
+def wan_gap(cluster: Cluster) -> tuple[float, float | None] | None:
+    """(slowest link between two regions, slowest link inside a region) in bytes/s, the second None where no
+    region has a link inside it (each region one node); None without two connected regions."""
     between = region_links(cluster)
     if not between:
         return None
-    inside = [i.inter_node_bandwidth for i in cluster.islands]
+    inside = [i.inter_node_bandwidth for i in cluster.islands if i.inter_node_bandwidth is not None]
     for a, b in itertools.combinations(cluster.islands, 2):
         if a.region == b.region and (lk := cluster.link(a.id, b.id)) is not None:
             inside.append(lk.bandwidth)
-    return min(lk.bandwidth for lk in between.values()), min(inside)
+    return min(lk.bandwidth for lk in between.values()), min(inside, default=None)
+
+
+def nic_bandwidth(cluster: Cluster, island_id: str) -> float | None:
+    """Bytes/s one host of the island sends at: its figure between hosts (per GPU flow), or, for an island of
+    one node (which has none), the fastest link measured from it to another island (it reached that much);
+    None where it has neither."""
+    isl = cluster.island(island_id)
+    if isl.inter_node_bandwidth is not None:
+        return isl.inter_node_bandwidth
+    return max((lk.bandwidth for k, lk in cluster.links.items() if island_id in k), default=None)
 
 
 def widest_route(links: dict[frozenset[str], Link], src: str, dst: str) -> list[str] | None:
@@ -205,7 +217,7 @@ def sync_cost(groups: Sequence[RegionPlan], cluster: Cluster, model: ModelSpec, 
     links = region_links(cluster)
     whole: list[int] = []  # encoded bytes of one replica, per group
     host: list[int] = []  # busiest GPU's encoded bytes, per group and destination
-    nic: list[float] = []  # slowest GPU flow of the group's hosts (links inside a region are per GPU flow)
+    nic: list[float | None] = []  # slowest GPU flow of the group's hosts (links inside a region are per GPU flow)
     for g in groups:
         plan = g.result.plan
         n_pipes = len(plan.pipelines)
@@ -218,7 +230,8 @@ def sync_cost(groups: Sequence[RegionPlan], cluster: Cluster, model: ModelSpec, 
                 per_gpu = math.ceil(model.slice_params(*s.layers) / (s.dp * s.tp * n_pipes))
                 busiest = max(busiest, pseudo_gradient_bytes(spec, per_gpu))
         host.append(busiest)
-        nic.append(min(cluster.island(s.island).inter_node_bandwidth for p in plan.pipelines for s in p.stages))
+        known = [bw for p in plan.pipelines for s in p.stages if (bw := nic_bandwidth(cluster, s.island)) is not None]
+        nic.append(min(known, default=None))
     load: dict[tuple[str, str], float] = {}
     latency = 0.0
     for a, b in itertools.permutations(range(len(groups)), 2):
@@ -240,6 +253,8 @@ def sync_cost(groups: Sequence[RegionPlan], cluster: Cluster, model: ModelSpec, 
             seconds, worst, gbps = t, f"{u} -> {v}", lk.bandwidth / GBPS
     others = len(groups) - 1
     for g, h, bw in zip(groups, host, nic):
+        if bw is None:  # no figure for its interface: its links above bound it
+            continue
         t = h * others / bw
         if t > seconds:
             seconds, worst, gbps = t, f"the network interfaces of {g.region}", bw / GBPS
@@ -267,7 +282,7 @@ def _pick_h(step_s: list[float], sync_s: float, options: PlannerOptions) -> tupl
 
 
 def _choose(groups: list[RegionPlan], cluster: Cluster, model: ModelSpec, train: TrainSpec,
-            options: PlannerOptions, left_out: list[str]) -> OuterChoice | None:
+            options: PlannerOptions, left_out: dict[str, str]) -> OuterChoice | None:
     names = AUTO_CODECS if options.outer_codec == "auto" else (options.outer_codec,)
     step_s = [g.step_s for g in groups]
     tried: list[OuterChoice] = []
@@ -296,24 +311,24 @@ def choose_outer(cluster: Cluster, model: ModelSpec, train: TrainSpec, options: 
     from atoll.coordinator.planner.composer import NoFeasiblePlan
 
     feasible: list[RegionPlan] = []
-    skipped: list[str] = []
+    skipped: dict[str, str] = {}
     for r in cluster.regions:
         try:
             res = plan_region(cluster.subset([i.id for i in cluster.islands if i.region == r]))
         except NoFeasiblePlan:
-            skipped.append(f"{r} cannot hold the model alone")
+            skipped[r] = f"{r} cannot hold the model alone"
             continue
         feasible.append(RegionPlan(region=r, result=res))
     if len(feasible) < 2:
-        why = "; ".join(skipped) or "one region"
+        why = "; ".join(skipped.values()) or "one region"
         return None, f"outer mode needs two regions that can each hold the model ({why})"
     sizes = range(len(feasible), 1, -1) if len(feasible) <= MAX_SUBSET_REGIONS else (len(feasible),)
     best: OuterChoice | None = None
     for k in sizes:
         for subset in itertools.combinations(feasible, k):
-            out = [f"{g.region} left out: the groups train faster without it (its own plan "
-                   f"{g.result.plan.predicted.tokens_per_s:,.0f} tokens/s)" for g in feasible if g not in subset]
-            got = _choose(list(subset), cluster, model, train, options, skipped + out)
+            out = {g.region: f"{g.region} left out: the groups train faster without it (its own plan "
+                   f"{g.result.plan.predicted.tokens_per_s:,.0f} tokens/s)" for g in feasible if g not in subset}
+            got = _choose(list(subset), cluster, model, train, options, {**skipped, **out})
             if got is not None and (best is None or got.tokens_per_s > best.tokens_per_s * (1 + 1e-9)):
                 best = got
     if best is None:
@@ -350,7 +365,7 @@ def outer_reason(choice: OuterChoice, sync_tps: float, options: PlannerOptions) 
                  f"hides within H <= {MODEST_INNER_STEPS}, else the one hiding at the smallest H")
     if options.outer_inner_steps:
         text += f"; H={options.outer_inner_steps} set by the options"
-    for note in choice.left_out:
+    for note in choice.left_out.values():
         text += f"; {note}"
     return text + f"; {OUTER_TOKEN_NOTE}"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
@@ -37,6 +37,8 @@ class PlanResult:
     """Wall time of the search."""
     note: str = ""
     """Why the plan trains in its mode when the cluster spans regions (outer mode: `plan.outer.reason`)."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Outer mode: region -> why no replica group trains there."""
 
     @property
     def gpus(self) -> int:
@@ -63,6 +65,8 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     result = _search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
                           parallelizer=parallelizer)
     result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options)
+    for d in result.plan.idle:  # a region an outer plan leaves out: why no group trains there
+        d.reason = result.left_out.get(cluster.island(d.island).region, d.reason)
     if len(cluster.regions) > 1:
         result.plan.mode_reason = result.note
     return result
@@ -110,7 +114,8 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
     if options.outer_mode == "sync" or len(cluster.regions) < 2:
         return sync
     gap = wan_gap(cluster)
-    if options.outer_mode == "auto" and gap is not None and gap[0] * options.outer_wan_gap > gap[1]:
+    # (no link inside any region, each one node: nothing to compare, and the predicted gain decides)
+    if options.outer_mode == "auto" and gap is not None and gap[1] is not None and gap[0] * options.outer_wan_gap > gap[1]:
         sync.note = (f"sync: the slowest link between regions ({gap[0] / GBPS:.3g} Gbit/s) is within "
                      f"{options.outer_wan_gap:g}x of the slowest inside them ({gap[1] / GBPS:.3g} Gbit/s); replica "
                      "groups with an outer sync are for wide-area links")
@@ -134,7 +139,8 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
     plan = outer_plan(choice, sync.plan, cluster, model, train, options)
     first = choice.groups[0].result
     return PlanResult(plan=plan, candidate=first.candidate, times=[t for g in choice.groups for t in g.result.times],
-                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "")
+                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "",
+                      left_out=choice.left_out)
 
 
 def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
@@ -376,7 +382,8 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
     for isl in cluster.islands:
         outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
         islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
-                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
+                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth or 0.0,  # 0: none
+                                  outer_bandwidth=outer))
     # live islands list one node per device: hand each stage its own dp x tp of them
     given = assign_nodes([list(c.stages) for c, _, _ in pipes]) if cluster.source == "live" else {}
     pipelines: list[PipelinePlan] = []

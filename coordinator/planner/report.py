@@ -45,7 +45,7 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     group_of: dict[int, str] = {}
     if plan.mode == "outer" and plan.outer is not None:
         o = plan.outer
-        codec = o.codec + (f" {o.topk_fraction:.3g}" if o.codec == "topk" else "")
+        codec = o.codec + (f" {o.topk_fraction:.3g}" if o.codec in ("topk", "sparse2") else "")
         lines.append(f"  mode outer: {len(plan.groups)} replica groups, each training the whole global batch every "
                      f"inner step; tokens/s is their sum, and {OUTER_TOKEN_NOTE}")
         lines.append(f"  outer sync every H={o.inner_steps} inner steps: {codec} pseudo-gradients, "
@@ -63,7 +63,8 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
     lines.append("islands:")
     for i in plan.islands:
         region = f" region {cluster.island(i.id).region}" if cluster is not None else ""
-        lines.append(f"  {i.id:<16} {i.gpus:>5} x {i.device:<10}{region}  inner {i.inner_bandwidth / GBPS:.0f} Gbit/s")
+        inner = f"inner {i.inner_bandwidth / GBPS:.0f} Gbit/s" if i.inner_bandwidth else "no link inside (one node)"
+        lines.append(f"  {i.id:<16} {i.gpus:>5} x {i.device:<10}{region}  {inner}")
     lines += _unused_lines(plan, unused, devices)
     for k, pl in enumerate(plan.pipelines):
         owner = f", replica group {group_of[k]}" if k in group_of else ""
