@@ -240,6 +240,10 @@ class ReplicaGroup:
     """Outer round the group starts at (live plans: the newest round the coordinator has decided)."""
 
 
+FETCH_BOUND_MIN_S = 30.0
+"""The least time a node retries fetching a contribution to an outer round (`OuterPlan.fetch_bound_s`)."""
+
+
 @dataclass(kw_only=True)
 class OuterPlan:
     """How the replica groups sync: every round, pseudo-gradients through a codec, averaged by tokens."""
@@ -265,6 +269,13 @@ class OuterPlan:
     """Predicted wide-area bytes one group sends per round."""
     reason: str = ""
     """Why the planner chose outer mode and this H (against the synchronous plan)."""
+
+    @property
+    def fetch_bound_s(self) -> float:
+        """How long a node retries fetching one contribution to a round from the nodes holding it before it reports
+        it out of reach (the coordinator then decides the round again without it): the deadline, at least
+        `FETCH_BOUND_MIN_S` (a round's payload over a slow link)."""
+        return max(self.deadline_s, FETCH_BOUND_MIN_S)
 
 
 @dataclass(kw_only=True)

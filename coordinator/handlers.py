@@ -79,6 +79,7 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     """`dial_back(address)` says why the coordinator cannot reach the node's Peer server (None: it can); a node
     that advertises no address (`--no-listen`) or cannot be reached joins as one that accepts no connections.
     `seen_from`: the host the join's connection came from ("": not known)."""
+    v.check_join_size(req)
     check_token(req.token, state)
     _check_job(req.job_id, state)
     v.check_profile(req.profile)
@@ -297,7 +298,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
                            group=group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                            deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch,
-                           fetched_version=req.fetched_version, unreachable=unreachable, version=req.version)
+                           fetched_version=req.fetched_version, unreachable=unreachable, version=req.version,
+                           fetch_bound_s=plan.outer.fetch_bound_s)
     if req.anchor_hashes:
         for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
                                               [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):

@@ -11,8 +11,8 @@ The coordinator's decision is the only one: every node applies exactly its set o
 out (late, crashed, cut off) included. A node fetches each contribution from any node that holds it, within a
 bound; one that stays out of its reach past the bound is reported, and the round is decided again for everyone
 without it (`redecide`: a new version of the decision). Nodes apply a decision only once it is final
-(`decision_final`): every node that arrived at the round holds its contributions, or `FINAL_AFTER_DEADLINES`
-deadlines passed since it was made. Arrivals and decisions are written to the store as they happen, so a
+(`decision_final`): every node that arrived at the round holds its contributions, or `FINAL_AFTER_BOUNDS`
+fetch bounds passed since it was made. Arrivals and decisions are written to the store as they happen, so a
 restarted coordinator resumes the rounds in flight (nodes repeat their arrival with every question, too).
 
 Each node reports a crc32 of its anchor per layer once a round landed (`anchor_mismatch`): the same layer's
@@ -31,10 +31,11 @@ log = logging.getLogger("atoll.coordinator.outer")
 
 KEEP_DECIDED = 64
 """Decided rounds remembered (a group more rounds late than this takes the outer state afresh)."""
-FINAL_AFTER_DEADLINES = 2.0
-"""A decision is final at the latest this many outer deadlines after it was made: a node fetches each contribution
-for at most one deadline before it reports it out of reach, so a node silent for two (dead, or cut off from the
-coordinator) holds up nobody; it takes the final decision's contributions from any node holding them later."""
+FINAL_AFTER_BOUNDS = 2.0
+"""A decision is final at the latest this many fetch bounds (`OuterPlan.fetch_bound_s`) after it was made: a node
+fetches each contribution for at most one bound before it reports it out of reach, so a node silent for two (dead,
+or cut off from the coordinator) holds up nobody; it takes the final decision's contributions from any node holding
+them later."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,10 +241,11 @@ class OuterRounds:
     def arrive(self, now: float, *, round_: int, node: str, group: int, tokens: int, inner_step: int,
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
                epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
-               version: int = 0) -> Decision:
+               version: int = 0, fetch_bound_s: float | None = None) -> Decision:
         """A node's arrival at `round_` (or its question, `node` empty), repeated with every question: what it
         holds of the decision (`fetched_version`) and which participants of decision `version` stayed out of its
-        reach. Returns the round's decision as it stands (`Decision.final`: apply it)."""
+        reach. Returns the round's decision as it stands (`Decision.final`: apply it). `fetch_bound_s`: how long
+        nodes try to fetch a contribution (default `deadline_s`)."""
         from atoll.coordinator.store import OuterArrivalRecord
 
         with self._lock:
@@ -296,7 +298,7 @@ class OuterRounds:
                         p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
                         p.tokens = max(0, p.tokens - x.tokens)
             final, why = decision_final(now, decision, arrivals.nodes, self._fetched.get(round_, {}),
-                                        FINAL_AFTER_DEADLINES * deadline_s)
+                                        FINAL_AFTER_BOUNDS * (fetch_bound_s or deadline_s))
             if not final:
                 return decision
             decision = replace(decision, final=True)

@@ -1053,7 +1053,7 @@ class PlanRunner:
         o = plan.outer
         codec = CodecSpec(o.codec, **({"block_size": o.block_size} if o.block_size else {}),
                           **({"topk_fraction": o.topk_fraction} if o.topk_fraction else {}))
-        deadline = timedelta(seconds=max(o.deadline_s, 30.0))
+        deadline = timedelta(seconds=o.fetch_bound_s)  # the bound of each contribution's fetch
         cfg = OuterConfig(job_id=plan.job_id, node_id=ctx.node_id, group=pl.group, inner_steps=group.inner_steps,
                           codec=codec, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, overlap=o.overlap,
                           apply_after=apply_after_steps(self.job, o, group),

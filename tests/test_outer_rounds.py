@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from atoll.coordinator import handlers as h
-from atoll.coordinator.outer import (FINAL_AFTER_DEADLINES, GroupInfo, OuterRounds, Participant, decision_final,
+from atoll.coordinator.outer import (FINAL_AFTER_BOUNDS, GroupInfo, OuterRounds, Participant, decision_final,
                                      decision_from_json, decision_to_json, redecide, round_decision, RoundArrivals)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.status import format_status
@@ -98,7 +98,7 @@ def test_decisions_as_pure_functions() -> None:
     again = redecide(2.0, d, b, "a0")
     assert again is not None and again.version == 2 and [p.group for p in again.participants] == [0]
     assert redecide(3.0, again, b, "a1") is None  # left out already
-    ok, why = decision_final(2.5, again, ["a0", "a1", "b0"], {"a0": 2, "a1": 2, "b0": 1}, FINAL_AFTER_DEADLINES * 10)
+    ok, why = decision_final(2.5, again, ["a0", "a1", "b0"], {"a0": 2, "a1": 2, "b0": 1}, FINAL_AFTER_BOUNDS * 10)
     assert not ok and "b0" in why
     ok, why = decision_final(22.0, again, ["a0", "a1", "b0"], {"a0": 2, "a1": 2, "b0": 1}, 20.0)
     assert ok and "b0" in why  # a node silent past the bound holds up nobody

@@ -23,6 +23,7 @@ from atoll.node.outer import group_holders, responsible
 from atoll.node.runner import learning_rate, stage_config
 from atoll.node.stage import PipelineStage
 from atoll.node.inprocess import InProcessLinks
+from atoll import plan as plan_mod
 from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup
 from atoll.v1 import atoll_pb2 as pb
 
@@ -55,7 +56,7 @@ def _arbiter(plan: Plan):
             d = rounds.arrive(time.time(), round_=req.round, node=req.node_id if req.arrived else "",
                               group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                               deadline_s=plan.outer.deadline_s, fetched_version=req.fetched_version,
-                              version=req.version, unreachable=[
+                              version=req.version, fetch_bound_s=plan.outer.fetch_bound_s, unreachable=[
                                   OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
                                                    nodes=tuple(x.node_ids)) for x in req.unreachable])
             rounds.report_hashes(req.node_id, plan.groups[req.group].name,
@@ -66,6 +67,10 @@ def _arbiter(plan: Plan):
             reply.checkpointer.CopyFrom(part(d.checkpointer))
         return reply
     return call, rounds
+
+
+_LAST_RUN: dict = {}
+"""The runners of the newest `_run_outer` (their outer state: anchors)."""
 
 
 def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan, tmp_path: Path):
@@ -82,6 +87,7 @@ def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan,
     plan.validate(job.model.n_layers + 2)
     call, rounds = _arbiter(plan)
     run = run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call)
+    _LAST_RUN["runners"] = run.runners
     losses = {(plan.group_of(m.pipeline), m.step): m.loss for m in run.reports if m.loss is not None}
     assert all(r.outer is not None for r in run.runners.values())
     return run.plan, losses, {n: dict(r.outer.params) for n, r in run.runners.items()}, rounds
@@ -421,3 +427,68 @@ def test_a_group_that_goes_on_with_its_round_keeps_its_share_of_it() -> None:
     assert continuing_steps(1, 40, 10) == 1  # never back at the round's start
     assert continuing_steps(39, 40, 10) == 9  # never at its end
     assert continuing_steps(5, 10, 100) == 50
+
+
+def _cut(monkeypatch, *, server: str, fetcher: str, rounds: set[int], relays_too: bool = False) -> list[int]:
+    """The seam of a cut link: `server`'s peer server refuses `fetcher`'s FetchOuter of `rounds` as an unreachable
+    peer would look (UNAVAILABLE), its own payloads only (a relay's too with `relays_too`); the rounds refused."""
+    from atoll.node import outer as outer_mod
+
+    frames = outer_mod.OuterOutbox.frames
+    refused: list[int] = []
+
+    def cut(self, request, wait):
+        if (self.node_id == server and request.sender == fetcher and request.kind == "delta"
+                and request.round in rounds and (relays_too or not request.origin)):
+            refused.append(request.round)
+            raise LookupError(f"(the test's cut link from {fetcher} to {server})")
+        return frames(self, request, wait)
+
+    monkeypatch.setattr(outer_mod.OuterOutbox, "frames", cut)
+    return refused
+
+
+def _same_anchors(plan_run_outer: dict, nodes: list[str]) -> None:
+    first = plan_run_outer[nodes[0]]
+    for n in nodes[1:]:
+        for name, t in first.items():
+            assert torch.equal(t, plan_run_outer[n][name]), (n, name, float((t - plan_run_outer[n][name]).abs().max()))
+
+
+@pytest.mark.timeout(150)
+def test_a_contribution_out_of_one_nodes_reach_is_decided_again_for_every_node(tmp_path: Path, monkeypatch) -> None:
+    """Node a cannot fetch group b's contribution to round 1 (b's peer server refuses it, as a cut link would) for
+    longer than its bound: a reports it, the coordinator decides round 1 again without b, and every node, b too
+    (which holds its own contribution), applies that decision: both end on the same anchor, bit for bit, and the
+    anchor hashes agreed at every round. Before, a failed its run (or, with b's group replanned, left b out alone
+    while b kept its own contribution in: anchors apart for good)."""
+    refused = _cut(monkeypatch, server="b", fetcher="a", rounds={1})
+    monkeypatch.setattr(plan_mod, "FETCH_BOUND_MIN_S", 1.0)  # the bound is the deadline, 1.5 s: a fast test
+    job = tiny_job(6)
+    outer = OuterPlan(inner_steps=2, codec="int8", lr=0.7, momentum=0.5, overlap=False, deadline_s=1.5)
+    _, losses, _, rounds = _run_outer(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        stage((0, 6), ["a"])])], [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["b"])])]],
+        outer, tmp_path)
+    assert refused and set(refused) == {1}
+    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    _same_anchors(anchors, ["a", "b"])
+    assert (rounds.progress[1].rounds_in, rounds.progress[1].rounds_missed) == (2, 1)  # b left out of round 1 only
+    assert rounds.latest_decided == 2 and rounds.anchor_mismatches == 0, rounds.last_mismatch
+    assert len(losses) == 12
+
+
+@pytest.mark.timeout(150)
+def test_a_contribution_is_fetched_through_another_group_when_its_own_is_out_of_reach(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """Three groups; node a cannot reach group b for rounds 0-1, but group c fetched b's contribution and serves it
+    on: a takes it from c, no round is decided again, and all three end on the same anchor."""
+    refused = _cut(monkeypatch, server="b", fetcher="a", rounds={0, 1})
+    job = tiny_job(4)
+    outer = OuterPlan(inner_steps=2, codec="int8", lr=0.7, momentum=0.5, overlap=True, deadline_s=20.0)
+    _, _, _, rounds = _run_outer(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+        stage((0, 6), [n])])] for n in ("a", "b", "c")], outer, tmp_path)
+    assert set(refused) == {0, 1}
+    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    _same_anchors(anchors, ["a", "b", "c"])
+    assert all((p.rounds_in, p.rounds_missed) == (2, 0) for p in rounds.progress.values()), rounds.progress
+    assert rounds.anchor_mismatches == 0
