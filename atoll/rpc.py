@@ -37,6 +37,15 @@ class RpcOptions:
     """How long a keepalive ping may go unanswered before the connection is dropped."""
     default_deadline: timedelta = timedelta(seconds=30)
     """Deadline given to a client call that names none."""
+    handshake_timeout: timedelta = timedelta(seconds=10)
+    """Server: how long a new connection may take to finish its TLS and HTTP/2 handshake before it is dropped
+    (gRPC's own default is 120 s, so a few hundred half-open connections held a server's sockets for minutes)."""
+    max_connections: int | None = None
+    """Server: connections open at once; one more is closed as it arrives (None: no bound). gRPC bounds them per
+    server, not per peer."""
+    max_connection_idle: timedelta | None = None
+    """Server: a connection with no call for this long is closed (its client reconnects at its next call); None:
+    never."""
     tls_cert: Path | None = None
     """Server: PEM certificate chain. Enables TLS on servers when set with tls_key."""
     tls_key: Path | None = None
@@ -54,9 +63,13 @@ class RpcOptions:
             raise ValueError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both --tls-cert and --tls-key")
-        for name in ("keepalive", "keepalive_timeout", "default_deadline"):
+        for name in ("keepalive", "keepalive_timeout", "default_deadline", "handshake_timeout"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1 (or None for no bound), got {self.max_connections}")
+        if self.max_connection_idle is not None and self.max_connection_idle <= timedelta(0):
+            raise ValueError("max_connection_idle must be positive (or None: never)")
 
     def channel_options(self) -> list[tuple[str, Any]]:
         opts: list[tuple[str, Any]] = [
@@ -78,7 +91,7 @@ class RpcOptions:
         return opts
 
     def server_options(self) -> list[tuple[str, Any]]:
-        return [
+        opts: list[tuple[str, Any]] = [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", int(self.keepalive.total_seconds() * 1000)),
@@ -86,7 +99,24 @@ class RpcOptions:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", max(1, int(self.handshake_timeout.total_seconds() * 1000))),
         ]
+        if self.max_connections is not None:
+            opts.append(("grpc.max_allowed_incoming_connections", self.max_connections))
+        if self.max_connection_idle is not None:
+            opts.append(("grpc.max_connection_idle_ms", int(self.max_connection_idle.total_seconds() * 1000)))
+        return opts
+
+
+def rendezvous_prefix(token: str | None, job_id: str, epoch: int) -> str:
+    """Where a plan epoch's process groups meet in the coordinator's rendezvous store (torch's TCPStore, which
+    authenticates nobody): under a name derived from the job token (HMAC-SHA256 of the job and epoch), so one
+    who reaches the store without the token can guess no key the nodes read or write. Without a token (in-process
+    tests) the job id and epoch name it."""
+    if not token:
+        return f"atoll/{job_id}/epoch-{epoch}"
+    tag = hmac.new(token.encode(), f"atoll-rendezvous/{job_id}/{epoch}".encode(), "sha256").hexdigest()[:32]
+    return f"atoll/{tag}"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import threading
 from atoll.coordinator.ca import Caller, JobAuthority
 from atoll.coordinator.errors import CoordinatorError, InvalidArgument
 from atoll.coordinator.state import CoordinatorState
+from atoll.coordinator.validation import check_join_size
 from atoll.plan import Plan
 from atoll.tls import CertificateError
 from atoll.v1 import atoll_pb2 as pb
@@ -57,6 +58,7 @@ def authorize(method: str, request: object, caller: Caller, state: CoordinatorSt
 
 
 def _check_join(req: pb.JoinRequest, caller: Caller, state: CoordinatorState, authority: JobAuthority | None) -> None:
+    check_join_size(req)  # before its signing request is parsed
     if authority is None:
         return
     if not req.csr_pem:

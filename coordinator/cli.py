@@ -53,6 +53,12 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--drift-every", type=seconds(positive=False), default=60.0, metavar="SECONDS",
                    help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
                    "for drift")
+    p.add_argument("--handshake-timeout", type=seconds(), default=10.0, metavar="SECONDS",
+                   help="a connection that has not finished its TLS and HTTP/2 handshake within SECONDS is dropped "
+                   "(default 10)")
+    p.add_argument("--max-connections", type=count(least=1, what="connections"), default=20_000,
+                   help="connections the gRPC server holds at once, from all peers together (default 20000: one per "
+                   "node and its reconnect); more are closed as they arrive")
     p.add_argument("--start-fresh", action="store_true",
                    help="start a new job in --state-dir: whatever state is there (store, CA, identities) is moved "
                    "into STATE_DIR/aside/<time>/, never deleted; the token and backups stay. Without it the "

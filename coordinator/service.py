@@ -47,6 +47,9 @@ SERVICE_NAME = "atoll.v1.Coordinator"
 DB_NAME = "coordinator.db"
 TOKEN_NAME = "token"
 METRICS_PERIOD_S = 1.0
+IDLE_CONNECTION = timedelta(minutes=10)
+"""A connection without a call this long is closed: a node's holds its heartbeat stream and plan watch, so only
+idle clients (a finished `atoll status`, a plaintext peer that never calls) lose theirs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,20 +125,40 @@ def _rendezvous_store(listen: str, previous: str = ""):
     import torch.distributed as dist
 
     host = listen.rsplit(":", 1)[0]
-    bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
+    bind = ("::" if host in ("::", "[::]") else "0.0.0.0") if host in WILDCARD_HOSTS else host.strip("[]")
     advertised = "" if host in WILDCARD_HOSTS else host
     port = 0
     if previous and previous.rsplit(":", 1)[0] == advertised:
         port = int(previous.rsplit(":", 1)[1])
     try:
-        store = dist.TCPStore(bind, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    except (RuntimeError, OSError) as e:  # the port is taken: a new one, and a new epoch once nodes are back
+        listener = _listen_socket(bind, port)
+    except OSError as e:  # the port is taken: a new one, and a new epoch once nodes are back
         if not port:
             raise
         log.warning("the rendezvous port %d of the last plan is taken (%s); using a new one, so the next plan "
                     "starts from the last checkpoint", port, e)
-        store = dist.TCPStore(bind, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        listener = _listen_socket(bind, 0)
+    # torch's store would bind every interface whatever host it is given: it serves on the socket bound here, and
+    # owns it from now on
+    port = listener.getsockname()[1]
+    store = dist.TCPStore(bind, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+                          master_listen_fd=listener.fileno())
+    listener.detach()
     return store, f"{advertised}:{store.port}"
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` (an address or a name) and `port` only (0: a free one)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port of a coordinator just killed
+        sock.bind(addr)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class CoordinatorService:
@@ -370,7 +393,9 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         log.error("--drift FACTOR GAIN: %s (e.g. --drift 1.25 0.10)", e)
         return 2
     rpc = RpcOptions(tls_cert=Path(args.tls_cert) if args.tls_cert else None,
-                     tls_key=Path(args.tls_key) if args.tls_key else None)
+                     tls_key=Path(args.tls_key) if args.tls_key else None,
+                     handshake_timeout=timedelta(seconds=args.handshake_timeout), max_connections=args.max_connections,
+                     max_connection_idle=IDLE_CONNECTION)
     options = CoordinatorOptions(membership=MembershipOptions(
                                      lease=timedelta(seconds=args.lease),
                                      join_settle=timedelta(seconds=min(args.join_settle, 60.0))),

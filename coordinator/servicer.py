@@ -21,7 +21,7 @@ from atoll.coordinator.ca import PLAINTEXT, Caller, JobAuthority
 from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound,
                                       Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
-from atoll.coordinator.validation import check_address
+from atoll.coordinator.validation import MAX_JOIN_BYTES, check_address
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
 from atoll.coordinator.heartbeats import HeartbeatStreams, StreamReplaced, TooManyHeartbeatStreams
 from atoll.coordinator.dialback import dial_back
@@ -115,6 +115,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # well-formed address (a malformed one is answered INVALID_ARGUMENT by handle_join, undialled)
         why: str | None = None
         if request.peer_address and self.state.options.dial_back and _dialable(request.peer_address) and \
+                request.ByteSize() <= MAX_JOIN_BYTES and \
                 token_matches(token_from_metadata(context), self.state.token):
             why = dial_back(request.peer_address)
         seen_from = peer_host(context.peer())
@@ -153,6 +154,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                                       seen_from=peer_host(context.peer()))) as replies:
                 async for reply in replies:
                     yield reply
+        except grpc.aio.AbortError:  # a request that did not parse, answered INVALID_ARGUMENT by the decode guard
+            raise
         except Exception as e:  # noqa: BLE001
             await context.abort(*_status("HeartbeatStream", e))
 

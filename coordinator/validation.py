@@ -21,6 +21,10 @@ MAX_MEMORY_BYTES = 1 << 50  # 1 PiB: beyond this a profile is wrong, not large
 MAX_SECONDS = 3600.0
 MAX_BANDWIDTH = 1e13  # 10 TB/s, beyond any link
 MAX_FLOWS = 1024  # nodes of one machine that probe at once
+MAX_JOIN_BYTES = 64 * 1024
+"""Largest Join accepted: a profile of 64 timings, a CSR and its strings take a few KiB."""
+MAX_CSR_BYTES = 16 * 1024
+"""Largest certificate signing request (PEM) accepted: an EC or RSA-4096 key's is under 2 KiB."""
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 DEVICE_KINDS = ("cpu", "cuda", "mps", "xpu")
 
@@ -35,6 +39,16 @@ def check_string(name: str, value: str, *, required: bool = False, limit: int = 
 def check_seconds(name: str, value: float) -> None:
     if not math.isfinite(value) or not 0.0 <= value <= MAX_SECONDS:
         raise InvalidArgument(f"{name} = {value} must be a finite time between 0 and {MAX_SECONDS:g} seconds")
+
+
+def check_join_size(req: pb.JoinRequest) -> None:
+    """A Join is small: its size and its CSR's are bounded before anything in it is read, kept or dialled."""
+    size = req.ByteSize()
+    if size > MAX_JOIN_BYTES:
+        raise InvalidArgument(f"the Join is {size} bytes; at most {MAX_JOIN_BYTES} are accepted (a node's profile and "
+                              f"certificate request take a few KiB)")
+    if len(req.csr_pem) > MAX_CSR_BYTES:
+        raise InvalidArgument(f"csr_pem is {len(req.csr_pem)} bytes; at most {MAX_CSR_BYTES} are accepted")
 
 
 def check_node_id(node_id: str) -> None:

@@ -70,7 +70,7 @@ from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
-from atoll.rpc import RpcOptions
+from atoll.rpc import RpcOptions, rendezvous_prefix
 from atoll.types import StepMetrics
 
 log = logging.getLogger("atoll.node.runner")
@@ -1126,10 +1126,11 @@ class PlanRunner:
             return store
 
     def _group_prefix(self) -> str:
-        """Where this run's process groups meet in the rendezvous store. In outer mode the replica groups of
+        """Where this run's process groups meet in the rendezvous store (under a name only token holders can
+        derive, `atoll.rpc.rendezvous_prefix`). In outer mode the replica groups of
         one epoch each have their own loss and segment groups (same names, different members), so the
         group's index in the plan keeps them apart."""
-        base = f"atoll/{self.plan.job_id}/epoch-{self.run_epoch}"
+        base = rendezvous_prefix(self.ctx.token, self.plan.job_id, self.run_epoch)
         if self.plan.mode == "outer" and self.placement is not None:
             base += f"/group-{self.placement.group}"
         return base
