@@ -859,7 +859,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step", "newest_backup_path", "newest_backup_unix")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -888,6 +888,8 @@ class StatusReply(_message.Message):
     ANCHOR_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_MISMATCH_FIELD_NUMBER: _ClassVar[int]
     FINAL_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_BACKUP_PATH_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_BACKUP_UNIX_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -916,7 +918,9 @@ class StatusReply(_message.Message):
     anchor_mismatches: int
     anchor_mismatch: str
     final_checkpoint_step: int
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ...) -> None: ...
+    newest_backup_path: str
+    newest_backup_unix: float
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ..., newest_backup_path: _Optional[str] = ..., newest_backup_unix: _Optional[float] = ...) -> None: ...
 
 class JobControlRequest(_message.Message):
     __slots__ = ("job_id", "action", "steps")
