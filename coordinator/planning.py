@@ -176,6 +176,12 @@ def _make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
     return plan, how
 
 
+NEAR_EQUAL = 0.1
+"""`PlannerOptions.near_equal` of plans from node profiles: three profiles of equal CPU nodes, each timing 5% apart
+from run to run, put the demo's near-equal plans (one stage of three replicas, three stages, two stages) up to 7%
+apart in either order, and a smaller margin let the choice flip between runs."""
+
+
 def planner_plan(inputs: PlanInputs) -> Plan:
     """The planner's plan for the live cluster: islands as formed, profiles as joined, links as probed.
 
@@ -213,12 +219,16 @@ def planner_plan(inputs: PlanInputs) -> Plan:
     outer = job.outer
     options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=False,
                              outer_mode=outer.mode, outer_inner_steps=outer.inner_steps, outer_codec=outer.codec,
-                             outer_topk_fraction=outer.topk_fraction, outer_overlap=outer.overlap, outer_lr=outer.lr,
+                             outer_topk_fraction=outer.topk_fraction, outer_sparse_fraction=outer.sparse_fraction,
+                             outer_overlap=outer.overlap, outer_lr=outer.lr,
                              outer_momentum=outer.momentum, outer_nesterov=outer.nesterov,
                              outer_deadline_s=outer.deadline_seconds, zero_bubble=job.train.zero_bubble,
                              fill_warmup=job.train.zero_bubble,  # off: plain 1F1B, nothing filled either
                              # the runtime shards optimizer state and gradients (ZeRO-1/2), never the weights
-                             zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1)
+                             zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1,
+                             # profiles are measurements some percent apart from run to run (equal CPUs too):
+                             # plans within that are taken as equal, and the same one chosen every time
+                             near_equal=NEAR_EQUAL)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     timings = ProfileSet.from_node_profiles(islands, profiles, job.model_spec.block_params)
     if not host_tp:

@@ -116,6 +116,12 @@ def _distinct(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def _preference(c: Candidate) -> tuple:
+    """Among pipelines predicted equally fast (`PlannerOptions.near_equal`): the most devices, the fewest stages,
+    the largest micro-batch, then the faster."""
+    return (-c.gpus, len(c.stages), -c.micro_batch, c.step_s)
+
+
 class NoFeasiblePlan(ValueError):
     """No arrangement of the model fits the cluster; the message names the shortfall."""
 
@@ -197,6 +203,12 @@ class SearchStats:
     pruned: int = 0
     infeasible: int = 0
     simulated: int = 0
+    using: dict[tuple[str, int], Candidate] = field(default_factory=dict, repr=False)
+    """(island id, devices of it a pipeline runs on) -> the candidate of that usage with the least estimated step
+    the search composed (what an idle device's reason compares the plan with, `Composer.using_more`)."""
+    bounds: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)
+    """(island id, devices of it a setup could run on) -> the least lower bound of the setups the search pruned,
+    none of which could beat the best step found."""
 
 
 @dataclass(kw_only=True)
@@ -242,6 +254,7 @@ class Composer:
         if self.parallelizer is None:
             self.parallelizer = DefaultParallelizer(self.cost_model)
         self._fast = isinstance(self.parallelizer, DefaultParallelizer)
+        self._setup_of: dict[int, _Setup] = {}  # the setup of each candidate in `stats.using`
 
     # --- search space ---------------------------------------------------------------------------------
 
@@ -826,9 +839,52 @@ class Composer:
                 continue
             seen.add(key)
             cand = self._evaluate(s, placed)
+            self._note_usage(cand, s)
             if best is None or cand.estimate_s < best.estimate_s:
                 best = cand
         return best
+
+    def _note_usage(self, cand: Candidate, s: _Setup) -> None:
+        """Keep `cand` as its islands' usage's best (`SearchStats.using`) and its total's (`near_equal`)."""
+        per: dict[str, int] = {}
+        for st in cand.stages:
+            per[st.island.id] = per.get(st.island.id, 0) + st.cost.gpus
+        for key in [*per.items(), ("", cand.gpus)]:
+            got = self.stats.using.get(key)
+            if got is None or cand.estimate_s < got.estimate_s:
+                self.stats.using[key] = cand
+                self._setup_of[id(cand)] = s
+
+    def using_more(self, island: str, used: int) -> Candidate | None:
+        """The simulated best candidate the search composed that runs more than `used` devices of `island` ("":
+        of the whole cluster), or None when it composed none."""
+        got = [c for (i, g), c in self.stats.using.items() if i == island and g > used]
+        best: Candidate | None = None
+        for c in got:
+            if not c.step_s:
+                c.step_s = simulate(c.times).step_time_s
+            if best is None or c.step_s < best.step_s:
+                best = c
+        return best
+
+    def _near_equal(self, top: list[Candidate]) -> list[Candidate]:
+        """`top` led by the preferred of the candidates within `near_equal` of the fastest (with the best composed
+        pipeline of each larger device count, refined, when it comes within it): the most devices, the fewest
+        stages, the largest micro-batch."""
+        tol = self.cost_model.options.near_equal
+        pool = list(top)
+        for (i, g), c in self.stats.using.items():
+            if i or g <= top[0].gpus or any(c is t for t in pool):
+                continue
+            if not c.step_s:
+                c.step_s = simulate(c.times).step_time_s
+            if c.step_s <= top[0].step_s * (1 + tol) * (1 + tol):  # refinement may bring it within
+                s = self._setup_of[id(c)]
+                pool.append(self._filled_if_faster(self._plain_if_faster(self.refine(c, s)), s))
+        fastest = min(c.step_s for c in pool)
+        near = [c for c in pool if c.step_s <= fastest * (1 + tol)]
+        pick = min(near, key=_preference)
+        return [pick] + sorted((c for c in pool if c is not pick), key=lambda c: c.step_s)
 
     # --- the whole search -----------------------------------------------------------------------------
 
@@ -843,19 +899,23 @@ class Composer:
         source: dict[int, _Setup] = {}
         best = math.inf
         seeds: list[_Setup] = []
+        reach = 1 + self.cost_model.options.near_equal  # a near-equal step may win (`_near_equal`): not pruned
         for phase in range(2):
             setups = sorted(self.setups() if phase == 0 else self.split_setups(seeds), key=lambda s: s.bound)
             self.stats.candidates += len(setups)
             for n, s in enumerate(setups):
-                if s.bound >= best:
+                if s.bound >= best * reach:
                     self.stats.pruned += len(setups) - n
+                    for rest in setups[n:]:  # sorted by bound: the first of each usage has its least
+                        for isl, w, c in zip(rest.order, rest.widths, rest.caps):
+                            self.stats.bounds.setdefault((isl.id, w * c), rest.bound)
                     break
                 self.stats.evaluated += 1
                 cand = self.chain_best(s)
                 if cand is None:
                     self.stats.infeasible += 1
                     continue
-                if step_lower_bound(cand.times) >= best:
+                if step_lower_bound(cand.times) >= best * reach:
                     continue
                 cand.step_s = simulate(cand.times).step_time_s
                 self.stats.simulated += 1
@@ -864,10 +924,17 @@ class Composer:
                 best = min(best, cand.step_s)
             top.sort(key=lambda c: c.step_s)
             seeds = [source[id(c)] for c in top[:SPLIT_SEEDS]]
-        top = _distinct(top)[:self.cost_model.options.simulate_top]
+        top = _distinct(top)
+        if self.cost_model.options.near_equal > 0:  # the preferred of the near-equal ones are refined too
+            tol = 1 + self.cost_model.options.near_equal
+            near = sorted((c for c in top if c.step_s <= top[0].step_s * tol * tol), key=_preference)
+            top = near + [c for c in top if c.step_s > top[0].step_s * tol * tol]
+        top = top[:self.cost_model.options.simulate_top]
         top = [self._filled_if_faster(self._plain_if_faster(self.refine(c, source[id(c)])), source[id(c)])
                for c in top]
         top.sort(key=lambda c: c.step_s)
+        if top and self.cost_model.options.near_equal > 0:
+            top = self._near_equal(top)
         return top
 
     def refine(self, cand: Candidate, s: _Setup, budget: int = REFINE_BUDGET) -> Candidate:

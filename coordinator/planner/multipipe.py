@@ -144,11 +144,14 @@ def capacity_bound_s(cm: CostModel, cluster: Cluster, groups: Sequence[Sequence[
 
 def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
                       parallelizer: IslandParallelizer | None = None, *,
-                      beat_s: float = math.inf, refine_below_s: float = math.inf) -> MultiCandidate | None:
+                      beat_s: float = math.inf, refine_below_s: float = math.inf,
+                      cuts: str = "any") -> MultiCandidate | None:
     """The best split of the global batch over one pipeline per group (None when a group cannot hold the
     model or the groups are not all connected, or when even perfectly shared work could not beat `beat_s`).
     Finer granules are tried only when the coarse split's step is below `refine_below_s` (a split far
-    behind the best single pipeline is not worth the search)."""
+    behind the best single pipeline is not worth the search). `cuts`: "whole" keeps every pipeline one stage,
+    "cut" every one in several (its best candidate of more than one stage), as a tied model trains
+    (`coordinator.planner.tied`); "any" either."""
     if len(groups) < 2:
         return None
     link = slowest_link(cluster, groups)
@@ -164,14 +167,14 @@ def several_pipelines(cm: CostModel, cluster: Cluster, groups: list[list[str]],
     # every stage averages its gradients with the other pipelines' holders of its layers, per layer segment,
     # which the runtime does with plain AdamW (ZeRO needs a stage's replicas to be exactly the holders of its
     # layers: `PlanRunner._zero`), so the pipelines are planned without ZeRO
-    options = replace(cm.options, zero_stages=(0,))
+    options = replace(cm.options, zero_stages=(0,), max_stages=1 if cuts == "whole" else cm.options.max_stages)
 
     def best(k: int, share: int) -> Candidate | None:
         if (k, share) not in found:
             sub_cm = CostModel(cm.model, TrainSpec(global_batch=share, seq_len=cm.train.seq_len, dtype=cm.train.dtype,
                                                     optimizer=cm.train.optimizer), cm.profiles, options, cm.codecs)
             top = Composer(cost_model=sub_cm, cluster=cluster.subset(groups[k]), parallelizer=parallelizer).search()
-            found[k, share] = top[0] if top else None
+            found[k, share] = next((c for c in top if cuts != "cut" or len(c.stages) > 1), None)
         return found[k, share]
 
     # first shares: each group's throughput on an equal share

@@ -9,7 +9,7 @@ from atoll.modelspec import dtype_bytes
 CODEC_ORDER = ("identity", "bf16", "fp16", "int8", "int4")
 """Activation codecs from the least to the most lossy."""
 OUTER_MODES = ("auto", "sync", "outer")
-OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk")
+OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +109,11 @@ class PlannerOptions:
     with each other."""
     simulate_top: int = 4
     """Candidates `search` returns, best first by their simulated step time."""
+    near_equal: float = 0.0
+    """Pipelines predicted within this fraction of the fastest count as equally fast, and among them the planner
+    takes the one with the most devices, then the fewest stages, then the largest micro-batch: a choice that
+    holds from run to run where the times are measurements that vary by a few percent (the coordinator plans
+    from node profiles with 0.05); 0: the fastest."""
     outer_mode: str = "auto"
     """Across regions: "auto" plans each region as a replica group with an outer sync and keeps it when it
     predicts at least `outer_min_gain` x the synchronous plan's tokens/s; "sync": one synchronous plan only;
@@ -127,9 +132,11 @@ class PlannerOptions:
     behind a round."""
     outer_codec: str = "auto"
     """Codec of the pseudo-gradients: "auto" (from the wide-area bandwidth, see `outer`), or one of identity,
-    fp16, bf16, int8, int4, topk."""
+    fp16, bf16, int8, int4, topk, sparse2."""
     outer_topk_fraction: float = 0.02
     """Fraction of the pseudo-gradients' elements the top-k codec keeps."""
+    outer_sparse_fraction: float = 1 / 64
+    """Fraction of each chunk of the pseudo-gradients the sparse2 codec keeps (2 bits a value)."""
     outer_overlap: bool = True
     """Exchange round r while round r + 1 trains (the sync must land within one round to hide); False: each
     round blocks until its exchange lands."""
@@ -173,6 +180,8 @@ class PlannerOptions:
             raise ValueError("refine_factors must be >= 1")
         if self.simulate_top < 1:
             raise ValueError("simulate_top must be >= 1")
+        if not 0 <= self.near_equal < 1:
+            raise ValueError(f"near_equal must be in [0, 1), got {self.near_equal}")
         if self.outer_mode not in OUTER_MODES:
             raise ValueError(f"outer_mode must be one of {', '.join(OUTER_MODES)}, got {self.outer_mode!r}")
         if not self.outer_min_gain > 0:
@@ -185,6 +194,8 @@ class PlannerOptions:
             raise ValueError(f"outer_codec must be one of {', '.join(OUTER_CODECS)}, got {self.outer_codec!r}")
         if not 0 < self.outer_topk_fraction <= 1:
             raise ValueError(f"outer_topk_fraction must be in (0, 1], got {self.outer_topk_fraction}")
+        if not 0 < self.outer_sparse_fraction <= 1:
+            raise ValueError(f"outer_sparse_fraction must be in (0, 1], got {self.outer_sparse_fraction}")
         if not 0 < self.outer_lr <= 2:
             raise ValueError(f"outer_lr must be in (0, 2], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
@@ -37,8 +37,6 @@ class PlanResult:
     """Wall time of the search."""
     note: str = ""
     """Why the plan trains in its mode when the cluster spans regions (outer mode: `plan.outer.reason`)."""
-    left_out: dict[str, str] = field(default_factory=dict)
-    """Outer mode: region -> why no replica group trains there."""
 
     @property
     def gpus(self) -> int:
@@ -64,19 +62,18 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     """
     result = _search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
                           parallelizer=parallelizer)
-    result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options)
-    for d in result.plan.idle:  # a region an outer plan leaves out: why no group trains there
-        d.reason = result.left_out.get(cluster.island(d.island).region, d.reason)
+    result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options, searched=result.stats)
     if len(cluster.regions) > 1:
         result.plan.mode_reason = result.note
     return result
 
 
 def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpec,
-                 profiles: ProfileSet | None = None, options: PlannerOptions | None = None) -> list[IdleDevices]:
+                 profiles: ProfileSet | None = None, options: PlannerOptions | None = None,
+                 searched: SearchStats | None = None) -> list[IdleDevices]:
     """The devices of `cluster` no stage of `plan` runs on, per island, with the reason: for an island left out
-    whole, `explain_unused`'s (memory, links, speed, or a faster plan without it); for part of an island, that
-    no arrangement tried that also used them was predicted faster."""
+    whole, `explain_unused`'s (memory, links, speed); else what the search found of arrangements that run more
+    of them (`searched`: the fastest it composed and its predicted step, or the lower bound that pruned them)."""
     used: dict[str, int] = {}
     named: set[str] = set()
     shapes: dict[str, list[str]] = {}
@@ -86,7 +83,8 @@ def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpe
             named.update(st.nodes)
             shapes.setdefault(st.island, []).append(f"dp {st.dp} x tp {st.tp}"
                                                     + (f" in {st.lanes} lanes" if st.lanes > 1 else ""))
-    whole = {u.island: u.reason for u in explain_unused(plan, cluster, model, train, profiles, options)}
+    found = {isl.id: _searched_reason(isl.id, used.get(isl.id, 0), plan, searched) for isl in cluster.islands}
+    whole = {u.island: u.reason for u in explain_unused(plan, cluster, model, train, profiles, options, found)}
     out: list[IdleDevices] = []
     for isl in cluster.islands:
         left = isl.gpus - used.get(isl.id, 0)
@@ -95,12 +93,30 @@ def idle_devices(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpe
         reason = whole.get(isl.id)
         if reason is None:
             kinds = ", ".join(dict.fromkeys(shapes.get(isl.id, [])))
-            reason = (f"not worth adding: its other {isl.gpus - left} run stages of {kinds}, and no arrangement "
-                      f"tried that also uses these {left} (wider stages sharing each micro-batch more thinly, or "
-                      "more stages deepening the pipeline) was predicted faster")
+            reason = f"its other {isl.gpus - left} run stages of {kinds}; {found[isl.id]}"
         nodes = [n for n in isl.nodes if n not in named] if cluster.source == "live" else []
         out.append(IdleDevices(island=isl.id, gpus=left, reason=reason, nodes=nodes))
     return out
+
+
+def _searched_reason(island: str, used: int, plan: Plan, searched: SearchStats | None) -> str:
+    """What the search found of pipelines that run more than `used` devices of `island`, against `plan`."""
+    chosen = plan.predicted.step_time_s
+    more = [c for (i, g), c in (searched.using.items() if searched else ()) if i == island and g > used]
+    for c in more:
+        if not c.step_s:
+            c.step_s = simulate(c.times).step_time_s
+    if more:
+        c = min(more, key=lambda c: c.step_s)
+        n = sum(st.cost.gpus for st in c.stages if st.island.id == island)
+        return (f"the fastest pipeline the search composed that runs {n} of them ({len(c.stages)} stages on "
+                f"{c.gpus} devices, micro-batches of {c.micro_batch}) was predicted at {duration(c.step_s)} a step, "
+                f"against the plan's {duration(chosen)}")
+    bounds = [b for (i, g), b in (searched.bounds.items() if searched else ()) if i == island and g > used]
+    if bounds:
+        return (f"every arrangement that would run more of them was predicted no faster than {duration(min(bounds))} "
+                f"a step at the least (a lower bound), against the plan's {duration(chosen)}")
+    return f"no arrangement the search tried runs more than {used} of them"
 
 
 def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None,
@@ -108,14 +124,16 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
                  parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
+    if model.config.tied_head and options.max_tp > 1:
+        # the runtime does not shard the stages holding the tied weight's copies (atoll.node.tied): tp = 1
+        options = replace(options, max_tp=1)
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
     if options.outer_mode == "sync" or len(cluster.regions) < 2:
         return sync
     gap = wan_gap(cluster)
-    # (no link inside any region, each one node: nothing to compare, and the predicted gain decides)
-    if options.outer_mode == "auto" and gap is not None and gap[1] is not None and gap[0] * options.outer_wan_gap > gap[1]:
+    if options.outer_mode == "auto" and gap is not None and gap[0] * options.outer_wan_gap > gap[1]:
         sync.note = (f"sync: the slowest link between regions ({gap[0] / GBPS:.3g} Gbit/s) is within "
                      f"{options.outer_wan_gap:g}x of the slowest inside them ({gap[1] / GBPS:.3g} Gbit/s); replica "
                      "groups with an outer sync are for wide-area links")
@@ -139,8 +157,7 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
     plan = outer_plan(choice, sync.plan, cluster, model, train, options)
     first = choice.groups[0].result
     return PlanResult(plan=plan, candidate=first.candidate, times=[t for g in choice.groups for t in g.result.times],
-                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "",
-                      left_out=choice.left_out)
+                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "")
 
 
 def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
@@ -164,10 +181,12 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     # splits more than 10% behind the best single pipeline are not refined
     single = top[0].step_s if top else math.inf
     for gr in groups:
-        got = several_pipelines(cm, cluster, gr, parallelizer, beat_s=single / SEVERAL_PIPELINES_MIN_GAIN,
-                                refine_below_s=1.1 * single)
+        kw = dict(beat_s=single / SEVERAL_PIPELINES_MIN_GAIN, refine_below_s=1.1 * single)
+        got = several_pipelines(cm, cluster, gr, parallelizer, **kw)
         if got is not None and model.config.tied_head and mixes_cuts([len(p.stages) for p in got.pipelines]):
-            continue  # a tied head: every pipeline cut, or every one whole (coordinator.planner.tied)
+            # a tied head: every pipeline cut, or every one whole (coordinator.planner.tied); the better of the two
+            tries = [several_pipelines(cm, cluster, gr, parallelizer, cuts=c, **kw) for c in ("whole", "cut")]
+            got = min((t for t in tries if t is not None), key=lambda t: t.step_s, default=None)
         if got is not None and (multi is None or got.step_s < multi.step_s):
             multi = got
     # one pipeline unless several are measurably faster (multipipe.SEVERAL_PIPELINES_MIN_GAIN)
@@ -382,8 +401,7 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
     for isl in cluster.islands:
         outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
         islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
-                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth or 0.0,  # 0: none
-                                  outer_bandwidth=outer))
+                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
     # live islands list one node per device: hand each stage its own dp x tp of them
     given = assign_nodes([list(c.stages) for c, _, _ in pipes]) if cluster.source == "live" else {}
     pipelines: list[PipelinePlan] = []

@@ -22,8 +22,10 @@ class UnusedIsland:
 
 
 def explain_unused(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainSpec,
-                   profiles: ProfileSet | None = None, options: PlannerOptions | None = None) -> list[UnusedIsland]:
-    """Each island of `cluster` that hosts no stage of `plan`, in the cluster's order, with the reason."""
+                   profiles: ProfileSet | None = None, options: PlannerOptions | None = None,
+                   searched: dict[str, str] | None = None) -> list[UnusedIsland]:
+    """Each island of `cluster` that hosts no stage of `plan`, in the cluster's order, with the reason; where it
+    is neither memory, links nor speed, `searched[island]` (what the search found of plans with it) if given."""
     used = {s.island for pl in plan.pipelines for s in pl.stages}
     idle = [i for i in cluster.islands if i.id not in used]
     if not idle:
@@ -31,10 +33,11 @@ def explain_unused(plan: Plan, cluster: Cluster, model: ModelSpec, train: TrainS
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     cm = CostModel(model, train, profiles, options)
-    return [UnusedIsland(island=i.id, reason=_reason(i, plan, cluster, cm, sorted(used))) for i in idle]
+    return [UnusedIsland(island=i.id, reason=_reason(i, plan, cluster, cm, sorted(used), (searched or {}).get(i.id)))
+            for i in idle]
 
 
-def _reason(isl: Island, plan: Plan, cluster: Cluster, cm: CostModel, used: list[str]) -> str:
+def _reason(isl: Island, plan: Plan, cluster: Cluster, cm: CostModel, used: list[str], searched: str | None) -> str:
     model, train = cm.model, cm.train
     dev = f"{isl.gpus} x {isl.device.name}"
     # the cheapest a stage on it can be: one block, its states sharded over every device, one sequence in flight
@@ -84,6 +87,8 @@ def _reason(isl: Island, plan: Plan, cluster: Cluster, cm: CostModel, used: list
         return (f"too slow: one layer takes {_s(one)} per micro-batch of {micro} sequences on its {dev}, more "
                 f"than the slowest stage in use ({_s(bottleneck)})")
 
+    if searched:
+        return f"the plan is faster without it: {searched}"
     peak = sum(i.gpus * i.device.peak_flops(train.dtype) for i in cluster.islands)
     share = isl.gpus * isl.device.peak_flops(train.dtype) / peak if peak > 0 else 0.0
     return (f"the plan is faster without it: its {dev} hold {share:.0%} of the cluster's peak compute, and no "
