@@ -423,6 +423,9 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     reply.final_checkpoint_step = state.final_checkpoint_step()
     reply.anchor_mismatches = state.outer.anchor_mismatches
     reply.anchor_mismatch = state.outer.last_mismatch
+    backup = state.newest_backup()
+    if backup is not None:
+        reply.newest_backup_path, reply.newest_backup_unix = backup
     reply.job_state = job_control.job_state(state.control)
     reply.finished_unix = state.control.finished_unix
     reply.stopped_unix = state.control.stopped_unix

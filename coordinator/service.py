@@ -198,6 +198,8 @@ class CoordinatorService:
         self.newest_backup: backups.Backup | None = (backups.newest(backups.backup_folder(self._state_dir))
                                                      if self._state_dir is not None else None)
         """The newest backup of the store (shown by `atoll status`), None before the first."""
+        self.state.newest_backup = lambda: ((str(self.newest_backup.path), self.newest_backup.taken_unix)
+                                            if self.newest_backup is not None else None)
         self._backups = threading.Thread(target=self._run_backups, name="atoll-coordinator-backup", daemon=True)
         self.metrics = CoordinatorMetrics()
         self.health = health_aio.HealthServicer()

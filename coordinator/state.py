@@ -123,6 +123,9 @@ class CoordinatorState:
         to its loop's `LoopLag.recent`); lease expiry allows for it."""
         self.rendezvous = rendezvous
         """The rendezvous store of this coordinator process; a stored plan naming another one is stale."""
+        self.newest_backup: Callable[[], tuple[str, float] | None] = lambda: None
+        """The newest online backup of the store, (path, when taken), for the status; the service that takes them
+        sets it."""
         self.speed: dict[str, float] = store.get_speed()
         """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`),
         kept in the store beside the plan so a restarted coordinator compounds from the same factors."""

@@ -277,6 +277,10 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
            + (f"step-{s.last_checkpoint_step:08d} (after step {s.last_checkpoint_step - 1})"
               if s.last_checkpoint_step else "-")]
     out += _job_state_lines(s)
+    if s.newest_backup_path:
+        out.append(f"newest backup of the store: {s.newest_backup_path} (taken "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.newest_backup_unix))}, "
+                   f"{duration(max(0.0, now - s.newest_backup_unix))} ago)")
     out += history_lines(s)
     out += _progress_lines(s)
     if s.HasField("plan") and s.plan.mode == "outer":

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from atoll.coordinator import backups, statedir
+from atoll.coordinator.status import fetch_status, format_status
 from atoll.coordinator.store import CheckpointRecord, MemberRecord, SqliteStore
+from atoll.tls import bootstrap_rpc
 from atoll.types import NodeProfile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +209,11 @@ def test_backups_are_taken_online_and_restore_brings_one_back(tmp_path: Path) ->
         time.sleep(1.5)  # a few more: only the newest two are kept
         assert len(backups.listed(folder)) == 2
         assert not [p for p in folder.iterdir() if p.name.startswith(".")]  # no temporary file left over
+        address = (tmp_path / "addr").read_text().strip()
+        status = fetch_status(address, token=TOKEN, rpc=bootstrap_rpc(TOKEN, (state / "ca.pem").read_bytes()))
+        assert Path(status.newest_backup_path).parent == folder and status.newest_backup_unix > seeded
+        assert f"newest backup of the store: {status.newest_backup_path}" in format_status(status)
+        assert Path(status.newest_backup_path).name.startswith("coordinator-")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
