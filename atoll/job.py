@@ -312,7 +312,7 @@ class CompressionSpec:
 
 
 OUTER_MODES = ("auto", "sync", "outer")
-OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk")
+OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -336,10 +336,13 @@ class OuterSpec:
     nesterov: bool = True
     """Nesterov momentum (when momentum > 0)."""
     codec: str = "auto"
-    """Codec of the pseudo-gradients: "auto" picks from the measured WAN bandwidth; or one of int8, int4, topk,
-    fp16, bf16, identity. Lossy codecs keep an error-feedback residual."""
+    """Codec of the pseudo-gradients: "auto" picks from the measured WAN bandwidth; or one of int8, int4, sparse2,
+    topk, fp16, bf16, identity. Lossy codecs keep an error-feedback residual."""
     topk_fraction: float = 0.02
     """Fraction of elements kept by the top-k codec."""
+    sparse_fraction: float = 1 / 64
+    """Fraction of each chunk of 4,096 elements the sparse2 codec keeps, at 2 bits a value (SparseLoCo's 1/64:
+    about 195x smaller than float32)."""
     overlap: bool = True
     """Exchange round r while round r + 1 trains, applying it at the end of round r + 1 (one round of delay);
     False blocks at each round's end until the exchange lands."""
@@ -360,6 +363,7 @@ class OuterSpec:
         _check(0 <= self.momentum < 1, f"outer.momentum must be in [0, 1), got {self.momentum}")
         _check(self.codec in OUTER_CODECS, f"outer.codec must be one of {', '.join(OUTER_CODECS)}, got {self.codec!r}")
         _check(0 < self.topk_fraction <= 1, f"outer.topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        _check(0 < self.sparse_fraction <= 1, f"outer.sparse_fraction must be in (0, 1], got {self.sparse_fraction}")
         _check(self.deadline_seconds >= 0, f"outer.deadline_seconds must be >= 0, got {self.deadline_seconds}")
         _check(self.apply_after >= 0, f"outer.apply_after must be >= 0 (0: chosen from the plan), got {self.apply_after}")
         _check_at_most("outer", self, {"inner_steps": (MAX_ROUND_STEPS, _NEVER), "apply_after": (MAX_ROUND_STEPS, _NEVER),

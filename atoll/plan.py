@@ -253,6 +253,7 @@ class OuterPlan:
     codec: str = "int8"
     """Codec of the pseudo-gradients on the wide-area links (error feedback keeps what lossy codecs drop)."""
     topk_fraction: float = 0.0
+    """Fraction of elements kept by the topk and sparse2 codecs (0: the codec's default)."""
     block_size: int = 0
     lr: float = 1.0
     momentum: float = 0.0

@@ -169,7 +169,7 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
     p = s.plan
     o = p.outer
     codec = _codec(o.codec).removesuffix("_block")
-    if o.codec == pb.CODEC_TOPK:
+    if o.codec in (pb.CODEC_TOPK, pb.CODEC_SPARSE2):
         codec += f" {o.codec_params.topk_fraction:.3g}"
     optimizer = f"lr {o.lr:g}" + (f" momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}" if o.momentum
                                   else "")

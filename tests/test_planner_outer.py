@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, search_plan
-from atoll.coordinator.planner.outer import INNER_STEPS_LADDER, group_inner_steps
+from atoll.coordinator.planner.outer import INNER_STEPS_LADDER, MODEST_INNER_STEPS, group_inner_steps
 from atoll.coordinator.planner.simulator import simulate_outer
 from atoll.launch.cli import main
 from atoll.modelspec import ModelSpec
-from atoll.plan import Plan
+from atoll.plan import OuterPlan, Plan
 from atoll.serde import plan_from_proto, plan_to_proto
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def test_internet_bandwidth_between_regions_trains_in_outer_mode(at_1g) -> None:
     o = plan.outer
     assert o.inner_steps in INNER_STEPS_LADDER
     assert 0 < o.sync_s <= o.round_s  # the exchange hides behind a round
-    assert o.bytes_per_round > 0 and o.codec in ("int8", "int4", "topk")
+    assert o.bytes_per_round > 0 and o.codec in ("int8", "int4", "sparse2")
     assert plan.predicted.tokens_per_s == pytest.approx(sum(g.tokens_per_s for g in plan.groups))
     assert "outer: 2 groups" in o.reason and "synchronous" in o.reason and "worth less" in o.reason
     # it beats the best single region, and the synchronous plan it was compared with
@@ -154,7 +154,7 @@ def test_the_options_set_h_codec_and_outer_optimizer() -> None:
 
 
 def test_the_auto_codec_compresses_harder_as_the_link_slows() -> None:
-    lossy = {"int8": 0, "int4": 1, "topk": 2}
+    lossy = {"int8": 0, "int4": 1, "sparse2": 2}
     got = []
     for gbps in (10.0, 1.0, 0.1):
         plan = search_plan(MODEL, parse_cluster(_two_regions(gbps), source=f"{gbps}g"), TRAIN,
@@ -162,7 +162,36 @@ def test_the_auto_codec_compresses_harder_as_the_link_slows() -> None:
         got.append((lossy[plan.outer.codec], plan.outer.inner_steps))
     assert got[0][0] == 0  # int8 where the link carries it within a modest H
     assert [c for c, _ in got] == sorted(c for c, _ in got)
-    assert got[-1][0] > 0  # 0.1 Gbit/s takes int4 or top-k
+    assert got[-1][0] > 0  # 0.1 Gbit/s takes int4 or sparse2
+
+
+def test_the_auto_codec_takes_sparse2_where_int8_and_int4_cannot_hide(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """At 10 Gbit/s int8 hides behind a modest H; at 0.1 Gbit/s neither int8 nor int4 does, and sparse2 (SparseLoCo's
+    1/64 at 2 bits) hides at a small H, sending about 50x fewer bytes a round than int8; `atoll plan` says so."""
+    def outer(gbps: float, codec: str = "auto") -> OuterPlan:
+        plan = search_plan(MODEL, parse_cluster(_two_regions(gbps), source=f"{gbps}g"), TRAIN,
+                           options=PlannerOptions(outer_mode="outer", outer_codec=codec)).plan
+        assert plan.outer is not None
+        return plan.outer
+
+    fast = outer(10.0)
+    assert fast.codec == "int8"
+    slow = outer(0.1)
+    assert slow.codec == "sparse2" and slow.topk_fraction == pytest.approx(1 / 64)
+    assert slow.sync_s <= slow.round_s and slow.inner_steps <= MODEST_INNER_STEPS
+    for name in ("int8", "int4"):
+        o = outer(0.1, name)
+        assert o.inner_steps > MODEST_INNER_STEPS or o.sync_s > o.round_s, (name, o.inner_steps, o.sync_s, o.round_s)
+    assert fast.bytes_per_round > 45 * slow.bytes_per_round
+    # the plan carries the codec and its fraction to the nodes
+    assert plan_from_proto(plan_to_proto(Plan(model="m", global_batch=1, seq_len=1, outer=slow))).outer == slow
+    cluster = tmp_path / "slow.toml"
+    cluster.write_text(_two_regions(0.1))
+    assert main(["plan", "--model", "1.3b", "--global-batch", "512", "--cluster", str(cluster), "--outer", "outer",
+                 "--sparse-fraction", "0.03125"]) == 0
+    text = capsys.readouterr().out
+    assert "sparse2 0.0312 pseudo-gradients" in text and "codec auto: the least lossy of int8, int4, sparse2" in text
 
 
 def test_simulated_rounds_hide_the_sync_with_overlap_and_expose_it_without() -> None:

@@ -36,10 +36,14 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--inner-steps", type=count(least=0, most=10**9, what="a number of steps"), default=0, metavar="H",
                    help="outer mode: inner steps per round of the fastest group (default 0: the smallest H whose "
                    "sync hides behind a round)")
-    p.add_argument("--outer-codec", default="auto", choices=["auto", "int8", "int4", "topk", "bf16", "fp16", "identity"],
+    p.add_argument("--outer-codec", default="auto",
+                   choices=["auto", "int8", "int4", "sparse2", "topk", "bf16", "fp16", "identity"],
                    help="outer mode: codec of the pseudo-gradients (default auto: from the wide-area bandwidth)")
     p.add_argument("--topk-fraction", type=number(above=0, most=1, what="a fraction"), default=0.02,
                    help="outer mode: fraction of the pseudo-gradients top-k keeps (default 0.02)")
+    p.add_argument("--sparse-fraction", type=number(above=0, most=1, what="a fraction"), default=1 / 64,
+                   help="outer mode: fraction of each chunk of 4,096 the sparse2 codec keeps at 2 bits a value "
+                   "(default 1/64)")
     p.add_argument("--no-overlap", action="store_true",
                    help="outer mode: block at each round's end until the exchange lands (default: overlap it with "
                    "the next round)")
@@ -115,7 +119,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(said)
     train = TrainSpec(global_batch=args.global_batch, seq_len=seq_len, dtype=args.dtype)
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
-                             outer_topk_fraction=args.topk_fraction, outer_overlap=not args.no_overlap,
+                             outer_topk_fraction=args.topk_fraction, outer_sparse_fraction=args.sparse_fraction,
+                             outer_overlap=not args.no_overlap,
                              zero_bubble=not args.no_zero_bubble, fill_warmup=not args.no_zero_bubble)
     result = search_plan(model, cluster, train, profiles, options)
     print(format_plan(result.plan, cluster, search_seconds=result.seconds))

@@ -22,10 +22,11 @@ The choices, in this order:
   sync costs at most `EXPOSED_WITHOUT_OVERLAP` of a round) and whose whole inner steps per group keep
   `ROUND_EFFICIENCY` of the groups' speed; when none does, the one with the most tokens/s among those that
   hide (else among all); or the options' H;
-- codec ("auto", from what the wide-area links carry): the least lossy of int8, int4 and top-k (at the
-  options' density) whose H so chosen hides its sync within `MODEST_INNER_STEPS` inner steps; else the one
-  that hides at the smallest H; else the one with the fastest sync. So int8 where the link is fast enough
-  for a modest H, int4 then a few percent of top-k as it slows;
+- codec ("auto", from what the wide-area links carry): the least lossy of int8, int4 and sparse2 (SparseLoCo's
+  chunked top-k at 2 bits, at the options' density) whose H so chosen hides its sync within
+  `MODEST_INNER_STEPS` inner steps; else the one that hides at the smallest H; else the one with the fastest
+  sync. So int8 where the link is fast enough for a modest H, int4, then sparse2 (195x at 1/64) as it slows.
+  Plain top-k is not a candidate: at a similar density and error sparse2 sends about an eighth of its bytes;
 - groups: of the regions that can each hold the model, every set of two or more that is connected, the one
   with the most tokens/s (a region too slow to pay for the wider sync is left out, and the reason says so);
 - mode ("auto"): considered only where the regions meet over links at least `outer_wan_gap` times slower
@@ -61,7 +62,7 @@ INNER_STEPS_LADDER = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 """H values tried, smallest first; the top is the cap."""
 MODEST_INNER_STEPS = 20
 """The auto codec keeps the least lossy codec whose sync hides within this many inner steps."""
-AUTO_CODECS = ("int8", "int4", "topk")
+AUTO_CODECS = ("int8", "int4", "sparse2")
 """Candidates of the auto codec, least lossy first (error feedback keeps what the lossy ones drop)."""
 EXPOSED_WITHOUT_OVERLAP = 0.1
 """Without overlap the sync never hides; H is the smallest whose sync costs at most this share of a round."""
@@ -127,11 +128,24 @@ def pseudo_gradient_bytes(spec: CodecSpec, numel: int) -> int:
     return get_codec(spec).payload_size(int(numel), torch.float32)
 
 
+SPARSE_CODECS = ("topk", "sparse2")
+"""The codecs whose plans carry the fraction they keep (`OuterPlan.topk_fraction`)."""
+
+
+def codec_label(name: str, fraction: float) -> str:
+    """How plans and reports name an outer codec: "int8", "top-k 0.02", "sparse2 0.0156"."""
+    if name == "topk":
+        return f"top-k {fraction:.3g}"
+    return f"{name} {fraction:.3g}" if name in SPARSE_CODECS else name
+
+
 def codec_spec(name: str, options: PlannerOptions) -> CodecSpec:
     from atoll.compression.spec import CodecSpec
 
     if name == "topk":
         return CodecSpec("topk", topk_fraction=options.outer_topk_fraction)
+    if name == "sparse2":
+        return CodecSpec("sparse2", topk_fraction=options.outer_sparse_fraction)
     return CodecSpec(name)
 
 
@@ -350,7 +364,7 @@ def outer_reason(choice: OuterChoice, sync_tps: float, options: PlannerOptions) 
     ratio = choice.tokens_per_s / sync_tps if sync_tps > 0 else math.inf
     head = "outer (forced by the options)" if options.outer_mode == "outer" else "outer"
     names = ", ".join(g.region for g in choice.groups)
-    label = choice.codec.codec if choice.codec.codec != "topk" else f"top-k {choice.codec.topk_fraction:.3g}"
+    label = codec_label(choice.codec.codec, choice.codec.topk_fraction)
     text = (f"{head}: {len(choice.groups)} groups ({names}), {ratio:.2f}x the synchronous plan's tokens/s "
             f"({sync_tps:,.0f}); {label} pseudo-gradients, {format_bytes(choice.sync.bytes_per_group)} per round "
             f"over {_gbps(choice.sync.gbps)} take {choice.sync.seconds:.1f} s, ")
@@ -361,8 +375,8 @@ def outer_reason(choice: OuterChoice, sync_tps: float, options: PlannerOptions) 
         text += (f"not hidden even at H={choice.inner_steps} (rounds of {o.compute_s:.1f} s, "
                  f"{o.exposed_s:.1f} s exposed per round)")
     if options.outer_codec == "auto":
-        text += (f"; codec auto: the least lossy of int8, int4, top-k {options.outer_topk_fraction:.3g} whose sync "
-                 f"hides within H <= {MODEST_INNER_STEPS}, else the one hiding at the smallest H")
+        text += (f"; codec auto: the least lossy of int8, int4, sparse2 {options.outer_sparse_fraction:.3g} whose "
+                 f"sync hides within H <= {MODEST_INNER_STEPS}, else the one hiding at the smallest H")
     if options.outer_inner_steps:
         text += f"; H={options.outer_inner_steps} set by the options"
     for note in choice.left_out.values():
@@ -395,7 +409,7 @@ def outer_plan(choice: OuterChoice, sync_plan: Plan, cluster: Cluster, model: Mo
         bottleneck = (f"outer sync over {choice.sync.link}: {duration(choice.sync.seconds)} per round, "
                       f"{duration(sim.exposed_s)} of it exposed; {bottleneck}")
     outer = OuterPlan(inner_steps=choice.inner_steps, codec=choice.codec.codec,
-                      topk_fraction=choice.codec.topk_fraction if choice.codec.codec == "topk" else 0.0,
+                      topk_fraction=choice.codec.topk_fraction if choice.codec.codec in SPARSE_CODECS else 0.0,
                       block_size=choice.codec.block_size if choice.codec.codec in ("int8", "int4") else 0,
                       lr=options.outer_lr, momentum=options.outer_momentum, nesterov=options.outer_nesterov,
                       overlap=options.outer_overlap,

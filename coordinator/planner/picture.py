@@ -110,7 +110,7 @@ def _stage_arrows(ax: Any, plan: Plan, boxes: dict[tuple[int, int], Any]) -> Non
 def _outer_label(plan: Plan) -> str:
     o = plan.outer
     assert o is not None
-    codec = o.codec + (f" {o.topk_fraction:.3g}" if o.codec == "topk" else "")
+    codec = o.codec + (f" {o.topk_fraction:.3g}" if o.codec in ("topk", "sparse2") else "")
     return (f"outer sync every H={o.inner_steps} inner steps: {codec}, {format_bytes(o.bytes_per_round)} per group "
             f"per round, {o.sync_s:.1f} s vs rounds of {o.round_s:.1f} s"
             + (" (overlapped)" if o.overlap else " (blocking)"))
