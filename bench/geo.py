@@ -21,7 +21,10 @@ What it builds (names prefixed `atl-<pid>-g<n>-`):
   region, and the coordinator's link to the first region's switch, are not shaped;
 - a cgroup v1 CPU quota per host (`cpu_quota`: a fraction of one core, or one per region), so a region
   added adds compute instead of splitting a fixed pool. `popen` starts a command in the host's cgroup
-  (a shell joins it and then execs) and namespace, so neither the command nor its children escape.
+  (a shell joins it and then execs) and namespace, so neither the command nor its children escape. It enters
+  the namespace with `nsenter --net`, not `ip netns exec`: that one mounts a fresh /sys, without the cgroup
+  hierarchies under /sys/fs/cgroup, and a node could not read its quota (`atoll.node.profiler.cpu_share`):
+  it profiled at a whole core's speed and trained at its quota's.
 
 Leaving the block (also by an exception) kills every process in the hosts' cgroups and deletes the
 namespaces, with their bridges and links, and the cgroups. `geo_unavailable()` says why the testbed
@@ -47,6 +50,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,6 +82,8 @@ def geo_unavailable() -> str | None:
         return reason
     if not (CPU_CGROUP / "cpu.cfs_quota_us").is_file():
         return f"no cgroup v1 cpu controller at {CPU_CGROUP}; the testbed's per-host CPU quotas need one"
+    if shutil.which("nsenter") is None:
+        return "no nsenter (util-linux) to start processes in the hosts' network namespaces"
     probe = f"{PREFIX}{os.getpid()}-probe"
     try:
         (CPU_CGROUP / probe).mkdir()
@@ -190,9 +196,10 @@ class GeoHost:
 
     def argv(self, argv: Sequence[str]) -> list[str]:
         """`argv` wrapped to run in this host's cgroup and namespace: a shell joins the cgroup, then execs
-        `ip netns exec`, which execs `argv`; the process keeps its pid throughout."""
+        `nsenter --net` (the network namespace only: the mounts stay the machine's, /sys/fs/cgroup included),
+        which execs `argv`; the process keeps its pid throughout."""
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup / "cgroup.procs"),
-                "ip", "netns", "exec", self.namespace, *argv]
+                "nsenter", f"--net=/run/netns/{self.namespace}", *argv]
 
     def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start `argv` on this host (Popen's keyword arguments apply); it is killed at teardown."""

@@ -307,10 +307,8 @@ def main() -> int:
                          "steps, so the group with the smaller H has rounds left when the other finishes, and each "
                          "of those waits this long (the default, 0, means at least 30 s)")
     ap.add_argument("--apply-after", type=int, default=3,
-                    help="outer.apply_after of the outer run: apply a round's average this many steps into the next. "
-                         "Stated here because the testbed's nodes run under `ip netns exec`, whose fresh /sys has no "
-                         "cgroup files: they cannot see their CPU quota, profile ~4x fast, and the plan's predicted "
-                         "steps would put the default apply point a whole round late (0: the job's default)")
+                    help="outer.apply_after of the outer run: apply a round's average this many steps into the next "
+                         "(0: the job's default)")
     ap.add_argument("--no-overlap", action="store_true", help="outer run: block at each round's end (diagnosis)")
     ap.add_argument("--quota", type=float, default=QUOTA, help="CPU per host, of a core")
     ap.add_argument("--timeout", type=float, default=600.0,

@@ -266,6 +266,6 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
     # as the stages step (`atoll.node.stage.build_optimizer`: one tensor at a time, not foreach)
     opt = torch.optim.AdamW(block.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False)
     opt.step()  # allocates the moments
-    steps = [_timed(dev, opt.step) for _ in range(options.repeats)]
+    steps = [_timed(dev, opt.step, share) for _ in range(options.repeats)]
     profile.optimizer_step_seconds = statistics.median(steps)
     return profile
