@@ -492,3 +492,25 @@ def test_a_contribution_is_fetched_through_another_group_when_its_own_is_out_of_
     _same_anchors(anchors, ["a", "b", "c"])
     assert all((p.rounds_in, p.rounds_missed) == (2, 0) for p in rounds.progress.values()), rounds.progress
     assert rounds.anchor_mismatches == 0
+
+
+@pytest.mark.timeout(150)
+def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tmp_path: Path) -> None:
+    """The coordinator's newest plan lists lab-b first (a replan that kept both groups running reordered them, as a
+    kept group is listed first); the nodes run on their older plan, which lists lab-a first. Every round's decision
+    names lab-b as the writer, so b writes every checkpoint and a none. Before, each node took the writer from its
+    own run plan (a), and after a replan that kept the groups running the writer could be no group at all."""
+    job = tiny_job(6, interval=2)
+    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=False, deadline_s=30.0)
+    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
+                mode="outer", outer=outer, pipelines=[
+                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
+                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
+                        for i, n in enumerate("ab")])
+    newest = replace(plan, epoch=2, groups=list(reversed(plan.groups)))
+    call, _ = _arbiter(newest)
+    written: list[tuple[str, int]] = []
+    run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call,
+                    # (a writer asks for copies of what it wrote: the seam that says which node wrote)
+                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    assert sorted(written) == [("b", 2), ("b", 4), ("b", 6)], written
