@@ -12,7 +12,8 @@ Per chunk:
   k + ((length - 1) >> l) + 1 bits is set for the j-th position. At 64 of 4,096 that is 8 bits a position
   (16-bit local indices would take 16, a bitmap 64), within 0.6 bit of the entropy of the choice, and a fixed
   size, so the payload's length stays a function of (shape, dtype, spec). As the density rises, l falls to 0
-  and the form becomes a bitmap of its own accord. zstd gains nothing measurable on top of it (0.1%).
+  and the form becomes a bitmap of its own accord. A zstd stage does not pay on top of it: on a round of real
+  pseudo-gradients (bench/codecs.py) it grows the payload by 0.6%, on Gaussian data it saves 2%.
 - values: 2 bits each, sign and level: bit 1 is set for a negative value, bit 0 for the upper level. The
   two levels are the chunk's scales: the mean magnitude of the kept values at or below their mean, and of
   those above it (one Lloyd step of a two-level quantiser); each value takes the nearer level.
