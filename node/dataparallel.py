@@ -172,6 +172,45 @@ def arrive(store: dist.Store, *, rank: int, size: int, timeout: timedelta,
     ask()
 
 
+def device_identity(device: torch.device) -> str:
+    """What tells this rank's device apart from other ranks' in a group: the host and, on CUDA, the GPU's UUID
+    (the same GPU under any CUDA_VISIBLE_DEVICES numbering), else its index; on a CPU the host alone."""
+    host = socket.gethostname()
+    if device.type != "cuda":
+        return f"{host}/{device.type}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{host}/cuda/{uuid if uuid is not None else index}"
+
+
+def collective_backend(device_type: str, devices: list[str], *, nccl_available: bool) -> tuple[str, str]:
+    """The torch.distributed backend of a group whose rank r computes on `devices[r]` (`device_identity`), and
+    why. NCCL where every rank has a CUDA device of its own; gloo on CPUs, and on CUDA where two ranks share one
+    GPU (NCCL refuses a group with two ranks on one device) or this torch has no NCCL."""
+    if device_type != "cuda":
+        return "gloo", f"{device_type} tensors"
+    if not nccl_available:
+        return "gloo", "this torch has no NCCL"
+    first: dict[str, int] = {}
+    for r, d in enumerate(devices):
+        if d in first:
+            return "gloo", (f"ranks {first[d]} and {r} share one GPU ({d}), and NCCL needs a device per rank: "
+                            f"gloo carries the group's collectives")
+        first[d] = r
+    return "nccl", f"{len(devices)} ranks on {len(devices)} GPUs"
+
+
+def arrive_on_devices(store: dist.Store, *, rank: int, size: int, device: torch.device, timeout: timedelta,
+                      gone: Callable[[], str | None] | None = None) -> tuple[str, str]:
+    """`arrive`, telling the group which device this rank computes on; returns the group's backend and why
+    (`collective_backend`), the same on every rank. On a CPU nothing is exchanged: gloo."""
+    if device.type == "cuda":  # before arriving: once every rank has arrived, every rank's device is there
+        store.set(f"device/{rank}", device_identity(device).encode())
+    arrive(store, rank=rank, size=size, timeout=timeout, gone=gone)
+    devices = [store.get(f"device/{r}").decode() for r in range(size)] if device.type == "cuda" else []
+    return collective_backend(device.type, devices, nccl_available=dist.is_nccl_available())
+
+
 def release_later(objects: list[object], after: timedelta) -> None:
     """Keep `objects` (process groups, and what holds them) alive for `after`, then drop them on a thread of
     their own: destroying a gloo group with an operation in flight blocks until that operation times out, which

@@ -46,8 +46,8 @@ from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import (LiveState, OuterPosition, StateHolder, StateTransferError, deserialize_state,
                                        fetch_state)
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive, backend_reason, cancel_collectives_on,
-                                     release_later, wait_collective)
+from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive_on_devices, backend_reason,
+                                     cancel_collectives_on, release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, Lanes, RowPeer
@@ -188,8 +188,10 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
            device: torch.device, gone: Callable[[], str | None] | None = None) -> dist.ProcessGroup:
     prefixed = dist.PrefixStore(prefix, store)
     # a newer plan ends the wait for peers not coming; `gone` a peer whose process is gone
-    arrive(prefixed, rank=rank, size=size, timeout=timeout, gone=gone)
-    if device.type == "cuda":
+    backend, why = arrive_on_devices(prefixed, rank=rank, size=size, device=device, timeout=timeout, gone=gone)
+    if device.type == "cuda" and backend == "gloo":
+        log.info("group %s of %d ranks runs over gloo: %s", prefix.rstrip("/"), size, why)
+    if backend == "nccl":
         # the group's own timeout bounds an operation a run abandoned (`release_later` drops the group after it)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

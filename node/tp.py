@@ -46,6 +46,7 @@ checkpoint of any cut or tp degree is loaded into the full slice before `shard` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -60,9 +61,11 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from atoll.modelspec import ModelConfig
-from atoll.node.dataparallel import CollectiveCancelled, arrive, wait_collective
+from atoll.node.dataparallel import CollectiveCancelled, arrive_on_devices, wait_collective
 from atoll.node.model import Block, Embedding, Head, StageModule
 from atoll.node.slice_state import FORMAT
+
+log = logging.getLogger("atoll.node.tp")
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _MAX_NDIM = 6
@@ -249,7 +252,8 @@ class TensorParallel:
         """Form the tp group of `size` ranks named `prefix` in `store` as this process's default group.
 
         Every rank of the group calls it with the same prefix; it returns once all have joined (bounded by
-        `timeout`). gloo on CPU, NCCL on CUDA (`device` is this rank's GPU).
+        `timeout`). gloo on CPU, NCCL on CUDA (`device` is this rank's GPU), gloo where ranks share a GPU
+        (`atoll.node.dataparallel.collective_backend`).
         """
         if not 0 <= rank < size:
             raise ValueError(f"tp rank {rank} is outside a tp group of {size}")
@@ -261,7 +265,6 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             device_id = torch.device("cuda", torch.cuda.current_device())
-        backend = "nccl" if device.type == "cuda" else "gloo"
         # torch names the default group after a process-wide counter that each init_process_group raises, also
         # one that fails (a peer that never came), and only destroying a default group resets it: ranks whose
         # counters differ look for each other under different keys and never meet again. The prefix already
@@ -269,9 +272,13 @@ class TensorParallel:
         distributed_c10d._world.group_count = 0
         forget_meshes()
         prefixed = dist.PrefixStore(prefix, store)
-        arrive(prefixed, rank=rank, size=size, timeout=timeout)  # a newer plan ends the wait for peers not coming
+        # a newer plan ends the wait for peers not coming
+        backend, why = arrive_on_devices(prefixed, rank=rank, size=size, device=device, timeout=timeout)
+        if device.type == "cuda" and backend == "gloo":
+            log.info("tp group %s of %d ranks runs over gloo: %s", prefix.rstrip("/"), size, why)
+        # device_id binds an NCCL communicator to this rank's GPU at once; gloo takes no device
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout,
-                                device_id=device_id)
+                                device_id=device_id if backend == "nccl" else None)
         try:
             mesh = init_device_mesh(device.type, (size,), mesh_dim_names=("tp",))
             return cls(mesh, timeout=timeout, owns_default_group=True)

@@ -24,7 +24,8 @@ loss even when the replicas train different numbers of rows.
   marks each parameter whose gradient is then complete, and each bucket goes out as soon as it and every
   bucket before it are complete (the same order on every replica), while backward goes on; `reduce_gradients`
   sends what is left and waits. gloo runs a reduce-scatter inside the call that starts it, so on the CPU the
-  buckets are started (and waited for) on a thread of the optimizer's own, in order.
+  buckets are started (and waited for) on a thread of the optimizer's own, in order (also on CUDA where the
+  group is gloo: ranks sharing one GPU).
 - ZeRO-2 never holds the whole gradient: a post-accumulate-grad hook copies each parameter's gradient into
   its bucket's staging buffer and drops it; a bucket whose parameters have all arrived is reduce-scattered
   (asynchronously, while backward goes on) and the owned chunk is added to a gradient accumulator of 1/N
@@ -384,7 +385,7 @@ class ZeroOptimizer:
         if self.config.grad_scale != 1.0:
             whole.mul_(self.config.grad_scale)
         fut: Future = Future()
-        if self.flat.device.type == "cuda":  # NCCL works asynchronously on its own stream
+        if self.group.name() == "nccl":  # NCCL works asynchronously on its own stream
             fut.set_result(self.group._reduce_scatter_base(own, whole))
         else:
             if self._launcher is None:

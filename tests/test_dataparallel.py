@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from atoll.modelspec import preset
-from atoll.node.dataparallel import (CollectiveError, DataParallelConfig, GradientAverager, free_port, gloo_group,
-                                     init_distributed)
+from atoll.node.dataparallel import (CollectiveError, DataParallelConfig, GradientAverager, arrive_on_devices,
+                                     collective_backend, device_identity, free_port, gloo_group, init_distributed)
 from atoll.node.inprocess import train_threaded
 from atoll.node.norm_exchange import DistNormExchange, NormExchangeError
 from atoll.node.reference import train_unsplit
@@ -101,6 +101,27 @@ def test_collectives_time_out_with_a_clear_error():
 def test_dataparallel_config_validation():
     with pytest.raises(ValueError, match="bucket_bytes"):
         DataParallelConfig(bucket_bytes=0)
+
+
+def test_ranks_sharing_a_gpu_meet_over_gloo_and_ranks_on_their_own_gpus_over_nccl():
+    gpu = ["h1/cuda/GPU-a", "h1/cuda/GPU-b", "h2/cuda/GPU-a"]
+    assert collective_backend("cuda", gpu, nccl_available=True) == ("nccl", "3 ranks on 3 GPUs")
+    # two node processes on one GPU (a 2-stage pipeline on one card): NCCL refuses them, gloo carries the group
+    backend, why = collective_backend("cuda", ["h1/cuda/GPU-a", "h1/cuda/GPU-b", "h1/cuda/GPU-a"],
+                                      nccl_available=True)
+    assert backend == "gloo" and "ranks 0 and 2 share one GPU (h1/cuda/GPU-a)" in why
+    assert collective_backend("cuda", gpu, nccl_available=False) == ("gloo", "this torch has no NCCL")
+    assert collective_backend("cpu", [], nccl_available=True)[0] == "gloo"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_tell_each_other_their_devices_as_they_arrive():
+    """Every rank of a group decides the same backend from what the others announced (CPU: gloo, nothing said)."""
+    store = dist.HashStore()
+    got = _in_threads(2, lambda r: arrive_on_devices(dist.PrefixStore("g/", store), rank=r, size=2,
+                                                     device=torch.device("cpu"), timeout=TIMEOUT))
+    assert got == [("gloo", "cpu tensors")] * 2
+    assert device_identity(torch.device("cpu")).endswith("/cpu")
 
 
 TINY = preset("tiny")
