@@ -112,6 +112,26 @@ class SendPlan:
     block_size: int = 0
     topk_fraction: float = 0.0
     zstd_level: int = 0
+    backward_seconds: float = 0.0
+    """Predicted transfer time of one micro-batch's activation-gradient back (0: as `seconds`)."""
+    latency_s: float = 0.0
+    """Of each transfer, the one-way latency the planner counted."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTiming:
+    """What the planner's 1F1B simulation took for a stage (`atoll.coordinator.planner.simulator.StageTimes`), so
+    a plan received over the wire can be simulated and drawn as the planner predicted it: per micro-batch the
+    forward and backward, per step the gradient all-reduce (of it, what overlaps the last backward) and the
+    optimizer step, and of the backward the deferrable weight-gradient products and the split's extra cost."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    sync_s: float = 0.0
+    sync_hidden_s: float = 0.0
+    optimizer_s: float = 0.0
+    weight_s: float = 0.0
+    split_s: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -148,6 +168,8 @@ class StagePlan:
     defer_layers: list[int] = field(default_factory=list)
     """With `defer_weights`, the global indices of the layers whose weight gradients wait (the others compute
     theirs in backward: what memory allows); empty: every layer of the stage."""
+    timing: StageTiming | None = None
+    """The planner's simulated times of the stage (None: a plan made without the planner, the fallback's)."""
 
     def __post_init__(self) -> None:
         a, b = self.layers
@@ -426,8 +448,10 @@ class Plan:
             for s in p["stages"]:
                 s = dict(s)
                 send = s.pop("send", None)
+                timing = s.pop("timing", None)
                 stages.append(StagePlan(**{**s, "layers": tuple(s["layers"])},
-                                        send=SendPlan(**send) if send else None))
+                                        send=SendPlan(**send) if send else None,
+                                        timing=StageTiming(**timing) if timing else None))
             pipelines.append(PipelinePlan(micro_batch=p["micro_batch"], num_micro_batches=p["num_micro_batches"],
                                           stages=stages))
         return cls(

@@ -6,7 +6,7 @@ Every pair round-trips (tests/test_serde.py). Nothing else in the project builds
 from __future__ import annotations
 
 from atoll.plan import (CheckpointCopy, RelayRoute, IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
-                        StagePlan)
+                        StagePlan, StageTiming)
 from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
@@ -115,6 +115,7 @@ def island_from_proto(m: pb.Island) -> IslandInfo:
 
 def _send_to_proto(s: SendPlan) -> pb.LinkPlan:
     return pb.LinkPlan(codec=codec_id(s.codec), bytes=s.bytes, seconds=s.seconds,
+                       backward_seconds=s.backward_seconds, latency_seconds=s.latency_s,
                        codec_params=pb.CodecParams(block_size=s.block_size, topk_fraction=s.topk_fraction,
                                                    zstd_level=s.zstd_level))
 
@@ -122,7 +123,8 @@ def _send_to_proto(s: SendPlan) -> pb.LinkPlan:
 def _send_from_proto(m: pb.LinkPlan) -> SendPlan:
     return SendPlan(codec=codec_name(m.codec), bytes=m.bytes, seconds=m.seconds,
                     block_size=m.codec_params.block_size, topk_fraction=m.codec_params.topk_fraction,
-                    zstd_level=m.codec_params.zstd_level)
+                    zstd_level=m.codec_params.zstd_level, backward_seconds=m.backward_seconds,
+                    latency_s=m.latency_seconds)
 
 
 def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
@@ -133,7 +135,19 @@ def stage_to_proto(s: StagePlan, index: int) -> pb.Stage:
                  defer_weights=s.defer_weights, defer_layers=s.defer_layers, lanes=s.lanes)
     if s.send is not None:
         m.send.CopyFrom(_send_to_proto(s.send))
+    if s.timing is not None:
+        t = s.timing
+        m.timing.CopyFrom(pb.StageTiming(forward_seconds=t.forward_s, backward_seconds=t.backward_s,
+                                         sync_seconds=t.sync_s, sync_hidden_seconds=t.sync_hidden_s,
+                                         optimizer_seconds=t.optimizer_s, weight_seconds=t.weight_s,
+                                         split_seconds=t.split_s))
     return m
+
+
+def _timing_from_proto(m: pb.StageTiming) -> StageTiming:
+    return StageTiming(forward_s=m.forward_seconds, backward_s=m.backward_seconds, sync_s=m.sync_seconds,
+                       sync_hidden_s=m.sync_hidden_seconds, optimizer_s=m.optimizer_seconds,
+                       weight_s=m.weight_seconds, split_s=m.split_seconds)
 
 
 def stage_from_proto(m: pb.Stage) -> StagePlan:
@@ -142,7 +156,8 @@ def stage_from_proto(m: pb.Stage) -> StagePlan:
                      memory_gb_per_device=m.memory_bytes_per_device / 1e9,
                      send=_send_from_proto(m.send) if m.HasField("send") else None,
                      nodes=list(m.node_ids), dp_rendezvous=m.dp_rendezvous, in_flight=m.in_flight,
-                     defer_weights=m.defer_weights, defer_layers=list(m.defer_layers), lanes=m.lanes or 1)
+                     defer_weights=m.defer_weights, defer_layers=list(m.defer_layers), lanes=m.lanes or 1,
+                     timing=_timing_from_proto(m.timing) if m.HasField("timing") else None)
 
 
 def group_to_proto(g: ReplicaGroup) -> pb.ReplicaGroup:

@@ -37,14 +37,19 @@ def draw_loss_curve(steps: Sequence[int], losses: Sequence[float], path: str | P
 
 
 def draw_plan_picture(plan: Plan, model: ModelSpec, path: str | Path) -> Path:
-    """The plan's islands and pipelines, and a simulated 1F1B timeline of one step of its first pipeline."""
+    """The plan's islands and pipelines, and a simulated 1F1B timeline of one step of its first pipeline: the
+    simulation the planner predicted the step time with (its times travel in the plan), as `atoll plan --picture`
+    draws it."""
     from atoll.coordinator.planner.picture import draw_plan
-    from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes
+    from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, plan_pipeline_times
 
-    pipe = plan.pipelines[0]
-    # a stage's predicted compute is forward + backward; backward costs about twice the forward
-    stages = tuple(StageTimes(forward_s=s.compute_s / 3, backward_s=2 * s.compute_s / 3) for s in pipe.stages)
-    links = tuple(LinkTimes(forward_s=s.send.seconds if s.send else 0.0, backward_s=s.send.seconds if s.send else 0.0)
-                  for s in pipe.stages[:-1])
-    draw_plan(plan, PipelineTimes(stages=stages, links=links, num_micro_batches=pipe.num_micro_batches), path)
+    times = plan_pipeline_times(plan, 0)
+    if times is None:  # the coordinator's fallback plan: no simulation behind it, only each stage's compute
+        pipe = plan.pipelines[0]
+        # a stage's predicted compute is forward + backward; backward costs about twice the forward
+        stages = tuple(StageTimes(forward_s=s.compute_s / 3, backward_s=2 * s.compute_s / 3) for s in pipe.stages)
+        links = tuple(LinkTimes(forward_s=s.send.seconds if s.send else 0.0,
+                                backward_s=s.send.seconds if s.send else 0.0) for s in pipe.stages[:-1])
+        times = PipelineTimes(stages=stages, links=links, num_micro_batches=pipe.num_micro_batches)
+    draw_plan(plan, times, path)
     return Path(path)

@@ -154,3 +154,23 @@ def test_a_live_plan_names_each_island_by_its_region() -> None:
     for n in ("a1", "a2", "b1"):
         if any(n in s.nodes for p in plan.pipelines for s in p.stages):
             assert plan.region_of(n) == inputs.members[n].profile.region
+
+
+def test_a_plan_as_nodes_and_the_demo_receive_it_simulates_to_its_predicted_step() -> None:
+    """The demo's plan.png simulated a rough split of each stage's compute (a third forward, two thirds backward,
+    no warm-up, all-reduce or optimizer) and drew a timeline ending at 87 ms against the 55.6 ms it predicted:
+    the planner's own times now travel with the plan (through the wire and its JSON) and simulate to it."""
+    import json
+
+    from atoll.coordinator.planner.simulator import plan_pipeline_times, simulate
+    from atoll.plan import Plan
+    from atoll.serde import plan_from_proto, plan_to_proto
+
+    for groups in ({"x": ["a1", "a2", "a3"]}, {"x": ["a1", "a2"], "y": ["b1", "b2"]}):
+        plan, how = make_plan(_inputs(groups))
+        assert not how.startswith("fallback"), how
+        for received in (plan_from_proto(plan_to_proto(plan)), Plan.from_json_dict(json.loads(plan.to_json()))):
+            steps = [simulate(plan_pipeline_times(received, k)).step_time_s for k in range(len(received.pipelines))]
+            assert max(steps) == pytest.approx(plan.predicted.step_time_s, rel=1e-9), (groups, steps)
+    fallback = finish_plan(fallback_plan(_inputs({"x": ["a1", "a2"]})), _inputs({"x": ["a1", "a2"]}))
+    assert plan_pipeline_times(fallback, 0) is None  # no simulation behind it: the picture says each stage's compute

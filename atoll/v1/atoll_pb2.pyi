@@ -199,19 +199,41 @@ class Island(_message.Message):
     def __init__(self, id: _Optional[str] = ..., device_name: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., inner_bandwidth_bytes_per_s: _Optional[float] = ..., outer_bandwidth_bytes_per_s: _Optional[float] = ..., group: _Optional[str] = ..., gpus: _Optional[int] = ...) -> None: ...
 
 class LinkPlan(_message.Message):
-    __slots__ = ("codec", "codec_params", "bytes", "seconds")
+    __slots__ = ("codec", "codec_params", "bytes", "seconds", "backward_seconds", "latency_seconds")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_PARAMS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     codec_params: CodecParams
     bytes: int
     seconds: float
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    backward_seconds: float
+    latency_seconds: float
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., latency_seconds: _Optional[float] = ...) -> None: ...
+
+class StageTiming(_message.Message):
+    __slots__ = ("forward_seconds", "backward_seconds", "sync_seconds", "sync_hidden_seconds", "optimizer_seconds", "weight_seconds", "split_seconds")
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_HIDDEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    forward_seconds: float
+    backward_seconds: float
+    sync_seconds: float
+    sync_hidden_seconds: float
+    optimizer_seconds: float
+    weight_seconds: float
+    split_seconds: float
+    def __init__(self, forward_seconds: _Optional[float] = ..., backward_seconds: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., sync_hidden_seconds: _Optional[float] = ..., optimizer_seconds: _Optional[float] = ..., weight_seconds: _Optional[float] = ..., split_seconds: _Optional[float] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous", "recompute_layers", "in_flight", "defer_weights", "defer_layers", "lanes")
+    __slots__ = ("index", "island", "node_ids", "layer_start", "layer_end", "dp", "tp", "zero", "recompute", "compute_seconds", "memory_bytes_per_device", "send", "dp_rendezvous", "recompute_layers", "in_flight", "defer_weights", "defer_layers", "lanes", "timing")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ISLAND_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +252,7 @@ class Stage(_message.Message):
     DEFER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     DEFER_LAYERS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     index: int
     island: str
     node_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -248,7 +271,8 @@ class Stage(_message.Message):
     defer_weights: int
     defer_layers: _containers.RepeatedScalarFieldContainer[int]
     lanes: int
-    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ..., recompute_layers: _Optional[_Iterable[int]] = ..., in_flight: _Optional[int] = ..., defer_weights: _Optional[int] = ..., defer_layers: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ...) -> None: ...
+    timing: StageTiming
+    def __init__(self, index: _Optional[int] = ..., island: _Optional[str] = ..., node_ids: _Optional[_Iterable[str]] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[bool] = ..., compute_seconds: _Optional[float] = ..., memory_bytes_per_device: _Optional[float] = ..., send: _Optional[_Union[LinkPlan, _Mapping]] = ..., dp_rendezvous: _Optional[str] = ..., recompute_layers: _Optional[_Iterable[int]] = ..., in_flight: _Optional[int] = ..., defer_weights: _Optional[int] = ..., defer_layers: _Optional[_Iterable[int]] = ..., lanes: _Optional[int] = ..., timing: _Optional[_Union[StageTiming, _Mapping]] = ...) -> None: ...
 
 class Pipeline(_message.Message):
     __slots__ = ("index", "micro_batch", "num_micro_batches", "stages")

@@ -19,7 +19,7 @@ from atoll.coordinator.planner.tied import holds_tied_weight, mixes_cuts, tied_c
 from atoll.hf import TRAIN_SEQ_LEN
 from atoll.modelspec import ModelSpec
 from atoll.coordinator.planner.unused import explain_unused
-from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan
+from atoll.plan import GB, IdleDevices, IslandInfo, PipelinePlan, Plan, Prediction, SendPlan, StagePlan, StageTiming
 from atoll.units import duration
 
 
@@ -401,27 +401,34 @@ def to_plan(pipes: list[tuple[Candidate, PipelineTimes, int]], cm: CostModel, cl
     for isl in cluster.islands:
         outer = max((lk.bandwidth for k, lk in cluster.links.items() if isl.id in k), default=0.0)
         islands.append(IslandInfo(id=isl.id, group=isl.group, device=isl.device.name, nodes=list(isl.nodes),
-                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth, outer_bandwidth=outer))
+                                  gpus=isl.gpus, inner_bandwidth=isl.inter_node_bandwidth or 0.0,  # 0: none
+                                  outer_bandwidth=outer))
     # live islands list one node per device: hand each stage its own dp x tp of them
     given = assign_nodes([list(c.stages) for c, _, _ in pipes]) if cluster.source == "live" else {}
     pipelines: list[PipelinePlan] = []
-    for p_index, (c, _, share) in enumerate(pipes):
+    for p_index, (c, times, share) in enumerate(pipes):
         stages: list[StagePlan] = []
         for k, st in enumerate(c.stages):
             nodes = given.get((p_index, k), [])
             send = None
             if k < len(c.links):
-                x = c.links[k]
+                x, lt = c.links[k], times.links[k]
                 block = getattr(cm.codecs, "block_size", None)
                 send = SendPlan(codec=x.codec, bytes=x.raw_bytes, seconds=x.forward_s,
-                                block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0))
+                                block_size=block(x.codec) if block else (128 if x.codec in ("int8", "int4") else 0),
+                                backward_seconds=lt.backward_s, latency_s=lt.latency_s)
+            t = times.stages[k]
+            # what the simulation took, so the plan simulates (and draws) as predicted wherever it is read
+            timing = StageTiming(forward_s=t.forward_s, backward_s=t.backward_s, sync_s=t.sync_s,
+                                 sync_hidden_s=t.sync_hidden_s, optimizer_s=t.optimizer_s, weight_s=t.weight_s,
+                                 split_s=t.split_s)
             stages.append(StagePlan(island=st.island.id, layers=(st.start, st.end), dp=st.cost.dp, tp=st.cost.tp,
                                     zero=st.cost.zero, recompute=st.cost.recompute,
                                     recompute_layers=[] if st.cost.recompute else list(st.cost.recompute_layers),
                                     compute_s=st.cost.time_s,
                                     memory_gb_per_device=st.memory_bytes / GB, send=send, nodes=nodes,
                                     in_flight=st.in_flight, defer_weights=st.defer,
-                                    defer_layers=list(st.defer_layers), lanes=st.cost.lanes))
+                                    defer_layers=list(st.defer_layers), lanes=st.cost.lanes, timing=timing))
         assert c.micro_batch * c.num_micro_batches == share
         pipelines.append(PipelinePlan(micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
                                       stages=stages))

@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from atoll.plan import lane_warmups
+from atoll.plan import Plan, lane_warmups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,6 +184,24 @@ class SimResult:
     def bubble_fraction(self) -> float:
         """Share of the pipeline time the busiest stage is idle."""
         return 1 - max(self.busy_s) / self.pipeline_time_s if self.pipeline_time_s > 0 else 0.0
+
+
+def plan_pipeline_times(plan: Plan, index: int = 0) -> PipelineTimes | None:
+    """The simulator's input for pipeline `index` of `plan`, as the planner simulated it when it made the plan
+    (its stages' `timing` and links' transfer times, carried in the plan); None for a plan whose stages carry no
+    timing (the coordinator's fallback plan)."""
+    pipe = plan.pipelines[index]
+    if any(s.timing is None for s in pipe.stages):
+        return None
+    stages = tuple(StageTimes(forward_s=t.forward_s, backward_s=t.backward_s, sync_s=t.sync_s,
+                              sync_hidden_s=t.sync_hidden_s, optimizer_s=t.optimizer_s, weight_s=t.weight_s,
+                              split_s=t.split_s, lanes=s.lanes)
+                   for s in pipe.stages for t in (s.timing,) if t is not None)
+    links = tuple(LinkTimes(forward_s=x.seconds, backward_s=x.backward_seconds or x.seconds, latency_s=x.latency_s)
+                  for s in pipe.stages[:-1] for x in (s.send,) if x is not None)
+    defer = tuple(s.defer_weights for s in pipe.stages)
+    return PipelineTimes(stages=stages, links=links, num_micro_batches=pipe.num_micro_batches,
+                         in_flight=tuple(s.in_flight for s in pipe.stages), defer=defer if any(defer) else ())
 
 
 def one_f_one_b_order(stage: int, num_stages: int, m: int, extra: int = 0, defer: int = 0) -> list[tuple[str, int]]:
