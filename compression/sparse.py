@@ -106,9 +106,9 @@ def _unpack(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
     """The first `count` integers of `width` bits (int64) packed in `data`."""
     if width == 0:
         return torch.zeros(count, dtype=torch.int64, device=data.device)
-    bits = _unpack_bits(data)[: count * width].view(count, width).to(torch.int64)
-    shifts = torch.arange(width, dtype=torch.int64, device=data.device)
-    return (bits << shifts).sum(1)
+    bits = _unpack_bits(data)[: count * width].view(count, width).to(torch.int32)
+    shifts = torch.arange(width, dtype=torch.int32, device=data.device)
+    return (bits << shifts).sum(1)  # int64
 
 
 @register
@@ -176,7 +176,7 @@ class Sparse2Codec(Codec):
         bitmap = torch.zeros(c, k + ((length - 1) >> low) + 1, dtype=torch.uint8, device=x.device)
         bitmap.scatter_(1, high, 1)
         return [scales.view(-1).view(torch.uint8), _pack_bits(bitmap.view(-1)),
-                _pack(idx.reshape(-1) & ((1 << low) - 1), low), _pack(codes.view(-1), 2)]
+                _pack((idx.reshape(-1) & ((1 << low) - 1)).to(torch.int32), low), _pack(codes.view(-1), 2)]
 
     # --- decode ------------------------------------------------------------------------------------------
 
