@@ -216,7 +216,8 @@ def run(s: Scenario) -> dict:
                     secs, cpu = time.perf_counter() - t1, cpus[-1]
         o = res.plan.outer
         if res.plan.mode == "outer" and o is not None:
-            outer = f"H={o.inner_steps} " + (f"topk{o.topk_fraction:.2g}" if o.codec == "topk" else o.codec)
+            outer = f"H={o.inner_steps} " + o.codec + (f"{o.topk_fraction:.2g}" if o.codec in ("topk", "sparse2")
+                                                      else "")
         elif len(cluster.regions) > 1:
             outer = "sync"
     except NoFeasiblePlan:
