@@ -409,17 +409,23 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     if plan is not None and plan.mode == "outer":
         from atoll.coordinator.outer import GroupProgress
 
-        # every planned group, also one that has not arrived at a round yet; copies, as nodes' arrivals change
-        # the progress while this reads it
+        # every planned group in the plan's order, also one that has not arrived at a round yet, then those it no
+        # longer plans; each by its name, as the progress is kept (a replan may reorder the groups). Copies, as
+        # nodes' arrivals change the progress while this reads it
         outer = dict(state.outer.progress)
-        for i in sorted(set(range(len(plan.groups))) | set(outer)):
-            g = outer.get(i) or GroupProgress()
+        names = [g.name for g in plan.groups]
+        total = sum(g.tokens for g in outer.values())
+        for name in names + sorted(set(outer) - set(names)):
+            g = outer.get(name) or GroupProgress(name=name)
             reply.group_usage.add(
-                group=i, name=plan.groups[i].name if i < len(plan.groups) else g.name, inner_step=g.inner_step,
-                tokens=g.tokens, round=g.round, rounds_in=g.rounds_in, rounds_missed=g.rounds_missed,
+                group=names.index(name) if name in names else 0, name=name, planned=name in names,
+                inner_step=g.inner_step, tokens=g.tokens, round=g.round, rounds_in=g.rounds_in,
+                rounds_missed=g.rounds_missed,
                 sync_bytes=float(sum(list(g.sync_bytes.values()))),  # summed over the group's nodes
                 sync_seconds=max(list(g.sync_seconds.values()), default=0.0),  # its slowest node
-                late_seconds=max(list(g.late_seconds.values()), default=0.0))
+                late_seconds=max(list(g.late_seconds.values()), default=0.0),
+                steps_per_round=g.steps_per_round(plan.global_batch * plan.seq_len),
+                wait_seconds_per_round=g.wait_per_round(), token_share=g.tokens / total if total else 0.0)
     reply.final_checkpoint_step = state.final_checkpoint_step()
     reply.anchor_mismatches = state.outer.anchor_mismatches
     reply.anchor_mismatch = state.outer.last_mismatch

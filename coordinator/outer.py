@@ -178,7 +178,8 @@ def anchor_mismatch(round_: int, layer: int, crcs: Mapping[str, int], groups: Ma
 
 @dataclass
 class GroupProgress:
-    """A group's outer progress, for `atoll status`."""
+    """A group's outer progress, for `atoll status`; kept by the group's name (its region), which a replan keeps
+    while it may list the groups in another order."""
 
     name: str = ""
     inner_step: int = 0
@@ -189,6 +190,34 @@ class GroupProgress:
     sync_bytes: dict[str, int] = field(default_factory=dict)
     sync_seconds: dict[str, float] = field(default_factory=dict)
     late_seconds: dict[str, float] = field(default_factory=dict)
+    round_tokens: dict[int, int] = field(default_factory=dict)
+    """Round -> tokens the group trained in it, for its `KEEP_DECIDED` newest rounds."""
+    round_waits: dict[int, float] = field(default_factory=dict)
+    """Round -> the longest any of its nodes waited on the exchange before it (reported with its arrival there),
+    for its `KEEP_DECIDED` newest rounds."""
+
+    def steps_per_round(self, tokens_per_step: int) -> float:
+        """Inner steps it trained per round, over its newest rounds (a group trains `tokens_per_step` a step)."""
+        got = list(self.round_tokens.values())  # (a copy: arrivals change it while the status reads it)
+        return sum(got) / len(got) / tokens_per_step if got and tokens_per_step > 0 else 0.0
+
+    def wait_per_round(self) -> float:
+        """Seconds its slowest node waited on an exchange per round, over its newest rounds."""
+        got = list(self.round_waits.values())
+        return sum(got) / len(got) if got else 0.0
+
+    def add_round(self, round_: int, node: str, tokens: int, stats: Mapping[str, float] | None) -> None:
+        """A node of the group arrived at `round_`, having trained `tokens` in it, with its previous exchange's stats."""
+        self.round_tokens[round_] = max(self.round_tokens.get(round_, 0), tokens)
+        if stats:
+            self.sync_bytes[node] = int(stats.get("bytes", 0))
+            self.sync_seconds[node] = float(stats.get("seconds", 0.0))
+            self.late_seconds[node] = float(stats.get("late", 0.0))
+            if round_ > 0:  # (the first round follows no exchange)
+                self.round_waits[round_] = max(self.round_waits.get(round_, 0.0), self.late_seconds[node])
+        for kept in (self.round_tokens, self.round_waits):
+            for old in sorted(kept)[:-KEEP_DECIDED]:
+                del kept[old]
 
 
 class OuterRounds:
@@ -204,7 +233,8 @@ class OuterRounds:
         self._fetched: dict[int, dict[str, int]] = {}
         """round -> node -> the newest decision version the node holds every contribution of."""
         self._decided: dict[int, Decision] = {}
-        self.progress: dict[int, GroupProgress] = {}
+        self.progress: dict[str, GroupProgress] = {}
+        """Group name -> its progress (`GroupProgress`)."""
         self.latest_decided = -1
         self._hashes: dict[tuple[int, int], dict[str, int]] = {}
         self._hash_groups: dict[str, str] = {}
@@ -267,14 +297,11 @@ class OuterRounds:
                         self._store.add_outer_arrival(OuterArrivalRecord(
                             round=round_, node_id=node, group=group, tokens=tokens, epoch=arrivals.epoch,
                             arrived_unix=now))
-                    p = self.progress.setdefault(group, GroupProgress())
-                    p.name = next((g.name for g in groups if g.index == group), p.name)
+                    name = next((g.name for g in groups if g.index == group), str(group))
+                    p = self.progress.setdefault(name, GroupProgress(name=name))
                     if round_ >= p.round:
                         p.round, p.inner_step = round_, max(p.inner_step, inner_step)
-                    if stats:
-                        p.sync_bytes[node] = int(stats.get("bytes", 0))
-                        p.sync_seconds[node] = float(stats.get("seconds", 0.0))
-                        p.late_seconds[node] = float(stats.get("late", 0.0))
+                    p.add_round(round_, node, tokens, stats)
                 if fetched_version:
                     self._fetched.setdefault(round_, {})[node] = fetched_version
             # (every complete group, not only the arriving node's: after a restart the times start afresh)
@@ -293,7 +320,9 @@ class OuterRounds:
                     log.warning("outer round %d: %s (version %d)", round_, again.reason, again.version)
                     decision = again
                     self._keep(round_, decision)
-                    p = self.progress.get(x.group)
+                    # (its index may be an older plan's: the group holding its nodes now, of the same region)
+                    name = next((g.name for g in groups if g.nodes & set(x.nodes)), None)
+                    p = self.progress.get(name) if name is not None else None
                     if p is not None:  # counted in with the first version: missed after all
                         p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
                         p.tokens = max(0, p.tokens - x.tokens)
@@ -318,7 +347,7 @@ class OuterRounds:
     def _count(self, decision: Decision, groups: Sequence[GroupInfo]) -> None:
         ins = {pt.group: pt.tokens for pt in decision.participants}
         for g in groups:
-            p = self.progress.setdefault(g.index, GroupProgress(name=g.name))
+            p = self.progress.setdefault(g.name, GroupProgress(name=g.name))
             if g.index in ins:
                 p.rounds_in += 1
                 p.tokens += ins[g.index]

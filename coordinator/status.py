@@ -158,7 +158,8 @@ def _progress_lines(s: pb.StatusReply) -> list[str]:
 def _step_headline(s: pb.StatusReply) -> str:
     """`step N`; in outer mode, where replica groups step at their own pace, the range from the slowest group's
     step to the fastest's (the newest report alone is the fastest group's)."""
-    steps = [g.inner_step for g in s.group_usage if g.tokens]  # a group yet to report a step has none
+    # a group yet to report a step has none; one the plan no longer lists trains no more
+    steps = [g.inner_step for g in s.group_usage if g.tokens and g.planned]
     if s.HasField("plan") and s.plan.mode == "outer" and len(steps) > 1 and min(steps) != max(steps):
         return f"step {min(steps)}-{max(steps)} (slowest-fastest of {len(steps)} groups training)"
     return f"step {s.step}"
@@ -177,10 +178,16 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
            f"{'overlapped' if o.overlap else 'blocking'}, deadline {o.deadline_seconds:g} s; predicted sync "
            f"{duration(o.sync_seconds)} per round vs {duration(o.round_seconds)} of compute"]
     if s.group_usage:
-        out.append("groups (SYNC: the newest exchange, bytes summed over the group's nodes, seconds of its slowest):")
-        rows = [["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]]
+        out.append("groups, by name (STEPS/ROUND and WAIT/ROUND: means over its newest rounds, WAIT of its slowest node; "
+                   "SHARE: of the tokens the rounds counted; SYNC: the newest exchange, bytes summed over the group's "
+                   "nodes, seconds of its slowest; GROUP -: no longer planned):")
+        rows = [["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "WAIT/ROUND", "SHARE", "TOKENS", "ROUND", "IN/MISSED",
+                 "SYNC-BYTES", "SYNC-S", "LATE-S"]]
         for g in s.group_usage:
-            rows.append([str(g.group), g.name, str(g.inner_step), f"{g.tokens:,}", str(g.round),
+            rows.append([str(g.group) if g.planned else "-", g.name, str(g.inner_step),
+                         f"{g.steps_per_round:.1f}" if g.steps_per_round > 0 else "-",
+                         _seconds(g.wait_seconds_per_round),
+                         f"{g.token_share:.0%}" if g.tokens else "-", f"{g.tokens:,}", str(g.round),
                          f"{g.rounds_in}/{g.rounds_missed}", _bytes(g.sync_bytes) if g.sync_bytes > 0 else "-",
                          _seconds(g.sync_seconds), _seconds(g.late_seconds)])
         out += _table(rows)

@@ -86,7 +86,7 @@ def test_a_contribution_out_of_reach_is_decided_again_for_everyone() -> None:
     d = _arrive(rounds, 6.0, "a0", unreachable=[d.participants[0]], version=2)
     assert d.final and d.version == 2 and [p.group for p in d.participants] == [0]
     # lab-b counted in with the first version, missed after all
-    assert (rounds.progress[1].rounds_in, rounds.progress[1].rounds_missed) == (0, 1)
+    assert (rounds.progress["lab-b"].rounds_in, rounds.progress["lab-b"].rounds_missed) == (0, 1)
 
 
 def test_decisions_as_pure_functions() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,58 @@ def test_handle_status_carries_the_groups_in_outer_mode() -> None:
     assert (c.name, c.tokens, c.rounds_in, c.rounds_missed, c.sync_bytes) == ("lab-c", 0, 0, 2, 0.0)
 
 
+def test_status_rows_stay_with_their_group_after_a_replan_reorders_the_groups() -> None:
+    """Rows are kept by the group's name: a replan that lists the groups in another order (a kept group first) must
+    not give a row another group's figures. Each row shows its inner steps and seconds waited per round and its
+    share of the tokens."""
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
+    first = outer_plan()  # lab-a (a), lab-b (b, c), lab-c (d): 512 tokens a step
+    state.publish(first, "test")
+
+    def infos(plan: Plan) -> list[GroupInfo]:
+        return [GroupInfo(index=i, name=g.name, since_epoch=1, nodes=frozenset(
+                    n for k in g.pipelines for st in plan.pipelines[k].stages for n in st.nodes))
+                for i, g in enumerate(plan.groups)]
+
+    def round_(plan: Plan, r: int, now: float, figures: dict[str, tuple[int, float]]) -> None:
+        """Every group arrives at round r: {name: (inner steps it trained, seconds it waited on the exchange)}."""
+        groups = infos(plan)
+        for g in groups:
+            steps, late = figures[g.name]
+            for n in sorted(g.nodes):
+                state.outer.arrive(now, round_=r, node=n, group=g.index, tokens=512 * steps, inner_step=10 * (r + 1),
+                                   groups=groups, deadline_s=30.0, stats={"bytes": 100, "seconds": 1.0, "late": late})
+
+    round_(first, 0, 0.0, {"lab-a": (6, 0.0), "lab-b": (3, 0.0), "lab-c": (1, 0.0)})
+    round_(first, 1, 10.0, {"lab-a": (6, 4.0), "lab-b": (3, 2.0), "lab-c": (1, 0.5)})
+    # the replan lists lab-c first, then lab-a and lab-b (their pipelines in that order)
+    second = outer_plan()
+    second.epoch = 2
+    second.pipelines = [second.pipelines[2], second.pipelines[0], second.pipelines[1]]
+    second.groups = [replace(second.groups[2], pipelines=[0]), replace(second.groups[0], pipelines=[1]),
+                     replace(second.groups[1], pipelines=[2])]
+    second.validate(4)
+    state.publish(second, "test")
+    round_(second, 2, 20.0, {"lab-a": (6, 2.0), "lab-b": (3, 1.0), "lab-c": (1, 1.5)})
+    s = h.handle_status(pb.StatusRequest(), state)
+    rows = {g.name: g for g in s.group_usage}
+    assert [(g.group, g.name) for g in s.group_usage] == [(0, "lab-c"), (1, "lab-a"), (2, "lab-b")]
+    a, b, c = rows["lab-a"], rows["lab-b"], rows["lab-c"]
+    assert (a.tokens, b.tokens, c.tokens) == (3 * 6 * 512, 3 * 3 * 512, 3 * 512)
+    assert all(g.planned and g.rounds_in == 3 and g.round == 2 for g in (a, b, c))
+    assert (a.steps_per_round, b.steps_per_round, c.steps_per_round) == (6.0, 3.0, 1.0)
+    assert (a.token_share, b.token_share, c.token_share) == pytest.approx((0.6, 0.3, 0.1))
+    # waits reported at rounds 1 and 2 (round 0 follows no exchange)
+    assert (a.wait_seconds_per_round, b.wait_seconds_per_round, c.wait_seconds_per_round) == pytest.approx(
+        (3.0, 1.5, 1.0))
+    text = format_status(s, now=0.0)
+    lines = text.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
+    row = next(line.split() for line in lines[lines.index(header):] if line.split()[1:2] == ["lab-a"])
+    assert row[:7] == ["1", "lab-a", "30", "6.0", "3.00", "s", "60%"]
+
+
 def status_reply() -> pb.StatusReply:
     s = pb.StatusReply(
         job=pb.JobInfo(job_id="j1", name="tiny", run_id="r9"), step=4, tokens_per_second=1067.0, has_loss=True, loss=1.0,
@@ -241,10 +294,13 @@ def outer_status_reply() -> pb.StatusReply:
     s = status_reply()
     s.plan.CopyFrom(plan_to_proto(outer_plan()))
     s.group_usage.add(group=0, name="lab-a", inner_step=100, tokens=2_048_000, round=1, rounds_in=2, rounds_missed=0,
-                      sync_bytes=float(3 << 29), sync_seconds=12.5, late_seconds=0.25)
+                      sync_bytes=float(3 << 29), sync_seconds=12.5, late_seconds=0.25, steps_per_round=50.0,
+                      wait_seconds_per_round=0.5, token_share=2 / 3, planned=True)
     s.group_usage.add(group=1, name="lab-b", inner_step=80, tokens=1_024_000, round=1, rounds_in=1, rounds_missed=1,
-                      sync_bytes=float(3 << 29), sync_seconds=13.0, late_seconds=4.0)
-    s.group_usage.add(group=2, name="lab-c")
+                      sync_bytes=float(3 << 29), sync_seconds=13.0, late_seconds=4.0, steps_per_round=40.0,
+                      wait_seconds_per_round=4.0, token_share=1 / 3, planned=True)
+    s.group_usage.add(group=2, name="lab-c", planned=True)
+    s.group_usage.add(name="lab-d", inner_step=20, rounds_missed=2)  # no longer planned
     return s
 
 
@@ -256,16 +312,20 @@ def test_the_table_shows_outer_mode_and_its_groups() -> None:
             "deadline 30 s; predicted sync 11.20 s per round vs 14.00 s of compute") in text
     lines = text.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
-    assert header.split() == ["GROUP", "NAME", "INNER-STEP", "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S",
-                              "LATE-S"]
-    rows = [line.split() for line in lines[lines.index(header) + 1:lines.index(header) + 4]]
-    assert rows[0] == ["0", "lab-a", "100", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50", "s", "250", "ms"]
-    assert rows[1][:6] == ["1", "lab-b", "80", "1,024,000", "1", "1/1"] and rows[1][-2:] == ["4.00", "s"]
-    assert rows[2] == ["2", "lab-c", "0", "0", "0", "0/0", "-", "-", "-"]
+    assert header.split() == ["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "WAIT/ROUND", "SHARE", "TOKENS", "ROUND",
+                              "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]
+    rows = [line.split() for line in lines[lines.index(header) + 1:lines.index(header) + 5]]
+    assert rows[0] == ["0", "lab-a", "100", "50.0", "500", "ms", "67%", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50",
+                       "s", "250", "ms"]
+    assert rows[1][:10] == ["1", "lab-b", "80", "40.0", "4.00", "s", "33%", "1,024,000", "1", "1/1"]
+    assert rows[1][-2:] == ["4.00", "s"]
+    assert rows[2] == ["2", "lab-c", "0", "-", "-", "-", "0", "0", "0/0", "-", "-", "-"]
+    assert rows[3] == ["-", "lab-d", "20", "-", "-", "-", "0", "0", "0/2", "-", "-", "-"]
     assert "pipeline 1: micro-batch 2 x 4, replica group lab-b" in text
     data = json.loads(status_json(outer_status_reply()))
     assert data["plan"]["mode"] == "outer"
-    assert [(g["name"], g["rounds_missed"]) for g in data["group_usage"]] == [("lab-a", 0), ("lab-b", 1), ("lab-c", 0)]
+    assert [(g["name"], g["rounds_missed"]) for g in data["group_usage"]] == [("lab-a", 0), ("lab-b", 1), ("lab-c", 0),
+                                                                             ("lab-d", 2)]
     assert data["group_usage"][0]["sync_seconds"] == 12.5
     blocking = outer_status_reply()
     blocking.plan.outer.overlap = False

@@ -967,7 +967,7 @@ class JobControlReply(_message.Message):
     def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GroupUsage(_message.Message):
-    __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds")
+    __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds", "steps_per_round", "wait_seconds_per_round", "token_share", "planned")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -978,6 +978,10 @@ class GroupUsage(_message.Message):
     SYNC_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_FIELD_NUMBER: _ClassVar[int]
     group: int
     name: str
     inner_step: int
@@ -988,7 +992,11 @@ class GroupUsage(_message.Message):
     sync_bytes: float
     sync_seconds: float
     late_seconds: float
-    def __init__(self, group: _Optional[int] = ..., name: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., round: _Optional[int] = ..., rounds_in: _Optional[int] = ..., rounds_missed: _Optional[int] = ..., sync_bytes: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ...) -> None: ...
+    steps_per_round: float
+    wait_seconds_per_round: float
+    token_share: float
+    planned: bool
+    def __init__(self, group: _Optional[int] = ..., name: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., round: _Optional[int] = ..., rounds_in: _Optional[int] = ..., rounds_missed: _Optional[int] = ..., sync_bytes: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., steps_per_round: _Optional[float] = ..., wait_seconds_per_round: _Optional[float] = ..., token_share: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
     __slots__ = ("sender", "payload")
