@@ -3,8 +3,9 @@
     python -m bench.tp [--model small --seq 128 --batch 8 --micro-batches 2 --steps 4]
     (or python bench/tp.py, from any folder)
 
-Runs, each in its own OS processes (torch.distributed over gloo on CPU, NCCL with --device cuda), the whole
-model as one stage, the same global batch, micro-batches, seed and AdamW with clipping:
+Runs, each in its own OS processes (torch.distributed over gloo on CPU, NCCL with --device cuda: gloo between
+ranks that share a GPU), the whole model as one stage, the same global batch, micro-batches, seed and AdamW
+with clipping:
 - tp=1: one process, unsharded, one torch thread;
 - tp=2: two processes, one torch thread each, the stage sharded by `atoll.node.tp` (Megatron layout with
   DTensor; vocab-parallel embedding and head);
@@ -91,7 +92,9 @@ def _worker(args: dict) -> None:
     torch.set_num_threads(args["threads"])
     tp_size, dp = args["tp"], args.get("dp", 1)
     rank, replica = args["rank"] % tp_size, args["rank"] // tp_size  # rank: the tp rank; processes replica-major
-    device = torch.device(args["device"] if args["device"] == "cpu" else f"cuda:{args['rank']}")
+    # rank r on GPU r, round robin where there are fewer GPUs than ranks (ranks sharing one meet over gloo)
+    device = torch.device("cpu") if args["device"] == "cpu" else \
+        torch.device("cuda", args["rank"] % torch.cuda.device_count())
     config = replace(preset(args["model"]), seq_len=args["seq"])
     cfg = StageConfig(micro_batches=args["micro_batches"], lr=3e-3, max_grad_norm=1.0,
                       recv_timeout=timedelta(seconds=120), collective_timeout=timedelta(seconds=120))
@@ -196,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (default: 2)")
     ap.add_argument("--steps", type=int, default=4, help="steps, the first a warm-up (default: 4)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu (gloo), or cuda: rank r on cuda:r (NCCL), two GPUs needed")
+                    help="cpu (gloo), or cuda: rank r on GPU r (NCCL), round robin where there are fewer GPUs "
+                         "(ranks sharing one GPU meet over gloo)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:

@@ -1160,7 +1160,13 @@ def run_node_cli(args: argparse.Namespace) -> int:
         check_dial_address(args.advertise, "--advertise")
     from atoll.node.profiler import parse_device
 
-    parse_device(args.device)  # a typo, or a GPU this machine lacks, is said now, not once the coordinator answers
+    device = parse_device(args.device)  # a typo, or a GPU this machine lacks, is said now, not once the coordinator answers
+    if device.type == "cuda" and device.index is not None:
+        import torch
+
+        # the process's current GPU: what a library allocates without naming a device (NCCL's set-up, a bare
+        # synchronize) lands there, not in a context of its own on GPU 0
+        torch.cuda.set_device(device)
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise ValueError(f"the node needs the job token: --token, --token-file or {TOKEN_ENV}")

@@ -189,8 +189,8 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
     prefixed = dist.PrefixStore(prefix, store)
     # a newer plan ends the wait for peers not coming; `gone` a peer whose process is gone
     backend, why = arrive_on_devices(prefixed, rank=rank, size=size, device=device, timeout=timeout, gone=gone)
-    if device.type == "cuda" and backend == "gloo":
-        log.info("group %s of %d ranks runs over gloo: %s", prefix.rstrip("/"), size, why)
+    if device.type == "cuda":  # gloo where ranks share a GPU
+        log.info("group %s of %d ranks runs over %s: %s", prefix.rstrip("/"), size, backend, why)
     if backend == "nccl":
         # the group's own timeout bounds an operation a run abandoned (`release_later` drops the group after it)
         options = dist.ProcessGroupNCCL.Options()

@@ -274,8 +274,8 @@ class TensorParallel:
         prefixed = dist.PrefixStore(prefix, store)
         # a newer plan ends the wait for peers not coming
         backend, why = arrive_on_devices(prefixed, rank=rank, size=size, device=device, timeout=timeout)
-        if device.type == "cuda" and backend == "gloo":
-            log.info("tp group %s of %d ranks runs over gloo: %s", prefix.rstrip("/"), size, why)
+        if device.type == "cuda":  # gloo where ranks share a GPU
+            log.info("tp group %s of %d ranks runs over %s: %s", prefix.rstrip("/"), size, backend, why)
         # device_id binds an NCCL communicator to this rank's GPU at once; gloo takes no device
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size, timeout=timeout,
                                 device_id=device_id if backend == "nccl" else None)
