@@ -1,0 +1,188 @@
+"""Outer rounds by wall-clock time: how many inner steps each replica group trains a round, from its live pace.
+
+Why this design. Outer mode syncs replica groups every round; a round is decided once every group has arrived, so
+the slowest group paces all of them. The planner splits the work from the start-up profiles (`group_inner_steps`),
+and when a profile is wrong (a node under a cgroup quota that profiled at full speed, a co-tenant that came later)
+the fast groups wait out most of every round. Of the designs in the literature:
+- asynchronous outer steps with staleness-aware weights (async DiLoCo, Decoupled DiLoCo) would drop the round
+  barrier, but every node would then apply a different sequence of updates, against the one decision per round
+  that every node applies (the coordinator's), the anchor hashes that check it, and the durable round state;
+- streaming partial sync (Streaming DiLoCo) staggers fragments to spread the bandwidth, and already runs here as
+  the overlapped exchange; it does nothing about unequal compute;
+- rounds by wall-clock time keep the barrier and everything built on it: every group trains the inner steps that
+  fit in the round's target time at its own measured pace, and the average weights each contribution by the tokens
+  it trained (`node/outer.py` averages by `Participant.tokens`), so a group that trained fewer steps counts for
+  less and no step is wasted. This is the choice.
+
+What is decided (`round_steps`, a pure function of (now, state, options)):
+- each group's inner step time, live (`step_time`): every node reports, with its arrival at a round, the median
+  wall time of the round's inner steps on its clock, not counting its waits on the outer sync (landing an
+  exchange); a group's figure for the round is its slowest node's, and its estimate the median over its newest
+  rounds covering at least `PaceOptions.min_steps` steps (the newest round alone where it had that many: a group
+  that slowed down is seen within one round). Per round rather than from the step reports (`progress.step_times`):
+  reports are dropped when the coordinator falls behind, a window of recent reports of a large job holds few of a
+  slow group's steps, and `step_seconds` leaves out data loading and evaluation, which a round's wall time holds;
+- the round's target T = H (the plan's inner steps of the fastest group) x the fastest group's live step time;
+- each group's steps = round(T / its step time), within [1, H], changed only when the current figure is off by more
+  than `hysteresis` of it and by more than half a step (so noise at a rounding boundary does not flap it).
+
+The steps decided when round r is decided are for round r + `LEAD_ROUNDS`: with the overlapped exchange a node
+applies round r's decision at the latest at the end of round r + 1, so every node of a group learns the figure
+before the round it applies to starts, and all of them switch at the same inner step (their collectives
+would deadlock otherwise). Nodes take the figure only from the decision, and keep the plan's where none came.
+
+The outer deadline (how long a round waits for a late group) follows the live round too (`outer_deadline`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+LEAD_ROUNDS = 2
+"""The steps decided with round r are for round r + LEAD_ROUNDS (see the module docstring)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaceOptions:
+    """How the groups' inner steps per round follow their live step times."""
+
+    hysteresis: float = 0.10
+    """A group's steps change only when round(T / step time) differs from them by more than this fraction (and by
+    more than half a step): step times vary by a few percent from round to round."""
+    min_steps: int = 3
+    """Steps a group's estimate covers at least (its newest rounds until they hold this many)."""
+    window_rounds: int = 4
+    """Newest rounds of figures kept per group."""
+    max_age_s: float = 600.0
+    """A figure older than this counts no more (a group stalled that long is measured afresh)."""
+    deadline_rounds: float = 2.0
+    """The outer deadline is at least this many live rounds (`outer_deadline`)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if self.min_steps < 1 or self.window_rounds < 1:
+            raise ValueError(f"min_steps and window_rounds must be >= 1, got {self.min_steps} and "
+                             f"{self.window_rounds}")
+        if self.max_age_s <= 0 or self.deadline_rounds <= 0:
+            raise ValueError(f"max_age_s and deadline_rounds must be positive, got {self.max_age_s} and "
+                             f"{self.deadline_rounds}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundPace:
+    """One group's pace in one round: its slowest node's median inner step, over `steps` steps."""
+
+    round: int
+    seconds: float
+    steps: int
+    unix: float
+    """When it was reported (the group's arrival at the round)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPace:
+    """What the decision knows of one replica group."""
+
+    name: str
+    since_epoch: int
+    steps: int
+    """Inner steps a round it trains now: the newest figure decided for it, else the plan's."""
+    paces: tuple[RoundPace, ...] = ()
+    """Its newest rounds' figures, oldest first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaceState:
+    h: int
+    """The plan's H: inner steps per round of the fastest group."""
+    groups: tuple[GroupPace, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSteps:
+    """Inner steps a round of one replica group (named by its name and the epoch it has run since)."""
+
+    name: str
+    since_epoch: int
+    steps: int
+    step_s: float = 0.0
+    """The live step time it was decided from (0: none measured; the group kept its steps)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaceDecision:
+    groups: tuple[GroupSteps, ...]
+    target_s: float
+    """T: the round's target wall time (0: no live figure yet)."""
+    round_s: float
+    """The longest of the groups' rounds under these steps at their live pace (0: no live figure)."""
+    reason: str
+    decided_unix: float = 0.0
+    changed: tuple[str, ...] = field(default=())
+    """The groups whose steps changed."""
+
+    def steps_of(self, name: str, since_epoch: int) -> int | None:
+        return next((g.steps for g in self.groups if g.name == name and g.since_epoch == since_epoch), None)
+
+
+def step_time(now: float, paces: Sequence[RoundPace], options: PaceOptions) -> float | None:
+    """A group's live inner step time: the median of its newest rounds' figures (newest first until they cover
+    `min_steps` steps), those older than `max_age_s` left out; None without a figure."""
+    fresh = [p for p in paces if p.seconds > 0 and p.steps > 0 and now - p.unix <= options.max_age_s]
+    used: list[float] = []
+    covered = 0
+    for p in sorted(fresh, key=lambda p: p.round, reverse=True)[:options.window_rounds]:
+        used.append(p.seconds)
+        covered += p.steps
+        if covered >= options.min_steps:
+            break
+    return statistics.median(used) if used else None
+
+
+def _keep(current: int, ideal: float, hysteresis: float) -> bool:
+    off = abs(ideal - current)
+    return off <= hysteresis * current or off <= 0.5 + hysteresis
+
+
+def round_steps(now: float, state: PaceState, options: PaceOptions) -> PaceDecision:
+    """Each group's inner steps a round from its live step time (see the module docstring), with the reason."""
+    h = max(1, state.h)
+    live = {i: s for i, g in enumerate(state.groups) if (s := step_time(now, g.paces, options)) is not None}
+    if not live:
+        return PaceDecision(groups=tuple(GroupSteps(name=g.name, since_epoch=g.since_epoch, steps=g.steps)
+                                         for g in state.groups),
+                            target_s=0.0, round_s=0.0, reason="no live step times yet: the plan's inner steps",
+                            decided_unix=now)
+    fastest = min(live, key=lambda i: live[i])
+    target = h * live[fastest]
+    out, changed, notes = [], [], []
+    for i, g in enumerate(state.groups):
+        s = live.get(i)
+        steps = min(h, max(1, g.steps))
+        if s is not None:
+            ideal = target / s
+            if not _keep(steps, ideal, options.hysteresis):
+                new = min(h, max(1, round(ideal)))
+                if new != steps:
+                    changed.append(g.name)
+                    notes.append(f"{g.name} {steps} -> {new} ({s:.3g} s a step)")
+                    steps = new
+        out.append(GroupSteps(name=g.name, since_epoch=g.since_epoch, steps=steps, step_s=s or 0.0))
+    round_s = max(x.steps * x.step_s for x in out)
+    missing = sorted(g.name for i, g in enumerate(state.groups) if i not in live)
+    reason = (f"rounds of {target:.3g} s (H={h} steps of {state.groups[fastest].name}'s {live[fastest]:.3g} s): "
+              + ("; ".join(notes) if notes else "every group's steps fit within "
+                 f"{options.hysteresis:.0%}")
+              + (f"; no live figure yet for {', '.join(missing)} (kept)" if missing else ""))
+    return PaceDecision(groups=tuple(out), target_s=target, round_s=round_s, reason=reason, decided_unix=now,
+                        changed=tuple(changed))
+
+
+def outer_deadline(planned_s: float, round_s: float, options: PaceOptions) -> float:
+    """How long a round waits for a late group after the first arrived: the plan's figure (the job's setting, or the
+    planner's from the predicted round), and at least `deadline_rounds` live rounds, so a group whose rounds run
+    longer than predicted is not left out of every round."""
+    return max(planned_s, options.deadline_rounds * round_s)

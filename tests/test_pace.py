@@ -1,0 +1,89 @@
+"""Outer rounds by wall-clock time (`atoll.coordinator.pace`): each replica group's inner steps a round follow its
+live step time, with hysteresis, and the outer deadline follows the live round."""
+
+from __future__ import annotations
+
+import pytest
+
+from atoll.coordinator.pace import (GroupPace, PaceOptions, PaceState, RoundPace, outer_deadline, round_steps,
+                                    step_time)
+
+OPTS = PaceOptions()
+
+
+def _paces(seconds: list[float], steps: int, first_round: int = 0, unix: float = 100.0) -> tuple[RoundPace, ...]:
+    return tuple(RoundPace(round=first_round + k, seconds=s, steps=steps, unix=unix) for k, s in enumerate(seconds))
+
+
+def _group(name: str, steps: int, seconds: list[float], per_round: int | None = None) -> GroupPace:
+    return GroupPace(name=name, since_epoch=1, steps=steps, paces=_paces(seconds, per_round or steps))
+
+
+def test_uneven_groups_get_steps_in_proportion_to_their_speed() -> None:
+    """Three regions planned alike from their profiles (H=20 each) measure 0.1, 0.2 and 0.5 s a step: rounds of
+    20 x 0.1 s, and the others train the steps that fit, 10 and 4 (the fastest no longer waits 8 s a round)."""
+    state = PaceState(h=20, groups=(_group("a", 20, [0.1, 0.1]), _group("b", 20, [0.2, 0.2]),
+                                    _group("c", 20, [0.5, 0.5])))
+    d = round_steps(120.0, state, OPTS)
+    assert [g.steps for g in d.groups] == [20, 10, 4], d.reason
+    assert d.target_s == pytest.approx(2.0) and d.round_s == pytest.approx(2.0)
+    assert set(d.changed) == {"b", "c"} and "b 20 -> 10" in d.reason
+    assert [g.step_s for g in d.groups] == pytest.approx([0.1, 0.2, 0.5])
+    # a group far slower than the round still trains one step (it cannot train less)
+    d = round_steps(120.0, PaceState(h=4, groups=(_group("a", 4, [0.1]), _group("z", 4, [1.0]))), OPTS)
+    assert [g.steps for g in d.groups] == [4, 1] and d.round_s == pytest.approx(1.0)
+    # no group trains more than H, however fast (H is the fastest group's)
+    d = round_steps(120.0, PaceState(h=5, groups=(_group("a", 2, [0.1]), _group("b", 5, [0.3]))), OPTS)
+    assert [g.steps for g in d.groups] == [5, 2], d.reason
+
+
+def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
+    """Within 10% (or half a step) of the ideal the steps stay; past it they move, and back-and-forth noise at a
+    rounding boundary does not flap them."""
+    near = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 46, [0.105])))  # ideal 47.6
+    assert [g.steps for g in round_steps(120.0, near, OPTS).groups] == [50, 46]
+    far = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 40, [0.105])))  # ideal 47.6: off 19%
+    assert [g.steps for g in round_steps(120.0, far, OPTS).groups] == [50, 48]
+    # a group of 2-3 steps a round whose time straddles the boundary (ideal 2.45 then 2.56 then 2.44)
+    steps = 2
+    for s in (0.408, 0.39, 0.41, 0.392):
+        state = PaceState(h=10, groups=(_group("a", 10, [0.1]), _group("b", steps, [s])))
+        steps = round_steps(120.0, state, OPTS).groups[1].steps
+        assert steps == 2, s
+    # no hysteresis: every change is taken
+    assert round_steps(120.0, near, PaceOptions(hysteresis=0.0)).groups[1].steps == 48
+
+
+def test_a_group_that_slows_down_gets_fewer_steps_within_one_round() -> None:
+    """b trained 10 steps a round at 0.1 s for rounds 0-5, then 0.3 s in round 6 (a co-tenant came): the next
+    decision gives it 3 steps (rounds of 10 x 0.1 s), from its newest round alone, which held min_steps steps."""
+    a = _group("a", 10, [0.1] * 7)
+    b = GroupPace(name="b", since_epoch=1, steps=10, paces=_paces([0.1] * 6 + [0.3], 10)[-OPTS.window_rounds:])
+    d = round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS)
+    assert [g.steps for g in d.groups] == [10, 3], d.reason
+    # ... and back when it recovers
+    b = GroupPace(name="b", since_epoch=1, steps=3, paces=_paces([0.3, 0.1], 3, first_round=6))
+    assert round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS).groups[1].steps == 10
+    # a group of 1 step a round is measured over its newest rounds until they cover min_steps steps
+    paces = _paces([0.9, 0.5, 0.5], 1)
+    assert step_time(120.0, paces, OPTS) == pytest.approx(0.5)
+    assert step_time(120.0, paces[:1], OPTS) == pytest.approx(0.9)
+
+
+def test_without_live_figures_the_steps_stay_and_old_figures_expire() -> None:
+    state = PaceState(h=10, groups=(_group("a", 10, []), _group("b", 7, [])))
+    d = round_steps(120.0, state, OPTS)
+    assert [g.steps for g in d.groups] == [10, 7] and d.target_s == 0 and "no live" in d.reason
+    # one group measured: it sets the round; the other keeps its steps until it is measured
+    state = PaceState(h=10, groups=(_group("a", 10, [0.2]), _group("b", 7, [])))
+    d = round_steps(120.0, state, OPTS)
+    assert [g.steps for g in d.groups] == [10, 7] and "no live figure yet for b" in d.reason
+    # figures older than max_age_s count no more
+    assert step_time(100.0 + OPTS.max_age_s + 1, _paces([0.2], 10), OPTS) is None
+
+
+def test_the_outer_deadline_follows_the_live_round() -> None:
+    assert outer_deadline(30.0, 4.0, OPTS) == 30.0  # the plan's figure is the least
+    assert outer_deadline(30.0, 40.0, OPTS) == 80.0  # rounds longer than planned: two of them
+    with pytest.raises(ValueError, match="hysteresis"):
+        PaceOptions(hysteresis=1.5)
