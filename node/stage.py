@@ -458,6 +458,7 @@ class PipelineStage:
             zero.reduce_gradients()
         elif self.grad_averager is not None:
             self.grad_averager.average_(params, cfg.collective_timeout)
+        self._sync()  # an NCCL wait only orders the stream: the reduction's time counts here, not in what follows
         sync += time.perf_counter() - s0
         grad_bytes = zero.peak_grad_bytes if zero is not None else _grad_bytes(params)
 
@@ -504,6 +505,7 @@ class PipelineStage:
         pipeline_end = time.perf_counter()
         if not found_inf:  # an overflow anywhere: no stage of any replica steps (see atoll.node.precision)
             self.optimizer.step()
+            self._sync()  # the step's kernels (and ZeRO's all-gather) run asynchronously on a GPU
         if scaler is not None:
             scaler.update(found_inf)
         end = time.perf_counter()
