@@ -707,7 +707,7 @@ class RunFailure(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes", "step_seconds", "round_steps")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -724,6 +724,8 @@ class OuterSyncRequest(_message.Message):
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_STEPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -740,7 +742,21 @@ class OuterSyncRequest(_message.Message):
     unreachable: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
     version: int
     anchor_hashes: _containers.RepeatedCompositeFieldContainer[OuterAnchorHash]
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ...) -> None: ...
+    step_seconds: float
+    round_steps: int
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., round_steps: _Optional[int] = ...) -> None: ...
+
+class OuterGroupSteps(_message.Message):
+    __slots__ = ("group", "since_epoch", "inner_steps", "step_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    since_epoch: int
+    inner_steps: int
+    step_seconds: float
+    def __init__(self, group: _Optional[str] = ..., since_epoch: _Optional[int] = ..., inner_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class OuterAnchorHash(_message.Message):
     __slots__ = ("round", "layer", "crc32")
@@ -765,7 +781,7 @@ class OuterParticipant(_message.Message):
     def __init__(self, group: _Optional[int] = ..., tokens: _Optional[int] = ..., since_epoch: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OuterSyncReply(_message.Message):
-    __slots__ = ("decided", "participants", "wait_seconds", "latest_round", "version", "final", "checkpointer")
+    __slots__ = ("decided", "participants", "wait_seconds", "latest_round", "version", "final", "checkpointer", "inner_steps", "steps_round")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -773,6 +789,8 @@ class OuterSyncReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTER_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_ROUND_FIELD_NUMBER: _ClassVar[int]
     decided: bool
     participants: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
     wait_seconds: float
@@ -780,7 +798,9 @@ class OuterSyncReply(_message.Message):
     version: int
     final: bool
     checkpointer: OuterParticipant
-    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ..., version: _Optional[int] = ..., final: _Optional[bool] = ..., checkpointer: _Optional[_Union[OuterParticipant, _Mapping]] = ...) -> None: ...
+    inner_steps: _containers.RepeatedCompositeFieldContainer[OuterGroupSteps]
+    steps_round: int
+    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ..., version: _Optional[int] = ..., final: _Optional[bool] = ..., checkpointer: _Optional[_Union[OuterParticipant, _Mapping]] = ..., inner_steps: _Optional[_Iterable[_Union[OuterGroupSteps, _Mapping]]] = ..., steps_round: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("history_points",)
@@ -967,7 +987,7 @@ class JobControlReply(_message.Message):
     def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GroupUsage(_message.Message):
-    __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds", "steps_per_round", "wait_seconds_per_round", "token_share", "planned")
+    __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds", "steps_per_round", "wait_seconds_per_round", "token_share", "planned", "step_seconds", "assigned_steps", "round_target_seconds")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -982,6 +1002,9 @@ class GroupUsage(_message.Message):
     WAIT_SECONDS_PER_ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_SHARE_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     group: int
     name: str
     inner_step: int
@@ -996,7 +1019,10 @@ class GroupUsage(_message.Message):
     wait_seconds_per_round: float
     token_share: float
     planned: bool
-    def __init__(self, group: _Optional[int] = ..., name: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., round: _Optional[int] = ..., rounds_in: _Optional[int] = ..., rounds_missed: _Optional[int] = ..., sync_bytes: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., steps_per_round: _Optional[float] = ..., wait_seconds_per_round: _Optional[float] = ..., token_share: _Optional[float] = ..., planned: _Optional[bool] = ...) -> None: ...
+    step_seconds: float
+    assigned_steps: int
+    round_target_seconds: float
+    def __init__(self, group: _Optional[int] = ..., name: _Optional[str] = ..., inner_step: _Optional[int] = ..., tokens: _Optional[int] = ..., round: _Optional[int] = ..., rounds_in: _Optional[int] = ..., rounds_missed: _Optional[int] = ..., sync_bytes: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., steps_per_round: _Optional[float] = ..., wait_seconds_per_round: _Optional[float] = ..., token_share: _Optional[float] = ..., planned: _Optional[bool] = ..., step_seconds: _Optional[float] = ..., assigned_steps: _Optional[int] = ..., round_target_seconds: _Optional[float] = ...) -> None: ...
 
 class ProbeChunk(_message.Message):
     __slots__ = ("sender", "payload")
