@@ -11,8 +11,9 @@ The coordinator's decision is the only one: every node applies exactly its set o
 out (late, crashed, cut off) included. A node fetches each contribution from any node that holds it, within a
 bound; one that stays out of its reach past the bound is reported, and the round is decided again for everyone
 without it (`redecide`: a new version of the decision). Nodes apply a decision only once it is final
-(`decision_final`): every node that arrived at the round holds its contributions, or `FINAL_AFTER_BOUNDS`
-fetch bounds passed since it was made. Arrivals and decisions are written to the store as they happen, so a
+(`decision_final`): every node that arrived at the round and still trains in its group holds its contributions,
+or `FINAL_AFTER_BOUNDS` fetch bounds passed since it was made. Arrivals and decisions are written to the store as
+they happen, so a
 restarted coordinator resumes the rounds in flight (nodes repeat their arrival with every question, too).
 
 Each node reports a crc32 of its anchor per layer once a round landed (`anchor_mismatch`): the same layer's
@@ -326,8 +327,12 @@ class OuterRounds:
                     if p is not None:  # counted in with the first version: missed after all
                         p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
                         p.tokens = max(0, p.tokens - x.tokens)
-            final, why = decision_final(now, decision, arrivals.nodes, self._fetched.get(round_, {}),
-                                        FINAL_AFTER_BOUNDS * (fetch_bound_s or deadline_s))
+            # who must hold the decision's contributions: the nodes that arrived and still train in a group that ran
+            # unchanged since the round began (a dead node, or one whose group was planned afresh, takes the outer
+            # state anew rather than applying this round)
+            kept = {n for g in groups if not arrivals.epoch or g.since_epoch <= arrivals.epoch for n in g.nodes}
+            final, why = decision_final(now, decision, [n for n in arrivals.nodes if n in kept],
+                                        self._fetched.get(round_, {}), FINAL_AFTER_BOUNDS * (fetch_bound_s or deadline_s))
             if not final:
                 return decision
             decision = replace(decision, final=True)

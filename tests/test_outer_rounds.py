@@ -160,3 +160,18 @@ def test_an_outer_sync_with_bad_reports_is_refused() -> None:
     with pytest.raises(InvalidArgument, match="unreachable"):
         h.handle_outer_sync(pb.OuterSyncRequest(job_id=state.job.id, node_id="a0", plan_epoch=1, round=2, group=0,
                                                 arrived=True, unreachable=[pb.OuterParticipant()] * 3), state)
+
+
+def test_a_round_is_final_without_nodes_no_longer_in_an_unchanged_group() -> None:
+    """lab-b lost a node after it arrived and was planned afresh (a new since-epoch): its nodes take the outer state
+    anew rather than apply the round, so the round is final once lab-a holds the decision's contributions, not after
+    the bound (which stalled the surviving region)."""
+    rounds = OuterRounds()
+    for n in ("a0", "a1", "b0"):
+        d = _arrive(rounds, 0.0, n)
+    assert d.decided
+    replanned = [GROUPS[0], GroupInfo(index=1, name="lab-b", nodes=frozenset({"b1"}), since_epoch=2)]
+    for n in ("a0", "a1"):
+        d = rounds.arrive(1.0, round_=3, node=n, group=0, tokens=100, inner_step=0, groups=replanned,
+                          deadline_s=DEADLINE, epoch=1, fetched_version=1)
+    assert d.final, d
