@@ -12,8 +12,10 @@ import secrets
 from collections.abc import Callable, Iterator
 
 from atoll.coordinator import validation as v
+from atoll.coordinator import claims
+from atoll.coordinator.authz import PermissionDenied
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
-                                      Unauthenticated)
+                                      Unauthenticated, Unavailable)
 from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.islands import device_class
 from atoll.coordinator.membership import RunFailureRecord, join_decision, lease_deadline
@@ -213,16 +215,37 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
         v.check_seconds(name, getattr(req, name))
     if not req.loss_scale >= 0 or req.loss_scale == float("inf"):  # NaN fails the first test
         raise InvalidArgument(f"loss_scale = {req.loss_scale} must be finite and >= 0 (0: not fp16)")
-    state.store.add_step(metrics)
+    _check_step_claims(req, state)
+    state.record_step(metrics)
     state.record_history(metrics)
     target = state.target_steps
-    if req.has_loss and not state.control.finished_unix:  # a last stage's report may be the job's last step
-        plan = state.current_plan()
-        # outer mode: each replica group ends at its own last inner step (`job_complete` knows them)
-        complete = state.job_complete() if plan is not None and plan.mode == "outer" else req.step + 1 >= target
-        if complete:  # finished once its final checkpoint is held too
+    if req.step + 1 >= target and not state.control.finished_unix:  # the job's last step, if others say so too
+        # (outer mode: each replica group ends at its own last inner step; `job_complete` knows them)
+        if state.job_complete():  # finished once its final checkpoint is held too
             state.note_trained(state.clock())
     return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= target, target_steps=target)
+
+
+def _check_step_claims(req: pb.StepMetrics, state: CoordinatorState) -> None:
+    """A step report's claims against the plan of its epoch (`atoll.coordinator.claims`): a loss only from the
+    pipeline's last stage, a step in line with its peers'. Before the first plan there is nothing to check against."""
+    if state.current_plan() is None:
+        return
+    plan = state.plan_of(req.plan_epoch) if req.plan_epoch else None
+    if plan is None:
+        raise FailedPrecondition(f"step metrics for plan epoch {req.plan_epoch}, which never ran; the plans run so far "
+                                 f"are 1-{state.epoch}")
+    if req.has_loss or req.has_val_loss:
+        why = claims.loss_refusal(plan, req.node_id, req.pipeline)
+        if why:
+            raise PermissionDenied(f"ReportStep: {why}; the report is refused")
+    why = state.step_refusal(plan, req.node_id, req.step)
+    if why:
+        # the newest plan's report may be early (its peers' reports held back): the node keeps it and retries; an
+        # older plan's peers have moved on, and will not catch up
+        if plan.epoch == state.epoch:
+            raise Unavailable(f"ReportStep of node {req.node_id}: {why}")
+        raise FailedPrecondition(f"ReportStep of node {req.node_id}, plan epoch {plan.epoch}: {why}")
 
 
 def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) -> pb.Ack:
@@ -266,7 +289,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     if req.plan_epoch > plan.epoch:
         raise FailedPrecondition(f"outer sync for plan epoch {req.plan_epoch}, but the newest is {plan.epoch}")
     groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
-                        nodes=frozenset(plan.group_nodes(i))) for i, g in enumerate(plan.groups)]
+                        nodes=frozenset(plan.group_nodes(i)), inner_steps=g.inner_steps)
+              for i, g in enumerate(plan.groups)]
     group = req.group
     if req.plan_epoch < plan.epoch:
         # a node that has not adopted the newest plan yet names its group by its own plan's index, which the
@@ -280,9 +304,9 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     if req.node_id not in groups[group].nodes:
         raise FailedPrecondition(f"node {req.node_id} is not in group {group} ({plan.groups[group].name}) "
                                  f"of plan epoch {plan.epoch}; wait for the next plan")
-    if req.round > 1 << 40 or req.tokens > 1 << 62 or req.inner_step > 1 << 40:
-        raise InvalidArgument("round, tokens or inner_step out of range")
-    for name in ("sync_seconds", "late_seconds"):
+    if req.round > 1 << 40 or req.tokens > 1 << 62 or req.inner_step > 1 << 40 or req.round_steps > 1 << 30:
+        raise InvalidArgument("round, tokens, inner_step or round_steps out of range")
+    for name in ("sync_seconds", "late_seconds", "step_seconds"):
         v.check_seconds(name, getattr(req, name))
     if len(req.unreachable) > len(plan.groups) or len(req.anchor_hashes) > MAX_ANCHOR_HASHES:
         raise InvalidArgument(f"{len(req.unreachable)} unreachable participants and {len(req.anchor_hashes)} anchor "
@@ -299,7 +323,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
                            group=group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                            deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch,
                            fetched_version=req.fetched_version, unreachable=unreachable, version=req.version,
-                           fetch_bound_s=plan.outer.fetch_bound_s)
+                           fetch_bound_s=plan.outer.fetch_bound_s, h=plan.outer.inner_steps,
+                           step_seconds=req.step_seconds if req.arrived else 0.0, round_steps=req.round_steps)
     if req.anchor_hashes:
         for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
                                               [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):
@@ -313,6 +338,10 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
         participants=[part(x) for x in d.participants], version=d.version, final=d.final)
     if d.checkpointer is not None:
         reply.checkpointer.CopyFrom(part(d.checkpointer))
+    if d.inner_steps:
+        reply.steps_round = d.steps_round
+        reply.inner_steps.extend(pb.OuterGroupSteps(group=g.name, since_epoch=g.since_epoch, inner_steps=g.steps,
+                                                    step_seconds=g.step_s) for g in d.inner_steps)
     return reply
 
 
@@ -425,7 +454,9 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
                 sync_seconds=max(list(g.sync_seconds.values()), default=0.0),  # its slowest node
                 late_seconds=max(list(g.late_seconds.values()), default=0.0),
                 steps_per_round=g.steps_per_round(plan.global_batch * plan.seq_len),
-                wait_seconds_per_round=g.wait_per_round(), token_share=g.tokens / total if total else 0.0)
+                wait_seconds_per_round=g.wait_per_round(), token_share=g.tokens / total if total else 0.0,
+                step_seconds=g.step_s, assigned_steps=g.assigned_steps,
+                round_target_seconds=state.outer.target_s)
     reply.final_checkpoint_step = state.final_checkpoint_step()
     reply.anchor_mismatches = state.outer.anchor_mismatches
     reply.anchor_mismatch = state.outer.last_mismatch

@@ -24,6 +24,7 @@ from pathlib import Path
 from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
+from atoll.coordinator.claims import StepProgress, job_ended
 from atoll.coordinator.history import sample_of
 from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
                                     switch_seconds, switch_verdict)
@@ -193,6 +194,14 @@ class CoordinatorState:
         """Checkpoint steps older than this are needed nowhere (`note_complete_checkpoints`); heartbeat replies
         carry it, and nodes delete their own and their copies of older steps (0: none yet)."""
         self._failures: dict[int, RunFailureRecord] = {}
+        self._old_plans: dict[int, Plan] = {}
+        self._progress = StepProgress(keep_epochs=REACHED_EPOCHS)
+        """Each node's newest step per recent plan epoch: what its peers' claims are checked against
+        (`atoll.coordinator.claims`). Seeded from the store's recent reports, so a restarted coordinator checks
+        against what it heard before."""
+        plans = {h.plan.epoch: h.plan for h in store.plan_history()[-REACHED_EPOCHS:]}
+        for m in store.recent_steps(store.recent_steps_kept):
+            self._progress.note(plans.get(m.plan_epoch), m.plan_epoch, m.node_id, m.step)
         """The first failure reported for each recent plan epoch (in memory: a restart makes a new epoch anyway)."""
         self._closed = False
         self._trained_unix = 0.0
@@ -521,6 +530,41 @@ class CoordinatorState:
         with self._cond:
             return dict(self._failures)
 
+    # --- step reports ---------------------------------------------------------------------------------
+
+    def record_step(self, metrics: StepMetrics) -> None:
+        """Keep a step report (its claims checked: `step_refusal`) and what it says of its node's progress."""
+        self.store.add_step(metrics)
+        plan = self.plan_of(metrics.plan_epoch)
+        with self._cond:
+            self._progress.note(plan, metrics.plan_epoch, metrics.node_id, metrics.step)
+
+    def step_refusal(self, plan: Plan, node_id: str, step: int) -> str:
+        """Why `node_id`'s report of `step` under `plan` is out of line with its peers' ("": it is not)."""
+        with self._cond:
+            return self._progress.refusal(plan, node_id, step)
+
+    def reached_in(self, epoch: int) -> dict[str, int]:
+        """node -> the newest step it reported under plan epoch `epoch`."""
+        with self._cond:
+            return self._progress.reached(epoch)
+
+    def plan_of(self, epoch: int) -> Plan | None:
+        """The plan of `epoch`: the current one, or an earlier one from the plan history (the newest few cached)."""
+        plan = self._plan
+        if plan is not None and plan.epoch == epoch:
+            return plan
+        with self._cond:
+            if epoch in self._old_plans:
+                return self._old_plans[epoch]
+        found = next((p.plan for p in self.store.plan_history() if p.plan.epoch == epoch), None)
+        if found is not None:
+            with self._cond:
+                self._old_plans[epoch] = found
+                while len(self._old_plans) > REACHED_EPOCHS:
+                    del self._old_plans[min(self._old_plans)]
+        return found
+
     # --- loss history ---------------------------------------------------------------------------------
 
     def record_history(self, metrics: StepMetrics) -> None:
@@ -623,16 +667,11 @@ class CoordinatorState:
                        for s in self.store.recent_steps(64))
 
     def job_complete(self) -> bool:
-        """The last step has been trained (a stage reported it): no more plans are made."""
-        last = self.target_steps - 1
-        recent = self.store.recent_steps(16)
+        """The last step has been trained, as more than one node says (`claims.job_ended`; outer mode: a replica
+        group's own last inner step, of its (train.steps // H) rounds): no more plans are made."""
         plan = self.current_plan()
-        if plan is not None and plan.mode == "outer" and plan.outer is not None:
-            # every replica group trains (train.steps // H) rounds of its own inner steps
-            rounds = max(1, self.target_steps // plan.outer.inner_steps)
-            lasts = {p: rounds * g.inner_steps - 1 for g in plan.groups for p in g.pipelines}
-            return any(s.step >= lasts.get(s.pipeline, last) for s in recent if s.plan_epoch == plan.epoch)
-        return any(s.step >= last for s in recent)
+        return job_ended(plan, self.reached_in(plan.epoch if plan is not None else 0), self.target_steps,
+                         lambda: self.alive_members().keys())
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -876,6 +915,8 @@ class CoordinatorState:
             limit = min(2 * limit, most)
 
 
+REACHED_EPOCHS = 8
+"""Plan epochs whose nodes' newest steps are kept in memory (`CoordinatorState.record_step`), and old plans cached."""
 DRIFT_BACKOFF_MAX = 16
 """A drift that no plan helps is checked again after at most this many `DriftOptions.interval`s."""
 CALIBRATION_REPORTS_PER_NODE = 24
