@@ -459,7 +459,7 @@ class LinkStats(_message.Message):
     def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back", "session")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back", "session", "offences")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +484,7 @@ class StepMetrics(_message.Message):
     RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    OFFENCES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -508,7 +509,44 @@ class StepMetrics(_message.Message):
     restore_seconds: float
     steps_rolled_back: int
     session: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    offences: _containers.RepeatedCompositeFieldContainer[TensorOffence]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ..., session: _Optional[str] = ..., offences: _Optional[_Iterable[_Union[TensorOffence, _Mapping]]] = ...) -> None: ...
+
+class TensorOffence(_message.Message):
+    __slots__ = ("sender", "kind", "direction", "step", "micro_batch", "norm", "finite", "detail")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    FINITE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    kind: str
+    direction: str
+    step: int
+    micro_batch: int
+    norm: float
+    finite: bool
+    detail: str
+    def __init__(self, sender: _Optional[str] = ..., kind: _Optional[str] = ..., direction: _Optional[str] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., norm: _Optional[float] = ..., finite: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Offender(_message.Message):
+    __slots__ = ("node_id", "offences", "newest", "quarantined", "reason", "since_unix")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFENCES_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    offences: int
+    newest: str
+    quarantined: bool
+    reason: str
+    since_unix: float
+    def __init__(self, node_id: _Optional[str] = ..., offences: _Optional[int] = ..., newest: _Optional[str] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ..., since_unix: _Optional[float] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
     __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of", "session")
@@ -613,7 +651,7 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ..., start_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before", "keep_checkpoint_step")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before", "keep_checkpoint_step", "quarantined", "quarantine_reason")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -623,6 +661,8 @@ class HeartbeatReply(_message.Message):
     COORDINATOR_UNIX_FIELD_NUMBER: _ClassVar[int]
     PRUNE_CHECKPOINTS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     KEEP_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
@@ -632,7 +672,9 @@ class HeartbeatReply(_message.Message):
     coordinator_unix: float
     prune_checkpoints_before: int
     keep_checkpoint_step: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ..., keep_checkpoint_step: _Optional[int] = ...) -> None: ...
+    quarantined: bool
+    quarantine_reason: str
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ..., keep_checkpoint_step: _Optional[int] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
@@ -707,7 +749,7 @@ class RunFailure(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes", "step_seconds", "round_steps")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes", "step_seconds", "round_steps", "contribution_norm", "has_contribution_norm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -726,6 +768,8 @@ class OuterSyncRequest(_message.Message):
     ANCHOR_HASHES_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROUND_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_NORM_FIELD_NUMBER: _ClassVar[int]
+    HAS_CONTRIBUTION_NORM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -744,7 +788,9 @@ class OuterSyncRequest(_message.Message):
     anchor_hashes: _containers.RepeatedCompositeFieldContainer[OuterAnchorHash]
     step_seconds: float
     round_steps: int
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., round_steps: _Optional[int] = ...) -> None: ...
+    contribution_norm: float
+    has_contribution_norm: bool
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., round_steps: _Optional[int] = ..., contribution_norm: _Optional[float] = ..., has_contribution_norm: _Optional[bool] = ...) -> None: ...
 
 class OuterGroupSteps(_message.Message):
     __slots__ = ("group", "since_epoch", "inner_steps", "step_seconds")
@@ -903,7 +949,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step", "newest_backup_path", "newest_backup_unix")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step", "newest_backup_path", "newest_backup_unix", "offenders", "outer_exclusions", "outer_exclusion")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -934,6 +980,9 @@ class StatusReply(_message.Message):
     FINAL_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKUP_PATH_FIELD_NUMBER: _ClassVar[int]
     NEWEST_BACKUP_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OFFENDERS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_EXCLUSIONS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_EXCLUSION_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -964,27 +1013,34 @@ class StatusReply(_message.Message):
     final_checkpoint_step: int
     newest_backup_path: str
     newest_backup_unix: float
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ..., newest_backup_path: _Optional[str] = ..., newest_backup_unix: _Optional[float] = ...) -> None: ...
+    offenders: _containers.RepeatedCompositeFieldContainer[Offender]
+    outer_exclusions: int
+    outer_exclusion: str
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ..., newest_backup_path: _Optional[str] = ..., newest_backup_unix: _Optional[float] = ..., offenders: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ..., outer_exclusions: _Optional[int] = ..., outer_exclusion: _Optional[str] = ...) -> None: ...
 
 class JobControlRequest(_message.Message):
-    __slots__ = ("job_id", "action", "steps")
+    __slots__ = ("job_id", "action", "steps", "node_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     action: str
     steps: int
-    def __init__(self, job_id: _Optional[str] = ..., action: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
+    node_id: str
+    def __init__(self, job_id: _Optional[str] = ..., action: _Optional[str] = ..., steps: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class JobControlReply(_message.Message):
-    __slots__ = ("target_steps", "step", "message")
+    __slots__ = ("target_steps", "step", "message", "quarantined")
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     step: int
     message: str
-    def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    quarantined: _containers.RepeatedCompositeFieldContainer[Offender]
+    def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ...) -> None: ...
 
 class GroupUsage(_message.Message):
     __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds", "steps_per_round", "wait_seconds_per_round", "token_share", "planned", "step_seconds", "assigned_steps", "round_target_seconds")
