@@ -592,6 +592,22 @@ class JoinRequest(_message.Message):
     session: str
     def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ..., job_id: _Optional[str] = ..., profile: _Optional[_Union[NodeProfile, _Mapping]] = ..., peer_address: _Optional[str] = ..., csr_pem: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
 
+class JoinChallengeRequest(_message.Message):
+    __slots__ = ("token", "node_id")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    node_id: str
+    def __init__(self, token: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class JoinChallengeReply(_message.Message):
+    __slots__ = ("challenge", "expires_seconds")
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    challenge: str
+    expires_seconds: float
+    def __init__(self, challenge: _Optional[str] = ..., expires_seconds: _Optional[float] = ...) -> None: ...
+
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "name", "spec_toml", "run_id")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,11 @@ class CoordinatorStub:
                 request_serializer=atoll_dot_v1_dot_atoll__pb2.JobControlRequest.SerializeToString,
                 response_deserializer=atoll_dot_v1_dot_atoll__pb2.JobControlReply.FromString,
                 _registered_method=True)
+        self.JoinChallenge = channel.unary_unary(
+                '/atoll.v1.Coordinator/JoinChallenge',
+                request_serializer=atoll_dot_v1_dot_atoll__pb2.JoinChallengeRequest.SerializeToString,
+                response_deserializer=atoll_dot_v1_dot_atoll__pb2.JoinChallengeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -187,6 +192,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinChallenge(self, request, context):
+        """A challenge the next Join's signing request must carry (mutual TLS); older coordinators answer UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +266,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ControlJob,
                     request_deserializer=atoll_dot_v1_dot_atoll__pb2.JobControlRequest.FromString,
                     response_serializer=atoll_dot_v1_dot_atoll__pb2.JobControlReply.SerializeToString,
+            ),
+            'JoinChallenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinChallenge,
+                    request_deserializer=atoll_dot_v1_dot_atoll__pb2.JoinChallengeRequest.FromString,
+                    response_serializer=atoll_dot_v1_dot_atoll__pb2.JoinChallengeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -607,6 +624,33 @@ class Coordinator:
             '/atoll.v1.Coordinator/ControlJob',
             atoll_dot_v1_dot_atoll__pb2.JobControlRequest.SerializeToString,
             atoll_dot_v1_dot_atoll__pb2.JobControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinChallenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/atoll.v1.Coordinator/JoinChallenge',
+            atoll_dot_v1_dot_atoll__pb2.JoinChallengeRequest.SerializeToString,
+            atoll_dot_v1_dot_atoll__pb2.JoinChallengeReply.FromString,
             options,
             channel_credentials,
             insecure,
