@@ -18,6 +18,11 @@ restarted coordinator resumes the rounds in flight (nodes repeat their arrival w
 
 Each node reports a crc32 of its anchor per layer once a round landed (`anchor_mismatch`): the same layer's
 hashes must agree on every node of every group, and a mismatch is logged and counted in the status.
+
+Rounds by wall-clock time (`atoll.coordinator.pace`, which says why): each node reports with its arrival the median
+wall time of the round's inner steps, outer waits left out; the decision of round r fixes each group's inner steps
+for round r + `LEAD_ROUNDS` from those live figures (`Decision.inner_steps`), kept with the decision in the store, so
+a restarted coordinator answers the same, and every node of a group switches at the same round boundary.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+from atoll.coordinator.pace import (LEAD_ROUNDS, GroupPace, GroupSteps, PaceOptions, PaceState, RoundPace,
+                                    outer_deadline)
+from atoll.coordinator.pace import round_steps as decide_steps
 
 log = logging.getLogger("atoll.coordinator.outer")
 
@@ -45,6 +54,8 @@ class GroupInfo:
     name: str
     nodes: frozenset[str]
     since_epoch: int
+    inner_steps: int = 0
+    """Inner steps a round the plan gives it (0: H, `OuterRounds.arrive`'s `h`)."""
 
 
 @dataclass
@@ -83,6 +94,13 @@ class Decision:
     """The group that writes the job's checkpoints: the first group of the plan the round was decided under."""
     final: bool = False
     """Every node that must apply it holds its contributions (`decision_final`): nodes apply it now."""
+    inner_steps: tuple[GroupSteps, ...] = ()
+    """Each group's inner steps in round `steps_round` (`atoll.coordinator.pace`; empty: the plan's)."""
+    steps_round: int = 0
+    target_s: float = 0.0
+    """The round's target wall time the steps were decided for (0: no live figure yet)."""
+    round_s: float = 0.0
+    """The longest group's round under those steps at its live pace."""
 
 
 def decision_to_json(d: Decision) -> str:
@@ -90,7 +108,10 @@ def decision_to_json(d: Decision) -> str:
         return None if p is None else {"group": p.group, "tokens": p.tokens, "since_epoch": p.since_epoch,
                                        "nodes": list(p.nodes)}
     return json.dumps({"participants": [part(p) for p in d.participants], "reason": d.reason, "version": d.version,
-                       "decided_unix": d.decided_unix, "checkpointer": part(d.checkpointer), "final": d.final},
+                       "decided_unix": d.decided_unix, "checkpointer": part(d.checkpointer), "final": d.final,
+                       "inner_steps": [{"name": g.name, "since_epoch": g.since_epoch, "steps": g.steps,
+                                        "step_s": g.step_s} for g in d.inner_steps],
+                       "steps_round": d.steps_round, "target_s": d.target_s, "round_s": d.round_s},
                       sort_keys=True)
 
 
@@ -102,7 +123,11 @@ def decision_from_json(text: str) -> Decision:
                                                   since_epoch=int(x["since_epoch"]), nodes=tuple(x["nodes"]))
     return Decision(decided=True, participants=tuple(part(x) for x in d["participants"]), reason=d["reason"],
                     version=int(d["version"]), decided_unix=float(d["decided_unix"]),
-                    checkpointer=part(d.get("checkpointer")), final=bool(d.get("final", False)))
+                    checkpointer=part(d.get("checkpointer")), final=bool(d.get("final", False)),
+                    inner_steps=tuple(GroupSteps(name=g["name"], since_epoch=int(g["since_epoch"]), steps=int(g["steps"]),
+                                                 step_s=float(g.get("step_s", 0.0))) for g in d.get("inner_steps", [])),
+                    steps_round=int(d.get("steps_round", 0)), target_s=float(d.get("target_s", 0.0)),
+                    round_s=float(d.get("round_s", 0.0)))
 
 
 def complete_groups(arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> dict[int, int]:
@@ -196,6 +221,10 @@ class GroupProgress:
     round_waits: dict[int, float] = field(default_factory=dict)
     """Round -> the longest any of its nodes waited on the exchange before it (reported with its arrival there),
     for its `KEEP_DECIDED` newest rounds."""
+    step_s: float = 0.0
+    """Its live inner step time as the newest decision took it (0: not measured yet)."""
+    assigned_steps: int = 0
+    """Inner steps a round the newest decision gives it (0: none decided yet, the plan's)."""
 
     def steps_per_round(self, tokens_per_step: int) -> float:
         """Inner steps it trained per round, over its newest rounds (a group trains `tokens_per_step` a step)."""
@@ -242,17 +271,27 @@ class OuterRounds:
         self.anchor_mismatches = 0
         """(round, layer)s whose anchors differed between nodes."""
         self.last_mismatch = ""
+        self.pace_options = PaceOptions()
+        self._paces: dict[tuple[str, int], dict[int, RoundPace]] = {}
+        """(group name, since-epoch) -> round -> its slowest node's median inner step in the round."""
+        self._steps: dict[tuple[str, int], int] = {}
+        """(group name, since-epoch) -> the inner steps a round the newest decision gave it."""
+        self.round_s = 0.0
+        """The newest decision's longest round at the groups' live pace (0: none measured yet)."""
+        self.target_s = 0.0
+        """The newest decision's target round time (H x the fastest group's live step)."""
         if store is not None:
             self._load(now)
 
     def _load(self, now: float) -> None:
         arrivals, decisions = self._store.outer_rounds()
-        for r, text in decisions.items():
+        for r, text in sorted(decisions.items()):
             d = decision_from_json(text)
             if not d.final:  # its bound counts from now: the nodes' confirmations are heard again from now
                 d = replace(d, decided_unix=max(d.decided_unix, now))
             self._decided[r] = d
             self.latest_decided = max(self.latest_decided, r)
+            self._take_steps(d)  # the newest decision's steps are the ones the hysteresis starts from
         for a in arrivals:
             if a.round in self._decided and self._decided[a.round].final:
                 continue
@@ -263,6 +302,40 @@ class OuterRounds:
             log.info("outer rounds resumed from the store: newest decided %d; in flight: %s", self.latest_decided,
                      ", ".join(map(str, pending)) or "none")
 
+    def _take_steps(self, d: Decision) -> None:
+        if d.inner_steps:
+            self._steps = {(g.name, g.since_epoch): g.steps for g in d.inner_steps}
+            self.round_s, self.target_s = d.round_s, d.target_s
+
+    def _note_pace(self, group: GroupInfo, round_: int, seconds: float, steps: int, now: float) -> None:
+        """A node's median inner step in `round_` (its group's figure is its slowest node's)."""
+        kept = self._paces.setdefault((group.name, group.since_epoch), {})
+        was = kept.get(round_)
+        kept[round_] = RoundPace(round=round_, seconds=max(seconds, was.seconds if was else 0.0),
+                                 steps=max(steps, was.steps if was else 0), unix=now)
+        for old in sorted(kept)[:-self.pace_options.window_rounds]:
+            del kept[old]
+
+    def _decide_steps(self, now: float, round_: int, decision: Decision, groups: Sequence[GroupInfo],
+                      h: int) -> Decision:
+        """`decision` with each group's inner steps for round `round_` + `LEAD_ROUNDS` (`pace.round_steps`)."""
+        live = {(g.name, g.since_epoch) for g in groups}
+        for key in [k for k in self._paces if k not in live]:  # a group replanned away: measured afresh
+            del self._paces[key]
+        state = PaceState(h=h, groups=tuple(GroupPace(
+            name=g.name, since_epoch=g.since_epoch,
+            steps=self._steps.get((g.name, g.since_epoch)) or g.inner_steps or h,
+            paces=tuple(sorted(self._paces.get((g.name, g.since_epoch), {}).values(), key=lambda p: p.round)))
+            for g in groups))
+        pace = decide_steps(now, state, self.pace_options)
+        if pace.changed:
+            log.info("outer round %d: inner steps of round %d: %s", round_, round_ + LEAD_ROUNDS, pace.reason)
+        for g in pace.groups:
+            p = self.progress.setdefault(g.name, GroupProgress(name=g.name))
+            p.step_s, p.assigned_steps = g.step_s, g.steps
+        return replace(decision, inner_steps=pace.groups, steps_round=round_ + LEAD_ROUNDS, target_s=pace.target_s,
+                       round_s=pace.round_s)
+
     def _keep(self, round_: int, decision: Decision) -> None:
         self._decided[round_] = decision
         self.latest_decided = max(self.latest_decided, round_)
@@ -272,11 +345,17 @@ class OuterRounds:
     def arrive(self, now: float, *, round_: int, node: str, group: int, tokens: int, inner_step: int,
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
                epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
-               version: int = 0, fetch_bound_s: float | None = None) -> Decision:
+               version: int = 0, fetch_bound_s: float | None = None, h: int = 0, step_seconds: float = 0.0,
+               round_steps: int = 0) -> Decision:
         """A node's arrival at `round_` (or its question, `node` empty), repeated with every question: what it
         holds of the decision (`fetched_version`) and which participants of decision `version` stayed out of its
         reach. Returns the round's decision as it stands (`Decision.final`: apply it). `fetch_bound_s`: how long
-        nodes try to fetch a contribution (default `deadline_s`)."""
+        nodes try to fetch a contribution (default `deadline_s`).
+
+        With `h` (the plan's H), rounds go by wall-clock time (`atoll.coordinator.pace`): `step_seconds` is the
+        node's median inner step in the round over `round_steps` steps, the first decision of a round fixes each
+        group's inner steps for a later round, and `deadline_s` is stretched to the live round
+        (`pace.outer_deadline`)."""
         from atoll.coordinator.store import OuterArrivalRecord
 
         with self._lock:
@@ -290,9 +369,14 @@ class OuterRounds:
             if decision is None and round_ <= self.latest_decided - KEEP_DECIDED:
                 return Decision(decided=False, reason=f"round {round_} is too old; take the outer state afresh")
             arrivals = self._arrivals.setdefault(round_, RoundArrivals(epoch=epoch))
+            if h > 0:
+                deadline_s = outer_deadline(deadline_s, self.round_s, self.pace_options)
             if node:
                 first_time = node not in arrivals.nodes
                 arrivals.nodes[node] = (group, tokens)
+                mine = next((g for g in groups if g.index == group), None)
+                if h > 0 and mine is not None and step_seconds > 0 and round_steps > 0:
+                    self._note_pace(mine, round_, step_seconds, round_steps, now)
                 if first_time:
                     if self._store is not None:
                         self._store.add_outer_arrival(OuterArrivalRecord(
@@ -313,6 +397,9 @@ class OuterRounds:
                 decision = round_decision(now, arrivals, groups, deadline_s)
                 if not decision.decided:
                     return decision
+                if h > 0:
+                    decision = self._decide_steps(now, round_, decision, groups, h)
+                    self._take_steps(decision)
                 self._keep(round_, decision)
                 self._count(decision, groups)
             for x in unreachable:

@@ -177,15 +177,21 @@ def _outer_lines(s: pb.StatusReply) -> list[str]:
     out = [f"\nouter mode: {len(p.groups)} replica groups, H={o.inner_steps}, {codec} pseudo-gradients, {optimizer}, "
            f"{'overlapped' if o.overlap else 'blocking'}, deadline {o.deadline_seconds:g} s; predicted sync "
            f"{duration(o.sync_seconds)} per round vs {duration(o.round_seconds)} of compute"]
+    target = max((g.round_target_seconds for g in s.group_usage), default=0.0)
+    if target > 0:
+        out.append(f"rounds by wall-clock time: a target of {duration(target)} a round (H steps of the fastest group at "
+                   f"its live pace); each group trains the steps that fit at its own")
     if s.group_usage:
         out.append("groups, by name (STEPS/ROUND and WAIT/ROUND: means over its newest rounds, WAIT of its slowest node; "
+                   "NEXT: the inner steps a round the newest decision gives it, from its live STEP-S; "
                    "SHARE: of the tokens the rounds counted; SYNC: the newest exchange, bytes summed over the group's "
                    "nodes, seconds of its slowest; GROUP -: no longer planned):")
-        rows = [["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "WAIT/ROUND", "SHARE", "TOKENS", "ROUND", "IN/MISSED",
-                 "SYNC-BYTES", "SYNC-S", "LATE-S"]]
+        rows = [["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "NEXT", "STEP-S", "WAIT/ROUND", "SHARE", "TOKENS",
+                 "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]]
         for g in s.group_usage:
             rows.append([str(g.group) if g.planned else "-", g.name, str(g.inner_step),
                          f"{g.steps_per_round:.1f}" if g.steps_per_round > 0 else "-",
+                         str(g.assigned_steps) if g.assigned_steps else "-", _seconds(g.step_seconds),
                          _seconds(g.wait_seconds_per_round),
                          f"{g.token_share:.0%}" if g.tokens else "-", f"{g.tokens:,}", str(g.round),
                          f"{g.rounds_in}/{g.rounds_missed}", _bytes(g.sync_bytes) if g.sync_bytes > 0 else "-",

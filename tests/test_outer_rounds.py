@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
+
 from atoll.coordinator import handlers as h
 from atoll.coordinator.outer import (FINAL_AFTER_BOUNDS, GroupInfo, OuterRounds, Participant, decision_final,
                                      decision_from_json, decision_to_json, redecide, round_decision, RoundArrivals)
@@ -175,3 +177,71 @@ def test_a_round_is_final_without_nodes_no_longer_in_an_unchanged_group() -> Non
         d = rounds.arrive(1.0, round_=3, node=n, group=0, tokens=100, inner_step=0, groups=replanned,
                           deadline_s=DEADLINE, epoch=1, fetched_version=1)
     assert d.final, d
+
+
+PACED = [GroupInfo(index=0, name="lab-a", nodes=frozenset({"a0", "a1"}), since_epoch=1, inner_steps=10),
+         GroupInfo(index=1, name="lab-b", nodes=frozenset({"b0"}), since_epoch=1, inner_steps=10)]
+
+
+def _paced(rounds: OuterRounds, now: float, node: str, round_: int, step_s: float, steps: int = 10, **kw):
+    group = 0 if node.startswith("a") else 1
+    return rounds.arrive(now, round_=round_, node=node, group=group, tokens=100 * steps, inner_step=0, groups=PACED,
+                         deadline_s=DEADLINE, epoch=1, h=10, step_seconds=step_s, round_steps=steps, **kw)
+
+
+def test_a_round_decision_fixes_each_groups_inner_steps_and_a_restart_keeps_them(tmp_path: Path) -> None:
+    """The plan gave both groups H=10, but lab-b measures 0.5 s a step against lab-a's 0.1: the decision of round 3
+    gives lab-b 2 steps in round 5 (rounds of 10 x 0.1 s). A coordinator restarted on its store answers round 3 with
+    the same figures, and decides round 4 from them: lab-b's next figure (ideal 2.55 steps) is within the hysteresis
+    of 2, so it keeps 2, where a coordinator that had forgotten them would start again from the plan's 10 and give
+    it 3. The OuterSync reply carries the figures to every node."""
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=0.0)
+    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 0.5)):
+        d = _paced(rounds, 1.0, n, 3, s)
+    assert d.decided and d.steps_round == 5
+    assert [(g.name, g.steps) for g in d.inner_steps] == [("lab-a", 10), ("lab-b", 2)]
+    assert d.target_s == pytest.approx(1.0) and d.round_s == pytest.approx(1.0)
+    store.close()  # killed
+
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=50.0)
+    again = rounds.arrive(50.0, round_=3, node="", group=0, tokens=0, inner_step=0, groups=PACED, deadline_s=DEADLINE,
+                          h=10)
+    assert again.decided and again.steps_round == 5
+    assert [(g.name, g.steps) for g in again.inner_steps] == [("lab-a", 10), ("lab-b", 2)]
+    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 2.55)):
+        d = _paced(rounds, 51.0, n, 4, s, steps=10 if n.startswith("a") else 2)
+    assert d.decided and d.steps_round == 6
+    assert [(g.name, g.steps) for g in d.inner_steps] == [("lab-a", 10), ("lab-b", 2)], d.reason
+    forgetful = OuterRounds(now=51.0)
+    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 2.55)):
+        fresh = _paced(forgetful, 51.0, n, 4, s, steps=10 if n.startswith("a") else 2)
+    assert [g.steps for g in fresh.inner_steps] == [10, 3]
+    store.close()
+
+    # through the handler: the reply names each group's steps and the round they are for
+    state = _outer_state()  # H=5, lab-a and lab-b
+    reply = None
+    for node, group, s in (("a0", 0, 0.1), ("b0", 1, 0.25)):
+        reply = h.handle_outer_sync(pb.OuterSyncRequest(
+            job_id=state.job.id, node_id=node, plan_epoch=1, round=0, group=group, arrived=True, tokens=10,
+            step_seconds=s, round_steps=5), state)
+    assert reply is not None and reply.decided and reply.steps_round == 2
+    assert [(g.group, g.inner_steps) for g in reply.inner_steps] == [("lab-a", 5), ("lab-b", 2)]
+    assert [g.step_seconds for g in reply.inner_steps] == pytest.approx([0.1, 0.25])
+
+
+def test_the_outer_deadline_follows_the_live_round() -> None:
+    """The plan's deadline is 10 s, but the groups' rounds run 30 s at their live pace (3 s steps): a round then waits
+    up to two of them for a late group instead of leaving it out of every round after 10 s."""
+    rounds = OuterRounds()
+    for n in ("a0", "a1", "b0"):
+        _paced(rounds, 0.0, n, 0, 3.0)
+    assert rounds.round_s == pytest.approx(30.0)
+    for n in ("a0", "a1"):
+        d = _paced(rounds, 100.0, n, 1, 3.0)
+    assert not d.decided and d.wait_seconds == pytest.approx(60.0)
+    assert not _paced(rounds, 100.0 + DEADLINE + 1, "a0", 1, 3.0).decided  # past the plan's 10 s, within 60
+    d = _paced(rounds, 161.0, "a0", 1, 3.0)
+    assert d.decided and [p.group for p in d.participants] == [0]

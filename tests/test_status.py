@@ -189,7 +189,7 @@ def test_handle_status_carries_the_groups_in_outer_mode() -> None:
 def test_status_rows_stay_with_their_group_after_a_replan_reorders_the_groups() -> None:
     """Rows are kept by the group's name: a replan that lists the groups in another order (a kept group first) must
     not give a row another group's figures. Each row shows its inner steps and seconds waited per round and its
-    share of the tokens."""
+    share of the tokens, and the inner steps a round the newest decision gives it from its live step time."""
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
     state = CoordinatorState(store=MemoryStore(), job=job, token="t", clock=lambda: 1000.0)
     first = outer_plan()  # lab-a (a), lab-b (b, c), lab-c (d): 512 tokens a step
@@ -200,6 +200,8 @@ def test_status_rows_stay_with_their_group_after_a_replan_reorders_the_groups() 
                     n for k in g.pipelines for st in plan.pipelines[k].stages for n in st.nodes))
                 for i, g in enumerate(plan.groups)]
 
+    pace = {"lab-a": 0.1, "lab-b": 0.25, "lab-c": 0.5}  # seconds an inner step
+
     def round_(plan: Plan, r: int, now: float, figures: dict[str, tuple[int, float]]) -> None:
         """Every group arrives at round r: {name: (inner steps it trained, seconds it waited on the exchange)}."""
         groups = infos(plan)
@@ -207,7 +209,8 @@ def test_status_rows_stay_with_their_group_after_a_replan_reorders_the_groups() 
             steps, late = figures[g.name]
             for n in sorted(g.nodes):
                 state.outer.arrive(now, round_=r, node=n, group=g.index, tokens=512 * steps, inner_step=10 * (r + 1),
-                                   groups=groups, deadline_s=30.0, stats={"bytes": 100, "seconds": 1.0, "late": late})
+                                   groups=groups, deadline_s=30.0, stats={"bytes": 100, "seconds": 1.0, "late": late},
+                                   h=6, step_seconds=pace[g.name], round_steps=steps)
 
     round_(first, 0, 0.0, {"lab-a": (6, 0.0), "lab-b": (3, 0.0), "lab-c": (1, 0.0)})
     round_(first, 1, 10.0, {"lab-a": (6, 4.0), "lab-b": (3, 2.0), "lab-c": (1, 0.5)})
@@ -235,7 +238,11 @@ def test_status_rows_stay_with_their_group_after_a_replan_reorders_the_groups() 
     lines = text.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
     row = next(line.split() for line in lines[lines.index(header):] if line.split()[1:2] == ["lab-a"])
-    assert row[:7] == ["1", "lab-a", "30", "6.0", "3.00", "s", "60%"]
+    assert row[:10] == ["1", "lab-a", "30", "6.0", "6", "100", "ms", "3.00", "s", "60%"]
+    # rounds of 6 x 0.1 s: lab-b trains 2 steps of 0.25 s, lab-c 1 of 0.5 s
+    assert (a.assigned_steps, b.assigned_steps, c.assigned_steps) == (6, 2, 1)
+    assert (a.step_seconds, b.step_seconds, c.step_seconds) == pytest.approx((0.1, 0.25, 0.5))
+    assert "a target of 600 ms a round" in text
 
 
 def status_reply() -> pb.StatusReply:
@@ -295,10 +302,12 @@ def outer_status_reply() -> pb.StatusReply:
     s.plan.CopyFrom(plan_to_proto(outer_plan()))
     s.group_usage.add(group=0, name="lab-a", inner_step=100, tokens=2_048_000, round=1, rounds_in=2, rounds_missed=0,
                       sync_bytes=float(3 << 29), sync_seconds=12.5, late_seconds=0.25, steps_per_round=50.0,
-                      wait_seconds_per_round=0.5, token_share=2 / 3, planned=True)
+                      wait_seconds_per_round=0.5, token_share=2 / 3, planned=True, step_seconds=0.28, assigned_steps=50,
+                      round_target_seconds=14.0)
     s.group_usage.add(group=1, name="lab-b", inner_step=80, tokens=1_024_000, round=1, rounds_in=1, rounds_missed=1,
                       sync_bytes=float(3 << 29), sync_seconds=13.0, late_seconds=4.0, steps_per_round=40.0,
-                      wait_seconds_per_round=4.0, token_share=1 / 3, planned=True)
+                      wait_seconds_per_round=4.0, token_share=1 / 3, planned=True, step_seconds=0.35, assigned_steps=40,
+                      round_target_seconds=14.0)
     s.group_usage.add(group=2, name="lab-c", planned=True)
     s.group_usage.add(name="lab-d", inner_step=20, rounds_missed=2)  # no longer planned
     return s
@@ -312,15 +321,16 @@ def test_the_table_shows_outer_mode_and_its_groups() -> None:
             "deadline 30 s; predicted sync 11.20 s per round vs 14.00 s of compute") in text
     lines = text.splitlines()
     header = next(line for line in lines if line.split()[:2] == ["GROUP", "NAME"])
-    assert header.split() == ["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "WAIT/ROUND", "SHARE", "TOKENS", "ROUND",
-                              "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]
+    assert header.split() == ["GROUP", "NAME", "INNER-STEP", "STEPS/ROUND", "NEXT", "STEP-S", "WAIT/ROUND", "SHARE",
+                              "TOKENS", "ROUND", "IN/MISSED", "SYNC-BYTES", "SYNC-S", "LATE-S"]
     rows = [line.split() for line in lines[lines.index(header) + 1:lines.index(header) + 5]]
-    assert rows[0] == ["0", "lab-a", "100", "50.0", "500", "ms", "67%", "2,048,000", "1", "2/0", "1.5", "GiB", "12.50",
-                       "s", "250", "ms"]
-    assert rows[1][:10] == ["1", "lab-b", "80", "40.0", "4.00", "s", "33%", "1,024,000", "1", "1/1"]
+    assert rows[0] == ["0", "lab-a", "100", "50.0", "50", "280", "ms", "500", "ms", "67%", "2,048,000", "1", "2/0",
+                       "1.5", "GiB", "12.50", "s", "250", "ms"]
+    assert rows[1][:12] == ["1", "lab-b", "80", "40.0", "40", "350", "ms", "4.00", "s", "33%", "1,024,000", "1"]
     assert rows[1][-2:] == ["4.00", "s"]
-    assert rows[2] == ["2", "lab-c", "0", "-", "-", "-", "0", "0", "0/0", "-", "-", "-"]
-    assert rows[3] == ["-", "lab-d", "20", "-", "-", "-", "0", "0", "0/2", "-", "-", "-"]
+    assert rows[2] == ["2", "lab-c", "0", "-", "-", "-", "-", "-", "0", "0", "0/0", "-", "-", "-"]
+    assert rows[3] == ["-", "lab-d", "20", "-", "-", "-", "-", "-", "0", "0", "0/2", "-", "-", "-"]
+    assert "a target of 14.00 s a round" in text
     assert "pipeline 1: micro-batch 2 x 4, replica group lab-b" in text
     data = json.loads(status_json(outer_status_reply()))
     assert data["plan"]["mode"] == "outer"
