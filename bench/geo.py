@@ -256,6 +256,19 @@ class GeoTestbed:
         """Start `argv` on `host` (a GeoHost or its name); see `GeoHost.popen`."""
         return (self.host(host) if isinstance(host, str) else host).popen(argv, **kwargs)
 
+    def set_wan(self, a: str, b: str, *, up: bool) -> None:
+        """Cut the link between regions `a` and `b` (`up=False`: both ends down, so nothing passes either way and
+        each switch answers "unreachable" for the other's hosts) or restore it, its routes added back (the kernel
+        drops them with the link; the tbf shaping stays)."""
+        names = self.regions
+        i, k = names.index(a), names.index(b)
+        ends = ((self.switches[a], f"w{k}", k + 1), (self.switches[b], f"w{i}", i + 1))
+        for sw, dev, _ in ends:
+            _run(["ip", "-n", sw, "link", "set", dev, "up" if up else "down"])
+        if up:
+            for sw, dev, subnet in ends:
+                _run(["ip", "-n", sw, "route", "replace", f"10.77.{subnet}.0/24", "dev", dev])
+
     def wan_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes sent so far over each link between regions, per direction: (from, to) -> the transmit counter of
         the `from` switch's WAN veth toward `to` (what its tbf let through, as the kernel counts it: IP packets,
