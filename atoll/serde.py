@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from atoll.plan import (CheckpointCopy, RelayRoute, IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
                         StagePlan, StageTiming)
-from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
+from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics, TensorOffence
 from atoll.v1 import atoll_pb2 as pb
 
 # codec names used in plans, configs and logs <-> the wire enum
@@ -276,8 +276,18 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         val_loss=s.val_loss if s.val_loss is not None else 0.0,
         loss_scale=s.loss_scale if s.loss_scale is not None else 0.0, skipped=s.skipped,
         restored_from=s.restored_from, restore_bytes=s.restore_bytes, restore_seconds=s.restore_seconds,
-        steps_rolled_back=s.steps_rolled_back,
+        steps_rolled_back=s.steps_rolled_back, offences=[offence_to_proto(o) for o in s.offences],
     )
+
+
+def offence_to_proto(o: TensorOffence) -> pb.TensorOffence:
+    return pb.TensorOffence(sender=o.sender, kind=o.kind, direction=o.direction, step=o.step,
+                            micro_batch=o.micro_batch, norm=o.norm, finite=o.finite, detail=o.detail)
+
+
+def offence_from_proto(m: pb.TensorOffence) -> TensorOffence:
+    return TensorOffence(sender=m.sender, kind=m.kind, direction=m.direction, step=m.step, micro_batch=m.micro_batch,
+                         norm=m.norm, finite=m.finite, detail=m.detail)
 
 
 def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
@@ -289,5 +299,5 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         peak_memory_bytes=m.peak_memory_bytes, val_loss=m.val_loss if m.has_val_loss else None,
         loss_scale=m.loss_scale if m.loss_scale > 0 else None, skipped=m.skipped,
         restored_from=m.restored_from, restore_bytes=m.restore_bytes, restore_seconds=m.restore_seconds,
-        steps_rolled_back=m.steps_rolled_back,
+        steps_rolled_back=m.steps_rolled_back, offences=[offence_from_proto(o) for o in m.offences],
     )

@@ -89,6 +89,31 @@ class LinkStats:
     bandwidth_bytes_per_s: float = 0.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class TensorOffence:
+    """A tensor a node rejected at its door, or a bad loss it computed (kind "loss", sender: the node itself)."""
+
+    sender: str
+    kind: str
+    """"non-finite", "norm" (far outside the link's running statistics) or "loss"."""
+    direction: str
+    """"forward", "backward" or "loss"."""
+    step: int
+    micro_batch: int = 0
+    norm: float = 0.0
+    """The tensor's norm (the loss, for kind "loss"); 0 when not finite."""
+    finite: bool = True
+    detail: str = ""
+
+    def describe(self) -> str:
+        norm = f"{self.norm:.4g}" if self.finite else "not finite"
+        if self.kind == "loss":
+            return f"step {self.step}: the loss of {self.sender}'s stage ({norm}) {self.detail}".rstrip()
+        what = "activation" if self.direction == "forward" else "activation-gradient"
+        return (f"step {self.step}: {self.sender} sent a {self.kind} {what} (micro-batch {self.micro_batch}, norm "
+                f"{norm}) {self.detail}").rstrip()
+
+
 @dataclass(kw_only=True)
 class StepMetrics:
     """What one node reports after one training step."""
@@ -125,3 +150,5 @@ class StepMetrics:
     """First step of a run: seconds those fetches took."""
     steps_rolled_back: int = 0
     """First step of a run: the furthest step any node had reached minus the step the run resumed at."""
+    offences: list[TensorOffence] = field(default_factory=list)
+    """What the node rejected in this step (`atoll.node.door`): the step was skipped on every node."""

@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 
 from atoll.compression import CodecSpec, PolicyConfig
+from atoll.node.door import Door, tensor_norm
 from atoll.node.mailbox import Mailbox, MailboxClosed, ReceiveSpec
 from atoll.node.peer import PeerServer
 from atoll.node.peer_link import PeerLink
@@ -327,10 +328,14 @@ class GrpcTransportConfig:
 class GrpcTransport(Transport):
     """`Transport` for one stage replica over gRPC; receives through `server`, which the node owns."""
 
-    def __init__(self, config: GrpcTransportConfig, server: PeerServer):
+    def __init__(self, config: GrpcTransportConfig, server: PeerServer, door: Door | None = None):
         self.config = config
         self._server = server
-        self.mailbox = Mailbox(config.receive_spec(), max_chunk_bytes=config.rpc.max_message_bytes)
+        self.door = door
+        """Checks every tensor received (`atoll.node.door`): its norm is taken as it is decoded, and judged as the
+        stage takes it; None: nothing is checked."""
+        self.mailbox = Mailbox(config.receive_spec(), max_chunk_bytes=config.rpc.max_message_bytes,
+                               measure=tensor_norm if door is not None else None)
         # one link per neighbour (of every lane): activations go downstream, gradients upstream
         self._links_of: dict[str, dict[str, PeerLink]] = {
             side: {r.peer.node_id: PeerLink(config, r.peer, direction, server.reverse)
@@ -422,7 +427,8 @@ class GrpcTransport(Transport):
     def _take(self, key: TensorKey, route: _Route, deadline: float) -> torch.Tensor:
         peer = route.peer.node_id
         try:
-            return self.mailbox.take(key, max(0.0, deadline - time.monotonic()), sender=peer)
+            tensor, norm = self.mailbox.take_measured(key, max(0.0, deadline - time.monotonic()), sender=peer)
+            return tensor if self.door is None else self.door.admit(key, peer, tensor, norm)
         except TimeoutError as e:
             raise TransportError(f"from {peer}: {e}") from None
         except MailboxClosed as e:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -183,8 +183,13 @@ def _describe(meta: pb.TensorMeta) -> str:
 class Mailbox:
     """Bounded buffer of the tensors sent to one stage replica; see the module docstring."""
 
-    def __init__(self, spec: ReceiveSpec, *, max_chunk_bytes: int = WireLimits().max_chunk_bytes):
+    def __init__(self, spec: ReceiveSpec, *, max_chunk_bytes: int = WireLimits().max_chunk_bytes,
+                 measure: Callable[[torch.Tensor], float] | None = None):
         self.spec = spec
+        self.measure = measure
+        """Taken of every tensor as it is decoded, on the receive thread (`atoll.node.door.tensor_norm`): handed
+        out with it by `take_measured`. None: nothing measured."""
+        self._norms: dict[tuple[TensorKey, str], float] = {}
         self._limits = WireLimits(max_tensor_bytes=spec.max_tensor_bytes, max_chunk_bytes=max_chunk_bytes)
         self._cond = threading.Condition()
         # (key, sender) -> (tensor, bytes held)
@@ -228,7 +233,8 @@ class Mailbox:
                 if done is not None and key is not None:
                     wire += done.wire_bytes  # (reading chunk.data again would copy every chunk once more)
                     self._check_decoded(meta, done.tensor)
-                    self._deposit(key, done.tensor, held, meta)
+                    norm = self.measure(done.tensor) if self.measure is not None else None
+                    self._deposit(key, done.tensor, held, meta, norm)
                     held, tensors, meta, key = 0, tensors + 1, None, None
             if meta is not None:
                 raise InvalidTransfer(f"the stream ended before the {meta.total_bytes} payload bytes of "
@@ -324,13 +330,16 @@ class Mailbox:
             self._reserved -= nbytes
             self._cond.notify_all()
 
-    def _deposit(self, key: tuple[TensorKey, str], tensor: torch.Tensor, held: int, meta: pb.TensorMeta) -> None:
+    def _deposit(self, key: tuple[TensorKey, str], tensor: torch.Tensor, held: int, meta: pb.TensorMeta,
+                 norm: float | None = None) -> None:
         keep = tensor.numel() * tensor.element_size()
         with self._cond:
             if key in self._ready or key in self._delivered or key[0].step < self._low_step:
                 self._reserved -= held  # a retried copy of a tensor we have, or one nobody will take
             else:
                 self._ready[key] = (tensor, keep)
+                if norm is not None:
+                    self._norms[key] = norm
                 self._reserved -= held - keep  # the payload is gone; the decoded tensor stays until taken
                 st = self.stats[key[0].direction]
                 st.tensors += 1
@@ -343,6 +352,11 @@ class Mailbox:
     def take(self, key: TensorKey, timeout: float, sender: str | None = None) -> torch.Tensor:
         """The tensor under `key` from `sender` (None: the direction's only sender), waiting up to `timeout`
         seconds; TimeoutError or MailboxClosed otherwise."""
+        return self.take_measured(key, timeout, sender)[0]
+
+    def take_measured(self, key: TensorKey, timeout: float, sender: str | None = None
+                      ) -> tuple[torch.Tensor, float | None]:
+        """`take`, with the norm `measure` took of the tensor as it was decoded (None: not measured)."""
         senders = self.spec.senders(key.direction)
         if sender is None:
             if len(senders) != 1:
@@ -375,7 +389,7 @@ class Mailbox:
             self._delivered.add(slot)
             self._reserved -= held
             self._cond.notify_all()
-            return tensor
+            return tensor, self._norms.pop(slot, None)
 
     def advance(self, step: int) -> None:
         """The stage is at `step`: refuse older steps and drop what is buffered for them."""
@@ -385,6 +399,7 @@ class Mailbox:
             self._low_step = step
             for slot in [k for k in self._ready if k[0].step < step]:
                 self._reserved -= self._ready.pop(slot)[1]
+                self._norms.pop(slot, None)
             self._delivered = {k for k in self._delivered if k[0].step >= step}
             self._cond.notify_all()
 
@@ -403,4 +418,5 @@ class Mailbox:
         with self._cond:
             self._closed = True
             self._ready.clear()
+            self._norms.clear()
             self._cond.notify_all()

@@ -13,6 +13,7 @@ its own slice; the stages exchange one scalar each (their squared norm), never t
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -119,11 +120,13 @@ class OncePerStage(NormExchange):
 
     After gradient averaging the replicas of a stage hold the same gradients, hence the same squared norm;
     the replica with `counts` adds it and the others add exactly 0, so the sum counts each stage once and
-    is exact whatever the stages' widths.
+    is exact whatever the stages' widths. A replica whose value is not finite adds +inf whether it counts or
+    not: the flag of a step to skip (`atoll.node.door`) may be raised on one replica alone.
     """
 
     def __init__(self, exchange: NormExchange, *, counts: bool):
         self.exchange, self.counts = exchange, counts
 
     def all_sum(self, value: float, timeout: timedelta) -> float:
-        return self.exchange.all_sum(float(value) if self.counts else 0.0, timeout)
+        value = float(value)
+        return self.exchange.all_sum(value if self.counts else 0.0 if math.isfinite(value) else math.inf, timeout)

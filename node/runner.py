@@ -49,6 +49,7 @@ from atoll.node.data import Batch, TokenDataset
 from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive_on_devices, backend_reason,
                                      cancel_collectives_on, release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
+from atoll.node.door import Door
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, Lanes, RowPeer
 from atoll.node.reverse import peer_ref
@@ -71,7 +72,7 @@ from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions, rendezvous_prefix
-from atoll.types import StepMetrics
+from atoll.types import StepMetrics, TensorOffence
 
 log = logging.getLogger("atoll.node.runner")
 
@@ -167,6 +168,8 @@ class RunContext:
     training thread (`atoll.node.replication.Replicator`); None: no copies."""
 
 
+MAX_OFFENCES_REPORTED = 16
+"""Most rejected tensors one step report names (a step has at most 2 x micro-batches per neighbour)."""
 ZERO_HANDOVER_S = 15.0
 """How long a superseded ZeRO stage's replicas take at most to gather its optimizer state for the next plan."""
 ZERO_FAILED_WAIT_S = 3.0
@@ -517,7 +520,8 @@ class PlanRunner:
             averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step, stop, continuing)
-            transport = self._transport(pl)
+            door = Door(ctx.node_id)
+            transport = self._transport(pl, door)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
             cancelling.__exit__(None, None, None)
             if held is not None:  # a state loaded before the failure is this node's state now
@@ -528,7 +532,7 @@ class PlanRunner:
             raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
                             f"failed: {e}") from e
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
-                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp)
+                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp, door=door)
         self.scaler = stage.scaler
         # fp16: every node that resumes from a checkpoint or from live state reads the scale its layers' state
         # carries (the holders of one step all carry the same); a run from scratch starts at train.loss_scale
@@ -631,6 +635,7 @@ class PlanRunner:
                     metrics.val_loss = val_loss
                     log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
                 reporter.put(metrics)
+                self._say_skipped(step - 1, result, pl)
                 progress.step(metrics)
                 if ctx.tensorboard is not None:
                     ctx.tensorboard.write(metrics, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
@@ -1228,7 +1233,7 @@ class PlanRunner:
         assert pl is not None
         return pl.trained_rows / self.plan.global_batch
 
-    def _transport(self, pl: Placement):
+    def _transport(self, pl: Placement, door: Door | None = None):
         if pl.num_stages == 1 or pl.tp_rank > 0:
             return InProcessLinks(1).transport(0)  # a one-stage pipeline sends nothing, nor do tp ranks but 0
         addr = self.plan.node_addresses
@@ -1266,7 +1271,7 @@ class PlanRunner:
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
             accepts_connections=listening,
-        ), self.ctx.peer_server)
+        ), self.ctx.peer_server, door)
 
     # --- per step ---------------------------------------------------------------------------------
 
@@ -1284,7 +1289,8 @@ class PlanRunner:
         pl = self.placement
         assert pl is not None
         self._check_memory(step, result.peak_memory_bytes)
-        reports_loss = loss is not None and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
+        # a non-finite loss is not reported (the step was skipped everywhere; the offence says so)
+        reports_loss = loss is not None and math.isfinite(loss) and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
         links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
         return StepMetrics(
             job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.current_plan().epoch, step=step,
@@ -1301,8 +1307,25 @@ class PlanRunner:
         averager) to train with.
 
         ZeRO needs the replicas of this stage to be exactly the holders of its layers, one segment over its
+            offences=[TensorOffence(sender=o.sender, kind=o.kind, direction=str(o.direction), step=o.step,
+                                    micro_batch=max(0, o.micro_batch), norm=o.norm if math.isfinite(o.norm) else 0.0,
+                                    finite=math.isfinite(o.norm), detail=o.detail[:200])
+                      for o in result.offences[:MAX_OFFENCES_REPORTED]],
         whole range: then they share one gradient group and step the same layers. Otherwise (no other replica,
         or other pipelines hold some or all of its layers and average per segment) the stage trains with plain
+    def _say_skipped(self, step: int, result: StepResult, pl: Placement) -> None:
+        """Log what this stage rejected in `step` (naming the sender), or that the step was skipped for a flag raised
+        elsewhere."""
+        if result.offences:
+            for o in result.offences[:4]:
+                log.warning("pipeline %d stage %d: %s; the step is skipped on every node", pl.pipeline, pl.stage,
+                            o.describe())
+            if len(result.offences) > 4:
+                log.warning("step %d: %d more tensors rejected", step, len(result.offences) - 4)
+        elif result.skipped and result.loss_scale is None:
+            log.warning("step %d skipped on every node: a stage rejected a tensor or its loss (its node's log and "
+                        "`atoll status` name the sender)", step)
+
         AdamW and the segment averager, and says so. ZeRO-3 runs as ZeRO-2 (weights stay whole).
         """
         pl = self.placement

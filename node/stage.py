@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from atoll.node.dataparallel import GradientAverager
+from atoll.node.door import Door, Offence
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
@@ -189,7 +190,10 @@ class StepResult:
     """Global gradient norm before clipping (None when clipping is off and the precision is not fp16; inf
     when an fp16 step overflowed)."""
     skipped: bool = False
-    """fp16: a gradient overflowed somewhere in the job, so no stage stepped (the loss scale was lowered)."""
+    """The pipeline's gradient-norm total was not finite, so no stage of any replica stepped: an fp16 overflow (the
+    loss scale was lowered), or a tensor rejected at some stage's door, or a bad loss (`atoll.node.door`)."""
+    offences: list[Offence] = field(default_factory=list)
+    """What this stage rejected in this step (tensors at its door, its own loss): the step was skipped everywhere."""
     loss_scale: float | None = None
     """fp16: the loss scale this step's gradients carried (None under other precisions)."""
     tokens: int
@@ -242,7 +246,7 @@ class PipelineStage:
                  config: StageConfig, norm_exchange: NormExchange | None = None,
                  grad_averager: GradientAverager | None = None,
                  optimizer: torch.optim.Optimizer | ZeroOptimizer | None = None,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, door: Door | None = None):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
         if module.is_first != (stage == 0) or module.is_last != (stage == num_stages - 1):
@@ -264,6 +268,11 @@ class PipelineStage:
         """With ZeRO the optimizer also reduces the gradients over the replicas (no separate averager)."""
         self.tp = tp
         """Tensor parallelism: `module` is this rank's shard; only tp rank 0 uses the transport."""
+        self.door = door
+        """Judges this stage's loss and hands over the offences of the tensors its transport rejected (the same
+        `Door` as the transport's): any of them skips the step on every node (`train_step`). None: no checks."""
+        self._last_grad_sent: torch.Tensor | None = None
+        """A last stage's newest activation-gradient sent upstream for a loss its door accepted."""
         if self.zero is not None and grad_averager is not None:
             raise ValueError("a ZeRO optimizer reduces the gradients over the stage's replicas itself; pass no "
                              "grad_averager with it")
@@ -355,6 +364,7 @@ class PipelineStage:
         mb_bytes: dict[int, int] = {}
         live_bytes = peak_bytes = 0
         losses: list[float] = []
+        bad_loss: set[int] = set()  # micro-batches whose loss this (last) stage's door rejected
         tokens = 0
         compute = wait = 0.0
         timeline: list[OpTiming] = []
@@ -404,6 +414,8 @@ class PipelineStage:
                 compute += a_compute
                 if self.is_last:
                     losses.append(float(loss.detach()))
+                    if self.door is not None and self.door.check_loss(step, losses[-1], i) is not None:
+                        bad_loss.add(i)
                 else:
                     self._send(TensorKey(step, i, "forward"), out.detach())
                 saved[i] = (x, out)
@@ -437,7 +449,7 @@ class PipelineStage:
                 if x is not None:
                     if x.grad is None:
                         raise RuntimeError(f"stage {self.stage} produced no gradient for its input of micro-batch {i}")
-                    self._send(TensorKey(step, i, "backward"), x.grad)
+                    self._send(TensorKey(step, i, "backward"), self._grad_to_send(x.grad, i in bad_loss))
                 if zero is not None:  # ZeRO-2 reduce-scatters this micro-batch's gradients (after the send)
                     s0 = time.perf_counter()
                     zero.backward_done()
@@ -453,6 +465,14 @@ class PipelineStage:
                                      a_compute, a_cpu))
 
         params = [p for p in self.module.parameters() if p.requires_grad]
+        offences = self.door.take(step) if self.door is not None else []
+        if offences and zero is None:
+            # the step is skipped everywhere through fp16's agreement path (`atoll.node.precision`): +inf in every
+            # gradient rides the data-parallel average to every replica of this stage (of every pipeline sharing
+            # its layers), and makes this stage's share of the norm exchange non-finite for its whole pipeline
+            for p in params:
+                if p.grad is not None:
+                    p.grad.fill_(math.inf)
         s0 = time.perf_counter()
         if zero is not None:
             zero.reduce_gradients()
@@ -464,6 +484,8 @@ class PipelineStage:
 
         scaler, found_inf = self.scaler, False
         loss_scale = scaler.scale if scaler is not None else None
+        if offences and zero is not None:  # (its shards, reduced already: their squared norm sums over the replicas)
+            zero.scale_gradients(math.inf)
         if scaler is not None:  # the averaged gradients carry the loss scale: take it off before norms and steps
             if zero is not None:
                 zero.scale_gradients(1.0 / scaler.scale)
@@ -472,7 +494,7 @@ class PipelineStage:
                     if p.grad is not None:
                         p.grad.mul_(1.0 / scaler.scale)
         grad_norm = None
-        if cfg.max_grad_norm is not None or scaler is not None:
+        if cfg.max_grad_norm is not None or scaler is not None or self.door is not None:
             # with ZeRO: the owned shards' squares summed over the replicas, the stage's whole norm
             # a tied head's copy of the embedding weight counts once: on the embedding's stage (`atoll.node.tied`)
             copy = getattr(self.module, "tied_copy", None)
@@ -490,7 +512,8 @@ class PipelineStage:
                 raise
             self.exchanged, self.unexchanged, self.unexchanged_loss = (step, total), None, None
             wait += time.perf_counter() - w0
-            found_inf = scaler is not None and not math.isfinite(total)
+            # non-finite: an fp16 overflow, a rejected tensor or a bad loss somewhere: no node steps, in any precision
+            found_inf = not math.isfinite(total)
             grad_norm = math.sqrt(total)
         if grad_norm is not None and cfg.max_grad_norm is not None and not found_inf:
             # same coefficient as torch.nn.utils.clip_grad_norm_
@@ -503,7 +526,7 @@ class PipelineStage:
                         if p.grad is not None:
                             p.grad.mul_(coef)
         pipeline_end = time.perf_counter()
-        if not found_inf:  # an overflow anywhere: no stage of any replica steps (see atoll.node.precision)
+        if not found_inf:  # an overflow or a rejection anywhere: no stage of any replica steps (atoll.node.precision)
             self.optimizer.step()
             self._sync()  # the step's kernels (and ZeRO's all-gather) run asynchronously on a GPU
         if scaler is not None:
@@ -521,7 +544,7 @@ class PipelineStage:
             step_seconds=end - t0, pipeline_seconds=pipeline_end - t0,
             compute_seconds=compute, wait_seconds=wait, sync_seconds=sync, optimizer_seconds=end - pipeline_end,
             peak_activation_bytes=peak_bytes, peak_memory_bytes=peak_memory, timeline=timeline,
-            skipped=found_inf, loss_scale=loss_scale)
+            skipped=found_inf, loss_scale=loss_scale, offences=offences)
 
     def _recompute_working_set(self, shape: tuple[int, int], params: set[int]) -> int:
         """Bytes a recomputed block rebuilds in backward while the step's activations are live (0 without
@@ -559,6 +582,16 @@ class PipelineStage:
     def _send(self, key: TensorKey, t: torch.Tensor) -> None:
         if self.tp is None or self.tp.is_leader:  # every tp rank holds the same replicated tensor
             self.transport.send(key, t.to(self.config.wire_dtype))
+
+    def _grad_to_send(self, grad: torch.Tensor, bad: bool) -> torch.Tensor:
+        """The activation-gradient a last stage sends upstream: `grad`, or where its micro-batch's loss was rejected
+        (the step is skipped anyway) the last one it sent, so that the stage upstream does not take this stage's
+        own bad loss for a bad tensor of its neighbour's."""
+        if not bad:
+            self._last_grad_sent = grad
+            return grad
+        last = self._last_grad_sent
+        return last.clone() if last is not None and last.shape == grad.shape else torch.zeros_like(grad)
 
     def _split(self, t: torch.Tensor | None, name: str, needed: bool) -> list[torch.Tensor]:
         if not needed:
