@@ -612,19 +612,20 @@ class CoordinatorState:
         self.control = control
 
     def final_checkpoint_steps(self) -> set[int]:
-        """The steps one of whose complete checkpoints is the job's final one: the last step (outer mode: that of
-        each group, the plan's first writing it); none expected of a synchronous job without a checkpoint interval."""
+        """The steps one of whose complete checkpoints is the job's final one: the last step (outer mode: the end of
+        the last round, (train.steps // H) x H for every group, however many inner steps each trains a round: a round's
+        steps are numbered to end at a multiple of H); none expected of a synchronous job without a checkpoint
+        interval."""
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None:
-            rounds = max(1, self.target_steps // plan.outer.inner_steps)
-            return {rounds * g.inner_steps for g in plan.groups}
+            return {max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps}
         return {self.target_steps} if self.job.checkpoint.interval else set()
 
     def final_checkpoint_step(self) -> int:
         """The step of the checkpoint the job is to end with (the status's): the writing group's last step."""
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None and plan.groups:
-            return max(1, self.target_steps // plan.outer.inner_steps) * plan.groups[0].inner_steps
+            return max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps
         return min(self.final_checkpoint_steps(), default=0)
 
     def note_trained(self, now: float) -> None:
@@ -662,7 +663,7 @@ class CoordinatorState:
         alive = {n for n, m in self.store.members_view().items() if m.state == "alive"}
         if not alive & plan.group_nodes(0):
             return False
-        last = max(1, self.target_steps // plan.outer.inner_steps) * first.inner_steps - 1
+        last = max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps - 1
         return not any(s.step >= last and s.pipeline in first.pipelines and s.plan_epoch == plan.epoch
                        for s in self.store.recent_steps(64))
 

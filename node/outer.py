@@ -29,11 +29,21 @@ Every node applies the same final decision to the same anchor, so the groups' ou
 including a group that was left out of a round (it still fetches the participants' payloads). Each node
 reports a crc32 of its anchor per layer once a round landed (`anchor_hashes`); the coordinator flags any
 mismatch.
+
+Rounds by wall-clock time (`atoll.coordinator.pace` says why): a node reports with each arrival the median wall
+time of the round's inner steps, its waits on the outer sync left out, and the coordinator's decision of round r
+gives each group its inner steps for round r + 2. A node takes that figure from the decision only for a round it
+has not started (every node of the group has applied round r's decision by the end of round r + 1, so all of them
+switch at the same inner step, as their collectives need), and trains the plan's figure in a round no decision
+named. A round's steps are numbered to end at a multiple of the plan's H (`OuterConfig.round_length`): every
+group's step counter reads r x H at the end of round r - 1 however many steps it trained, so the job's last step,
+its checkpoints and a resume are the same rounds for every group.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 import zlib
@@ -289,6 +299,9 @@ class RoundDecision:
     """Every node that must apply it holds its contributions: apply it."""
     checkpointer: Participant | None = None
     """The group that writes the job's checkpoints (None: the coordinator did not say)."""
+    inner_steps: tuple[tuple[str, int, int], ...] = ()
+    """(group name, since-epoch, inner steps) of each group in round `steps_round` (empty: the plan's)."""
+    steps_round: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,6 +319,11 @@ class RoundReport:
     version: int = 0
     hashes: tuple[tuple[int, int, int], ...] = ()
     """(round, layer, crc32) of this node's anchor after the last round it landed (`anchor_hashes`)."""
+    step_seconds: float = 0.0
+    """Median wall time of the round's inner steps on this node, its waits on the outer sync left out (0: none
+    timed)."""
+    round_steps: int = 0
+    """Inner steps that median is over."""
 
 
 Arrive = Callable[[RoundReport], RoundDecision | None]
@@ -334,7 +352,8 @@ class OuterConfig:
     group: int
     """This node's replica group (index into plan.groups)."""
     inner_steps: int
-    """Inner steps per round of this group."""
+    """Inner steps of this group in the round in progress: the plan's, or the coordinator's for a later round
+    (`OuterSync` sets it at each round's start)."""
     codec: CodecSpec
     lr: float = 1.0
     momentum: float = 0.0
@@ -350,6 +369,9 @@ class OuterConfig:
     rpc: RpcOptions = field(default_factory=RpcOptions)
     latency_to: Callable[[str], timedelta] = lambda node: timedelta(0)
     """One-way latency added before fetching from a node (an emulation knob for testbeds)."""
+    round_length: int = 0
+    """The plan's H: a round's steps are numbered to end at a multiple of it (`OuterSync.next_step`); no group
+    trains more a round (0: `inner_steps`)."""
 
 
 @dataclass
@@ -392,6 +414,15 @@ class OuterSync:
         self.tokens_in_round = 0
         self.steps_in_round = 0
         self.inner_steps_done = 0
+        self.planned_steps = config.inner_steps
+        """The plan's inner steps a round for this group: trained in a round no decision named."""
+        self.round_length = config.round_length or config.inner_steps
+        self._assigned: dict[int, int] = {}
+        """round -> the inner steps the coordinator's decision gave this group for it (a round not started yet)."""
+        self._clock: float | None = None
+        """When the runner's previous inner step was counted (`after_step` returned): the next one is timed from it."""
+        self._step_times: list[float] = []
+        """Wall times of this round's inner steps, waits on the outer sync left out."""
         self.last = RoundStats()
         self.checkpointer: Participant | None = None
         """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
@@ -406,16 +437,34 @@ class OuterSync:
 
     def after_step(self, tokens: int) -> bool:
         """Count one inner step; at the round's end run the round-end procedure. True when a round ended."""
-        self.tokens_in_round += tokens
-        self.steps_in_round += 1
-        self.inner_steps_done += 1
-        if self.steps_in_round < self.cfg.inner_steps:
-            if (self._pending is not None and self.cfg.overlap
-                    and 0 < self.cfg.apply_after <= self.steps_in_round):
-                self._land()  # the previous round's average, applied as soon as it is due (less staleness)
-            return False
-        self.end_round()
-        return True
+        now = time.perf_counter()
+        if self._clock is not None:  # (the run's first step is not timed: it warms up)
+            self._step_times.append(now - self._clock)
+        try:
+            self.tokens_in_round += tokens
+            self.steps_in_round += 1
+            self.inner_steps_done += 1
+            if self.steps_in_round < self.cfg.inner_steps:
+                if (self._pending is not None and self.cfg.overlap
+                        and 0 < self.cfg.apply_after <= self.steps_in_round):
+                    self._land()  # the previous round's average, applied as soon as it is due (less staleness)
+                return False
+            self.end_round()
+            return True
+        finally:
+            self._clock = time.perf_counter()  # (the time spent here, on the outer sync, is not a step's)
+
+    def next_step(self) -> int:
+        """The number of the next inner step to train: a round's steps end at a multiple of `round_length`, so round r
+        of n steps trains steps r x H + (H - n) ... (r + 1) x H - 1 (H = `round_length`)."""
+        h = self.round_length
+        return self.round * h + h - min(self.cfg.inner_steps, h) + self.steps_in_round
+
+    def schedule_step(self) -> int:
+        """Where the next inner step sits on the learning-rate schedule: the round's steps spread evenly over its H, so
+        a group that trains fewer steps a round moves along the schedule as fast as the others, round for round."""
+        h = self.round_length
+        return self.round * h + self.steps_in_round * h // max(1, min(self.cfg.inner_steps, h))
 
     def count_late(self, tokens: int) -> bool:
         """Count an inner step a run ended on (superseded after its optimizer stepped), without ending a round or
@@ -434,12 +483,25 @@ class OuterSync:
             self.snapshot = {n: p.detach().clone() for n, p in self.params.items()}
         deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine}
         round_, tokens = self.round, self.tokens_in_round
+        pace = (statistics.median(self._step_times), len(self._step_times)) if self._step_times else (0.0, 0)
+        self._step_times = []
         self.last.inner_step = self.inner_steps_done
         self.round += 1
         self.tokens_in_round = self.steps_in_round = 0
-        self._pending = self._pool.submit(self._exchange, round_, tokens, deltas, self.last, self._hashes)
+        self._pending = self._pool.submit(self._exchange, round_, tokens, deltas, self.last, self._hashes, pace)
         if not self.cfg.overlap:
             self._land()
+        self._start_round()
+
+    def _start_round(self) -> None:
+        """The inner steps of the round now starting: the coordinator's figure for it (a decision of two rounds before,
+        landed by now on every node of the group), else the plan's."""
+        steps = self._assigned.pop(self.round, self.planned_steps)
+        for old in [r for r in self._assigned if r < self.round]:
+            del self._assigned[old]
+        if steps != self.cfg.inner_steps:
+            log.info("outer round %d: %d inner steps (%d the round before)", self.round, steps, self.cfg.inner_steps)
+        self.cfg.inner_steps = steps
 
     def refresh(self, plan: Plan) -> None:
         """Follow a newer plan this run adopted (other groups may have been replanned): their holders and
@@ -475,11 +537,25 @@ class OuterSync:
         self.last = result.stats
         if result.decision is not None and result.decision.checkpointer is not None:
             self.checkpointer = result.decision.checkpointer
+        if result.decision is not None:
+            self._take_steps(result.decision)
         self._hashes = anchor_hashes(self.anchor, result.round)
         self.outbox.put_state(self.round, self._state_tensors())
         if result.stats.late_seconds > 0.05:
             log.info("outer round %d landed %.2fs late (the exchange outlasted a round)", result.round,
                      result.stats.late_seconds)
+
+    def _take_steps(self, decision: RoundDecision) -> None:
+        """Keep this group's inner steps for the round a decision names, if this node has not started that round
+        (`self.round` is the round in progress); a figure for a round already started is never taken."""
+        if decision.steps_round <= self.round:
+            return
+        plan = self.plan
+        group = plan.groups[self.cfg.group]
+        since = group.since_epoch or plan.epoch
+        steps = next((k for name, epoch, k in decision.inner_steps if name == group.name and epoch == since), None)
+        if steps is not None and steps >= 1:
+            self._assigned[decision.steps_round] = min(steps, self.round_length)
 
     def _wait_pending(self, pending: Future[_Result], seconds: float) -> _Result:
         """The exchange's result, waiting at most `seconds`; OuterSyncError once the run is stopped."""
@@ -497,7 +573,7 @@ class OuterSync:
     # --- the exchange (background thread) ------------------------------------------------------------
 
     def _exchange(self, round_: int, tokens: int, deltas: dict[str, torch.Tensor], previous: RoundStats,
-                  hashes: tuple[tuple[int, int, int], ...] = ()) -> _Result:
+                  hashes: tuple[tuple[int, int, int], ...] = (), pace: tuple[float, int] = (0.0, 0)) -> _Result:
         t0 = time.perf_counter()
         encoded: dict[str, EncodedTensor] = {}
         own: dict[str, torch.Tensor] = {}
@@ -519,7 +595,8 @@ class OuterSync:
             return self.cfg.node_id in part.nodes and part.since_epoch == own_since
 
         decision, fetched, nbytes = self._settle(
-            RoundReport(round=round_, tokens=tokens, previous=previous, hashes=hashes), is_own)
+            RoundReport(round=round_, tokens=tokens, previous=previous, hashes=hashes, step_seconds=pace[0],
+                        round_steps=pace[1]), is_own)
         stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
         # the final decision's set, in its order (every node sums in the same order: the same bits everywhere)
         contributions = [(float(p.tokens), own if is_own(p) else fetched[origin_key(p)])

@@ -331,7 +331,8 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
                                   fetched_version=report.fetched_version, version=report.version,
                                   unreachable=[participant(p) for p in report.unreachable],
                                   anchor_hashes=[pb.OuterAnchorHash(round=r, layer=layer, crc32=crc)
-                                                 for r, layer, crc in report.hashes])
+                                                 for r, layer, crc in report.hashes],
+                                  step_seconds=max(0.0, report.step_seconds), round_steps=report.round_steps)
         try:
             reply = call(req)
         except grpc.RpcError as e:
@@ -343,7 +344,9 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
             return None
         return RoundDecision(round=report.round, participants=tuple(from_proto(p) for p in reply.participants),
                              version=reply.version, final=reply.final,
-                             checkpointer=from_proto(reply.checkpointer) if reply.HasField("checkpointer") else None)
+                             checkpointer=from_proto(reply.checkpointer) if reply.HasField("checkpointer") else None,
+                             inner_steps=tuple((g.group, g.since_epoch, g.inner_steps) for g in reply.inner_steps),
+                             steps_round=reply.steps_round)
     return arrive
 
 
@@ -448,21 +451,20 @@ class PlanRunner:
     @property
     def last_step(self) -> int:
         """The step this run trains up to. In outer mode every replica group trains the same number of rounds,
-        (train.steps // H) x its own inner steps, so no group is left with rounds to sync alone."""
+        train.steps // H, however many inner steps each trains a round (a round's steps are numbered to end at a
+        multiple of H: `OuterSync.next_step`), so no group is left with rounds to sync alone."""
         plan, pl = self.plan, self.placement
         steps = (self.ctx.target_steps() if self.ctx.target_steps is not None else 0) or self.job.train.steps
         if plan.mode != "outer" or plan.outer is None or pl is None:
             return steps
-        rounds = max(1, steps // plan.outer.inner_steps)
-        return rounds * plan.groups[pl.group].inner_steps
+        return max(1, steps // plan.outer.inner_steps) * plan.outer.inner_steps
 
     def schedule_step(self, step: int) -> int:
-        """Where `step` sits on the learning-rate schedule: a group that trains fewer inner steps per round
-        moves along the schedule as fast as the others, round for round."""
-        plan, pl = self.plan, self.placement
-        if plan.mode != "outer" or plan.outer is None or pl is None:
-            return step
-        return step * plan.outer.inner_steps // plan.groups[pl.group].inner_steps
+        """Where `step` sits on the learning-rate schedule: in outer mode the round's place (a group that trains
+        fewer inner steps a round moves along the schedule as fast as the others, round for round)."""
+        if self.outer is not None and self.outer.next_step() == step:
+            return self.outer.schedule_step()
+        return step
 
     def current_plan(self) -> Plan:
         return self.ctx.latest_plan() if self.ctx.latest_plan is not None else self.plan
@@ -592,11 +594,16 @@ class PlanRunner:
                 last = progress.total = self.last_step if until_step is None else min(until_step, self.last_step)
                 if step >= last:
                     break
+                before = step
+                if outer is not None:  # a round of fewer steps than H skips the numbers it does not train
+                    step = max(step, outer.next_step())
                 for group in optimizer.param_groups:
                     group["lr"] = learning_rate(job, self.schedule_step(step))
                 index = step * groups + pl.group
                 batch = self._batch(data, index) if data is not None else None
-                evaluate = bool(job.train.eval_every) and ((step + 1) % job.train.eval_every == 0
+                # (every multiple of eval_every passed: a skip may pass one)
+                evaluate = bool(job.train.eval_every) and ((step + 1) // job.train.eval_every
+                                                           > before // job.train.eval_every
                                                            or step + 1 == self.last_step)
                 val_loss = None
                 result = None
@@ -654,8 +661,8 @@ class PlanRunner:
                             break
                         failed = f"outer sync after step {step - 1} failed: {e}"
                         raise RunFailed(failed) from e
-                    # checkpoints of an outer-mode run are taken at round ends, holding the outer state
-                    due = (ended and bool(interval) and step % interval < outer.cfg.inner_steps) or step == self.last_step
+                    # checkpoints of an outer-mode run are taken at round ends (multiples of H), holding the outer state
+                    due = (ended and bool(interval) and step % interval < outer.round_length) or step == self.last_step
                 if due:
                     self._checkpoint(module, optimizer, step)
         finally:
@@ -1065,7 +1072,8 @@ class PlanRunner:
                           codec=codec, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, overlap=o.overlap,
                           apply_after=apply_after_steps(self.job, o, group),
                           deadline=deadline, token=ctx.token, rpc=ctx.rpc,
-                          latency_to=lambda peer: ctx.wan_latency(self.current_plan(), peer))
+                          latency_to=lambda peer: ctx.wan_latency(self.current_plan(), peer),
+                          round_length=max(o.inner_steps, group.inner_steps))
         segment_groups = []
         if store is not None:
             base = self._group_prefix()
@@ -1091,7 +1099,7 @@ class PlanRunner:
             k = continuing_steps(at.steps_in_round, at.inner_steps, group.inner_steps)
             outer.round, outer.steps_in_round = at.round, k
             outer.tokens_in_round = at.steps_in_round * self.job.train.global_batch * self.job.train.seq_len
-            step = at.round * group.inner_steps + k  # the group's steps count in rounds of its own H
+            step = outer.next_step()  # (a round's steps end at a multiple of H)
             log.info("replica group %s goes on with round %d at inner step %d of %d (step %d): the %d inner steps "
                      "it had trained of the round%s are kept", group.name, at.round, k, group.inner_steps, step,
                      at.steps_in_round, f" (of {at.inner_steps} a round then)" if at.inner_steps != group.inner_steps
@@ -1101,14 +1109,14 @@ class PlanRunner:
         if older:
             epochs = {g: plan.groups[g].since_epoch for g in older}
             round_ = outer.fetch_state(older, epochs)
-            self._outer_counted = max(step, round_ * group.inner_steps)
+            self._outer_counted = max(step, round_ * outer.round_length)
             return self._outer_counted
         state = load_outer_state(ctx.checkpoint_dir, step, pl.layers) if step > 0 else None
         if state is not None:
             outer.load_state_dict(state)
             log.info("outer state of round %d loaded from the checkpoint of step %d", outer.round, step)
         else:
-            outer.round = step // group.inner_steps
+            outer.round = step // outer.round_length
         self._outer_counted = step
         return step
 

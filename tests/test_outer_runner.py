@@ -472,7 +472,7 @@ def test_a_contribution_out_of_one_nodes_reach_is_decided_again_for_every_node(t
     assert refused and set(refused) == {1}
     anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
     _same_anchors(anchors, ["a", "b"])
-    assert (rounds.progress[1].rounds_in, rounds.progress[1].rounds_missed) == (2, 1)  # b left out of round 1 only
+    assert (rounds.progress["region-1"].rounds_in, rounds.progress["region-1"].rounds_missed) == (2, 1)  # b left out of round 1 only
     assert rounds.latest_decided == 2 and rounds.anchor_mismatches == 0, rounds.last_mismatch
     assert len(losses) == 12
 
