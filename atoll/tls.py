@@ -27,7 +27,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import AttributeOID, ExtendedKeyUsageOID, NameOID
 
 from atoll.rpc import MutualTls, RpcOptions, TlsIdentity
 
@@ -199,9 +199,22 @@ def parse_csr(csr_pem: bytes) -> x509.CertificateSigningRequest:
     return csr
 
 
-def make_csr(key: ec.EllipticCurvePrivateKey, node_id: str) -> bytes:
-    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(node_id)).sign(key, hashes.SHA256())
-    return csr.public_bytes(serialization.Encoding.PEM)
+def make_csr(key: ec.EllipticCurvePrivateKey, node_id: str, challenge: str = "") -> bytes:
+    """A signing request for `key`; `challenge` (the coordinator's `JoinChallenge`) goes in its PKCS#9
+    challengePassword attribute, under the request's signature."""
+    builder = x509.CertificateSigningRequestBuilder().subject_name(_name(node_id))
+    if challenge:
+        builder = builder.add_attribute(AttributeOID.CHALLENGE_PASSWORD, challenge.encode("ascii"))
+    return builder.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def csr_challenge(csr: x509.CertificateSigningRequest) -> str:
+    """The challenge a signing request carries ("": none)."""
+    try:
+        value = csr.attributes.get_attribute_for_oid(AttributeOID.CHALLENGE_PASSWORD).value
+    except x509.AttributeNotFound:
+        return ""
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
 
 
 def common_name(cert: x509.Certificate) -> str:

@@ -6,6 +6,8 @@ Plain functions of (method, request, caller, state), called by the servicer befo
 - A bootstrap caller (a certificate derived from the job token) may only join and read the status. Its join
   must carry a signing request, and may not claim the id of a live node whose certificate was issued for
   another key.
+- Every join under mutual TLS carries a fresh challenge in its signing request (`atoll.coordinator.challenges`),
+  taken once: a replayed join is refused.
 - A node caller (a certificate of the job CA) may make every call, for its own node id only.
 - A checkpoint report must name layers of a stage the reporting node holds in the plan of the report's epoch
   (its own checkpoint, or a copy another node took of it, named as that node's), and a step between that
@@ -18,15 +20,16 @@ from __future__ import annotations
 import threading
 
 from atoll.coordinator.ca import Caller, JobAuthority
-from atoll.coordinator.errors import CoordinatorError, InvalidArgument
+from atoll.coordinator.errors import CoordinatorError, FailedPrecondition, InvalidArgument
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.validation import check_join_size
 from atoll.plan import Plan
-from atoll.tls import CertificateError
+from atoll.tls import CertificateError, csr_challenge, parse_csr
 from atoll.v1 import atoll_pb2 as pb
 
-BOOTSTRAP_METHODS = frozenset({"Join", "GetStatus", "ControlJob"})
-"""What a caller holding only the job token may do: join, and what an operator does (status, job control)."""
+BOOTSTRAP_METHODS = frozenset({"Join", "JoinChallenge", "GetStatus", "ControlJob"})
+"""What a caller holding only the job token may do: join (and ask for its challenge), and what an operator does
+(status, job control)."""
 ANY_NODE_METHODS = frozenset({"GetStatus"})
 """Calls about the job rather than one node: any node may make them."""
 
@@ -45,7 +48,8 @@ def authorize(method: str, request: object, caller: Caller, state: CoordinatorSt
         if method == "Join":
             _check_join(request, caller, state, authority)  # type: ignore[arg-type]
         return
-    if caller.kind == "node" and method not in ANY_NODE_METHODS and method != "ReportCheckpoint":
+    if caller.kind == "node" and method not in ANY_NODE_METHODS and method != "ReportCheckpoint" \
+            and not (method == "JoinChallenge" and not getattr(request, "node_id", "")):
         claimed = getattr(request, "node_id", "")
         if claimed != caller.node_id:
             raise PermissionDenied(f"{method}: the caller's certificate is node {caller.node_id}'s; it cannot speak "
@@ -66,15 +70,22 @@ def _check_join(req: pb.JoinRequest, caller: Caller, state: CoordinatorState, au
                               "signing request (csr_pem): update atoll on the node")
     try:
         key = authority.csr_key_id(req.csr_pem)
+        challenge = csr_challenge(parse_csr(req.csr_pem))
     except CertificateError as e:
         raise InvalidArgument(f"Join: {e}") from None
-    if caller.kind == "node" or not req.node_id:
-        return  # the holder of the id's certificate (it may change keys), or a new id the coordinator picks
-    bound = authority.bindings.get(req.node_id)
-    member = state.store.get_member(req.node_id)
-    if bound is not None and bound != key and member is not None and member.state == "alive":
-        raise PermissionDenied(f"node id {req.node_id} is held by a live node with another key; a second process "
-                               f"cannot take it over. Start this one with a state dir of its own (--state-dir)")
+    # (not for the holder of the id's certificate, which may change keys, nor a new id the coordinator picks)
+    if caller.kind != "node" and req.node_id:
+        bound = authority.bindings.get(req.node_id)
+        member = state.store.get_member(req.node_id)
+        if bound is not None and bound != key and member is not None and member.state == "alive":
+            raise PermissionDenied(f"node id {req.node_id} is held by a live node with another key; a second process "
+                                   f"cannot take it over. Start this one with a state dir of its own (--state-dir)")
+    if not challenge:
+        raise FailedPrecondition("this coordinator binds every join to a fresh challenge (JoinChallenge), and this "
+                                 "join's signing request carries none: upgrade atoll on the node")
+    if not state.challenges.take(challenge, state.clock()):
+        raise PermissionDenied("the join's challenge is unknown, used or expired: a join is taken once, so a replayed "
+                               "one is refused; join again with a fresh challenge")
 
 
 class PlanLookup:

@@ -32,5 +32,14 @@ class FailedPrecondition(CoordinatorError):
     """The request does not fit the coordinator's state: another job, a future plan epoch."""
 
 
+class RateLimited(CoordinatorError):
+    """A node made a call more often than its rate allows; `retry_after_s`: when it may again (sent as the
+    `atoll.rpc.RETRY_AFTER_KEY` trailing metadata)."""
+
+    def __init__(self, message: str, *, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Unavailable(CoordinatorError):
     """The coordinator is shutting down."""

@@ -15,7 +15,7 @@ from atoll.coordinator import validation as v
 from atoll.coordinator import claims
 from atoll.coordinator.authz import PermissionDenied
 from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
-                                      Unauthenticated, Unavailable)
+                                      RateLimited, Unauthenticated, Unavailable)
 from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.islands import device_class
 from atoll.coordinator.membership import RunFailureRecord, join_decision, lease_deadline
@@ -93,6 +93,12 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     if req.node_id:
         state.check_session(node_id, req.session, joining=True)
     now = state.clock()
+    if req.node_id:
+        wait = state.join_limit.take(node_id, now)
+        if wait is not None:
+            raise RateLimited(f"node {node_id} joined more often than {state.options.joins.burst} times in "
+                              f"{state.options.joins.burst * state.options.joins.every_s:.0f}s; it may join again in "
+                              f"{wait:.0f}s", retry_after_s=wait)
     existing = state.store.get_member(node_id)
     decision = join_decision(now, existing, hostname=req.profile.hostname, started_unix=state.started_unix,
                              options=state.membership_options(now))
@@ -118,6 +124,15 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     return pb.JoinReply(node_id=node_id, job=_job_info(state), lease_seconds=cadence.lease,
                         heartbeat_interval_seconds=cadence.interval,
                         reachable=not profile.unreachable, reachability=reachability)
+
+
+def handle_join_challenge(req: pb.JoinChallengeRequest, state: CoordinatorState) -> pb.JoinChallengeReply:
+    """A fresh challenge for the caller's next join (`atoll.coordinator.challenges`)."""
+    check_token(req.token, state)
+    if req.node_id:
+        v.check_node_id(req.node_id)
+    return pb.JoinChallengeReply(challenge=state.challenges.issue(state.clock()),
+                                 expires_seconds=state.challenges.life_s)
 
 
 def _host(address: str) -> str:
@@ -358,6 +373,13 @@ def handle_report_failure(req: pb.RunFailure, state: CoordinatorState) -> pb.Ack
         raise FailedPrecondition(f"failure of plan epoch {req.plan_epoch}; the plans run so far are 1-{epoch}")
     if req.step > state.target_steps:
         raise InvalidArgument(f"failure at step {req.step}, past the job's {state.target_steps} steps")
+    wait = state.failure_limit.take(req.node_id, state.clock())
+    if wait is not None:
+        log.error("node %s reports failures faster than its rate allows (each makes a new plan): refused for %.0fs",
+                    req.node_id, wait)
+        raise RateLimited(f"node {req.node_id} reported more than {state.options.failure_reports.burst} failures "
+                          f"within {state.options.failure_reports.every_s:.0f}s; it may report again in {wait:.0f}s",
+                          retry_after_s=wait)
     if req.lost_checkpoint_step:  # whatever the epoch: the files are gone either way
         dropped = state.store.drop_checkpoints(req.lost_checkpoint_step, req.node_id)
         if dropped:

@@ -19,7 +19,7 @@ import grpc
 from atoll.coordinator import authz, handlers
 from atoll.coordinator.ca import PLAINTEXT, Caller, JobAuthority
 from atoll.coordinator.errors import (AlreadyExists, CoordinatorError, FailedPrecondition, InvalidArgument, NotFound,
-                                      Unauthenticated, Unavailable)
+                                      RateLimited, Unauthenticated, Unavailable)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.validation import MAX_JOIN_BYTES, check_address
 from atoll.coordinator.watches import PlanWatches, TooManyWatches, WatchReplaced
@@ -38,6 +38,7 @@ STATUS_CODES: dict[type[CoordinatorError], grpc.StatusCode] = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TooManyWatches: grpc.StatusCode.RESOURCE_EXHAUSTED,
     TooManyHeartbeatStreams: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StreamReplaced: grpc.StatusCode.ABORTED,
@@ -122,6 +123,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self._unary("Join", lambda req, st: handlers.handle_join(req, st, dial_back=lambda _: why,
                                                                          seen_from=seen_from),
                            request, context)
+
+    def JoinChallenge(self, request: pb.JoinChallengeRequest,
+                      context: grpc.ServicerContext) -> pb.JoinChallengeReply:
+        return self._unary("JoinChallenge", handlers.handle_join_challenge, request, context)
 
     def ControlJob(self, request: pb.JobControlRequest, context: grpc.ServicerContext) -> pb.JobControlReply:
         return self._unary("ControlJob", handlers.handle_control_job, request, context)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
+from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.claims import StepProgress, job_ended
 from atoll.coordinator.history import sample_of
@@ -37,6 +38,7 @@ from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
 from atoll.coordinator import job_control
 from atoll.coordinator.errors import FailedPrecondition
+from atoll.coordinator.ratelimit import PerNodeLimit, RateOptions
 from atoll.coordinator.reachability import plan_address, separate_unreachable, unreachable_nodes
 from atoll.coordinator.sampling import SampleProgress
 from atoll.coordinator.store import JobControlRecord, JobRecord, MemberRecord, Store, StoreError
@@ -88,6 +90,13 @@ class CoordinatorOptions:
     dial_back: bool = True
     """Dial each joining node's advertised address back (`atoll.coordinator.dialback`) and run one that does
     not answer as a node that accepts no connections. False trusts every advertised address."""
+    failure_reports: RateOptions = field(default_factory=lambda: RateOptions(
+        burst=2, every_s=30.0, penalty_s=60.0))
+    """How often one node's failure reports are taken (each makes a new plan): fake ones from one node forced 4 plans
+    in 20 s. An honest node's runs fail at most about once a plan, and a plan takes its settle time to start."""
+    joins: RateOptions = field(default_factory=lambda: RateOptions(burst=4, every_s=15.0, penalty_s=30.0))
+    """How often a join may claim one node id (a join that moves a member makes a new plan); a first join, which
+    claims none, is not limited here."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval is not None and not (
@@ -208,6 +217,12 @@ class CoordinatorState:
         """When the job's last step was first reported (0: not yet): it finishes once its final checkpoint is held."""
         self.outer = OuterRounds(store, now=self.started_unix)
         """Outer-sync rounds of the replica groups (outer-mode plans), resumed from the store after a restart."""
+        self.failure_limit = PerNodeLimit(self.options.failure_reports)
+        """Failure reports per node (`atoll.coordinator.ratelimit`)."""
+        self.join_limit = PerNodeLimit(self.options.joins)
+        """Joins per claimed node id."""
+        self.challenges = JoinChallenges()
+        """Join challenges handed out and not taken yet (`atoll.coordinator.challenges`)."""
         self._plan_listeners: list[Callable[[], None]] = []
         self.cadence = HeartbeatCadence(self.options.heartbeat.total_seconds(),
                                         self.options.membership.lease.total_seconds(), self.options.heartbeat_budget)

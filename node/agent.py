@@ -460,29 +460,35 @@ class NodeAgent:
         assert self.profile is not None and self.peer is not None and self.job is not None
         req = pb.JoinRequest(token=self.config.token, node_id=self.node_id, job_id=self.job.id,
                              profile=profile_to_proto(self.profile), peer_address=self._advertise(self.peer),
-                             csr_pem=self.credentials.csr() if self.credentials is not None else b"",
                              session=self.session)
+
+        def attempt() -> object:
+            if self.credentials is not None:  # a signing request bound to a fresh challenge, for each try
+                req.csr_pem = self.credentials.csr(self._join_challenge())
+            return self.call("Join", req)
+
         with self._join_lock:
             again = False
             while True:
                 try:
-                    reply = self._retrying("joining", lambda: self.call("Join", req))
+                    reply = self._retrying("joining", attempt)
                     break
                 except grpc.RpcError as e:
                     copy = e.code() == grpc.StatusCode.ALREADY_EXISTS
+                    limited = e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                     if copy and again:
                         raise AgentError(f"the coordinator refused the join again once the lease it named had "
                                          f"passed, so the process holding the node id lives: {e.details()}") from None
                     # a refusal that may pass later (another process holds the id, its lease not yet lapsed: this
-                    # may be that node restarted from another address) is tried once more when it says
-                    after = retry_after(e) if copy else None
+                    # may be that node restarted from another address; or joins came faster than the coordinator
+                    # takes them from one node) is tried again when it says
+                    after = retry_after(e) if copy or limited else None
                     if after is None:
                         raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
-                    log.warning("the coordinator refused the join (%s); trying once more in %.0fs, when that "
-                                "process's lease has lapsed", e.details(), after)
+                    log.warning("the coordinator refused the join (%s); trying again in %.0fs", e.details(), after)
                     if self._stop.wait(after):
                         raise AgentStopped("stopped while waiting to join again") from None
-                    again = True
+                    again = again or copy
             self._use_certificate(reply)  # type: ignore[arg-type]
             self._follow_run(reply.job.run_id)  # type: ignore[attr-defined]
             self.heartbeat_interval = reply.heartbeat_interval_seconds or 1.0  # type: ignore[attr-defined]
@@ -493,6 +499,16 @@ class NodeAgent:
                 (log.info if reply.reachable or not req.peer_address else log.warning)(  # type: ignore[attr-defined]
                     "%s", reply.reachability)  # type: ignore[attr-defined]
             return reply  # type: ignore[return-value]
+
+    def _join_challenge(self) -> str:
+        """A fresh challenge for the next join; "" from a coordinator that hands out none (an older one)."""
+        try:
+            reply = self.call("JoinChallenge", pb.JoinChallengeRequest(token=self.config.token, node_id=self.node_id))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return ""
+            raise
+        return reply.challenge  # type: ignore[attr-defined]
 
     def _follow_run(self, run_id: str) -> None:
         """A re-join to a coordinator that runs the job under another run (it lost its state dir and started afresh):

@@ -84,8 +84,9 @@ class NodeCredentials:
     def has_certificate(self) -> bool:
         return self._cert_pem is not None
 
-    def csr(self) -> bytes:
-        return make_csr(self._key, self.node_id)
+    def csr(self, challenge: str = "") -> bytes:
+        """A signing request for this node's key, carrying the coordinator's join `challenge` ("": none)."""
+        return make_csr(self._key, self.node_id, challenge)
 
     def coordinator_rpc(self, base: RpcOptions) -> RpcOptions:
         """Options of a channel to the coordinator: the node certificate once held, else a bootstrap one."""

@@ -1,5 +1,6 @@
 """What a member may claim, checked against the plan: the loss only from the last stage, steps in line with the
-peers', a job end corroborated by more than one node (`atoll.coordinator.claims`), through the plain handlers."""
+peers', a job end corroborated by more than one node (`atoll.coordinator.claims`), failure reports and joins at a
+bounded rate per node (`atoll.coordinator.ratelimit`), through the plain handlers."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from atoll.coordinator import claims
 from atoll.coordinator import handlers as h
 from atoll.coordinator.authz import PermissionDenied
-from atoll.coordinator.errors import FailedPrecondition, Unavailable
+from atoll.coordinator.errors import FailedPrecondition, RateLimited, Unavailable
 from atoll.coordinator.planning import PlanInputs, finish_plan
+from atoll.coordinator.ratelimit import PerNodeLimit, RateOptions
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
@@ -123,3 +125,69 @@ def test_end_corroboration_rule() -> None:
     assert claims.end_corroborated({"a", "b"}, {"a": 9, "b": 10}, 9)
     assert not claims.end_corroborated({"a", "b", "c", "d"}, {"a": 9, "b": 9}, 9)  # half is not more than half
     assert claims.end_corroborated({"a", "b", "c", "d"}, {"a": 9, "b": 9, "d": 9}, 9)
+
+
+# --- failure reports and joins, rate-limited per node ----------------------------------------------------------
+
+
+def _fake_failures(state: CoordinatorState, node: str, seconds: float) -> tuple[int, int]:
+    """`node` reports a failure of every plan as soon as it runs, for `seconds` (all members heartbeating);
+    returns (plans made, failure reports refused)."""
+    first, refused = state.epoch, 0
+    end = state.clock.t + seconds
+    while state.clock.t < end:
+        try:
+            h.handle_report_failure(pb.RunFailure(job_id=state.job.id, node_id=node, plan_epoch=state.epoch, step=1,
+                                                  reason="fake"), state)
+        except RateLimited as e:
+            refused += 1
+            assert e.retry_after_s > 0
+        state.clock.t += 0.5
+        for n in ("n0", "n1", "n2"):
+            h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+        state.tick()
+    return state.epoch - first, refused
+
+
+def test_fake_failure_reports_from_one_node_force_few_plans(planned) -> None:
+    """The finding: fake failure reports from one node forced 4 plans in 20 s."""
+    state, first, _ = planned
+    plans, refused = _fake_failures(state, first, 20.0)
+    assert plans <= 2 and refused > 0, (plans, refused)
+    # the penalty doubles while it keeps on: over the next minute it gets at most one more plan
+    more, _ = _fake_failures(state, first, 60.0)
+    assert more <= 1, more
+
+
+def test_joins_claiming_one_node_id_are_rate_limited(planned) -> None:
+    state, _, (a, _) = planned
+    limits = state.options.joins
+    for i in range(limits.burst - 1):  # (its first join was one) a node restarting, or moving between addresses
+        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=a, profile=_profile("h1"),
+                                     peer_address=f"127.0.0.1:{6000 + i}"), state)
+    epoch = state.epoch
+    with pytest.raises(RateLimited, match=f"node {a} joined more often") as info:
+        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=a, profile=_profile("h1"), peer_address="127.0.0.1:6999"),
+                      state)
+    assert info.value.retry_after_s == pytest.approx(limits.penalty_s)
+    assert state.store.get_member(a).peer_address != "127.0.0.1:6999" and state.epoch == epoch
+    state.clock.t += limits.penalty_s + limits.every_s  # held off for the penalty, then one more join is earned
+    h.handle_join(pb.JoinRequest(token=TOKEN, node_id=a, profile=_profile("h1"), peer_address="127.0.0.1:6999"),
+                  state)
+    # a first join claims no id: not limited by it
+    for i in range(limits.burst + 2):
+        h.handle_join(pb.JoinRequest(token=TOKEN, profile=_profile(f"new{i}"), peer_address=f"127.0.0.1:{7000 + i}"),
+                      state)
+
+
+def test_a_rate_limit_forgives_a_node_that_kept_to_its_rate() -> None:
+    limit = PerNodeLimit(RateOptions(burst=2, every_s=10.0, penalty_s=5.0, max_penalty_s=40.0))
+    assert limit.take("a", 0.0) is None and limit.take("a", 0.0) is None
+    assert limit.take("a", 0.0) == 5.0  # past its burst: held off, the hold doubling with each refusal
+    assert limit.take("a", 1.0) == pytest.approx(10.0)
+    assert limit.take("a", 2.0) == pytest.approx(20.0)
+    assert limit.take("b", 2.0) is None  # per node
+    assert limit.take("a", 21.0) == pytest.approx(40.0)  # at most max_penalty_s
+    assert limit.take("a", 62.0) is None  # the hold is over, and it earned a full bucket again: forgiven
+    assert limit.take("a", 62.0) is None
+    assert limit.take("a", 62.0) == 5.0

@@ -73,9 +73,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     def enroll(node_id: str) -> Enrolled:
         creds = NodeCredentials(tmp / node_id, node_id=node_id, token=TOKEN, coordinator_ca_pem=ca_pem)
         boot = make_channel(svc.address, creds.coordinator_rpc(RpcOptions()), token=TOKEN)
+        challenge = pb_grpc.CoordinatorStub(boot).JoinChallenge(pb.JoinChallengeRequest(token=TOKEN, node_id=node_id),
+                                                                timeout=10).challenge
         reply = pb_grpc.CoordinatorStub(boot).Join(pb.JoinRequest(
             token=TOKEN, node_id=node_id, job_id=job.id, profile=_profile(node_id),
-            peer_address=f"127.0.0.1:{10000 + len(channels)}", csr_pem=creds.csr()), timeout=10)
+            peer_address=f"127.0.0.1:{10000 + len(channels)}", csr_pem=creds.csr(challenge)), timeout=10)
         boot.close()
         creds.accept(reply.certificate_pem, reply.ca_pem)
         channel = make_channel(svc.address, creds.coordinator_rpc(RpcOptions()), token=TOKEN)
@@ -161,6 +163,31 @@ def test_a_join_under_a_live_nodes_id_is_refused(world: dict) -> None:
         token=TOKEN, node_id="s0", job_id=job.id, profile=_profile("evil"), peer_address="127.0.0.1:6666",
         csr_pem=forger.credentials.csr()), timeout=10))
     assert svc.store.get_member("s0").peer_address == address  # its address was not taken over
+
+
+def test_a_replayed_join_is_refused(world: dict) -> None:
+    """The finding: a replayed Join (the same signing request and token) was accepted, forced a replan and blanked
+    the node's address in the plan."""
+    svc, job, s1 = world["svc"], world["job"], world["nodes"]["s1"]
+    address, epoch = svc.store.get_member("s1").peer_address, svc.state.epoch
+    challenge = s1.stub.JoinChallenge(pb.JoinChallengeRequest(token=TOKEN, node_id="s1"), timeout=10).challenge
+    seen = pb.JoinRequest(token=TOKEN, node_id="s1", job_id=job.id, profile=_profile("s1"), peer_address=address,
+                          csr_pem=s1.credentials.csr(challenge))
+    s1.stub.Join(seen, timeout=10)  # the node's own join, taken once
+    boot = make_channel(svc.address, bootstrap_rpc(TOKEN, world["ca_pem"]), token=TOKEN)
+    try:
+        for replay in (seen, pb.JoinRequest(token=TOKEN, node_id="s1", job_id=job.id, profile=_profile("s1"),
+                                            csr_pem=seen.csr_pem)):  # as recorded, and without its address
+            assert "replayed" in _denied(lambda: pb_grpc.CoordinatorStub(boot).Join(replay, timeout=10))
+        # a node of an older atoll, which asks no challenge, is told to upgrade
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.CoordinatorStub(boot).Join(pb.JoinRequest(
+                token=TOKEN, node_id="s1", job_id=job.id, profile=_profile("s1"), peer_address=address,
+                csr_pem=s1.credentials.csr()), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "upgrade atoll" in info.value.details()
+    finally:
+        boot.close()
+    assert svc.store.get_member("s1").peer_address == address and svc.state.epoch == epoch
 
 
 def test_checkpoint_reports_for_another_stage_or_far_steps_are_refused(world: dict) -> None:

@@ -123,11 +123,13 @@ def test_a_join_under_a_live_id_needs_the_key_it_was_issued_for() -> None:
     key = new_key()
     authority.issue("a", make_csr(key, "a"))
     _alive(state, "a")
-    authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(key, "a")), boot, state, authority)
+    fresh = lambda: state.challenges.issue(state.clock())  # noqa: E731 - each join asks for its challenge
+    authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(key, "a", fresh())), boot, state, authority)
     with pytest.raises(PermissionDenied, match="held by a live node with another key"):
-        authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(new_key(), "a")), boot, state, authority)
+        authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(new_key(), "a", fresh())), boot, state,
+                  authority)
     state.store.set_member_state("a", "gone", "lease expired")
-    authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(new_key(), "a")), boot, state, authority)
+    authorize("Join", pb.JoinRequest(node_id="a", csr_pem=make_csr(new_key(), "a", fresh())), boot, state, authority)
     with pytest.raises(Exception, match="signing request"):
         authorize("Join", pb.JoinRequest(node_id="c"), boot, state, authority)
 
