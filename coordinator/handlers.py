@@ -19,7 +19,7 @@ from atoll.coordinator.errors import (AlreadyExists, FailedPrecondition, Invalid
 from atoll.coordinator.history import fill_status as fill_history
 from atoll.coordinator.islands import device_class
 from atoll.coordinator.membership import RunFailureRecord, join_decision, lease_deadline
-from atoll.coordinator import job_control
+from atoll.coordinator import job_control, quarantine
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.reachability import unreachable_advice
 from atoll.coordinator.state import CoordinatorState
@@ -54,15 +54,19 @@ def _check_job(job_id: str, state: CoordinatorState) -> None:
                                  f"at that job's coordinator")
 
 
-def _known(node_id: str, state: CoordinatorState, *, left_too: bool = False, session: str = "") -> MemberRecord:
-    """The member record of `node_id`, which must be alive (or left, with `left_too`), asked by the process that
-    speaks for it now (`session`, `CoordinatorState.check_session`)."""
+def _known(node_id: str, state: CoordinatorState, *, left_too: bool = False, session: str = "",
+           quarantined_too: bool = False) -> MemberRecord:
+    """The member record of `node_id`, which must be alive (or left, with `left_too`; quarantined, with
+    `quarantined_too`), asked by the process that speaks for it now (`session`, `CoordinatorState.check_session`)."""
     v.check_node_id(node_id)
     member = state.store.peek_member(node_id)  # (the store's record, read only: no copy per heartbeat)
     if member is None:
         raise NotFound(f"node {node_id} is not a member of job {state.job.id}; join first")
-    if member.state != "alive" and not (left_too and member.state == "left"):
-        raise NotFound(f"node {node_id} was marked {member.state} ({member.reason}); join again")
+    if member.state != "alive" and not (left_too and member.state == "left") \
+            and not (quarantined_too and member.state == quarantine.QUARANTINED):
+        raise NotFound(f"node {node_id} was marked {member.state} ({member.reason}); join again"
+                       + (f" (it stays quarantined until `atoll job release {node_id}`)"
+                          if member.state == quarantine.QUARANTINED else ""))
     state.check_session(node_id, session)
     return member
 
@@ -111,10 +115,12 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
     profile.unreachable = profile.unreachable or not req.peer_address or why is not None
     reachability = unreachable_advice(req.peer_address, why or "") if profile.unreachable else \
         f"the coordinator reached this node's peer server at {req.peer_address}"
+    # a quarantined node stays quarantined however often it joins (`atoll job release` lets it back)
+    kept = quarantine.QUARANTINED if existing is not None and existing.state == quarantine.QUARANTINED else ""
     state.store.put_member(MemberRecord(
-        node_id=node_id, peer_address=req.peer_address, profile=profile, state="alive",
+        node_id=node_id, peer_address=req.peer_address, profile=profile, state=kept or "alive",
         joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
-        last_heartbeat_unix=now, reason=decision.reason))
+        last_heartbeat_unix=now, reason=existing.reason if kept else decision.reason))
     state.note_session(node_id, req.session, now, req.peer_address, seen_from)
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \
             or existing.profile.unreachable != profile.unreachable \
@@ -177,11 +183,17 @@ def _refuse_a_copy_elsewhere(state: CoordinatorState, existing: MemberRecord, re
 
 
 def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.HeartbeatReply:
-    _known(req.node_id, state, session=req.session)
+    member = _known(req.node_id, state, session=req.session, quarantined_too=True)
     now = state.clock()
     # an epoch above ours is recorded, not refused: a node that outlived a coordinator's lost state
     # still runs its old plan until the new one arrives
     state.store.heartbeat(req.node_id, now, req.plan_epoch, req.step)
+    if member.state == quarantine.QUARANTINED:  # told so, and no probes: it waits for `atoll job release`
+        cadence = state.cadence.current
+        return pb.HeartbeatReply(lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval,
+                                 plan_epoch=state.epoch, target_steps=state.target_steps, coordinator_unix=now,
+                                 job_finished=bool(state.control.finished_unix), quarantined=True,
+                                 quarantine_reason=member.reason)
     probe_bytes = state.options.probes.probe_bytes
     cadence = state.cadence.current  # (stretched with the membership: the node follows it)
     probes = [pb.ProbeTarget(node_id=m.node_id, address=m.peer_address, probe_bytes=probe_bytes)
@@ -231,6 +243,9 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
     if not req.loss_scale >= 0 or req.loss_scale == float("inf"):  # NaN fails the first test
         raise InvalidArgument(f"loss_scale = {req.loss_scale} must be finite and >= 0 (0: not fp16)")
     _check_step_claims(req, state)
+    if metrics.offences:
+        for line in quarantine.take_offences(state, metrics):
+            log.warning("%s", line)
     state.record_step(metrics)
     state.record_history(metrics)
     target = state.target_steps
@@ -403,8 +418,8 @@ def handle_leave(req: pb.LeaveRequest, state: CoordinatorState) -> pb.Ack:
 
 def open_watch(req: pb.WatchPlanRequest, state: CoordinatorState) -> int:
     """Check a plan watch; the epoch the watcher already has. An empty node id (a status tool) needs no membership."""
-    if req.node_id:
-        _known(req.node_id, state, session=req.session)
+    if req.node_id:  # (a quarantined node's watch stays open: it waits for its release in no plan)
+        _known(req.node_id, state, session=req.session, quarantined_too=True)
     return req.known_epoch
 
 
@@ -489,14 +504,26 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     reply.finished_unix = state.control.finished_unix
     reply.stopped_unix = state.control.stopped_unix
     reply.target_steps = state.target_steps
+    reply.offenders.extend(quarantine.offenders(state))
     return reply
 
 
 def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb.JobControlReply:
-    """`atoll job stop` / `atoll job extend --steps N`: change the step the running job ends at."""
+    """`atoll job stop` / `atoll job extend --steps N`: change the step the running job ends at; `atoll job
+    quarantine` lists the quarantined nodes and `atoll job release NODE` lets one back."""
     _check_job(req.job_id, state)
     recent = state.store.recent_steps(1)
     newest = recent[-1].step if recent else None
+    if req.action in ("quarantine", "release"):
+        listed = [o for o in quarantine.offenders(state) if o.quarantined]
+        if req.action == "quarantine":
+            how = f"{len(listed)} node(s) quarantined" if listed else "no node is quarantined"
+            return pb.JobControlReply(target_steps=state.target_steps, step=newest or 0, message=how,
+                                      quarantined=listed)
+        v.check_node_id(req.node_id)
+        how = quarantine.release(state, req.node_id)
+        log.info("%s", how)
+        return pb.JobControlReply(target_steps=state.target_steps, step=newest or 0, message=how)
     try:
         if req.action == "stop":
             control, how = job_control.stop(state.control, spec_steps=state.job.train.steps, newest_step=newest,
@@ -505,7 +532,8 @@ def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb
             control, how = job_control.extend(state.control, req.steps, spec_steps=state.job.train.steps,
                                               newest_step=newest)
         else:
-            raise InvalidArgument(f"job control action must be 'stop' or 'extend', got {req.action[:40]!r}")
+            raise InvalidArgument(f"job control action must be 'stop', 'extend', 'quarantine' or 'release', got "
+                                  f"{req.action[:40]!r}")
     except job_control.ControlRefused as e:
         raise FailedPrecondition(str(e)) from None
     state.set_control(control)

@@ -27,6 +27,7 @@ from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.claims import StepProgress, job_ended
 from atoll.coordinator.history import sample_of
+from atoll.coordinator.quarantine import OffenceLog
 from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
                                     switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
@@ -202,6 +203,9 @@ class CoordinatorState:
         self.prune_checkpoints_before = 0
         """Checkpoint steps older than this are needed nowhere (`note_complete_checkpoints`); heartbeat replies
         carry it, and nodes delete their own and their copies of older steps (0: none yet)."""
+        self.offences = OffenceLog()
+        """Each sender's steps with tensors its neighbours rejected: past a threshold, a quarantine
+        (`atoll.coordinator.quarantine`)."""
         self._failures: dict[int, RunFailureRecord] = {}
         self._old_plans: dict[int, Plan] = {}
         self._progress = StepProgress(keep_epochs=REACHED_EPOCHS)

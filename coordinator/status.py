@@ -208,6 +208,21 @@ def _anchor_lines(s: pb.StatusReply) -> list[str]:
             f"{s.anchor_mismatch}"]
 
 
+def _offender_lines(s: pb.StatusReply) -> list[str]:
+    """Nodes whose tensors their neighbours rejected (named), quarantined ones with the reason; outer-mode groups
+    left out of a round for an outlier pseudo-gradient."""
+    out = []
+    for o in s.offenders:
+        if o.quarantined:
+            out.append(f"QUARANTINED {o.node_id}: {o.reason} (let it back: atoll job release {o.node_id})")
+        else:
+            out.append(f"rejected tensors from {o.node_id}: {o.offences} step(s) recently; the newest: {o.newest}")
+    if s.outer_exclusions:
+        out.append(f"outer rounds: {s.outer_exclusions} group contribution(s) left out as outliers; the newest: "
+                   f"{s.outer_exclusion}")
+    return out
+
+
 PLOT_POINTS = 1_000_000
 """History points `--plot` asks for: every row the coordinator's store holds."""
 
@@ -299,6 +314,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
     if s.HasField("plan") and s.plan.mode == "outer":
         out += _outer_lines(s)
         out += _anchor_lines(s)
+    out += _offender_lines(s)
     alive = sum(1 for m in s.members if m.state == "alive")
     out.append(f"\nmembers: {alive} alive of {len(s.members)}")
     if s.members:

@@ -28,7 +28,7 @@ from atoll.serde import step_metrics_from_proto, step_metrics_to_proto
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
-MEMBER_STATES = ("alive", "gone", "left")
+MEMBER_STATES = ("alive", "gone", "left", "quarantined")
 T = TypeVar("T")
 
 
@@ -64,7 +64,8 @@ class MemberRecord:
     peer_address: str
     profile: NodeProfile
     state: str = "alive"
-    """alive (holds a lease), gone (missed its lease), left (said goodbye)."""
+    """alive (holds a lease), gone (missed its lease), left (said goodbye), quarantined (out of every plan until
+    an operator lets it back: `atoll.coordinator.quarantine`)."""
     joined_unix: float = 0.0
     last_heartbeat_unix: float = 0.0
     plan_epoch: int = 0

@@ -1,4 +1,5 @@
-"""`atoll job stop` and `atoll job extend --steps N`: act on a running job through its coordinator.
+"""`atoll job stop`, `atoll job extend --steps N`, `atoll job quarantine` and `atoll job release NODE`: act on a
+running job through its coordinator.
 
 Both are one `ControlJob` call, authenticated with the job token (and the job CA, as `atoll status`). The
 nodes hear the new end with their next step acknowledgements: a stopped job ends a few steps after the
@@ -19,7 +20,7 @@ SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("job", help="stop or extend a running job",
+    p = sub.add_parser("job", help="stop or extend a running job; list or release quarantined nodes",
                        description="Act on a running job through its coordinator (the job token authenticates).")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     stop = actions.add_parser("stop", help="end the job a few steps from now, after a checkpoint; its nodes exit",
@@ -30,7 +31,14 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                                 description="Move the job's end N steps later; the nodes train on. Steps past the "
                                 "spec's train.steps train at the schedule's final learning rate.")
     extend.add_argument("--steps", type=count(what="a step count"), required=True, help="steps to add")
-    for a in (stop, extend):
+    listing = actions.add_parser("quarantine", help="list the quarantined nodes and why",
+                                 description="List the nodes the coordinator took out of the plan for repeated "
+                                 "offences (tensors their neighbours rejected), with the reason.")
+    release = actions.add_parser("release", help="let a quarantined node back into the plan",
+                                 description="Let a quarantined node back: the next plan may include it again (it "
+                                 "starts with no offences counted).")
+    release.add_argument("node", help="the quarantined node's id (as `atoll job quarantine` lists it)")
+    for a in (stop, extend, listing, release):
         a.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
         a.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
         a.add_argument("--token-file", help="file holding the job token")
@@ -41,7 +49,7 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
         a.set_defaults(func=run_job_cli)
 
 
-def control_job(address: str, action: str, *, steps: int = 0, token: str | None, rpc=None,
+def control_job(address: str, action: str, *, steps: int = 0, node_id: str = "", token: str | None, rpc=None,
                 timeout: timedelta = timedelta(seconds=10), say=None):
     """One ControlJob call; returns the `JobControlReply`. Raises PermissionError (token), ValueError (refused,
     with the coordinator's reason) or ConnectionError (no answer)."""
@@ -58,13 +66,13 @@ def control_job(address: str, action: str, *, steps: int = 0, token: str | None,
     stub = pb_grpc.CoordinatorStub(channel)
     try:
         return call_coordinator(lambda seconds, ready: stub.ControlJob(
-            pb.JobControlRequest(action=action, steps=steps), timeout=seconds, wait_for_ready=ready),
+            pb.JobControlRequest(action=action, steps=steps, node_id=node_id), timeout=seconds, wait_for_ready=ready),
             address, timeout, rpc, say)
     except grpc.RpcError as e:
         code = e.code()
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise PermissionError(f"{address}: {e.details()}") from None
-        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+        if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
             raise ValueError(f"{address}: {e.details()}") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             from atoll.netcheck import unanswered
@@ -83,8 +91,10 @@ def run_job_cli(args: argparse.Namespace) -> int:
     if not token:
         raise ValueError("atoll job needs the job token: --token-file or $ATOLL_TOKEN")
     rpc = None if args.insecure else bootstrap_rpc(token, find_ca(args.tls_ca, args.token_file).read_bytes())
-    reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0), token=token, rpc=rpc,
-                        timeout=timedelta(seconds=args.timeout),
+    reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0),
+                        node_id=getattr(args, "node", ""), token=token, rpc=rpc, timeout=timedelta(seconds=args.timeout),
                         say=lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True))
     print(reply.message)  # it names the newest reported step and the last step, in the logs' numbering
+    for q in reply.quarantined:
+        print(f"  {q.node_id}: {q.reason}")
     return 0

@@ -344,6 +344,9 @@ class NodeAgent:
         self._step_seconds: deque[float] = deque(maxlen=64)
         self.error: Exception | None = None
         self.job_finished = threading.Event()
+        self.quarantined = False
+        """The coordinator quarantined this node (repeated offences, `atoll.coordinator.quarantine`): it is in no
+        plan and waits until an operator releases it."""
         """Set once a heartbeat says the job has trained its last step."""
         self.target_steps = 0
         """The step the job ends at as the latest heartbeat said (`atoll job stop/extend`); 0: not heard yet."""
@@ -655,6 +658,13 @@ class NodeAgent:
                     self._probes.put(target)
             self.target_steps = reply.target_steps or self.target_steps
             self._heard_prune(reply, wait=False)
+            if reply.quarantined != self.quarantined:
+                self.quarantined = reply.quarantined
+                if reply.quarantined:  # in no plan from now on; it waits here, heartbeating, and never rejoins itself
+                    log.warning("QUARANTINED by the coordinator: %s. This node is in no plan and waits; an operator "
+                                "lets it back with `atoll job release %s`", reply.quarantine_reason, self.node_id)
+                else:
+                    log.info("released from quarantine: the next plan may include this node again")
             if reply.job_finished and not self.job_finished.is_set():
                 log.info("the coordinator says the job has finished its steps")
                 self.job_finished.set()
