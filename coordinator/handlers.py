@@ -336,6 +336,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
                                  f"of plan epoch {plan.epoch}; wait for the next plan")
     if req.round > 1 << 40 or req.tokens > 1 << 62 or req.inner_step > 1 << 40 or req.round_steps > 1 << 30:
         raise InvalidArgument("round, tokens, inner_step or round_steps out of range")
+    if req.contribution_norm < 0:  # (not finite is allowed: it is what gets a contribution left out)
+        raise InvalidArgument(f"contribution_norm = {req.contribution_norm} must be >= 0 (or not finite)")
     for name in ("sync_seconds", "late_seconds", "step_seconds"):
         v.check_seconds(name, getattr(req, name))
     if len(req.unreachable) > len(plan.groups) or len(req.anchor_hashes) > MAX_ANCHOR_HASHES:
@@ -354,7 +356,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
                            deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch,
                            fetched_version=req.fetched_version, unreachable=unreachable, version=req.version,
                            fetch_bound_s=plan.outer.fetch_bound_s, h=plan.outer.inner_steps,
-                           step_seconds=req.step_seconds if req.arrived else 0.0, round_steps=req.round_steps)
+                           step_seconds=req.step_seconds if req.arrived else 0.0, round_steps=req.round_steps,
+                           norm=req.contribution_norm if req.arrived and req.has_contribution_norm else None)
     if req.anchor_hashes:
         for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
                                               [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):
@@ -497,6 +500,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     reply.final_checkpoint_step = state.final_checkpoint_step()
     reply.anchor_mismatches = state.outer.anchor_mismatches
     reply.anchor_mismatch = state.outer.last_mismatch
+    reply.outer_exclusions, reply.outer_exclusion = state.outer.exclusions, state.outer.last_exclusion
     backup = state.newest_backup()
     if backup is not None:
         reply.newest_backup_path, reply.newest_backup_unix = backup

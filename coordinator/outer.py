@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -66,6 +67,9 @@ class RoundArrivals:
     completed: dict[int, float] = field(default_factory=dict)
     epoch: int = 0
     """The plan epoch when the round's first node arrived: groups formed after it are not waited for."""
+    norms: dict[str, float] = field(default_factory=dict)
+    """node -> the L2 norm of the contribution it serves for its group (inf: not finite); heard with every
+    question, so a restarted coordinator hears them again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +167,55 @@ def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupIn
                                                           nodes=tuple(sorted(first_group.nodes)))
     return Decision(decided=True, participants=parts, version=1, decided_unix=now, checkpointer=writer,
                     reason="every group arrived" if everyone else f"deadline passed without {', '.join(left)}")
+
+
+OUTLIER_FACTOR = 10.0
+"""A group whose pseudo-gradient norm is more than this many times the median of the other groups' is left out of
+the round. Honest groups of one round train the same model from the same anchor: their norms differ by what they
+trained (a group of fewer inner steps has a smaller one, never a larger one by much: a few times at most), while a
+poisoned or broken one is off by orders of magnitude. Only the high side is judged (a small contribution cannot
+pull the average far), and only against a positive median; with every group but one poisoned, the honest one looks
+small and nothing is left out (a majority of bad groups is not what this defends against)."""
+
+
+def group_norms(arrivals: RoundArrivals, groups: Sequence[GroupInfo], indices: Iterable[int]) -> dict[int, float]:
+    """Group index -> the norm of its whole contribution (its nodes serve disjoint parameters: the root of the sum of
+    their squares), for the groups of `indices` every node of which reported one."""
+    out = {}
+    for g in groups:
+        if g.index in indices and g.nodes and all(n in arrivals.norms for n in g.nodes):
+            out[g.index] = sum(arrivals.norms[n] ** 2 for n in g.nodes) ** 0.5
+    return out
+
+
+def outliers(norms: Mapping[int, float], factor: float = OUTLIER_FACTOR) -> dict[int, str]:
+    """Group index -> why its contribution is left out: its norm is not finite, or above `factor` times the median of
+    the other groups' finite norms."""
+    out = {}
+    for i, norm in norms.items():
+        if norm != norm or norm == float("inf"):
+            out[i] = "its pseudo-gradient is not finite"
+            continue
+        others = sorted(v for j, v in norms.items() if j != i and v == v and v != float("inf"))
+        if not others:
+            continue
+        mid = statistics.median(others)
+        if mid > 0 and norm > factor * mid:
+            out[i] = f"its pseudo-gradient norm {norm:.4g} is {norm / mid:.0f}x the median {mid:.4g} of the others'"
+    return out
+
+
+def exclude_outliers(decision: Decision, arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> tuple[Decision, str]:
+    """`decision` without the participants whose contribution is an outlier (`outliers`), and a line naming them
+    ("" when none is)."""
+    bad = outliers(group_norms(arrivals, groups, {p.group for p in decision.participants}))
+    if not bad:
+        return decision, ""
+    names = {g.index: g.name for g in groups}
+    line = "; ".join(f"{names.get(i, i)} ({', '.join(sorted(next(g.nodes for g in groups if g.index == i)))}): {why}"
+                     for i, why in sorted(bad.items()))
+    parts = tuple(p for p in decision.participants if p.group not in bad)
+    return replace(decision, participants=parts, reason=f"{decision.reason}; left out as outliers: {line}"), line
 
 
 def redecide(now: float, decision: Decision, out_of_reach: Participant, node: str) -> Decision | None:
@@ -271,6 +324,9 @@ class OuterRounds:
         self.anchor_mismatches = 0
         """(round, layer)s whose anchors differed between nodes."""
         self.last_mismatch = ""
+        self.exclusions = 0
+        """Group contributions left out of a round as outliers (`exclude_outliers`)."""
+        self.last_exclusion = ""
         self.pace_options = PaceOptions()
         self._paces: dict[tuple[str, int], dict[int, RoundPace]] = {}
         """(group name, since-epoch) -> round -> its slowest node's median inner step in the round."""
@@ -346,7 +402,7 @@ class OuterRounds:
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
                epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
                version: int = 0, fetch_bound_s: float | None = None, h: int = 0, step_seconds: float = 0.0,
-               round_steps: int = 0) -> Decision:
+               round_steps: int = 0, norm: float | None = None) -> Decision:
         """A node's arrival at `round_` (or its question, `node` empty), repeated with every question: what it
         holds of the decision (`fetched_version`) and which participants of decision `version` stayed out of its
         reach. Returns the round's decision as it stands (`Decision.final`: apply it). `fetch_bound_s`: how long
@@ -355,7 +411,8 @@ class OuterRounds:
         With `h` (the plan's H), rounds go by wall-clock time (`atoll.coordinator.pace`): `step_seconds` is the
         node's median inner step in the round over `round_steps` steps, the first decision of a round fixes each
         group's inner steps for a later round, and `deadline_s` is stretched to the live round
-        (`pace.outer_deadline`)."""
+        (`pace.outer_deadline`). `norm`: the L2 norm of the contribution the node serves (None: not measured); a
+        group whose contribution is an outlier is left out of the round's first decision (`exclude_outliers`)."""
         from atoll.coordinator.store import OuterArrivalRecord
 
         with self._lock:
@@ -374,6 +431,8 @@ class OuterRounds:
             if node:
                 first_time = node not in arrivals.nodes
                 arrivals.nodes[node] = (group, tokens)
+                if norm is not None:
+                    arrivals.norms[node] = norm if norm == norm else float("inf")
                 mine = next((g for g in groups if g.index == group), None)
                 if h > 0 and mine is not None and step_seconds > 0 and round_steps > 0:
                     self._note_pace(mine, round_, step_seconds, round_steps, now)
@@ -397,6 +456,11 @@ class OuterRounds:
                 decision = round_decision(now, arrivals, groups, deadline_s)
                 if not decision.decided:
                     return decision
+                decision, excluded = exclude_outliers(decision, arrivals, groups)
+                if excluded:
+                    self.exclusions += 1
+                    self.last_exclusion = f"round {round_}: {excluded}"
+                    log.warning("outer round %d: left out as outliers: %s", round_, excluded)
                 if h > 0:
                     decision = self._decide_steps(now, round_, decision, groups, h)
                     self._take_steps(decision)

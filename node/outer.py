@@ -43,6 +43,7 @@ its checkpoints and a resume are the same rounds for every group.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 import time
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 from atoll.compression import ChunkAssembler, CodecError, CodecSpec, EncodedTensor, ErrorFeedback, encode_tensor
 from atoll.compression.wire import chunk_frames, tensor_meta
+from atoll.node.door import tensor_norm
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
 from atoll.tls import node_dns_name
@@ -324,6 +326,9 @@ class RoundReport:
     timed)."""
     round_steps: int = 0
     """Inner steps that median is over."""
+    norm: float | None = None
+    """The L2 norm of the contribution this node serves for its group this round (what the others decode): the
+    coordinator leaves a group whose contribution is not finite, or far above the others', out of the round."""
 
 
 Arrive = Callable[[RoundReport], RoundDecision | None]
@@ -596,7 +601,7 @@ class OuterSync:
 
         decision, fetched, nbytes = self._settle(
             RoundReport(round=round_, tokens=tokens, previous=previous, hashes=hashes, step_seconds=pace[0],
-                        round_steps=pace[1]), is_own)
+                        round_steps=pace[1], norm=math.sqrt(sum(tensor_norm(t) ** 2 for t in own.values()))), is_own)
         stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
         # the final decision's set, in its order (every node sums in the same order: the same bits everywhere)
         contributions = [(float(p.tokens), own if is_own(p) else fetched[origin_key(p)])

@@ -332,7 +332,9 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
                                   unreachable=[participant(p) for p in report.unreachable],
                                   anchor_hashes=[pb.OuterAnchorHash(round=r, layer=layer, crc32=crc)
                                                  for r, layer, crc in report.hashes],
-                                  step_seconds=max(0.0, report.step_seconds), round_steps=report.round_steps)
+                                  step_seconds=max(0.0, report.step_seconds), round_steps=report.round_steps,
+                                  contribution_norm=report.norm if report.norm is not None else 0.0,
+                                  has_contribution_norm=report.norm is not None)
         try:
             reply = call(req)
         except grpc.RpcError as e:

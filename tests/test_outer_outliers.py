@@ -1,0 +1,80 @@
+"""Robust outer aggregation: a replica group whose pseudo-gradient is an outlier (not finite, or far above the other
+groups' norms) is left out of the round by the coordinator's decision, the one every node applies, and named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from atoll.coordinator.outer import GroupInfo, OuterRounds, outliers
+from atoll.node.outer import RoundReport, RoundStats
+
+GROUPS = [GroupInfo(index=0, name="lab-a", nodes=frozenset({"a0", "a1"}), since_epoch=1),
+          GroupInfo(index=1, name="lab-b", nodes=frozenset({"b0"}), since_epoch=1),
+          GroupInfo(index=2, name="lab-c", nodes=frozenset({"c0"}), since_epoch=1)]
+GROUP_OF = {n: g.index for g in GROUPS for n in g.nodes}
+
+
+def decide(norms: dict[str, float | None]):
+    rounds = OuterRounds()
+    d = None
+    for i, (node, norm) in enumerate(norms.items()):
+        d = rounds.arrive(float(i), round_=0, node=node, group=GROUP_OF[node], tokens=100, inner_step=0,
+                          groups=GROUPS, deadline_s=60.0, epoch=1, norm=norm)
+    return rounds, d
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e4])
+def test_an_outlier_group_is_left_out_of_the_decision_and_named(bad) -> None:
+    # lab-a's nodes serve halves of its contribution: its norm is sqrt(3^2 + 4^2) = 5
+    rounds, d = decide({"a0": 3.0, "a1": 4.0, "b0": 6.0, "c0": bad})
+    assert d is not None and d.decided
+    assert [p.group for p in d.participants] == [0, 1]
+    assert "lab-c (c0)" in d.reason and "outlier" in d.reason
+    assert rounds.exclusions == 1 and "lab-c" in rounds.last_exclusion
+
+
+def test_honest_groups_of_unequal_pace_all_take_part() -> None:
+    # a group that trained five times fewer inner steps has a smaller pseudo-gradient: never an outlier; nor is a
+    # group a few times above the median
+    rounds, d = decide({"a0": 3.0, "a1": 4.0, "b0": 1.0, "c0": 20.0})
+    assert [p.group for p in d.participants] == [0, 1, 2] and rounds.exclusions == 0
+    rounds, d = decide({"a0": 3.0, "a1": 4.0, "b0": 5.0, "c0": None})  # an older node reports no norm: not judged
+    assert [p.group for p in d.participants] == [0, 1, 2]
+
+
+def test_the_outlier_rule() -> None:
+    assert set(outliers({0: 1.0, 1: 1000.0})) == {1}  # two groups: each judged against the other
+    assert outliers({0: 1.0, 1: 9.0}) == {}
+    assert set(outliers({0: math.nan, 1: 1.0, 2: 0.0})) == {0}
+    assert outliers({0: 5.0, 1: 0.0}) == {}  # no positive median to compare with
+
+
+def test_a_node_reports_the_norm_of_what_it_serves(monkeypatch) -> None:
+    from atoll.node import runner
+
+    sent = []
+
+    def call(req):
+        sent.append(req)
+        raise_unavailable()
+
+    def raise_unavailable():
+        import grpc
+
+        class E(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+        raise E()
+
+    class P:
+        job_id, epoch = "j", 1
+        groups = [type("G", (), {"name": "lab-a"})()]
+
+    monkeypatch.setattr(runner, "group_index", lambda plan, node: 0)
+    arrive = runner._arrive_via(call, lambda: P(), "a0")
+    assert arrive(RoundReport(round=0, tokens=1, previous=RoundStats(), norm=float("nan"))) is None
+    assert sent[0].has_contribution_norm and math.isnan(sent[0].contribution_norm)
+    arrive(RoundReport(round=0, tokens=1, previous=RoundStats()))
+    assert not sent[1].has_contribution_norm
