@@ -10,8 +10,13 @@
 2. Two network namespaces joined by a veth pair shaped to 100 Mbit/s with tc tbf: achieved bytes/s of
    the identity codec against the shaped rate, and tensors/s with identity, int8 and int4.
 
+3. The door's check of a received tensor (`atoll.node.door.tensor_norm`, one reduction): its time against the
+   codec's decode of the same tensor (identity, int8) and against a stage's forward and backward of the
+   micro-batch, for the tiny job's activations and a 125M-class layer's (`python -m bench.transport --door`
+   runs only this part; on a GPU when one is there).
+
 Targets: gRPC >= 50% of raw TCP at 16 MiB; >= 85% of the shaped rate; int8 >= 3.5x the tensors/s of
-identity on the shaped link. Ends with `targets met: N/M`.
+identity on the shaped link; the door's check at most 3% of a step's compute. Ends with `targets met: N/M`.
 """
 
 from __future__ import annotations
@@ -330,6 +335,73 @@ def shaped(rate_bits_per_s: float, tensor_mib: int, seconds: float) -> tuple[dic
     return tcp, runs
 
 
+def _best(fn: Callable[[], object], sync: Callable[[], None], repeat: int) -> float:
+    """The fastest of `repeat` timed calls of `fn` (seconds), after one warm-up call."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def door_cost(device: str | None = None, repeat: int = 5) -> list[tuple[str, dict[str, float]]]:
+    """Per case (the tiny job's stage, a 125M-class layer): seconds of the door's check of one received activation,
+    of decoding it (identity, int8), and of the forward and backward of one micro-batch through the stage (the whole
+    tiny stage; one 125M block, the smallest stage of that model). A stage takes in two tensors per micro-batch (an
+    activation and a gradient), so the check's share of a step is 2 x check / (forward + backward)."""
+    import torch
+
+    from atoll.compression import CodecSpec, encode_tensor, get_codec
+    from atoll.modelspec import preset
+    from atoll.node.door import tensor_norm
+    from atoll.node.model import build_slice
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    out = []
+    for name, model, rows, layers in (("tiny job, half the model", preset("tiny"), 4, (0, 3)),
+                                      ("125M-class layer", preset("125m"), 4, (1, 2))):
+        x = torch.randn(rows, model.seq_len, model.d_model, device=dev)
+        row: dict[str, float] = {"check": _best(lambda: tensor_norm(x), sync, repeat)}
+        for codec in ("identity", "int8"):
+            enc = encode_tensor(x.cpu(), CodecSpec(codec=codec))
+            c = get_codec(enc.spec)
+            row[f"decode {codec}"] = _best(lambda: c.decode(enc.payload, enc.shape, enc.dtype).to(dev), sync, repeat)
+        module = build_slice(model, *layers, device=dev)
+        if module.is_first:
+            inp = torch.randint(0, model.vocab_size, (rows, model.seq_len), device=dev)
+        else:
+            inp = x.clone().requires_grad_(True)
+
+        def fb() -> None:
+            module(inp).float().sum().backward()
+
+        row["forward+backward"] = _best(fb, sync, max(2, repeat // 2))
+        out.append((name, row))
+    return out
+
+
+def print_door_cost(device: str | None = None) -> list[tuple[str, bool]]:
+    """Print `door_cost`'s table; the targets (the check at most 3% of a step's compute)."""
+    rows = door_cost(device)
+    print("The door's check of a received tensor (one fp32 norm): against its decode and a stage's compute")
+    print(f"{'case':>26} | {'check':>9} | {'decode id':>9} | {'decode int8':>11} | {'of int8 decode':>14} | "
+          f"{'fwd+bwd':>9} | {'of a step':>9}")
+    print("-" * 104)
+    targets = []
+    for name, r in rows:
+        share = 2 * r["check"] / r["forward+backward"]
+        print(f"{name:>26} | {r['check'] * 1e3:>7.3f}ms | {r['decode identity'] * 1e3:>7.3f}ms | "
+              f"{r['decode int8'] * 1e3:>9.3f}ms | {r['check'] / r['decode int8']:>14.1%} | "
+              f"{r['forward+backward'] * 1e3:>7.1f}ms | {share:>9.2%}")
+        targets.append((f"door check <= 3% of a step, {name} (got {share:.2%})", share <= 0.03))
+    return targets
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,4,16,64", help="loopback tensor sizes in MiB")
@@ -340,12 +412,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--shaped-seconds", type=float, default=3.0, help="rough duration of the identity run")
     ap.add_argument("--worker", choices=("send", "recv"), help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--door", action="store_true", help="measure only the door's check of received tensors")
+    ap.add_argument("--device", default=None, help="device of the door's check (default: cuda when present)")
     args = ap.parse_args(argv)
     if args.rate_mbit < 1:
         ap.error(f"--rate-mbit must be at least 1, got {args.rate_mbit:g}")
     if args.worker:
         _worker(args.worker, args.host)
         return 0
+    if args.door:
+        return _report(print_door_cost(args.device))
 
     targets: list[tuple[str, bool]] = []
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -396,6 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         achieved >= 0.85 * shaped_bytes))
         ratio = tps["int8"] / tps["identity"]
         targets.append((f"int8 >= 3.5x the tensors/s of identity (got {ratio:.2f}x)", ratio >= 3.5))
+    print()
+    targets += print_door_cost(args.device)
+    return _report(targets)
+
+
+def _report(targets: list[tuple[str, bool]]) -> int:
     print()
     for name, ok in targets:
         print(f"  [{'x' if ok else ' '}] {name}")
