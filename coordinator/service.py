@@ -29,6 +29,7 @@ from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, Planner, load_pinned_plan, pinned_planner
+from atoll.coordinator.spill import SpillingStore
 from atoll.coordinator.store import MemoryStore, SqliteStore, Store, StoreError
 from atoll.fsutil import atomic_write_text
 from atoll.inputs import input_path
@@ -173,7 +174,8 @@ class CoordinatorService:
         if store is None and self.config.state_dir is not None:
             # a dir it cannot read whole is refused before SQLite or the CA loader would start anew over it
             statedir.check(self.config.state_dir, mutual_tls=self.config.mutual_tls)
-            store = SqliteStore(self.config.state_dir / DB_NAME)
+            # a full disk is served from memory, its writes queued until space returns (`atoll.coordinator.spill`)
+            store = SpillingStore(SqliteStore(self.config.state_dir / DB_NAME))
             self._state_dir = self.config.state_dir
         self.store = store if store is not None else MemoryStore()
         store = self.store

@@ -447,6 +447,12 @@ class MemoryStore(Store):
                 self._s.history = {r.first: r for r in kept}
                 self._s.history_bucketed = max((r.first + r.width for r in kept if r.width > 1), default=0)
 
+    def load_history(self, points: list[HistoryPoint]) -> None:
+        """Take `points` (another store's `history()`) as this store's history."""
+        with self._lock:
+            self._s.history = {p.first: p for p in points}
+            self._s.history_bucketed = max((p.first + p.width for p in points if p.width > 1), default=0)
+
     def history(self, newest: int | None = None) -> list[HistoryPoint]:
         with self._lock:
             keys = sorted(self._s.history)
