@@ -145,3 +145,29 @@ def test_a_rejected_tensor_is_replaced_by_the_links_last_good_one():
     assert [o.sender for o in door.take(0)] == ["a", "c"] and door.take(0) == []
     assert math.isnan(tensor_norm(torch.tensor([1.0, float("nan")])))
     assert math.isinf(tensor_norm(torch.tensor([1e20, 1.0])))  # its square overflows fp32: as bad as inf
+
+
+def test_a_clean_run_and_an_honest_slow_neighbour_have_no_offences(tmp_path, monkeypatch):
+    # a few hundred steps of the tiny job through a lossy codec: the running band flags none of its tensors, and a
+    # node five times slower than its neighbour is judged by what it sends, never by when
+    job = tiny_job(steps=200, mode="int8")
+    run = run_pinned_plan(job, two_stages(job), tmp_path / "clean", timeout=timedelta(seconds=60), join=600)
+    assert len({m.step for m in run.reports}) == 200
+    assert [o for m in run.reports for o in m.offences] == [] and not any(m.skipped for m in run.reports)
+
+    import time as _time
+
+    enqueue = PeerLink.enqueue
+
+    def slow(self, key, tensor):
+        if self.cfg.node_id == "a":
+            _time.sleep(0.05)  # several times the tiny stage's compute per micro-batch
+        enqueue(self, key, tensor)
+
+    monkeypatch.setattr(PeerLink, "enqueue", slow)
+    job = tiny_job(steps=30, mode="int8")
+    run = run_pinned_plan(job, two_stages(job), tmp_path / "slow", timeout=timedelta(seconds=60), join=300)
+    assert [o for m in run.reports for o in m.offences] == [] and not any(m.skipped for m in run.reports)
+    waited = [m.wait_seconds for m in run.reports if m.node_id == "b"]
+    computed = [m.compute_seconds for m in run.reports if m.node_id == "b"]
+    assert sum(waited) > sum(computed)  # b spent its steps waiting on the slow node
