@@ -23,8 +23,14 @@ What is decided (`round_steps`, a pure function of (now, state, options)):
   reports are dropped when the coordinator falls behind, a window of recent reports of a large job holds few of a
   slow group's steps, and `step_seconds` leaves out data loading and evaluation, which a round's wall time holds;
 - the round's target T = H (the plan's inner steps of the fastest group) x the fastest group's live step time;
-- each group's steps = round(T / its step time), within [1, H], changed only when the current figure is off by more
-  than `hysteresis` of it and by more than half a step (so noise at a rounding boundary does not flap it).
+- each group's steps = the whole steps that fit in T at its pace (T / its step time, a tenth of a step of slack
+  for noise), within [1, H], as the planner's `group_inner_steps` splits a round. Fit, not rounded to the nearest:
+  a group whose round runs over T makes every other group wait for it, every round, and with the overlapped
+  exchange the fast group then runs a round ahead with the exchange's latency exposed on it for good; a group a
+  little under T instead lets the fast group keep that slack;
+- hysteresis: a figure that no longer fits (over T by more than `over_tolerance` and a tenth of a step) changes at
+  once; one that fits but is short of the steps that would fit changes only when short by more than `hysteresis`
+  of them, so noise around a boundary does not flap it.
 
 The steps decided when round r is decided are for round r + `LEAD_ROUNDS`: with the overlapped exchange a node
 applies round r's decision at the latest at the end of round r + 1, so every node of a group learns the figure
@@ -36,6 +42,7 @@ The outer deadline (how long a round waits for a late group) follows the live ro
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,8 +56,10 @@ class PaceOptions:
     """How the groups' inner steps per round follow their live step times."""
 
     hysteresis: float = 0.10
-    """A group's steps change only when round(T / step time) differs from them by more than this fraction (and by
-    more than half a step): step times vary by a few percent from round to round."""
+    """A group's steps that fit the round grow only when short of T / step time by more than this fraction: step
+    times vary by a few percent from round to round."""
+    over_tolerance: float = 0.02
+    """A group's steps that run over T by at most this fraction (and a tenth of a step) are kept."""
     min_steps: int = 3
     """Steps a group's estimate covers at least (its newest rounds until they hold this many)."""
     window_rounds: int = 4
@@ -61,8 +70,9 @@ class PaceOptions:
     """The outer deadline is at least this many live rounds (`outer_deadline`)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.hysteresis < 1:
-            raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
+        if not 0 <= self.hysteresis < 1 or not 0 <= self.over_tolerance < 1:
+            raise ValueError(f"hysteresis and over_tolerance must be in [0, 1), got {self.hysteresis} and "
+                             f"{self.over_tolerance}")
         if self.min_steps < 1 or self.window_rounds < 1:
             raise ValueError(f"min_steps and window_rounds must be >= 1, got {self.min_steps} and "
                              f"{self.window_rounds}")
@@ -142,9 +152,19 @@ def step_time(now: float, paces: Sequence[RoundPace], options: PaceOptions) -> f
     return statistics.median(used) if used else None
 
 
-def _keep(current: int, ideal: float, hysteresis: float) -> bool:
-    off = abs(ideal - current)
-    return off <= hysteresis * current or off <= 0.5 + hysteresis
+SLACK_STEPS = 0.1
+"""A group's steps fit the round when they run over it by at most this share of one step (noise)."""
+
+
+def fitting_steps(current: int, ideal: float, h: int, options: PaceOptions) -> int:
+    """A group's inner steps for a round of `ideal` of its steps (T / its step time), from its `current` ones (see
+    the module docstring): the whole steps that fit, within [1, h], with hysteresis."""
+    fit = min(h, max(1, math.floor(ideal + SLACK_STEPS)))
+    if current > ideal * (1 + options.over_tolerance) + SLACK_STEPS:
+        return fit  # over the round: it would pace every other group
+    if current < fit and ideal - current > options.hysteresis * ideal:
+        return fit
+    return min(h, max(1, current))
 
 
 def round_steps(now: float, state: PaceState, options: PaceOptions) -> PaceDecision:
@@ -163,19 +183,16 @@ def round_steps(now: float, state: PaceState, options: PaceOptions) -> PaceDecis
         s = live.get(i)
         steps = min(h, max(1, g.steps))
         if s is not None:
-            ideal = target / s
-            if not _keep(steps, ideal, options.hysteresis):
-                new = min(h, max(1, round(ideal)))
-                if new != steps:
-                    changed.append(g.name)
-                    notes.append(f"{g.name} {steps} -> {new} ({s:.3g} s a step)")
-                    steps = new
+            new = fitting_steps(steps, target / s, h, options)
+            if new != steps:
+                changed.append(g.name)
+                notes.append(f"{g.name} {steps} -> {new} ({s:.3g} s a step)")
+                steps = new
         out.append(GroupSteps(name=g.name, since_epoch=g.since_epoch, steps=steps, step_s=s or 0.0))
     round_s = max(x.steps * x.step_s for x in out)
     missing = sorted(g.name for i, g in enumerate(state.groups) if i not in live)
     reason = (f"rounds of {target:.3g} s (H={h} steps of {state.groups[fastest].name}'s {live[fastest]:.3g} s): "
-              + ("; ".join(notes) if notes else "every group's steps fit within "
-                 f"{options.hysteresis:.0%}")
+              + ("; ".join(notes) if notes else "every group's steps fit")
               + (f"; no live figure yet for {', '.join(missing)} (kept)" if missing else ""))
     return PaceDecision(groups=tuple(out), target_s=target, round_s=round_s, reason=reason, decided_unix=now,
                         changed=tuple(changed))

@@ -32,26 +32,35 @@ def test_uneven_groups_get_steps_in_proportion_to_their_speed() -> None:
     # a group far slower than the round still trains one step (it cannot train less)
     d = round_steps(120.0, PaceState(h=4, groups=(_group("a", 4, [0.1]), _group("z", 4, [1.0]))), OPTS)
     assert [g.steps for g in d.groups] == [4, 1] and d.round_s == pytest.approx(1.0)
-    # no group trains more than H, however fast (H is the fastest group's)
+    # the steps that fit, not the nearest: 1.67 steps of b fit a round of 5 x 0.1 s, so 1 (with 2 its rounds would
+    # run 20% over, and every other group would wait that long every round); the fastest trains H
     d = round_steps(120.0, PaceState(h=5, groups=(_group("a", 2, [0.1]), _group("b", 5, [0.3]))), OPTS)
-    assert [g.steps for g in d.groups] == [5, 2], d.reason
+    assert [g.steps for g in d.groups] == [5, 1], d.reason
 
 
 def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
-    """Within 10% (or half a step) of the ideal the steps stay; past it they move, and back-and-forth noise at a
-    rounding boundary does not flap them."""
-    near = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 46, [0.105])))  # ideal 47.6
+    """Steps that fit but are short of the ideal by at most 10% stay; short by more they grow to what fits; steps
+    that run over the round shrink at once, past a 2% tolerance; noise around a boundary does not flap them."""
+    near = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 46, [0.105])))  # 47.6 fit: short 3%
     assert [g.steps for g in round_steps(120.0, near, OPTS).groups] == [50, 46]
-    far = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 40, [0.105])))  # ideal 47.6: off 19%
-    assert [g.steps for g in round_steps(120.0, far, OPTS).groups] == [50, 48]
-    # a group of 2-3 steps a round whose time straddles the boundary (ideal 2.45 then 2.56 then 2.44)
-    steps = 2
-    for s in (0.408, 0.39, 0.41, 0.392):
+    far = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 40, [0.105])))  # short 16%
+    assert [g.steps for g in round_steps(120.0, far, OPTS).groups] == [50, 47]
+    over = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 49, [0.105])))  # over by 3%
+    assert [g.steps for g in round_steps(120.0, over, OPTS).groups] == [50, 47]
+    # a group of about 3 steps a round whose time moves by a few percent (2.9-3.03 steps fit)
+    steps = 3
+    for s in (0.33, 0.34, 0.335, 0.345, 0.33):
         state = PaceState(h=10, groups=(_group("a", 10, [0.1]), _group("b", steps, [s])))
         steps = round_steps(120.0, state, OPTS).groups[1].steps
-        assert steps == 2, s
+        assert steps == 3, s
+    # ... and one of 9-10 (9-10 fit): it stays at 9, not back and forth, until it no longer fits
+    steps = 10
+    for s, want in ((0.111, 9), (0.1005, 9), (0.1, 9), (0.1005, 9), (0.111, 9), (0.125, 8)):
+        state = PaceState(h=10, groups=(_group("a", 10, [0.1]), _group("b", steps, [s])))
+        steps = round_steps(120.0, state, OPTS).groups[1].steps
+        assert steps == want, (s, steps)
     # no hysteresis: every change is taken
-    assert round_steps(120.0, near, PaceOptions(hysteresis=0.0)).groups[1].steps == 48
+    assert round_steps(120.0, near, PaceOptions(hysteresis=0.0)).groups[1].steps == 47
 
 
 def test_a_group_that_slows_down_gets_fewer_steps_within_one_round() -> None:
