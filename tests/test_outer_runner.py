@@ -41,10 +41,14 @@ class _RpcError(grpc.RpcError):
         return self._details
 
 
-def _arbiter(plan: Plan):
+def _arbiter(plan: Plan, paced: bool = False, arrived: dict | None = None):
+    """The coordinator's side of OuterSync over `plan`'s groups. `paced`: rounds by wall-clock time (each node's
+    step times heard, each group's inner steps decided; `atoll.coordinator.pace`); `arrived`: (node, round) -> the
+    time it first arrived, filled in."""
     rounds = OuterRounds()
     groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
-                        nodes=frozenset(n for p in g.pipelines for s in plan.pipelines[p].stages for n in s.nodes))
+                        nodes=frozenset(n for p in g.pipelines for s in plan.pipelines[p].stages for n in s.nodes),
+                        inner_steps=g.inner_steps)
               for i, g in enumerate(plan.groups)]
     lock = threading.Lock()
 
@@ -53,16 +57,23 @@ def _arbiter(plan: Plan):
 
     def call(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
         with lock:
+            if arrived is not None:
+                arrived.setdefault((req.node_id, req.round), time.monotonic())
+            paced_kw = dict(h=plan.outer.inner_steps, step_seconds=req.step_seconds, round_steps=req.round_steps,
+                            stats={"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
+                            ) if paced else {}
             d = rounds.arrive(time.time(), round_=req.round, node=req.node_id if req.arrived else "",
                               group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                               deadline_s=plan.outer.deadline_s, fetched_version=req.fetched_version,
                               version=req.version, fetch_bound_s=plan.outer.fetch_bound_s, unreachable=[
                                   OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
-                                                   nodes=tuple(x.node_ids)) for x in req.unreachable])
+                                                   nodes=tuple(x.node_ids)) for x in req.unreachable], **paced_kw)
             rounds.report_hashes(req.node_id, plan.groups[req.group].name,
                                  [(h.round, h.layer, h.crc32) for h in req.anchor_hashes])
         reply = pb.OuterSyncReply(decided=d.decided, participants=[part(p) for p in d.participants],
-                                  version=d.version, final=d.final)
+                                  version=d.version, final=d.final, steps_round=d.steps_round,
+                                  inner_steps=[pb.OuterGroupSteps(group=g.name, since_epoch=g.since_epoch,
+                                                                  inner_steps=g.steps) for g in d.inner_steps])
         if d.checkpointer is not None:
             reply.checkpointer.CopyFrom(part(d.checkpointer))
         return reply
@@ -73,9 +84,10 @@ _LAST_RUN: dict = {}
 """The runners of the newest `_run_outer` (their outer state: anchors)."""
 
 
-def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan, tmp_path: Path):
+def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan, tmp_path: Path, *,
+               paced: bool = False, arrived: dict | None = None):
     """Each list of `groups` a replica group: the plan as run, (group, step) -> loss, node -> its outer
-    parameters at the end, and the coordinator's rounds."""
+    parameters at the end, and the coordinator's rounds (`paced`, `arrived`: see `_arbiter`)."""
     pipelines = [p for g in groups for p in g]
     rgroups, k = [], 0
     for gi, g in enumerate(groups):
@@ -85,7 +97,7 @@ def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan,
     plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
                 epoch=1, job_id="job", mode="outer", groups=rgroups, outer=outer)
     plan.validate(job.model.n_layers + 2)
-    call, rounds = _arbiter(plan)
+    call, rounds = _arbiter(plan, paced=paced, arrived=arrived)
     run = run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call)
     _LAST_RUN["runners"] = run.runners
     losses = {(plan.group_of(m.pipeline), m.step): m.loss for m in run.reports if m.loss is not None}
@@ -514,3 +526,55 @@ def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tm
                     # (a writer asks for copies of what it wrote: the seam that says which node wrote)
                     node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
     assert sorted(written) == [("b", 2), ("b", 4), ("b", 6)], written
+
+
+@pytest.mark.timeout(300)
+def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_group_stops_waiting(
+        tmp_path: Path, monkeypatch) -> None:
+    """The plan gives both groups H=24 inner steps a round (their profiles said they were alike), but group b (a
+    two-stage pipeline) is about 2x slower: its node b1 sleeps 0.16 s in every step (a seam in
+    `PipelineStage.train_step`), a 0.06 s (small batches, so that the sleeps and not a loaded machine's compute set
+    the pace). For rounds 0-1 (the plan's figure) a waits out most of each round for b;
+    the decision of round 0 gives b the steps that fit a round at its measured pace from round 2 on, both of b's
+    nodes switch at the same step (or their pipeline would hang), and a's wait drops below 10% of its round. Every
+    node ends on the same anchor, and both groups end at step rounds x H - 1. Before, b trained 24 steps every round
+    and a waited about half of each."""
+    h, n_rounds = 24, 7
+    sleeps = {"node-a": 0.06, "node-b1": 0.16}
+    train_step = PipelineStage.train_step
+
+    def slowed(self, step, batch):
+        time.sleep(sleeps.get(threading.current_thread().name, 0.0))
+        return train_step(self, step, batch)
+
+    monkeypatch.setattr(PipelineStage, "train_step", slowed)
+    job = tiny_job(h * n_rounds, global_batch=4, seq_len=16)
+    outer = OuterPlan(inner_steps=h, codec="int8", lr=0.7, momentum=0.5, overlap=True, deadline_s=60.0)
+    arrived: dict[tuple[str, int], float] = {}
+    _, losses, _, rounds = _run_outer(job, [
+        [PipelinePlan(micro_batch=4, num_micro_batches=1, stages=[stage((0, 6), ["a"])])],
+        [PipelinePlan(micro_batch=4, num_micro_batches=1, stages=[stage((0, 3), ["b0"]), stage((3, 6), ["b1"])])]],
+        outer, tmp_path, paced=True, arrived=arrived)
+    a, b = rounds.progress["region-0"], rounds.progress["region-1"]
+    tokens_per_step = job.train.global_batch * job.train.seq_len
+    b_steps = {r: t // tokens_per_step for r, t in sorted(b.round_tokens.items())}
+    assert [b_steps[r] for r in (0, 1)] == [h, h]  # the plan's figure until a decision names one
+    fit = h * a.step_s / b.step_s  # b's steps in a round of H of a's, at the pace the newest decision took
+    assert all(b_steps[r] <= h * 0.75 for r in range(2, n_rounds)), (b_steps, a.step_s, b.step_s)
+    assert 0.9 * fit - 1 <= b.assigned_steps <= 1.02 * fit + 0.1, (b.assigned_steps, fit, a.step_s, b.step_s)
+    assert all(t // tokens_per_step == h for t in a.round_tokens.values())
+    # a's wait per round (for b's exchange of the round before) against its round's wall time
+    round_s = {r: arrived[("a", r)] - arrived[("a", r - 1)] for r in range(1, n_rounds)}
+    waits = dict(a.round_waits)
+    before = waits[2] / round_s[2]
+    after = sum(waits[r] for r in range(4, n_rounds)) / sum(round_s[r] for r in range(4, n_rounds))
+    print(f"\nb's steps a round {b_steps}; step times a {a.step_s:.3f} s, b {b.step_s:.3f} s; a waited "
+          f"{before:.0%} of round 2, {after:.0%} of rounds 4-{n_rounds - 1}")
+    assert before > 0.15, (waits, round_s)  # the slow group did pace the rounds before (measured 37-58%)
+    assert after < 0.1, (waits, round_s)  # (measured 0%)
+    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    _same_anchors(anchors, ["b0", "a"])
+    _same_anchors(anchors, ["b1", "a"])
+    assert rounds.anchor_mismatches == 0 and rounds.latest_decided == n_rounds - 1
+    last = {g: max(s for gg, s in losses if gg == g) for g in (0, 1)}
+    assert last == {0: h * n_rounds - 1, 1: h * n_rounds - 1}, last
