@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.pace import (LEAD_ROUNDS, GroupPace, GroupSteps, PaceOptions, PaceState, RoundPace,
-                                    outer_deadline)
+                                    outer_deadline, step_time)
 from atoll.coordinator.pace import round_steps as decide_steps
 
 log = logging.getLogger("atoll.coordinator.outer")
@@ -330,6 +330,7 @@ class OuterRounds:
         self.pace_options = PaceOptions()
         self._paces: dict[tuple[str, int], dict[int, RoundPace]] = {}
         """(group name, since-epoch) -> round -> its slowest node's median inner step in the round."""
+        self._pace_nodes: dict[tuple[str, int], frozenset[str]] = {}
         self._steps: dict[tuple[str, int], int] = {}
         """(group name, since-epoch) -> the inner steps a round the newest decision gave it."""
         self.round_s = 0.0
@@ -366,6 +367,7 @@ class OuterRounds:
     def _note_pace(self, group: GroupInfo, round_: int, seconds: float, steps: int, now: float) -> None:
         """A node's median inner step in `round_` (its group's figure is its slowest node's)."""
         kept = self._paces.setdefault((group.name, group.since_epoch), {})
+        self._pace_nodes[(group.name, group.since_epoch)] = group.nodes
         was = kept.get(round_)
         kept[round_] = RoundPace(round=round_, seconds=max(seconds, was.seconds if was else 0.0),
                                  steps=max(steps, was.steps if was else 0), unix=now)
@@ -378,6 +380,7 @@ class OuterRounds:
         live = {(g.name, g.since_epoch) for g in groups}
         for key in [k for k in self._paces if k not in live]:  # a group replanned away: measured afresh
             del self._paces[key]
+            self._pace_nodes.pop(key, None)
         state = PaceState(h=h, groups=tuple(GroupPace(
             name=g.name, since_epoch=g.since_epoch,
             steps=self._steps.get((g.name, g.since_epoch)) or g.inner_steps or h,
@@ -391,6 +394,17 @@ class OuterRounds:
             p.step_s, p.assigned_steps = g.step_s, g.steps
         return replace(decision, inner_steps=pace.groups, steps_round=round_ + LEAD_ROUNDS, target_s=pace.target_s,
                        round_s=pace.round_s)
+
+    def live_step_times(self, now: float) -> dict[frozenset[str], float]:
+        """The nodes of each replica group measured so far -> its live inner step time (`pace.step_time`), for the
+        next plan's split of the rounds (`planning.live_split`)."""
+        with self._lock:
+            out = {}
+            for key, paces in self._paces.items():
+                s = step_time(now, list(paces.values()), self.pace_options)
+                if s is not None and key in self._pace_nodes:
+                    out[self._pace_nodes[key]] = s
+            return out
 
     def _keep(self, round_: int, decision: Decision) -> None:
         self._decided[round_] = decision

@@ -65,6 +65,9 @@ class PlanInputs:
     machine_flows: Mapping[str, float] = field(default_factory=dict)
     """Per machine (`machineprobe.machine_of`), bytes/s of one flow while all its nodes send at once (machine
     probes): the planner reads links between machines at most at it (`machineprobe.per_flow_links`)."""
+    live_step_s: Mapping[frozenset[str], float] = field(default_factory=dict)
+    """Outer mode: the nodes of each replica group measured in the running rounds -> its live inner step time
+    (`OuterRounds.live_step_times`); a group of the new plan on exactly those nodes is split by it (`live_split`)."""
 
 
 HANDOVER_SECONDS = 120.0
@@ -87,9 +90,39 @@ def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
     if not inputs.members or not inputs.islands:
         raise ValueError("cannot plan without alive members")
     kept = kept_groups(inputs)
-    if kept:
-        return _plan_around(inputs, kept)
-    return _make_plan(inputs)
+    plan, how = _plan_around(inputs, kept) if kept else _make_plan(inputs)
+    note = live_split(plan, inputs.live_step_s)
+    return plan, how + (f"; {note}" if note else "")
+
+
+def live_split(plan: Plan, live: Mapping[frozenset[str], float]) -> str:
+    """Outer mode: where a replica group of `plan` runs on nodes whose group was measured in the running rounds
+    (`live`: its nodes -> live inner step time), split the rounds by that step time rather than the start-up
+    profiles' prediction: every group planned afresh gets the whole inner steps that fit the round, H x the fastest
+    group's step time (`pace.fitting_steps`; the nodes train it from their first round, the coordinator's decisions
+    correct it live from the third). Groups kept running keep theirs, and the groups' predicted step times stay
+    the cost model's (drift detection compares the nodes against those). Changes `plan` in place; returns what it
+    changed ("" for nothing)."""
+    from atoll.coordinator.pace import PaceOptions, fitting_steps
+
+    if plan.mode != "outer" or plan.outer is None or not live:
+        return ""
+    step_s = [live.get(frozenset(plan.group_nodes(g))) or grp.step_time_s for g, grp in enumerate(plan.groups)]
+    measured = [grp.name for g, grp in enumerate(plan.groups) if frozenset(plan.group_nodes(g)) in live]
+    if not measured or min(step_s) <= 0:
+        return ""
+    h = plan.outer.inner_steps
+    target = h * min(step_s)
+    changed = []
+    for grp, s in zip(plan.groups, step_s):
+        if 0 < grp.since_epoch < plan.epoch:
+            continue  # kept running: its nodes go on with their rounds
+        steps = fitting_steps(h, target / s, h, PaceOptions(hysteresis=0.0))
+        if steps != grp.inner_steps:
+            changed.append(f"{grp.name} {grp.inner_steps} -> {steps}")
+            grp.inner_steps = steps
+    return (f"the live step times of {', '.join(measured)} split the rounds"
+            + (f" ({', '.join(changed)} inner steps a round)" if changed else ""))
 
 
 def kept_groups(inputs: PlanInputs) -> list[int]:

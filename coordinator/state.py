@@ -907,7 +907,7 @@ class CoordinatorState:
                             checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
                                                                          if m.peer_address}),
                             handover=handing_over(previous, self.store.members_view().values(), now),
-                            machine_flows=self._machines.per_flow())
+                            machine_flows=self._machines.per_flow(), live_step_s=self.outer.live_step_times(now))
         return inputs
 
     def _calibrated(self, previous: Plan | None) -> dict[str, float]:

@@ -174,3 +174,28 @@ def test_a_plan_as_nodes_and_the_demo_receive_it_simulates_to_its_predicted_step
             assert max(steps) == pytest.approx(plan.predicted.step_time_s, rel=1e-9), (groups, steps)
     fallback = finish_plan(fallback_plan(_inputs({"x": ["a1", "a2"]})), _inputs({"x": ["a1", "a2"]}))
     assert plan_pipeline_times(fallback, 0) is None  # no simulation behind it: the picture says each stage's compute
+
+
+def test_a_group_planned_afresh_is_split_by_the_live_step_times_of_its_nodes() -> None:
+    """lab-b's node b2 reported a failed run: lab-b is planned afresh on the same nodes while lab-a runs on. The
+    running rounds measured lab-b at 0.35 s a step against lab-a's 0.1: the new plan gives lab-b the 1 step that fits
+    a round of 5 x 0.1 s from its first round (before, the profiles' split, until live decisions corrected it two
+    rounds later); lab-a, kept running, keeps its 5."""
+    from dataclasses import replace
+
+    full = _inputs({"x": ["a1", "a2", "b1", "b2"]})
+    _regions(full, {"a1": "lab-a", "a2": "lab-a", "b1": "lab-b", "b2": "lab-b"})
+    inputs = replace(full, previous=_outer_previous(full), failed=frozenset({"b2"}))
+    plain, _ = make_plan(inputs)
+    profiled = plain.groups[1].inner_steps  # the profiles' split
+    assert plain.groups[0].inner_steps == 5 and profiled > 1
+    b_nodes = frozenset(plain.group_nodes(1))
+    live = {frozenset({"a1", "a2"}): 0.1, b_nodes: 0.35}
+    plan, how = make_plan(replace(inputs, live_step_s=live))
+    b = plan.groups[1].name  # (the test's islands carry no region: the group is named by its island)
+    assert [(g.name, g.inner_steps) for g in plan.groups] == [("lab-a", 5), (b, 1)], how
+    assert f"the live step times of lab-a, {b} split the rounds ({b} {profiled} -> 1 inner steps a round)" in how
+    assert [g.step_time_s for g in plan.groups] == [g.step_time_s for g in plain.groups]  # the cost model's stay
+    # a group on other nodes than those measured is not split by their figure
+    other, how = make_plan(replace(inputs, live_step_s={frozenset({"b1"}): 0.35, frozenset({"a1", "a2"}): 0.1}))
+    assert [g.inner_steps for g in other.groups] == [5, profiled] or b_nodes == frozenset({"b1"}), how
