@@ -350,9 +350,11 @@ def evaluate(job, checkpoints: Path, steps: Sequence[int]) -> dict[int, float]:
     return out
 
 
-def ideal_curve(job_path: Path, every: int) -> list[tuple[int, float]]:
+def ideal_curve(job_path: Path, every: int, *, target: float | None = None, min_tokens: int = 0
+                ) -> list[tuple[int, float]]:
     """The ideal run: the job (its global batch already the regions' together) trained in this process, unsplit;
-    (steps trained, eval loss) every `every` steps and at the end."""
+    (steps trained, eval loss) every `every` steps and at the end, or until the eval loss came down to `target`
+    with at least `min_tokens` trained."""
     import torch
     from datetime import timedelta
 
@@ -381,6 +383,8 @@ def ideal_curve(job_path: Path, every: int) -> list[tuple[int, float]]:
             with torch.no_grad():
                 out.append((step + 1, float(lm_loss(module(held.inputs), held.targets))))
             module.train()
+            if target is not None and out[-1][1] <= target and (step + 1) * t.global_batch * t.seq_len >= min_tokens:
+                break
     return out
 
 
@@ -776,10 +780,14 @@ def add_ideal(outcome: Outcome, args, base_out: Path, say) -> None:
     base_out.mkdir(parents=True, exist_ok=True)
     job = _job(args.job, base_out, f"{outcome.scenario.key}-ideal", steps=args.steps, mode="sync", nodes=1,
                inner=args.inner_steps, codec="int8", deadline=args.deadline, rows=rows)
-    t = time.monotonic()
-    curve = ideal_curve(job, every=max(1, args.inner_steps // 2))
-    say(f"ideal: {rows} rows a step, {len(curve)} evaluations in {time.monotonic() - t:.0f}s")
     best = outcome.alone[outcome.best]
+    t = time.monotonic()
+    # one torch thread (a second one spins against a busy machine's other processes); in (a) it covers the outer
+    # run's tokens, for the comparison at equal tokens
+    curve = ideal_curve(job, every=max(1, args.inner_steps // 2), target=best.final_loss,
+                        min_tokens=max((r.tokens for r in outcome.outer.values()), default=0)
+                        if outcome.scenario.key == "a" else 0)
+    say(f"ideal: {rows} rows a step, {curve[-1][0]} steps, {len(curve)} evaluations in {time.monotonic() - t:.0f}s")
     outcome.ideal_curve = curve
     outcome.ideal_tokens_per_step = rows * base.train.seq_len
     if best.final_loss is None:
