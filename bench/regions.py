@@ -286,6 +286,12 @@ class RunResult:
         times = self.step_times.get(region, [])
         return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
 
+    def median_step_s(self, region: str) -> float:
+        """The median seconds between `region`'s steps (waits and outages left out)."""
+        times = self.step_times.get(region, [])
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        return gaps[len(gaps) // 2] if gaps else 0.0
+
     def time_to(self, loss: float) -> float | None:
         return time_to_reach([c[1] for c in self.curve], [c[3] for c in self.curve], loss)
 
@@ -669,12 +675,10 @@ def run(tb, name: str, job_path: Path, hosts: Sequence, out: Path, timeout: floa
                        interval=job.checkpoint.interval, went_back=went_back,
                        faults=fault_run.done if fault_run is not None else [], finished=finished)
     if plan is not None and plan.mode == "outer" and plan.groups:
-        per = []
-        for g in plan.groups:
-            st = result.step_s(g.name)
-            if st:
-                per.append(g.inner_steps * st)
-        result.round_s = max(per, default=0.0)
+        # a round's wall time: each group's inner steps a round (live, as the coordinator counted them; else the
+        # plan's) x its median step time, the longest
+        live = {g.name: g.steps_per_round for g in (final.group_usage if final is not None else [])}
+        result.round_s = max((live.get(g.name) or g.inner_steps) * result.median_step_s(g.name) for g in plan.groups)
     return result
 
 

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench tree is not installed
 from bench.regions import (  # noqa: E402
     Ideal,
+    RunResult,
     count_mismatch_lines,
     describe_steps,
     ideal_figures,
@@ -125,3 +126,11 @@ def test_mismatch_lines_are_counted_over_the_coordinators_lifetimes() -> None:
            "E outer round 7, layer 0: the anchors differ: ...\n")
     assert count_mismatch_lines(log) == 2
     assert count_mismatch_lines("") == 0
+
+
+def test_a_runs_step_times_mean_and_median() -> None:
+    r = RunResult(name="x", plan="", wall_s=10.0, tokens=0, tokens_per_step=1, wan_bytes=None,
+                  step_times={"lab-a": [0.0, 1.0, 2.0, 12.0, 13.0]})
+    assert r.step_s("lab-a") == pytest.approx(13.0 / 4)  # an outage counts in the mean
+    assert r.median_step_s("lab-a") == pytest.approx(1.0)  # not in the median
+    assert r.step_s("lab-b") == 0.0 and r.median_step_s("lab-b") == 0.0
