@@ -47,7 +47,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk")
+CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk", "hadamard", "lowrank")
 COMPRESSION_MODES = ("adaptive", *CODECS)
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

@@ -19,6 +19,8 @@ CODEC_BY_NAME: dict[str, int] = {
     "int4": pb.CODEC_INT4_BLOCK,
     "topk": pb.CODEC_TOPK,
     "sparse2": pb.CODEC_SPARSE2,
+    "hadamard": pb.CODEC_HADAMARD,
+    "lowrank": pb.CODEC_LOWRANK,
 }
 CODEC_NAME: dict[int, str] = {v: k for k, v in CODEC_BY_NAME.items()}
 

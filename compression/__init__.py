@@ -3,7 +3,7 @@
 Uses only the core (`atoll`); never grpc.
 """
 
-from atoll.compression import blockquant, cast, sparse, topk  # noqa: F401  (each registers its codecs)
+from atoll.compression import blockquant, cast, hadamard, lowrank, sparse, topk  # noqa: F401  (each registers its codecs)
 from atoll.compression.codec import Codec, Payload, check_registry, registered
 from atoll.compression.errors import CodecError
 from atoll.compression.feedback import ErrorFeedback

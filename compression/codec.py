@@ -46,6 +46,11 @@ class Codec(ABC):
     def payload_size(self, numel: int, dtype: torch.dtype) -> int:
         """Exact payload bytes for a tensor of `numel` elements of `dtype`."""
 
+    def wire_size(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Exact payload bytes for a tensor of `shape` (a codec whose size depends on more than the element
+        count overrides it)."""
+        return self.payload_size(numel_of(shape), dtype)
+
     @abstractmethod
     def error_bound(self, t: torch.Tensor) -> float:
         """A bound on max |decode(encode(t)) - t| for this `t` (finite values)."""
@@ -76,7 +81,7 @@ class Codec(ABC):
             raise CodecError(f"codec {self.name} cannot decode to dtype {dtype}")
         numel = numel_of(shape)
         buf = as_uint8(payload)
-        expected = self.payload_size(numel, dtype)
+        expected = self.wire_size(shape, dtype)
         if buf.numel() != expected:
             raise CodecError(f"{self.name} payload for shape {tuple(shape)} {dtype} must be {expected} bytes, got "
                              f"{buf.numel()} (truncated or corrupt payload, or metadata that disagrees with it)")

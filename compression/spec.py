@@ -13,6 +13,9 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_TOPK_FRACTION = 0.01
 MAX_BLOCK_SIZE = 1 << 20
 MAX_ZSTD_LEVEL = 22
+DEFAULT_BITS = 4
+DEFAULT_RANK = 16
+MAX_RANK = 1 << 12
 
 
 def _float32(x: float) -> float:
@@ -25,15 +28,23 @@ class CodecSpec:
     """A codec and its parameters. Parameters a codec does not use are kept but ignored by it."""
 
     codec: str
-    """One of "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2" (the only positional field)."""
+    """One of "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2", "hadamard", "lowrank" (the only
+    positional field)."""
     _: KW_ONLY
     block_size: int = DEFAULT_BLOCK_SIZE
-    """int8/int4: elements that share one absmax scale (>= 1)."""
+    """int8/int4/hadamard: elements that share one absmax scale (>= 1)."""
     topk_fraction: float = DEFAULT_TOPK_FRACTION
     """topk, sparse2 (per chunk): fraction of elements kept, in (0, 1]; stored at float32 precision, as on the
     wire."""
     zstd_level: int = 0
     """0: no lossless stage; 1..22: a zstd stage at this level after the codec."""
+    bits: int = DEFAULT_BITS
+    """hadamard: bits per code, 2, 3 or 4."""
+    rank: int = DEFAULT_RANK
+    """lowrank: rank of the factors sent, in [1, 4096] (capped by the matrix's own dimensions)."""
+    seed: int = 0
+    """hadamard: seed of the random sign flips; lowrank: of the first subspace. Sender and receiver share it
+    through the wire's codec parameters; in [0, 2**32)."""
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_BY_NAME:
@@ -47,6 +58,10 @@ class CodecSpec:
                 or not 0 <= self.zstd_level <= MAX_ZSTD_LEVEL:
             raise CodecError(f"zstd_level must be an integer in [0, {MAX_ZSTD_LEVEL}] (0 turns the stage off), "
                              f"got {self.zstd_level!r}")
+        for name, lo, hi in (("bits", 2, 4), ("rank", 1, MAX_RANK), ("seed", 0, (1 << 32) - 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise CodecError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
         object.__setattr__(self, "topk_fraction", _float32(float(self.topk_fraction)))
 
     @property
@@ -61,12 +76,17 @@ class CodecSpec:
             base += f"/{self.block_size}"
         elif self.codec in ("topk", "sparse2"):
             base += f"/{self.topk_fraction:.3g}"
+        elif self.codec == "hadamard":
+            base += f"/{self.bits}b/{self.block_size}"
+        elif self.codec == "lowrank":
+            base += f"/r{self.rank}"
         return base + (f"+zstd{self.zstd_level}" if self.zstd_level else "")
 
     def to_proto(self) -> tuple[int, pb.CodecParams]:
         """(`pb.Codec` value, `pb.CodecParams`) for `TensorMeta.codec` / `.codec_params`."""
         return self.codec_id, pb.CodecParams(block_size=self.block_size, topk_fraction=self.topk_fraction,
-                                             zstd_level=self.zstd_level)
+                                             zstd_level=self.zstd_level, bits=self.bits, rank=self.rank,
+                                             seed=self.seed)
 
     @classmethod
     def from_proto(cls, codec_id: int, params: pb.CodecParams | None = None) -> CodecSpec:
@@ -78,4 +98,5 @@ class CodecSpec:
                              f"or have the sender use a known codec")
         params = params if params is not None else pb.CodecParams()
         return cls(codec=name, block_size=params.block_size or DEFAULT_BLOCK_SIZE,
-                   topk_fraction=params.topk_fraction or DEFAULT_TOPK_FRACTION, zstd_level=params.zstd_level)
+                   topk_fraction=params.topk_fraction or DEFAULT_TOPK_FRACTION, zstd_level=params.zstd_level,
+                   bits=params.bits or DEFAULT_BITS, rank=params.rank or DEFAULT_RANK, seed=params.seed)

@@ -75,7 +75,7 @@ def check_tensor_meta(shape: Sequence[int], dtype: torch.dtype, spec: CodecSpec,
     if dtype not in codec.accepts:
         raise CodecError(f"codec {spec.codec} cannot carry dtype {dtype}")
     if spec.zstd_level == 0:
-        expected = codec.payload_size(numel, dtype)
+        expected = codec.wire_size(shape, dtype)
         if payload_bytes != expected:
             raise CodecError(f"{spec.label()} payload for shape {tuple(shape)} {dtype} must be {expected} bytes, "
                              f"the metadata says {payload_bytes}")

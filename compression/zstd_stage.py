@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import zstandard
 
-from atoll.compression.codec import Codec, Payload, numel_of
+from atoll.compression.codec import Codec, Payload
 from atoll.compression.errors import CodecError
 
 
@@ -28,7 +28,7 @@ class ZstdStage(Codec):
         return zstandard.ZstdCompressor(level=self.level, write_content_size=True, write_checksum=True).compress(raw)
 
     def decode(self, payload: Payload, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        expected = self.inner.payload_size(numel_of(shape), dtype)
+        expected = self.inner.wire_size(shape, dtype)
         try:
             size = zstandard.frame_content_size(payload)
         except zstandard.ZstdError as e:

@@ -16,6 +16,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT4_BLOCK: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
     CODEC_SPARSE2: _ClassVar[Codec]
+    CODEC_HADAMARD: _ClassVar[Codec]
+    CODEC_LOWRANK: _ClassVar[Codec]
 
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -39,6 +41,8 @@ CODEC_INT8_BLOCK: Codec
 CODEC_INT4_BLOCK: Codec
 CODEC_TOPK: Codec
 CODEC_SPARSE2: Codec
+CODEC_HADAMARD: Codec
+CODEC_LOWRANK: Codec
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -51,14 +55,20 @@ DIRECTION_BACKWARD: Direction
 DIRECTION_OUTER: Direction
 
 class CodecParams(_message.Message):
-    __slots__ = ("block_size", "topk_fraction", "zstd_level")
+    __slots__ = ("block_size", "topk_fraction", "zstd_level", "bits", "rank", "seed")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOPK_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ZSTD_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     topk_fraction: float
     zstd_level: int
-    def __init__(self, block_size: _Optional[int] = ..., topk_fraction: _Optional[float] = ..., zstd_level: _Optional[int] = ...) -> None: ...
+    bits: int
+    rank: int
+    seed: int
+    def __init__(self, block_size: _Optional[int] = ..., topk_fraction: _Optional[float] = ..., zstd_level: _Optional[int] = ..., bits: _Optional[int] = ..., rank: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("job_id", "plan_epoch", "step", "micro_batch", "direction", "name", "shape", "dtype", "codec", "codec_params", "total_bytes", "checksum", "sender", "pipeline", "stage", "replica")
