@@ -60,6 +60,15 @@ def offence_refusal(plan: Plan | None, reporter: str, pipeline: int, stage: int,
     the reporter, a node of a neighbour stage of its pipeline (a local loss: the reporter itself)."""
     if o.kind == "loss":
         return "" if o.sender == reporter else f"a loss offence names {o.sender!r}, not the reporting node"
+    if o.kind == "verify":  # a replica of the reporter's stage whose output its recomputation did not match
+        if plan is None or not 0 <= pipeline < len(plan.pipelines) \
+                or not 0 <= stage < len(plan.pipelines[pipeline].stages):
+            return "no plan names the reporting node's stage"
+        nodes = plan.pipelines[pipeline].stages[stage].nodes
+        if o.sender == reporter or o.sender not in nodes or o.direction != "forward":
+            return (f"a verification offence names {o.sender[:80]!r}, which is no other replica of stage {stage} "
+                    f"of pipeline {pipeline} in plan epoch {plan.epoch}")
+        return ""
     if o.kind not in ("non-finite", "norm") or o.direction not in ("forward", "backward"):
         return f"an offence of kind {o.kind[:20]!r}, direction {o.direction[:20]!r}"
     if plan is None or not 0 <= pipeline < len(plan.pipelines):

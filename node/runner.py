@@ -69,6 +69,7 @@ from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optim
 from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
+from atoll.node.verify import VERIFY_EVERY, StageVerifier
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions, rendezvous_prefix
@@ -153,6 +154,9 @@ class RunContext:
     measured during a run, its waits on neighbours and collectives shrink to it; None: `timeout` throughout."""
     tensorboard: TensorBoardLog | None = None
     """Where this node writes each step's scalars as TensorBoard events (`atoll.node.tensorboard`); None: none."""
+    verify_every: int = VERIFY_EVERY
+    """A stage with data-parallel replicas checks one sampled micro-batch about every this many steps by
+    recomputation on its other replicas (`atoll.node.verify`); 0: never."""
     report_failure: Callable[[int, str], None] | None = None
     """Reports that this node's run failed at a step, and why, so the coordinator replans (queued, never raises);
     a run that reports its own failure says so in `PlanRunner.failure_reported`. None: the caller reports it."""
@@ -526,6 +530,7 @@ class PlanRunner:
                 step = self._start_outer(store, module, step, stop, continuing)
             door = Door(ctx.node_id)
             transport = self._transport(pl, door)
+            verifier = self._verifier(store, cfg, stage_plan.nodes)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
             cancelling.__exit__(None, None, None)
             if held is not None:  # a state loaded before the failure is this node's state now
@@ -536,7 +541,8 @@ class PlanRunner:
             raise RunFailed(f"setting up pipeline {pl.pipeline} stage {pl.stage} of epoch {self.plan.epoch} "
                             f"failed: {e}") from e
         stage = PipelineStage(module, stage=pl.stage, num_stages=pl.num_stages, transport=transport, config=cfg,
-                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp, door=door)
+                              norm_exchange=norm, grad_averager=averager, optimizer=optimizer, tp=self.tp, door=door,
+                              verifier=verifier)
         self.scaler = stage.scaler
         # fp16: every node that resumes from a checkpoint or from live state reads the scale its layers' state
         # carries (the holders of one step all carry the same); a run from scratch starts at train.loss_scale
@@ -1185,6 +1191,21 @@ class PlanRunner:
             loss_group = _group(store, f"{base}/loss/", pl.loss_group.index(ctx.node_id), len(pl.loss_group),
                                 ctx.timeout, ctx.device)
         return norm, averager, loss_group
+
+    def _verifier(self, store: dist.Store | None, cfg: StageConfig, nodes: list[str]) -> StageVerifier | None:
+        """This stage's replicas checking one another's sampled micro-batches, over a gloo group of their own
+        (`atoll.node.verify`): where the stage has replicas that hold its whole slice (no tp, no lanes)."""
+        pl, ctx = self.placement, self.ctx
+        assert pl is not None
+        if store is None or ctx.verify_every < 1 or len(nodes) < 2 or pl.tp > 1 or pl.lanes > 1:
+            return None
+        rank = nodes.index(ctx.node_id)
+        prefix = f"{self._group_prefix()}/verify-{pl.pipeline}-{pl.stage}/"
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, len(nodes), ctx.timeout)
+        # a half-precision wire rounds what is sent: the coarser of the two dtypes sets the tolerance
+        dtype = min((compute_dtype(self.job.train.dtype), cfg.wire_dtype), key=lambda d: -torch.finfo(d).eps)
+        return StageVerifier(group, nodes=list(nodes), rank=rank, seed=self.job.train.seed, every=ctx.verify_every,
+                             micro_batches=cfg.local_micro_batches, dtype=dtype, timeout=ctx.timeout)
 
     def _own_pipelines(self) -> list[int]:
         """The pipelines this node's gradients meet in: its replica group's (outer mode) or all of them."""

@@ -38,6 +38,7 @@ from atoll.node.precision import LossScaleConfig, LossScaler, overflow_contribut
 from atoll.node.schedule import SCHEDULES, Action, ScheduleKind, lane_actions, schedule
 from atoll.node.storage import storage, storage_bytes
 from atoll.node.transport import TensorKey, Transport
+from atoll.node.verify import StageVerifier
 from atoll.node.wgrad import DeferrableLinear, WeightGradients, attach
 from atoll.node.zero import ZeroOptimizer
 
@@ -246,7 +247,8 @@ class PipelineStage:
                  config: StageConfig, norm_exchange: NormExchange | None = None,
                  grad_averager: GradientAverager | None = None,
                  optimizer: torch.optim.Optimizer | ZeroOptimizer | None = None,
-                 tp: TensorParallel | None = None, door: Door | None = None):
+                 tp: TensorParallel | None = None, door: Door | None = None,
+                 verifier: StageVerifier | None = None):
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage {stage} is outside a pipeline of {num_stages} stages")
         if module.is_first != (stage == 0) or module.is_last != (stage == num_stages - 1):
@@ -271,6 +273,8 @@ class PipelineStage:
         self.door = door
         """Judges this stage's loss and hands over the offences of the tensors its transport rejected (the same
         `Door` as the transport's): any of them skips the step on every node (`train_step`). None: no checks."""
+        self.verifier = verifier
+        """This stage's replicas recomputing one another's sampled micro-batches (`atoll.node.verify`); None: none."""
         self._last_grad_sent: torch.Tensor | None = None
         """A last stage's newest activation-gradient sent upstream for a loss its door accepted."""
         if self.zero is not None and grad_averager is not None:
@@ -369,6 +373,7 @@ class PipelineStage:
         compute = wait = 0.0
         timeline: list[OpTiming] = []
         param_ptrs = {storage(p).data_ptr() for p in self.module.parameters()} if cfg.track_memory else set()
+        kept = self.verifier.wanted(step) if self.verifier is not None else None  # the micro-batch checked here
 
         # the last backward, and the last weight action after it, complete every parameter's gradient
         last_backward = max((n for n, a in enumerate(self.actions) if a.op == "backward"), default=-1)
@@ -404,6 +409,8 @@ class PipelineStage:
                     else contextlib.nullcontext()
                 with hooks, self._autocast():
                     out = self.module(h_in)
+                    if i == kept and self.is_last:  # (a last stage's check compares the logits of its loss)
+                        self.verifier.keep(h_in, out)  # type: ignore[union-attr]
                     if self.is_last:
                         tgt = targets[i // lanes].to(self.device)
                         loss = lm_loss(out, tgt)
@@ -417,7 +424,9 @@ class PipelineStage:
                     if self.door is not None and self.door.check_loss(step, losses[-1], i) is not None:
                         bad_loss.add(i)
                 else:
-                    self._send(TensorKey(step, i, "forward"), out.detach())
+                    sent = self._send(TensorKey(step, i, "forward"), out.detach())
+                    if i == kept:
+                        self.verifier.keep(h_in, sent)  # type: ignore[union-attr]
                 saved[i] = (x, out)
                 if cfg.track_memory:
                     for t in (x, out):  # held until backward; once, when a layer saved the same storage
@@ -466,6 +475,8 @@ class PipelineStage:
 
         params = [p for p in self.module.parameters() if p.requires_grad]
         offences = self.door.take(step) if self.door is not None else []
+        if self.verifier is not None:  # before the average: a mismatch skips the step like a rejected tensor
+            offences += self.verifier.check(step, self.module, self._autocast)
         if offences and zero is None:
             # the step is skipped everywhere through fp16's agreement path (`atoll.node.precision`): +inf in every
             # gradient rides the data-parallel average to every replica of this stage (of every pipeline sharing
@@ -579,9 +590,12 @@ class PipelineStage:
         return self.tp.share(_widen(self.transport.recv(key, self.config.recv_timeout)) if self.tp.is_leader
                              else None)
 
-    def _send(self, key: TensorKey, t: torch.Tensor) -> None:
+    def _send(self, key: TensorKey, t: torch.Tensor) -> torch.Tensor:
+        """Send `t` (in the wire's dtype); what was sent."""
+        t = t.to(self.config.wire_dtype)
         if self.tp is None or self.tp.is_leader:  # every tp rank holds the same replicated tensor
-            self.transport.send(key, t.to(self.config.wire_dtype))
+            self.transport.send(key, t)
+        return t
 
     def _grad_to_send(self, grad: torch.Tensor, bad: bool) -> torch.Tensor:
         """The activation-gradient a last stage sends upstream: `grad`, or where its micro-batch's loss was rejected
