@@ -65,7 +65,7 @@ def test_a_switch_must_gain_enough_and_repay_its_cost() -> None:
 
 
 def _state(steps: int = 400, drift: DriftOptions | None = None) -> tuple[CoordinatorState, Clock, list[str]]:
-    """Three CPU nodes joined, probed and planned: a pipeline of three stages, one node each."""
+    """Three CPU nodes joined, probed and planned (one stage of three replicas)."""
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
     return plan_three(_profile, replace(job, train=replace(job.train, steps=steps)),
                       CoordinatorOptions(drift=drift or DriftOptions()))
@@ -130,7 +130,10 @@ def test_a_node_that_slows_down_is_planned_around() -> None:
     second = state.current_plan()
     # its own island now (it no longer slows its peers'), with well under half its former share of the work (1/7 would
     # balance a third of the speed)
-    assert _share(first, slow) == pytest.approx(1 / 3)
+    # the first plan: one stage of the three nodes (the demo's plan, `planning.NEAR_EQUAL`), 3 of each
+    # micro-batch's 8 rows on the slow one
+    assert [len(st.nodes) for p in first.pipelines for st in p.stages] == [3]
+    assert _share(first, slow) == pytest.approx(3 / 8)
     assert _share(second, slow) < 1 / 6 and not any(
         slow in i.nodes and len(i.nodes) > 1 for i in second.islands)
     assert second.predicted.step_time_s < 0.9 * estimated_step(first, {slow: 3.0})
