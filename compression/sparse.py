@@ -200,7 +200,8 @@ class Sparse2Codec(Codec):
         """(positions [c, k] within each chunk, values [c, k] float32) of one group; CodecError if malformed."""
         scale_bytes, upper_bytes, low_bytes, code_bytes = parts
         where = f"sparse2 payload, chunks at elements [{first}, {first + c * length})"
-        s = scale_bytes.view(torch.bfloat16).float().view(c, 2)
+        # a group after a short last chunk may start at an odd byte: copy before reading it as 16-bit values
+        s = scale_bytes.clone().view(torch.bfloat16).float().view(c, 2)
         if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
             raise CodecError(f"{where}: a scale is negative, inf or NaN (corrupt payload)")
         low = _low_bits(length, k)
