@@ -300,6 +300,12 @@ class OuterPlan:
         `FETCH_BOUND_MIN_S` (a round's payload over a slow link)."""
         return max(self.deadline_s, FETCH_BOUND_MIN_S)
 
+    def end_step(self, target_steps: int) -> int:
+        """The steps every group trains of a job of `target_steps`: whole rounds, (target // H) x H (at least one
+        round), however many inner steps a group trains a round (a round's steps are numbered to end at a multiple of
+        H: `atoll.node.outer.OuterSync.next_step`), so no group is left with a round to sync alone."""
+        return max(1, target_steps // self.inner_steps) * self.inner_steps
+
 
 @dataclass(kw_only=True)
 class IdleDevices:

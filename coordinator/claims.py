@@ -141,8 +141,6 @@ def job_ended(plan: Plan | None, reached: Mapping[str, int], target_steps: int,
     if plan is None:
         return end_corroborated(alive(), reached, last)
     if plan.mode == "outer" and plan.outer is not None and plan.groups:
-        # every group's last round ends at step (train.steps // H) x H: a round's steps are numbered to end at a
-        # multiple of H however many a group trains (`atoll.node.outer.OuterSync.next_step`)
-        last_outer = max(1, target_steps // plan.outer.inner_steps) * plan.outer.inner_steps - 1
+        last_outer = plan.outer.end_step(target_steps) - 1  # every group's last round ends there
         return any(end_corroborated(plan.group_nodes(g), reached, last_outer) for g in range(len(plan.groups)))
     return end_corroborated({n for p in plan.pipelines for st in p.stages for n in st.nodes}, reached, last)

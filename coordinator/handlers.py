@@ -249,8 +249,8 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
     state.record_step(metrics)
     state.record_history(metrics)
     target = state.target_steps
-    if req.step + 1 >= target and not state.control.finished_unix:  # the job's last step, if others say so too
-        # (outer mode: each replica group ends at its own last inner step; `job_complete` knows them)
+    if req.step >= state.last_step() and not state.control.finished_unix:  # the last step, if others say so too
+        # (outer mode: the end of the last round, (target // H) x H - 1, which the target need not be)
         if state.job_complete():  # finished once its final checkpoint is held too
             state.note_trained(state.clock())
     return pb.StepAck(plan_epoch=state.epoch, stop=req.step + 1 >= target, target_steps=target)

@@ -630,6 +630,15 @@ class CoordinatorState:
         self.store.put_control(control)
         self.control = control
 
+    def last_step(self) -> int:
+        """The job's last step: `target_steps - 1`; in outer mode the end of the last round, (target // H) x H - 1 for
+        every group however many inner steps each trains a round (a round's steps are numbered to end at a multiple
+        of H: `atoll.node.outer.OuterSync.next_step`)."""
+        plan = self.current_plan()
+        if plan is not None and plan.mode == "outer" and plan.outer is not None:
+            return plan.outer.end_step(self.target_steps) - 1
+        return self.target_steps - 1
+
     def final_checkpoint_steps(self) -> set[int]:
         """The steps one of whose complete checkpoints is the job's final one: the last step (outer mode: the end of
         the last round, (train.steps // H) x H for every group, however many inner steps each trains a round: a round's
@@ -637,14 +646,14 @@ class CoordinatorState:
         interval."""
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None:
-            return {max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps}
+            return {self.last_step() + 1}
         return {self.target_steps} if self.job.checkpoint.interval else set()
 
     def final_checkpoint_step(self) -> int:
         """The step of the checkpoint the job is to end with (the status's): the writing group's last step."""
         plan = self.current_plan()
         if plan is not None and plan.mode == "outer" and plan.outer is not None and plan.groups:
-            return max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps
+            return self.last_step() + 1
         return min(self.final_checkpoint_steps(), default=0)
 
     def note_trained(self, now: float) -> None:
@@ -682,7 +691,7 @@ class CoordinatorState:
         alive = {n for n, m in self.store.members_view().items() if m.state == "alive"}
         if not alive & plan.group_nodes(0):
             return False
-        last = max(1, self.target_steps // plan.outer.inner_steps) * plan.outer.inner_steps - 1
+        last = self.last_step()
         return not any(s.step >= last and s.pipeline in first.pipelines and s.plan_epoch == plan.epoch
                        for s in self.store.recent_steps(64))
 

@@ -463,7 +463,7 @@ class PlanRunner:
         steps = (self.ctx.target_steps() if self.ctx.target_steps is not None else 0) or self.job.train.steps
         if plan.mode != "outer" or plan.outer is None or pl is None:
             return steps
-        return max(1, steps // plan.outer.inner_steps) * plan.outer.inner_steps
+        return plan.outer.end_step(steps)
 
     def schedule_step(self, step: int) -> int:
         """Where `step` sits on the learning-rate schedule: in outer mode the round's place (a group that trains

@@ -191,3 +191,26 @@ def test_a_rate_limit_forgives_a_node_that_kept_to_its_rate() -> None:
     assert limit.take("a", 62.0) is None  # the hold is over, and it earned a full bucket again: forgiven
     assert limit.take("a", 62.0) is None
     assert limit.take("a", 62.0) == 5.0
+
+
+def test_an_outer_job_whose_steps_are_not_whole_rounds_ends_at_its_last_round() -> None:
+    """An outer-mode job trains whole rounds, (1010 // 50) x 50 = 1000 steps: its last step is 999, which the end
+    check once never looked at (it waited for a report of step 1009, which no group trains)."""
+    from test_status import outer_plan
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=1010), checkpoint=replace(job.checkpoint, interval=0))
+    state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=Clock())
+    for i, n in enumerate("abcd"):
+        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=n, profile=_profile(f"h{n}"),
+                                     peer_address=f"127.0.0.1:{5000 + i}"), state)
+    state.publish(outer_plan(), "test")
+    assert state.last_step() == 999
+    for step in (900, 999):  # lab-a, one node, reports its last round's end (its word is its group's)
+        h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id="a", plan_epoch=state.epoch, step=step,
+                                            pipeline=0, stage=0, has_loss=True, loss=2.0, tokens=1024,
+                                            step_seconds=0.1), state)
+    assert state.job_complete()
+    state.clock.t += 1e6  # past the final checkpoint's bounded wait
+    state.tick()
+    assert state.control.finished_unix
