@@ -252,8 +252,8 @@ class DefaultParallelizer:
         lanes = query.lanes
         for tp, dp, rows, zero, tpre, tc, states, acts, mc, _ in self._entries(island, query.dp, query.rows, False,
                                                                                lanes):
-            if zero > 0 and holds_tied_weight(self.cm.model, a, e):
-                continue  # the runtime trains a stage holding a copy of a tied weight with plain AdamW
+            if (zero > 0 or tp > 1) and holds_tied_weight(self.cm.model, a, e):
+                continue  # the runtime trains a stage holding a copy of a tied weight with plain AdamW, unsharded
             # time first (prefix sums; ZeRO 0-1 cost the same): a config that cannot beat the best needs no more,
             # and recomputation only adds time
             if best is not None and tpre[e] - tpre[a] + tc >= best_t * (1 - 1e-12):
@@ -340,7 +340,7 @@ class DefaultParallelizer:
         skip = -1  # a split whose quickest configuration reached its time bound: the others cannot do better
         k = in_flight
         # a tied model cut into stages (node/tied.py): the head's stage holds a copy of the tied weight (counted
-        # for every start, a little cautious for a = 0), and stages holding either copy run without ZeRO
+        # for every start, a little cautious for a = 0), and stages holding either copy run without ZeRO or tp
         copy = tied_copy_params(self.cm.model, 1, end)
         tied = holds_tied_weight(self.cm.model, 0, end) or copy > 0
         for n, (tp, lane_dp, rows, zero, tpre, tc, states, acts, mc, first) in enumerate(
@@ -349,10 +349,10 @@ class DefaultParallelizer:
                 skip = -1
             elif skip >= 0:
                 continue
-            if tied and zero > 0 and copy > 0:
+            if tied and (zero > 0 or tp > 1) and copy > 0:
                 continue
             a_time = bisect_left(tpre, tpre[end] + tc - limit_s, 0, end)
-            if tied and zero > 0:  # [0, end) would hold the embedding's copy
+            if tied and (zero > 0 or tp > 1):  # [0, end) would hold the embedding's copy
                 a_time = max(a_time, 1)
             if a_time >= best:
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
@@ -37,6 +37,8 @@ class PlanResult:
     """Wall time of the search."""
     note: str = ""
     """Why the plan trains in its mode when the cluster spans regions (outer mode: `plan.outer.reason`)."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Outer mode: region -> why no replica group trains there."""
 
     @property
     def gpus(self) -> int:
@@ -63,6 +65,8 @@ def search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
     result = _search_plan(model, cluster, train, profiles, options, codec_model=codec_model,
                           parallelizer=parallelizer)
     result.plan.idle = idle_devices(result.plan, cluster, model, train, profiles, options, searched=result.stats)
+    for d in result.plan.idle:  # a region an outer plan leaves out: why no group trains there
+        d.reason = result.left_out.get(cluster.island(d.island).region, d.reason)
     if len(cluster.regions) > 1:
         result.plan.mode_reason = result.note
     return result
@@ -124,16 +128,14 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
                  parallelizer: IslandParallelizer | None) -> PlanResult:
     t0 = time.perf_counter()
     options = options or PlannerOptions()
-    if model.config.tied_head and options.max_tp > 1:
-        # the runtime does not shard the stages holding the tied weight's copies (atoll.node.tied): tp = 1
-        options = replace(options, max_tp=1)
     if train.seq_len != model.config.seq_len:
         model = model.with_seq_len(train.seq_len)
     sync = search_sync(model, cluster, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
     if options.outer_mode == "sync" or len(cluster.regions) < 2:
         return sync
     gap = wan_gap(cluster)
-    if options.outer_mode == "auto" and gap is not None and gap[0] * options.outer_wan_gap > gap[1]:
+    # (no link inside any region, each one node: nothing to compare, and the predicted gain decides)
+    if options.outer_mode == "auto" and gap is not None and gap[1] is not None and gap[0] * options.outer_wan_gap > gap[1]:
         sync.note = (f"sync: the slowest link between regions ({gap[0] / GBPS:.3g} Gbit/s) is within "
                      f"{options.outer_wan_gap:g}x of the slowest inside them ({gap[1] / GBPS:.3g} Gbit/s); replica "
                      "groups with an outer sync are for wide-area links")
@@ -157,7 +159,8 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
     plan = outer_plan(choice, sync.plan, cluster, model, train, options)
     first = choice.groups[0].result
     return PlanResult(plan=plan, candidate=first.candidate, times=[t for g in choice.groups for t in g.result.times],
-                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "")
+                      stats=sync.stats, seconds=time.perf_counter() - t0, note=plan.outer.reason if plan.outer else "",
+                      left_out=choice.left_out)
 
 
 def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: ProfileSet | None = None,
