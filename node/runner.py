@@ -69,8 +69,8 @@ from atoll.node.stage import PipelineStage, StageConfig, StepResult, build_optim
 from atoll.node.tensorboard import TensorBoardLog
 from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
-from atoll.node.verify import VERIFY_EVERY, StageVerifier
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
+from atoll.node.verify import VERIFY_EVERY, StageVerifier
 from atoll.plan import GB, Plan
 from atoll.rpc import RpcOptions, rendezvous_prefix
 from atoll.types import StepMetrics, TensorOffence
@@ -643,6 +643,7 @@ class PlanRunner:
                         self.wait = bound
                         stage.config = replace(stage.config, recv_timeout=bound, collective_timeout=bound)
                 metrics = self._metrics(step - 1, result, loss, transport)
+                self._say_skipped(step - 1, result, pl)
                 if restore is not None:  # the run's first step says how it got its state
                     restore.annotate(metrics)
                     restore = None
@@ -650,7 +651,6 @@ class PlanRunner:
                     metrics.val_loss = val_loss
                     log.info("step %d: validation loss %.4f (training loss %.4f)", step - 1, val_loss, metrics.loss)
                 reporter.put(metrics)
-                self._say_skipped(step - 1, result, pl)
                 progress.step(metrics)
                 if ctx.tensorboard is not None:
                     ctx.tensorboard.write(metrics, grad_norm=result.grad_norm, loss_scale=result.loss_scale,
@@ -1330,20 +1330,12 @@ class PlanRunner:
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
             peak_memory_bytes=result.peak_memory_bytes, loss_scale=result.loss_scale, skipped=result.skipped,
-        )
-
-    def _zero(self, optimizer: torch.optim.Optimizer, averager: _SegmentAverager | None, cfg: StageConfig
-              ) -> tuple[torch.optim.Optimizer | ZeroOptimizer, _SegmentAverager | None]:
-        """ZeRO over the stage's replicas when the plan asks for it (`StagePlan.zero` >= 1): (the optimizer, the
-        averager) to train with.
-
-        ZeRO needs the replicas of this stage to be exactly the holders of its layers, one segment over its
             offences=[TensorOffence(sender=o.sender, kind=o.kind, direction=str(o.direction), step=o.step,
                                     micro_batch=max(0, o.micro_batch), norm=o.norm if math.isfinite(o.norm) else 0.0,
                                     finite=math.isfinite(o.norm), detail=o.detail[:200])
                       for o in result.offences[:MAX_OFFENCES_REPORTED]],
-        whole range: then they share one gradient group and step the same layers. Otherwise (no other replica,
-        or other pipelines hold some or all of its layers and average per segment) the stage trains with plain
+        )
+
     def _say_skipped(self, step: int, result: StepResult, pl: Placement) -> None:
         """Log what this stage rejected in `step` (naming the sender), or that the step was skipped for a flag raised
         elsewhere."""
@@ -1357,6 +1349,14 @@ class PlanRunner:
             log.warning("step %d skipped on every node: a stage rejected a tensor or its loss (its node's log and "
                         "`atoll status` name the sender)", step)
 
+    def _zero(self, optimizer: torch.optim.Optimizer, averager: _SegmentAverager | None, cfg: StageConfig
+              ) -> tuple[torch.optim.Optimizer | ZeroOptimizer, _SegmentAverager | None]:
+        """ZeRO over the stage's replicas when the plan asks for it (`StagePlan.zero` >= 1): (the optimizer, the
+        averager) to train with.
+
+        ZeRO needs the replicas of this stage to be exactly the holders of its layers, one segment over its
+        whole range: then they share one gradient group and step the same layers. Otherwise (no other replica,
+        or other pipelines hold some or all of its layers and average per segment) the stage trains with plain
         AdamW and the segment averager, and says so. ZeRO-3 runs as ZeRO-2 (weights stay whole).
         """
         pl = self.placement
