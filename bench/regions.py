@@ -708,6 +708,8 @@ class Outcome:
     ideal: Ideal | None = None
     ideal_curve: list[tuple[int, float]] = field(default_factory=list)
     ideal_tokens_per_step: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    """Outer runs that failed (the same keys) -> why."""
 
 
 def _alone(tb, sc: Scenario, args, base_out: Path, say) -> tuple[dict[str, RunResult], str]:
@@ -766,11 +768,16 @@ def run_scenario(tb, sc: Scenario, args, *, codecs: Sequence[str], with_faults: 
     base_out = args.out / sc.key
     alone, best = _alone(tb, sc, args, base_out, say)
     outcome = Outcome(scenario=sc, alone=alone, best=best, outer={})
-    for codec in codecs:
-        outcome.outer[codec] = _outer(tb, sc, args, base_out, say, codec=codec)
+    runs = [(codec, codec, None) for codec in codecs]
     if with_faults:
-        outcome.outer["faults"] = _outer(tb, sc, args, base_out, say, codec="int8",
-                                         faults={"outage": args.outage, "cut": args.cut, "down": args.down})
+        runs.append(("faults", "int8", {"outage": args.outage, "cut": args.cut, "down": args.down}))
+    for key, codec, faults in runs:
+        try:  # a run that fails is reported as such, and the others still run
+            outcome.outer[key] = _outer(tb, sc, args, base_out, say, codec=codec, faults=faults)
+        except Exception as e:  # noqa: BLE001
+            outcome.failed[key] = str(e)
+            say(f"outer, {codec}{', faults' if faults else ''}: FAILED: {e}")
+    if "faults" in outcome.outer:
         judge_faults(outcome.outer["faults"], KILLED)
     return outcome
 
@@ -848,10 +855,11 @@ def report(outcome: Outcome, b_outer: RunResult | None) -> list[tuple[str, bool]
         for f in res.faults:
             print(f"  fault {f.kind}: {f.start:.1f}s to {f.end:.1f}s; longest without a step after it {f.stall_s:.1f}s "
                   f"(bound: lease {LEASE_S:.0f}s + a round {res.round_s:.1f}s)")
-    lines: list[tuple[str, bool]] = []
     p = f"({sc.key})"
+    lines: list[tuple[str, bool]] = [(f"{p} the outer run{' with ' + key if key != 'faults' else ''} ran: it failed: "
+                                      f"{why}", False) for key, why in outcome.failed.items()]
     if ideal is None:
-        return [(f"{p} targets: the best region has no eval loss", False)]
+        return lines + [(f"{p} targets: the best region has no eval loss", False)]
     if sc.key == "a":
         res = outcome.outer.get("int8")
         if res is None:
@@ -1021,6 +1029,8 @@ def main() -> int:
           f"steps a run, H={args.inner_steps}, global batch {base.train.global_batch} x {base.train.seq_len}; "
           f"scenarios {', '.join(only)}{' (quick)' if args.quick else ''}", flush=True)
     outcomes: list[Outcome] = []
+    targets: list[tuple[str, bool]] = []
+    b_outer = None
     for sc in (SCENARIO_A, SCENARIO_B):
         keys = [k for k in only if k == sc.key or (sc.key == "b" and k == "c")]
         if not keys:
@@ -1033,18 +1043,20 @@ def main() -> int:
                 codecs = []
             o = run_scenario(tb, sc, args, codecs=codecs, with_faults="c" in keys and sc.key == "b", say=say)
         add_ideal(o, args, args.out / sc.key, say)
-        if sc.key == "b" and "faults" in o.outer:  # (c) is (b)'s testbed and alone runs with faults in the outer run
-            c = Outcome(scenario=SCENARIO_C, alone=o.alone, best=o.best, outer={"faults": o.outer.pop("faults")},
-                        ideal=o.ideal, ideal_curve=o.ideal_curve, ideal_tokens_per_step=o.ideal_tokens_per_step)
-            if "b" in keys:
-                outcomes.append(o)
-            outcomes.append(c)
-        else:
-            outcomes.append(o)
-    targets: list[tuple[str, bool]] = []
-    b_outer = next((o.outer.get("int8") for o in outcomes if o.scenario.key == "b"), None)
-    for o in outcomes:
-        targets += report(o, b_outer)
+        done = [o]
+        if sc.key == "b" and "c" in keys:  # (c) is (b)'s testbed and alone runs with faults in the outer run
+            c = Outcome(scenario=SCENARIO_C, alone=o.alone, best=o.best, outer={}, ideal=o.ideal,
+                        ideal_curve=o.ideal_curve, ideal_tokens_per_step=o.ideal_tokens_per_step)
+            if "faults" in o.outer:
+                c.outer["faults"] = o.outer.pop("faults")
+            if "faults" in o.failed:
+                c.failed["faults"] = o.failed.pop("faults")
+            done = ([o] if "b" in keys else []) + [c]
+        for d in done:  # each scenario's table as soon as it is measured
+            if d.scenario.key == "b":
+                b_outer = d.outer.get("int8")
+            targets += report(d, b_outer)
+        outcomes += done
     png = args.out / "loss.png"
     picture(outcomes, png)
     print(f"\nwrote {png}; total time {time.monotonic() - started:.0f}s")
