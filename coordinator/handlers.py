@@ -357,7 +357,8 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
                            fetched_version=req.fetched_version, unreachable=unreachable, version=req.version,
                            fetch_bound_s=plan.outer.fetch_bound_s, h=plan.outer.inner_steps,
                            step_seconds=req.step_seconds if req.arrived else 0.0, round_steps=req.round_steps,
-                           norm=req.contribution_norm if req.arrived and req.has_contribution_norm else None)
+                           norm=req.contribution_norm if req.arrived and req.has_contribution_norm else None,
+                           alive=lambda n: (m := state.store.peek_member(n)) is not None and m.state == "alive")
     if req.anchor_hashes:
         for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
                                               [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):

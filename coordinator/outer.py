@@ -12,7 +12,17 @@ out (late, crashed, cut off) included. A node fetches each contribution from any
 bound; one that stays out of its reach past the bound is reported, and the round is decided again for everyone
 without it (`redecide`: a new version of the decision). Nodes apply a decision only once it is final
 (`decision_final`): every node that arrived at the round and still trains in its group holds its contributions,
-or `FINAL_AFTER_BOUNDS` fetch bounds passed since it was made. Arrivals and decisions are written to the store as
+or `FINAL_AFTER_BOUNDS` fetch bounds passed since it was made (a node that is no longer an alive member is waited
+for by no one).
+
+The bound is for a link that may come back; a contribution whose holder the coordinator knows is dead will not. With
+every question the coordinator checks the round's open decision (`lost_contributions`): a participant one of whose
+nodes is no longer an alive member (failed, lease lapsed, left), or whose group the newest plan has no more
+(replanned away: its nodes serve nothing again), and that no relay holds (every node of another live group fetched
+it), is left out at once in a new version of the decision, as if reported out of reach. Nodes keep asking while
+they fetch, so they learn the new version on their next question and give up that fetch. Nodes decide nothing on
+their own (no early out-of-reach on a refused connection): the coordinator's decision stays the only one, every
+node applies the same final set, and a final decision never changes. Arrivals and decisions are written to the store as
 they happen, so a
 restarted coordinator resumes the rounds in flight (nodes repeat their arrival with every question, too).
 
@@ -31,7 +41,7 @@ import json
 import logging
 import statistics
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.pace import (LEAD_ROUNDS, GroupPace, GroupSteps, PaceOptions, PaceState, RoundPace,
@@ -229,6 +239,27 @@ def redecide(now: float, decision: Decision, out_of_reach: Participant, node: st
                    reason=f"decided again without {gone}: its contribution stayed out of reach of node {node}")
 
 
+def lost_contributions(decision: Decision, groups: Sequence[GroupInfo], alive: Callable[[str], bool],
+                       fetched: Mapping[str, int]) -> dict[int, str]:
+    """Participant position in `decision` -> why its contribution is gone for good: one of its nodes is no longer an
+    alive member (its payloads died with it), or its group is in the newest plan (`groups`) no more (replanned away:
+    its nodes serve nothing again). A contribution is kept while a relay holds it: every node of another group of the
+    newest plan is alive and holds a version of the round's decision (`fetched`: node -> the newest version it holds
+    whole; every version holds the participants of the later ones), so together they serve all of it on."""
+    def relayed(p: Participant) -> bool:
+        return any(g.nodes and g.nodes.isdisjoint(p.nodes) and all(alive(n) and fetched.get(n, 0) > 0 for n in g.nodes)
+                   for g in groups)
+
+    out = {}
+    for i, p in enumerate(decision.participants):
+        dead = sorted(n for n in p.nodes if not alive(n))
+        planned = any(g.since_epoch == p.since_epoch and g.nodes == frozenset(p.nodes) for g in groups)
+        if (dead or not planned) and not relayed(p):
+            out[i] = (f"node(s) {', '.join(dead)} of it are no longer members" if dead
+                      else "its group was planned afresh") + " and no live group holds its contribution"
+    return out
+
+
 def decision_final(now: float, decision: Decision, arrived: Iterable[str], fetched: Mapping[str, int],
                    bound_s: float) -> tuple[bool, str]:
     """Whether every node that arrived at the round holds the contributions of `decision` (`fetched`: node -> the
@@ -416,7 +447,8 @@ class OuterRounds:
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
                epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
                version: int = 0, fetch_bound_s: float | None = None, h: int = 0, step_seconds: float = 0.0,
-               round_steps: int = 0, norm: float | None = None) -> Decision:
+               round_steps: int = 0, norm: float | None = None, alive: Callable[[str], bool] | None = None
+               ) -> Decision:
         """A node's arrival at `round_` (or its question, `node` empty), repeated with every question: what it
         holds of the decision (`fetched_version`) and which participants of decision `version` stayed out of its
         reach. Returns the round's decision as it stands (`Decision.final`: apply it). `fetch_bound_s`: how long
@@ -426,7 +458,10 @@ class OuterRounds:
         node's median inner step in the round over `round_steps` steps, the first decision of a round fixes each
         group's inner steps for a later round, and `deadline_s` is stretched to the live round
         (`pace.outer_deadline`). `norm`: the L2 norm of the contribution the node serves (None: not measured); a
-        group whose contribution is an outlier is left out of the round's first decision (`exclude_outliers`)."""
+        group whose contribution is an outlier is left out of the round's first decision (`exclude_outliers`).
+        `alive`: whether a node is an alive member now (None: every node is); an open decision is decided again at
+        once without a contribution gone with a dead node or a group replanned away (`lost_contributions`), and a
+        dead node is waited for by no finality."""
         from atoll.coordinator.store import OuterArrivalRecord
 
         with self._lock:
@@ -486,16 +521,25 @@ class OuterRounds:
                     log.warning("outer round %d: %s (version %d)", round_, again.reason, again.version)
                     decision = again
                     self._keep(round_, decision)
-                    # (its index may be an older plan's: the group holding its nodes now, of the same region)
-                    name = next((g.name for g in groups if g.nodes & set(x.nodes)), None)
-                    p = self.progress.get(name) if name is not None else None
-                    if p is not None:  # counted in with the first version: missed after all
-                        p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
-                        p.tokens = max(0, p.tokens - x.tokens)
+                    self._missed(x, groups)
+            lost = {} if alive is None else lost_contributions(decision, groups, alive, self._fetched.get(round_, {}))
+            if lost:
+                gone = [decision.participants[i] for i in sorted(lost)]
+                why = "; ".join(f"group {p.group} ({', '.join(p.nodes)}): {lost[i]}"
+                                for i, p in zip(sorted(lost), gone, strict=True))
+                decision = replace(decision, participants=tuple(p for i, p in enumerate(decision.participants)
+                                                                if i not in lost),
+                                   version=decision.version + 1, decided_unix=now, final=False,
+                                   reason=f"decided again without {why}")
+                log.warning("outer round %d: %s (version %d)", round_, decision.reason, decision.version)
+                self._keep(round_, decision)
+                for x in gone:
+                    self._missed(x, groups)
             # who must hold the decision's contributions: the nodes that arrived and still train in a group that ran
             # unchanged since the round began (a dead node, or one whose group was planned afresh, takes the outer
             # state anew rather than applying this round)
-            kept = {n for g in groups if not arrivals.epoch or g.since_epoch <= arrivals.epoch for n in g.nodes}
+            kept = {n for g in groups if not arrivals.epoch or g.since_epoch <= arrivals.epoch for n in g.nodes
+                    if alive is None or alive(n)}
             final, why = decision_final(now, decision, [n for n in arrivals.nodes if n in kept],
                                         self._fetched.get(round_, {}), FINAL_AFTER_BOUNDS * (fetch_bound_s or deadline_s))
             if not final:
@@ -513,6 +557,15 @@ class OuterRounds:
             if self._store is not None:
                 self._store.drop_outer_rounds(before=round_ - KEEP_DECIDED + 1)
             return decision
+
+    def _missed(self, x: Participant, groups: Sequence[GroupInfo]) -> None:
+        """`x`, counted in with an earlier version of a round's decision, was left out of it after all."""
+        # (its index may be an older plan's: the group holding its nodes now, of the same region)
+        name = next((g.name for g in groups if g.nodes & set(x.nodes)), None)
+        p = self.progress.get(name) if name is not None else None
+        if p is not None:
+            p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
+            p.tokens = max(0, p.tokens - x.tokens)
 
     def _count(self, decision: Decision, groups: Sequence[GroupInfo]) -> None:
         ins = {pt.group: pt.tokens for pt in decision.participants}

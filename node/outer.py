@@ -49,7 +49,8 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -629,48 +630,80 @@ class OuterSync:
     def _settle(self, report: RoundReport, is_own: Callable[[Participant], bool]
                 ) -> tuple[RoundDecision, dict[str, dict[str, torch.Tensor]], int]:
         """Ask the coordinator about the round until its decision is final, fetching each version's contributions
-        and reporting those out of reach: (the final decision, origin_key -> the contribution, wire bytes)."""
+        and reporting those out of reach: (the final decision, origin_key -> the contribution, wire bytes). It keeps
+        asking while it fetches: a contribution a newer version leaves out (its holder died) is given up at once."""
         round_ = report.round
         deadline = time.monotonic() + self.timeout.total_seconds() + self.cfg.deadline.total_seconds()
         fetched: dict[str, dict[str, torch.Tensor]] = {}
+        inflight: dict[str, tuple[Participant, Future, threading.Event, float]] = {}
+        """origin_key -> (participant, its fetch, set to give it up, when it started)."""
+        failed: dict[str, Participant] = {}
+        """Participants of decision version `failed_version` out of this node's reach past the bound."""
+        failed_version = 0
         nbytes = 0
         wait = 0.02  # a round is usually decided within a round trip of the last group's arrival: ask often
-        while True:
-            decision = self.arrive(report)
-            if decision is not None and report.fetched_version != decision.version:
-                missing = [p for p in decision.participants if not is_own(p) and origin_key(p) not in fetched]
-                futures = [(p, self._fetch_pool.submit(self._fetch_contribution, p, round_)) for p in missing]
-                out_of_reach = []
-                for part, fut in futures:
-                    try:
-                        tensors, got = fut.result(timeout=self.cfg.deadline.total_seconds() + 30.0)
-                    except (OutOfReach, FutureTimeout) as e:
-                        log.warning("outer round %d: %s; reported to the coordinator, which decides the round "
-                                    "again", round_, e)
-                        out_of_reach.append(part)
+        try:
+            while True:
+                decision = self.arrive(report)
+                if decision is not None and report.fetched_version != decision.version:
+                    if decision.version != failed_version:
+                        failed, failed_version = {}, decision.version
+                    wanted = {origin_key(p): p for p in decision.participants
+                              if not is_own(p) and origin_key(p) not in fetched}
+                    for key in [k for k in inflight if k not in wanted]:
+                        inflight.pop(key)[2].set()  # left out meanwhile: nobody applies it
+                    for key, part in wanted.items():
+                        if key not in inflight and key not in failed:
+                            stop = threading.Event()
+                            inflight[key] = (part, self._fetch_pool.submit(self._fetch_contribution, part, round_,
+                                                                           stop), stop, time.monotonic())
+                    for key, (part, fut, stop, started) in list(inflight.items()):
+                        late = time.monotonic() > started + self.cfg.deadline.total_seconds() + 30.0
+                        if not fut.done() and not late:
+                            continue
+                        del inflight[key]
+                        try:
+                            if not fut.done():
+                                raise FutureTimeout(f"the fetch of group {part.group}'s contribution to round "
+                                                    f"{round_} did not end within its bound")
+                            tensors, got = fut.result()
+                        except (OutOfReach, FutureTimeout) as e:
+                            stop.set()
+                            log.warning("outer round %d: %s; reported to the coordinator, which decides the round "
+                                        "again", round_, e)
+                            failed[key] = part
+                            continue
+                        fetched[key] = tensors
+                        self.outbox.put_relay(round_, key, tensors)
+                        nbytes += got
+                    if inflight:  # still fetching: ask again soon (a newer version may leave some out)
+                        self._check_stop()
+                        futures_wait([f for _, f, _, _ in inflight.values()], timeout=0.2,
+                                     return_when=FIRST_COMPLETED)
                         continue
-                    fetched[origin_key(part)] = tensors
-                    self.outbox.put_relay(round_, origin_key(part), tensors)
-                    nbytes += got
-                if decision.final:
-                    if out_of_reach:
-                        raise OuterSyncError(
-                            f"outer round {round_} is final, but this node could reach no node holding the "
-                            f"contribution of group(s) {', '.join(str(p.group) for p in out_of_reach)}; its group "
-                            f"takes the outer state afresh from a live group after the replan")
+                    out_of_reach = [p for k, p in failed.items() if k not in fetched]
+                    if decision.final:
+                        if out_of_reach:
+                            raise OuterSyncError(
+                                f"outer round {round_} is final, but this node could reach no node holding the "
+                                f"contribution of group(s) {', '.join(str(p.group) for p in out_of_reach)}; its "
+                                f"group takes the outer state afresh from a live group after the replan")
+                        return decision, fetched, nbytes
+                    report = replace(report, fetched_version=0 if out_of_reach else decision.version,
+                                     version=decision.version, unreachable=tuple(out_of_reach))
+                    wait = 0.02
+                    continue  # tell the coordinator at once
+                if decision is not None and decision.final:
                     return decision, fetched, nbytes
-                report = replace(report, fetched_version=0 if out_of_reach else decision.version,
-                                 version=decision.version, unreachable=tuple(out_of_reach))
-                wait = 0.02
-                continue  # tell the coordinator at once
-            if decision is not None and decision.final:
-                return decision, fetched, nbytes
-            if time.monotonic() > deadline:
-                what = "decide" if decision is None else f"make final its decision (version {decision.version}) of"
-                raise OuterSyncError(f"the coordinator did not {what} outer round {round_} in time")
-            self._check_stop()
-            time.sleep(wait)
-            wait = min(wait * 1.5, 0.2)
+                if time.monotonic() > deadline:
+                    what = "decide" if decision is None else f"make final its decision (version {decision.version}) of"
+                    raise OuterSyncError(f"the coordinator did not {what} outer round {round_} in time")
+                self._check_stop()
+                time.sleep(wait)
+                wait = min(wait * 1.5, 0.2)
+        finally:
+            for _, _, stop, _ in inflight.values():
+                stop.set()
 
     def _find_group(self, part: Participant) -> tuple[Plan, int] | None:
         """The plan (newest adopted first) that has participant `part`'s group, and its index there; None: none."""
@@ -715,9 +748,10 @@ class OuterSync:
         newest = self.plan_source()
         return newest.epoch >= part.since_epoch and _group_in(newest, part) is None
 
-    def _fetch_contribution(self, part: Participant, round_: int) -> tuple[dict[str, torch.Tensor], int]:
+    def _fetch_contribution(self, part: Participant, round_: int, given_up: threading.Event | None = None
+                            ) -> tuple[dict[str, torch.Tensor], int]:
         """This node's parameters of `part`'s contribution to `round_`, from any node holding them, retried for at
-        most `OuterConfig.deadline` (the bound); OutOfReach past it."""
+        most `OuterConfig.deadline` (the bound); OutOfReach past it, or once `given_up` is set."""
         bound = self.cfg.deadline.total_seconds()
         deadline = time.monotonic() + bound
         wait = 0.1
@@ -725,7 +759,7 @@ class OuterSync:
         while True:
             for what, by_node, addresses, epoch, origin in self._sources(part):
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (given_up is not None and given_up.is_set()):
                     break
                 try:
                     out: dict[str, torch.Tensor] = {}
@@ -752,6 +786,9 @@ class OuterSync:
                     # answers UNAVAILABLE or NOT_FOUND: every source is tried in turn until the bound
                     why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
                     tried.append(f"{what}: {why}")
+            if given_up is not None and given_up.is_set():
+                raise OutOfReach(f"the contribution of group {part.group} to round {round_} was left out of the "
+                                 f"round's decision while this node fetched it")
             if self._gone(part) or time.monotonic() + wait > deadline:
                 gone = " (its group is in no plan any more)" if self._gone(part) else ""
                 raise OutOfReach(f"the contribution of group {part.group} ({', '.join(part.nodes)}){gone} to round "

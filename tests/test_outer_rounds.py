@@ -11,7 +11,8 @@ import pytest
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator.outer import (FINAL_AFTER_BOUNDS, GroupInfo, OuterRounds, Participant, decision_final,
-                                     decision_from_json, decision_to_json, redecide, round_decision, RoundArrivals)
+                                     decision_from_json, decision_to_json, lost_contributions, redecide,
+                                     round_decision, RoundArrivals)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.status import format_status
 from atoll.coordinator.store import MemberRecord, MemoryStore, SqliteStore
@@ -177,6 +178,48 @@ def test_a_round_is_final_without_nodes_no_longer_in_an_unchanged_group() -> Non
         d = rounds.arrive(1.0, round_=3, node=n, group=0, tokens=100, inner_step=0, groups=replanned,
                           deadline_s=DEADLINE, epoch=1, fetched_version=1)
     assert d.final, d
+
+
+def test_a_decision_with_a_dead_nodes_contribution_is_decided_again_at_once() -> None:
+    """lab-b's node died (its lease lapsed) after the round was decided with its contribution, which nobody else
+    fetched: the very next question gets a new version without lab-b, with no time passed (before, the nodes retried
+    the dead node for the whole fetch bound, and lab-a stood still that long); it is final once lab-a holds it."""
+    state = _outer_state()  # its clock stands still: no bound passes
+    job_id = state.job.id
+
+    def sync(node: str, group: int, **kw) -> pb.OuterSyncReply:
+        return h.handle_outer_sync(pb.OuterSyncRequest(job_id=job_id, node_id=node, plan_epoch=1, round=4, group=group,
+                                                       arrived=True, tokens=10, **kw), state)
+
+    sync("a0", 0)
+    d = sync("b0", 1)
+    assert d.decided and d.version == 1 and [p.group for p in d.participants] == [0, 1]
+    state.store.set_member_state("b0", "gone", "no heartbeat for 12.0s")
+    d = sync("a0", 0)
+    assert d.version == 2 and [p.group for p in d.participants] == [0] and not d.final
+    d = sync("a0", 0, fetched_version=2, version=2)
+    assert d.final and d.version == 2  # the dead b0 is waited for by no one
+
+
+def test_a_dead_nodes_contribution_a_live_group_relays_is_kept() -> None:
+    """A contribution whose node died is kept while every node of another live group holds it (they serve it on), and
+    left out once its group is replanned away and nobody holds it."""
+    rounds = OuterRounds()
+    three = [*GROUPS, GroupInfo(index=2, name="lab-c", nodes=frozenset({"c0"}), since_epoch=1)]
+    for n, g in (("a0", 0), ("a1", 0), ("b0", 1), ("c0", 2)):
+        d = rounds.arrive(0.0, round_=3, node=n, group=g, tokens=100, inner_step=0, groups=three, deadline_s=DEADLINE,
+                          epoch=1, fetched_version=1 if n == "c0" else 0)
+    assert d.decided and d.version == 1
+    dead = {"b0"}
+    d = rounds.arrive(1.0, round_=3, node="a0", group=0, tokens=100, inner_step=0, groups=three, deadline_s=DEADLINE,
+                      epoch=1, alive=lambda n: n not in dead)
+    assert d.version == 1, d.reason  # lab-c fetched it: a0 fetches it from c0
+    assert lost_contributions(d, three, lambda n: n not in dead, {"a1": 1}) == {1: "node(s) b0 of it are no longer "
+                                                                                "members and no live group holds "
+                                                                                "its contribution"}
+    replanned = [GROUPS[0], GroupInfo(index=1, name="lab-b", nodes=frozenset({"b0"}), since_epoch=2)]
+    lost = lost_contributions(d, replanned, lambda n: True, {})
+    assert list(lost) == [1, 2] and "planned afresh" in lost[1]
 
 
 PACED = [GroupInfo(index=0, name="lab-a", nodes=frozenset({"a0", "a1"}), since_epoch=1, inner_steps=10),
