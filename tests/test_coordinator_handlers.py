@@ -433,6 +433,11 @@ def test_a_copy_of_a_node_that_accepts_no_connections_is_judged_by_where_its_joi
     """A `--no-listen` node advertises no peer address, so its copy on another machine is told apart by the host
     its join's connection came from; a new process from the node's own host is still a restart, and a join from
     an unknown host (the connection's address not known) is not judged."""
+    from atoll.coordinator.ratelimit import PerNodeLimit, RateOptions
+
+    # six joins of one node id within seconds: what is judged here is where each came from, not how often
+    # (`test_claims.py` covers the rate)
+    state.join_limit = PerNodeLimit(RateOptions(burst=10, every_s=15.0, penalty_s=30.0))
     node = h.handle_join(pb.JoinRequest(token=TOKEN, profile=profile("vm"), session="first"), state,
                          seen_from="198.51.100.7").node_id
 
