@@ -30,7 +30,8 @@ each fault did (the longest a group went without a step after it). `runs/bench-r
 against tokens and against wall time, a row of panels per scenario. It ends with `targets met: N/M`.
 
 Usage (as root): python -m bench.regions [--only a,b,c] [--quick] [--steps 600] [--inner-steps 10]
-A full run takes about 35-40 minutes on an idle 2-core machine; --quick (fewer steps, shorter faults) about 15.
+A full run takes about 30-40 minutes on a 2-core machine; --quick (240 steps, shorter faults) took 16 minutes on a
+busy one. The coordinator's restart in (c) includes its start-up: it is back when it listens again.
 """
 
 from __future__ import annotations
@@ -693,6 +694,9 @@ def judge_faults(result: RunResult, killed: str) -> None:
             start = f.end if f.kind == "coordinator" or (f.kind == "region" and region == killed) else f.start
             if times and times[-1] > start:
                 worst = max(worst, longest_gap_after(times, start, until))
+            elif f.kind == "region" and region == killed:  # never stepped again: stalled to the run's end
+                worst = max(worst, result.wall_s - start)
+                f.note = f"{killed} never stepped after its restart"
         f.stall_s = worst
 
 
@@ -854,7 +858,7 @@ def report(outcome: Outcome, b_outer: RunResult | None) -> list[tuple[str, bool]
             print("  steps went back: " + "; ".join(f"{n} {v[:3]}" for n, v in sorted(res.went_back.items())))
         for f in res.faults:
             print(f"  fault {f.kind}: {f.start:.1f}s to {f.end:.1f}s; longest without a step after it {f.stall_s:.1f}s "
-                  f"(bound: lease {LEASE_S:.0f}s + a round {res.round_s:.1f}s)")
+                  f"(bound: lease {LEASE_S:.0f}s + a round {res.round_s:.1f}s)" + (f"; {f.note}" if f.note else ""))
     p = f"({sc.key})"
     lines: list[tuple[str, bool]] = [(f"{p} the outer run{' with ' + key if key != 'faults' else ''} ran: it failed: "
                                       f"{why}", False) for key, why in outcome.failed.items()]

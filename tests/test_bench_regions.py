@@ -11,12 +11,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench tree is not installed
 from bench.regions import (  # noqa: E402
+    Fault,
     Ideal,
     RunResult,
     count_mismatch_lines,
     describe_steps,
     ideal_figures,
     ideal_rows,
+    judge_faults,
     interpolate,
     longest_gap_after,
     loss_targets,
@@ -134,3 +136,13 @@ def test_a_runs_step_times_mean_and_median() -> None:
     assert r.step_s("lab-a") == pytest.approx(13.0 / 4)  # an outage counts in the mean
     assert r.median_step_s("lab-a") == pytest.approx(1.0)  # not in the median
     assert r.step_s("lab-b") == 0.0 and r.median_step_s("lab-b") == 0.0
+
+
+def test_a_killed_region_that_never_steps_again_stalls_to_the_runs_end() -> None:
+    r = RunResult(name="x", plan="", wall_s=100.0, tokens=0, tokens_per_step=1, wan_bytes=None,
+                  step_times={"lab-a": [float(t) for t in range(0, 101)], "lab-b": [0.0, 1.0, 2.0, 50.0]},
+                  faults=[Fault(kind="coordinator", start=10.0, end=20.0), Fault(kind="region", start=55.0, end=60.0)])
+    judge_faults(r, "lab-b")
+    assert r.faults[0].stall_s == pytest.approx(30.0)  # lab-b: 20 -> 50 (up to the next fault at 55)
+    assert r.faults[1].stall_s == pytest.approx(40.0)  # lab-b restarted at 60, no step by the end at 100
+    assert "never stepped" in r.faults[1].note
