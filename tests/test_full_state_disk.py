@@ -18,17 +18,10 @@ from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import SqliteStore
 from atoll.job import JobSpec
 from atoll.v1 import atoll_pb2 as pb
+from test_failure_replan import Clock
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Disk:

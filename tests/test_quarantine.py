@@ -10,43 +10,15 @@ import pytest
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator.errors import FailedPrecondition, InvalidArgument
-from atoll.coordinator.planning import PlanInputs, finish_plan
 from atoll.coordinator.quarantine import QuarantineOptions, quarantine_reason
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
-from atoll.plan import IslandInfo, PipelinePlan, Plan, StagePlan
 from atoll.v1 import atoll_pb2 as pb
+from test_claims import Clock, _profile, two_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret"
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def two_stages(inputs: PlanInputs) -> tuple[Plan, str]:
-    """The first member (by id) runs stage 0, the others replicate stage 1."""
-    nodes = sorted(inputs.members)
-    layers = inputs.job.model_spec.num_layers
-    plan = Plan(model=inputs.job.model.name, global_batch=inputs.job.train.global_batch,
-                seq_len=inputs.job.train.seq_len, islands=[IslandInfo(id="i0", device="cpu", nodes=nodes)],
-                pipelines=[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
-                    StagePlan(island="i0", layers=(0, 2), nodes=nodes[:1]),
-                    StagePlan(island="i0", layers=(2, layers), nodes=nodes[1:], dp=len(nodes) - 1)])])
-    return finish_plan(plan, inputs), "two stages (test)"
-
-
-def _profile(host: str) -> pb.NodeProfile:
-    return pb.NodeProfile(hostname=host, device_kind="cpu", device_name="cpu-x", device_count=1,
-                          memory_total_bytes=16 << 30, memory_free_bytes=8 << 30, cpu_count=4,
-                          layer_timings=[pb.LayerTiming(layer_kind="block", micro_batch=4, seq_len=64,
-                                                        forward_seconds=0.01, backward_seconds=0.02)])
 
 
 def _join(state: CoordinatorState, n: str) -> pb.JoinReply:
