@@ -271,7 +271,7 @@ class Monitor:
     def read(self) -> None:
         if not self.db.is_file():
             return
-        store = SqliteStore(self.db)
+        store = SqliteStore(self.db, read_only=True)
         try:
             limit = 256
             while True:  # read back until the oldest report read was read before (row order, not report times:

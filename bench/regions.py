@@ -426,7 +426,7 @@ class _Watch:
                 self.lives[-1] = status
         if not self.cluster.state_db.is_file():
             return
-        store = SqliteStore(self.cluster.state_db)
+        store = SqliteStore(self.cluster.state_db, read_only=True)
         try:
             limit = 256
             while True:  # back until a report read before (the store keeps the newest 2,000)

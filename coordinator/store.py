@@ -515,15 +515,23 @@ class SqliteStore(Store):
     last transactions), which is the failure a restarted coordinator must survive.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, read_only: bool = False):
+        """`read_only`: for a reader beside (or after) the coordinator: a test, the demo, a bench. It never writes,
+        and, unlike a read-write connection that closes last, it leaves the write-ahead log in place: folding the
+        log into the file and deleting it behind a killed coordinator would look, at its restart, like a log
+        deleted after a crash (`atoll.coordinator.statedir`)."""
         from atoll.coordinator import integrity
 
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         # a damaged file is refused, naming the way out, rather than read in part or recreated empty
         integrity.check_file(self.path)
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        target = f"file:{self.path}?mode=ro" if read_only else self.path
+        self._db = sqlite3.connect(target, check_same_thread=False, isolation_level=None, timeout=10.0,
+                                   uri=read_only)
         try:
             self._open(integrity)
         except BaseException:
@@ -542,11 +550,12 @@ class SqliteStore(Store):
                 integrity.check_rows(self._db, self.path, member=self._member, plan=Plan.from_json,
                                      islands=lambda text: [IslandInfo(**d) for d in json.loads(text)],
                                      states=MEMBER_STATES)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            with self._lock:
-                self._db.executescript(_SCHEMA)
-                self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            if not self.read_only:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                with self._lock:
+                    self._db.executescript(_SCHEMA)
+                    self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         except sqlite3.DatabaseError as e:
             raise integrity.damaged(self.path, f"SQLite cannot read it ({e})") from None
         # members live in memory too: a heartbeat is a dict update, written to disk by `flush` (joins, leaves

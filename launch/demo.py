@@ -215,7 +215,7 @@ def _history(state_db: Path) -> list:
 
     if not state_db.is_file():
         return []
-    store = SqliteStore(state_db)
+    store = SqliteStore(state_db, read_only=True)
     try:
         return store.history()
     finally:

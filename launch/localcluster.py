@@ -237,11 +237,18 @@ class LocalCluster:
         """The coordinator's store (`SqliteStore` of `state_db`), open for the block and closed after it."""
         from atoll.coordinator.store import SqliteStore
 
-        store = SqliteStore(self.state_db)
+        store = SqliteStore(self.state_db, read_only=True)  # leaves the log as a killed coordinator left it
         try:
             yield store
         finally:
             store.close()
+
+    def step_reports(self) -> list:
+        """Every step report the coordinator's store holds (`StepMetrics`, oldest first); [] before it has a store."""
+        if not self.state_db.is_file():
+            return []
+        with self.read_store() as store:
+            return store.recent_steps(limit=1_000_000)
 
     def losses(self) -> dict[int, float]:
         """Every step's loss reported so far (the latest report of a step wins), from the coordinator's store.

@@ -239,7 +239,7 @@ def test_coordinator_and_node_processes_run_a_deep_window_across_regions(tmp_pat
         status = cluster.status()
         from atoll.coordinator.store import SqliteStore
 
-        store = SqliteStore(cluster.state_db)
+        store = SqliteStore(cluster.state_db, read_only=True)
         try:
             reports = store.recent_steps(limit=64)
         finally:

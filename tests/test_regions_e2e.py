@@ -56,7 +56,7 @@ def _reports(cluster: LocalCluster) -> list:
 
     if not cluster.state_db.is_file():
         return []
-    store = SqliteStore(cluster.state_db)
+    store = SqliteStore(cluster.state_db, read_only=True)
     try:
         return store.recent_steps(limit=1_000_000)
     finally:
