@@ -488,7 +488,9 @@ class NodeAgent:
                     after = retry_after(e) if copy or limited else None
                     if after is None:
                         raise AgentError(f"the coordinator refused the join: {e.code().name}: {e.details()}") from None
-                    log.warning("the coordinator refused the join (%s); trying again in %.0fs", e.details(), after)
+                    # a copy's refusal is tried once: a second one means the holder lives (above)
+                    log.warning("the coordinator refused the join (%s); trying %s in %.0fs", e.details(),
+                                "once more" if copy else "again", after)
                     if self._stop.wait(after):
                         raise AgentStopped("stopped while waiting to join again") from None
                     again = again or copy
