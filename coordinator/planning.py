@@ -215,6 +215,14 @@ from run to run, put the demo's near-equal plans (one stage of three replicas, t
 apart in either order, and a smaller margin let the choice flip between runs."""
 
 
+DRIFTED = 1.5
+"""A device calibrated this many times slower or faster than its profile is off it by more than noise."""
+
+
+def _drifted(speed: Mapping[str, float]) -> bool:
+    return any(f > DRIFTED or f < 1 / DRIFTED for f in speed.values())
+
+
 def planner_plan(inputs: PlanInputs) -> Plan:
     """The planner's plan for the live cluster: islands as formed, profiles as joined, links as probed.
 
@@ -261,7 +269,9 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              zero_stages=(0, 1, 2), max_tp=8 if host_tp else 1,
                              # profiles are measurements some percent apart from run to run (equal CPUs too):
                              # plans within that are taken as equal, and the same one chosen every time
-                             near_equal=NEAR_EQUAL)
+                             # (not where a device runs well off its profile: its speed is measured then, not
+                             # noise, and a tie kept on it costs what the drift replan is for)
+                             near_equal=0.0 if _drifted(inputs.speed) else NEAR_EQUAL)
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     timings = ProfileSet.from_node_profiles(islands, profiles, job.model_spec.block_params)
     if not host_tp:

@@ -34,13 +34,6 @@ def _job(tmp: Path) -> Path:
     return path
 
 
-def _steps(cluster: LocalCluster) -> list:
-    if not cluster.state_db.is_file():
-        return []
-    with cluster.read_store() as store:
-        return store.recent_steps(limit=1_000_000)
-
-
 def _ids(cluster: LocalCluster, names: list[str]) -> list[str]:
     return [(cluster.out / n / "node_id").read_text().strip() for n in names]
 
@@ -59,7 +52,7 @@ def test_a_replanned_group_goes_on_with_its_round(tmp_path: Path) -> None:
         a_ids = _ids(cluster, ["a0", "a1"])
 
         def b_at() -> int:
-            return max((r.step for r in _steps(cluster) if r.node_id in b_ids), default=-1)
+            return max((r.step for r in cluster.step_reports() if r.node_id in b_ids), default=-1)
 
         # lab-b early in its second round: lab-a, which trains the same round (the groups meet at its end), has
         # most of the round left while lab-b is replanned and looks for it (a busy machine slows that down)
@@ -70,11 +63,11 @@ def test_a_replanned_group_goes_on_with_its_round(tmp_path: Path) -> None:
         proc.terminate()  # a graceful leave: it hands its layers over
         proc.wait(90)
         after = cluster.wait_status(lambda s: s.plan.epoch > first.plan.epoch and any(
-            r.plan_epoch > first.plan.epoch for r in _steps(cluster) if r.node_id == b_ids[0]), 120,
+            r.plan_epoch > first.plan.epoch for r in cluster.step_reports() if r.node_id == b_ids[0]), 120,
             "lab-b training under the new plan", poll=0.2)
         b0_log = (cluster.out / "b0.log").read_text()
         went_on = _GOES_ON.search(b0_log)
-        resumed = min(r.step for r in _steps(cluster) if r.node_id == b_ids[0] and r.plan_epoch > first.plan.epoch)
+        resumed = min(r.step for r in cluster.step_reports() if r.node_id == b_ids[0] and r.plan_epoch > first.plan.epoch)
         print(f"\nb1 left at step {left_at} (inner step {(left_at + 1) % INNER} of round {(left_at + 1) // INNER}); "
               f"plan epoch {first.plan.epoch} -> {after.plan.epoch}; b0 trains on from step {resumed}: "
               f"{went_on.group(0) if went_on else 'started its round again'}")
@@ -84,7 +77,7 @@ def test_a_replanned_group_goes_on_with_its_round(tmp_path: Path) -> None:
         # lab-a trained on through the replan, never from a checkpoint
         for n in ("a0", "a1"):
             assert "loaded layers" not in (cluster.out / f"{n}.log").read_text()
-        a_steps = [r.step for r in _steps(cluster) if r.node_id == a_ids[0]]
+        a_steps = [r.step for r in cluster.step_reports() if r.node_id == a_ids[0]]
         assert a_steps == sorted(a_steps)
         # the job goes on: lab-b ends the round it went on with
         new_inner = plan_from_proto(after.plan).groups

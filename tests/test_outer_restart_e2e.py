@@ -40,13 +40,6 @@ def _job(tmp: Path) -> Path:
     return path
 
 
-def _steps(cluster: LocalCluster) -> list:
-    if not cluster.state_db.is_file():
-        return []
-    with cluster.read_store() as store:
-        return store.recent_steps(limit=1_000_000)
-
-
 @pytest.mark.timeout(300)
 def test_a_coordinator_killed_mid_round_resumes_the_round_without_a_rollback(tmp_path: Path) -> None:
     cluster = LocalCluster(job_path=_job(tmp_path), out=tmp_path / "run")
@@ -60,7 +53,7 @@ def test_a_coordinator_killed_mid_round_resumes_the_round_without_a_rollback(tmp
         ids = {n: (cluster.out / n / "node_id").read_text().strip() for n in ("a0", "b0")}
 
         def at(node: str) -> int:
-            return max((r.step for r in _steps(cluster) if r.node_id == ids[node]), default=-1)
+            return max((r.step for r in cluster.step_reports() if r.node_id == ids[node]), default=-1)
 
         started = time.monotonic()
         cluster.wait_status(lambda s: min(at("a0"), at("b0")) >= 3 * INNER, 120, "both groups in round 3", poll=0.2)
@@ -87,7 +80,7 @@ def test_a_coordinator_killed_mid_round_resumes_the_round_without_a_rollback(tmp
 
         final = cluster.wait_status(lambda s: s.job_state == "finished", 180, "the job to finish", poll=0.5,
                                     dead=frozenset())
-        steps = _steps(cluster)
+        steps = cluster.step_reports()
         with cluster.read_store() as store:
             plans = {h.plan.epoch: h.plan for h in store.plan_history()}
             done = complete_steps(store.list_checkpoints(), plans)
