@@ -48,7 +48,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 CODECS = ("identity", "fp16", "bf16", "int8", "int4", "topk", "hadamard", "lowrank")
-COMPRESSION_MODES = ("adaptive", *CODECS)
+COMPRESSION_MODES = ("adaptive", "wan", *CODECS)
 DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "datasets")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -304,7 +304,9 @@ class CompressionSpec:
     """How activations are compressed between stages."""
 
     mode: str = "adaptive"
-    """"adaptive" (a codec per link from its measured bandwidth), "identity", or one codec for every link."""
+    """"adaptive" (a codec per link from its measured bandwidth), "wan" (likewise, among the wide-area codecs,
+    the least measured loss cost that hides behind compute: `atoll.compression.losscost`), "identity", or one
+    codec for every link."""
 
     def __post_init__(self) -> None:
         _check(self.mode in COMPRESSION_MODES,

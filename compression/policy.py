@@ -1,5 +1,9 @@
 """Per-link codec choice: the least lossy codec whose transfer hides under the compute it overlaps with.
 
+Least lossy means least expected error on Gaussian data by default; with `PolicyConfig.loss_costs` (mode "wan",
+`PolicyConfig.wan`) it means the least loss cost measured in training (`atoll.compression.losscost`), which
+ranks codecs such as lowrank, whose error on Gaussian data says nothing about what they cost a model.
+
 Pure and deterministic: a `LinkPolicy` is a function of its config, the transfers it was shown and the
 decisions it made (for hysteresis). No clocks, no grpc; the planner calls `predict_transfer_seconds` and
 `LinkPolicy.choose` directly.
@@ -8,7 +12,7 @@ decisions it made (for hysteresis). No clocks, no grpc; the planner calls `predi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,12 +23,15 @@ from atoll.compression.spec import CodecSpec
 from atoll.compression.tensor import get_codec
 
 ROLES = ("activation", "activation_grad", "weight_grad")
+COST_ROLES = ("activation", "activation_grad")
+"""The roles a stage boundary carries: chosen by loss cost under `PolicyConfig.loss_costs`."""
 
 
 def predict_transfer_seconds(raw_bytes: int, spec: CodecSpec, bandwidth: float, latency: float = 0.0, *,
-                             dtype: torch.dtype = torch.float32) -> float:
-    """Seconds to send a tensor of `raw_bytes` (of `dtype`) under `spec` over a link of `bandwidth` bytes/s
-    and one-way `latency` s: latency + payload / bandwidth. The zstd stage is counted as gaining nothing."""
+                             dtype: torch.dtype = torch.float32, shape: Sequence[int] | None = None) -> float:
+    """Seconds to send a tensor of `raw_bytes` (of `dtype`; of `shape` where known: lowrank's size depends on
+    it) under `spec` over a link of `bandwidth` bytes/s and one-way `latency` s: latency + payload / bandwidth.
+    The zstd stage is counted as gaining nothing."""
     if raw_bytes < 0:
         raise ValueError(f"raw_bytes must be >= 0, got {raw_bytes}")
     if not bandwidth > 0 or math.isinf(bandwidth):
@@ -35,6 +42,8 @@ def predict_transfer_seconds(raw_bytes: int, spec: CodecSpec, bandwidth: float, 
     if dtype not in codec.accepts:
         raise CodecError(f"codec {spec.codec} cannot carry dtype {dtype}")
     numel = raw_bytes // element_size(dtype)
+    if shape is not None and math.prod(shape) == numel:
+        return latency + codec.wire_size(shape, dtype) / bandwidth
     return latency + codec.payload_size(numel, dtype) / bandwidth
 
 
@@ -68,12 +77,38 @@ class PolicyConfig:
     """This many consecutive out-of-band transfers in the same direction are a new regime: the estimate
     jumps to the latest instead of averaging towards it (a link that drops reacts within a few transfers,
     while one slow transfer only nudges the average)."""
+    loss_costs: Mapping[str, float] | None = None
+    """Measured loss cost per spec label (`atoll.compression.losscost`). When set, activations and
+    activation-gradients choose among the candidates with a cost of at most `max_loss_cost`, least cost first
+    (a candidate without an entry is left out); weight gradients keep the error budgets. None: expected error."""
+    max_loss_cost: float = 0.03
+    """With `loss_costs`: the largest loss cost a boundary may take (0.03: 3% above identity's eval loss)."""
+
+    @classmethod
+    def wan(cls, costs: Mapping[str, float] | None = None, *, names: tuple[str, ...] | None = None,
+            **fields) -> PolicyConfig:
+        """The quality-aware policy of a wide-area boundary: `losscost.WAN_CANDIDATES` (only those named in
+        `names`, if given) chosen by loss cost (`costs`, default `losscost.table()`)."""
+        from atoll.compression import losscost
+
+        cands = tuple(c for c in losscost.WAN_CANDIDATES if names is None or c.codec in names)
+        return cls(candidates=cands, loss_costs=losscost.table() if costs is None else dict(costs), **fields)
 
     def __post_init__(self) -> None:
         if not self.candidates:
             raise ValueError("PolicyConfig.candidates must name at least one codec")
+        if self.loss_costs is not None:
+            if not self.max_loss_cost >= 0:
+                raise ValueError(f"PolicyConfig.max_loss_cost must be >= 0, got {self.max_loss_cost}")
+            object.__setattr__(self, "loss_costs", dict(self.loss_costs))
+            if not self._by_cost():
+                raise ValueError(f"no candidate has a measured loss cost within {self.max_loss_cost:g}: give "
+                                 f"loss_costs for one of {', '.join(c.label() for c in self.candidates)} "
+                                 f"(python -m bench.wan_pipeline measures them)")
         errors = [get_codec(c).expected_error for c in self.candidates]
         for (a, ea), (b, eb) in zip(zip(self.candidates, errors), zip(self.candidates[1:], errors[1:])):
+            if self.loss_costs is not None:
+                break  # ordered by loss cost instead
             if eb < ea:
                 raise ValueError(f"PolicyConfig.candidates must be ordered least lossy first: {b.label()} "
                                  f"(expected error {eb:.3g}) comes after {a.label()} ({ea:.3g})")
@@ -83,7 +118,7 @@ class PolicyConfig:
         for role, budget in self.error_budgets.items():
             if not budget >= 0:
                 raise ValueError(f"error budget of {role} must be >= 0, got {budget}")
-            if min(errors) > budget:
+            if min(errors) > budget and not (self.loss_costs is not None and role in COST_ROLES):
                 raise ValueError(f"no candidate fits the {role} error budget of {budget}; add a less lossy codec")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"PolicyConfig.hysteresis must be in [0, 1), got {self.hysteresis}")
@@ -97,10 +132,19 @@ class PolicyConfig:
             raise ValueError(f"PolicyConfig.min_observe_bytes must be >= 0, got {self.min_observe_bytes}")
         object.__setattr__(self, "error_budgets", dict(self.error_budgets))
 
+    def _by_cost(self) -> tuple[CodecSpec, ...]:
+        from atoll.compression.losscost import loss_cost
+
+        costs = [(loss_cost(c, self.loss_costs), i, c) for i, c in enumerate(self.candidates)]
+        return tuple(c for cost, _, c in sorted((x for x in costs if x[0] is not None), key=lambda x: x[:2])
+                     if cost <= self.max_loss_cost)
+
     def allowed(self, role: str) -> tuple[CodecSpec, ...]:
-        """The candidates within `role`'s error budget, least lossy first."""
+        """The candidates within `role`'s budget, least lossy first (by loss cost where `loss_costs` is set)."""
         if role not in self.error_budgets:
             raise ValueError(f"unknown tensor role {role!r}; roles: {', '.join(ROLES)}")
+        if self.loss_costs is not None and role in COST_ROLES:
+            return self._by_cost()
         budget = self.error_budgets[role]
         return tuple(c for c in self.candidates if get_codec(c).expected_error <= budget)
 
@@ -164,8 +208,9 @@ class LinkPolicy:
             self._bandwidth = (1 - cfg.ema_weight) * est + cfg.ema_weight * sample
 
     def choose(self, raw_bytes: int, role: str, overlap_seconds: float, *,
-               dtype: torch.dtype = torch.float32) -> Decision:
-        """The codec for a tensor of `raw_bytes` of `role` whose transfer overlaps `overlap_seconds` of compute."""
+               dtype: torch.dtype = torch.float32, shape: Sequence[int] | None = None) -> Decision:
+        """The codec for a tensor of `raw_bytes` (of `shape`, where known) of `role` whose transfer overlaps
+        `overlap_seconds` of compute."""
         allowed = self.config.allowed(role)
         if not overlap_seconds >= 0:
             raise ValueError(f"overlap_seconds must be >= 0, got {overlap_seconds}")
@@ -178,7 +223,7 @@ class LinkPolicy:
             return Decision(spec, f"{spec.label()}: no bandwidth estimate yet (no probe, no transfer); "
                                   f"least lossy within the {role} budget", math.nan)
         bw = self._bandwidth
-        times = [predict_transfer_seconds(raw_bytes, c, bw, self.latency_s, dtype=dtype) for c in allowed]
+        times = [predict_transfer_seconds(raw_bytes, c, bw, self.latency_s, dtype=dtype, shape=shape) for c in allowed]
         h = self.config.hysteresis
         current = self._current.get(role)
         cur = allowed.index(current) if current in allowed else None
@@ -210,4 +255,8 @@ class LinkPolicy:
                                   f"({times[best]:.3g} s) {link}")
         spec = allowed[best]
         self._current[role] = spec
+        if self.config.loss_costs is not None and role in COST_ROLES:
+            from atoll.compression.losscost import loss_cost
+
+            why += f"; ranked by measured loss cost ({spec.label()}: {loss_cost(spec, self.config.loss_costs):.1%})"
         return Decision(spec, why, times[best])

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 import copy
 from dataclasses import dataclass, field, replace
 
+from atoll.coordinator.planner.codecpolicy import mode_codecs
 from atoll.coordinator.linkmatrix import LinkEstimate
 from atoll.coordinator.machineprobe import machine_of, per_flow_links
 from atoll.coordinator.store import MemberRecord
@@ -256,7 +257,7 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                                                                      or job.outer.mode == "sync")
     hosts = machines if host_tp else None
     cluster = Cluster.from_nodes(islands, profiles, links, regions=regions, hosts=hosts)
-    codecs = {"adaptive": ("identity", "bf16", "fp16", "int8")}.get(job.compression.mode, (job.compression.mode,))
+    codecs = mode_codecs(job.compression.mode)
     outer = job.outer
     options = PlannerOptions(micro_batches=(job.train.micro_batch,), activation_codecs=codecs, equal_widths=False,
                              outer_mode=outer.mode, outer_inner_steps=outer.inner_steps, outer_codec=outer.codec,

@@ -11,6 +11,12 @@ out in its sender thread before its turn on the wire.
 A peer that accepts no connections (`PeerRef.route` "reverse") is sent to over the Connect stream it opened
 to this node's Peer server; one reached through a relay ("relay") by a Transfer to the relay that names it
 (`atoll.node.reverse`). Either way the retries, deadlines and measurements are the same.
+
+The lowrank codec is PowerSGD proper on a link (`atoll.compression.lowrank.LowRankLink`): one per link and
+direction, warm-started from the previous tensor's subspace, with error feedback on the backward direction
+(activation-gradients). Its state lives on the sender only: both factors go on the wire, so decoding is the
+stateless codec's and a receiver checks the payload like any other. A link lives for one plan epoch (a
+transport per run), so a new plan starts every direction afresh.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from atoll.compression import CodecSpec, LinkPolicy, encode_tensor
+from atoll.compression import CodecSpec, EncodedTensor, LinkPolicy, encode_tensor
+from atoll.compression.lowrank import LowRankLink
 from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.node.reverse import RELAY_METADATA_KEY, ReverseRegistry
 from atoll.node.transport import Direction, TensorKey, TransportError
@@ -107,6 +114,8 @@ class PeerLink:
         self.calls: set[grpc.Future] = set()
         self.totals = _Totals()
         self.policy_lock = threading.Lock()  # LinkPolicy is not thread-safe
+        self.lowrank: dict[CodecSpec, LowRankLink] = {}  # PowerSGD state of this direction, per spec
+        self.lowrank_lock = threading.Lock()  # a LowRankLink is not thread-safe either
         self.wire = threading.Lock()  # held by the tensor whose chunks are streaming
         self.last_ack = 0.0
         self.threads = [threading.Thread(target=self._run, name=f"atoll-send-{direction}-{peer.node_id}-{i}",
@@ -206,7 +215,17 @@ class PeerLink:
         role = "activation" if self.direction == "forward" else "activation_grad"
         with self.policy_lock:
             overlap = self.cfg.overlap.total_seconds() if self.cfg.overlap is not None else 0.0
-            return self.policy.choose(item.raw_bytes, role, overlap, dtype=item.tensor.dtype).spec
+            return self.policy.choose(item.raw_bytes, role, overlap, dtype=item.tensor.dtype,
+                                      shape=tuple(item.tensor.shape)).spec
+
+    def _encode(self, tensor: torch.Tensor, spec: CodecSpec) -> EncodedTensor:
+        if spec.codec != "lowrank" or spec.zstd_level:
+            return encode_tensor(tensor, spec)
+        with self.lowrank_lock:
+            link = self.lowrank.get(spec)
+            if link is None:
+                link = self.lowrank[spec] = LowRankLink(spec, error_feedback=self.direction == "backward")
+            return link.encode(tensor)
 
     def _send(self, item: _Outgoing) -> None:
         cfg, key = self.cfg, item.key
@@ -219,7 +238,7 @@ class PeerLink:
         meta = dict(job_id=cfg.job_id, plan_epoch=cfg.plan_epoch, step=key.step, micro_batch=key.micro_batch,
                     direction=DIRECTION_BY_NAME[key.direction], name="act" if key.direction == "forward" else "grad",
                     sender=cfg.node_id, pipeline=cfg.pipeline, stage=cfg.stage, replica=cfg.replica)
-        enc = encode_tensor(item.tensor, spec)
+        enc = self._encode(item.tensor, spec)
         first, wire = tensor_meta(enc, meta), enc.wire_bytes
         deadline = time.monotonic() + cfg.delivery_timeout.total_seconds()
         backoff = cfg.retry_initial.total_seconds()

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from atoll.compression import CodecSpec
+from atoll.compression import CodecSpec, PolicyConfig
 from atoll.job import JobSpec
 from atoll.node.checkpoint import (CheckpointError, load_layers_extra, prune_checkpoints, save_layers, set_aside,
                                    step_dir)
@@ -98,9 +98,14 @@ def stage_config(job: JobSpec, micro_batches: int, timeout: timedelta) -> StageC
 
 
 def fixed_codec(job: JobSpec) -> CodecSpec | None:
-    """The codec every link uses, or None when the link policy chooses (compression mode "adaptive")."""
+    """The codec every link uses, or None when the link policy chooses (compression modes "adaptive", "wan")."""
     mode = job.compression.mode
-    return None if mode == "adaptive" else CodecSpec(codec=mode)
+    return None if mode in ("adaptive", "wan") else CodecSpec(codec=mode)
+
+
+def link_policy(job: JobSpec) -> PolicyConfig:
+    """The link policy of the job's links without a fixed codec: "wan" chooses by measured loss cost."""
+    return PolicyConfig.wan() if job.compression.mode == "wan" else PolicyConfig()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1298,7 +1303,7 @@ class PlanRunner:
             micro_batches=transport_micro_batches(pl.num_micro_batches, self.job.train.eval_batches)
             if self.job.train.eval_every else pl.num_micro_batches,
             token=self.ctx.token, rpc=self.ctx.rpc, forward_codec=codec, backward_codec=codec,
-            dtype=compute_dtype(self.job.train.dtype),  # the stage's wire dtype (StageConfig.wire_dtype)
+            policy=link_policy(self.job), dtype=compute_dtype(self.job.train.dtype),  # the stage's wire dtype (StageConfig.wire_dtype)
             initial_bandwidth_bytes_per_s=bandwidth, overlap=timedelta(seconds=stage_plan.compute_s),
             call_timeout=self.ctx.timeout, send_timeout=self.ctx.timeout, delivery_timeout=self.ctx.timeout,
             accepts_connections=listening,

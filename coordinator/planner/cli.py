@@ -50,6 +50,11 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--no-zero-bubble", action="store_true",
                    help="plain 1F1B: no stage defers its weight gradients (the wgrad column) or fills its wait for "
                    "the first gradient with extra warm-up forwards (the warm column keeps only deep windows)")
+    p.add_argument("--compression", default="adaptive", choices=["adaptive", "wan", "identity", "bf16", "fp16", "int8",
+                                                                 "int4", "hadamard", "lowrank"],
+                   help="activation codecs at stage boundaries: adaptive (identity, bf16, fp16, int8 by expected "
+                        "error), wan (also int4, hadamard, lowrank, by measured loss cost: the least that hides "
+                        "behind compute), or one codec")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON to FILE")
     p.add_argument("--picture", metavar="FILE.png", help="also draw the plan and a 1F1B timeline to FILE.png")
     p.set_defaults(func=_run_plan)
@@ -86,6 +91,7 @@ def default_seq_len(name: str, model) -> tuple[int, str]:
 
 def _run_plan(args: argparse.Namespace) -> int:
     from atoll.coordinator.planner.cluster import load_cluster
+    from atoll.coordinator.planner.codecpolicy import mode_codecs
     from atoll.coordinator.planner.options import PlannerOptions, TrainSpec
     from atoll.coordinator.planner.planjob import search_plan
     from atoll.coordinator.planner.profiles import ProfileSet
@@ -121,9 +127,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     options = PlannerOptions(outer_mode=args.outer, outer_inner_steps=args.inner_steps, outer_codec=args.outer_codec,
                              outer_topk_fraction=args.topk_fraction, outer_sparse_fraction=args.sparse_fraction,
                              outer_overlap=not args.no_overlap,
-                             zero_bubble=not args.no_zero_bubble, fill_warmup=not args.no_zero_bubble)
+                             zero_bubble=not args.no_zero_bubble, fill_warmup=not args.no_zero_bubble,
+                             activation_codecs=mode_codecs(args.compression))
     result = search_plan(model, cluster, train, profiles, options)
-    print(format_plan(result.plan, cluster, search_seconds=result.seconds))
+    print(format_plan(result.plan, cluster, search_seconds=result.seconds, width=model.config.d_model,
+                      elem_bytes=2 if args.dtype in ("bf16", "fp16") else 4))
     if result.note and result.plan.mode == "sync":
         print(f"mode {result.note}")
     if json_out is not None:  # a write that fails now (a full disk) is one line too: `atoll` prints an OSError so

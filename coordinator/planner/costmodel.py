@@ -149,11 +149,12 @@ def window_depth(round_trip_s: float, cycle_s: float) -> int:
     return max(0, math.ceil(need - 1e-9))
 
 
-def default_codec_model(options: PlannerOptions) -> LinkCodecModel:
-    """atoll.compression's link policy (what the nodes' links will choose), restricted to the options' codecs."""
+def default_codec_model(options: PlannerOptions, width: int | None = None) -> LinkCodecModel:
+    """atoll.compression's link policy (what the nodes' links will choose), restricted to the options' codecs;
+    `width`: the boundary tensor's last dimension (d_model), which a low-rank codec's size depends on."""
     from atoll.coordinator.planner.codecpolicy import PolicyCodecModel
 
-    return PolicyCodecModel(names=options.activation_codecs)
+    return PolicyCodecModel(names=options.activation_codecs, width=width)
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class CostModel:
         self.train = train
         self.profiles = profiles or ProfileSet()
         self.options = options or PlannerOptions()
-        self.codecs = codec_model or default_codec_model(self.options)
+        self.codecs = codec_model or default_codec_model(self.options, model.config.d_model)
         self.elem_bytes = dtype_bytes(train.dtype)
         self._tables: dict[tuple[str, int, int], LayerTable] = {}
         o = self.options

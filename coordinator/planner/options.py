@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from atoll.modelspec import dtype_bytes
 
-CODEC_ORDER = ("identity", "bf16", "fp16", "int8", "int4")
+CODEC_ORDER = ("identity", "bf16", "fp16", "int8", "int4", "hadamard", "lowrank")
 """Activation codecs from the least to the most lossy."""
 OUTER_MODES = ("auto", "sync", "outer")
 OUTER_CODECS = ("auto", "identity", "fp16", "bf16", "int8", "int4", "topk", "sparse2")

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
+
+from atoll.compression.errors import CodecError
+from atoll.compression.losscost import loss_cost, table
+from atoll.compression.spec import DEFAULT_BLOCK_SIZE, CodecSpec
+from atoll.compression.tensor import get_codec
 from atoll.coordinator.planner.cluster import GBPS, Cluster
 from atoll.coordinator.planner.outer import OUTER_TOKEN_NOTE, format_bytes
 from atoll.coordinator.planner.unused import UnusedIsland
@@ -23,10 +29,12 @@ def device_word(kinds: Iterable[str]) -> str:
 
 
 def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: float | None = None,
-                device_kinds: Iterable[str] | None = None, unused: Sequence[UnusedIsland] = ()) -> str:
+                device_kinds: Iterable[str] | None = None, unused: Sequence[UnusedIsland] = (),
+                width: int | None = None, elem_bytes: int = 4) -> str:
     """The plan as text. `device_kinds` names the kinds of the devices planned on (a cluster file's are GPUs);
     the devices left out are listed with their reasons from `plan.idle`, or, for a plan without them, from
-    `unused` (`explain_unused`)."""
+    `unused` (`explain_unused`). `width` (d_model) and `elem_bytes` (of the boundary's dtype) give each
+    boundary's codec ratio exactly (a low-rank codec's depends on the shape)."""
     p = plan.predicted
     if device_kinds is not None:
         devices = device_word(device_kinds)
@@ -81,16 +89,40 @@ def format_plan(plan: Plan, cluster: Cluster | None = None, *, search_seconds: f
                      f"{pl.micro_batch} sequences (each stage shares one among its dp replicas, as evenly as "
                      f"possible{owner}){zb}")
         lines.append(f"  {'stage':>5}  {'island':<16} {'layers':<10} {'dp x tp':>13} {'zero':>4} {'recomp':>6} "
-                     f"{'wgrad':>8} {'warm':>4} {'compute':>9} {'mem/dev':>8}  send")
+                     f"{'wgrad':>8} {'warm':>4} {'compute':>9} {'mem/dev':>8}  send: codec, raw per micro-batch, ratio, transfer, stall, loss cost")
         for j, s in enumerate(pl.stages):
             send = "-"
             if s.send is not None:
-                send = f"{s.send.codec} {s.send.bytes / 1e6:.1f} MB {duration(s.send.seconds)}"
+                send = _boundary(s, pl.stages[j + 1] if j + 1 < len(pl.stages) else None, width, elem_bytes)
             lines.append(f"  {j:>5}  {s.island:<16} [{s.layers[0]}, {s.layers[1]})".ljust(36)
                          + f" {_shape(s):>13} {s.zero:>4} {_recomputed(s):>6} "
                          f"{_deferred(s):>8} {s.in_flight or '-':>4} "
                          f"{duration(s.compute_s):>9} {_gb(s.memory_gb_per_device):>8}  {send}")
     return "\n".join(lines)
+
+
+def _boundary(s: StagePlan, after: StagePlan | None, width: int | None, elem_bytes: int) -> str:
+    """A stage boundary: raw bytes per micro-batch, codec, ratio, transfer time, predicted stall (what the slower
+    direction's transfer exceeds the compute of the slower side it overlaps, per micro-batch) and predicted loss
+    cost (`atoll.compression.losscost`; '?' where unmeasured)."""
+    send = s.send
+    assert send is not None
+    try:
+        spec = CodecSpec(send.codec, block_size=send.block_size or DEFAULT_BLOCK_SIZE, zstd_level=send.zstd_level,
+                         **({"topk_fraction": send.topk_fraction} if send.topk_fraction else {}))
+        dtype = torch.bfloat16 if elem_bytes == 2 else torch.float32
+        numel = send.bytes // (2 if elem_bytes == 2 else 4)
+        shape = (numel // width, width) if width and numel % width == 0 else (numel,)
+        wire = get_codec(spec).wire_size(shape, dtype)
+        ratio = f"{send.bytes / wire:.3g}x" if wire else "-"
+        cost = loss_cost(spec, table())
+    except (CodecError, ValueError):
+        ratio, cost = "?", None
+    transfer = max(send.seconds, send.backward_seconds)
+    stall = max(0.0, transfer - max(s.compute_s, after.compute_s if after is not None else 0.0))
+    return (f"{send.codec} {send.bytes / 1e6:.1f} MB {ratio} {duration(send.seconds)}, stall {duration(stall)}, "
+            f"loss {'?' if cost is None else f'+{cost:.1%}'}")
+
 
 
 def _shape(s: StagePlan) -> str:
