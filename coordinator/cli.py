@@ -26,6 +26,12 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    help="serve Prometheus metrics on this port (0 picks one; default: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default: loopback only; 0.0.0.0 for every interface)")
+    p.add_argument("--dashboard-port", type=count(least=0, most=65535, what="a port"), default=None,
+                   help="serve the live web dashboard on this port (0 picks one; default: none). It opens with the "
+                   "job token or the read-only viewer token (atoll job viewer-token)")
+    p.add_argument("--dashboard-host", default="127.0.0.1",
+                   help="address the dashboard binds (default: loopback only; 0.0.0.0 for every interface, served "
+                   "over HTTPS with the coordinator's certificate unless --insecure)")
     p.add_argument("--tls-cert", help="PEM certificate chain to serve instead of the one the job CA signs (with "
                    "--tls-key; nodes then verify it with --tls-ca of its root)")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")

@@ -22,6 +22,7 @@ from atoll.coordinator.membership import RunFailureRecord, join_decision, lease_
 from atoll.coordinator import job_control, quarantine
 from atoll.coordinator.progress import summarize
 from atoll.coordinator.reachability import unreachable_advice
+from atoll.coordinator.replication_gaps import stand_in
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.checkpoints import replication
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
@@ -208,7 +209,8 @@ def handle_heartbeat(req: pb.HeartbeatRequest, state: CoordinatorState) -> pb.He
         lease_seconds=cadence.lease, heartbeat_interval_seconds=cadence.interval, plan_epoch=state.epoch,
         probe=probes, job_finished=bool(state.control.finished_unix), target_steps=state.target_steps,
         coordinator_unix=now, prune_checkpoints_before=state.prune_checkpoints_before,
-        keep_checkpoint_step=state.keep_checkpoint_step)
+        keep_checkpoint_step=state.keep_checkpoint_step,
+        write_checkpoints=req.node_id in state.replication_gaps.stand_ins(state.current_plan()))
 
 
 def handle_report_probes(req: pb.ProbeReport, state: CoordinatorState) -> pb.Ack:
@@ -290,10 +292,26 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
         raise InvalidArgument(f"checkpoint layers [{req.layer_start}, {req.layer_end}) are outside the model's "
                               f"{layers} layers")
     v.check_string("path", req.path, limit=4096)
+    v.check_string("not_written", req.not_written, limit=1024)
+    layers_of = (req.layer_start, req.layer_end)
+    if req.not_written:  # the writer's disk is full (or denied it): no file, another node of the stage writes
+        if state.replication_gaps.not_written(req.node_id, layers_of, req.step, req.not_written):
+            who = stand_in(state.current_plan(), req.node_id, layers_of)
+            log.warning("node %s could not write its checkpoint of step %d (layers [%d, %d)): %s; the stage is "
+                        "under-replicated, %s", req.node_id, req.step, *layers_of, req.not_written,
+                        f"{who} is asked to write it" if who else "and no other node of the plan holds it whole")
+        return pb.Ack(message=f"checkpoint of step {req.step} recorded as not written; the stage is under-replicated")
+    if req.copy_of:
+        _check_copy(req, state)
+    if state.replication_gaps.written(req.node_id, layers_of) is not None:
+        log.info("node %s writes its checkpoints of layers [%d, %d) again (step %d): the stage is replicated",
+                 req.node_id, *layers_of, req.step)
     state.store.add_checkpoint(CheckpointRecord(
         step=req.step, plan_epoch=req.plan_epoch, node_id=req.node_id, layer_start=req.layer_start,
         layer_end=req.layer_end, path=req.path, bytes=req.bytes, data_position=req.data_position,
         reported_unix=state.clock()))
+    if req.checksum and not req.copy_of:
+        state.checkpoint_checksums[(req.step, req.node_id, req.layer_start, req.layer_end)] = req.checksum
     done = state.complete_checkpoint_steps()
     state.note_complete_checkpoints(done)
     state.try_finish(state.clock())  # the final checkpoint of a trained job finishes it
@@ -303,6 +321,23 @@ def handle_report_checkpoint(req: pb.CheckpointReport, state: CoordinatorState) 
     held = ", ".join(f"[{a}, {b}) on {n}" for (a, b), n in copies.items())
     return pb.Ack(message=f"checkpoint of step {req.step} {'complete' if complete else 'recorded'}; copies: {held} "
                           f"(wanted {1 + state.job.checkpoint.replicas} each)")
+
+
+def _check_copy(req: pb.CheckpointReport, state: CoordinatorState) -> None:
+    """A copy is recorded only as what its writer wrote: the writer's own record of the same step and layers, with
+    the same size and CRC-32. (The holder reports it under its own certificate, after its fetch checked every
+    chunk's CRC against the writer's file.)"""
+    own = [r for r in state.store.list_checkpoints() if r.step == req.step and r.node_id == req.copy_of
+           and (r.layer_start, r.layer_end) == (req.layer_start, req.layer_end)]
+    if not own:  # the writer's report may still be on its way (it queues it as it hands out copies)
+        raise Unavailable(f"ReportCheckpoint: no record yet of node {req.copy_of[:80]}'s checkpoint of step {req.step} "
+                          f"(layers [{req.layer_start}, {req.layer_end})) that this is a copy of; retry")
+    crc = state.checkpoint_checksums.get((req.step, req.copy_of, req.layer_start, req.layer_end))
+    if own[-1].bytes != req.bytes or (crc is not None and req.checksum and crc != req.checksum):
+        raise FailedPrecondition(
+            f"ReportCheckpoint: the copy on {req.node_id} of node {req.copy_of[:80]}'s checkpoint of step {req.step} "
+            f"is {req.bytes} bytes, CRC-32 {req.checksum:08x}; the writer's file is {own[-1].bytes} bytes"
+            + (f", CRC-32 {crc:08x}" if crc is not None else "") + ": it is not recorded; take the copy again")
 
 
 def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.OuterSyncReply:
@@ -502,6 +537,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     reply.anchor_mismatches = state.outer.anchor_mismatches
     reply.anchor_mismatch = state.outer.last_mismatch
     reply.outer_exclusions, reply.outer_exclusion = state.outer.exclusions, state.outer.last_exclusion
+    reply.under_replicated.extend(state.replication_gaps.lines(state.current_plan()))
     backup = state.newest_backup()
     if backup is not None:
         reply.newest_backup_path, reply.newest_backup_unix = backup
@@ -519,6 +555,12 @@ def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb
     _check_job(req.job_id, state)
     recent = state.store.recent_steps(1)
     newest = recent[-1].step if recent else None
+    if req.action == "viewer-token":
+        token = state.viewer_token()
+        if not token:
+            raise FailedPrecondition("this coordinator keeps no viewer token: ask the `atoll coordinator` process")
+        return pb.JobControlReply(target_steps=state.target_steps, step=newest or 0, viewer_token=token,
+                                  message="viewer token of the dashboard (read-only; it cannot join the job)")
     if req.action in ("quarantine", "release"):
         listed = [o for o in quarantine.offenders(state) if o.quarantined]
         if req.action == "quarantine":
@@ -537,7 +579,8 @@ def handle_control_job(req: pb.JobControlRequest, state: CoordinatorState) -> pb
             control, how = job_control.extend(state.control, req.steps, spec_steps=state.job.train.steps,
                                               newest_step=newest)
         else:
-            raise InvalidArgument(f"job control action must be 'stop', 'extend', 'quarantine' or 'release', got "
+            raise InvalidArgument(f"job control action must be 'stop', 'extend', 'quarantine', 'release' or "
+                                  f"'viewer-token', got "
                                   f"{req.action[:40]!r}")
     except job_control.ControlRefused as e:
         raise FailedPrecondition(str(e)) from None

@@ -371,6 +371,11 @@ class OuterRounds:
         if store is not None:
             self._load(now)
 
+    def recent_decisions(self, count: int) -> dict[int, Decision]:
+        """The newest `count` rounds' decisions, by round (for the dashboard)."""
+        with self._lock:
+            return {r: self._decided[r] for r in sorted(self._decided)[-count:]}
+
     def _load(self, now: float) -> None:
         arrivals, decisions = self._store.outer_rounds()
         for r, text in sorted(decisions.items()):

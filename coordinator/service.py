@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -39,8 +40,12 @@ from atoll.coordinator.watches import PlanWatches, add_coordinator_to_server
 from atoll.coordinator.heartbeats import HeartbeatStreams
 from atoll.coordinator.looplag import LoopLag
 from atoll.coordinator.ca import JobAuthority
+from atoll.coordinator.dashboard.access import ViewerToken
 from atoll.tls import CertificateError
 from atoll.rpc import AioServerHandle, RpcOptions, TlsIdentity, make_aio_server
+
+if TYPE_CHECKING:
+    from atoll.coordinator.dashboard.server import Dashboard
 
 log = logging.getLogger("atoll.coordinator")
 
@@ -87,6 +92,11 @@ class ServiceConfig:
     """Interval of the store's online backups into state_dir/backups (None: none; no state_dir: none)."""
     backups_kept: int = 3
     """Backups kept (the newest); older ones are deleted as new ones are written."""
+    dashboard_port: int | None = None
+    """Port of the web dashboard (`atoll.coordinator.dashboard`; 0 picks one); None serves none."""
+    dashboard_host: str = "127.0.0.1"
+    """Address the dashboard binds: loopback by default. Any other is served over HTTPS with the coordinator's
+    certificate when the coordinator serves TLS."""
     mutual_tls: bool = False
     """Serve mutual TLS under the job CA (`atoll.coordinator.ca`, kept in state_dir; in memory without one): nodes
     join with the token and a signing request, and every later call is checked against the node's certificate.
@@ -95,6 +105,8 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics port must be in 0-65535, got {self.metrics_port}")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port < 65536:
+            raise ValueError(f"dashboard port must be in 0-65535, got {self.dashboard_port}")
         if self.tick <= timedelta(0):
             raise ValueError(f"tick must be positive, got {self.tick}")
         if self.max_workers < 4:
@@ -112,6 +124,7 @@ class ServiceConfig:
 
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def _rendezvous_store(listen: str, previous: str = ""):
@@ -202,6 +215,10 @@ class CoordinatorService:
         """The newest backup of the store (shown by `atoll status`), None before the first."""
         self.state.newest_backup = lambda: ((str(self.newest_backup.path), self.newest_backup.taken_unix)
                                             if self.newest_backup is not None else None)
+        self.viewer = ViewerToken(self._state_dir)
+        """The dashboard's read-only token (`atoll job viewer-token`), kept in the state dir."""
+        self.state.viewer_token = self.viewer.get_or_create
+        self.dashboard: Dashboard | None = None
         self._backups = threading.Thread(target=self._run_backups, name="atoll-coordinator-backup", daemon=True)
         self.metrics = CoordinatorMetrics()
         self.health = health_aio.HealthServicer()
@@ -254,21 +271,39 @@ class CoordinatorService:
                                                         registry=self.metrics.registry)
             port = self._metrics_server.server_address[1]
             self.metrics_address = f"{self.config.metrics_host}:{port}"
+        if self.config.dashboard_port is not None:
+            self.dashboard = self._start_dashboard(rpc)
         self.metrics.update(self.state)
         self._loop.start()
         if self._state_dir is not None and self.config.backup_every is not None:
             self._backups.start()
         log.info("coordinator of job %s (%s) listening on %s%s; plan epoch %d, %d members known",
                  self.state.job.id, self.state.job.name, self.address,
-                 f", metrics on http://{self.metrics_address}/metrics" if self.metrics_address else "",
+                 (f", metrics on http://{self.metrics_address}/metrics" if self.metrics_address else "")
+                 + (f", dashboard on {self.dashboard.url}" if self.dashboard is not None else ""),
                  self.state.epoch, len(self.store.list_members()))
         return self
+
+    def _start_dashboard(self, rpc: RpcOptions) -> Dashboard:
+        from atoll.coordinator.dashboard.server import Dashboard, tls_context
+
+        host = self.config.dashboard_host
+        tls = None
+        if host not in LOOPBACK_HOSTS and self.authority is not None:  # exposed: HTTPS with the coordinator's cert
+            own = rpc.mtls.identity if rpc.mtls is not None else self.authority.server
+            tls = tls_context(own.key_pem, own.cert_pem)
+        elif host not in LOOPBACK_HOSTS:
+            log.warning("INSECURE: the dashboard on %s is plain HTTP (the coordinator runs --insecure): the token "
+                        "that opens it crosses the network in the clear", host)
+        return Dashboard(self.state, host=host, port=self.config.dashboard_port, viewer=self.viewer, tls=tls).start()
 
     def _run_loop(self) -> None:
         last_metrics = 0.0
         while not self._stop.wait(self.config.tick.total_seconds()):
             try:
                 events = self.state.tick()
+                if self.dashboard is not None:
+                    self.dashboard.note_tick(events)
                 now = time.monotonic()
                 # scrapes are rarer than ticks; without an endpoint nobody reads the gauges (thousands of members
                 # make an update cost a good part of a core)
@@ -311,6 +346,8 @@ class CoordinatorService:
             self._loop.join(timeout=5)
         if self._backups.is_alive():
             self._backups.join(timeout=30)
+        if self.dashboard is not None:
+            self.dashboard.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -361,6 +398,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
         check_listen(f"[{host}]:0" if ":" in host and not host.startswith("[") else f"{host}:0", "--rendezvous-host")
     if args.metrics_port is not None:
         check_listen(f"{args.metrics_host}:{args.metrics_port}", "--metrics-host/--metrics-port")
+    if getattr(args, "dashboard_port", None) is not None:
+        check_listen(f"{args.dashboard_host}:{args.dashboard_port}", "--dashboard-host/--dashboard-port")
     if args.address_file:
         check_output_file(Path(args.address_file), "--address-file")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -407,6 +446,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                                  heartbeat_budget=args.heartbeat_budget or None, drift=drift)
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
+                           dashboard_port=getattr(args, "dashboard_port", None),
+                           dashboard_host=getattr(args, "dashboard_host", "127.0.0.1"),
                            rendezvous_host=args.rendezvous_host,
                            backup_every=timedelta(seconds=args.backup_every) if args.backup_every > 0 else None,
                            backups_kept=args.backups_kept)

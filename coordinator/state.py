@@ -27,6 +27,7 @@ from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.claims import StepProgress, job_ended
 from atoll.coordinator.history import sample_of
+from atoll.coordinator.replication_gaps import ReplicationGaps
 from atoll.coordinator.quarantine import OffenceLog
 from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
                                     switch_seconds, switch_verdict)
@@ -137,6 +138,9 @@ class CoordinatorState:
         self.newest_backup: Callable[[], tuple[str, float] | None] = lambda: None
         """The newest online backup of the store, (path, when taken), for the status; the service that takes them
         sets it."""
+        self.viewer_token: Callable[[], str] = lambda: ""
+        """Makes (at the first call) and returns the dashboard's read-only token (`atoll job viewer-token`); the
+        service sets it to its `atoll.coordinator.dashboard.access.ViewerToken`. "": this coordinator has none."""
         self.speed: dict[str, float] = store.get_speed()
         """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`),
         kept in the store beside the plan so a restarted coordinator compounds from the same factors."""
@@ -227,6 +231,11 @@ class CoordinatorState:
         """Joins per claimed node id."""
         self.challenges = JoinChallenges()
         """Join challenges handed out and not taken yet (`atoll.coordinator.challenges`)."""
+        self.replication_gaps = ReplicationGaps()
+        """Stages whose checkpoint writer could not write (a full disk), and their stand-ins."""
+        self.checkpoint_checksums: dict[tuple[int, str, int, int], int] = {}
+        """(step, writer, layer start, layer end) -> the CRC-32 its writer reported (copies are checked against it;
+        in memory: after a restart a copy is checked by its size alone)."""
         self._plan_listeners: list[Callable[[], None]] = []
         self.cadence = HeartbeatCadence(self.options.heartbeat.total_seconds(),
                                         self.options.membership.lease.total_seconds(), self.options.heartbeat_budget)

@@ -1,5 +1,5 @@
-"""`atoll job stop`, `atoll job extend --steps N`, `atoll job quarantine` and `atoll job release NODE`: act on a
-running job through its coordinator.
+"""`atoll job stop`, `atoll job extend --steps N`, `atoll job quarantine`, `atoll job release NODE` and `atoll job
+viewer-token`: act on a running job through its coordinator.
 
 Both are one `ControlJob` call, authenticated with the job token (and the job CA, as `atoll status`). The
 nodes hear the new end with their next step acknowledgements: a stopped job ends a few steps after the
@@ -20,7 +20,8 @@ SubParsers = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
-    p = sub.add_parser("job", help="stop or extend a running job; list or release quarantined nodes",
+    p = sub.add_parser("job", help="stop or extend a running job; list or release quarantined nodes; the dashboard's "
+                       "viewer token",
                        description="Act on a running job through its coordinator (the job token authenticates).")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     stop = actions.add_parser("stop", help="end the job a few steps from now, after a checkpoint; its nodes exit",
@@ -38,7 +39,12 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                                  description="Let a quarantined node back: the next plan may include it again (it "
                                  "starts with no offences counted).")
     release.add_argument("node", help="the quarantined node's id (as `atoll job quarantine` lists it)")
-    for a in (stop, extend, listing, release):
+    viewer = actions.add_parser("viewer-token", help="print the dashboard's read-only token",
+                                description="Print the token that opens the coordinator's dashboard "
+                                "(--dashboard-port) read-only: hand it to people who watch the job. It cannot join "
+                                "the job or act on it. The coordinator makes it at the first ask and keeps it in its "
+                                "state dir (viewer-token).")
+    for a in (stop, extend, listing, release, viewer):
         a.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
         a.add_argument("--token", help="job token (or --token-file, or $ATOLL_TOKEN)")
         a.add_argument("--token-file", help="file holding the job token")
@@ -94,6 +100,9 @@ def run_job_cli(args: argparse.Namespace) -> int:
     reply = control_job(args.coordinator, args.action, steps=getattr(args, "steps", 0),
                         node_id=getattr(args, "node", ""), token=token, rpc=rpc, timeout=timedelta(seconds=args.timeout),
                         say=lambda line: print(f"atoll: {line}", file=sys.stderr, flush=True))
+    if args.action == "viewer-token":
+        print(reply.viewer_token)  # alone on stdout, for scripts: `atoll job viewer-token ... > viewer-token`
+        return 0
     print(reply.message)  # it names the newest reported step and the last step, in the logs' numbering
     for q in reply.quarantined:
         print(f"  {q.node_id}: {q.reason}")

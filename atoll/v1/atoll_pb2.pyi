@@ -559,7 +559,7 @@ class Offender(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., offences: _Optional[int] = ..., newest: _Optional[str] = ..., quarantined: _Optional[bool] = ..., reason: _Optional[str] = ..., since_unix: _Optional[float] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of", "session")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "layer_start", "layer_end", "path", "bytes", "data_position", "copy_of", "session", "checksum", "not_written")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -571,6 +571,8 @@ class CheckpointReport(_message.Message):
     DATA_POSITION_FIELD_NUMBER: _ClassVar[int]
     COPY_OF_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    NOT_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -582,7 +584,9 @@ class CheckpointReport(_message.Message):
     data_position: int
     copy_of: str
     session: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    checksum: int
+    not_written: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., path: _Optional[str] = ..., bytes: _Optional[int] = ..., data_position: _Optional[int] = ..., copy_of: _Optional[str] = ..., session: _Optional[str] = ..., checksum: _Optional[int] = ..., not_written: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("token", "node_id", "job_id", "profile", "peer_address", "csr_pem", "session")
@@ -677,7 +681,7 @@ class ProbeTarget(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., probe_bytes: _Optional[int] = ..., start_unix: _Optional[float] = ..., flows: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before", "keep_checkpoint_step", "quarantined", "quarantine_reason")
+    __slots__ = ("lease_seconds", "plan_epoch", "probe", "job_finished", "target_steps", "heartbeat_interval_seconds", "coordinator_unix", "prune_checkpoints_before", "keep_checkpoint_step", "quarantined", "quarantine_reason", "write_checkpoints")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
@@ -689,6 +693,7 @@ class HeartbeatReply(_message.Message):
     KEEP_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     QUARANTINE_REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     plan_epoch: int
     probe: _containers.RepeatedCompositeFieldContainer[ProbeTarget]
@@ -700,7 +705,8 @@ class HeartbeatReply(_message.Message):
     keep_checkpoint_step: int
     quarantined: bool
     quarantine_reason: str
-    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ..., keep_checkpoint_step: _Optional[int] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ...) -> None: ...
+    write_checkpoints: bool
+    def __init__(self, lease_seconds: _Optional[float] = ..., plan_epoch: _Optional[int] = ..., probe: _Optional[_Iterable[_Union[ProbeTarget, _Mapping]]] = ..., job_finished: _Optional[bool] = ..., target_steps: _Optional[int] = ..., heartbeat_interval_seconds: _Optional[float] = ..., coordinator_unix: _Optional[float] = ..., prune_checkpoints_before: _Optional[int] = ..., keep_checkpoint_step: _Optional[int] = ..., quarantined: _Optional[bool] = ..., quarantine_reason: _Optional[str] = ..., write_checkpoints: _Optional[bool] = ...) -> None: ...
 
 class ProbeReport(_message.Message):
     __slots__ = ("node_id", "links")
@@ -975,7 +981,7 @@ class LinkUsage(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., bytes_raw: _Optional[float] = ..., bytes_wire: _Optional[float] = ..., seconds: _Optional[float] = ..., achieved_bytes_per_s: _Optional[float] = ..., estimate_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step", "newest_backup_path", "newest_backup_unix", "offenders", "outer_exclusions", "outer_exclusion")
+    __slots__ = ("job", "members", "islands", "plan", "links", "recent_steps", "step", "tokens_per_second", "last_checkpoint_step", "has_loss", "loss", "loss_step", "measured_step_seconds", "measured_steps", "stage_usage", "link_usage", "group_usage", "job_state", "finished_unix", "target_steps", "history", "history_resolution", "history_rows", "waiting", "stopped_unix", "anchor_mismatches", "anchor_mismatch", "final_checkpoint_step", "newest_backup_path", "newest_backup_unix", "offenders", "outer_exclusions", "outer_exclusion", "under_replicated")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     ISLANDS_FIELD_NUMBER: _ClassVar[int]
@@ -1009,6 +1015,7 @@ class StatusReply(_message.Message):
     OFFENDERS_FIELD_NUMBER: _ClassVar[int]
     OUTER_EXCLUSIONS_FIELD_NUMBER: _ClassVar[int]
     OUTER_EXCLUSION_FIELD_NUMBER: _ClassVar[int]
+    UNDER_REPLICATED_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     members: _containers.RepeatedCompositeFieldContainer[Member]
     islands: _containers.RepeatedCompositeFieldContainer[Island]
@@ -1042,7 +1049,8 @@ class StatusReply(_message.Message):
     offenders: _containers.RepeatedCompositeFieldContainer[Offender]
     outer_exclusions: int
     outer_exclusion: str
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ..., newest_backup_path: _Optional[str] = ..., newest_backup_unix: _Optional[float] = ..., offenders: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ..., outer_exclusions: _Optional[int] = ..., outer_exclusion: _Optional[str] = ...) -> None: ...
+    under_replicated: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., links: _Optional[_Iterable[_Union[LinkMeasurement, _Mapping]]] = ..., recent_steps: _Optional[_Iterable[_Union[StepMetrics, _Mapping]]] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., loss_step: _Optional[int] = ..., measured_step_seconds: _Optional[float] = ..., measured_steps: _Optional[int] = ..., stage_usage: _Optional[_Iterable[_Union[StageUsage, _Mapping]]] = ..., link_usage: _Optional[_Iterable[_Union[LinkUsage, _Mapping]]] = ..., group_usage: _Optional[_Iterable[_Union[GroupUsage, _Mapping]]] = ..., job_state: _Optional[str] = ..., finished_unix: _Optional[float] = ..., target_steps: _Optional[int] = ..., history: _Optional[_Iterable[_Union[LossPoint, _Mapping]]] = ..., history_resolution: _Optional[str] = ..., history_rows: _Optional[int] = ..., waiting: _Optional[str] = ..., stopped_unix: _Optional[float] = ..., anchor_mismatches: _Optional[int] = ..., anchor_mismatch: _Optional[str] = ..., final_checkpoint_step: _Optional[int] = ..., newest_backup_path: _Optional[str] = ..., newest_backup_unix: _Optional[float] = ..., offenders: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ..., outer_exclusions: _Optional[int] = ..., outer_exclusion: _Optional[str] = ..., under_replicated: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobControlRequest(_message.Message):
     __slots__ = ("job_id", "action", "steps", "node_id")
@@ -1057,16 +1065,18 @@ class JobControlRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., action: _Optional[str] = ..., steps: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class JobControlReply(_message.Message):
-    __slots__ = ("target_steps", "step", "message", "quarantined")
+    __slots__ = ("target_steps", "step", "message", "quarantined", "viewer_token")
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    VIEWER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     target_steps: int
     step: int
     message: str
     quarantined: _containers.RepeatedCompositeFieldContainer[Offender]
-    def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ...) -> None: ...
+    viewer_token: str
+    def __init__(self, target_steps: _Optional[int] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., quarantined: _Optional[_Iterable[_Union[Offender, _Mapping]]] = ..., viewer_token: _Optional[str] = ...) -> None: ...
 
 class GroupUsage(_message.Message):
     __slots__ = ("group", "name", "inner_step", "tokens", "round", "rounds_in", "rounds_missed", "sync_bytes", "sync_seconds", "late_seconds", "steps_per_round", "wait_seconds_per_round", "token_share", "planned", "step_seconds", "assigned_steps", "round_target_seconds")
@@ -1271,11 +1281,15 @@ class ReplicateRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., source: _Optional[str] = ..., source_address: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class ReplicateReply(_message.Message):
-    __slots__ = ("bytes", "seconds", "path")
+    __slots__ = ("bytes", "seconds", "path", "file_bytes", "checksum")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
     path: str
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., path: _Optional[str] = ...) -> None: ...
+    file_bytes: int
+    checksum: int
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., path: _Optional[str] = ..., file_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
