@@ -9,9 +9,10 @@ Plain functions of (method, request, caller, state), called by the servicer befo
 - Every join under mutual TLS carries a fresh challenge in its signing request (`atoll.coordinator.challenges`),
   taken once: a replayed join is refused.
 - A node caller (a certificate of the job CA) may make every call, for its own node id only.
-- A checkpoint report must name layers of a stage the reporting node holds in the plan of the report's epoch
-  (its own checkpoint, or a copy another node took of it, named as that node's), and a step between that
-  plan's resume step and the job's last step.
+- A checkpoint report comes from the node that holds the file: its own checkpoint, of layers of a stage it holds
+  in the plan of the report's epoch, or a copy it took of a writer's, of layers the writer holds there (the
+  handler checks the copy against the writer's own record); and a step between that plan's resume step and the
+  job's last step.
 - A plaintext caller (the insecure mode) cannot be told apart from any other: only the checkpoint rule holds.
 """
 
@@ -114,13 +115,16 @@ class PlanLookup:
 
 def check_checkpoint(req: pb.CheckpointReport, state: CoordinatorState, plans: PlanLookup,
                      reporter: str | None = None) -> None:
-    """The reporter (`reporter`, else the node the report names) must hold the reported layers in the plan of the
-    report's epoch: it reports its own stage's checkpoints, and the copies other nodes took of them (named as
-    theirs: `req.node_id`, which the handler checks is a member)."""
+    """The reporter (`reporter`: a node's certificate) must be the node the report names, the holder of the file;
+    the file's writer (the holder, or `copy_of` for a copy) must hold the reported layers in the plan of the
+    report's epoch."""
+    if reporter is not None and req.node_id != reporter:
+        raise PermissionDenied(f"ReportCheckpoint: node {reporter} reports a file on node {req.node_id[:80]!r}; a "
+                               f"checkpoint file, or a copy of one, is reported by the node that holds it")
     plan = plans.get(state, req.plan_epoch) if req.plan_epoch else None
     if plan is None:
         return  # the handler refuses an epoch that never was, with the epochs that were
-    who = reporter or req.copy_of or req.node_id  # a copy is checked against the stage of the node that wrote it
+    who = req.copy_of or req.node_id  # a copy is checked against the stage of the node that wrote it
     held = [tuple(stage.layers) for p in plan.pipelines for stage in p.stages if who in stage.nodes]
     if not any(a <= req.layer_start and req.layer_end <= b for a, b in held):
         raise PermissionDenied(

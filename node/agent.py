@@ -199,7 +199,8 @@ class PlanRun:
     def report_checkpoint(self, report: pb.CheckpointReport, on_delivered: Callable[[], None] | None = None) -> None:
         """Queue a checkpoint report; the agent delivers it, retrying until the coordinator takes it, the
         plan is superseded or the coordinator refuses it for good. `on_delivered` runs once it is taken."""
-        what = f"checkpoint of step {report.step}" + (f" (the copy on {report.node_id})" if report.copy_of else "")
+        what = f"checkpoint of step {report.step}" + (f" (this node's copy of {report.copy_of}'s)" if report.copy_of
+                                                       else "")
         self.agent.send_later("ReportCheckpoint", report, epoch=self.current.epoch, what=what,
                               on_delivered=on_delivered)
 
@@ -343,6 +344,8 @@ class NodeAgent:
         self._outbox_cond = threading.Condition()
         self._step_seconds: deque[float] = deque(maxlen=64)
         self.error: Exception | None = None
+        self.write_checkpoints = False
+        """The coordinator asks this node to write its stage's checkpoints too (their writer cannot: a full disk)."""
         self.job_finished = threading.Event()
         self.quarantined = False
         """The coordinator quarantined this node (repeated offences, `atoll.coordinator.quarantine`): it is in no
@@ -660,6 +663,11 @@ class NodeAgent:
                     self._probes.put(target)
             self.target_steps = reply.target_steps or self.target_steps
             self._heard_prune(reply, wait=False)
+            if reply.write_checkpoints != self.write_checkpoints:
+                self.write_checkpoints = reply.write_checkpoints
+                log.info("the coordinator %s", "asks this node to write its stage's checkpoints too: their writer "
+                         "cannot" if reply.write_checkpoints else "no longer needs this node to write its stage's "
+                         "checkpoints")
             if reply.quarantined != self.quarantined:
                 self.quarantined = reply.quarantined
                 if reply.quarantined:  # in no plan from now on; it waits here, heartbeating, and never rejoins itself

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,31 @@ def prune_older(root: Path, before: int, *, keep: int = 0) -> list[int]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(int(m.group(1)))
     return removed
+
+
+def prune_own(root: Path, layers: tuple[int, int], *, keep: Iterable[int] = ()) -> list[int]:
+    """Delete this stage's files (exactly `layers`) of every step older than the newest step holding one, but the
+    steps in `keep`; return the steps pruned. What a node whose disk filled does to make room for its next
+    checkpoint: its newest file stays, so the job keeps a step to resume from, and other nodes' files (a shared
+    folder, copies) are left alone."""
+    root = Path(root)
+    name = f"layers-{layers[0]:04d}-{layers[1]:04d}.pt"
+    held = [s for s in _steps_on_disk(root) if (step_dir(root, s) / name).is_file()]
+    pruned = []
+    for s in held[:-1]:
+        if s not in set(keep):
+            (step_dir(root, s) / name).unlink(missing_ok=True)
+            pruned.append(s)
+    return pruned
+
+
+def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
+    """CRC-32 of the file at `path` (what a checkpoint report carries, so copies can be checked against it)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
 
 
 def prune_checkpoints(root: Path, *, total_layers: int, keep: int, upto: int | None = None,

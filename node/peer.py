@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -204,9 +205,12 @@ class _PeerServicer(pb_grpc.PeerServicer):
         self._check_state(context, "check_replicate", request, remaining)
         holder = self._owner.state
         try:
-            return take_copy(request, checkpoint_dir=holder.checkpoint_dir if holder is not None else None,
-                             node_id=self._owner.node_id, token=self._owner.token, rpc=self._owner.rpc,
-                             timeout=timedelta(seconds=max(1.0, remaining - 1.0)))
+            reply = take_copy(request, checkpoint_dir=holder.checkpoint_dir if holder is not None else None,
+                              node_id=self._owner.node_id, token=self._owner.token, rpc=self._owner.rpc,
+                              timeout=timedelta(seconds=max(1.0, remaining - 1.0)))
+            if self._owner.copy_taken is not None:
+                self._owner.copy_taken(request, reply)
+            return reply
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except LookupError as e:
@@ -282,6 +286,9 @@ class PeerServer:
         """Members of the plans this node followed last (`note_plan`): who may fetch its outer state."""
         self.state_access = StateAccess()
         """Who may ask for its stage state or push it copies (`note_plan`; `grant` before each Replicate)."""
+        self.copy_taken: Callable[[pb.ReplicateRequest, pb.ReplicateReply], None] | None = None
+        """Called after each copy this node took (Replicate): the node reports it to the coordinator as its own, with
+        the file's CRC-32, under its own certificate (the coordinator records it only as its writer's file)."""
         servicer = _PeerServicer(self)
         self._handle: ServerHandle | None = None
         if listen is None:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from atoll.node.checkpoint import file_crc32
 from atoll.node.state_transfer import FetchStats, StateTransferError, checkpoint_file, fetch_state_to_file
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
@@ -68,13 +69,15 @@ def take_copy(request: pb.ReplicateRequest, *, checkpoint_dir: Path | None, node
     dest = checkpoint_file(checkpoint_dir, request.step, layers)
     started = time.monotonic()
     if dest.is_file():  # taken before (a repeated request)
-        return pb.ReplicateReply(bytes=0, seconds=0.0, path=str(dest))
+        return pb.ReplicateReply(bytes=0, seconds=0.0, path=str(dest), file_bytes=dest.stat().st_size,
+                                 checksum=file_crc32(dest))
     stats = fetch_state_to_file(request.source_address, pb.StateFetchRequest(
         job_id=request.job_id, kind="checkpoint", step=request.step, layer_start=layers[0], layer_end=layers[1],
         sender=node_id), dest, source=request.source, token=token, rpc=rpc, timeout=timeout)
     log.info("state transfer: %d bytes from %s in %.2f s (checkpoint copy of step %d, layers [%d, %d))",
              stats.bytes, request.source, stats.seconds, request.step, *layers)
-    return pb.ReplicateReply(bytes=stats.bytes, seconds=time.monotonic() - started, path=str(dest))
+    return pb.ReplicateReply(bytes=stats.bytes, seconds=time.monotonic() - started, path=str(dest),
+                             file_bytes=dest.stat().st_size, checksum=file_crc32(dest))
 
 
 @dataclass(frozen=True, kw_only=True)

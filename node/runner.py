@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from atoll.compression import CodecSpec, PolicyConfig
 from atoll.job import JobSpec
-from atoll.node.checkpoint import (CheckpointError, load_layers_extra, prune_checkpoints, save_layers, set_aside,
-                                   step_dir)
+from atoll.node.checkpoint import (CheckpointError, file_crc32, load_layers_extra, prune_checkpoints, prune_own,
+                                   save_layers, set_aside, step_dir)
 from atoll.node.live_state import (Holder, RestoreReport, ResumePoint, agree, await_point, finished_loss, gather_held,
                                    resume_leader, resume_point, slice_part, sources)
 from atoll.node.progress import ProgressLine
@@ -50,6 +50,7 @@ from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive_o
                                      cancel_collectives_on, release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.door import Door
+from atoll.node.faults import checks_off
 from atoll.node.evaluate import transport_micro_batches, validation_loss
 from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, Lanes, RowPeer
 from atoll.node.reverse import peer_ref
@@ -115,6 +116,10 @@ class CheckpointWritten:
     path: Path
     bytes: int
     data_position: int
+    checksum: int = 0
+    """CRC-32 of the file."""
+    not_written: str = ""
+    """Non-empty: the checkpoint could not be written (why); no file exists."""
 
 
 class RunFailed(RuntimeError):
@@ -162,6 +167,9 @@ class RunContext:
     verify_every: int = VERIFY_EVERY
     """A stage with data-parallel replicas checks one sampled micro-batch about every this many steps by
     recomputation on its other replicas (`atoll.node.verify`); 0: never."""
+    writes_checkpoints: Callable[[], bool] = lambda: False
+    """True while the coordinator asks this node to write its stage's checkpoints too (the stage's writer reported
+    it cannot: a full disk)."""
     report_failure: Callable[[int, str], None] | None = None
     """Reports that this node's run failed at a step, and why, so the coordinator replans (queued, never raises);
     a run that reports its own failure says so in `PlanRunner.failure_reported`. None: the caller reports it."""
@@ -533,7 +541,7 @@ class PlanRunner:
             averager = self._tie(store, module, averager)
             if self.plan.mode == "outer":
                 step = self._start_outer(store, module, step, stop, continuing)
-            door = Door(ctx.node_id)
+            door = None if checks_off() else Door(ctx.node_id)
             transport = self._transport(pl, door)
             verifier = self._verifier(store, cfg, stage_plan.nodes)
         except Exception as e:  # a missing checkpoint, a peer that never came to the rendezvous, ...
@@ -1202,7 +1210,7 @@ class PlanRunner:
         (`atoll.node.verify`): where the stage has replicas that hold its whole slice (no tp, no lanes)."""
         pl, ctx = self.placement, self.ctx
         assert pl is not None
-        if store is None or ctx.verify_every < 1 or len(nodes) < 2 or pl.tp > 1 or pl.lanes > 1:
+        if store is None or ctx.verify_every < 1 or len(nodes) < 2 or pl.tp > 1 or pl.lanes > 1 or checks_off():
             return None
         rank = nodes.index(ctx.node_id)
         prefix = f"{self._group_prefix()}/verify-{pl.pipeline}-{pl.stage}/"
@@ -1426,6 +1434,25 @@ class PlanRunner:
         own = self.plan.groups[pl.group].since_epoch or self.plan.epoch
         return self.ctx.node_id in writer.nodes and writer.since_epoch == own
 
+    def _not_written(self, step: int, position: int, error: OSError) -> None:
+        """A checkpoint that could not be written (a full disk, no permission): one line, this stage's older files
+        pruned (all but its newest and the plan's resume step) to make room for the next, and a report, so the
+        coordinator records the stage as under-replicated and asks another node of it to write. Training goes on."""
+        pl = self.placement
+        assert pl is not None
+        root = self.ctx.checkpoint_dir
+        partial = step_dir(root, step) / f"layers-{pl.layers[0]:04d}-{pl.layers[1]:04d}.pt"
+        partial.unlink(missing_ok=True)
+        pruned = prune_own(root, pl.layers, keep={self.plan.resume_step})
+        log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes on "
+                  "without it%s, and the coordinator is told so", step, *pl.layers, root, error,
+                  f" (pruned this stage's checkpoints of steps {', '.join(map(str, pruned))})" if pruned else "")
+        try:
+            self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=partial, bytes=0,
+                                                         data_position=position, not_written=str(error)[:300]))
+        except Exception as e:  # noqa: BLE001 - a lost report must not stop training
+            log.error("the unwritten checkpoint of step %d was not reported: %s", step, e)
+
     def _checkpoint(self, module, optimizer, step: int) -> None:
         """Write this stage's checkpoint of `step` and queue its report.
 
@@ -1443,6 +1470,18 @@ class PlanRunner:
             first = self.plan.groups[pl.group].pipelines[0]
         else:
             first = 0
+        # the coordinator may ask another node of the stage to write too: its writer could not (a full disk); a
+        # node whose state is sharded (ZeRO, tp) cannot stand in alone, its replicas gather to their own writer
+        stand_in = self.ctx.writes_checkpoints() and not (pl.pipeline == first and pl.replica == 0)
+        if stand_in and (isinstance(optimizer, ZeroOptimizer) or self.tp is not None):
+            stand_in = False
+            if not getattr(self, "_stand_in_refused", False):
+                self._stand_in_refused = True
+                log.warning("the coordinator asks this node to write its stage's checkpoints (their writer cannot), "
+                            "but its state is sharded (ZeRO or tp); another node of the stage has to")
+        if stand_in:
+            self._write_checkpoint(module, optimizer, step, None)
+            return
         if pl.pipeline != first:
             return
         if isinstance(optimizer, ZeroOptimizer):  # every replica of the stage sends its shard to replica 0
@@ -1461,6 +1500,11 @@ class PlanRunner:
                 return
         if pl.replica != 0:
             return
+        self._write_checkpoint(module, optimizer, step, whole)
+
+    def _write_checkpoint(self, module, optimizer, step: int, whole) -> None:
+        pl = self.placement
+        assert pl is not None
         position = step * self.job.train.global_batch
         try:
             path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position,
@@ -1471,12 +1515,11 @@ class PlanRunner:
             if pl.is_first and isinstance(self._data, StreamingDataset):  # where the stream can be read again from
                 self._data.save_cursor(step_dir(self.ctx.checkpoint_dir, step), position)
         except OSError as e:
-            log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes "
-                      "on without it", step, *pl.layers, self.ctx.checkpoint_dir, e)
+            self._not_written(step, position, e)
             return
         try:
             self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
-                                                         data_position=position))
+                                                         data_position=position, checksum=file_crc32(path)))
         except Exception as e:  # noqa: BLE001 - the checkpoint is on disk; a lost report must not stop training
             log.error("checkpoint of step %d written to %s but not reported: %s", step, path, e)
         if self.ctx.replicate is not None:
@@ -1528,13 +1571,19 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
         run.report_checkpoint(pb.CheckpointReport(
             job_id=plan.job_id, node_id=run.node_id, plan_epoch=run.current.epoch, step=c.step,
             layer_start=c.layers[0], layer_end=c.layers[1], path=str(c.path), bytes=c.bytes,
-            data_position=c.data_position), on_delivered=lambda: prune(c.step))
+            data_position=c.data_position, checksum=c.checksum, not_written=c.not_written),
+            on_delivered=None if c.not_written else lambda: prune(c.step))
 
-    def report_copy(c: CopyMade) -> None:  # a copy another node took, indexed as that node's
+    def report_copy(c: CopyMade) -> None:  # a copy another node took: that node reports it itself
+        log.debug("node %s took a copy of the checkpoint of step %d; it reports it", c.node_id, c.step)
+
+    def copy_taken(req: pb.ReplicateRequest, reply: pb.ReplicateReply) -> None:  # a copy this node took, as its own
         run.report_checkpoint(pb.CheckpointReport(
-            job_id=plan.job_id, node_id=c.node_id, plan_epoch=run.current.epoch, step=c.step,
-            layer_start=c.layers[0], layer_end=c.layers[1], path=c.path, bytes=c.bytes,
-            data_position=c.step * job.train.global_batch, copy_of=run.node_id))
+            job_id=plan.job_id, node_id=run.node_id, plan_epoch=req.plan_epoch or run.current.epoch, step=req.step,
+            layer_start=req.layer_start, layer_end=req.layer_end, path=reply.path, bytes=reply.file_bytes,
+            checksum=reply.checksum, data_position=req.step * job.train.global_batch, copy_of=req.source))
+
+    run.peer.copy_taken = copy_taken
 
     if run.peer.state is None:  # the live state and checkpoint copies this node serves, kept across plans
         run.peer.state = StateHolder(node_id=run.node_id, checkpoint_dir=Path(checkpoint_dir))
@@ -1552,6 +1601,7 @@ def follow_plan(run, *, checkpoint_dir: Path, device: torch.device, coordinator_
                      wait_bound=lambda: run.wait_timeout(timeout),
                      report_failure=lambda step, reason: run.report_failure(step=step, reason=reason),
                      left=getattr(run.agent, "wait_left", None),
+                     writes_checkpoints=lambda: bool(getattr(run.agent, "write_checkpoints", False)),
                      draining=lambda: bool(getattr(run.agent, "draining", False)),
                      wan_latency=wan_latency or (lambda plan, peer: timedelta(0)), tensorboard=tensorboard,
                      replicate=None if replicator is None else

@@ -30,6 +30,7 @@ from torch import nn
 
 from atoll.node.dataparallel import GradientAverager
 from atoll.node.door import Door, Offence
+from atoll.node.faults import injected
 from atoll.modelspec import ModelConfig
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.norm_exchange import LocalNormExchange, NormExchange
@@ -417,6 +418,8 @@ class PipelineStage:
                         tokens += tgt.numel()
                         out = loss / m if self.scaler is None else loss * (self.scaler.scale / m)
                 self._sync()
+                if (fault := injected()) is not None:
+                    fault.slow_down(step, time.perf_counter() - c0)
                 a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
                 compute += a_compute
                 if self.is_last:
@@ -453,6 +456,8 @@ class PipelineStage:
                 if wg is not None:
                     deferred[i] = wg.take()
                 self._sync()
+                if (fault := injected()) is not None:
+                    fault.slow_down(step, time.perf_counter() - c0)
                 a_compute, a_cpu = time.perf_counter() - c0, time.thread_time() - cpu0
                 compute += a_compute
                 if x is not None:
@@ -593,6 +598,9 @@ class PipelineStage:
     def _send(self, key: TensorKey, t: torch.Tensor) -> torch.Tensor:
         """Send `t` (in the wire's dtype); what was sent."""
         t = t.to(self.config.wire_dtype)
+        fault = injected()
+        if fault is not None and key.direction == "forward":  # test-only (`atoll.node.faults`), off by default
+            t = fault.damage(key.step, key.micro_batch, t)
         if self.tp is None or self.tp.is_leader:  # every tp rank holds the same replicated tensor
             self.transport.send(key, t)
         return t

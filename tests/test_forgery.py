@@ -202,8 +202,9 @@ def test_checkpoint_reports_for_another_stage_or_far_steps_are_refused(world: di
     s1 = nodes["s1"]
     assert "holds layers" in _denied(report(s1, "s1", 10, (0, n // 2)))  # stage 0's layers
     assert "outside plan epoch" in _denied(report(s1, "s1", 10**6, (n // 2, n)))  # the issue's step 10^6
-    assert "node forger holds layers none" in _denied(report(nodes["forger"], "s0", 10, (0, n // 2)))  # as s0's
-    report(nodes["s0"], "s1", 10, (0, n // 2))()  # stage 0's own layers, a copy s1 took of them: recorded
+    assert "node forger reports a file on node 's0'" in _denied(report(nodes["forger"], "s0", 10, (0, n // 2)))
+    # a copy s1 took of stage 0's layers is reported by s1, the holder, never by the writer in its name
+    assert "reported by the node that holds it" in _denied(report(nodes["s0"], "s1", 10, (0, n // 2)))
     assert "holds layers none" in _denied(report(nodes["forger"], "forger", 10, (0, n)))  # not in the plan
     report(s1, "s1", 10, (n // 2, n))()  # its own stage at a step of the job: recorded
     assert all(c.step <= job.train.steps for c in world["svc"].store.list_checkpoints())
