@@ -220,6 +220,7 @@ def _offender_lines(s: pb.StatusReply) -> list[str]:
     if s.outer_exclusions:
         out.append(f"outer rounds: {s.outer_exclusions} group contribution(s) left out as outliers; the newest: "
                    f"{s.outer_exclusion}")
+    out += [f"UNDER-REPLICATED {line}" for line in s.under_replicated]  # a writer's full disk
     return out
 
 
