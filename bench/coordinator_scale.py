@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REGIONS = 4
@@ -274,7 +275,11 @@ async def _client_main(address: str, token: str, first: int, count: int, channel
 
 
 def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, work: Path,
-             streams: bool = True, settle: float = 0.0, budget: float | None = None) -> dict:
+             streams: bool = True, settle: float = 0.0, budget: float | None = None,
+             extra: Sequence[str] = (), during: Callable[[dict], None] | None = None) -> dict:
+    """One size: `extra` goes on the coordinator's command line; `during`, when given, is called once the plan has
+    reached every simulated node, while they keep heartbeating, with {"pid", "work", "address", "token", "n"}
+    (`bench.dashboard` measures its browsers there), before the steady-state measurement."""
     if work.exists():  # a kept folder from an earlier run: its state and address are not this run's
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -289,7 +294,7 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
     coord = subprocess.Popen(
         [sys.executable, "-m", "atoll", "coordinator", "--job", str(work / "job.toml"), "--listen", "127.0.0.1:0",
          "--state-dir", str(work / "state"), "--token-file", str(work / "token"), "--address-file", str(addr_file),
-         "--insecure"] + ([] if budget is None else ["--heartbeat-budget", f"{budget:g}"]),
+         "--insecure"] + ([] if budget is None else ["--heartbeat-budget", f"{budget:g}"]) + list(extra),
         stdout=log, stderr=subprocess.STDOUT,
         preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
     procs: list[mp.Process] = []
@@ -332,6 +337,9 @@ def run_size(n: int, clients: int, measure: float, timeout: float, pin: bool, wo
         last_join = max((p[2] for p in progress.values()), default=0.0)
         last_plan = max((p[3] for p in progress.values()), default=0.0)
         cpu_join = _proc_cpu_seconds(coord.pid) - cpu_join0
+        if during is not None:
+            during({"pid": coord.pid, "work": work, "address": address, "token": token, "n": n,
+                    "planned": planned})
         # steady state: heartbeats only (plans are out, probes done)
         # the plan went to every watch at once (each receives all of it): let that wave pass before measuring
         time.sleep(settle)

@@ -138,3 +138,16 @@ def test_loopback_dashboard_is_plain_http_behind_its_token() -> None:
         assert status == 200 and b"/static/app.js" in page
         assert _get(url + "static/app.js")[0] == 200  # the code alone, no data: open to anyone
         assert _get(url + "static/../service.py")[0] == 404
+
+
+def test_bench_script_parses_its_arguments() -> None:
+    import sys
+
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # the bench tree is not installed
+    from bench.dashboard import parse_args
+
+    args = parse_args([])
+    assert (args.nodes, args.browsers, args.job_screenshots) == ("1000,10000", 10, None)
+    args = parse_args(["--nodes", "200", "--browsers", "2", "--window", "3", "--job-screenshots", "docs"])
+    assert (args.nodes, args.browsers, args.window, args.job_screenshots) == ("200", 2, 3.0, "docs")

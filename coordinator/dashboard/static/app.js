@@ -127,6 +127,22 @@ function renderMap() {
   if (openIsland) loadIsland(openIsland);
 }
 
+function regionCells(n, W, H) {
+  // one or two regions side by side; more on an ellipse, so the links between any two are chords apart
+  if (n <= 2) return Array.from({length: n}, (_, k) => ({x: k * W / n + 8, y: 8, w: W / n - 16, h: H - 16}));
+  if (n > 12) {
+    const cols = Math.ceil(Math.sqrt(n * W / H)), rows = Math.ceil(n / cols);
+    return Array.from({length: n}, (_, k) => ({x: (k % cols) * W / cols + 6, y: Math.floor(k / cols) * H / rows + 6,
+      w: W / cols - 12, h: H / rows - 12}));
+  }
+  const w = Math.min(300, W * 0.85 / Math.ceil(n / 2)), h = Math.min(190, H * 0.4);
+  const rx = W / 2 - w / 2 - 8, ry = H / 2 - h / 2 - 8;
+  return Array.from({length: n}, (_, k) => {
+    const a = 2 * Math.PI * k / n - Math.PI / 2;
+    return {x: W / 2 + rx * Math.cos(a) - w / 2, y: H / 2 + ry * Math.sin(a) - h / 2, w, h};
+  });
+}
+
 function drawMap(m) {
   const svg = $("map-svg");
   const W = svg.clientWidth || 1200, H = svg.clientHeight || 460;
@@ -137,28 +153,27 @@ function drawMap(m) {
     el("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}, svg).textContent = doc.job.waiting || "no members yet";
     return;
   }
-  const cols = Math.ceil(Math.sqrt(regions.length * W / H));
-  const rows = Math.ceil(regions.length / cols);
-  const cw = W / cols, ch = H / rows;
+  const cells = regionCells(regions.length, W, H);
   const maxMembers = Math.max(1, ...regions.flatMap((r) => r.islands.map((i) => i.members)));
   const centre = {}, islandAt = {};
-  const linkLayer = el("g", {}, svg);
+  const regionLayer = el("g", {}, svg), linkLayer = el("g", {}, svg), islandLayer = el("g", {}, svg);
+  const labelLayer = el("g", {}, svg);
   regions.forEach((r, k) => {
-    const x0 = (k % cols) * cw, y0 = Math.floor(k / cols) * ch;
-    el("rect", {x: x0 + 6, y: y0 + 6, width: cw - 12, height: ch - 12, rx: 10, class: "region"}, svg);
-    el("text", {x: x0 + 16, y: y0 + 24, "font-weight": 600}, svg).textContent =
+    const c = cells[k];
+    el("rect", {x: c.x, y: c.y, width: c.w, height: c.h, rx: 10, class: "region"}, regionLayer);
+    el("text", {x: c.x + 10, y: c.y + 18, "font-weight": 600}, regionLayer).textContent =
       `${r.name}: ${num(r.members)} members, ${r.islands.length} island${r.islands.length === 1 ? "" : "s"}`;
-    centre[r.name] = [x0 + cw / 2, y0 + ch / 2 + 8];
+    centre[r.name] = [c.x + c.w / 2, c.y + c.h / 2 + 8];
     const n = r.islands.length;
-    const ic = Math.ceil(Math.sqrt(n * (cw / (ch - 30))));
+    const ic = Math.max(1, Math.ceil(Math.sqrt(n * c.w / Math.max(1, c.h - 30))));
     const ir = Math.ceil(n / ic);
-    const iw = (cw - 24) / ic, ih = (ch - 40) / ir;
-    const rmax = Math.max(4, Math.min(iw, ih) / 2 - 14);
+    const iw = (c.w - 16) / ic, ih = (c.h - 34) / ir;
+    const rmax = Math.max(4, Math.min(60, Math.min(iw, ih) / 2 - 12));
     r.islands.forEach((isl, j) => {
-      const cx = x0 + 12 + (j % ic + 0.5) * iw, cy = y0 + 32 + (Math.floor(j / ic) + 0.5) * ih;
-      const rad = Math.max(6, rmax * Math.sqrt(isl.members / maxMembers));
+      const cx = c.x + 8 + (j % ic + 0.5) * iw, cy = c.y + 26 + (Math.floor(j / ic) + 0.5) * ih;
+      const rad = Math.max(5, rmax * Math.sqrt(isl.members / maxMembers));
       islandAt[isl.id] = [cx, cy];
-      const g = el("g", {class: "island", "data-island": isl.id, tabindex: 0}, svg);
+      const g = el("g", {class: "island", "data-island": isl.id, tabindex: 0}, islandLayer);
       g.addEventListener("click", () => { openIsland = isl.id; loadIsland(isl.id); });
       const alive = (isl.states.alive || 0) / Math.max(1, isl.members);
       el("circle", {cx, cy, r: rad, class: "body", fill: isl.unformed ? "#2a2f36" : "#1f3b57", stroke: "#2a3441"}, g);
@@ -167,10 +182,9 @@ function drawMap(m) {
       el("circle", {cx, cy, r: rad + 3, fill: "none", stroke: "#f85149", "stroke-width": 3}, g);
       el("circle", {cx, cy, r: rad + 3, fill: "none", stroke: "#3fb950", "stroke-width": 3,
         "stroke-dasharray": `${alive * circ} ${circ}`, transform: `rotate(-90 ${cx} ${cy})`}, g);
-      const label = el("text", {x: cx, y: cy + 4, "text-anchor": "middle"}, g);
-      label.textContent = `${isl.members}`;
+      if (rad >= 12) el("text", {x: cx, y: cy + 4, "text-anchor": "middle"}, g).textContent = `${isl.members}`;
       if (iw > 90) {
-        const sub = el("text", {x: cx, y: cy + rad + 18, "text-anchor": "middle", "font-size": 11}, g);
+        const sub = el("text", {x: cx, y: cy + rad + 17, "text-anchor": "middle", "font-size": 11}, g);
         const dev = Object.keys(isl.devices)[0] || "";
         sub.textContent = `${isl.id.length > 22 ? isl.id.slice(0, 21) + "…" : isl.id} ${dev ? "· " + dev : ""}`;
       }
@@ -184,11 +198,12 @@ function drawMap(m) {
     const a = centre[l.a], b = centre[l.b];
     if (!a || !b) continue;
     const line = el("line", {x1: a[0], y1: a[1], x2: b[0], y2: b[1], stroke: bwColour(l.bandwidth),
-      "stroke-width": 8, "stroke-opacity": 0.35, "stroke-linecap": "round"}, linkLayer);
+      "stroke-width": 6, "stroke-opacity": 0.55, "stroke-linecap": "round"}, linkLayer);
     el("title", {}, line).textContent = `${l.a} - ${l.b}: ${rate(l.bandwidth)} (median of ${l.links} links)`;
-    const t = el("text", {x: (a[0] + b[0]) / 2, y: (a[1] + b[1]) / 2 - 6, "text-anchor": "middle",
-      "font-size": 11}, svg);
-    t.textContent = rate(l.bandwidth);
+    const x = (a[0] + b[0]) / 2, y = (a[1] + b[1]) / 2, text = rate(l.bandwidth);
+    el("rect", {x: x - 3.4 * text.length, y: y - 9, width: 6.8 * text.length, height: 16, rx: 4, fill: "#0b0f14",
+      stroke: bwColour(l.bandwidth)}, labelLayer);
+    el("text", {x, y: y + 3, "text-anchor": "middle", "font-size": 11}, labelLayer).textContent = text;
   }
   const islandLinks = m.island_links.length > 400 ? [] : m.island_links;
   for (const l of islandLinks) {
