@@ -111,9 +111,10 @@ class LocalCluster:
     def state_db(self) -> Path:
         return self.out / "coordinator" / "coordinator.db"
 
-    def _spawn(self, name: str, args: list[str], host: Host | None = None) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], host: Host | None = None,
+               env_extra: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.out / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node)}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_node), **(env_extra or {})}
         popen = host.popen if host is not None else subprocess.Popen
         proc = popen([sys.executable, "-m", "atoll", *args], stdout=log, stderr=subprocess.STDOUT, env=env,
                      start_new_session=True)
@@ -144,10 +145,11 @@ class LocalCluster:
         raise TimeoutError(f"the coordinator did not start listening within {timeout:.0f}s")
 
     def start_node(self, name: str, *, region: str | None = None, extra: list[str] | None = None,
-                   host: Host | None = None, node_id: str | None = None) -> None:
+                   host: Host | None = None, node_id: str | None = None, env: dict[str, str] | None = None) -> None:
         """Start a node; on `host` it listens on the host's address, in its region (unless `region` says
         otherwise), emulating the host's latency to other regions. `node_id` gives it that id (kept in its state
-        dir, so a plan written before it starts can name it); without, it keeps the one it has or makes one."""
+        dir, so a plan written before it starts can name it); without, it keeps the one it has or makes one. `env`:
+        variables added to the node's environment (the test-only `ATOLL_FAULT`, `atoll.node.faults`)."""
         if not self.address:
             raise RuntimeError("start the coordinator first")
         if node_id is not None:
@@ -165,7 +167,7 @@ class LocalCluster:
             args += ["--region", region]
         if host is not None and host.wan_latency_ms > 0:
             args += ["--wan-latency-ms", str(host.wan_latency_ms)]
-        self._spawn(name, args + list(extra or []), host)
+        self._spawn(name, args + list(extra or []), host, env)
 
     def status(self, timeout: float = 5.0):
         from atoll.coordinator.status import fetch_status

@@ -200,6 +200,8 @@ class PeerLink:
                 with self.cond:
                     self.error = self.error or e
             except Exception as e:  # an encoder bug must fail the step, not kill the thread silently
+                if isinstance(e, grpc.FutureCancelledError) and self.closing.is_set():
+                    return  # the link closed under its last send (the plan was superseded): nothing failed
                 log.exception("sending %s to %s failed", item.key, self.peer.node_id)
                 with self.cond:
                     self.error = self.error or TransportError(f"{item.key}: sending to {self.peer.node_id} "
