@@ -10,8 +10,8 @@ Per size, once the plan has reached every simulated node and while they heartbea
   the extra CPU is the watched window against the mean of the two unwatched ones, measured in the same run.
 Targets: first paint < 1.5 s at 10,000 members; updates within 2 s; extra coordinator CPU <= 5% of a core.
 `--screenshot DIR` also saves the map at each size (DIR/dashboard-map-N.png). `--job-screenshots DIR` instead
-runs a small real job (a coordinator and four CPU nodes in two regions, outer mode, on loopback), kills one node
-and saves every view of its dashboard into DIR (the README's pictures).
+runs two small real jobs (a coordinator and four CPU nodes in two regions on loopback: one synchronous, one in
+outer mode), kills one node in each and saves every view of their dashboards into DIR (the README's pictures).
 
 Usage: python -m bench.dashboard [--nodes 1000,10000] [--browsers 10] [--window 15] [--repeats 3]
 """
@@ -142,8 +142,10 @@ def measure(ctx: dict, browser, args: argparse.Namespace, out: dict) -> None:
 VIEWS = ("map", "plan", "training", "outer", "events")
 
 
-def job_screenshots(out: Path, browser, seconds: float, keep: Path | None) -> list[Path]:
-    """Run four CPU nodes in two regions (outer mode) for `seconds`, kill one, and save each view's picture."""
+def job_screenshots(out: Path, browser, seconds: float, keep: Path | None, *, mode: str = "sync",
+                    views: tuple[str, ...] = VIEWS, node_page: bool = True) -> list[Path]:
+    """Run four CPU nodes in two regions (`mode`: "sync" or "outer") for `seconds`, kill one, and save the
+    pictures of `views` (and of a node's page)."""
     import signal
     from dataclasses import replace
 
@@ -155,8 +157,8 @@ def job_screenshots(out: Path, browser, seconds: float, keep: Path | None) -> li
                   data=replace(job.data, validation_fraction=0.05),
                   checkpoint=replace(job.checkpoint, interval=50, keep=2),
                   cluster=replace(job.cluster, expected_nodes=4, min_nodes=1),
-                  outer=replace(job.outer, mode="outer", inner_steps=10, deadline_seconds=30.0))
-    work = keep or Path(tempfile.mkdtemp(prefix="atoll-dashboard-job-"))
+                  outer=replace(job.outer, mode=mode, inner_steps=10, deadline_seconds=30.0))
+    work = (keep / mode) if keep else Path(tempfile.mkdtemp(prefix="atoll-dashboard-job-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.toml").write_text(job.to_toml())
     out.mkdir(parents=True, exist_ok=True)
@@ -173,19 +175,22 @@ def job_screenshots(out: Path, browser, seconds: float, keep: Path | None) -> li
 
         _os.killpg(c.procs["node4"].pid, signal.SIGKILL)  # a machine lost: its lease lapses, the job replans
         epoch = c.status().plan.epoch
-        c.wait_status(lambda s: s.plan.epoch > epoch, 120, "the replan after the kill")
+        c.wait_status(lambda s: s.plan.epoch > epoch, 120, "the replan after the kill", dead=frozenset({"node4"}))
         time.sleep(20)
         url = _dashboard_url(work / "run")
         context = browser.new_context(viewport={"width": 1400, "height": 900})
         page = context.new_page()
         page.goto(url + f"?token={c.token}")
         page.wait_for_function("document.getElementById('count-members').textContent !== '-'", timeout=30_000)
-        for view in VIEWS:
+        for view in views:
             page.click(f"nav a[data-view={view}]")
             page.wait_for_timeout(1500)
             path = out / f"dashboard-{view}.png"
             page.screenshot(path=str(path))
             saved.append(path)
+        if not node_page:
+            context.close()
+            return saved
         page.click("nav a[data-view=map]")
         page.click("#map-svg .island")
         page.wait_for_selector("#island-table tbody tr", timeout=10_000)
@@ -211,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             try:
-                for path in job_screenshots(Path(args.job_screenshots), browser, args.job_seconds,
-                                            Path(args.keep) if args.keep else None):
+                keep = Path(args.keep) if args.keep else None
+                saved = job_screenshots(Path(args.job_screenshots), browser, args.job_seconds, keep,
+                                        views=tuple(v for v in VIEWS if v != "outer"))
+                saved += job_screenshots(Path(args.job_screenshots), browser, args.job_seconds, keep, mode="outer",
+                                         views=("outer",), node_page=False)
+                for path in saved:
                     print(f"  saved {path}")
             finally:
                 browser.close()

@@ -79,8 +79,11 @@ def test_events_from_changes_between_snapshots() -> None:
     assert ("checkpoint", "checkpoint step-00000025 complete, held by 2 node(s): n0, n2") in got
     assert any(k == "quarantine" and "n2" in t for k, t in got)
     log.note_tick(["plan epoch 3 (drift: n1 1.6x slower; ...): a[0, 4)x2", "plan epoch 4 (node joined; ...)",
-                   "node n1 is gone: no heartbeat"])
-    assert [e["kind"] for e in log.recent()[-2:]] == ["drift", "replan"]  # the lapse is the snapshot's to say
+                   "node n0 is gone: no heartbeat for 5.1s"])
+    assert [e["kind"] for e in log.recent()[-3:]] == ["drift", "replan", "failure"]
+    members["n0"] = _member(0, "a", "gone")
+    log.observe(3.0, members, {}, [25], ckpts, {"n2": (1, "non-finite activations")})
+    assert len([e for e in log.recent() if "n0 is gone" in e["text"]]) == 1  # the loop said it: not twice
     assert kind_of("node x is quarantined: 3 steps") == "quarantine"
 
 

@@ -9,6 +9,7 @@ that became complete; senders whose tensors were rejected). Neither touches the 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -18,6 +19,9 @@ MAX_EVENTS = 500
 """Events kept (the oldest drop out)."""
 MAX_ANNOUNCED = 20
 """Per snapshot, most joins or leaves listed one by one; more are said as one event (10,000 joins at start)."""
+
+
+_NODE_STATE = re.compile(r"^node (\S+) is (\w+)")
 
 
 def kind_of(line: str) -> str:
@@ -45,6 +49,8 @@ class EventLog:
         self._complete: set[int] | None = None
         self._offenders: dict[str, int] = {}
         self._seq = 0
+        self._told: dict[str, str] = {}
+        """node -> the state a loop line already said it changed to."""
 
     def add(self, kind: str, text: str, when: float | None = None) -> None:
         with self._lock:
@@ -53,12 +59,14 @@ class EventLog:
                                  "text": text})
 
     def note_tick(self, lines: Iterable[str], when: float | None = None) -> None:
-        """What one round of the coordinator's loop decided. Lapsed leases are left to `observe`, which also
-        sees leaves and quarantines the handlers decide."""
+        """What one round of the coordinator's loop decided, at the time it decided it. A member's change said
+        here is not said again by `observe`."""
         for line in lines:
             kind = kind_of(line)
-            if kind in ("failure", "leave", "quarantine"):
-                continue
+            told = _NODE_STATE.match(line)
+            if told is not None:
+                with self._lock:
+                    self._told[told.group(1)] = told.group(2)
             self.add(kind, line, when)
 
     def observe(self, now: float, members: Mapping, failures: Mapping, complete: list[int], checkpoints: list,
@@ -78,8 +86,10 @@ class EventLog:
                     f"{v} {k}" for k, v in sorted(counts.items())), now)
         else:
             changes: dict[str, list[str]] = {}
+            with self._lock:
+                told, self._told = self._told, {}
             for n, s in states.items():
-                if before.get(n) != s:
+                if before.get(n) != s and told.get(n) != s:
                     changes.setdefault("join" if s == "alive" else s, []).append(n)
             for kind, nodes in sorted(changes.items()):
                 label = {"join": "joined", "gone": "is gone (missed its lease)", "left": "left",

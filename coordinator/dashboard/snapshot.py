@@ -33,6 +33,8 @@ CHECKPOINTS_EVERY_S = 5.0
 """Seconds between reads of the checkpoint reports."""
 STATUS_WINDOW_STEPS = 8
 RECENT_STEPS = 256
+MAX_RECENT_STEPS = 50_000
+"""Most step reports one snapshot reads (a plan of 5,000 nodes' last window of steps)."""
 MAX_LINK_ROWS = 400
 """Most per-link rows (codec, bytes) the plan view lists."""
 MAX_NODE_LINKS = 64
@@ -61,6 +63,9 @@ class _Cache:
     checkpoints_at: float = -math.inf
     checkpoints: list = field(default_factory=list)
     complete: list[int] = field(default_factory=list)
+    progress: Any = None
+    progress_epoch: int = -1
+    progress_next: float = -math.inf
 
 
 class Snapshots:
@@ -116,6 +121,22 @@ class Snapshots:
             c.islands = self.state.store.get_islands()
         return c.islands
 
+    def _progress(self, now: float, plan: Plan | None):
+        """The recent steps' summary, as `atoll status` makes it; read again after 20 times what the last read
+        took (at least every snapshot's period), so thousands of reporting nodes cost at most about 5% of a core."""
+        c = self._cache
+        epoch = plan.epoch if plan is not None else 0
+        if c.progress is not None and now < c.progress_next and c.progress_epoch == epoch:
+            return c.progress
+        started = time.monotonic()
+        rows = max(RECENT_STEPS, len(plan.node_addresses) * (STATUS_WINDOW_STEPS + 1)) if plan is not None \
+            else RECENT_STEPS
+        c.progress = summarize(self.state.store.recent_steps(min(rows, MAX_RECENT_STEPS)), epoch,
+                               window=STATUS_WINDOW_STEPS)
+        c.progress_epoch = epoch
+        c.progress_next = now + 20 * (time.monotonic() - started)
+        return c.progress
+
     def _checkpoints(self, now: float) -> tuple[list, list[int]]:
         c = self._cache
         if now - c.checkpoints_at >= CHECKPOINTS_EVERY_S:
@@ -140,9 +161,7 @@ class Snapshots:
         self.members = members
         islands = self._islands(mono)
         self.island_of = {n: i.id for i in islands for n in i.nodes}
-        recent = state.store.recent_steps(max(RECENT_STEPS, len(plan.node_addresses) * (STATUS_WINDOW_STEPS + 1)
-                                              if plan is not None else RECENT_STEPS))
-        progress = summarize(recent, plan.epoch if plan is not None else 0, window=STATUS_WINDOW_STEPS)
+        progress = self._progress(mono, plan)
         checkpoints, complete = self._checkpoints(mono)
         self._links(mono)
         self.stage_of = {}

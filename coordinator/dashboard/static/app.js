@@ -281,7 +281,8 @@ function renderPlan() {
     `<td>${x.stage}</td><td>${esc(x.src)}</td><td>${esc(x.dst)}</td><td>${esc(x.direction)}</td><td>${esc(x.codec)}</td>` +
     `<td>${bytes(x.bytes_raw)}</td><td>${bytes(x.bytes_wire)}</td><td>${x.bytes_wire > 0 ?
       (x.bytes_raw / x.bytes_wire).toFixed(2) + "x" : "-"}</td><td>${rate(x.achieved_bytes_per_s)}</td></tr>`).join("")
-    : `<tr><td colspan="10" class="muted">no step reports yet</td></tr>`;
+    : `<tr><td colspan="10" class="muted">no traffic between stages in the recent steps (one-stage pipelines send ` +
+      `none; else no step reported yet)</td></tr>`;
 }
 
 // --- training -----------------------------------------------------------------------------------------------
@@ -452,7 +453,8 @@ async function renderNode() {
   const facts = [["state", `<span class="state-${esc(n.state)}">${esc(n.state)}</span>${n.reason ? ` (${esc(n.reason)})` : ""}`],
     ["region · island", `${esc(n.region)} · ${esc(n.island || "-")}`],
     ["device", `${esc(n.device)} x${n.devices} (${esc(n.device_kind)}), ${bytes(n.memory_total_bytes)}`],
-    ["speed", `block forward+backward ${n.block_ms ? n.block_ms.toFixed(2) + " ms" : "-"}; plan's calibration ` +
+    ["speed", `one block forward+backward ${n.block_ms ? n.block_ms.toFixed(2) + " ms" : "-"} (its smallest ` +
+      `micro-batch profiled); plan's calibration ` +
       `${n.speed_factor.toFixed(2)}x`],
     ["in the plan", esc(n.stage || "not in the running plan")],
     ["step · epoch", `${num(n.step)} · ${n.plan_epoch}`],
