@@ -14,7 +14,7 @@ stage 0 sends and stage 0's replicas verify each other). One case per run:
   current steps, b0 losses 500 steps ahead), `fake-failures` (a0 reports 20 failures in 10 s), `join-replay` (a
   token holder joins once, then sends the same join three more times);
 - damaged state: `node-disk` (a0, stage 0's checkpoint writer, writes onto a 32 MB tmpfs that is filled at step
-  `--fault-step`), `coordinator-disk` (the coordinator's state dir on a tmpfs filled at that step and freed 15 s later).
+  `--fault-step`), `coordinator-disk` (the coordinator's state dir on a tmpfs filled at that step and freed 6 s later).
 
 Per case: whether the job finished, its final loss (mean of the last 10 steps) against the clean run's, steps lost
 (rolled back by restarts, plus skipped steps), steps from the fault to the faulty node's quarantine, nodes
@@ -59,6 +59,8 @@ DISKS = ("node-disk", "coordinator-disk")
 ALL_CASES = ("clean", "checks-off", "nan", "huge", "bitflip", "noise", "slow", *CLAIMS, *DISKS)
 QUICK_CASES = ("clean", "checks-off", "nan", "forged-end", "slow", "node-disk")
 LOSS_TOLERANCE = 0.01
+FULL_FOR_S = 6.0
+"""How long the coordinator's state disk stays full (the job goes on meanwhile)."""
 CHECK_COST_TARGET = 0.03
 
 
@@ -322,11 +324,22 @@ def run_case(case: str, args: argparse.Namespace, out: Path) -> Result:
                     fill(disk)
                     filled = time.monotonic()
             if case == "coordinator-disk" and filled is not None and freed is None \
-                    and time.monotonic() - filled > 15:
+                    and time.monotonic() - filled > FULL_FOR_S:
                 (disk / "filler").unlink(missing_ok=True)
                 freed = time.monotonic()
             time.sleep(0.5)
         res.wall_s = time.monotonic() - started
+        if case == "coordinator-disk" and filled is not None and freed is None:  # the job ended first
+            (disk / "filler").unlink(missing_ok=True)
+            freed = time.monotonic()
+        # the nodes leave once they have delivered their last reports (the end is decided on the first of them);
+        # a coordinator whose disk was full writes what it queued at its next try
+        settle = time.monotonic() + 60
+        while time.monotonic() < settle and (
+                any(p.poll() is None for n, p in cluster.procs.items() if n != "coordinator")
+                or (case == "coordinator-disk" and "has space again" not in
+                    (run / "cluster" / "coordinator.log").read_text(errors="replace"))):
+            time.sleep(0.5)
         if last is not None:
             res.epochs = last.plan.epoch
             if case == "node-disk":
@@ -382,7 +395,8 @@ def fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def report(results: list[Result], args: argparse.Namespace) -> dict[str, bool]:
+def report(results: list[Result], args: argparse.Namespace, extra: list[Result]) -> dict[str, bool]:
+    """Print the table and return the targets; `extra`: more clean and checks-off runs, for the checks' cost."""
     clean = next((r for r in results if r.case == "clean"), None)
     base = clean.final_loss() if clean is not None else None
     rows = [["case", "finished", "final loss", "vs clean", "rolled back", "skipped", "quarantined (steps after fault)",
@@ -417,12 +431,14 @@ def report(results: list[Result], args: argparse.Namespace) -> dict[str, bool]:
     for r in results:
         for note in r.notes:
             print(f"  {r.case}: {note}")
-    on = clean.tokens_per_s if clean is not None else None
-    off = next((r.tokens_per_s for r in results if r.case == "checks-off"), None)
-    if on and off:
+    ons = [r.tokens_per_s for r in results + extra if r.case == "clean" and r.tokens_per_s]
+    offs = [r.tokens_per_s for r in results + extra if r.case == "checks-off" and r.tokens_per_s]
+    if ons and offs:
+        on, off = max(ons), max(offs)  # the best of each: a shared machine only ever slows a run down
         cost = 1 - on / off
-        print(f"checks' cost: {on:,.0f} tokens/s with the checks, {off:,.0f} without: {100 * cost:+.1f}% "
-              f"(target <= {100 * CHECK_COST_TARGET:.0f}%; one run each on a shared machine)")
+        print(f"checks' cost: {on:,.0f} tokens/s with the checks (best of {', '.join(f'{x:,.0f}' for x in ons)}), "
+              f"{off:,.0f} without (best of {', '.join(f'{x:,.0f}' for x in offs)}): {100 * cost:+.1f}% "
+              f"(target <= {100 * CHECK_COST_TARGET:.0f}%)")
         targets["the checks cost <= 3% of tokens/s"] = cost <= CHECK_COST_TARGET
     return targets
 
@@ -437,11 +453,14 @@ def main() -> int:
                     help="the step the fault starts (default 20; --quick: 15): after the door's warm-up")
     ap.add_argument("--cases", default=None, help=f"comma-separated, of: {', '.join(ALL_CASES)} (clean always runs)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds each run may take (default 40 + 2.5 x steps)")
+    ap.add_argument("--cost-runs", type=int, default=None,
+                    help="runs with and without the checks each, for their cost (default 2; --quick: 1)")
     ap.add_argument("--out", default="bench-adversary", help="folder for the runs' logs")
     args = ap.parse_args()
     args.steps = args.steps or (60 if args.quick else 120)
     args.fault_step = args.fault_step or (15 if args.quick else 20)
     args.timeout = args.timeout or 40 + 2.5 * args.steps
+    args.cost_runs = args.cost_runs or (1 if args.quick else 2)
     cases = [c.strip() for c in args.cases.split(",")] if args.cases else list(QUICK_CASES if args.quick else ALL_CASES)
     unknown = [c for c in cases if c not in ALL_CASES]
     if unknown:
@@ -460,7 +479,12 @@ def main() -> int:
         print(f"[{i}/{len(cases)}] {case}: {'not run (' + res.not_run + ')' if res.not_run else 'finished' if res.finished else 'NOT finished'}"
               f" in {res.wall_s:.0f}s; quarantined: {res.quarantined or '-'}", flush=True)
         results.append(res)
-    targets = report(results, args)
+    extra = []
+    for k in range(1, args.cost_runs):  # more runs with and without the checks, alternating, for their cost
+        for case in ("checks-off", "clean"):
+            print(f"[cost {k}/{args.cost_runs - 1}] {case} ...", flush=True)
+            extra.append(run_case(case, args, out / f"cost{k}"))
+    targets = report(results, args, extra)
     missed = [name for name, ok in targets.items() if not ok]
     print(f"targets met: {len(targets) - len(missed)}/{len(targets)}" + (f" (missed: {'; '.join(missed)})" if missed
                                                                            else ""))
