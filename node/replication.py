@@ -4,9 +4,11 @@ other nodes (`[checkpoint] replicas = k`) and a node that needs layers fetches t
 - `replica_targets`: which nodes take the copies of a writer's file (a pure function of the plan): nodes of
   another region first, then of another island, then nodes that do not already hold these layers.
 - `take_copy`: the asked node's side of `Peer.Replicate`: it fetches the file from the writer with
-  `Peer.FetchState` (checksummed, resumable) into its own checkpoint folder.
+  `Peer.FetchState` (checksummed, resumable) into its own checkpoint folder, and reports the copy to the
+  coordinator itself, with its size and CRC-32 (`PeerServer.copy_taken`), which indexes who holds which (step,
+  layers) once the copy matches the writer's own record.
 - `Replicator`: the writer's side, on a thread of its own (never on a step's path): asks each target to take
-  a copy and reports each copy to the coordinator, which indexes who holds which (step, layers).
+  a copy.
 - `fetch_checkpoint`: a node resuming from a checkpoint whose files it lacks fetches them from the nearest
   holder the plan names (`Plan.checkpoint_copies`: its own region first).
 """
