@@ -97,7 +97,7 @@ class CopyMade:
 class Replicator:
     """The writer's side: copies each checkpoint it wrote to `replica_targets`, off the training thread.
 
-    `report(copy)` is called for each copy a target took (it queues a CheckpointReport for the coordinator).
+    `report(copy)` is called for each copy a target took (the target reports it to the coordinator itself).
     A target that cannot take a copy is logged and skipped: the checkpoint has fewer copies, which status
     shows, and training goes on.
     """
