@@ -108,6 +108,10 @@ class StepProgress:
             for k in [k for k in self._top if k[0] == old]:
                 del self._top[k]
 
+    def epochs(self) -> list[int]:
+        """The plan epochs with reports kept, newest first."""
+        return sorted(self._reached, reverse=True)
+
     def reached(self, epoch: int) -> dict[str, int]:
         """node -> its newest step under `epoch` (a copy)."""
         return dict(self._reached.get(epoch, {}))
@@ -144,3 +148,16 @@ def job_ended(plan: Plan | None, reached: Mapping[str, int], target_steps: int,
         last_outer = plan.outer.end_step(target_steps) - 1  # every group's last round ends there
         return any(end_corroborated(plan.group_nodes(g), reached, last_outer) for g in range(len(plan.groups)))
     return end_corroborated({n for p in plan.pipelines for st in p.stages for n in st.nodes}, reached, last)
+
+
+def last_step_of(plan: Plan, target_steps: int) -> int:
+    """The job's last step under `plan`: target - 1, or in outer mode the end of its last round."""
+    if plan.mode == "outer" and plan.outer is not None and plan.groups:
+        return plan.outer.end_step(target_steps) - 1
+    return target_steps - 1
+
+
+def finished_nodes(plan: Plan, reached: Mapping[str, int], target_steps: int) -> set[str]:
+    """The nodes of `plan` that reported its last step (`reached`: node -> its newest step under the plan)."""
+    last = last_step_of(plan, target_steps)
+    return {n for p in plan.pipelines for st in p.stages for n in st.nodes if reached.get(n, -1) >= last}

@@ -25,7 +25,7 @@ from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
-from atoll.coordinator.claims import StepProgress, job_ended
+from atoll.coordinator.claims import StepProgress, finished_nodes, job_ended
 from atoll.coordinator.history import sample_of
 from atoll.coordinator.replication_gaps import ReplicationGaps
 from atoll.coordinator.quarantine import OffenceLog
@@ -202,6 +202,7 @@ class CoordinatorState:
         """While forming islands is slow, when (time.monotonic) they may be formed again for the status."""
         self._last_reason = ""
         self._drift_next = self.started_unix + self.options.drift.interval.total_seconds()
+        self._end_hold_since: float | None = None
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
         self.prune_checkpoints_before = 0
@@ -708,8 +709,19 @@ class CoordinatorState:
         """The last step has been trained, as more than one node says (`claims.job_ended`; outer mode: a replica
         group's own last inner step, of its (train.steps // H) rounds): no more plans are made."""
         plan = self.current_plan()
-        return job_ended(plan, self.reached_in(plan.epoch if plan is not None else 0), self.target_steps,
-                         lambda: self.alive_members().keys())
+        if job_ended(plan, self.reached_in(plan.epoch if plan is not None else 0), self.target_steps,
+                     lambda: self.alive_members().keys()):
+            return True
+        # an earlier plan's nodes that trained to the end while this coordinator was away deliver their last
+        # reports when it is back, one node after another: the first to have delivered leaves, and the plan made
+        # around its departure must not hide the end the others' reports corroborate under the plan they ran
+        with self._cond:
+            earlier = [e for e in self._progress.epochs() if plan is None or e < plan.epoch]
+        for epoch in earlier:
+            old = self.plan_of(epoch)
+            if old is not None and job_ended(old, self.reached_in(epoch), self.target_steps, lambda: ()):
+                return True
+        return False
 
     # --- the loop -------------------------------------------------------------------------------------
 
@@ -794,6 +806,8 @@ class CoordinatorState:
                 decision = failure_decision(
                     now, epoch=plan.epoch, failures=failures, alive=set(alive), planned=planned or set(),
                     last_heard={n: m.last_heartbeat_unix for n, m in alive.items()}, options=membership)
+        if decision.plan and plan is not None and (hold := self._end_hold(plan, alive, now)):
+            decision = PlanDecision(False, hold)
         if decision.plan:
             events.append(self._replan(alive, now, decision.reason, formed))
         else:
@@ -806,6 +820,23 @@ class CoordinatorState:
         for e in events:
             log.info("%s", e)
         return events
+
+    def _end_hold(self, plan: Plan, alive: Mapping[str, MemberRecord], now: float) -> str:
+        """Why a replan waits ("": it does not): a node of `plan` trained the job's last step and left, so the
+        others are at the end too and deliver their last reports (after a coordinator outage, one node after
+        another); a plan made around the departure would stop them short of the end the reports are about to
+        corroborate. Bounded by `END_HOLD_S` from the first such departure: a node that died at the end instead
+        is planned around then."""
+        gone = finished_nodes(plan, self.reached_in(plan.epoch), self.target_steps) - alive.keys()
+        if not gone:
+            self._end_hold_since = None
+            return ""
+        if self._end_hold_since is None:
+            self._end_hold_since = now
+        if now - self._end_hold_since > END_HOLD_S:
+            return ""
+        return (f"{', '.join(sorted(gone))} trained the job's last step and left; waiting up to "
+                f"{END_HOLD_S - (now - self._end_hold_since):.0f}s for the other nodes' last reports")
 
     def _replan(self, alive: dict[str, MemberRecord], now: float, reason: str,
                 formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None) -> str:
@@ -954,6 +985,9 @@ class CoordinatorState:
 
 
 REACHED_EPOCHS = 8
+END_HOLD_S = 60.0
+"""How long replans wait after a node of the plan left having trained the job's last step (`_end_hold`): the
+others deliver their last reports within it (they retry every few seconds once the coordinator is reachable)."""
 """Plan epochs whose nodes' newest steps are kept in memory (`CoordinatorState.record_step`), and old plans cached."""
 DRIFT_BACKOFF_MAX = 16
 """A drift that no plan helps is checked again after at most this many `DriftOptions.interval`s."""

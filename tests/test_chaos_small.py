@@ -191,9 +191,6 @@ def test_the_job_survives_a_coordinator_kill_and_a_node_kill(tmp_path: Path) -> 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(reason="known regression, open: with the end corroborated by the plan's nodes and the final "
-                          "checkpoint awaited, a job that ends while the coordinator is away was not recorded "
-                          "finished within 154 s", strict=False)
 def test_a_job_that_ends_while_the_coordinator_is_away_is_recorded_complete(tmp_path: Path) -> None:
     """The coordinator is killed 20 steps before the end and stays away 12 s: the nodes train to the end
     meanwhile, wait for it with their last step and checkpoint reports, and the restarted coordinator records

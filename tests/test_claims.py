@@ -106,6 +106,55 @@ def test_a_last_stage_node_alone_cannot_end_the_job(planned) -> None:
     assert state.control.finished_unix
 
 
+def test_nodes_that_end_one_after_another_after_an_outage_are_not_planned_around(planned) -> None:
+    """The job's nodes trained to the end while the coordinator was away and deliver their last reports when it is
+    back, one node after another: the first to have delivered leaves. A replan around its departure (as before)
+    left the others' last reports under a superseded plan, and the job was never recorded finished."""
+    state, first, (a, b) = planned
+    last = state.target_steps - 1
+    epoch = state.epoch
+    for step in [*range(0, last - 2, 100), last - 2]:
+        for n in (first, a, b):
+            _report(state, n, step, loss=n != first)
+    _report(state, a, last)
+    h.handle_leave(pb.LeaveRequest(node_id=a, reason="node stopped"), state)  # delivered, then left
+    state.clock.t += 5.0
+    state.tick()
+    assert state.epoch == epoch and not state.job_complete()  # held: a trained the end and left
+    assert "trained the job's last step and left" in state._last_reason
+    _report(state, b, last)  # the others' backlogs: with a's, a majority of the plan
+    assert state.job_complete()
+    state.clock.t += 1e6
+    state.tick()
+    assert state.epoch == epoch and state.control.finished_unix
+
+
+def test_the_end_hold_is_bounded(planned) -> None:
+    """A node that left after the last step holds replans only `END_HOLD_S`: the others may have died at the end."""
+    from atoll.coordinator.state import END_HOLD_S
+
+    state, first, (a, b) = planned
+    last = state.target_steps - 1
+    epoch = state.epoch
+    for step in [*range(0, last - 2, 100), last - 2]:
+        for n in (first, a, b):
+            _report(state, n, step, loss=n != first)
+    _report(state, a, last)
+    h.handle_leave(pb.LeaveRequest(node_id=a, reason="node stopped"), state)
+    state.clock.t += 5.0
+    state.tick()
+    assert state.epoch == epoch
+    for n in (first, b):  # (alive: their leases are not what this is about)
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+    state.clock.t += END_HOLD_S
+    for n in (first, b):
+        h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
+    state.tick()
+    state.clock.t += 5.0
+    state.tick()
+    assert state.epoch > epoch  # planned around the departure after all
+
+
 def test_a_report_of_an_epoch_that_never_ran_is_refused(planned) -> None:
     state, _, (a, _) = planned
     with pytest.raises(FailedPrecondition, match="never ran"):
