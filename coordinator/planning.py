@@ -10,7 +10,7 @@ place the job, `fallback_plan` gives a plain valid plan so a job never waits on 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 import copy
 from dataclasses import dataclass, field, replace
 
@@ -92,24 +92,34 @@ def make_plan(inputs: PlanInputs) -> tuple[Plan, str]:
         raise ValueError("cannot plan without alive members")
     kept = kept_groups(inputs)
     plan, how = _plan_around(inputs, kept) if kept else _make_plan(inputs)
-    note = live_split(plan, inputs.live_step_s)
+    note = live_split(plan, inputs.live_step_s, inputs.replan)
     return plan, how + (f"; {note}" if note else "")
 
 
-def live_split(plan: Plan, live: Mapping[frozenset[str], float]) -> str:
+def live_split(plan: Plan, live: Mapping[frozenset[str], float], drifted: Collection[str] = ()) -> str:
     """Outer mode: where a replica group of `plan` runs on nodes whose group was measured in the running rounds
     (`live`: its nodes -> live inner step time), split the rounds by that step time rather than the start-up
     profiles' prediction: every group planned afresh gets the whole inner steps that fit the round, H x the fastest
     group's step time (`pace.fitting_steps`; the nodes train it from their first round, the coordinator's decisions
-    correct it live from the third). Groups kept running keep theirs, and the groups' predicted step times stay
-    the cost model's (drift detection compares the nodes against those). Changes `plan` in place; returns what it
-    changed ("" for nothing)."""
+    correct it live from the third). Not for a group of `drifted` nodes (a drift replan): its nodes' measured
+    speeds already scale the profiles its new cut was planned from (layers moved off a slowed node), so its new
+    plan's predicted step time is the figure, not the pace its nodes had under the cut being replaced (which
+    would give the faster cut the slow cut's few steps a round). Groups kept running keep theirs, and
+    the groups' predicted step times stay the cost model's (drift detection compares the nodes against those).
+    Changes `plan` in place; returns what it changed ("" for nothing)."""
     from atoll.coordinator.pace import PaceOptions, fitting_steps
 
     if plan.mode != "outer" or plan.outer is None or not live:
         return ""
-    step_s = [live.get(frozenset(plan.group_nodes(g))) or grp.step_time_s for g, grp in enumerate(plan.groups)]
-    measured = [grp.name for g, grp in enumerate(plan.groups) if frozenset(plan.group_nodes(g)) in live]
+    drifted = frozenset(drifted)
+
+    def figure(g: int) -> float | None:
+        nodes = frozenset(plan.group_nodes(g))
+        return None if nodes & drifted else live.get(nodes)
+
+    figures = [figure(g) for g in range(len(plan.groups))]
+    step_s = [f or grp.step_time_s for f, grp in zip(figures, plan.groups)]
+    measured = [grp.name for f, grp in zip(figures, plan.groups) if f is not None]
     if not measured or min(step_s) <= 0:
         return ""
     h = plan.outer.inner_steps

@@ -488,6 +488,19 @@ class PlanRunner:
     def current_plan(self) -> Plan:
         return self.ctx.latest_plan() if self.ctx.latest_plan is not None else self.plan
 
+    def reported_pipeline(self, plan: Plan) -> int:
+        """This node's pipeline index in `plan`: a replan that keeps the node's replica group as it runs (outer
+        mode) may number the group's pipelines otherwise, and the coordinator checks the loss and step claims of a
+        report against the pipeline it names in the plan of its epoch."""
+        pl = self.placement
+        assert pl is not None
+        if plan is self.plan:
+            return pl.pipeline
+        for p, pipe in enumerate(plan.pipelines):
+            if pl.stage < len(pipe.stages) and self.ctx.node_id in pipe.stages[pl.stage].nodes:
+                return p
+        return pl.pipeline
+
     def run(self, stop: threading.Event, until_step: int | None = None) -> int:
         """Train until the job's last step (or `until_step`); return the next step to run."""
         pl = self.placement
@@ -1336,9 +1349,10 @@ class PlanRunner:
         # a non-finite loss is not reported (the step was skipped everywhere; the offence says so)
         reports_loss = loss is not None and math.isfinite(loss) and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
         links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
+        plan = self.current_plan()
         return StepMetrics(
-            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=self.current_plan().epoch, step=step,
-            pipeline=pl.pipeline, stage=pl.stage, loss=loss if reports_loss else None,
+            job_id=self.plan.job_id, node_id=self.ctx.node_id, plan_epoch=plan.epoch, step=step,
+            pipeline=self.reported_pipeline(plan), stage=pl.stage, loss=loss if reports_loss else None,
             tokens=pl.trained_rows * self.job.train.seq_len,
             step_seconds=result.step_seconds, compute_seconds=result.compute_seconds,
             wait_seconds=result.wait_seconds, links=links, unix_time=time.time(),
