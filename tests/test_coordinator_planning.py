@@ -196,6 +196,10 @@ def test_a_group_planned_afresh_is_split_by_the_live_step_times_of_its_nodes() -
     assert [(g.name, g.inner_steps) for g in plan.groups] == [("lab-a", 5), (b, 1)], how
     assert f"the live step times of lab-a, {b} split the rounds ({b} {profiled} -> 1 inner steps a round)" in how
     assert [g.step_time_s for g in plan.groups] == [g.step_time_s for g in plain.groups]  # the cost model's stay
+    # a drift replan of lab-b's nodes cut it afresh from their measured speeds: the pace measured under the cut
+    # being replaced is not its pace (it gave the faster cut the slow one's steps a round)
+    drift, how = make_plan(replace(inputs, live_step_s=live, replan=b_nodes))
+    assert [g.inner_steps for g in drift.groups] == [5, plain.groups[1].inner_steps], how
     # a group on other nodes than those measured is not split by their figure
     other, how = make_plan(replace(inputs, live_step_s={frozenset({"b1"}): 0.35, frozenset({"a1", "a2"}): 0.1}))
     assert [g.inner_steps for g in other.groups] == [5, profiled] or b_nodes == frozenset({"b1"}), how
