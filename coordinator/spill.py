@@ -43,10 +43,10 @@ def disk_full(e: BaseException) -> bool:
 
 _WRITES = ("put_job", "put_member", "set_member_state", "put_links", "put_islands", "add_plan", "add_checkpoint",
            "drop_checkpoints", "add_step", "add_history", "put_control", "put_speed", "put_machine_flow",
-           "add_outer_arrival", "put_outer_decision", "drop_outer_rounds")
+           "add_outer_arrival", "put_outer_decision", "drop_outer_rounds", "put_outer_group")
 _READS = ("get_job", "get_member", "peek_member", "list_members", "members_view", "list_links", "links_view",
           "get_islands", "plan_history", "latest_plan", "latest_epoch", "list_checkpoints", "recent_steps",
-          "history", "get_control", "get_speed", "get_machine_flows", "outer_rounds")
+          "history", "get_control", "get_speed", "get_machine_flows", "outer_rounds", "outer_groups")
 
 
 class SpillingStore(Store):
@@ -211,6 +211,8 @@ def copy_into(source: Store, memory: MemoryStore) -> None:
         memory.add_outer_arrival(a)
     for r, text in decisions.items():
         memory.put_outer_decision(r, text)
+    for name, text in source.outer_groups().items():
+        memory.put_outer_group(name, text)
 
 
 def spilling(store: Store) -> Store:

@@ -289,6 +289,16 @@ class Store(ABC):
         arrivals = getattr(self, "_outer_arrivals", {})
         return ([copy.copy(arrivals[k]) for k in sorted(arrivals)], dict(getattr(self, "_outer_decisions", {})))
 
+    def put_outer_group(self, name: str, progress_json: str) -> None:
+        """Keep a replica group's outer counters (`atoll.coordinator.outer.GroupProgress.to_json`), by its name."""
+        if not hasattr(self, "_outer_groups"):
+            self._outer_groups: dict[str, str] = {}
+        self._outer_groups[name] = progress_json
+
+    def outer_groups(self) -> dict[str, str]:
+        """Group name -> its counters' JSON."""
+        return dict(getattr(self, "_outer_groups", {}))
+
     def drop_outer_rounds(self, before: int) -> None:
         """Forget the arrivals and decisions of the rounds before `before`."""
         for k in [k for k in getattr(self, "_outer_arrivals", {}) if k[0] < before]:
@@ -495,6 +505,7 @@ CREATE TABLE IF NOT EXISTS outer_arrivals (
     round INTEGER NOT NULL, node_id TEXT NOT NULL, grp INTEGER NOT NULL, tokens INTEGER NOT NULL,
     epoch INTEGER NOT NULL, arrived_unix REAL NOT NULL, PRIMARY KEY (round, node_id));
 CREATE TABLE IF NOT EXISTS outer_decisions (round INTEGER PRIMARY KEY, decision_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS outer_groups (name TEXT PRIMARY KEY, progress_json TEXT NOT NULL);
 """
 
 
@@ -806,6 +817,12 @@ class SqliteStore(Store):
                     for r, n, g, t, e, u in self._read("SELECT round, node_id, grp, tokens, epoch, arrived_unix "
                                                        "FROM outer_arrivals ORDER BY round, node_id")]
         return arrivals, {r: text for r, text in self._read("SELECT round, decision_json FROM outer_decisions")}
+
+    def put_outer_group(self, name: str, progress_json: str) -> None:
+        self._write("INSERT OR REPLACE INTO outer_groups VALUES (?, ?)", (name, progress_json))
+
+    def outer_groups(self) -> dict[str, str]:
+        return {n: text for n, text in self._read("SELECT name, progress_json FROM outer_groups")}
 
     def drop_outer_rounds(self, before: int) -> None:
         with self._tx() as db:

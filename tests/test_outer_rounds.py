@@ -63,6 +63,35 @@ def test_a_restarted_coordinator_resumes_the_round_from_its_store(tmp_path: Path
     store.close()
 
 
+def test_a_restarted_coordinator_keeps_each_groups_counters(tmp_path: Path) -> None:
+    """A group's rounds in, tokens, exchange bytes and waits are written with each decision: a restarted
+    coordinator's status goes on from them (they restarted at zero), and an arrival the nodes repeat after the
+    restart is not counted twice."""
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=0.0)
+    stats = {"bytes": 1000.0, "seconds": 0.5, "late": 2.0}
+    for n in ("a0", "a1", "b0"):
+        d = _arrive(rounds, 0.0, n, stats=stats)
+    assert d.decided
+    b = rounds.progress["lab-b"]
+    assert (b.rounds_in, b.tokens, b.sync_bytes_total, b.wait_total_s) == (1, 200, 1000, 2.0)
+    a = rounds.progress["lab-a"]
+    assert (a.rounds_in, a.sync_bytes_total, a.wait_total_s) == (1, 2000, 2.0)  # two nodes' bytes, the longest wait
+    store.close()  # killed
+
+    store = SqliteStore(tmp_path / "state.db")
+    rounds = OuterRounds(store, now=50.0)
+    b = rounds.progress["lab-b"]
+    assert (b.rounds_in, b.tokens, b.sync_bytes_total, b.wait_total_s) == (1, 200, 1000, 2.0)
+    _arrive(rounds, 50.0, "b0", stats=stats)  # repeated after the restart
+    assert (rounds.progress["lab-b"].sync_bytes_total, rounds.progress["lab-b"].wait_total_s) == (1000, 2.0)
+    for n in ("a0", "a1", "b0"):
+        _arrive(rounds, 51.0, n, round_=4, stats={"bytes": 10.0, "late": 1.0})
+    b = rounds.progress["lab-b"]
+    assert (b.rounds_in, b.tokens, b.sync_bytes_total, b.wait_total_s) == (2, 400, 1010, 3.0)
+    store.close()
+
+
 def test_a_contribution_out_of_reach_is_decided_again_for_everyone() -> None:
     """One node could not fetch lab-b's contribution within its bound: the round is decided again without it (a new
     version), and every node, also those that had fetched it, is told the new version; it is final only once every

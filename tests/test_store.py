@@ -139,6 +139,11 @@ class TestStoreContract:
         store.drop_outer_rounds(before=4)
         arrivals, decisions = store.outer_rounds()
         assert [(a.round, a.node_id) for a in arrivals] == [(4, "a")] and decisions == {4: '{"version": 1}'}
+        store.put_outer_group("lab-a", '{"rounds_in": 1}')
+        store.put_outer_group("lab-a", '{"rounds_in": 2}')
+        store.put_outer_group("lab-b", '{"rounds_in": 1}')
+        store.drop_outer_rounds(before=10)  # a group's counters are the job's, not a round's
+        assert store.outer_groups() == {"lab-a": '{"rounds_in": 2}', "lab-b": '{"rounds_in": 1}'}
 
 
 def test_sqlite_state_survives_reopen(tmp_path: Path) -> None:
