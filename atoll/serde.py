@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from atoll.plan import (CheckpointCopy, RelayRoute, IdleDevices, IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan,
                         StagePlan, StageTiming)
-from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics, TensorOffence
+from atoll.types import (CollectiveStats, LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics,
+                         TensorOffence)
 from atoll.v1 import atoll_pb2 as pb
 
 # codec names used in plans, configs and logs <-> the wire enum
@@ -94,13 +95,23 @@ def link_from_proto(m: pb.LinkMeasurement) -> LinkMeasurement:
 def link_stats_to_proto(x: LinkStats) -> pb.LinkStats:
     return pb.LinkStats(peer=x.peer, direction=DIRECTION_BY_NAME[x.direction], bytes_raw=x.bytes_raw,
                         bytes_wire=x.bytes_wire, seconds=x.seconds, codec=codec_id(x.codec),
-                        bandwidth_bytes_per_s=x.bandwidth_bytes_per_s)
+                        bandwidth_bytes_per_s=x.bandwidth_bytes_per_s, transfers=x.transfers)
 
 
 def link_stats_from_proto(m: pb.LinkStats) -> LinkStats:
     return LinkStats(peer=m.peer, direction=DIRECTION_NAME.get(m.direction, "forward"), bytes_raw=m.bytes_raw,
                      bytes_wire=m.bytes_wire, seconds=m.seconds, codec=codec_name(m.codec),
-                     bandwidth_bytes_per_s=m.bandwidth_bytes_per_s)
+                     bandwidth_bytes_per_s=m.bandwidth_bytes_per_s, transfers=m.transfers)
+
+
+def collective_stats_to_proto(x: CollectiveStats) -> pb.CollectiveStats:
+    return pb.CollectiveStats(kind=x.kind, bytes=x.bytes, participants=x.participants, seconds=x.seconds,
+                              count=x.count)
+
+
+def collective_stats_from_proto(m: pb.CollectiveStats) -> CollectiveStats:
+    return CollectiveStats(kind=m.kind, bytes=m.bytes, participants=m.participants, seconds=m.seconds,
+                           count=max(1, m.count))
 
 
 # --- islands and plans ---------------------------------------------------------------------------------
@@ -279,6 +290,7 @@ def step_metrics_to_proto(s: StepMetrics) -> pb.StepMetrics:
         loss_scale=s.loss_scale if s.loss_scale is not None else 0.0, skipped=s.skipped,
         restored_from=s.restored_from, restore_bytes=s.restore_bytes, restore_seconds=s.restore_seconds,
         steps_rolled_back=s.steps_rolled_back, offences=[offence_to_proto(o) for o in s.offences],
+        collectives=[collective_stats_to_proto(c) for c in s.collectives],
     )
 
 
@@ -302,4 +314,5 @@ def step_metrics_from_proto(m: pb.StepMetrics) -> StepMetrics:
         loss_scale=m.loss_scale if m.loss_scale > 0 else None, skipped=m.skipped,
         restored_from=m.restored_from, restore_bytes=m.restore_bytes, restore_seconds=m.restore_seconds,
         steps_rolled_back=m.steps_rolled_back, offences=[offence_from_proto(o) for o in m.offences],
+        collectives=[collective_stats_from_proto(c) for c in m.collectives],
     )

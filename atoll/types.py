@@ -87,6 +87,22 @@ class LinkStats:
     seconds: float = 0.0
     codec: str = "identity"
     bandwidth_bytes_per_s: float = 0.0
+    transfers: int = 0
+    """Messages the totals add up (0: not counted)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveStats:
+    """The collectives of one kind and size a node ran in one step, timed from call to completion."""
+
+    kind: str
+    """"all_reduce", "reduce_scatter" or "all_gather"."""
+    bytes: int
+    """Bytes of each call's whole tensor."""
+    participants: int
+    seconds: float
+    """Summed over `count` calls."""
+    count: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,3 +168,5 @@ class StepMetrics:
     """First step of a run: the furthest step any node had reached minus the step the run resumed at."""
     offences: list[TensorOffence] = field(default_factory=list)
     """What the node rejected in this step (`atoll.node.door`): the step was skipped on every node."""
+    collectives: list[CollectiveStats] = field(default_factory=list)
+    """The step's timed collectives (`atoll.node.dataparallel.CollectiveTimer`), per kind and size."""

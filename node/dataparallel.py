@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from atoll.types import CollectiveStats
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it and the group size."""
@@ -237,12 +239,35 @@ class DataParallelConfig:
             raise ValueError(f"bucket_bytes must be positive, got {self.bucket_bytes}")
 
 
+class CollectiveTimer:
+    """The collectives a node ran since it was last asked, timed from call to completion, per kind, size and group
+    size (what the coordinator's network fit reads, `atoll.coordinator.netfit`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[tuple[str, int, int], tuple[float, int]] = {}
+
+    def add(self, kind: str, nbytes: int, participants: int, seconds: float) -> None:
+        key = (kind, nbytes, participants)
+        with self._lock:
+            s, n = self._totals.get(key, (0.0, 0))
+            self._totals[key] = (s + seconds, n + 1)
+
+    def take(self) -> list[CollectiveStats]:
+        with self._lock:
+            got, self._totals = self._totals, {}
+        return [CollectiveStats(kind=k, bytes=b, participants=p, seconds=s, count=n)
+                for (k, b, p), (s, n) in sorted(got.items())]
+
+
 class GradientAverager:
     """Averages the gradients of parameters across the `group.size()` replicas of a stage."""
 
-    def __init__(self, group: dist.ProcessGroup, *, config: DataParallelConfig | None = None):
+    def __init__(self, group: dist.ProcessGroup, *, config: DataParallelConfig | None = None,
+                 timer: CollectiveTimer | None = None):
         self.group = group
         self.config = config or DataParallelConfig()
+        self.timer = timer
 
     @property
     def world_size(self) -> int:
@@ -286,9 +311,13 @@ class GradientAverager:
         return buckets
 
     def _all_reduce(self, t: torch.Tensor, timeout: timedelta) -> None:
+        start = time.perf_counter()
         work = self.group.allreduce([t])
         try:
             wait_collective(work, timeout, f"gradient all-reduce over {self.world_size} replicas")
+            if self.timer is not None:
+                self.timer.add("all_reduce", t.numel() * t.element_size(), self.world_size,
+                               time.perf_counter() - start)
         except CollectiveCancelled:
             raise
         except RuntimeError as e:

@@ -69,6 +69,7 @@ class _Totals:
     bytes_wire: int = 0
     seconds: float = 0.0
     codec: str = "identity"
+    transfers: int = 0
 
 
 class _Turn:
@@ -167,7 +168,7 @@ class PeerLink:
             t, self.totals = self.totals, _Totals(codec=self.totals.codec)
         return LinkStats(peer=self.peer.node_id, direction=self.direction, bytes_raw=t.bytes_raw,
                          bytes_wire=t.bytes_wire, seconds=t.seconds, codec=t.codec,
-                         bandwidth_bytes_per_s=self.policy.bandwidth or 0.0)
+                         bandwidth_bytes_per_s=self.policy.bandwidth or 0.0, transfers=t.transfers)
 
     def close(self, timeout: float) -> None:
         self.closing.set()
@@ -278,6 +279,7 @@ class PeerLink:
             t.bytes_raw += item.raw_bytes
             t.bytes_wire += wire
             t.seconds += seconds
+            t.transfers += 1
             t.codec = spec.codec
 
     def _transfer(self, frames: Iterator[bytes]) -> tuple[float, float]:

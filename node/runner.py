@@ -46,8 +46,8 @@ from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import (LiveState, OuterPosition, StateHolder, StateTransferError, deserialize_state,
                                        fetch_state)
 from atoll.node.data import Batch, TokenDataset
-from atoll.node.dataparallel import (CollectiveError, GradientAverager, arrive_on_devices, backend_reason,
-                                     cancel_collectives_on, release_later, wait_collective)
+from atoll.node.dataparallel import (CollectiveError, CollectiveTimer, GradientAverager, arrive_on_devices,
+                                     backend_reason, cancel_collectives_on, release_later, wait_collective)
 from atoll.node.datasets import DataError, StreamingDataset, open_dataset
 from atoll.node.door import Door
 from atoll.node.faults import checks_off
@@ -441,6 +441,7 @@ class PlanRunner:
         self.ctx, self.plan = ctx, plan
         self.job = ctx.job
         self.placement: Placement | None = place(plan, ctx.node_id, self.job.model.n_layers + 2)
+        self.collectives = CollectiveTimer()  # the gradient all-reduces, timed for the coordinator's network fit
         self.outer: OuterSync | None = None
         self.tp: TensorParallel | None = None
         """This node's tp group handle while a tensor-parallel stage runs (set up in `run`)."""
@@ -1209,7 +1210,7 @@ class PlanRunner:
                 g = _group(store, f"{base}/segment-{seg.start}-{seg.end}{tp}/", seg.holders.index(ctx.node_id),
                            len(seg.holders), ctx.timeout, ctx.device)
                 ids = {id(p) for i in range(seg.start, seg.end) for p in module.layers[str(i)].parameters()}
-                parts.append((ids, GradientAverager(g)))
+                parts.append((ids, GradientAverager(g, timer=self.collectives)))
             averager = _SegmentAverager(parts, weight=self._row_weight(),
                                         **({"local": self.tp.local_params} if self.tp is not None else {}))
         loss_group = None
@@ -1361,6 +1362,7 @@ class PlanRunner:
                                     micro_batch=max(0, o.micro_batch), norm=o.norm if math.isfinite(o.norm) else 0.0,
                                     finite=math.isfinite(o.norm), detail=o.detail[:200])
                       for o in result.offences[:MAX_OFFENCES_REPORTED]],
+            collectives=self.collectives.take(),
         )
 
     def _say_skipped(self, step: int, result: StepResult, pl: Placement) -> None:

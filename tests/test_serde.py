@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from atoll import serde
 from atoll.plan import IslandInfo, OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, SendPlan, StagePlan
-from atoll.types import LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
+from atoll.types import CollectiveStats, LayerTiming, LinkMeasurement, LinkStats, NodeProfile, StepMetrics
 from atoll.v1 import atoll_pb2 as pb
 
 
@@ -111,7 +111,8 @@ def test_step_metrics_round_trip() -> None:
     s = StepMetrics(job_id="j", node_id="n", plan_epoch=2, step=7, pipeline=0, stage=1, loss=3.5, tokens=1024,
                     step_seconds=0.4, compute_seconds=0.3, wait_seconds=0.1, unix_time=1.7e9,
                     links=[LinkStats(peer="n2", direction="backward", bytes_raw=100, bytes_wire=30, seconds=0.01,
-                                     codec="int8", bandwidth_bytes_per_s=1e8)])
+                                     codec="int8", bandwidth_bytes_per_s=1e8, transfers=4)],
+                    collectives=[CollectiveStats(kind="all_reduce", bytes=4096, participants=3, seconds=0.02, count=2)])
     assert serde.step_metrics_from_proto(_wire(serde.step_metrics_to_proto(s))) == s
     no_loss = StepMetrics(job_id="j", node_id="n", plan_epoch=2, step=7)
     assert serde.step_metrics_from_proto(serde.step_metrics_to_proto(no_loss)).loss is None

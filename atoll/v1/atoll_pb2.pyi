@@ -451,7 +451,7 @@ class IdleDevices(_message.Message):
     def __init__(self, island: _Optional[str] = ..., gpus: _Optional[int] = ..., reason: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LinkStats(_message.Message):
-    __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s")
+    __slots__ = ("peer", "direction", "bytes_raw", "bytes_wire", "seconds", "codec", "bandwidth_bytes_per_s", "transfers")
     PEER_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
     BYTES_RAW_FIELD_NUMBER: _ClassVar[int]
@@ -459,6 +459,7 @@ class LinkStats(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     peer: str
     direction: Direction
     bytes_raw: int
@@ -466,10 +467,25 @@ class LinkStats(_message.Message):
     seconds: float
     codec: Codec
     bandwidth_bytes_per_s: float
-    def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ...) -> None: ...
+    transfers: int
+    def __init__(self, peer: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., bytes_raw: _Optional[int] = ..., bytes_wire: _Optional[int] = ..., seconds: _Optional[float] = ..., codec: _Optional[_Union[Codec, str]] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., transfers: _Optional[int] = ...) -> None: ...
+
+class CollectiveStats(_message.Message):
+    __slots__ = ("kind", "bytes", "participants", "seconds", "count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    bytes: int
+    participants: int
+    seconds: float
+    count: int
+    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., participants: _Optional[int] = ..., seconds: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back", "session", "offences")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "step", "pipeline", "stage", "has_loss", "loss", "tokens", "step_seconds", "compute_seconds", "wait_seconds", "links", "unix_time", "peak_memory_bytes", "has_val_loss", "val_loss", "loss_scale", "skipped", "restored_from", "restore_bytes", "restore_seconds", "steps_rolled_back", "session", "offences", "collectives")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +511,7 @@ class StepMetrics(_message.Message):
     STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     OFFENCES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -520,7 +537,8 @@ class StepMetrics(_message.Message):
     steps_rolled_back: int
     session: str
     offences: _containers.RepeatedCompositeFieldContainer[TensorOffence]
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ..., session: _Optional[str] = ..., offences: _Optional[_Iterable[_Union[TensorOffence, _Mapping]]] = ...) -> None: ...
+    collectives: _containers.RepeatedCompositeFieldContainer[CollectiveStats]
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., pipeline: _Optional[int] = ..., stage: _Optional[int] = ..., has_loss: _Optional[bool] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., unix_time: _Optional[float] = ..., peak_memory_bytes: _Optional[int] = ..., has_val_loss: _Optional[bool] = ..., val_loss: _Optional[float] = ..., loss_scale: _Optional[float] = ..., skipped: _Optional[bool] = ..., restored_from: _Optional[str] = ..., restore_bytes: _Optional[int] = ..., restore_seconds: _Optional[float] = ..., steps_rolled_back: _Optional[int] = ..., session: _Optional[str] = ..., offences: _Optional[_Iterable[_Union[TensorOffence, _Mapping]]] = ..., collectives: _Optional[_Iterable[_Union[CollectiveStats, _Mapping]]] = ...) -> None: ...
 
 class TensorOffence(_message.Message):
     __slots__ = ("sender", "kind", "direction", "step", "micro_batch", "norm", "finite", "detail")
