@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.codecpolicy import mode_codecs
+from atoll.coordinator.planner.network import NOMINAL, NetworkModel
 from atoll.coordinator.linkmatrix import LinkEstimate
 from atoll.coordinator.machineprobe import machine_of, per_flow_links
 from atoll.coordinator.store import MemberRecord
@@ -69,6 +70,9 @@ class PlanInputs:
     live_step_s: Mapping[frozenset[str], float] = field(default_factory=dict)
     """Outer mode: the nodes of each replica group measured in the running rounds -> its live inner step time
     (`OuterRounds.live_step_times`); a group of the new plan on exactly those nodes is split by it (`live_split`)."""
+    network: NetworkModel = NOMINAL
+    """How the planner reads the probed links: as probed, or as the nodes' measured transfers and collectives
+    fitted them (`atoll.coordinator.netfit`)."""
 
 
 HANDOVER_SECONDS = 120.0
@@ -282,7 +286,10 @@ def planner_plan(inputs: PlanInputs) -> Plan:
                              # plans within that are taken as equal, and the same one chosen every time
                              # (not where a device runs well off its profile: its speed is measured then, not
                              # noise, and a tie kept on it costs what the drift replan is for)
-                             near_equal=0.0 if _drifted(inputs.speed) else NEAR_EQUAL)
+                             near_equal=0.0 if _drifted(inputs.speed) else NEAR_EQUAL,
+                             # links as probed, or as the nodes' measured transfers fitted them (`netfit`): the
+                             # network is measured here, not a spec sheet's figures, so no band of guesses
+                             network=inputs.network, band=())
     train = TrainSpec(global_batch=job.train.global_batch, seq_len=job.train.seq_len, dtype=job.train.dtype)
     timings = ProfileSet.from_node_profiles(islands, profiles, job.model_spec.block_params)
     if not host_tp:

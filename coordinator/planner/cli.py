@@ -132,6 +132,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = search_plan(model, cluster, train, profiles, options)
     print(format_plan(result.plan, cluster, search_seconds=result.seconds, width=model.config.d_model,
                       elem_bytes=2 if args.dtype in ("bf16", "fp16") else 4))
+    if result.band is not None:  # the plan and the nominal-best plan under each network model of the band
+        print("\n".join(result.band.lines()))
     if result.note and result.plan.mode == "sync":
         print(f"mode {result.note}")
     if json_out is not None:  # a write that fails now (a full disk) is one line too: `atoll` prints an OSError so

@@ -442,6 +442,9 @@ class Composer:
                             widths = []
                             for isl in order:
                                 want = width_of.get(isl.id, max(seed.widths))
+                                if cm.options.equal_widths:  # the seed's one width, or the part is not used
+                                    widths.append(want if want <= isl.gpus else 0)
+                                    continue
                                 w = next((w for w in range(min(want, isl.gpus), 0, -1)
                                           if seed.batch % w == 0 and seed.batch // w in sizes), 0)
                                 widths.append(w)
@@ -469,9 +472,12 @@ class Composer:
         if link is None:
             return None
         streams = streams or min(s.lane_width(i), s.lane_width(j))
-        bw = cm.stream_bandwidth(src, dst, link, streams, streams=streams)
+        # where the replicas sit: both stages' devices (every lane, every tp rank) share one node, or the stream
+        # crosses nodes; two parts of a split island are cut between nodes
+        devices = max(s.widths[i], s.widths[j]) if i == j or src.id != dst.id else src.gpus_per_node
+        bw = cm.stream_bandwidth(src, dst, link, devices, streams=streams)
         raw = -(-cm.model.boundary_bytes(boundary, s.batch, cm.train.seq_len, cm.train.dtype) // streams)
-        return raw, bw, link.latency_s
+        return raw, bw, cm.stream_latency(src, dst, link, devices)
 
     def _fastest_link(self, s: _Setup, i: int, j: int, boundary: int, *, latency: bool = False) -> float:
         """The quickest time on the wire of the boundary (inf: no link); with `latency`, its arrival."""
@@ -866,6 +872,15 @@ class Composer:
             if best is None or c.step_s < best.step_s:
                 best = c
         return best
+
+    def finish(self, cand: Candidate) -> Candidate:
+        """A composed candidate (`stats.using`) refined, simulated and filled as the search's leading ones are."""
+        if not cand.step_s:
+            cand.step_s = simulate(cand.times).step_time_s
+        s = self._setup_of.get(id(cand))
+        if s is None:
+            return cand
+        return self._filled_if_faster(self._plain_if_faster(self.refine(cand, s)), s)
 
     def _near_equal(self, top: list[Candidate]) -> list[Candidate]:
         """`top` led by the preferred of the candidates within `near_equal` of the fastest (with the best composed

@@ -445,12 +445,14 @@ class CostModel:
         if k == 1:
             intra = island.intra_node_bandwidth * eff
             return 2 * (replicas - 1) / replicas / intra, 2 * (replicas - 1) * INTRA_NODE_LATENCY_S
-        inter = island.inter_node_bandwidth * eff
+        net = self.options.network
+        inter = island.inter_node_bandwidth * eff * net.collective_scale
         intra = (island.intra_node_bandwidth or 0.0) * eff
-        if g > 1 and intra > inter:
+        hop = island.latency_s + net.collective_latency_s
+        if g > 1 and intra > inter and not net.flat_ring:
             return (2 * (g - 1) / g / intra + 2 * (k - 1) / k / (g * inter),
-                    2 * (g - 1) * INTRA_NODE_LATENCY_S + 2 * (k - 1) * island.latency_s)
-        return 2 * (replicas - 1) / replicas / inter, 2 * (replicas - 1) * island.latency_s
+                    2 * (g - 1) * INTRA_NODE_LATENCY_S + 2 * (k - 1) * hop)
+        return 2 * (replicas - 1) / replicas / inter, 2 * (replicas - 1) * hop
 
     def allreduce_seconds(self, nbytes: float, replicas: int, island: Island, per_node: int | None = None) -> float:
         """All-reduce of `nbytes` over `replicas` devices of one island (`allreduce_linear`)."""
@@ -498,18 +500,27 @@ class CostModel:
         `link_efficiency`; `transfer_seconds` adds the latency).
 
         Link figures are per GPU flow (`cluster`): each stream runs at the link's rate; between two stages
-        of one island that fit in one node, at the intra-node rate; across a shared (region) link, at its
+        of one island of `width` devices each (dp x tp, every lane) that fit in one node together, at the
+        intra-node rate; across a shared (region) link, at its
         capacity divided among all `streams` crossing it at once, and never above the GPUs' own rate.
         """
         eff = self.options.link_efficiency
+        if src.id == dst.id and 2 * width <= src.gpus_per_node:
+            return src.intra_node_bandwidth * eff
+        eff *= self.options.network.p2p_scale  # every other stream crosses nodes
         if src.id == dst.id:
-            if 2 * width <= src.gpus_per_node:
-                return src.intra_node_bandwidth * eff
             return src.inter_node_bandwidth * eff
         if link.shared:
             own = min(src.inter_node_bandwidth, dst.inter_node_bandwidth)
             return min(own, link.bandwidth / max(1, streams)) * eff
         return link.bandwidth * eff
+
+    def stream_latency(self, src: Island, dst: Island, link: Link, width: int) -> float:
+        """One-way latency of a stream of `stream_bandwidth`'s: the link's, plus the network model's added latency
+        where it crosses nodes."""
+        if src.id == dst.id and 2 * width <= src.gpus_per_node:
+            return link.latency_s
+        return link.latency_s + self.options.network.p2p_latency_s
 
     def optimizer_seconds(self, island: Island, params: int, zero: int, group: int, tp: int = 1) -> float:
         """The optimizer step of a device holding `params` / tp parameters (/ `group` under ZeRO >= 1)."""

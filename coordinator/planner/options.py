@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atoll.coordinator.planner.network import NOMINAL, PESSIMISTIC, NetworkModel
 from atoll.modelspec import dtype_bytes
 
 CODEC_ORDER = ("identity", "bf16", "fp16", "int8", "int4", "hadamard", "lowrank")
@@ -109,6 +110,18 @@ class PlannerOptions:
     with each other."""
     simulate_top: int = 4
     """Candidates `search` returns, best first by their simulated step time."""
+    network: NetworkModel = NOMINAL
+    """How the cost model reads the cluster's cross-node figures (`network`): the nominal reading, or one fitted
+    to what nodes measured (`atoll.coordinator.netfit`)."""
+    band: tuple[NetworkModel, ...] = (PESSIMISTIC,)
+    """The other readings a plan is scored under (`robust`): the plan chosen is the one with the least worst-case
+    regret over `network` and these; empty: the fastest under `network` alone."""
+    band_others: int = 6
+    """Besides the search's leading pipelines, the best composed pipelines of this many other device counts (and of
+    the most devices) are scored under the band."""
+    band_search_up_to: int = 1024
+    """Clusters of at most this many devices are searched whole under each model of the band too (their best
+    plans join the candidates); larger ones re-score the nominal search's leading candidates only."""
     near_equal: float = 0.0
     """Pipelines predicted within this fraction of the fastest count as equally fast, and among them the planner
     takes the one with the most devices, then the fewest stages, then the largest micro-batch: a choice that
@@ -180,6 +193,10 @@ class PlannerOptions:
             raise ValueError("refine_factors must be >= 1")
         if self.simulate_top < 1:
             raise ValueError("simulate_top must be >= 1")
+        if self.band_others < 0:
+            raise ValueError(f"band_others must be >= 0, got {self.band_others}")
+        if self.band_search_up_to < 0:
+            raise ValueError(f"band_search_up_to must be >= 0 devices, got {self.band_search_up_to}")
         if not 0 <= self.near_equal < 1:
             raise ValueError(f"near_equal must be in [0, 1), got {self.near_equal}")
         if self.outer_mode not in OUTER_MODES:

@@ -128,7 +128,8 @@ class DefaultParallelizer:
         """(tp, dp, rows of the busiest replica) for every way to run `gpus` devices of the island on a
         pipeline micro-batch of `batch` sequences: tp within a node and dividing the model's heads; every
         replica takes at least one sequence and at most tp x the largest allowed micro-batch (exactly an
-        allowed one, and the same on every replica, under `equal_widths`)."""
+        allowed one, and the same on every replica, under `equal_widths`, where tp is 1: a stage's dp is then its
+        width, the same on every stage)."""
         key = (island.gpus_per_node, gpus, batch)
         got = self._split_cache.get(key)
         if got is None:
@@ -140,7 +141,8 @@ class DefaultParallelizer:
                 rows = -(-batch // dp)
                 if batch < dp or rows > self.max_rows * tp:
                     continue
-                if self.cm.options.equal_widths and (batch % dp or rows not in self.sizes):
+                # equal widths: every stage's dp is the pipeline's width, so no stage may trade replicas for tp
+                if self.cm.options.equal_widths and (tp > 1 or batch % dp or rows not in self.sizes):
                     continue
                 got.append((tp, dp, rows))
             self._split_cache[key] = got

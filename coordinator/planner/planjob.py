@@ -14,6 +14,8 @@ from atoll.coordinator.planner.outer import choose_outer, outer_plan, wan_gap
 from atoll.coordinator.planner.parallelizer import IslandParallelizer
 from atoll.coordinator.planner.profiles import ProfileSet
 from atoll.coordinator.planner.multipipe import SEVERAL_PIPELINES_MIN_GAIN, MultiCandidate, several_pipelines
+from atoll.coordinator.planner.robust import (BandFigures, Scored, as_model, best_steps, choose,
+                                              score_multi, score_single, with_network)
 from atoll.coordinator.planner.simulator import PipelineTimes, simulate
 from atoll.coordinator.planner.tied import holds_tied_weight, mixes_cuts, tied_copy_params
 from atoll.hf import TRAIN_SEQ_LEN
@@ -39,6 +41,9 @@ class PlanResult:
     """Why the plan trains in its mode when the cluster spans regions (outer mode: `plan.outer.reason`)."""
     left_out: dict[str, str] = field(default_factory=dict)
     """Outer mode: region -> why no replica group trains there."""
+    band: BandFigures | None = None
+    """Synchronous plans scored under a band of network models: the chosen plan's and the nominal-best plan's
+    figures under each (`robust`); None without a band."""
 
     @property
     def gpus(self) -> int:
@@ -193,20 +198,85 @@ def search_sync(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles: 
         if got is not None and (multi is None or got.step_s < multi.step_s):
             multi = got
     # one pipeline unless several are measurably faster (multipipe.SEVERAL_PIPELINES_MIN_GAIN)
-    if multi is not None and (not top or multi.step_s * SEVERAL_PIPELINES_MIN_GAIN <= top[0].step_s):
+    if multi is not None and top and multi.step_s * SEVERAL_PIPELINES_MIN_GAIN > top[0].step_s:
+        multi = None
+    if not top and multi is None:
+        raise NoFeasiblePlan(explain_infeasible(cm, cluster))
+    band: BandFigures | None = None
+    nominal = cm.options.network.name
+    if cm.options.band and top:
+        pool = band_pool(cm, cluster, composer, top, parallelizer)
+        if multi is not None:
+            pool.append(score_multi(multi.pipelines, multi.shares, cm,
+                                    [with_network(cm, n) for n in (cm.options.network, *cm.options.band)], cluster))
+        pick, why = choose(pool, nominal, cluster.total_gpus, cm.options.near_equal)
+        fastest = min(pool, key=lambda e: e.steps[nominal])
+        band = BandFigures(models=[cm.options.network, *cm.options.band], tokens_per_step=train.tokens_per_step,
+                           chosen=dict(pick.steps), nominal_best=dict(fastest.steps), best=best_steps(pool), why=why,
+                           candidates=len(pool))
+        multi = None
+        if pick.multi:
+            priced, mtimes = pick.multi[nominal]
+            multi = MultiCandidate(pipelines=priced, shares=pick.shares, times=mtimes, step_s=pick.steps[nominal],
+                                   cross_sync_s=[[t.sync_s - c.sync_s for t, c in zip(mt.stages, p.times.stages)]
+                                                 for mt, p in zip(mtimes, priced)])
+        else:
+            top = [pick.single[nominal]] + [c for c in top if c is not pick.single[nominal]]
+    if multi is not None:
         pipes = list(zip(multi.pipelines, multi.times, multi.shares))
         cross = max(max(x) for x in multi.cross_sync_s)
         plan = to_plan(pipes, cm, cluster, note=f"; all-reduce across the {len(pipes)} pipelines {cross:.2f} s")
         first = multi.pipelines[0]
-    elif top:
+    else:
         first = top[0]
         plan = to_plan([(first, first.times, train.global_batch)], cm, cluster)
-    else:
-        raise NoFeasiblePlan(explain_infeasible(cm, cluster))
     times = [t for _, t, _ in pipes] if multi is not None and plan.pipelines and len(plan.pipelines) > 1 \
         else [first.times]
     return PlanResult(plan=plan, candidate=first, times=times, stats=composer.stats,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, band=band)
+
+
+def band_pool(cm: CostModel, cluster: Cluster, composer: Composer, top: list[Candidate],
+              parallelizer: IslandParallelizer | None) -> list[Scored]:
+    """The candidates the robust choice compares (`robust`), each scored under every model of the band: the
+    search's leading pipelines, the best composed pipeline of a few other device counts and of the most devices,
+    and on clusters of at most `band_search_up_to` devices the leading pipelines of a search under each other
+    model."""
+    models = [with_network(cm, n) for n in (cm.options.network, *cm.options.band)]
+    pool: list[Scored] = []
+    seen: set[tuple] = set()
+
+    def add(c: Candidate, built: CostModel, origin: str) -> None:
+        key = (c.micro_batch, tuple((st.island.id, st.island.gpus, st.start, st.end, st.cost.dp, st.cost.tp,
+                                     st.cost.zero, st.in_flight, st.defer) for st in c.stages))
+        if key not in seen:
+            seen.add(key)
+            pool.append(score_single(as_model(c, built, cm, cluster), cm, models, cluster, origin=origin))
+
+    def others(comp: Composer, lead: list[Candidate]) -> list[Candidate]:
+        """The best composed pipelines of a few other device counts, and of the most devices, finished."""
+        totals = sorted(((g, c) for (i, g), c in comp.stats.using.items() if not i and all(c is not t for t in lead)),
+                        key=lambda x: x[1].estimate_s)
+        extra = [c for _, c in totals[:cm.options.band_others]]
+        most = max(totals, key=lambda x: (x[0], -x[1].estimate_s), default=None)
+        if most is not None and all(c is not most[1] for c in extra):
+            extra.append(most[1])
+        return [comp.finish(c) for c in extra]
+
+    for c in top:
+        add(c, cm, "nominal search")
+    for c in others(composer, top):
+        add(c, cm, "nominal search, another device count")
+    if parallelizer is None and cluster.total_gpus <= cm.options.band_search_up_to:
+        for other in models[1:]:
+            comp = Composer(cost_model=other, cluster=cluster)
+            found = comp.search()
+            name = other.options.network.name
+            for c in found:
+                add(c, other, f"search under the {name} model")
+            for c in others(comp, found):
+                add(c, other, f"search under the {name} model, another device count")
+    return pool
 
 
 def explain_infeasible(cm: CostModel, cluster: Cluster) -> str:
