@@ -1,0 +1,101 @@
+"""The coordinator's network fit (`atoll.coordinator.netfit`): the least squares, the fitted model, the replan
+verdict's hysteresis, and samples read from step reports."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from atoll.coordinator.netfit import (CalibrationOptions, Sample, describe_fit, fit_kind, fit_network, model_change,
+                                      replan_verdict, samples_from_steps)
+from atoll.coordinator.planner.network import NOMINAL, PESSIMISTIC, NetworkModel
+from atoll.types import CollectiveStats, LinkStats, StepMetrics
+
+
+def _samples(kind: str, slowdown: float, extra_s: float, n: int = 40, noise: float = 0.02, seed: int = 1) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        wire = rng.uniform(1e-3, 50e-3)
+        lat = rng.uniform(1e-4, 1e-3)
+        measured = (lat + extra_s + slowdown * wire) * (1 + rng.uniform(-noise, noise))
+        out.append(Sample(kind=kind, seconds=measured, wire_s=wire, latency_s=lat))
+    return out
+
+
+@pytest.mark.parametrize("slowdown,extra", [(4.0, 0.0), (1.0, 2e-3), (0.5, 5e-4), (3.0, 1e-3)])
+def test_the_fit_recovers_the_slowdown_and_the_latency_left_out(slowdown: float, extra: float) -> None:
+    f = fit_kind(_samples("p2p", slowdown, extra), "p2p")
+    assert f is not None and f.samples == 40
+    assert f.slowdown == pytest.approx(slowdown, rel=0.05)
+    assert f.extra_latency_s == pytest.approx(extra, abs=1e-3)
+    assert f.fitted_s == pytest.approx(f.measured_s, rel=0.03)
+    assert fit_kind(_samples("p2p", slowdown, extra), "collective") is None  # another kind's samples
+
+
+def test_one_size_only_gives_the_mean_ratio_and_no_latency() -> None:
+    xs = [Sample(kind="collective", seconds=0.04 + 0.001 * (i % 3), wire_s=0.01) for i in range(9)]
+    f = fit_kind(xs, "collective")
+    assert f is not None and f.extra_latency_s == 0.0
+    assert f.slowdown == pytest.approx(sum(x.seconds for x in xs) / len(xs) / 0.01)
+
+
+def test_the_fitted_model_scales_the_base_per_kind_once_it_has_enough_samples() -> None:
+    samples = _samples("p2p", 4.0, 0.0) + _samples("collective", 2.0, 0.0, n=5, seed=2)
+    fit = fit_network(samples, NOMINAL, min_samples=8)
+    assert fit.model.p2p_scale == pytest.approx(0.25, rel=0.05)
+    assert fit.model.collective_scale == 1.0  # 5 samples: not enough yet
+    assert fit.kinds["collective"].samples == 5
+    again = fit_network(samples, NOMINAL, min_samples=5)
+    assert again.model.collective_scale == pytest.approx(0.5, rel=0.05)
+    # a fit made under a model that was already scaled scales it further
+    on_pessimistic = fit_network(_samples("p2p", 2.0, 0.0), PESSIMISTIC)
+    assert on_pessimistic.model.p2p_scale == pytest.approx(PESSIMISTIC.p2p_scale / 2, rel=0.05)
+    lines = describe_fit(fit)
+    assert lines[0].startswith("p2p: 40 samples") and "4.0" in lines[0] and "collective: 5 samples" in lines[1]
+
+
+def test_the_replan_verdict_has_hysteresis() -> None:
+    opts = CalibrationOptions(change=1.5, min_gain=0.10)
+    slow = NetworkModel(name="fitted", p2p_scale=0.25, collective_scale=0.25)
+    # moved 4x, the best plan under it 30% shorter: replan
+    go = replan_verdict(fitted=slow, planned=NOMINAL, running_s=10.0, best_s=7.0, options=opts)
+    assert go.go and "30% shorter" in go.why
+    # moved 4x but no gain: nothing
+    assert not replan_verdict(fitted=slow, planned=NOMINAL, running_s=10.0, best_s=9.5, options=opts).go
+    # after the replan the running plan was made under `slow`: a fit wobbling around it replans nothing, whatever
+    # the planner would now say
+    wobble = NetworkModel(name="fitted", p2p_scale=0.3, collective_scale=0.22)
+    stay = replan_verdict(fitted=wobble, planned=slow, running_s=10.0, best_s=5.0, options=opts)
+    assert not stay.go and "within" in stay.why
+    assert model_change(wobble, slow) == pytest.approx(0.3 / 0.25)
+    # latency the model left out counts against the transfers' typical time
+    laggy = NetworkModel(name="fitted", p2p_latency_s=0.02)
+    assert model_change(laggy, NOMINAL, {"p2p": 0.01}) == pytest.approx(3.0)
+    assert model_change(laggy, NOMINAL) == 1.0
+    with pytest.raises(ValueError, match="factor above 1"):
+        CalibrationOptions(change=1.0)
+
+
+def test_samples_are_read_from_step_reports_and_predicted_under_the_plans_model() -> None:
+    link_of = {("a", "b"): (1e8, 1e-3), ("b", "c"): (5e7, 2e-3), ("c", "a"): (1e8, 1e-3)}
+    group_of = {"a": ["a", "b", "c"]}
+    steps = [StepMetrics(job_id="j", node_id="a", plan_epoch=1, step=0,
+                         links=[LinkStats(peer="b", direction="forward", bytes_wire=4_000_000, seconds=0.2,
+                                          transfers=4),
+                                LinkStats(peer="z", direction="forward", bytes_wire=10, seconds=1.0, transfers=1)],
+                         collectives=[CollectiveStats(kind="all_reduce", bytes=3_000_000, participants=3, seconds=0.5,
+                                                      count=2)])]
+    got = samples_from_steps(steps, link_of, group_of, 0.96, NOMINAL)
+    p2p = [s for s in got if s.kind == "p2p"]
+    coll = [s for s in got if s.kind == "collective"]
+    assert len(p2p) == 1 and len(coll) == 1  # no probe to peer z: not a sample
+    assert p2p[0].seconds == pytest.approx(0.05) and p2p[0].wire_s == pytest.approx(1e6 / (1e8 * 0.96))
+    assert p2p[0].latency_s == pytest.approx(1e-3)
+    # the ring runs at its slowest link (b-c), paying 4 hops at its largest latency
+    assert coll[0].seconds == pytest.approx(0.25)
+    assert coll[0].wire_s == pytest.approx(4 / 3 * 3e6 / (5e7 * 0.96)) and coll[0].latency_s == pytest.approx(4 * 2e-3)
+    # under a model that already reads the links 4x slower, the same bytes are predicted 4x longer
+    slow = samples_from_steps(steps, link_of, group_of, 0.96, PESSIMISTIC)
+    assert slow[0].wire_s == pytest.approx(4 * p2p[0].wire_s)
