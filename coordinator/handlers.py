@@ -538,6 +538,7 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     reply.anchor_mismatch = state.outer.last_mismatch
     reply.outer_exclusions, reply.outer_exclusion = state.outer.exclusions, state.outer.last_exclusion
     reply.under_replicated.extend(state.replication_gaps.lines(state.current_plan()))
+    reply.network_fit.extend(state.network_fit_lines())
     backup = state.newest_backup()
     if backup is not None:
         reply.newest_backup_path, reply.newest_backup_unix = backup

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.network import NetworkModel
+from atoll.plan import Plan
 from atoll.types import StepMetrics
 
 KINDS = ("p2p", "collective")
@@ -216,6 +217,31 @@ def samples_from_steps(steps: Iterable[StepMetrics], link_of: Mapping[tuple[str,
                               wire_s=2 * (n - 1) / n * c.bytes / (bw * link_efficiency * planned.collective_scale),
                               latency_s=2 * (n - 1) * (lat + planned.collective_latency_s), hops=2 * (n - 1)))
     return out
+
+
+def plan_step_under(plan: Plan, planned: NetworkModel, fitted: NetworkModel) -> float:
+    """The step `plan` (made under `planned`) takes under `fitted`, through the planner's simulator: each link's time
+    on the wire scaled by the ratio of the two models' p2p scales and its latency by their difference, each stage's
+    gradient sync by the collective scales (live nodes hold one device each: every transfer and every all-reduce
+    crosses nodes). 0 for a plan without timings (the fallback)."""
+    from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, plan_pipeline_times, simulate
+
+    p2p = planned.p2p_scale / fitted.p2p_scale
+    coll = planned.collective_scale / fitted.collective_scale
+    lat = fitted.p2p_latency_s - planned.p2p_latency_s
+    worst = 0.0
+    for i in range(len(plan.pipelines)):
+        t = plan_pipeline_times(plan, i)
+        if t is None:
+            return 0.0
+        links = tuple(LinkTimes(forward_s=max(x.latency_s + lat, 0.0) + (x.forward_s - x.latency_s) * p2p,
+                                backward_s=max(x.latency_s + lat, 0.0) + (x.backward_s - x.latency_s) * p2p,
+                                latency_s=max(x.latency_s + lat, 0.0)) for x in t.links)
+        stages = tuple(replace(st, sync_s=st.sync_s * coll, sync_hidden_s=min(st.sync_hidden_s, st.sync_s * coll))
+                       for st in t.stages)
+        priced: PipelineTimes = replace(t, links=links, stages=stages)
+        worst = max(worst, simulate(priced).step_time_s)
+    return worst
 
 
 def describe_fit(fit: NetworkFit) -> list[str]:

@@ -37,6 +37,9 @@ from atoll.coordinator.machineprobe import MachineProbes, RoundTarget, machine_o
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
                                           failure_decision, plan_decision)
 from atoll.coordinator.outer import OuterRounds
+from atoll.coordinator.netfit import (CalibrationOptions, NetworkFit, describe_fit, fit_network, model_change,
+                                      plan_step_under, replan_verdict, samples_from_steps)
+from atoll.coordinator.planner.network import NOMINAL, NetworkModel
 from atoll.coordinator.planning import PlanInputs, finish_plan, handing_over, make_plan
 from atoll.coordinator import job_control
 from atoll.coordinator.errors import FailedPrecondition
@@ -88,6 +91,9 @@ class CoordinatorOptions:
     """Heartbeats a second the coordinator takes from all nodes together: past `budget x interval` members the
     interval and the lease stretch with the membership (`atoll.coordinator.cadence`). None: a fixed cadence."""
     drift: DriftOptions = field(default_factory=DriftOptions)
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
+    """When the network model fitted to the nodes' measured transfers replans (`atoll.coordinator.netfit`); checked
+    with the drift, every `DriftOptions.interval`."""
     """When devices running slower or faster than planned make a new plan worth its switch (`atoll.coordinator.drift`)."""
     dial_back: bool = True
     """Dial each joining node's advertised address back (`atoll.coordinator.dialback`) and run one that does
@@ -141,6 +147,11 @@ class CoordinatorState:
         self.viewer_token: Callable[[], str] = lambda: ""
         """Makes (at the first call) and returns the dashboard's read-only token (`atoll job viewer-token`); the
         service sets it to its `atoll.coordinator.dashboard.access.ViewerToken`. "": this coordinator has none."""
+        self.network: NetworkModel = NOMINAL
+        """How the planner reads the probed links: as probed, or as a network fit replanned under (`_network_check`).
+        Held in memory: a restarted coordinator plans from the probes again and re-fits from the next reports."""
+        self.network_fit: NetworkFit | None = None
+        """The newest fit of the running plan's reports (the status shows it)."""
         self.speed: dict[str, float] = store.get_speed()
         """Per node, the factor its profile was scaled by for the current plan (`atoll.coordinator.calibration`),
         kept in the store beside the plan so a restarted coordinator compounds from the same factors."""
@@ -815,7 +826,7 @@ class CoordinatorState:
             if _SECONDS.sub("", decision.reason) != _SECONDS.sub("", self._last_reason):
                 log.info("not planning: %s", decision.reason)
             if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
-                events.extend(self._drift_check(plan, alive, now))
+                events.extend(self._network_check(plan, alive, now) or self._drift_check(plan, alive, now))
         self._last_reason = decision.reason
         for e in events:
             log.info("%s", e)
@@ -919,6 +930,42 @@ class CoordinatorState:
         self._drift_backoff = 1
         return [self._adopt(new, how, inputs, f"drift: {describe(off)}; {verdict.why}")]
 
+    def _network_check(self, plan: Plan, alive: dict[str, MemberRecord], now: float) -> list[str]:
+        """Fit the network model to the running plan's step reports (`atoll.coordinator.netfit`) and replan under
+        the fit when it moved from the model the plan was made under and the plan it gives is worth it
+        (`netfit.replan_verdict`); the fit is kept for the status either way."""
+        opts = self.options.calibration
+        if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
+            return []
+        steps = [m for m in self._reports_of(plan, CALIBRATION_REPORTS_PER_NODE) if m.plan_epoch == plan.epoch]
+        link_of = {(x.src, x.dst): (x.bandwidth_bytes_per_s, x.rtt_seconds / 2)
+                   for x in self.store.links_view() if x.bandwidth_bytes_per_s > 0}
+        group_of = {n: list(st.nodes) for p in plan.pipelines for st in p.stages for n in st.nodes}
+        from atoll.coordinator.planner.options import PlannerOptions
+
+        samples = samples_from_steps(steps, link_of, group_of, PlannerOptions().link_efficiency, self.network)
+        fit = fit_network(samples, self.network, min_samples=opts.min_samples)
+        self.network_fit = fit
+        typical = {k: f.measured_s for k, f in fit.kinds.items()}
+        if model_change(fit.model, self.network, typical) <= opts.change:
+            return []
+        inputs = replace(self._plan_inputs(alive, now), network=fit.model)
+        new, how = self.planner(inputs)
+        verdict = replan_verdict(fitted=fit.model, planned=self.network, running_s=plan_step_under(
+            plan, self.network, fit.model), best_s=new.predicted.step_time_s, options=opts, typical_s=typical)
+        if not verdict.go:
+            log.info("network fit: not replanning: %s", verdict.why)
+            return []
+        self.network = fit.model
+        self._drift_next = now + self.options.drift.interval.total_seconds()
+        return [self._adopt(new, how, inputs, f"network fit: {verdict.why}")]
+
+    def network_fit_lines(self) -> list[str]:
+        """The status's lines of the newest network fit: per kind, predicted against measured."""
+        if self.network_fit is None:
+            return []
+        return [f"planned under {self.network.describe()}"] + describe_fit(self.network_fit)
+
     def _plan_inputs(self, alive: dict[str, MemberRecord], now: float,
                      formed: tuple[list[LinkMeasurement], LinkGraph, list[IslandInfo]] | None = None,
                      speed: dict[str, float] | None = None) -> PlanInputs:
@@ -956,7 +1003,8 @@ class CoordinatorState:
                             checkpoint_copies=copies_of(records, resume, {n: m.peer_address for n, m in alive.items()
                                                                          if m.peer_address}),
                             handover=handing_over(previous, self.store.members_view().values(), now),
-                            machine_flows=self._machines.per_flow(), live_step_s=self.outer.live_step_times(now))
+                            machine_flows=self._machines.per_flow(), live_step_s=self.outer.live_step_times(now),
+                            network=self.network)
         return inputs
 
     def _calibrated(self, previous: Plan | None) -> dict[str, float]:

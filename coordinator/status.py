@@ -221,6 +221,7 @@ def _offender_lines(s: pb.StatusReply) -> list[str]:
         out.append(f"outer rounds: {s.outer_exclusions} group contribution(s) left out as outliers; the newest: "
                    f"{s.outer_exclusion}")
     out += [f"UNDER-REPLICATED {line}" for line in s.under_replicated]  # a writer's full disk
+    out += [f"network fit: {line}" for line in s.network_fit]  # measured transfers against the plan's model
     return out
 
 

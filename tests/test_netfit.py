@@ -99,3 +99,24 @@ def test_samples_are_read_from_step_reports_and_predicted_under_the_plans_model(
     # under a model that already reads the links 4x slower, the same bytes are predicted 4x longer
     slow = samples_from_steps(steps, link_of, group_of, 0.96, PESSIMISTIC)
     assert slow[0].wire_s == pytest.approx(4 * p2p[0].wire_s)
+
+
+def test_a_running_plan_is_re_estimated_under_a_fitted_network() -> None:
+    from atoll.coordinator.netfit import plan_step_under
+    from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, search_plan
+    from atoll.modelspec import ModelSpec
+
+    cluster = parse_cluster('[[group]]\nname = "a"\ndevice = "A100-40GB"\ncount = 8\ngpus_per_node = 1\n'
+                            'inter_node_gbps = 10\n[[group]]\nname = "b"\ndevice = "V100-16GB"\ncount = 8\n'
+                            'gpus_per_node = 1\ninter_node_gbps = 10\n')
+    plan = search_plan(ModelSpec.from_preset("350m"), cluster, TrainSpec(global_batch=64, seq_len=1024),
+                       options=PlannerOptions(band=())).plan
+    assert any(st.dp > 1 for p in plan.pipelines for st in p.stages) or len(plan.pipelines[0].stages) > 1
+    same = plan_step_under(plan, NOMINAL, NetworkModel(name="fitted"))
+    assert same == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    slower = plan_step_under(plan, NOMINAL, NetworkModel(name="fitted", p2p_scale=0.25, collective_scale=0.25))
+    slowest = plan_step_under(plan, NOMINAL, NetworkModel(name="fitted", p2p_scale=0.05, collective_scale=0.05))
+    assert plan.predicted.step_time_s < slower < slowest
+    # a plan made under a slow model and re-estimated under the nominal one gets faster again
+    assert plan_step_under(plan, NetworkModel(name="fitted", p2p_scale=0.25, collective_scale=0.25), NOMINAL) \
+        <= plan.predicted.step_time_s
