@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds after the plan reached every node before measuring (its delivery is a wave)")
     ap.add_argument("--clients", type=int, default=max(2, min(4, (os.cpu_count() or 2) - 1)),
                     help="client processes simulating the nodes (bench.coordinator_scale)")
+    ap.add_argument("--heartbeat-budget", type=float,
+                    help="the coordinator's --heartbeat-budget (heartbeats a second; default: its own): a smaller one "
+                         "stretches the simulated nodes' cadence, so that 10,000 of them fit a small machine")
     ap.add_argument("--timeout", type=float, default=900.0, help="most seconds to wait for joins and the plan")
     ap.add_argument("--screenshot", metavar="DIR", help="save the map at each size as DIR/dashboard-map-N.png")
     ap.add_argument("--keep", help="folder to keep each run's state and coordinator log in")
@@ -122,11 +125,16 @@ def measure(ctx: dict, browser, args: argparse.Namespace, out: dict) -> None:
     cpu_watched = _cpu(pid, args.window)
     latencies = []
     for _ in range(args.repeats):
-        target = control_job(ctx["address"], "extend", steps=1, token=ctx["token"],
-                             timeout=timedelta(seconds=30)).target_steps
+        # every page watches for the next figure before the call that makes it; the latency counts from the
+        # call's start (so it includes the call itself)
+        target = int(re.sub(r"\D", "", pages[0].text_content("#step").split("/")[1])) + 1
         for page in pages:
             page.evaluate(WATCH_TARGET, target)
         changed = time.time()
+        made = control_job(ctx["address"], "extend", steps=1, token=ctx["token"],
+                           timeout=timedelta(seconds=30)).target_steps
+        if made != target:
+            raise RuntimeError(f"the job's last step moved to {made}, not {target}: something else extends it")
         for page in pages:
             page.wait_for_function("window.__seen !== null", timeout=30_000)
         latencies.append(max(page.evaluate("window.__seen") for page in pages) - changed)
@@ -163,31 +171,51 @@ def job_screenshots(out: Path, browser, seconds: float, keep: Path | None, *, mo
     (work / "job.toml").write_text(job.to_toml())
     out.mkdir(parents=True, exist_ok=True)
     saved = []
+    names = {"node1": "lab-a-0", "node2": "lab-a-1", "node3": "lab-b-0", "node4": "lab-b-1"}
+    extra = ["--dashboard-port", "0", "--lease", "5", "--join-settle", "2", "--island-threshold", "0.001"]
+    if mode == "sync":
+        # a pinned two-stage pipeline across the regions (the planner puts this tiny model on one CPU a replica),
+        # so the plan view has stages, dp and a link between them; once a node it names is gone, the planner plans
+        from atoll.plan import PipelinePlan, Plan, StagePlan
+
+        pinned = Plan(model="tiny", global_batch=16, seq_len=64, pipelines=[PipelinePlan(
+            micro_batch=4, num_micro_batches=4, stages=[
+                StagePlan(island="lab-a", layers=(0, 3), dp=2, nodes=["lab-a-0", "lab-a-1"]),
+                StagePlan(island="lab-b", layers=(3, 6), dp=2, nodes=["lab-b-0", "lab-b-1"])])])
+        pinned.validate(job.model.n_layers + 2)
+        pinned.save(work / "plan.json")
+        extra += ["--plan", str(work / "plan.json")]
     with LocalCluster(job_path=work / "job.toml", out=work / "run", profile_seconds=1.0) as c:
-        c.start_coordinator(extra=["--dashboard-port", "0", "--lease", "5", "--join-settle", "2",
-                                   "--island-threshold", "0.001"])
+        c.start_coordinator(extra=extra)
         for i, region in enumerate(["lab-a", "lab-a", "lab-b", "lab-b"]):
-            c.start_node(f"node{i + 1}", region=region)
+            c.start_node(f"node{i + 1}", region=region, node_id=names[f"node{i + 1}"])
         c.wait_status(lambda s: s.plan.epoch >= 1 and len(s.members) == 4, 180, "a plan of four nodes")
         print(f"  training for {seconds:g} s ...", flush=True)
         time.sleep(seconds)
+        url = _dashboard_url(work / "run")
+        context = browser.new_context(viewport={"width": 1400, "height": 900})
+        page = context.new_page()
+        page.goto(url + f"?token={c.token}")
+        page.wait_for_function("document.getElementById('count-members').textContent !== '-'", timeout=30_000)
+
+        def shoot(view: str) -> None:
+            page.click(f"nav a[data-view={view}]")
+            page.wait_for_timeout(1500)
+            path = out / f"dashboard-{view}.png"
+            page.screenshot(path=str(path))
+            saved.append(path)
+
+        if "plan" in views:  # the plan as it ran before the kill
+            shoot("plan")
         import os as _os
 
         _os.killpg(c.procs["node4"].pid, signal.SIGKILL)  # a machine lost: its lease lapses, the job replans
         epoch = c.status().plan.epoch
         c.wait_status(lambda s: s.plan.epoch > epoch, 120, "the replan after the kill", dead=frozenset({"node4"}))
         time.sleep(20)
-        url = _dashboard_url(work / "run")
-        context = browser.new_context(viewport={"width": 1400, "height": 900})
-        page = context.new_page()
-        page.goto(url + f"?token={c.token}")
-        page.wait_for_function("document.getElementById('count-members').textContent !== '-'", timeout=30_000)
         for view in views:
-            page.click(f"nav a[data-view={view}]")
-            page.wait_for_timeout(1500)
-            path = out / f"dashboard-{view}.png"
-            page.screenshot(path=str(path))
-            saved.append(path)
+            if view != "plan":
+                shoot(view)
         if not node_page:
             context.close()
             return saved
@@ -238,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{n} simulated members: joining ...", flush=True)
                 r: dict = {}
                 run_size(n, args.clients, 1.0, args.timeout, True, root / f"n{n}", settle=0.0,
+                         budget=args.heartbeat_budget,
                          extra=["--dashboard-port", "0"], during=lambda ctx: measure(ctx, browser, args, r))
                 if not r:
                     raise RuntimeError(f"size {n}: the plan did not reach every simulated node; see "
