@@ -15,5 +15,5 @@ for folder, package in COMPONENTS.items():
 
 # folders of data files only (the built-in corpus, the example cluster files): packages of their own, or setuptools
 # warns at every install that they would be ignored
-packages += ["atoll.data", "atoll.examples.clusters"]
+packages += ["atoll.data", "atoll.examples.clusters", "atoll.coordinator.dashboard.static"]
 setup(packages=packages, package_dir=package_dir)
