@@ -17,7 +17,7 @@ every node in `JoinReply.job.spec_toml`, so nodes and coordinator read the same 
                   eval_batches
     [checkpoint]  interval (steps between checkpoints; 0: none), keep (complete checkpoints kept; 0: all),
                   replicas (other nodes that take a copy of each checkpoint; default 1)
-    [compression] mode ("adaptive" | "identity" | a codec name)
+    [compression] mode ("adaptive" | "wan" | "identity" | a codec name), rank (lowrank), bits (hadamard)
     [cluster]     expected_nodes (plan once this many have joined), min_nodes (fewest to keep training),
                   host_tp (true: tensor parallelism over the nodes that share a machine)
 
@@ -307,10 +307,22 @@ class CompressionSpec:
     """"adaptive" (a codec per link from its measured bandwidth), "wan" (likewise, among the wide-area codecs,
     the least measured loss cost that hides behind compute: `atoll.compression.losscost`), "identity", or one
     codec for every link."""
+    rank: int = 16
+    """lowrank: rank of the factors sent (16: 42x of float32 at 1,024 tokens x 512, 70x at 2,048 x 768)."""
+    bits: int = 4
+    """hadamard: bits per code, 2 to 4 (4: 7.5x of float32); lowrank: bits per factor entry, 4, 8 or 16
+    (bfloat16)."""
 
     def __post_init__(self) -> None:
         _check(self.mode in COMPRESSION_MODES,
                f"compression.mode must be one of {', '.join(COMPRESSION_MODES)}, got {self.mode!r}")
+        _check(1 <= self.rank <= 4096, f"compression.rank must be in [1, 4096], got {self.rank}")
+        _check(self.bits in (2, 3, 4, 8, 16), f"compression.bits must be 2, 3 or 4 (hadamard), or 4, 8 or 16 "
+                                              f"(lowrank), got {self.bits}")
+        _check(self.mode != "lowrank" or self.bits in (4, 8, 16),
+               f"compression.bits of lowrank must be 4, 8 or 16 (bfloat16 factors), got {self.bits}")
+        _check(self.mode != "hadamard" or self.bits <= 4,
+               f"compression.bits of hadamard must be 2, 3 or 4, got {self.bits}")
 
 
 OUTER_MODES = ("auto", "sync", "outer")
@@ -517,7 +529,9 @@ class JobSpec:
                                 and getattr(obj, f.name) == f.default)
                        and not (sec == "data" and f.name in _DATA_WRITTEN_WHEN_SET
                                 and getattr(obj, f.name) == f.default)
-                       and not (sec == "cluster" and f.name == "host_tp" and getattr(obj, f.name) == f.default))
+                       and not (sec == "cluster" and f.name == "host_tp" and getattr(obj, f.name) == f.default)
+                       and not (sec == "compression" and f.name in ("rank", "bits")
+                                and getattr(obj, f.name) == f.default))
         if self.outer != OuterSpec():  # written only when set, so jobs without it keep their ids
             out.append("\n[outer]")
             out.extend(f"{f.name} = {_toml_value(getattr(self.outer, f.name))}" for f in fields(self.outer))

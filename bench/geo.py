@@ -269,6 +269,20 @@ class GeoTestbed:
             for sw, dev, subnet in ends:
                 _run(["ip", "-n", sw, "route", "replace", f"10.77.{subnet}.0/24", "dev", dev])
 
+    def set_rate(self, a: str, b: str, bits_per_s: float, *, burst_bytes: int | None = None,
+                 queue_ms: int = 100) -> None:
+        """Shape the link between regions `a` and `b` to `bits_per_s` each direction from now on (the tbf of both
+        ends replaced; what is queued keeps its place)."""
+        if not bits_per_s > 0:
+            raise ValueError(f"bits_per_s must be positive, got {bits_per_s}")
+        names = self.regions
+        i, k = names.index(a), names.index(b)
+        bucket = burst_bytes or max(32 * 1024, int(bits_per_s / 8 * 0.004))
+        for sw, dev in ((self.switches[a], f"w{k}"), (self.switches[b], f"w{i}")):
+            _run(["ip", "netns", "exec", sw, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                  f"{int(bits_per_s)}bit", "burst", str(bucket), "latency", f"{queue_ms}ms"])
+        self.rates[frozenset((a, b))] = bits_per_s
+
     def wan_bytes(self) -> dict[tuple[str, str], int]:
         """Bytes sent so far over each link between regions, per direction: (from, to) -> the transmit counter of
         the `from` switch's WAN veth toward `to` (what its tbf let through, as the kernel counts it: IP packets,

@@ -15,10 +15,17 @@ Q' = M^T P, and M ~ P Q'^T. The receiver needs no state: both factors are sent.
   is sent with a later micro-batch. `reset()` forgets both; call it on a plan change (a new epoch, new
   neighbours or shapes).
 
-Payload: `[P: bfloat16 rows x k, row-major][Q': bfloat16 cols x k, row-major]`, 2 k (rows + cols) bytes:
-for 2,048 tokens x 768 at rank 16, 90 KiB against 6 MiB of float32 (70x; 35x against bfloat16). The size is
-a function of the shape, not only of the element count (`wire_size`). Decoding refuses a non-finite factor
-and a product that overflows the output dtype.
+The factors' precision is `CodecSpec.bits`:
+- 16: `[P: bfloat16 rows x k, row-major][Q': bfloat16 cols x k, row-major]`, 2 k (rows + cols) bytes: for 2,048
+  tokens x 768 at rank 16, 90 KiB against 6 MiB of float32 (70x; 35x against bfloat16).
+- 4 or 8 (the default is 4): each factor entry as a `bits`-bit mid-rise code (as hadamard's) with a bfloat16
+  step per row of P (a token's k coefficients) and per column of Q' (a basis direction), rounded up:
+  `[P steps: bfloat16 x rows][Q' steps: bfloat16 x k][P codes, packed LSB first][Q' codes, packed]`, each
+  code block zero-padded to a whole byte. At 4 bits, rank 32 of 512 tokens x 256 is 13 KiB against 512 KiB of
+  float32 (39x); rank 16 of 2,048 x 768, 28 KiB (222x). The sender's warm start and error feedback see what
+  the receiver decodes, quantization included.
+The size is a function of the shape, not only of the element count (`wire_size`). Decoding refuses a
+non-finite factor or step, a negative step, set padding bits and a product that overflows the output dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from atoll.compression.codec import Codec, Payload, numel_of, register, tensor_bytes
+from atoll.compression.sparse import _pack, _unpack, _unpack_bits
 from atoll.compression.dtypes import unit_roundoff
 from atoll.compression.errors import CodecError
 from atoll.compression.spec import CodecSpec
@@ -40,8 +48,8 @@ _FACTOR_ROUNDING = 2.0 ** -8  # relative error of a factor entry rounded to near
 
 LOSS_COST = {"lowrank/r16": 0.003}
 """Measured loss cost by spec label: the tiny job's mean loss over the last 5 of 30 steps on two stages through
-this codec (rank 16 of d_model 64), over identity's, minus one (2.8837 against 2.8761; tests/test_wan_codecs.py
-trains it). The link policy's and planner's quality-aware choice is to read it (issue 39, item 2)."""
+this codec (rank 16 of d_model 64, bfloat16 factors), over identity's, minus one (2.8837 against 2.8761;
+tests/test_wan_codecs.py trains it). `atoll.compression.losscost` holds every codec's."""
 
 
 
@@ -68,7 +76,24 @@ class LowRankCodec(Codec):
 
     def wire_size(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         rows, cols = matrix_shape(shape)
-        return 2 * self.rank_of(shape) * (rows + cols)
+        k, b = self.rank_of(shape), self.spec.bits
+        if b == 16 or k == 0:
+            return 2 * k * (rows + cols)
+        return 2 * (rows + k) + -(-rows * k * b // 8) + -(-cols * k * b // 8)
+
+    def _quantize(self, f: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int32, bfloat16 steps rounded up) of factor `f` with one step per slice along `dim`."""
+        half = 1 << (self.spec.bits - 1)
+        exact = f.abs().amax(dim=dim) / half
+        step = exact.to(torch.bfloat16)
+        step.view(torch.int16).add_((step.float() < exact).to(torch.int16))  # round up (steps are >= 0)
+        s = step.float().unsqueeze(dim)
+        inv = torch.where(s > 0, s.reciprocal(), torch.zeros_like(s))
+        return torch.floor(f * inv).add_(half).clamp_(0, 2 * half - 1).to(torch.int32), step
+
+    def _dequantize(self, codes: torch.Tensor, step: torch.Tensor, dim: int) -> torch.Tensor:
+        half = 1 << (self.spec.bits - 1)
+        return codes.float().sub_(half - 0.5).mul_(step.float().unsqueeze(dim))
 
     def payload_size(self, numel: int, dtype: torch.dtype) -> int:
         # without a shape (the link policy's estimate): a flat vector, one row, rank 1
@@ -106,10 +131,18 @@ class LowRankCodec(Codec):
             p, q = self.factor(m, self.start(cols, k, m.device), ITERATIONS)
         else:
             p, q = self.factor(m, q.to(m.device), 1)
-        out = torch.cat([p.reshape(-1), q.reshape(-1)]).to(torch.bfloat16)
-        if not bool(torch.isfinite(out).all()):
+        if self.spec.bits == 16:
+            out = torch.cat([p.reshape(-1), q.reshape(-1)]).to(torch.bfloat16)
+            if not bool(torch.isfinite(out).all()):
+                raise CodecError(f"lowrank factors of the tensor of shape {shape} overflow bfloat16")
+            return tensor_bytes(out.view(torch.uint8)), q
+        pc, ps = self._quantize(p, 1)  # a step per row of P
+        qc, qs = self._quantize(q, 0)  # a step per column of Q'
+        if not bool(torch.isfinite(qs.float()).all()):
             raise CodecError(f"lowrank factors of the tensor of shape {shape} overflow bfloat16")
-        return tensor_bytes(out.view(torch.uint8)), q
+        b = self.spec.bits
+        out = torch.cat([ps.view(torch.uint8), qs.view(torch.uint8), _pack(pc.reshape(-1), b), _pack(qc.reshape(-1), b)])
+        return tensor_bytes(out), q
 
     def decode(self, payload: Payload, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         buf, n = self._check_decode(payload, shape, dtype)
@@ -117,14 +150,36 @@ class LowRankCodec(Codec):
         if k == 0:
             return torch.zeros(tuple(shape), dtype=dtype)
         rows, cols = matrix_shape(shape)
-        f = buf.view(torch.bfloat16).float()
-        if not bool(torch.isfinite(f).all()):
-            raise CodecError(f"lowrank payload for shape {tuple(shape)}: a factor holds inf or NaN (corrupt payload)")
-        out = (f[: rows * k].view(rows, k) @ f[rows * k:].view(cols, k).T).to(dtype)
+        p, q = self._factors(buf, shape, rows, cols, k)
+        out = (p @ q.T).to(dtype)
         if not bool(torch.isfinite(out).all()):
             raise CodecError(f"lowrank payload for shape {tuple(shape)}: its product overflows {dtype} (corrupt "
                              f"payload, or a sender whose tensor did not fit {dtype})")
         return out.view(tuple(shape))
+
+    def _factors(self, buf: torch.Tensor, shape: Sequence[int], rows: int, cols: int,
+                 k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P [rows, k], Q' [cols, k]) as float32 from a payload of the right size; CodecError if corrupt."""
+        if self.spec.bits == 16:
+            f = buf.view(torch.bfloat16).float()
+            if not bool(torch.isfinite(f).all()):
+                raise CodecError(f"lowrank payload for shape {tuple(shape)}: a factor holds inf or NaN (corrupt "
+                                 f"payload)")
+            return f[: rows * k].view(rows, k), f[rows * k:].view(cols, k)
+        b = self.spec.bits
+        steps = buf[: 2 * (rows + k)].view(torch.bfloat16).float()
+        if not bool(torch.isfinite(steps).all()) or bool((steps < 0).any()):
+            raise CodecError(f"lowrank payload for shape {tuple(shape)}: a factor's step is negative, inf or NaN "
+                             f"(corrupt payload)")
+        p_bytes = -(-rows * k * b // 8)
+        pb, qb = buf[2 * (rows + k): 2 * (rows + k) + p_bytes], buf[2 * (rows + k) + p_bytes:]
+        for codes, n in ((pb, rows * k), (qb, cols * k)):
+            if bool(_unpack_bits(codes)[n * b:].any()):
+                raise CodecError(f"lowrank payload for shape {tuple(shape)}: padding bits after a factor's last code "
+                                 f"are set (corrupt payload)")
+        p = self._dequantize(_unpack(pb, rows * k, b).view(rows, k), steps[:rows], 1)
+        q = self._dequantize(_unpack(qb, cols * k, b).view(cols, k), steps[rows:], 0)
+        return p, q
 
     def error_bound(self, t: torch.Tensor) -> float:
         """The float32 factors' own error (what the rank leaves), plus the rounding of each factor entry to
@@ -140,8 +195,17 @@ class LowRankCodec(Codec):
         approx = p @ q.T
         residual = float((m - approx).abs().max())
         cross = float(p.norm(dim=1).max() * q.norm(dim=1).max())
-        top = float(approx.abs().max()) + cross * 3 * _FACTOR_ROUNDING
-        return residual * (1 + 1e-5) + cross * (3 * _FACTOR_ROUNDING) + top * unit_roundoff(t.dtype) + 1e-30
+        if self.spec.bits == 16:
+            top = float(approx.abs().max()) + cross * 3 * _FACTOR_ROUNDING
+            return residual * (1 + 1e-5) + cross * (3 * _FACTOR_ROUNDING) + top * unit_roundoff(t.dtype) + 1e-30
+        # each entry of P off by at most half its row's step dp_i, of Q' half its column's dq_j:
+        # |P^ Q^'T - P Q'T|_ic <= sum_j dp_i |Q'_cj| + |P_ij| dq_j + dp_i dq_j
+        _, ps = self._quantize(p, 1)
+        _, qs = self._quantize(q, 0)
+        dp, dq = ps.float() / 2, qs.float() / 2
+        quant = float(dp.max() * q.abs().sum(1).max() + (p.abs() @ dq).max() + dp.max() * dq.sum())
+        top = float(approx.abs().max()) + quant
+        return (residual + quant) * (1 + 1e-4) + top * unit_roundoff(t.dtype) + 1e-30
 
     @property
     def expected_error(self) -> float:

@@ -14,6 +14,7 @@ DEFAULT_TOPK_FRACTION = 0.01
 MAX_BLOCK_SIZE = 1 << 20
 MAX_ZSTD_LEVEL = 22
 DEFAULT_BITS = 4
+LOWRANK_BITS = (4, 8, 16)
 DEFAULT_RANK = 16
 MAX_RANK = 1 << 12
 
@@ -39,7 +40,8 @@ class CodecSpec:
     zstd_level: int = 0
     """0: no lossless stage; 1..22: a zstd stage at this level after the codec."""
     bits: int = DEFAULT_BITS
-    """hadamard: bits per code, 2, 3 or 4."""
+    """hadamard: bits per code, 2, 3 or 4; lowrank: bits per factor entry, 4 or 8 (integer codes, a scale per
+    row of P and per column of Q'), or 16 (bfloat16 factors)."""
     rank: int = DEFAULT_RANK
     """lowrank: rank of the factors sent, in [1, 4096] (capped by the matrix's own dimensions)."""
     seed: int = 0
@@ -58,10 +60,14 @@ class CodecSpec:
                 or not 0 <= self.zstd_level <= MAX_ZSTD_LEVEL:
             raise CodecError(f"zstd_level must be an integer in [0, {MAX_ZSTD_LEVEL}] (0 turns the stage off), "
                              f"got {self.zstd_level!r}")
-        for name, lo, hi in (("bits", 2, 4), ("rank", 1, MAX_RANK), ("seed", 0, (1 << 32) - 1)):
+        for name, lo, hi in (("bits", 2, 16), ("rank", 1, MAX_RANK), ("seed", 0, (1 << 32) - 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise CodecError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if self.codec == "lowrank" and self.bits not in LOWRANK_BITS:
+            raise CodecError(f"lowrank bits must be 4, 8 or 16 (bfloat16 factors), got {self.bits}")
+        if self.codec != "lowrank" and not 2 <= self.bits <= 4:
+            raise CodecError(f"bits must be an integer in [2, 4], got {self.bits!r}")
         object.__setattr__(self, "topk_fraction", _float32(float(self.topk_fraction)))
 
     @property
@@ -79,7 +85,7 @@ class CodecSpec:
         elif self.codec == "hadamard":
             base += f"/{self.bits}b/{self.block_size}"
         elif self.codec == "lowrank":
-            base += f"/r{self.rank}"
+            base += f"/r{self.rank}" + ("" if self.bits == 16 else f"/{self.bits}b")
         return base + (f"+zstd{self.zstd_level}" if self.zstd_level else "")
 
     def to_proto(self) -> tuple[int, pb.CodecParams]:

@@ -101,7 +101,8 @@ def stage_config(job: JobSpec, micro_batches: int, timeout: timedelta) -> StageC
 def fixed_codec(job: JobSpec) -> CodecSpec | None:
     """The codec every link uses, or None when the link policy chooses (compression modes "adaptive", "wan")."""
     mode = job.compression.mode
-    return None if mode in ("adaptive", "wan") else CodecSpec(codec=mode)
+    c = job.compression
+    return None if mode in ("adaptive", "wan") else CodecSpec(codec=mode, rank=c.rank, bits=c.bits)
 
 
 def link_policy(job: JobSpec) -> PolicyConfig:

@@ -18,7 +18,8 @@ from pipeline_harness import run_pinned_plan, stage, tiny_job
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(0,), (3, 0), (), (1,), (7,), (5, 3), (3, 255), (2, 257), (33, 64), (4, 5, 6)]
 SPECS = [CodecSpec("hadamard"), CodecSpec("hadamard", bits=2, block_size=128), CodecSpec("hadamard", bits=3, block_size=5),
-         CodecSpec("lowrank"), CodecSpec("lowrank", rank=1, seed=9)]
+         CodecSpec("lowrank"), CodecSpec("lowrank", rank=1, seed=9), CodecSpec("lowrank", bits=16),
+         CodecSpec("lowrank", rank=5, bits=8)]
 
 
 def _roundtrip(x: torch.Tensor, spec: CodecSpec) -> torch.Tensor:
@@ -72,9 +73,11 @@ def test_lowrank_recovers_a_low_rank_tensor_and_its_link_warm_starts_and_feeds_b
     g = torch.Generator().manual_seed(0)
     base = torch.randn(8, 512, generator=g)
     x = torch.randn(300, 8, generator=g) @ base
-    assert float((_roundtrip(x, CodecSpec("lowrank", rank=8)) - x).norm() / x.norm()) < 0.02
+    assert float((_roundtrip(x, CodecSpec("lowrank", rank=8, bits=16)) - x).norm() / x.norm()) < 0.02
+    assert float((_roundtrip(x, CodecSpec("lowrank", rank=8, bits=8)) - x).norm() / x.norm()) < 0.05
+    assert float((_roundtrip(x, CodecSpec("lowrank", rank=8, bits=4)) - x).norm() / x.norm()) < 0.25
     # successive micro-batches share a subspace: the warm-started link does better than a cold start after a few
-    spec = CodecSpec("lowrank", rank=4)
+    spec = CodecSpec("lowrank", rank=4, bits=16)
     link = LowRankLink(spec, error_feedback=False)
     cold = warm = 0.0
     for i in range(6):
@@ -128,17 +131,24 @@ def test_malformed_payloads_raise_codec_error(spec: CodecSpec) -> None:
     bad[0:2] = torch.tensor([float("inf")], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
     with pytest.raises(CodecError, match="inf or NaN"):
         codec.decode(bytes(bad), x.shape, x.dtype)
-    if spec.codec == "hadamard":
+    if spec.codec == "hadamard" or spec.bits < 16:
         bad[0:2] = torch.tensor([-1.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
         with pytest.raises(CodecError, match="negative"):
             codec.decode(bytes(bad), x.shape, x.dtype)
+    if spec.codec == "lowrank" and spec.bits < 16:
+        odd = torch.randn(3, 7)
+        enc = bytearray(encode_tensor(odd, CodecSpec("lowrank", rank=3, bits=4)).payload)
+        enc[-1] |= 0xF0  # Q' is 7 x 3 codes of 4 bits: half a byte of padding
+        with pytest.raises(CodecError, match="padding"):
+            get_codec(CodecSpec("lowrank", rank=3, bits=4)).decode(bytes(enc), odd.shape, odd.dtype)
+    if spec.codec == "hadamard":
         if spec.bits == 3:  # 3 bits leave padding in the last byte
             bad = bytearray(good)
             bad[-1] |= 0x80
             with pytest.raises(CodecError, match="padding"):
                 codec.decode(bytes(bad), x.shape, x.dtype)
     else:  # a product beyond float16's range
-        big = torch.full((6, 300), 7e4)
+        big = torch.full((6, 300), 1e5)  # 4-bit factors decode a constant at (7.5 / 8)^2 of it
         with pytest.raises(CodecError, match="overflows"):
             codec.decode(encode_tensor(big, spec).payload, big.shape, torch.float16)
     # fuzzed bytes of the right size: a CodecError or a finite tensor of the right shape, never a crash
