@@ -16,7 +16,8 @@ stage 0 sends and stage 0's replicas verify each other). One case per run:
 - damaged state: `node-disk` (a0, stage 0's checkpoint writer, writes onto a 32 MB tmpfs that is filled at step
   `--fault-step`), `coordinator-disk` (the coordinator's state dir on a tmpfs filled at that step and freed 6 s later).
 
-Per case: whether the job finished, its final loss (mean of the last 10 steps) against the clean run's, steps lost
+Per case: whether the job finished, its final loss (mean of the last 10 steps, each step's loss as the coordinator's
+history holds it: the mean of the loss reports it took) against the clean run's, steps lost
 (rolled back by restarts, plus skipped steps), steps from the fault to the faulty node's quarantine, nodes
 quarantined that did nothing wrong, the run's tokens/s; and for the claims cases what the coordinator answered.
 
@@ -344,13 +345,12 @@ def run_case(case: str, args: argparse.Namespace, out: Path) -> Result:
             res.epochs = last.plan.epoch
             if case == "node-disk":
                 res.notes.append("under-replicated shown: " + ("; ".join(last.under_replicated) or "no (closed)"))
-        time.sleep(1)
-        res.losses = cluster.losses()
         reports = cluster.step_reports()
     finally:
         cluster.stop()
         for m in mounts:
             umount(m)
+    res.losses = recorded_losses(reports)
     res.rolled_back = max((r.steps_rolled_back for r in reports), default=0)
     res.skipped = len({r.step for r in reports if r.offences})
     res.tokens_per_s = tokens_per_s(reports)
@@ -373,6 +373,16 @@ def run_case(case: str, args: argparse.Namespace, out: Path) -> Result:
     if case == "forged-end":
         res.ok["forged job end not taken"] = res.finished and len(res.losses) >= args.steps
     return res
+
+
+def recorded_losses(reports: list) -> dict[int, float]:
+    """Each step's loss as the coordinator's history holds it: the mean of every loss report it took for the step
+    (a forged one it took counts as much as the true one)."""
+    by_step: dict[int, list[float]] = {}
+    for r in reports:
+        if r.loss is not None:
+            by_step.setdefault(r.step, []).append(r.loss)
+    return {step: statistics.fmean(v) for step, v in by_step.items()}
 
 
 def tokens_per_s(reports: list, skip: int = 10) -> float | None:
@@ -439,6 +449,8 @@ def report(results: list[Result], args: argparse.Namespace, extra: list[Result])
         print(f"checks' cost: {on:,.0f} tokens/s with the checks (best of {', '.join(f'{x:,.0f}' for x in ons)}), "
               f"{off:,.0f} without (best of {', '.join(f'{x:,.0f}' for x in offs)}): {100 * cost:+.1f}% "
               f"(target <= {100 * CHECK_COST_TARGET:.0f}%)")
+        if abs(cost) > 3 * CHECK_COST_TARGET:
+            print("  (the runs differ by more than the checks can cost: the machine's load decides this figure)")
         targets["the checks cost <= 3% of tokens/s"] = cost <= CHECK_COST_TARGET
     return targets
 
