@@ -200,7 +200,8 @@ function drawMap(m) {
     const line = el("line", {x1: a[0], y1: a[1], x2: b[0], y2: b[1], stroke: bwColour(l.bandwidth),
       "stroke-width": 6, "stroke-opacity": 0.55, "stroke-linecap": "round"}, linkLayer);
     el("title", {}, line).textContent = `${l.a} - ${l.b}: ${rate(l.bandwidth)} (median of ${l.links} links)`;
-    const x = (a[0] + b[0]) / 2, y = (a[1] + b[1]) / 2, text = rate(l.bandwidth);
+    // the label two fifths along from the first region: links that cross at their middles keep theirs apart
+    const x = a[0] + (b[0] - a[0]) * 0.4, y = a[1] + (b[1] - a[1]) * 0.4, text = rate(l.bandwidth);
     el("rect", {x: x - 3.4 * text.length, y: y - 9, width: 6.8 * text.length, height: 16, rx: 4, fill: "#0b0f14",
       stroke: bwColour(l.bandwidth)}, labelLayer);
     el("text", {x, y: y + 3, "text-anchor": "middle", "font-size": 11}, labelLayer).textContent = text;
@@ -266,8 +267,13 @@ function renderPlan() {
           "#f85149" : "#3fb950"}"></i></div>` +
         `<div class="row"><span>wait · utilisation</span><span>${secs(s.wait_seconds)} · ` +
         `${(100 * s.utilisation).toFixed(0)}%</span></div></div>`;
-      const arrow = k < pl.stages.length - 1 ? `<div class="arrow"><span>${esc(s.codec || "identity")}</span>` +
-        `<div class="line"></div><span>${secs(s.send_seconds)}</span></div>` : "";
+      // the codec the plan chose for the boundary, and what its links send now (adaptive compression measures)
+      const now = p.links.filter((x) => x.pipeline === pl.index && x.stage === s.index && x.direction === "forward");
+      const sent = [...new Set(now.map((x) => x.codec))].join(", ");
+      const achieved = now.length ? rate(Math.min(...now.map((x) => x.achieved_bytes_per_s))) : "";
+      const arrow = k < pl.stages.length - 1 ? `<div class="arrow"><span>planned ${esc(s.codec || "-")}</span>` +
+        `<div class="line"></div><span>${sent ? `now ${esc(sent)}` : secs(s.send_seconds)}</span>` +
+        `<span>${achieved}</span></div>` : "";
       return box + arrow;
     }).join("");
     return `<div class="pipe-label">pipeline ${pl.index}${pl.group ? ` · group ${esc(pl.group)}` : ""} · micro-batch ` +
