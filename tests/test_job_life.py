@@ -128,7 +128,7 @@ def test_extend_then_stop_through_the_handlers_and_the_acks(state: CoordinatorSt
     assert state.job_complete()
     with pytest.raises(FailedPrecondition, match="finished"):
         h.handle_control_job(pb.JobControlRequest(action="extend", steps=5), state)
-    with pytest.raises(InvalidArgument, match="'stop', 'extend', 'quarantine' or 'release'"):
+    with pytest.raises(InvalidArgument, match="'stop', 'extend', 'quarantine', 'release' or 'viewer-token'"):
         h.handle_control_job(pb.JobControlRequest(action="pause"), state)
     with pytest.raises(FailedPrecondition, match="runs job"):
         h.handle_control_job(pb.JobControlRequest(job_id="other", action="stop"), state)
