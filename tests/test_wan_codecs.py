@@ -1,9 +1,18 @@
-"""The stage boundary's WAN codecs: hadamard (rotation, then 2-4-bit codes) and lowrank (PowerSGD factors)."""
+"""The stage boundary's WAN codecs: hadamard (rotation, then 2-4-bit codes) and lowrank (PowerSGD factors).
+
+This file is also a stage process of the two-process runs: `python test_wan_codecs.py --worker '<json>'`.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +213,156 @@ def test_training_loss_near_identity(tmp_path) -> None:
     base = final("identity")
     for mode in ("hadamard", "lowrank"):
         assert final(mode) <= base * 1.03, mode
+
+
+def test_quality_aware_policy_takes_the_least_loss_cost_that_hides(tmp_path) -> None:
+    from atoll.compression import LinkPolicy, PolicyConfig, losscost
+
+    costs = {"identity": 0.0, "int8/64": 0.001, "lowrank/r16/4b": 0.004, "int4/64": 0.006, "hadamard/4b/64": 0.05}
+    config = PolicyConfig.wan(costs)
+    # hadamard is over the 3% cost budget; bf16 has no measured cost: neither is a candidate
+    assert [c.label() for c in config.allowed("activation")] == ["identity", "int8/64", "lowrank/r16/4b", "int4/64"]
+    assert "hadamard/4b/64" in [c.label() for c in config.allowed("weight_grad")]  # gradients keep the error budget
+    shape = (2048, 768)
+    raw = 2048 * 768 * 4
+    picks = {}
+    for overlap in (10.0, 2.0, 0.5):
+        policy = LinkPolicy(config, 10e6, 0.05)  # 80 Mbit/s, 50 ms one way; fresh: no hysteresis
+        d = policy.choose(raw, "activation", overlap, shape=shape)
+        picks[overlap] = d.spec.label()
+        assert "loss cost" in d.reason
+    # identity takes 0.68 s, int8 0.21 s, lowrank 0.08 s: the least cost whose transfer hides
+    assert picks == {10.0: "identity", 2.0: "identity", 0.5: "int8/64"}
+    assert LinkPolicy(config, 10e6, 0.05).choose(raw, "activation", 0.1, shape=shape).spec.label() == "lowrank/r16/4b"
+    # a bench's table over the shipped one
+    path = tmp_path / "costs.json"
+    losscost.write_table(path, {"int4/64": 0.002, "identity": -0.001}, note="test")
+    table = losscost.table(path)
+    assert table["int4/64"] == 0.002 and table["identity"] == 0.0 and "hadamard/4b/64" in table
+    path.write_text('{"loss_cost": {"int4/64": "x"}}')
+    with pytest.raises(ValueError, match="finite number"):
+        losscost.table(path)
+
+
+def test_atoll_plan_prints_each_boundary_codec_ratio_stall_and_loss_cost(capsys, monkeypatch, tmp_path) -> None:
+    import re
+
+    from atoll.compression import losscost
+    from atoll.launch.cli import main
+
+    cluster = Path(__file__).resolve().parent.parent / "examples" / "clusters" / "two-regions.toml"
+    table = tmp_path / "costs.json"
+    losscost.write_table(table, {"lowrank/r16/4b": 0.004, "int8/64": 0.001}, note="test")
+    monkeypatch.setenv("ATOLL_LOSS_COST", str(table))
+    assert main(["plan", "--model", "7b", "--cluster", str(cluster), "--outer", "sync", "--compression", "wan"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r" (\w+) ([\d.]+) MB ([\d.]+)x [^,]+, stall [^,]+, loss \+([\d.]+)%", out)
+    assert rows, out
+    # a 7B boundary between regions over 1 Gbit/s (tens of MB a micro-batch): only lowrank hides it, at the table's
+    # 0.4%; its ratio is the one at the plan's shape (rows x 4096 bfloat16), over 100x
+    wide = [r for r in rows if r[0] == "lowrank"]
+    assert wide and all(float(r[2]) > 100 and r[3] == "0.4" for r in wide), rows
+    raw = float(wide[0][1]) * 1e6 / 2  # bfloat16 elements
+    rows_ = raw / 4096
+    k, b = 16, 4
+    want = raw * 2 / (2 * (rows_ + k) + rows_ * k * b / 8 + 4096 * k * b / 8)
+    assert abs(float(wide[0][2]) / want - 1) < 0.01, (wide[0], want)
+
+
+# --- two stages in two processes --------------------------------------------------------------------------
+
+PROCESS_STEPS = 30
+BOUND = {"hadamard": 0.03, "lowrank": 0.03}
+"""Each codec's stated bound on the mean loss of the last 5 steps over identity's, minus one (its LOSS_COST is
+measured well inside it)."""
+
+
+def _process_job(mode: str):
+    return tiny_job(PROCESS_STEPS, mode=mode)
+
+
+def _worker(args: dict) -> None:
+    """One stage of the tiny job's two-stage plan: its own PlanRunner and Peer server, meeting the other process at
+    the test's store (where each publishes its server's address); prints each step's loss as a JSON line."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from atoll.node.peer import PeerServer
+    from atoll.node.runner import PlanRunner, RunContext
+    from atoll.plan import Plan
+
+    torch.set_num_threads(1)
+    stage_no, mode = args["stage"], args["mode"]
+    node = "ab"[stage_no]
+    store = dist.TCPStore("127.0.0.1", args["store_port"], is_master=False, timeout=timedelta(seconds=60))
+    server = PeerServer(node_id=node, listen="127.0.0.1:0", token="t")
+    store.set(f"{mode}/addr/{node}", server.address)
+    addresses = {n: store.get(f"{mode}/addr/{n}").decode() for n in "ab"}
+    job = _process_job(mode)
+    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len,
+                pipelines=_two_stages(job), epoch=1, job_id=f"wan-{mode}", node_addresses=addresses,
+                rendezvous=f"127.0.0.1:{args['store_port']}")
+
+    def report(m) -> bool:
+        if m.loss is not None:
+            print(json.dumps({"step": m.step, "loss": m.loss,
+                              "links": [[x.direction, x.codec, x.bytes_raw, x.bytes_wire] for x in m.links]}),
+                  flush=True)
+        return False
+
+    ctx = RunContext(node_id=node, job=job, peer_server=server, checkpoint_dir=Path(args["dir"]), report_step=report,
+                     report_checkpoint=lambda c: None, token="t", timeout=timedelta(seconds=60))
+    try:
+        PlanRunner(ctx, plan).run(threading.Event())
+    finally:
+        server.stop()
+
+
+def _run_processes(mode: str, tmp_path) -> dict[int, float]:
+    """step -> loss of the tiny job's two stages trained in two processes over loopback gRPC with codec `mode`."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, __file__, "--worker",
+                               json.dumps({"stage": i, "mode": mode, "store_port": store.port,
+                                           "dir": str(tmp_path / mode)})],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=Path(__file__).parent)
+             for i in (0, 1)]
+    deadline = time.monotonic() + 150
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, f"a {mode} stage process failed:\n{err[-3000:]}"
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    rows = [json.loads(x) for x in outs[1].splitlines() if x.startswith("{")]
+    # the last stage's reports carry its link (backward) and the loss; the codec on the wire is the job's
+    assert rows and all(link[1] == mode for r in rows for link in r["links"] if link[3]), rows[-1]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_two_stage_processes_loss_within_bound_of_identity(tmp_path) -> None:
+    """30 steps of the tiny job, each stage its own process, through each codec both ways: the mean loss of the
+    last 5 steps within the codec's stated bound of identity's (the transport's lowrank runs PowerSGD with a warm
+    start and error feedback on the gradients)."""
+    losses = {mode: _run_processes(mode, tmp_path) for mode in ("identity", *BOUND)}
+    assert all(len(v) == PROCESS_STEPS for v in losses.values()), {k: len(v) for k, v in losses.items()}
+    tail = {mode: sum(v[s] for s in range(PROCESS_STEPS - 5, PROCESS_STEPS)) / 5 for mode, v in losses.items()}
+    for mode, bound in BOUND.items():
+        assert tail[mode] <= tail["identity"] * (1 + bound), (mode, tail)
+    # a codec that sends nothing useful is caught: the untrained loss is far above identity's trained one
+    assert losses["identity"][0] > tail["identity"] * (1 + max(BOUND.values())), losses["identity"][0]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _worker(json.loads(sys.argv[2]))
