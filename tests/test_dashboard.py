@@ -154,3 +154,16 @@ def test_bench_script_parses_its_arguments() -> None:
     assert (args.nodes, args.browsers, args.job_screenshots) == ("1000,10000", 10, None)
     args = parse_args(["--nodes", "200", "--browsers", "2", "--window", "3", "--job-screenshots", "docs"])
     assert (args.nodes, args.browsers, args.window, args.job_screenshots) == ("200", 2, 3.0, "docs")
+
+
+def test_coordinator_flags_serve_no_dashboard_unless_asked() -> None:
+    from atoll.launch.cli import build_parser
+
+    base = ["coordinator", "--job", "examples/tiny.toml"]
+    args = build_parser().parse_args(base)
+    assert (args.dashboard_port, args.dashboard_host) == (None, "127.0.0.1")
+    assert ServiceConfig().dashboard_port is None and ServiceConfig().dashboard_host == "127.0.0.1"
+    args = build_parser().parse_args(base + ["--dashboard-port", "0", "--dashboard-host", "0.0.0.0"])
+    assert (args.dashboard_port, args.dashboard_host) == (0, "0.0.0.0")
+    with pytest.raises(ValueError, match="dashboard port"):
+        ServiceConfig(dashboard_port=70000)
