@@ -62,3 +62,23 @@ def test_the_adversary_bench_refuses_unknown_cases_and_a_fault_too_late_before_s
     help_text = subprocess.run([sys.executable, "-m", "bench.adversary", "--help"], cwd=REPO, capture_output=True,
                                text=True, timeout=60).stdout
     assert "--quick" in help_text and "--cases" in help_text and "forged-end" in help_text
+
+
+def test_a_stage_sends_the_damaged_activation_and_untouched_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seam: the damage is applied where a stage hands a tensor to its transport, and what `_send` returns (what
+    the stage's verification keeps as sent) is the damaged tensor, so the door and the replicas' check see it."""
+    from types import SimpleNamespace
+
+    from atoll.node import stage as stage_module
+    from atoll.node.transport import TensorKey
+
+    sent = []
+    fake = SimpleNamespace(config=SimpleNamespace(wire_dtype=torch.float32), tp=None,
+                           transport=SimpleNamespace(send=lambda key, t: sent.append((key, t))))
+    monkeypatch.setattr(stage_module, "injected", lambda: Fault("huge", 1.0, 5))
+    t = torch.randn(2, 4, 8)
+    early = stage_module.PipelineStage._send(fake, TensorKey(4, 0, "forward"), t)
+    hit = stage_module.PipelineStage._send(fake, TensorKey(5, 0, "forward"), t)
+    grad = stage_module.PipelineStage._send(fake, TensorKey(5, 0, "backward"), t)
+    assert torch.equal(early, t) and torch.allclose(hit, t * 1e4) and torch.equal(grad, t)
+    assert [torch.equal(s, r) for (_, s), r in zip(sent, (early, hit, grad))] == [True, True, True]
