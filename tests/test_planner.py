@@ -403,9 +403,12 @@ def test_one_gpu_machines_and_a_small_batch_run_in_lanes_and_the_runtime_places_
                             "inter_node_gbps = 25\nintra_node_gbps = 64\n")
     model = ModelSpec.from_preset("350m")
     train = TrainSpec(global_batch=16, seq_len=model.config.seq_len)
-    laned = search_plan(model, cluster, train).plan
+    # under the cluster's figures alone: the robust choice may prefer the plan without lanes, whose fewer
+    # transfers lose less where the links are slower than the file says (tests/test_planner_robust.py)
+    nominal = PlannerOptions(band=())
+    laned = search_plan(model, cluster, train, options=nominal).plan
     monkeypatch.setattr(composer, "MAX_LANES", 1)
-    plain = search_plan(model, cluster, train).plan
+    plain = search_plan(model, cluster, train, options=nominal).plan
     assert all(s.lanes == 1 for p in plain.pipelines for s in p.stages)
     assert laned.predicted.tokens_per_s > plain.predicted.tokens_per_s
     pipe = laned.pipelines[0]

@@ -443,7 +443,8 @@ class Composer:
                             for isl in order:
                                 want = width_of.get(isl.id, max(seed.widths))
                                 if cm.options.equal_widths:  # the seed's one width, or the part is not used
-                                    widths.append(want if want <= isl.gpus else 0)
+                                    fits = want <= isl.gpus and seed.batch % want == 0 and seed.batch // want in sizes
+                                    widths.append(want if fits else 0)
                                     continue
                                 w = next((w for w in range(min(want, isl.gpus), 0, -1)
                                           if seed.batch % w == 0 and seed.batch // w in sizes), 0)

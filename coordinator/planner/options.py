@@ -120,8 +120,9 @@ class PlannerOptions:
     """Besides the search's leading pipelines, the best composed pipelines of this many other device counts (and of
     the most devices) are scored under the band."""
     band_search_up_to: int = 1024
-    """Clusters of at most this many devices are searched whole under each model of the band too (their best
-    plans join the candidates); larger ones re-score the nominal search's leading candidates only."""
+    """Clusters of one region and at most this many devices are searched whole under each model of the band too
+    (their best plans join the candidates); larger ones, and those spanning regions (a search per region and one
+    over all of them), re-score the nominal search's leading candidates only."""
     near_equal: float = 0.0
     """Pipelines predicted within this fraction of the fastest count as equally fast, and among them the planner
     takes the one with the most devices, then the fewest stages, then the largest micro-batch: a choice that

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from atoll.coordinator.planner.cluster import GBPS, Cluster, Island
 from atoll.coordinator.planner.composer import Candidate, Composer, NoFeasiblePlan, SearchStats, StageChoice
@@ -147,8 +147,12 @@ def _search_plan(model: ModelSpec, cluster: Cluster, train: TrainSpec, profiles:
         sync.seconds = time.perf_counter() - t0
         return sync
 
+    # a replica group's plan re-scores its region's leading candidates under the band, without a whole search
+    # under each model: outer mode plans every region, and its groups meet over the wide-area link only once a round
+    regional = replace(options, band_search_up_to=0)
+
     def plan_region(sub: Cluster) -> PlanResult:
-        return search_sync(model, sub, train, profiles, options, codec_model=codec_model, parallelizer=parallelizer)
+        return search_sync(model, sub, train, profiles, regional, codec_model=codec_model, parallelizer=parallelizer)
 
     choice, why = choose_outer(cluster, model, train, options, plan_region)
     sync_tps = sync.plan.predicted.tokens_per_s
@@ -240,8 +244,8 @@ def band_pool(cm: CostModel, cluster: Cluster, composer: Composer, top: list[Can
               parallelizer: IslandParallelizer | None) -> list[Scored]:
     """The candidates the robust choice compares (`robust`), each scored under every model of the band: the
     search's leading pipelines, the best composed pipeline of a few other device counts and of the most devices,
-    and on clusters of at most `band_search_up_to` devices the leading pipelines of a search under each other
-    model."""
+    and on clusters of one region and at most `band_search_up_to` devices the leading pipelines of a search under
+    each other model."""
     models = [with_network(cm, n) for n in (cm.options.network, *cm.options.band)]
     pool: list[Scored] = []
     seen: set[tuple] = set()
@@ -267,7 +271,7 @@ def band_pool(cm: CostModel, cluster: Cluster, composer: Composer, top: list[Can
         add(c, cm, "nominal search")
     for c in others(composer, top):
         add(c, cm, "nominal search, another device count")
-    if parallelizer is None and cluster.total_gpus <= cm.options.band_search_up_to:
+    if parallelizer is None and len(cluster.regions) == 1 and cluster.total_gpus <= cm.options.band_search_up_to:
         for other in models[1:]:
             comp = Composer(cost_model=other, cluster=cluster)
             found = comp.search()

@@ -9,10 +9,11 @@ activation transfers with the codec each link would then get, the tied weight's 
 regret under a model is its shortfall against the best candidate under that model (1 - best step / its step); the
 plan is the candidate with the least worst-case regret over the band, the nominal step breaking ties.
 
-The candidates are the search's leading pipelines, the best composed pipeline of each total device count (another
-width, another cut), and, on clusters of at most `band_search_up_to` devices, the leading pipelines of the whole
-search run again under each model of the band. Larger clusters re-score only: a candidate per model costs one
-simulation, where a search costs thousands.
+The candidates are the search's leading pipelines, the best composed pipelines of a few other total device counts
+(another width, another cut) and of the most devices, and, on clusters of one region and at most
+`band_search_up_to` devices, the leading pipelines of the whole search run again under each model of the band.
+Larger clusters, and those spanning regions, re-score only: a candidate per model costs one simulation, where a
+search costs thousands.
 
 Idle devices: a candidate that leaves 10% or more of the cluster idle (`IDLE_SHARE`) is kept only where it beats
 the best candidate running more of them under every model of the band; else that one is the plan.
