@@ -120,6 +120,8 @@ class PlannerOptions:
     """Besides the search's leading pipelines, the best composed pipelines of this many other device counts (and of
     the most devices) are scored under the band."""
     band_search_up_to: int = 1024
+    band_search_regions: bool = False
+    """Also search whole under each model of the band on clusters spanning regions (within `band_search_up_to`)."""
     """Clusters of one region and at most this many devices are searched whole under each model of the band too
     (their best plans join the candidates); larger ones, and those spanning regions (a search per region and one
     over all of them), re-score the nominal search's leading candidates only."""

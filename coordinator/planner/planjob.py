@@ -271,7 +271,9 @@ def band_pool(cm: CostModel, cluster: Cluster, composer: Composer, top: list[Can
         add(c, cm, "nominal search")
     for c in others(composer, top):
         add(c, cm, "nominal search, another device count")
-    if parallelizer is None and len(cluster.regions) == 1 and cluster.total_gpus <= cm.options.band_search_up_to:
+    o = cm.options
+    if parallelizer is None and (len(cluster.regions) == 1 or o.band_search_regions) \
+            and cluster.total_gpus <= o.band_search_up_to:
         for other in models[1:]:
             comp = Composer(cost_model=other, cluster=cluster)
             found = comp.search()
