@@ -7,7 +7,8 @@ Per size, once the plan has reached every simulated node and while they heartbea
 - update latency: `atoll job extend --steps 1` (a ControlJob call) changes the job's last step; each of the
   --browsers pages records when its header shows the new figure (a MutationObserver, wall clock); the worst page;
 - the coordinator's CPU (share of one core) with no browser, with --browsers pages watching, and with none again:
-  the extra CPU is the watched window against the mean of the two unwatched ones, measured in the same run.
+  the extra CPU is the watched window against the mean of the two unwatched ones, measured in the same run; beside
+  it, what the one snapshot every page shares costs to read and serialize, as the coordinator timed it.
 Targets: first paint < 1.5 s at 10,000 members; updates within 2 s; extra coordinator CPU <= 5% of a core.
 `--screenshot DIR` also saves the map at each size (DIR/dashboard-map-N.png). `--job-screenshots DIR` instead
 runs two small real jobs (a coordinator and four CPU nodes in two regions on loopback: one synchronous, one in
@@ -123,6 +124,14 @@ def measure(ctx: dict, browser, args: argparse.Namespace, out: dict) -> None:
         Path(args.screenshot).mkdir(parents=True, exist_ok=True)
         pages[0].screenshot(path=str(Path(args.screenshot) / f"dashboard-map-{n}.png"))
     cpu_watched = _cpu(pid, args.window)
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url.split("?")[0] + "api/snapshot",
+                                 headers={"Authorization": f"Bearer {ctx['token']}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        doc = json.loads(r.read())
+    snapshot_s, period_s = doc["snapshot_seconds"], doc["snapshot_period_seconds"]
     latencies = []
     for _ in range(args.repeats):
         # every page watches for the next figure before the call that makes it; the latency counts from the
@@ -144,7 +153,7 @@ def measure(ctx: dict, browser, args: argparse.Namespace, out: dict) -> None:
     idle = (cpu_idle_a + cpu_idle_b) / 2
     out.update(n=n, paint_s=statistics.median(paints), fcp_s=statistics.median(fcps), update_s=max(latencies),
                updates=latencies, cpu_idle=idle, cpu_idle_a=cpu_idle_a, cpu_idle_b=cpu_idle_b,
-               cpu_watched=cpu_watched, extra_cpu=cpu_watched - idle)
+               cpu_watched=cpu_watched, extra_cpu=cpu_watched - idle, snapshot_s=snapshot_s, period_s=period_s)
 
 
 VIEWS = ("map", "plan", "training", "outer", "events")
@@ -279,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  coordinator CPU             {100 * r['cpu_idle']:8.1f} % of a core unwatched "
                       f"({100 * r['cpu_idle_a']:.1f} before, {100 * r['cpu_idle_b']:.1f} after), "
                       f"{100 * r['cpu_watched']:.1f} % with {args.browsers} browsers")
-                print(f"  extra CPU for {args.browsers} browsers    {100 * r['extra_cpu']:8.1f} % of a core")
+                print(f"  extra CPU for {args.browsers} browsers    {100 * r['extra_cpu']:8.1f} % of a core   (the "
+                      f"snapshot they share: {1000 * r['snapshot_s']:.1f} ms to read and serialize, every "
+                      f"{r['period_s']:.2f} s: {100 * r['snapshot_s'] / r['period_s']:.1f} % of a core)")
         finally:
             browser.close()
     big = results[-1]

@@ -178,6 +178,8 @@ class Dashboard:
     def _take(self) -> None:
         started = time.monotonic()
         doc = self.snapshots.take()
+        doc["snapshot_seconds"] = self.build_seconds  # what the one before cost (read and serialized), for benches
+        doc["snapshot_period_seconds"] = self.period
         data = to_json(doc)
         self.build_seconds = time.monotonic() - started
         self._doc = data
@@ -192,8 +194,7 @@ class Dashboard:
     def _build(self) -> None:
         last = time.monotonic()
         while True:
-            period = min(PERIOD_S[1], max(PERIOD_S[0], 50 * self.build_seconds))
-            if self._stop.wait(period):
+            if self._stop.wait(self.period):
                 return
             now = time.monotonic()
             if self._watchers == 0 and now - last < IDLE_PERIOD_S:
@@ -203,6 +204,11 @@ class Dashboard:
                 self._take()
             except Exception:  # noqa: BLE001 - the dashboard must outlive one bad read; the log says what failed
                 log.exception("dashboard snapshot failed")
+
+    @property
+    def period(self) -> float:
+        """Seconds between snapshots while anyone watches: 50 times what the last one cost, within PERIOD_S."""
+        return min(PERIOD_S[1], max(PERIOD_S[0], 50 * self.build_seconds))
 
     def note_tick(self, lines: list[str]) -> None:
         """What a round of the coordinator's loop decided (its events)."""
@@ -278,12 +284,17 @@ class Dashboard:
                     sent = self._version
                     await response.write(b"event: snapshot\ndata: " + self._doc + b"\n\n")
                     continue
-                async with self._changed:
+                quiet = False
+                async with self._changed:  # the version is checked again under the lock the notice needs
+                    if self._version != sent:
+                        continue
                     try:
                         await asyncio.wait_for(self._changed.wait(), PING_S)
                     except asyncio.TimeoutError:
-                        await response.write(b": ping\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+                        quiet = True
+                if quiet:  # (written outside the lock: a slow browser holds up no other)
+                    await response.write(b": ping\n\n")
+        except ConnectionResetError:  # the browser went away
             pass
         finally:
             self._watchers -= 1
