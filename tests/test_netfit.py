@@ -120,3 +120,57 @@ def test_a_running_plan_is_re_estimated_under_a_fitted_network() -> None:
     # a plan made under a slow model and re-estimated under the nominal one gets faster again
     assert plan_step_under(plan, NetworkModel(name="fitted", p2p_scale=0.25, collective_scale=0.25), NOMINAL) \
         <= plan.predicted.step_time_s
+
+
+def test_the_coordinator_fits_the_reports_shows_the_fit_and_replans_only_past_both_thresholds() -> None:
+    """Three nodes probed at 2 GB/s and planned; their all-reduces and transfers then report what a link 8x slower
+    takes. The coordinator fits that, says so in the status, and plans under the fit only once the fit moved; reports
+    that run as the model says make no planner run at all."""
+    from test_drift import _later, _state
+
+    from atoll.coordinator import handlers as h
+    from atoll.coordinator.calibration import predicted_compute
+    from atoll.v1 import atoll_pb2 as pb
+
+    def report(slowdown: float, steps: range) -> None:
+        plan = state.current_plan()
+        stage = {n: st for p in plan.pipelines for st in p.stages for n in st.nodes}
+        expected = predicted_compute(plan)
+        for step in steps:
+            clock.t += 1.0
+            for n, sec in expected.items():
+                group = len(stage[n].nodes)
+                # a ring all-reduce of 4 MB over the group at the probed 2 GB/s (x link efficiency), `slowdown`
+                # times as long, and 4 transfers of 1 MB to a peer
+                ring = 2 * (group - 1) / group * 4e6 / (2e9 * 0.96) * slowdown + 2 * (group - 1) * 5e-5
+                peer = next(m for m in ids if m != n)
+                h.handle_report_step(pb.StepMetrics(
+                    job_id=state.job.id, node_id=n, plan_epoch=plan.epoch, step=step, compute_seconds=sec,
+                    step_seconds=1.0, unix_time=clock.t,
+                    links=[pb.LinkStats(peer=peer, direction=1, bytes_raw=4_000_000, bytes_wire=4_000_000,
+                                        seconds=4 * (1e6 / (2e9 * 0.96) * slowdown + 5e-5), transfers=4)],
+                    collectives=[pb.CollectiveStats(kind="all_reduce", bytes=4_000_000 + 1000 * (step % 5),
+                                                    participants=group, seconds=2 * ring, count=2)]), state)
+
+    state, clock, ids = _state()
+    assert state.current_plan().predicted.step_time_s > 0
+    planner_runs = []
+    inner = state.planner
+    state.planner = lambda inputs: planner_runs.append(inputs.network) or inner(inputs)
+    report(1.0, range(0, 12))
+    _later(state, clock, 61)
+    state.tick()
+    assert planner_runs == [] and state.network == NOMINAL  # as the probes said: nothing to replan
+    lines = state.network_fit_lines()
+    assert any(line.startswith("p2p:") and "1.00x slower" in line for line in lines), lines
+    report(8.0, range(12, 24))
+    _later(state, clock, 61)
+    events = state.tick()
+    lines = h.handle_status(pb.StatusRequest(), state).network_fit
+    # the epoch's reports so far: 12 steps as probed, 12 at 8x
+    fit = state.network_fit
+    assert fit is not None and 1.5 < fit.kinds["p2p"].slowdown < 8 and 1.5 < fit.kinds["collective"].slowdown < 8
+    assert any(line.startswith("p2p: 72 samples") for line in lines) and lines[0].startswith("planned under nominal")
+    # the fit moved past 1.5x: the planner ran under it, and the plan changed only where that paid 10%
+    assert planner_runs and planner_runs[-1] == fit.model and fit.model.p2p_scale < 1 / 1.5
+    assert (state.network == fit.model) == bool(events), events
