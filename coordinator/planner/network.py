@@ -4,7 +4,7 @@ A cluster file (or the coordinator's probes) gives each link a figure per GPU fl
 NIC reaches it with every GPU of its node sending at once, and whether NCCL's hierarchical all-reduce runs as the
 cost model prices it, depends on the hardware; a plan should not bet the job on it. A `NetworkModel` is one
 reading of the figures: the nominal one takes them as given, the pessimistic one as one flow per node (cross-node
-collectives and point-to-point transfers 4x slower, the all-reduce a flat ring paying every hop's latency), and a
+point-to-point transfers 4x slower, the all-reduce a flat ring at one flow per node paying every hop's latency), and a
 fitted one is what nodes measured (`atoll.coordinator.netfit`). Intra-node links (NVLink, PCIe) are never scaled:
 they are inside one machine and do not depend on the NIC.
 """
@@ -67,6 +67,8 @@ class NetworkModel:
 
 
 NOMINAL = NetworkModel()
-PESSIMISTIC = NetworkModel(name="pessimistic", p2p_scale=0.25, collective_scale=0.25, flat_ring=True)
-"""One flow per node: cross-node collectives and transfers 4x slower than the per-GPU-flow figures (a node of 4
-GPUs sharing one NIC), the all-reduce a flat ring paying each of its 2 (N-1) hops' latency."""
+PESSIMISTIC = NetworkModel(name="pessimistic", p2p_scale=0.25, flat_ring=True)
+"""One flow per node: cross-node transfers 4x slower than the per-GPU-flow figures (a node of 4 GPUs sharing one
+NIC), and the all-reduce a flat ring over every replica at one flow per node, paying each of its 2 (N-1) hops'
+latency: gpus_per_node times slower across nodes than the hierarchical all-reduce the nominal model prices (4x on
+nodes of 4 GPUs; the all-reduce tail a published planner's simulator charges on such nodes is 4-6x the nominal)."""
