@@ -874,12 +874,13 @@ class Composer:
                 best = c
         return best
 
-    def finish(self, cand: Candidate) -> Candidate:
-        """A composed candidate (`stats.using`) refined, simulated and filled as the search's leading ones are."""
+    def finish(self, cand: Candidate, refine: bool = True) -> Candidate:
+        """A composed candidate (`stats.using`) simulated, and with `refine` refined and filled as the search's
+        leading ones are."""
         if not cand.step_s:
             cand.step_s = simulate(cand.times).step_time_s
         s = self._setup_of.get(id(cand))
-        if s is None:
+        if s is None or not refine:
             return cand
         return self._filled_if_faster(self._plain_if_faster(self.refine(cand, s)), s)
 
