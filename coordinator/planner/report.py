@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from atoll.compression.errors import CodecError
-from atoll.compression.losscost import loss_cost, table
+from atoll.compression.losscost import WAN_CANDIDATES, loss_cost, table
 from atoll.compression.spec import DEFAULT_BLOCK_SIZE, CodecSpec
 from atoll.compression.tensor import get_codec
 from atoll.coordinator.planner.cluster import GBPS, Cluster
@@ -108,8 +108,11 @@ def _boundary(s: StagePlan, after: StagePlan | None, width: int | None, elem_byt
     send = s.send
     assert send is not None
     try:
-        spec = CodecSpec(send.codec, block_size=send.block_size or DEFAULT_BLOCK_SIZE, zstd_level=send.zstd_level,
-                         **({"topk_fraction": send.topk_fraction} if send.topk_fraction else {}))
+        # a wide-area codec's rank and bits are the candidate's the planner timed (`losscost.WAN_CANDIDATES`)
+        wide = {c.codec: c for c in WAN_CANDIDATES if c.codec in ("hadamard", "lowrank")}
+        spec = wide.get(send.codec) or CodecSpec(send.codec, block_size=send.block_size or DEFAULT_BLOCK_SIZE,
+                                                  zstd_level=send.zstd_level,
+                                                  **({"topk_fraction": send.topk_fraction} if send.topk_fraction else {}))
         dtype = torch.bfloat16 if elem_bytes == 2 else torch.float32
         numel = send.bytes // (2 if elem_bytes == 2 else 4)
         shape = (numel // width, width) if width and numel % width == 0 else (numel,)
