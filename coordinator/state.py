@@ -405,6 +405,12 @@ class CoordinatorState:
 
     # --- membership -----------------------------------------------------------------------------------
 
+    @property
+    def members_version(self) -> int:
+        """Counts membership changes (joins, leaves, lapsed leases, quarantines): a reader that saw the same count
+        read the same members' states (the dashboard reads them again only when it moved)."""
+        return self._members_version
+
     def membership_changed(self, now: float) -> None:
         with self._cond:
             self._last_change = now

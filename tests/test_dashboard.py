@@ -167,3 +167,19 @@ def test_coordinator_flags_serve_no_dashboard_unless_asked() -> None:
     assert (args.dashboard_port, args.dashboard_host) == (0, "0.0.0.0")
     with pytest.raises(ValueError, match="dashboard port"):
         ServiceConfig(dashboard_port=70000)
+
+
+def test_members_are_read_again_only_when_the_membership_moved() -> None:
+    store = MemoryStore()
+    state = CoordinatorState(store=store, job=_job(), token="t", clock=lambda: 1000.0)
+    for i in range(3):
+        store.put_member(_member(i, "a"))
+    snap = Snapshots(state)
+    assert snap.take(now=1001.0)["map"]["states"] == {"alive": 3}
+    store.set_member_state("n1", "gone", "no heartbeat")  # not yet told to the state: the aggregate is kept
+    assert snap.take(now=1002.0)["map"]["states"] == {"alive": 3}
+    assert snap.island_nodes("(no island) a")[1]["state"] == "gone"  # a page asked for reads the store now
+    state.membership_changed(1002.0)
+    doc = snap.take(now=1003.0)
+    assert doc["map"]["states"] == {"alive": 2, "gone": 1}
+    assert any(e["kind"] == "failure" and "n1" in e["text"] for e in doc["events"])

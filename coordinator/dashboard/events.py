@@ -73,6 +73,11 @@ class EventLog:
                 offenders: Mapping[str, tuple[int, str]]) -> None:
         """Compare one snapshot's reads with the last one's and log what changed. The first call only learns
         (members already there at the dashboard's start are one event, not thousands)."""
+        self.observe_members(now, members)
+        self.observe_progress(now, failures, complete, checkpoints, offenders)
+
+    def observe_members(self, now: float, members: Mapping) -> None:
+        """The members' part of `observe` (a reader calls it only when the membership moved)."""
         states = {n: m.state for n, m in members.items()}
         first = self._states is None
         before = self._states or {}
@@ -106,6 +111,11 @@ class EventLog:
                     where = f" ({m.profile.device_name or m.profile.device_kind}, {m.profile.region or 'no region'})" \
                         if kind == "join" else ""
                     self.add(event, f"node {n} {label}{where}{why}", now)
+
+    def observe_progress(self, now: float, failures: Mapping, complete: list[int], checkpoints: list,
+                         offenders: Mapping[str, tuple[int, str]]) -> None:
+        """The rest of `observe`: failure reports, complete checkpoints, rejected tensors."""
+        first = self._complete is None
         for f in failures.values():
             key = (f.epoch, f.node_id)
             if key not in self._failures:

@@ -80,6 +80,8 @@ class Snapshots:
         self.island_of: dict[str, str] = {}
         self.stage_of: dict[str, str] = {}
         self.usage: dict[str, dict] = {}
+        self._members_key: tuple | None = None
+        self._map_doc: dict[str, Any] = {}
         self.doc: dict[str, Any] = {}
         """The newest snapshot."""
 
@@ -118,7 +120,9 @@ class Snapshots:
         c = self._cache
         if now - c.islands_at >= ISLANDS_EVERY_S:
             c.islands_at = now
-            c.islands = self.state.store.get_islands()
+            islands = self.state.store.get_islands()
+            if islands != c.islands:  # the same islands keep their object: readers key on it
+                c.islands = islands
         return c.islands
 
     def _progress(self, now: float, plan: Plan | None):
@@ -157,10 +161,16 @@ class Snapshots:
         mono = time.monotonic()
         state = self.state
         plan: Plan | None = state.current_plan()
-        members = dict(state.store.members_view())
-        self.members = members
         islands = self._islands(mono)
-        self.island_of = {n: i.id for i in islands for n in i.nodes}
+        # the members are read again (and aggregated) only when the membership, the islands or the plan moved:
+        # at 10,000 members that is most of a snapshot's cost, and heartbeats change none of it
+        key = (state.members_version, id(islands), plan.epoch if plan is not None else 0)
+        if key != self._members_key:
+            self.members = dict(state.store.members_view())
+            self.island_of = {n: i.id for i in islands for n in i.nodes}
+            self._map_doc = self._map(self.members, islands, plan)
+            self.events.observe_members(now, self.members)
+            self._members_key = key
         progress = self._progress(mono, plan)
         checkpoints, complete = self._checkpoints(mono)
         self._links(mono)
@@ -191,7 +201,8 @@ class Snapshots:
                 "epoch": plan.epoch if plan is not None else 0, "mode": plan.mode if plan is not None else "",
                 "waiting": state.waiting_reason, "last_checkpoint_step": complete[-1] if complete else 0,
             },
-            "map": self._map(members, islands, plan),
+            "map": {**self._map_doc, "region_links": self._cache.region_links,
+                    "island_links": self._cache.island_links},
             "plan": self._plan(plan, progress),
             "outer": self._outer(plan),
             "history_key": None,
@@ -199,7 +210,7 @@ class Snapshots:
         hist = state.store.history(1)
         doc["history_key"] = f"{hist[-1].first}:{hist[-1].last}:{hist[-1].count}:{hist[-1].val_count}" \
             if hist else ""
-        self.events.observe(now, members, state.failures(), complete, checkpoints, state.offences.summary())
+        self.events.observe_progress(now, state.failures(), complete, checkpoints, state.offences.summary())
         doc["events"] = self.events.recent()
         self.doc = doc
         return doc
@@ -326,14 +337,15 @@ class Snapshots:
     def island_nodes(self, island: str, now: float | None = None) -> list[dict[str, Any]] | None:
         """The rows of one island's nodes (its id as the map names it), None when no such island."""
         now = time.time() if now is None else now
-        rows = [self.node_row(n, m, now) for n, m in self.members.items()
+        members = self.state.store.members_view()  # read now: the heartbeats' ages are live
+        rows = [self.node_row(n, m, now) for n, m in members.items()
                 if (self.island_of.get(n) or f"(no island) {m.profile.region or '-'}") == island]
         known = any(r["id"] == island for reg in self.doc.get("map", {}).get("regions", []) for r in reg["islands"])
         return sorted(rows, key=lambda r: r["id"]) if rows or known else None
 
     def node_page(self, node_id: str, now: float | None = None) -> dict[str, Any] | None:
         now = time.time() if now is None else now
-        m = self.members.get(node_id)
+        m = self.state.store.members_view().get(node_id)
         if m is None:
             return None
         p = m.profile
