@@ -111,7 +111,8 @@ class TensorOffence:
 
     sender: str
     kind: str
-    """"non-finite", "norm" (far outside the link's running statistics) or "loss"."""
+    """"non-finite", "norm" (far outside the link's running statistics), "loss", or "loss-vote" (a loss the other
+    loss holders contradicted, named by the coordinator)."""
     direction: str
     """"forward", "backward" or "loss"."""
     step: int
@@ -125,6 +126,8 @@ class TensorOffence:
         norm = f"{self.norm:.4g}" if self.finite else "not finite"
         if self.kind == "loss":
             return f"step {self.step}: the loss of {self.sender}'s stage ({norm}) {self.detail}".rstrip()
+        if self.kind == "loss-vote":
+            return f"step {self.step}: {self.sender} reported the loss {norm} {self.detail}".rstrip()
         what = "activation" if self.direction == "forward" else "activation-gradient"
         return (f"step {self.step}: {self.sender} sent a {self.kind} {what} (micro-batch {self.micro_batch}, norm "
                 f"{norm}) {self.detail}").rstrip()

@@ -249,7 +249,8 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
         for line in quarantine.take_offences(state, metrics):
             log.warning("%s", line)
     state.record_step(metrics)
-    state.record_history(metrics)
+    for line in quarantine.take_loss_liars(state, state.record_history(metrics)):
+        log.warning("%s", line)
     target = state.target_steps
     if req.step >= state.last_step() and not state.control.finished_unix:  # the last step, if others say so too
         # (outer mode: the end of the last round, (target // H) x H - 1, which the target need not be)
@@ -260,7 +261,8 @@ def handle_report_step(req: pb.StepMetrics, state: CoordinatorState) -> pb.StepA
 
 def _check_step_claims(req: pb.StepMetrics, state: CoordinatorState) -> None:
     """A step report's claims against the plan of its epoch (`atoll.coordinator.claims`): a loss only from the
-    pipeline's last stage, a step in line with its peers'. Before the first plan there is nothing to check against."""
+    pipeline's last stage, a step in line with its peers' (a loss within `LOSS_STEP_WINDOW` of them). Before the
+    first plan there is nothing to check against."""
     if state.current_plan() is None:
         return
     plan = state.plan_of(req.plan_epoch) if req.plan_epoch else None
@@ -271,7 +273,9 @@ def _check_step_claims(req: pb.StepMetrics, state: CoordinatorState) -> None:
         why = claims.loss_refusal(plan, req.node_id, req.pipeline)
         if why:
             raise PermissionDenied(f"ReportStep: {why}; the report is refused")
-    why = state.step_refusal(plan, req.node_id, req.step)
+    # a loss is the last of a step's work: an honest one is never far ahead of its peers' steps
+    why = state.step_refusal(plan, req.node_id, req.step,
+                             claims.LOSS_STEP_WINDOW if req.has_loss or req.has_val_loss else claims.STEP_WINDOW)
     if why:
         # the newest plan's report may be early (its peers' reports held back): the node keeps it and retries; an
         # older plan's peers have moved on, and will not catch up

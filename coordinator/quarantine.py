@@ -27,6 +27,8 @@ from atoll.types import StepMetrics, TensorOffence
 from atoll.v1 import atoll_pb2 as pb
 
 QUARANTINED = "quarantined"
+LOSS_VOTE = "loss-vote"
+"""The kind of offence of a loss holder whose reported loss the other holders' median contradicts."""
 MAX_OFFENCES_PER_REPORT = 64
 """Most offences one step report may carry (a step has two tensors per micro-batch and neighbour)."""
 
@@ -51,7 +53,8 @@ def quarantine_reason(node: str, steps: Iterable[int], newest: str, options: Qua
     recent = [s for s in steps if s > steps[-1] - options.window_steps]
     if len(recent) < options.offences:
         return None
-    return (f"{len(recent)} steps with tensors its neighbours rejected within {options.window_steps} steps "
+    return (f"{len(recent)} steps with tensors its neighbours rejected (or a loss the other loss holders "
+            f"contradicted) within {options.window_steps} steps "
             f"(steps {', '.join(map(str, recent[-5:]))}); the newest: {newest}")
 
 
@@ -153,8 +156,26 @@ def take_offences(state, metrics: StepMetrics) -> list[str]:
             raise InvalidArgument(f"step report of node {metrics.node_id}: {why}; the report is refused")
     lines = [f"node {metrics.node_id} (pipeline {metrics.pipeline} stage {metrics.stage}) rejected: {o.describe()}"
              for o in metrics.offences[:4]]
+    return lines + _quarantine(state, state.offences.record(metrics.offences))
+
+
+def take_loss_liars(state, decisions) -> list[str]:
+    """Count each voter whose loss the other loss holders' median contradicted (`atoll.coordinator.claims.decide`)
+    as an offence of that step, quarantining as the door's offences do; the lines to log (a step whose voters
+    disagree with no majority is said too)."""
+    offences = [TensorOffence(sender=node, kind=LOSS_VOTE, direction="loss", step=d.step, norm=loss,
+                              detail=f"(the other loss holders: {d.loss:.6g})")
+                for d in decisions for node, loss in d.liars]
+    lines = [f"node {o.sender} reported a loss the others contradict: {o.describe()}" for o in offences[:4]]
+    lines += [d.note for d in decisions if d.note][:4]
+    return lines + (_quarantine(state, state.offences.record(offences)) if offences else [])
+
+
+def _quarantine(state, over: list[tuple[str, str]]) -> list[str]:
+    """Quarantine each (node, reason) put over the threshold; the lines to log."""
+    lines = []
     now = state.clock()
-    for node, reason in state.offences.record(metrics.offences):
+    for node, reason in over:
         member = state.store.get_member(node)
         if member is None or member.state == QUARANTINED:
             continue

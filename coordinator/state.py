@@ -25,8 +25,8 @@ from atoll.coordinator.cadence import HeartbeatCadence
 from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
 from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
-from atoll.coordinator.claims import StepProgress, finished_nodes, job_ended
-from atoll.coordinator.history import sample_of
+from atoll.coordinator.claims import STEP_WINDOW, LossDecision, LossVotes, StepProgress, finished_nodes, job_ended
+from atoll.coordinator.history import Sample, sample_of
 from atoll.coordinator.replication_gaps import ReplicationGaps
 from atoll.coordinator.quarantine import OffenceLog
 from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
@@ -225,6 +225,7 @@ class CoordinatorState:
         self._failures: dict[int, RunFailureRecord] = {}
         self._old_plans: dict[int, Plan] = {}
         self._progress = StepProgress(keep_epochs=REACHED_EPOCHS)
+        self._loss_votes = LossVotes(keep_epochs=REACHED_EPOCHS)
         """Each node's newest step per recent plan epoch: what its peers' claims are checked against
         (`atoll.coordinator.claims`). Seeded from the store's recent reports, so a restarted coordinator checks
         against what it heard before."""
@@ -585,10 +586,10 @@ class CoordinatorState:
         with self._cond:
             self._progress.note(plan, metrics.plan_epoch, metrics.node_id, metrics.step)
 
-    def step_refusal(self, plan: Plan, node_id: str, step: int) -> str:
+    def step_refusal(self, plan: Plan, node_id: str, step: int, window: int = STEP_WINDOW) -> str:
         """Why `node_id`'s report of `step` under `plan` is out of line with its peers' ("": it is not)."""
         with self._cond:
-            return self._progress.refusal(plan, node_id, step)
+            return self._progress.refusal(plan, node_id, step, window)
 
     def reached_in(self, epoch: int) -> dict[str, int]:
         """node -> the newest step it reported under plan epoch `epoch`."""
@@ -613,12 +614,25 @@ class CoordinatorState:
 
     # --- loss history ---------------------------------------------------------------------------------
 
-    def record_history(self, metrics: StepMetrics) -> None:
+    def record_history(self, metrics: StepMetrics) -> list[LossDecision]:
         """Add a step report's loss, tokens/s and validation loss to the whole job's history (a report with
-        neither is not part of it)."""
+        neither is not part of it). Under a plan the report is a vote (`atoll.coordinator.claims.LossVotes`): what
+        is recorded is each step's decision, once made; the decisions this report made are returned."""
         sample = sample_of(metrics, self.job.train.global_batch * self.job.train.seq_len)
-        if sample is not None:
+        if sample is None:
+            return []
+        plan = self.plan_of(metrics.plan_epoch) if metrics.plan_epoch else None
+        if plan is None:  # before the first plan: no voters to ask
             self.store.add_history(sample)
+            return []
+        with self._cond:
+            decisions = self._loss_votes.add(plan, metrics.node_id, metrics.pipeline, sample.step, sample.loss,
+                                             sample.val_loss, sample.tokens_per_second)
+        for d in decisions:
+            if d.loss is not None or d.val_loss is not None:
+                self.store.add_history(Sample(step=d.step, epoch=d.epoch, loss=d.loss,
+                                              tokens_per_second=d.tokens_per_second, val_loss=d.val_loss))
+        return decisions
 
     # --- checkpoints ----------------------------------------------------------------------------------
 

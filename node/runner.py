@@ -786,7 +786,7 @@ class PlanRunner:
             log.info("finished step %d of layers %s with the norm exchange total of the nodes that completed it",
                      point.step - 1, ", ".join(f"[{p['start']}, {p['end']})" for p, _ in pending))
             loss = finished_loss(point, self.job.model.n_layers + 2)
-            if loss is not None and pl.is_last and pl.loss_group and pl.loss_group[0] == ctx.node_id:
+            if loss is not None and pl.is_last and ctx.node_id in pl.loss_group:
                 self._finished_loss = (point.step - 1, loss)
         log.info("%s", report.line())
         return point.step
@@ -1349,7 +1349,9 @@ class PlanRunner:
         assert pl is not None
         self._check_memory(step, result.peak_memory_bytes)
         # a non-finite loss is not reported (the step was skipped everywhere; the offence says so)
-        reports_loss = loss is not None and math.isfinite(loss) and pl.loss_group and pl.loss_group[0] == self.ctx.node_id
+        # every replica of the last stage reports the (all-reduced, identical) loss: the coordinator records the
+        # median of their reports, so one that lies is outvoted and named (`atoll.coordinator.claims.LossVotes`)
+        reports_loss = loss is not None and math.isfinite(loss) and self.ctx.node_id in pl.loss_group
         links = transport.link_stats() if isinstance(transport, GrpcTransport) else []
         plan = self.current_plan()
         return StepMetrics(

@@ -46,30 +46,41 @@ def _profile(host: str) -> pb.NodeProfile:
                                                         forward_seconds=0.01, backward_seconds=0.02)])
 
 
-@pytest.fixture
-def planned() -> tuple[CoordinatorState, str, list[str]]:
-    """A state running a two-stage plan of three nodes: (state, the stage-0 node, the two last-stage nodes)."""
+def _two_stage_state(nodes: int) -> CoordinatorState:
+    """A state running a two-stage plan of `nodes` nodes: n0 runs stage 0, the others replicate the last stage."""
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    job = replace(job, train=replace(job.train, steps=1000))
+    job = replace(job, train=replace(job.train, steps=1000), cluster=replace(job.cluster, expected_nodes=nodes))
     state = CoordinatorState(store=MemoryStore(), job=job, token=TOKEN, clock=Clock(), planner=two_stages)
-    for i in range(3):
-        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=f"n{i}", profile=_profile(f"h{i}"),
+    names = [f"n{i}" for i in range(nodes)]
+    for i, n in enumerate(names):
+        h.handle_join(pb.JoinRequest(token=TOKEN, node_id=n, profile=_profile(f"h{i}"),
                                      peer_address=f"127.0.0.1:{5000 + i}"), state)
-    for n in ("n0", "n1", "n2"):
+    for n in names:
         reply = h.handle_heartbeat(pb.HeartbeatRequest(node_id=n), state)
         h.handle_report_probes(pb.ProbeReport(node_id=n, links=[
             pb.LinkMeasurement(src=n, dst=t.node_id, bandwidth_bytes_per_s=2e9, rtt_seconds=1e-4)
             for t in reply.probe]), state)
     state.tick()
     plan = state.current_plan()
-    assert plan is not None and [st.nodes for st in plan.pipelines[0].stages] == [["n0"], ["n1", "n2"]]
-    return state, "n0", ["n1", "n2"]
+    assert plan is not None and [st.nodes for st in plan.pipelines[0].stages] == [["n0"], names[1:]]
+    return state
 
 
-def _report(state: CoordinatorState, node: str, step: int, *, loss: bool = True) -> pb.StepAck:
+@pytest.fixture
+def planned() -> tuple[CoordinatorState, str, list[str]]:
+    """A state running a two-stage plan of three nodes: (state, the stage-0 node, the two last-stage nodes)."""
+    return _two_stage_state(3), "n0", ["n1", "n2"]
+
+
+def _report(state: CoordinatorState, node: str, step: int, *, loss: bool = True, value: float = 2.0) -> pb.StepAck:
     return h.handle_report_step(pb.StepMetrics(job_id=state.job.id, node_id=node, plan_epoch=state.epoch, step=step,
-                                               pipeline=0, stage=0 if node == "n0" else 1, has_loss=loss, loss=2.0,
+                                               pipeline=0, stage=0 if node == "n0" else 1, has_loss=loss, loss=value,
                                                tokens=1024, step_seconds=0.1), state)
+
+
+def _recorded(state: CoordinatorState) -> dict[int, tuple[float | None, int]]:
+    """step -> (its recorded loss, the loss reports merged into it)."""
+    return {p.first: (p.loss, p.count) for p in state.store.history()}
 
 
 def test_a_forged_job_end_from_a_stage_0_node_is_refused(planned) -> None:
@@ -256,3 +267,80 @@ def test_an_outer_job_whose_steps_are_not_whole_rounds_ends_at_its_last_round() 
     state.clock.t += 1e6  # past the final checkpoint's bounded wait
     state.tick()
     assert state.control.finished_unix
+
+
+# --- the recorded loss: the loss holders vote ------------------------------------------------------------------------
+
+
+def test_a_forged_loss_of_one_of_two_last_stage_replicas_is_not_recorded(planned) -> None:
+    state, first, (a, b) = planned
+    for step in range(3):
+        _report(state, first, step, loss=False)
+        _report(state, a, step, value=2.0 - 0.1 * step)
+        _report(state, b, step, value=0.001)  # b lies: its word against a's, neither is recorded
+    _report(state, a, 3, value=1.7)
+    _report(state, b, 3, value=1.7)  # they agree again
+    assert _recorded(state) == {3: (pytest.approx(1.7), 1)}
+
+
+def test_a_nodes_second_report_of_a_step_does_not_count_twice(planned) -> None:
+    state, _, (a, b) = planned
+    _report(state, a, 0, value=2.0)
+    _report(state, a, 0, value=2.0)  # its outbox sent it again
+    assert _recorded(state) == {}  # b's vote is still to come
+    _report(state, b, 0, value=2.0)
+    _report(state, b, 0, value=0.5)  # too late: the step is decided
+    assert _recorded(state) == {0: (pytest.approx(2.0), 1)}
+
+
+def test_a_step_one_voter_never_reported_is_decided_once_two_voters_are_past_it(planned) -> None:
+    state, _, (a, b) = planned
+    _report(state, a, 0, value=2.0)  # b's report of step 0 is lost; of two voters, a alone is not enough
+    for step in range(1, claims.LOSS_FLUSH_STEPS + 1):
+        _report(state, a, step, value=2.0)
+        _report(state, b, step, value=2.0)
+    got = _recorded(state)
+    assert 0 not in got and set(got) == set(range(1, claims.LOSS_FLUSH_STEPS + 1))
+
+
+def test_a_lying_replica_of_three_is_outvoted_named_and_quarantined() -> None:
+    state = _two_stage_state(4)
+    liar = "n3"
+    for step in range(3):
+        _report(state, "n0", step, loss=False)
+        for n in ("n1", "n2"):
+            _report(state, n, step, value=2.0 - 0.1 * step)
+        _report(state, liar, step, value=0.001)
+    assert _recorded(state) == {s: (pytest.approx(2.0 - 0.1 * s), 1) for s in range(3)}
+    assert state.offences.summary()[liar][0] == 3
+    member = state.store.get_member(liar)
+    assert member is not None and member.state == "quarantined"
+    assert all(state.store.get_member(n).state != "quarantined" for n in ("n0", "n1", "n2"))
+
+
+def test_a_single_replica_last_stage_is_taken_at_its_word() -> None:
+    state = _two_stage_state(2)
+    _report(state, "n1", 0, value=2.5)
+    _report(state, "n1", 1, value=2.4)
+    assert _recorded(state) == {0: (pytest.approx(2.5), 1), 1: (pytest.approx(2.4), 1)}
+
+
+def test_a_loss_far_ahead_of_the_peers_is_answered_retry_later(planned) -> None:
+    state, first, (a, _) = planned
+    _report(state, first, 10, loss=False)
+    _report(state, a, 10 + claims.LOSS_STEP_WINDOW)
+    with pytest.raises(Unavailable):
+        _report(state, a, 11 + claims.LOSS_STEP_WINDOW)
+    _report(state, a, 11 + claims.LOSS_STEP_WINDOW, loss=False)  # without a loss, the wider window holds
+
+
+def test_the_loss_decision_rule() -> None:
+    three = {"a": (2.0, None, 100.0), "b": (2.0, 1.9, 110.0), "c": (0.1, 0.1, 1e6)}
+    d = claims.decide(5, 1, 3, three)
+    assert (d.loss, d.val_loss, d.tokens_per_second, d.liars) == (2.0, 1.9, 105.0, (("c", 0.1),))
+    assert claims.decide(5, 1, 2, {"a": (2.0, None, None), "b": (1.0, None, None)}).loss is None
+    assert claims.decide(5, 1, 2, {"a": (2.0, None, None)}).loss is None  # one of two: no word alone
+    assert claims.decide(5, 1, 1, {"a": (2.0, None, None)}).loss == 2.0
+    # three that all disagree: no majority, nobody named
+    d = claims.decide(5, 1, 3, {"a": (1.0, None, None), "b": (2.0, None, None), "c": (3.0, None, None)})
+    assert d.loss is None and d.liars == () and d.note
