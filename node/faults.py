@@ -10,7 +10,10 @@ Off by default. A node process reads two environment variables once, at its firs
     probability R (default 1e-4): silent data corruption;
   - `noise:F`: Gaussian noise at F (default 0.01) of each activation's norm is added to it;
   - `slow:X`: every forward and backward takes X times (default 5) as long (a sleep after the compute, timed
-    with it): an honest but slow node.
+    with it): an honest but slow node;
+  - `poison:X` (outer mode): the pseudo-gradient this node serves its replica group's peers each round is X times
+    (default 1000) what it trained, from the round that ends at or past STEP (its inner steps) on; the value
+    `inf` serves NaN instead (`Fault.poison`).
 - `ATOLL_CHECKS=off` turns this node's own checks off: no tensor door, no stage verification (to measure what the
   checks cost).
 
@@ -33,7 +36,7 @@ log = logging.getLogger("atoll.node.faults")
 
 FAULT_ENV = "ATOLL_FAULT"
 CHECKS_ENV = "ATOLL_CHECKS"
-KINDS = {"nan": 0.25, "huge": 0.25, "bitflip": 1e-4, "noise": 0.01, "slow": 5.0}
+KINDS = {"nan": 0.25, "huge": 0.25, "bitflip": 1e-4, "noise": 0.01, "slow": 5.0, "poison": 1000.0}
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,15 @@ class Fault:
                 bits[hit] ^= torch.bitwise_left_shift(torch.ones_like(which), which)
             return wide.to(t.dtype)
         return t
+
+    def poison(self, step: int, deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this node serves instead of its round's pseudo-gradients `deltas` (kind "poison", from `step`, the
+        inner steps it trained, on): each scaled by the value, or NaN where the value is inf."""
+        if self.kind != "poison" or step < self.from_step:
+            return deltas
+        if self.value == float("inf"):
+            return {n: torch.full_like(d, float("nan")) for n, d in deltas.items()}
+        return {n: d * self.value for n, d in deltas.items()}
 
     def slow_down(self, step: int, seconds: float) -> None:
         """Sleep (X - 1) x `seconds` after a compute of `seconds` (kind "slow")."""

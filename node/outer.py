@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from atoll.compression import ChunkAssembler, CodecError, CodecSpec, EncodedTensor, ErrorFeedback, encode_tensor
 from atoll.compression.wire import chunk_frames, tensor_meta
+from atoll.node import faults
 from atoll.node.door import tensor_norm
 from atoll.plan import Plan
 from atoll.rpc import RpcOptions, make_channel
@@ -488,6 +489,9 @@ class OuterSync:
         with torch.no_grad():
             self.snapshot = {n: p.detach().clone() for n, p in self.params.items()}
         deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine}
+        fault = faults.injected()  # test-only (`atoll.node.faults`): None unless ATOLL_FAULT says otherwise
+        if fault is not None:
+            deltas = fault.poison(self.inner_steps_done, deltas)
         round_, tokens = self.round, self.tokens_in_round
         pace = (statistics.median(self._step_times), len(self._step_times)) if self._step_times else (0.0, 0)
         self._step_times = []

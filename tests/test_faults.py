@@ -20,7 +20,8 @@ def test_a_fault_is_parsed_with_its_defaults_and_refused_with_the_kinds() -> Non
     assert parse_fault("noise") == Fault("noise", 0.01, 0)
     assert parse_fault("nan:0.5@20") == Fault("nan", 0.5, 20)
     assert parse_fault("slow:5") == Fault("slow", 5.0, 0)
-    for bad, match in [("flip", "one of bitflip, huge, nan, noise, slow"), ("nan:x", "KIND\\[:VALUE\\]\\[@STEP\\]"),
+    for bad, match in [("flip", "one of bitflip, huge, nan, noise, poison, slow"),
+                       ("nan:x", "KIND\\[:VALUE\\]\\[@STEP\\]"),
                        ("noise:-1", "positive")]:
         with pytest.raises(ValueError, match=match):
             parse_fault(bad)
@@ -30,6 +31,19 @@ def test_nothing_is_damaged_before_the_faults_step_or_by_a_slow_node() -> None:
     t = torch.randn(4, 8, 16)
     for fault in (Fault("nan", 1.0, 10), Fault("noise", 0.01, 10), Fault("slow", 5.0, 0)):
         assert torch.equal(fault.damage(9 if fault.kind != "slow" else 50, 0, t), t)
+
+
+def test_a_poisoned_pseudo_gradient_is_scaled_or_nan_from_its_step_and_activations_are_untouched() -> None:
+    assert parse_fault("poison@10") == Fault("poison", 1000.0, 10)
+    deltas = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    fault = Fault("poison", 1000.0, 10)
+    assert fault.poison(9, deltas) is deltas
+    scaled = fault.poison(10, deltas)
+    assert all(torch.allclose(scaled[n], 1000.0 * deltas[n]) for n in deltas)
+    assert all(bool(torch.isnan(t).all()) for t in parse_fault("poison:inf").poison(0, deltas).values())
+    t = torch.randn(4, 8, 16)
+    assert torch.equal(fault.damage(50, 0, t), t)  # what it sends down its pipeline is what it computed
+    assert Fault("noise", 0.01, 0).poison(50, deltas) is deltas
 
 
 def test_nan_and_huge_hit_one_micro_batch_on_about_the_asked_share_of_steps() -> None:
