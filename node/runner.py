@@ -1461,8 +1461,11 @@ class PlanRunner:
         assert pl is not None
         root = self.ctx.checkpoint_dir
         partial = step_dir(root, step) / f"layers-{pl.layers[0]:04d}-{pl.layers[1]:04d}.pt"
-        partial.unlink(missing_ok=True)
-        pruned = prune_own(root, pl.layers, keep={self.plan.resume_step})
+        try:  # (the folder itself may be what is wrong: a file in its place, no permission)
+            partial.unlink(missing_ok=True)
+            pruned = prune_own(root, pl.layers, keep={self.plan.resume_step})
+        except OSError:
+            pruned = []
         log.error("checkpoint of step %d (layers [%d, %d)) could not be written under %s: %s; training goes on "
                   "without it%s, and the coordinator is told so", step, *pl.layers, root, error,
                   f" (pruned this stage's checkpoints of steps {', '.join(map(str, pruned))})" if pruned else "")

@@ -301,19 +301,20 @@ def test_a_checkpoint_that_cannot_be_written_fails_alone(tmp_path: Path, caplog)
                   compression=replace(job.compression, mode="identity"))
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the checkpoint folder should be")
-    reported: list[int] = []
+    reported: list = []
     server = PeerServer(node_id="a", listen="127.0.0.1:0", token="t")
     try:
         plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=1, job_id="job", pipelines=[
             PipelinePlan(micro_batch=4, num_micro_batches=4,
                          stages=[StagePlan(island="i", layers=(0, 6), dp=1, nodes=["a"])])])
         ctx = RunContext(node_id="a", job=job, peer_server=server, checkpoint_dir=blocked,
-                         report_step=lambda m: False, report_checkpoint=lambda c: reported.append(c.step))
+                         report_step=lambda m: False, report_checkpoint=reported.append)
         with caplog.at_level("ERROR", logger="atoll.node.runner"):
             assert PlanRunner(ctx, plan).run(threading.Event()) == 4
     finally:
         server.stop()
-    assert reported == []
+    # each reported as not written (the coordinator records the stage under-replicated), none as a checkpoint
+    assert [(c.step, bool(c.not_written)) for c in reported] == [(2, True), (4, True)]
     assert [r.getMessage().split(" under ")[0] for r in caplog.records
             if r.name == "atoll.node.runner" and r.levelname == "ERROR"] == [
         "checkpoint of step 2 (layers [0, 6)) could not be written", "checkpoint of step 4 (layers [0, 6)) could not be written"]
