@@ -10,12 +10,13 @@ choice against `LinkPolicy.choose`.) Where the codecs include a wide-area one (h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from atoll.compression.losscost import WAN_CANDIDATES
-from atoll.compression.policy import LinkPolicy, PolicyConfig, predict_transfer_seconds
+from atoll.compression.policy import ROLES, LinkPolicy, PolicyConfig, predict_transfer_seconds
 from atoll.compression.spec import CodecSpec
 from atoll.compression.tensor import get_codec
 
@@ -44,7 +45,11 @@ class PolicyCodecModel:
     """The boundary tensor's last dimension (d_model): a low-rank codec's size depends on the shape."""
 
     def __post_init__(self) -> None:
-        if self.names is not None and WAN_ONLY & set(self.names) and self.config.loss_costs is None:
+        if self.names is not None and len(self.names) == 1 and self.names[0] in WAN_ONLY:
+            # one codec the job fixed: the user chose its loss, so no budget applies
+            spec = next(c for c in WAN_CANDIDATES if c.codec == self.names[0])
+            self.config = PolicyConfig(candidates=(spec,), error_budgets={r: math.inf for r in ROLES})
+        elif self.names is not None and WAN_ONLY & set(self.names) and self.config.loss_costs is None:
             self.config = PolicyConfig.wan(names=self.names)
         cands = tuple(c for c in self.config.allowed(self.role) if self.names is None or c.codec in self.names)
         if not cands:
