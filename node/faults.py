@@ -12,8 +12,8 @@ Off by default. A node process reads two environment variables once, at its firs
   - `slow:X`: every forward and backward takes X times (default 5) as long (a sleep after the compute, timed
     with it): an honest but slow node;
   - `poison:X` (outer mode): the pseudo-gradient this node serves its replica group's peers each round is X times
-    (default 1000) what it trained, from the round that ends at or past STEP (its inner steps) on; the value
-    `inf` serves NaN instead (`Fault.poison`).
+    (default 1000) what it trained, from the first round whose steps start at or past STEP on; the value `inf`
+    serves NaN instead (`Fault.poison`).
 - `ATOLL_CHECKS=off` turns this node's own checks off: no tensor door, no stage verification (to measure what the
   checks cost).
 
@@ -69,8 +69,8 @@ class Fault:
         return t
 
     def poison(self, step: int, deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What this node serves instead of its round's pseudo-gradients `deltas` (kind "poison", from `step`, the
-        inner steps it trained, on): each scaled by the value, or NaN where the value is inf."""
+        """What this node serves instead of its round's pseudo-gradients `deltas` (kind "poison", `step`: the round's
+        first step): each scaled by the value, or NaN where the value is inf."""
         if self.kind != "poison" or step < self.from_step:
             return deltas
         if self.value == float("inf"):

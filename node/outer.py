@@ -491,7 +491,7 @@ class OuterSync:
         deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine}
         fault = faults.injected()  # test-only (`atoll.node.faults`): None unless ATOLL_FAULT says otherwise
         if fault is not None:
-            deltas = fault.poison(self.inner_steps_done, deltas)
+            deltas = fault.poison(self.round * self.round_length, deltas)  # the round's first step
         round_, tokens = self.round, self.tokens_in_round
         pace = (statistics.median(self._step_times), len(self._step_times)) if self._step_times else (0.0, 0)
         self._step_times = []
