@@ -11,13 +11,14 @@ stage 0 sends and stage 0's replicas verify each other). One case per run:
   control `slow` (an honest node, each forward and backward 5x as long), which must never be quarantined;
 - through the real gRPC API under a member's own certificate (read from its state dir): `forged-end` (stage-0 node
   a0 and last-stage node b0 report the job's last step with a made-up loss), `forged-loss` (a0 reports losses of
-  current steps, b0 losses 500 steps ahead), `fake-failures` (a0 reports 20 failures in 10 s), `join-replay` (a
+  current steps; last-stage node b0 a made-up loss for each of the next steps before its true reports, and losses
+  500 steps ahead: a0's and the far ones are refused, the rest outvoted by b1 and b2, and b0 named and quarantined), `fake-failures` (a0 reports 20 failures in 10 s), `join-replay` (a
   token holder joins once, then sends the same join three more times);
 - damaged state: `node-disk` (a0, stage 0's checkpoint writer, writes onto a 32 MB tmpfs that is filled at step
   `--fault-step`), `coordinator-disk` (the coordinator's state dir on a tmpfs filled at that step and freed 6 s later).
 
 Per case: whether the job finished, its final loss (mean of the last 10 steps, each step's loss as the coordinator's
-history holds it: the mean of the loss reports it took) against the clean run's, steps lost
+history holds it: the median of the last stage's reports, one per node) against the clean run's, steps lost
 (rolled back by restarts, plus skipped steps), steps from the fault to the faulty node's quarantine, nodes
 quarantined that did nothing wrong, the run's tokens/s; and for the claims cases what the coordinator answered.
 
@@ -26,16 +27,23 @@ within 50 steps (nan, huge, bitflip), the 1%-noise stage within 200; 0 false qua
 control included); the checks cost at most 3% of tokens/s; every forged claim and replayed join is refused and the
 fake failures make at most 2 plans; each damaged-state case ends in recovery with one clear line.
 
-Not here: the poisoned pseudo-gradient of an outer-mode job (`tests/test_outer_outliers.py` covers the exclusion).
+The outer-mode variant, `poisoned-pseudo-gradient`: three replica groups of one node each (a0, b0, c0 in regions
+lab-a, lab-b, lab-c; 60 steps in rounds of 5), c0 serving its pseudo-gradient x 1000 from the fault step on
+(`ATOLL_FAULT=poison:1000`); its baseline `clean-outer` runs first. Printed: whether the job finished, its final
+loss against the clean outer run, the rounds the coordinator left c0's group out of and how it named it (its log),
+and exclusions in the clean outer run (targets: c0's group out of every round from the fault's on but the job's
+last, no other group, none in the clean run).
+
 The disk cases mount a tmpfs and need root; without it they are reported as not run.
 
-Usage: python -m bench.adversary [--quick] [--steps 120] [--cases nan,noise,...]
+Usage: python -m bench.adversary [--quick] [--steps 120] [--cases nan,noise,...,poisoned-pseudo-gradient]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -52,12 +60,21 @@ if str(ROOT) not in sys.path:  # run as a path (python bench/adversary.py): impo
 
 STAGE0, STAGE1 = ["a0", "a1", "a2"], ["b0", "b1", "b2"]
 FAULTY = "a1"
+FORGER = "b0"
+"""forged-loss: the last-stage node that forges losses (outvoted by b1 and b2, named, quarantined)."""
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 24, 6, 64
 QUARANTINE_WITHIN = {"nan": 50, "huge": 50, "bitflip": 50, "noise": 200}
 FAULTS = {"nan": "nan:0.25", "huge": "huge:0.25", "bitflip": "bitflip:1e-4", "noise": "noise:0.01", "slow": "slow:5"}
 CLAIMS = ("forged-end", "forged-loss", "fake-failures", "join-replay")
 DISKS = ("node-disk", "coordinator-disk")
-ALL_CASES = ("clean", "checks-off", "nan", "huge", "bitflip", "noise", "slow", *CLAIMS, *DISKS)
+OUTER = ("poisoned-pseudo-gradient",)
+OUTER_NODES = {"a0": "lab-a", "b0": "lab-b", "c0": "lab-c"}
+"""The outer-mode variant: three replica groups of one node each, one per region."""
+POISONER = "c0"
+OUTER_INNER_STEPS, OUTER_STEPS = 5, 60
+POISON = "poison:1000"
+"""What `POISONER` serves from the fault step on: its pseudo-gradient x 1000 (`atoll.node.faults`)."""
+ALL_CASES = ("clean", "checks-off", "nan", "huge", "bitflip", "noise", "slow", *CLAIMS, *DISKS, *OUTER)
 QUICK_CASES = ("clean", "checks-off", "nan", "forged-end", "slow", "node-disk")
 LOSS_TOLERANCE = 0.01
 FULL_FOR_S = 6.0
@@ -81,6 +98,10 @@ class Result:
     ok: dict[str, bool] = field(default_factory=dict)
     """Case-specific checks (a claim refused, one clear line...), each a target."""
     not_run: str = ""
+    exclusions: list[tuple[int, str]] = field(default_factory=list)
+    """Outer mode: (round, the line naming the groups left out as outliers) of each exclusion."""
+    forged_steps: list[int] = field(default_factory=list)
+    """forged-loss: the steps b0 forged a loss of within the step window."""
 
     def final_loss(self, last: int = 10) -> float | None:
         tail = sorted(self.losses)[-last:]
@@ -98,6 +119,21 @@ def write_job(path: Path, steps: int) -> Path:
                                      micro_batch=MICRO_BATCH, seq_len=SEQ_LEN),
                   checkpoint=replace(job.checkpoint, interval=20),
                   cluster=replace(job.cluster, expected_nodes=6, min_nodes=1))
+    path.write_text(job.to_toml())
+    return path
+
+
+def write_outer_job(path: Path) -> Path:
+    """The outer-mode variant's job: the tiny model, `OUTER_STEPS` steps in rounds of `OUTER_INNER_STEPS`, one
+    replica group per region."""
+    from atoll.job import JobSpec
+
+    job = JobSpec.load(ROOT / "examples" / "tiny.toml")
+    job = replace(job, train=replace(job.train, steps=OUTER_STEPS, warmup=5, global_batch=GLOBAL_BATCH,
+                                     micro_batch=MICRO_BATCH, seq_len=SEQ_LEN),
+                  checkpoint=replace(job.checkpoint, interval=20),
+                  cluster=replace(job.cluster, expected_nodes=len(OUTER_NODES), min_nodes=len(OUTER_NODES)),
+                  outer=replace(job.outer, mode="outer", inner_steps=OUTER_INNER_STEPS, deadline_seconds=60.0))
     path.write_text(job.to_toml())
     return path
 
@@ -188,22 +224,31 @@ def forge_end(cluster, res: Result, status) -> None:
     res.ok["forged job end not taken"] = True  # judged at the end: the job trained every step
 
 
+FORGED_LOSS = 0.001
+FORGED_AHEAD = range(3, 11)
+"""The steps past the newest one the status showed whose loss last-stage node b0 forges (before its true reports)."""
+
+
 def forge_losses(cluster, res: Result, status) -> None:
     from atoll.v1 import atoll_pb2 as pb
 
     answers = {}
-    for node, stage, ahead in (("a0", 0, 0), ("b0", 1, 500)):
+    for who, node, stage, steps in (("a0", "a0", 0, [status.step + k for k in range(5)]),
+                                    ("b0 (in step)", "b0", 1, [status.step + k for k in FORGED_AHEAD]),
+                                    ("b0 (500 ahead)", "b0", 1, [status.step + 500 + k for k in range(5)])):
         m = Member(cluster, node)
         got = []
-        for k in range(5):
+        for step in steps:
             got.append(m.call("ReportStep", pb.StepMetrics(
-                job_id=status.job.job_id, node_id=node, plan_epoch=status.plan.epoch, step=status.step + ahead + k,
-                pipeline=0, stage=stage, has_loss=True, loss=0.001, tokens=GLOBAL_BATCH * SEQ_LEN, step_seconds=0.1,
-                unix_time=time.time())))
-        answers[node] = got
+                job_id=status.job.job_id, node_id=node, plan_epoch=status.plan.epoch, step=step,
+                pipeline=0, stage=stage, has_loss=True, loss=FORGED_LOSS, tokens=GLOBAL_BATCH * SEQ_LEN,
+                step_seconds=0.1, unix_time=time.time())))
+        answers[who] = got
         m.close()
+    res.forged_steps = [status.step + k for k in FORGED_AHEAD]
     res.notes.append("forged losses answered: " + "; ".join(f"{n}: {', '.join(a)}" for n, a in answers.items()))
-    res.ok["every forged loss refused"] = all(a != "OK" for got in answers.values() for a in got)
+    res.ok["forged losses of a0 and b0 500 steps ahead refused"] = \
+        all(a != "OK" for who, got in answers.items() if who != "b0 (in step)" for a in got)
 
 
 def fake_failures(cluster, res: Result, status) -> None:
@@ -346,11 +391,12 @@ def run_case(case: str, args: argparse.Namespace, out: Path) -> Result:
             if case == "node-disk":
                 res.notes.append("under-replicated shown: " + ("; ".join(last.under_replicated) or "no (closed)"))
         reports = cluster.step_reports()
+        history = recorded_losses(cluster)
     finally:
         cluster.stop()
         for m in mounts:
             umount(m)
-    res.losses = recorded_losses(reports)
+    res.losses = history
     res.rolled_back = max((r.steps_rolled_back for r in reports), default=0)
     res.skipped = len({r.step for r in reports if r.offences})
     res.tokens_per_s = tokens_per_s(reports)
@@ -373,17 +419,89 @@ def run_case(case: str, args: argparse.Namespace, out: Path) -> Result:
         res.ok["coordinator disk: said once, flushed"] = said == 1 and back and not tracebacks
     if case == "forged-end":
         res.ok["forged job end not taken"] = res.finished and len(res.losses) >= args.steps
+    if case == "forged-loss":
+        kept = {s: res.losses.get(s) for s in res.forged_steps}
+        res.notes.append("recorded loss of the steps b0 forged: " +
+                         ", ".join(f"{s}: {fmt(x, '.4f')}" for s, x in kept.items()))
+        res.ok["no forged loss recorded"] = bool(kept) and all(x is None or x > 100 * FORGED_LOSS
+                                                                for x in kept.values())
+        res.ok["b0 quarantined for its forged losses"] = "b0" in res.quarantined
     return res
 
 
-def recorded_losses(reports: list) -> dict[int, float]:
-    """Each step's loss as the coordinator's history holds it: the mean of every loss report it took for the step
-    (a forged one it took counts as much as the true one)."""
-    by_step: dict[int, list[float]] = {}
-    for r in reports:
-        if r.loss is not None:
-            by_step.setdefault(r.step, []).append(r.loss)
-    return {step: statistics.fmean(v) for step, v in by_step.items()}
+EXCLUDED = re.compile(r"outer round (\d+): left out as outliers: (.*)")
+
+
+def run_outer_case(case: str, args: argparse.Namespace, out: Path) -> Result:
+    """`clean-outer` or `poisoned-pseudo-gradient`: the outer-mode job of three one-node replica groups, node
+    `POISONER` serving a poisoned pseudo-gradient from the fault step on in the latter; the rounds' exclusions
+    (the coordinator's log) in `Result.exclusions`."""
+    from atoll.launch.localcluster import LocalCluster
+
+    res = Result(case)
+    run = out / case
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    job_path = write_outer_job(run / "job.toml")
+    cluster = LocalCluster(job_path=job_path, out=run / "cluster", profile_seconds=1.0)
+    started = time.monotonic()
+    try:
+        cluster.start_coordinator()
+        for n, region in OUTER_NODES.items():
+            env = {"ATOLL_FAULT": f"{POISON}@{args.fault_step}"} if case != "clean-outer" and n == POISONER else {}
+            cluster.start_node(n, node_id=n, region=region, env=env)
+        deadline = started + args.timeout
+        while time.monotonic() < deadline:
+            try:
+                s = cluster.status(timeout=5)
+            except Exception:  # noqa: BLE001 - a busy coordinator misses a poll; the next one asks again
+                time.sleep(1)
+                continue
+            for o in s.offenders:
+                if o.quarantined and o.node_id not in res.quarantined:
+                    res.quarantined[o.node_id] = s.step
+            res.epochs = s.plan.epoch
+            if s.job_state == "finished":
+                res.finished = True
+                break
+            time.sleep(0.5)
+        res.wall_s = time.monotonic() - started
+        settle = time.monotonic() + 60
+        while time.monotonic() < settle and any(p.poll() is None for n, p in cluster.procs.items()
+                                                if n != "coordinator"):
+            time.sleep(0.5)
+        reports = cluster.step_reports()
+        history = recorded_losses(cluster)
+    finally:
+        cluster.stop()
+    res.losses = history
+    res.tokens_per_s = tokens_per_s(reports)
+    log = (run / "cluster" / "coordinator.log").read_text(errors="replace")
+    res.exclusions = [(int(m.group(1)), m.group(2).strip()) for m in EXCLUDED.finditer(log)]
+    rounds = sorted({r for r, _ in res.exclusions})
+    named = sorted({POISONER in line for _, line in res.exclusions})
+    res.notes.append(f"{len(res.exclusions)} group contribution(s) left out as outliers"
+                     + (f", rounds {rounds[0]}-{rounds[-1]} ({len(rounds)}); e.g. {res.exclusions[0][1]}"
+                        if rounds else ""))
+    if case == "clean-outer":
+        res.ok["0 false exclusions"] = not res.exclusions
+    else:
+        # the node serves a poisoned pseudo-gradient from the first round starting at or past the fault step; every
+        # round from there but the job's last (which may end it before it is decided) must leave it out
+        first = -(-args.fault_step // OUTER_INNER_STEPS)
+        last = OUTER_STEPS // OUTER_INNER_STEPS - 1
+        res.ok[f"{POISONER}'s group left out and named in rounds {first}-{last - 1}, no other group"] = \
+            named == [True] and set(range(first, last)) <= set(rounds) and min(rounds) >= first
+    return res
+
+
+def recorded_losses(cluster) -> dict[int, float]:
+    """Each step's loss as the coordinator's history holds it (`atoll.coordinator.claims.LossVotes`: the median of
+    the loss holders' reports, one per node)."""
+    if not cluster.state_db.is_file():
+        return {}
+    with cluster.read_store() as store:
+        return {p.first: p.loss for p in store.history() if p.width == 1 and p.loss is not None}
 
 
 def tokens_per_s(reports: list, skip: int = 10) -> float | None:
@@ -408,8 +526,7 @@ def fmt(x: float | None, spec: str) -> str:
 
 def report(results: list[Result], args: argparse.Namespace, extra: list[Result]) -> dict[str, bool]:
     """Print the table and return the targets; `extra`: more clean and checks-off runs, for the checks' cost."""
-    clean = next((r for r in results if r.case == "clean"), None)
-    base = clean.final_loss() if clean is not None else None
+    bases = {c: next((r.final_loss() for r in results if r.case == c), None) for c in ("clean", "clean-outer")}
     rows = [["case", "finished", "final loss", "vs clean", "rolled back", "skipped", "quarantined (steps after fault)",
              "false q.", "tokens/s", "plans", "wall s"]]
     targets: dict[str, bool] = {}
@@ -418,19 +535,20 @@ def report(results: list[Result], args: argparse.Namespace, extra: list[Result])
             rows.append([r.case, f"not run: {r.not_run}"] + [""] * 9)
             continue
         loss = r.final_loss()
+        base = bases["clean-outer" if r.case == "clean-outer" or r.case in OUTER else "clean"]
         rel = None if loss is None or base is None else loss / base - 1
-        faulty = FAULTY if r.case in QUARANTINE_WITHIN else None
+        faulty = FAULTY if r.case in QUARANTINE_WITHIN else {"forged-loss": FORGER}.get(r.case)
         after = {n: s - args.fault_step for n, s in r.quarantined.items()}
         false = [n for n in r.quarantined if n != faulty]
         rows.append([r.case, "yes" if r.finished else "NO", fmt(loss, ".4f"), fmt(None if rel is None else 100 * rel,
                     "+.2f") + ("%" if rel is not None else ""), str(r.rolled_back), str(r.skipped),
                      ", ".join(f"{n} ({a})" for n, a in after.items()) or "-", str(len(false)),
                      fmt(r.tokens_per_s, ",.0f"), str(r.epochs), f"{r.wall_s:.0f}"])
-        if r.case != "checks-off":
+        if r.case not in ("checks-off", "clean-outer"):
             targets[f"{r.case}: finished, final loss within 1% of clean"] = r.finished and rel is not None \
                 and abs(rel) <= LOSS_TOLERANCE
         targets[f"{r.case}: 0 false quarantines"] = not false
-        if faulty is not None:
+        if r.case in QUARANTINE_WITHIN:
             within = QUARANTINE_WITHIN[r.case]
             targets[f"{r.case}: {faulty} quarantined within {within} steps"] = \
                 faulty in after and after[faulty] <= within
@@ -478,17 +596,22 @@ def main() -> int:
     unknown = [c for c in cases if c not in ALL_CASES]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(ALL_CASES)}")
-    if "clean" not in cases:
+    if "clean" not in cases and any(c not in OUTER for c in cases):
         cases.insert(0, "clean")
+    if any(c in OUTER for c in cases):  # the outer variant's own baseline, before its first case
+        cases.insert(min(cases.index(c) for c in OUTER if c in cases), "clean-outer")
     if args.fault_step >= args.steps - 10:
         ap.error(f"--fault-step {args.fault_step} leaves fewer than 10 of the {args.steps} steps after it")
     out = Path(args.out).resolve()
     print(f"adversary: the tiny job, {args.steps} steps, 2 stages x 3 replicas on 6 local nodes; one case per run, "
           f"the fault from step {args.fault_step} on node {FAULTY} (ATOLL_FAULT) or through a member's certificate")
+    if any(c in OUTER for c in cases):
+        print(f"  outer-mode variant: {len(OUTER_NODES)} one-node replica groups in {len(OUTER_NODES)} regions, "
+              f"{OUTER_STEPS} steps in rounds of {OUTER_INNER_STEPS}, {POISONER} serving a poisoned pseudo-gradient")
     results = []
     for i, case in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {case} ...", flush=True)
-        res = run_case(case, args, out)
+        res = (run_outer_case if case == "clean-outer" or case in OUTER else run_case)(case, args, out)
         print(f"[{i}/{len(cases)}] {case}: {'not run (' + res.not_run + ')' if res.not_run else 'finished' if res.finished else 'NOT finished'}"
               f" in {res.wall_s:.0f}s; quarantined: {res.quarantined or '-'}", flush=True)
         results.append(res)
