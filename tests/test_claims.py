@@ -344,3 +344,24 @@ def test_the_loss_decision_rule() -> None:
     # three that all disagree: no majority, nobody named
     d = claims.decide(5, 1, 3, {"a": (1.0, None, None), "b": (2.0, None, None), "c": (3.0, None, None)})
     assert d.loss is None and d.liars == () and d.note
+
+
+def test_in_outer_mode_each_group_votes_on_its_own_loss() -> None:
+    from atoll.plan import OuterPlan, ReplicaGroup
+
+    def pipe(nodes: list[str]) -> PipelinePlan:
+        return PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+            StagePlan(island="i0", layers=(0, 2), nodes=nodes[:1]),
+            StagePlan(island="i0", layers=(2, 4), nodes=nodes[1:], dp=len(nodes) - 1)])
+
+    plan = Plan(model="tiny", global_batch=16, seq_len=64, epoch=1, mode="outer", outer=OuterPlan(inner_steps=5),
+                pipelines=[pipe(["a0", "a1", "a2", "a3"]), pipe(["b0", "b1"])],
+                groups=[ReplicaGroup(name="lab-a", pipelines=[0]), ReplicaGroup(name="lab-b", pipelines=[1])])
+    assert claims.loss_voters(plan, 0) == {"a1", "a2", "a3"} and claims.loss_voters(plan, 1) == {"b1"}
+    votes = claims.LossVotes()
+    assert [d.loss for d in votes.add(plan, "b1", 1, 7, 3.0, None, None)] == [3.0]  # its group's only voter
+    assert votes.add(plan, "a1", 0, 7, 2.0, None, None) == []
+    assert votes.add(plan, "a2", 0, 7, 0.1, None, None) == []
+    assert votes.add(plan, "b1", 0, 7, 0.1, None, None) == []  # not a voter of group lab-a
+    (d,) = votes.add(plan, "a3", 0, 7, 2.0, None, None)
+    assert (d.step, d.loss, d.liars) == (7, 2.0, (("a2", 0.1),))
