@@ -25,8 +25,16 @@ def test_the_choice_is_the_least_worst_case_regret() -> None:
     best = best_steps(pool)
     assert best == {"nominal": 1.0, "pessimistic": 1.15}
     worst = {id(s): s.worst(best) for s in pool}
-    pick, why = choose(pool, "nominal", 16)
+    pick, why = choose(pool, "nominal", 16, budget=0.0)
     assert pick is balanced and worst[id(pick)] == min(worst.values()) and "regret" in why
+    # within a budget of 5%, the fastest under the nominal model: a plan 1% slower nominally and safe enough wins
+    # over the least-regret one only where that one is slower nominally
+    close = _scored(1.01, 1.18)  # worst regret 2.6%
+    assert choose([*pool, close], "nominal", 16)[0] is close
+    assert choose([*pool, close], "nominal", 16, budget=0.0)[0] is close  # also the least regret here
+    # nothing within 5%: within a point of the least
+    far = [_scored(1.0, 2.0), _scored(1.2, 1.5), _scored(1.3, 1.0)]  # worst 33%, 33.3%, 23%
+    assert choose(far, "nominal", 16)[0] is far[2]
     # a band of one model is the fastest plan
     only = [Scored(steps={"nominal": s.steps["nominal"]}, gpus=16) for s in pool]
     assert choose(only, "nominal", 16)[0] is only[0]

@@ -6,8 +6,10 @@ every model of the band (`PlannerOptions.band`, by default `network.PESSIMISTIC`
 widths, windows and deferrals stay as they are, and what the network decides is priced again under the other
 model (`as_model`: the gradient all-reduce and what of it hides, ZeRO-2/3's per-micro-batch collectives, the
 activation transfers with the codec each link would then get, the tied weight's sum), then simulated. A candidate's
-regret under a model is its shortfall against the best candidate under that model (1 - best step / its step); the
-plan is the candidate with the least worst-case regret over the band, the nominal step breaking ties.
+regret under a model is its shortfall against the best candidate under that model (1 - best step / its step). The
+plan is the fastest candidate under the nominal model among those whose worst-case regret over the band is within
+5% (`REGRET_BUDGET`), or within a point of the least any candidate reaches where no candidate is within 5%: a plan
+that loses little under every model is not traded for nominal speed, nor for robustness it does not need.
 
 The candidates are the search's leading pipelines, the best composed pipelines of a few other total device counts
 (another width, another cut) and of the most devices, and, on clusters of one region and at most
@@ -169,14 +171,29 @@ def best_steps(pool: Sequence[Scored]) -> dict[str, float]:
     return {k: min(s.steps[k] for s in pool) for k in names}
 
 
-def choose(pool: Sequence[Scored], nominal: str, total_gpus: int, tolerance: float = 0.0) -> tuple[Scored, str]:
-    """The candidate of least worst-case regret (within `tolerance`, the earliest of `pool`, which lists the
-    search's preferred first; else the least nominal step), and why. Then the idle rule (`IDLE_SHARE`)."""
+REGRET_BUDGET = 0.05
+"""A worst-case regret the choice accepts without giving up nominal speed for less: among the candidates within
+max(this, the least worst-case regret + `REGRET_SLACK`), the fastest under the nominal model is the plan."""
+REGRET_SLACK = 0.01
+
+
+def choose(pool: Sequence[Scored], nominal: str, total_gpus: int, tolerance: float = 0.0,
+           budget: float = REGRET_BUDGET) -> tuple[Scored, str]:
+    """The plan of `pool` and why: of the candidates whose worst-case regret is within `budget` (or within
+    `REGRET_SLACK` of the least any reaches, where that is more), the fastest under the nominal model, or with
+    `tolerance` > 0 (near-equal plans, `PlannerOptions.near_equal`) the earliest of `pool`, which lists the search's
+    preferred first. Then the idle rule (`IDLE_SHARE`)."""
     best = best_steps(pool)
     least = min(s.worst(best) for s in pool)
-    tied = [s for s in pool if s.worst(best) <= least + tolerance + 1e-9]
-    pick = tied[0] if tolerance > 0 else min(tied, key=lambda s: s.steps[nominal])
-    why = f"least worst-case regret over the band ({pick.worst(best):.1%})"
+    bound = max(budget, least + REGRET_SLACK)
+    within = [s for s in pool if s.worst(best) <= bound + 1e-9]
+    if tolerance > 0:
+        fastest = min(s.steps[nominal] for s in within)
+        pick = next(s for s in within if s.steps[nominal] <= fastest * (1 + tolerance))
+    else:
+        pick = min(within, key=lambda s: s.steps[nominal])
+    why = (f"worst-case regret over the band ({pick.worst(best):.1%}; the least any candidate reaches "
+           f"{least:.1%}), the fastest under the nominal model within {bound:.0%}")
     if total_gpus - pick.gpus >= IDLE_SHARE * total_gpus:
         more = [s for s in pool if total_gpus - s.gpus < IDLE_SHARE * total_gpus]
         if more:
