@@ -56,6 +56,8 @@ from datetime import timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a path (python bench/wan_pipeline.py): imports resolve from the checkout
+    sys.path.insert(0, str(REPO))
 OUT = REPO / "runs" / "wan_pipeline"
 TOKEN = "wan-bench"
 PEER_PORT, STORE_PORT = 7300, 7301  # inside the testbed's own namespaces: nothing else binds there
