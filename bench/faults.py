@@ -230,11 +230,16 @@ class RunRecord:
         return {s for (_, s, _, _) in self.steps.values()}
 
     def whole_steps(self) -> list[tuple[float, int, int, float]]:
-        """(unix time, step, epoch, loss) of every step with a loss, in time order (computed once per record: a
-        long run has tens of thousands, and the driver asks several times a poll)."""
+        """(unix time, step, epoch, loss) of every step with a loss, in time order, once per plan epoch (every
+        replica of a last stage reports the step's loss: the first report stands for the step; a step trained again
+        after a rollback is another epoch's) (computed once per record: a long run has tens of thousands, and the
+        driver asks several times a poll)."""
         if self._whole is None or self._whole[0] != len(self.steps):
-            out = [(t, s, e, loss) for (t, s, loss, e) in self.steps.values() if loss is not None]
-            self._whole = (len(self.steps), sorted(out))
+            first: dict[tuple[int, int], tuple[float, int, int, float]] = {}
+            for (t, s, loss, e) in self.steps.values():
+                if loss is not None and ((e, s) not in first or t < first[(e, s)][0]):
+                    first[(e, s)] = (t, s, e, loss)
+            self._whole = (len(self.steps), sorted(first.values()))
         return self._whole[1]
 
     def losses(self) -> dict[int, float]:

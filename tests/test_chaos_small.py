@@ -32,6 +32,16 @@ def test_rolled_back_counts_the_deepest_fall_below_the_steps_trained() -> None:
     assert rolled_back([(1.0, 5, 1, 0.0), (2.0, 6, 1, 0.0), (3.0, 7, 1, 0.0)], 1.5, 9.0) == 0
 
 
+def test_every_last_stage_replicas_loss_report_counts_the_step_once() -> None:
+    """Each replica of a last stage reports the step's loss, stamped by its own clock: replica b's report of step 5
+    after replica a's of step 6 is not step 5 trained again (the coordinator-kill test read it as a 1-step rollback)."""
+    rec = RunRecord(steps={("a", 1, 5): (1.0, 5, 2.0, 1), ("a", 1, 6): (2.0, 6, 2.0, 1), ("b", 1, 5): (2.5, 5, 2.0, 1),
+                           ("b", 1, 6): (3.0, 6, 2.0, 1), ("a", 2, 6): (5.0, 6, 2.1, 2)})
+    assert [(t, s, e) for t, s, e, _ in rec.whole_steps()] == [(1.0, 5, 1), (2.0, 6, 1), (5.0, 6, 2)]
+    assert rolled_back(rec.whole_steps(), 0.0, 4.0) == 0
+    assert rolled_back(rec.whole_steps(), 4.0, 9.0) == 1  # epoch 2 trained step 6 again
+
+
 def test_a_kill_is_detected_by_the_store_marking_the_node_gone_or_a_plan_without_the_node() -> None:
     from atoll.plan import PipelinePlan, Plan, StagePlan
 
