@@ -83,6 +83,15 @@ def _recorded(state: CoordinatorState) -> dict[int, tuple[float | None, int]]:
     return {p.first: (p.loss, p.count) for p in state.store.history()}
 
 
+def _near_the_end(state: CoordinatorState, nodes: tuple[str, ...]) -> int:
+    """Every node reports steps up to two before the last (stage 0's without a loss); returns the last step."""
+    last = state.target_steps - 1
+    for step in [*range(0, last - 2, 100), last - 2]:
+        for n in nodes:
+            _report(state, n, step, loss=n != nodes[0])
+    return last
+
+
 def test_a_forged_job_end_from_a_stage_0_node_is_refused(planned) -> None:
     """The finding: a stage-0 node with its own valid identity sent ReportStep(step = last - 1) with a made-up loss,
     and the coordinator marked the job finished."""
@@ -104,9 +113,7 @@ def test_a_last_stage_node_alone_cannot_end_the_job(planned) -> None:
     last = state.target_steps - 1
     with pytest.raises(Unavailable, match="peers have reported no step yet"):  # far ahead of its peers
         _report(state, a, last)
-    for step in [*range(0, last - 2, 100), last - 2]:  # the job runs to its last steps, every node reporting
-        for n in (first, a, b):
-            _report(state, n, step, loss=n != first)
+    _near_the_end(state, (first, a, b))  # the job runs to its last steps, every node reporting
     _report(state, a, last)  # within the window now, and taken; but one node's word
     state.tick()
     assert not state.job_complete() and not state.control.finished_unix
@@ -122,11 +129,8 @@ def test_nodes_that_end_one_after_another_after_an_outage_are_not_planned_around
     back, one node after another: the first to have delivered leaves. A replan around its departure (as before)
     left the others' last reports under a superseded plan, and the job was never recorded finished."""
     state, first, (a, b) = planned
-    last = state.target_steps - 1
     epoch = state.epoch
-    for step in [*range(0, last - 2, 100), last - 2]:
-        for n in (first, a, b):
-            _report(state, n, step, loss=n != first)
+    last = _near_the_end(state, (first, a, b))
     _report(state, a, last)
     h.handle_leave(pb.LeaveRequest(node_id=a, reason="node stopped"), state)  # delivered, then left
     state.clock.t += 5.0
@@ -145,11 +149,8 @@ def test_the_end_hold_is_bounded(planned) -> None:
     from atoll.coordinator.state import END_HOLD_S
 
     state, first, (a, b) = planned
-    last = state.target_steps - 1
     epoch = state.epoch
-    for step in [*range(0, last - 2, 100), last - 2]:
-        for n in (first, a, b):
-            _report(state, n, step, loss=n != first)
+    last = _near_the_end(state, (first, a, b))
     _report(state, a, last)
     h.handle_leave(pb.LeaveRequest(node_id=a, reason="node stopped"), state)
     state.clock.t += 5.0
