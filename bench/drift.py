@@ -97,10 +97,11 @@ def _group_resumes(cluster, old: int, new: int) -> list[tuple[str, bool, int, in
     return out
 
 
-def _median_step(times: dict[int, float], lo: int, hi: int) -> float | None:
-    """The median interval between consecutive steps' loss reports for steps in [lo, hi)."""
+def _median_step(times: dict[int, float], lo: int, hi: int, least: int = 3) -> float | None:
+    """The median interval between consecutive steps' loss reports for steps in [lo, hi) (None: fewer than `least`
+    intervals)."""
     gaps = [times[s] - times[s - 1] for s in range(lo + 1, hi) if s in times and s - 1 in times]
-    return statistics.median(gaps) if len(gaps) >= 3 else None
+    return statistics.median(gaps) if len(gaps) >= least else None
 
 
 def _busiest(cluster) -> str:
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     before = _median_step(times, 2, at_slow)
     # every step the slowed node ran under the first plan: from the one after the slowdown's (its gap to that
     # one is slowed throughout) to the last before the new plan (a quick replan leaves only a few)
-    slow = _median_step(times, at_slow + 1, at_plan + 1)
+    # (a drift replan that comes within a few steps leaves only those: one interval is a measurement too)
+    slow = _median_step(times, at_slow + 1, at_plan + 1, least=1)
     after = _median_step(times, first_new + a.settle, first_new + a.settle + a.after)
     print("\nmedian step time")
     for name, v in (("before the slowdown", before), ("slowed, first plan", slow), ("slowed, drift's plan", after)):
