@@ -68,7 +68,10 @@ def step_refusal(plan: Plan, node_id: str, step: int, peers_newest: int | None, 
     `has_peers`: its group has other nodes (a node alone cannot be corroborated, nor contradicted)."""
     if not has_peers:
         return ""
-    base = max(plan.resume_step, peers_newest if peers_newest is not None else plan.resume_step)
+    # (where the plan's nodes start: its live-state step where the job had reached past its checkpoint; a stage whose
+    # every node reports a loss, none ahead of the others, would otherwise be held back from a resume far past it)
+    start = max(plan.resume_step, plan.reached_step)
+    base = max(start, peers_newest if peers_newest is not None else start)
     if step <= base + window:
         return ""
     said = f"the newest step its peers reported is {peers_newest}" if peers_newest is not None else \
