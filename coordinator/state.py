@@ -216,6 +216,9 @@ class CoordinatorState:
         self._end_hold_since: float | None = None
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
+        self._network_next = self._drift_next
+        """When the network model is next fitted to the running plan's reports (`_network_check`)."""
+        self._network_backoff = 1
         self.prune_checkpoints_before = 0
         """Checkpoint steps older than this are needed nowhere (`note_complete_checkpoints`); heartbeat replies
         carry it, and nodes delete their own and their copies of older steps (0: none yet)."""
@@ -846,7 +849,10 @@ class CoordinatorState:
             if _SECONDS.sub("", decision.reason) != _SECONDS.sub("", self._last_reason):
                 log.info("not planning: %s", decision.reason)
             if plan is not None and planned == alive.keys() and not self.job_complete() and now >= self._drift_next:
-                events.extend(self._network_check(plan, alive, now) or self._drift_check(plan, alive, now))
+                # drift first: a node whose compute slowed also slows its transfers, and a network fit would read
+                # that as the network; the network check leaves out such nodes' links (and runs on its own backoff)
+                events.extend(self._drift_check(plan, alive, now)
+                              or (self._network_check(plan, alive, now) if now >= self._network_next else []))
         self._last_reason = decision.reason
         for e in events:
             log.info("%s", e)
@@ -958,8 +964,16 @@ class CoordinatorState:
         if not opts.enabled or plan.mode != "sync" or plan.predicted.step_time_s <= 0:
             return []
         steps = [m for m in self._reports_of(plan, CALIBRATION_REPORTS_PER_NODE) if m.plan_epoch == plan.epoch]
+        # a node whose compute moved from its plan (a CPU quota cut, a throttled GPU) also moves and receives on the
+        # starved host: its transfers and its peers' waits on it read as a slow network. Its links say nothing about
+        # the network, and the drift check (run next) is the one to plan around it
+        starved = set(drifted(speed_changes(epoch_compute(plan, self._reports_of(
+            plan, max(CALIBRATION_REPORTS_PER_NODE, 2 * self.options.drift.min_steps + 2))),
+            self.options.drift.min_steps), self.options.drift.threshold))
         link_of = {(x.src, x.dst): (x.bandwidth_bytes_per_s, x.rtt_seconds / 2)
-                   for x in self.store.links_view() if x.bandwidth_bytes_per_s > 0}
+                   for x in self.store.links_view() if x.bandwidth_bytes_per_s > 0
+                   and x.src not in starved and x.dst not in starved}
+        steps = [m for m in steps if m.node_id not in starved]
         group_of = {n: list(st.nodes) for p in plan.pipelines for st in p.stages for n in st.nodes}
         from atoll.coordinator.planner.options import PlannerOptions
 
@@ -973,6 +987,11 @@ class CoordinatorState:
         new, how = self.planner(inputs)
         verdict = replan_verdict(fitted=fit.model, planned=self.network, running_s=plan_step_under(
             plan, self.network, fit.model), best_s=new.predicted.step_time_s, options=opts, typical_s=typical)
+        # each fit that replanned, or ran the planner for nothing, waits twice as long for the next (up to
+        # `DRIFT_BACKOFF_MAX` intervals): a fit that moves again right after its replan is unsettled (the new plan
+        # moves other bytes over other links), and chasing it would leave no plan long enough to be measured
+        self._network_backoff = min(2 * self._network_backoff, DRIFT_BACKOFF_MAX)
+        self._network_next = now + self.options.drift.interval.total_seconds() * self._network_backoff
         if not verdict.go:
             log.info("network fit: not replanning: %s", verdict.why)
             return []
