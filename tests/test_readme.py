@@ -1,4 +1,4 @@
-"""The README's two commands are the ones CI runs."""
+"""The README's two commands are the ones CI runs; the job snippets of the README and the docs load and train."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def test_readme_has_exactly_two_commands_and_ci_runs_them() -> None:
 
 
 def _toml_blocks() -> list[str]:
-    return [b for b in re.findall(r"```toml\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)]
+    """Every ```toml snippet of the README and of the documentation's pages (docs/**/*.md)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    return [b for page in pages for b in re.findall(r"```toml\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -43,7 +45,8 @@ def _to_toml(doc: dict) -> str:
                    for name, table in doc.items())
 
 
-def test_every_job_snippet_in_the_readme_loads_and_a_whole_job_trains(tmp_path: Path, monkeypatch) -> None:
+def test_every_job_snippet_in_the_readme_and_the_docs_loads_and_a_whole_job_trains(
+        tmp_path: Path, monkeypatch) -> None:
     """A snippet that is a whole job file (it has [job]) loads as the coordinator loads it and trains a few steps
     in the folder a node would read its relative paths from; a fragment (one section a paragraph explains) loads
     merged over the demo's job. A snippet that leaves out a required field fails here, not in a user's hands."""
@@ -82,6 +85,6 @@ def test_every_job_snippet_in_the_readme_loads_and_a_whole_job_trains(tmp_path: 
 
     tiny = tomllib.loads((REPO / "examples" / "tiny.toml").read_text())
     fragments = [b for b in blocks if "[job]" not in b]
-    assert fragments, "the README's section snippets ([outer], [train] precision) are checked too"
+    assert fragments, "the docs' section snippets ([outer], [train] precision) are checked too"
     for text in fragments:
         JobSpec.from_toml(_to_toml(_merge(tiny, tomllib.loads(text))))
