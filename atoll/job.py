@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from atoll.fsutil import read_text_file
-from atoll.modelspec import SIZE_LIMITS, ModelConfig, ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import SIZE_LIMITS, ModelConfig, ModelSpec
 
 if sys.version_info >= (3, 11):
     import tomllib

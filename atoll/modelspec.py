@@ -11,7 +11,8 @@ Two styles share the description:
   RMSNorms of each query and key head (Qwen3); norms scaling by (1 + weight), an embedding scaled by
   sqrt(d_model) and a tanh-GELU gate (Gemma).
 
-Hugging Face configs (llama, mistral, qwen2, qwen3, gemma, gpt2) map onto these two styles: `atoll.hf`.
+Hugging Face configs (llama, mistral, qwen2, qwen3, gemma, gpt2) map onto these two styles: `atoll.hf`, which
+builds on this module (never the other way round); `atoll.models` names and reads a model of either source.
 
 Units: parameters are counts, FLOPs are per token (a multiply-add is 2 FLOPs), memory is in bytes.
 
@@ -29,13 +30,9 @@ for the head, the final norm's input and output and the fp32 log-probabilities o
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, Literal
-
-from atoll.fsutil import read_text_file
 
 Style = Literal["gpt", "llama"]
 LayerKind = Literal["embedding", "block", "head"]
@@ -251,21 +248,6 @@ class ModelConfig:
         except ValueError as e:
             raise ValueError(f"{prefix}{e}") from None
 
-    @classmethod
-    def load(cls, path: str | Path) -> "ModelConfig":
-        """The ModelConfig of a JSON file: an object of its fields (`to_dict`), or a Hugging Face config.json
-        (one with a model_type, read by `atoll.hf.config_from_hf`). Every error is one line naming the file."""
-        text = read_text_file(path, "model file", "pass a JSON file of model fields or a Hugging Face config.json")
-        try:
-            doc = json.loads(text)
-        except ValueError as e:  # JSONDecodeError, or an integer too long to read
-            raise ValueError(f"{path}: not valid JSON: {e}") from None
-        if isinstance(doc, dict) and "model_type" in doc:
-            from atoll.hf import config_from_hf  # atoll.hf builds on this module
-
-            return config_from_hf(doc, where=str(path))
-        return cls.from_dict(doc, where=str(path))
-
 
 def _is_int(value: Any) -> bool:
     """An int, not a bool (which Python counts as one)."""
@@ -291,17 +273,6 @@ PRESETS: dict[str, ModelConfig] = {
     "70b": ModelConfig(name="70b", style="llama", vocab_size=32000, d_model=8192, n_layers=80, n_heads=64,
                        n_kv_heads=8, ffn_hidden=28672, seq_len=4096),
 }
-
-
-def preset(name: str) -> ModelConfig:
-    """A named model configuration (case-insensitive): tiny, small, 125m, 350m, 1.3b, 7b, 13b, 70b, or a
-    Hugging Face model's published shape (`atoll.hf.HF_PRESETS`: gpt2, llama-3.2-1b, qwen2.5-0.5b, ...)."""
-    from atoll.hf import HF_PRESETS, hf_preset  # atoll.hf builds on this module
-
-    found = PRESETS.get(name.lower()) or hf_preset(name)
-    if found is None:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join([*PRESETS, *HF_PRESETS])}")
-    return found
 
 
 @dataclass(frozen=True)
@@ -392,10 +363,6 @@ class ModelSpec:
                       wgrad_elems_per_token=0 if c.tied_head else d + v)
         )
         return cls(config=c, layers=tuple(layers))
-
-    @classmethod
-    def from_preset(cls, name: str) -> "ModelSpec":
-        return cls.from_config(preset(name))
 
     @property
     def name(self) -> str:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from atoll.compression import CodecSpec, ErrorFeedback, get_codec
-from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.models import preset, preset_spec
+from atoll.modelspec import ModelConfig
 from atoll.node.data import TokenDataset
 from atoll.node.model import build_slice
 
@@ -198,7 +199,7 @@ def outer_report(h: int, repeats: int) -> list[tuple[str, bool]]:
     print("(rel L2: one round's decoded pseudo-gradient against the true one; held after N: what error feedback still "
           "holds back after N rounds of it, in rounds' worth)")
     for name in ("1.3b", "7b"):
-        n = ModelSpec.from_preset(name).total_params
+        n = preset_spec(name).total_params
         sizes = {s.label(): get_codec(s).payload_size(n, torch.float32) for s in OUTER_SPECS[:4]}
         print(f"  {name} ({n / 1e9:.2f} B parameters) per group per round: "
               + ", ".join(f"{k} {v / 1e6:,.0f} MB" for k, v in sizes.items()))

@@ -52,7 +52,7 @@ def _job(model: str, nodes: int, steps: int, regions: int = 1, inner_steps: int 
     from atoll.job import JobSpec
 
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    from atoll.modelspec import preset
+    from atoll.models import preset
     config = replace(preset(model), seq_len=job.train.seq_len)
     job = replace(job, name="drift", id="", model=config, model_preset=None,
                   train=replace(job.train, steps=steps),

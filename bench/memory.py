@@ -48,7 +48,8 @@ from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.job import JobSpec
-from atoll.modelspec import ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelSpec
 from atoll.node.peer import PeerServer
 from atoll.node.runner import PlanRunner, RunContext
 from atoll.plan import GB, PipelinePlan, Plan, StagePlan

@@ -56,7 +56,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.node.inprocess import ThreadedRun, train_threaded
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate
 from atoll.node.schedule import schedule, theoretical_bubble, zero_bubble_depths

@@ -53,7 +53,7 @@ from atoll.coordinator.planner.cluster import GBPS  # noqa: E402
 from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
 from atoll.coordinator.planner.outer import region_links  # noqa: E402
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer  # noqa: E402
-from atoll.modelspec import ModelSpec  # noqa: E402
+from atoll.models import preset_spec  # noqa: E402
 
 
 def group(name: str, device: str, count: int, region: str = "r1", inter: float = 100, gpn: int = 8,
@@ -233,7 +233,7 @@ def busy_share(plan, cm: CostModel, cluster: Cluster) -> float:
 
 
 def run(s: Scenario) -> dict:
-    model = ModelSpec.from_preset(s.model)
+    model = preset_spec(s.model)
     cluster = s.load()
     train = TrainSpec(global_batch=s.global_batch, seq_len=s.seq_len or model.config.seq_len)
     model = model.with_seq_len(train.seq_len)

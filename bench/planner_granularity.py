@@ -28,6 +28,7 @@ from bench.planner import SCENARIOS, ceiling  # noqa: E402
 
 from atoll.coordinator.planner import TrainSpec, search_plan  # noqa: E402
 from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
+from atoll.models import preset_spec  # noqa: E402
 from atoll.modelspec import LayerSpec, ModelSpec  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in SCENARIOS:
         if (args.only and args.only not in s.name) or not s.mixed_in_region or s.regions > 1:
             continue
-        model = ModelSpec.from_preset(s.model)
+        model = preset_spec(s.model)
         cluster = s.load()
         train = TrainSpec(global_batch=s.global_batch, seq_len=s.seq_len or model.config.seq_len)
         model = model.with_seq_len(train.seq_len)

@@ -29,7 +29,7 @@ from atoll.coordinator.planner.composer import Candidate, Composer  # noqa: E402
 from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
 from atoll.coordinator.planner.network import NOMINAL, NetworkModel  # noqa: E402
 from atoll.coordinator.planner.robust import as_model, with_network  # noqa: E402
-from atoll.modelspec import ModelSpec  # noqa: E402
+from atoll.models import preset_spec  # noqa: E402
 
 TRUE = NetworkModel(name="true", p2p_scale=0.25, collective_scale=0.25)
 """The links as they really are: cross-node bandwidth 4x below the cluster file's."""
@@ -84,7 +84,7 @@ def _key(c: Candidate) -> tuple:
 
 def run(model_name: str, cluster, global_batch: int, seed: int = 0) -> dict:
     """The calibration loop on one scenario: rounds, replans, and the final plan against the re-fitted one."""
-    model = ModelSpec.from_preset(model_name)
+    model = preset_spec(model_name)
     train = TrainSpec(global_batch=global_batch, seq_len=model.config.seq_len)
     rng = random.Random(seed)
     base = CostModel(model, train, options=PlannerOptions(band=()))

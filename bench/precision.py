@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from atoll.modelspec import preset
+    from atoll.models import preset
 
     torch.manual_seed(0)
     model = preset(args.model)

@@ -78,7 +78,7 @@ def _worker(args: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.inprocess import InProcessLinks
     from atoll.node.model import build_slice
     from atoll.node.norm_exchange import DistNormExchange
@@ -209,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.steps < 2:
         ap.error("--steps must be at least 2 (the first is a warm-up)")
 
-    from atoll.modelspec import preset
+    from atoll.models import preset
 
     config = replace(preset(a.model), seq_len=a.seq)
     common = {"model": a.model, "seq": a.seq, "batch": a.batch, "micro_batches": a.micro_batches,

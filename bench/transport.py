@@ -356,7 +356,7 @@ def door_cost(device: str | None = None, repeat: int = 5) -> list[tuple[str, dic
     import torch
 
     from atoll.compression import CodecSpec, encode_tensor, get_codec
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.door import tensor_norm
     from atoll.node.model import build_slice
 

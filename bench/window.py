@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 from atoll.coordinator.planner.costmodel import window_depth  # noqa: E402
 from atoll.coordinator.planner.simulator import LinkTimes, PipelineTimes, StageTimes, simulate  # noqa: E402
 from atoll.job import JobSpec  # noqa: E402
-from atoll.modelspec import preset  # noqa: E402
+from atoll.models import preset  # noqa: E402
 from atoll.node.peer import PeerServer  # noqa: E402
 from atoll.node.runner import PlanRunner, RunContext  # noqa: E402
 from atoll.plan import PipelinePlan, Plan, StagePlan  # noqa: E402

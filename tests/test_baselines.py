@@ -17,7 +17,7 @@ from bench.baselines import (BASELINES, PUBLISHED, _metis_groups, _metis_orders,
 
 from atoll.coordinator.planner import TrainSpec, load_cluster, parse_cluster  # noqa: E402
 from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
-from atoll.modelspec import ModelSpec  # noqa: E402
+from atoll.models import preset_spec  # noqa: E402
 
 EXAMPLES = sorted((REPO / "examples" / "clusters").glob("*.toml"))
 
@@ -25,7 +25,7 @@ EXAMPLES = sorted((REPO / "examples" / "clusters").glob("*.toml"))
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_published_strategies_give_valid_plans_on_every_example(path: Path) -> None:
     cluster = load_cluster(path)
-    model = ModelSpec.from_preset("1.3b")
+    model = preset_spec("1.3b")
     cm = CostModel(model, TrainSpec(global_batch=512, seq_len=model.config.seq_len))
     gpus = {i.id: i.gpus for i in cluster.islands}
     feasible = 0
@@ -56,7 +56,7 @@ def test_published_strategies_give_valid_plans_on_every_example(path: Path) -> N
 
 def test_on_one_class_the_strategies_find_the_homogeneous_plan() -> None:
     cluster = parse_cluster('[[group]]\nname = "h100"\ndevice = "H100"\ncount = 16\n')
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     cm = CostModel(model, TrainSpec(global_batch=256, seq_len=model.config.seq_len))
     largest = BASELINES[1](cm, cluster)  # largest-class: Megatron-style equal stages on the one island
     for baseline in (sailor_like, metis_like, flashflex_like):

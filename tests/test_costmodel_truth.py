@@ -11,9 +11,9 @@ from atoll.coordinator.planner.cluster import GBPS, Island
 from atoll.coordinator.planner.composer import Composer, _Setup
 from atoll.coordinator.planner.costmodel import CostModel, loss_bytes_per_logit
 from atoll.coordinator.planner.profiles import ProfileSet
-from atoll.modelspec import ModelSpec
+from atoll.models import preset_spec
 
-MODEL = ModelSpec.from_preset("1.3b")  # d_model 2048, seq 2048: one sequence's activation is 8.4 MB in bf16
+MODEL = preset_spec("1.3b")  # d_model 2048, seq 2048: one sequence's activation is 8.4 MB in bf16
 
 
 def _island(name: str, gpus: int = 8, gpn: int = 8, intra: float = 600, inter: float = 100) -> Island:
@@ -165,7 +165,7 @@ def test_the_heads_loss_is_priced_at_the_devices_memory_bandwidth() -> None:
     """The loss over the logits is memory-bound: the catalog prices its passes (`loss_bytes_per_logit`) at the
     device's bandwidth, beside the head's FLOPs; its share is larger on a device whose FLOPs outrun its memory,
     the weight-gradient products stay their FLOPs' share of the matmul part, and every tp rank pays it whole."""
-    model = ModelSpec.from_preset("llama-3.2-1b")  # a 128k-token vocabulary
+    model = preset_spec("llama-3.2-1b")  # a 128k-token vocabulary
     train = TrainSpec(global_batch=64, seq_len=2048)
     cm = CostModel(model, train)
     head = model.num_layers - 1

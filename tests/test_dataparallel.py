@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from atoll.modelspec import preset
+from atoll.models import preset
 from atoll.node.dataparallel import (CollectiveError, DataParallelConfig, GradientAverager, arrive_on_devices,
                                      collective_backend, device_identity, free_port, gloo_group, init_distributed)
 from atoll.node.inprocess import train_threaded

@@ -82,7 +82,7 @@ def test_a_non_finite_local_loss_skips_the_step_everywhere(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_rejected_tensor_skips_in_every_precision_and_fp32_bf16_keep_no_loss_scale(precision):
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.inprocess import InProcessLinks
     from atoll.node.model import build_slice
     from atoll.node.norm_exchange import InProcessNormGroup

@@ -15,7 +15,8 @@ import torch
 
 from atoll.hf import config_from_hf
 from atoll.launch.cli import main
-from atoll.modelspec import ModelConfig, preset
+from atoll.models import preset
+from atoll.modelspec import ModelConfig
 from atoll.node.checkpoint import read_checkpoint, save_layers
 from atoll.node.model import StageModule, build_slice, lm_loss
 from atoll.node.stage import StageConfig, build_optimizer

@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from atoll.hf import HF_PRESETS, HfConfigError, config_from_hf, hf_config, param_map
 from atoll.job import JobSpec, JobSpecError
-from atoll.modelspec import ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelSpec
 from atoll.node.model import build_slice
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from atoll.job import JobSpec, JobSpecError
-from atoll.modelspec import preset
+from atoll.models import preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from atoll.modelspec import ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelSpec
 from atoll.node.inprocess import train_threaded
 from atoll.node.model import build_slice, lm_loss
 from atoll.node.reference import train_unsplit

@@ -10,7 +10,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from atoll.modelspec import PRESETS, ModelConfig, ModelSpec, dtype_bytes, preset
+from atoll.models import preset, preset_spec
+from atoll.modelspec import PRESETS, ModelConfig, ModelSpec, dtype_bytes
 from atoll.node.model import build_layer, build_slice, lm_loss
 from atoll.node.stage import StageConfig, SavedBytesCounter, build_optimizer
 
@@ -130,7 +131,7 @@ def test_model_state_matches_adamw_after_a_step():
 
 def test_presets_span_tiny_to_70b_with_known_sizes():
     assert {"tiny", "125m", "350m", "1.3b", "7b", "13b", "70b"} <= set(PRESETS)
-    sizes = {n: ModelSpec.from_preset(n).total_params for n in PRESETS}
+    sizes = {n: preset_spec(n).total_params for n in PRESETS}
     assert sizes["tiny"] < 1_000_000
     assert list(sizes.values()) == sorted(sizes.values())
     # the published sizes of the Llama 2 shapes

@@ -104,12 +104,12 @@ def test_samples_are_read_from_step_reports_and_predicted_under_the_plans_model(
 def test_a_running_plan_is_re_estimated_under_a_fitted_network() -> None:
     from atoll.coordinator.netfit import plan_step_under
     from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, search_plan
-    from atoll.modelspec import ModelSpec
+    from atoll.models import preset_spec
 
     cluster = parse_cluster('[[group]]\nname = "a"\ndevice = "A100-40GB"\ncount = 8\ngpus_per_node = 1\n'
                             'inter_node_gbps = 10\n[[group]]\nname = "b"\ndevice = "V100-16GB"\ncount = 8\n'
                             'gpus_per_node = 1\ninter_node_gbps = 10\n')
-    plan = search_plan(ModelSpec.from_preset("350m"), cluster, TrainSpec(global_batch=64, seq_len=1024),
+    plan = search_plan(preset_spec("350m"), cluster, TrainSpec(global_batch=64, seq_len=1024),
                        options=PlannerOptions(band=())).plan
     assert any(st.dp > 1 for p in plan.pipelines for st in p.stages) or len(plan.pipelines[0].stages) > 1
     same = plan_step_under(plan, NOMINAL, NetworkModel(name="fitted"))

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from atoll.modelspec import preset
+from atoll.models import preset
 from atoll.node.data import Batch
 from atoll.node.inprocess import InProcessLinks, ThreadedRun, even_cuts, train_threaded
 from atoll.node.model import build_slice

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from atoll.modelspec import ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelSpec
 from atoll.node.schedule import schedule, theoretical_bubble
 from atoll.node.stage import OpTiming, StepResult
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench tree is not installed

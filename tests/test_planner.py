@@ -13,6 +13,7 @@ from atoll.coordinator.planner.composer import Composer
 from atoll.coordinator.planner.report import format_plan
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import SliceQuery
+from atoll.models import preset_spec
 from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.plan import Plan, lane_in_flight, lane_warmups
 from atoll.serde import plan_from_proto, plan_to_proto
@@ -121,7 +122,7 @@ def test_plan_covers_layers_fits_memory_and_round_trips() -> None:
 def test_fits_nowhere_names_the_shortfall() -> None:
     tiny = parse_cluster('[[group]]\nname = "t4"\ndevice = "T4"\ncount = 2\n', source="two-t4.toml")
     with pytest.raises(NoFeasiblePlan, match=r"needs [\d.]+ GB .* offer [\d.]+ GB") as e:
-        plan_job(ModelSpec.from_preset("70b"), tiny, TrainSpec(global_batch=8, seq_len=4096))
+        plan_job(preset_spec("70b"), tiny, TrainSpec(global_batch=8, seq_len=4096))
     assert "two-t4.toml" in str(e.value)
 
 
@@ -142,7 +143,7 @@ def test_compression_kicks_in_on_a_slow_link() -> None:
 def test_live_cluster_from_nodes_and_profiles() -> None:
     from atoll.coordinator.planner import ProfileSet
 
-    tiny = ModelSpec.from_preset("tiny")
+    tiny = preset_spec("tiny")
     nodes = {"a": ["n1", "n2"], "b": ["n3"]}
     timings = lambda scale: [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01 * scale,  # noqa: E731
                                          backward_seconds=0.02 * scale) for k in ("embedding", "block", "head")]
@@ -168,7 +169,7 @@ def test_a_nodes_measured_optimizer_step_prices_the_islands_optimizer() -> None:
     from atoll.coordinator.planner import ProfileSet
     from atoll.coordinator.planner.costmodel import CostModel
 
-    tiny = ModelSpec.from_preset("tiny")
+    tiny = preset_spec("tiny")
     timings = [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01, backward_seconds=0.02)
                for k in ("embedding", "block", "head")]
     profiles = {n: NodeProfile(device_kind="cpu", device_name="cpu", memory_total_bytes=8 * 10**9,
@@ -204,7 +205,7 @@ def test_a_lone_node_is_planned_without_link_measurements() -> None:
     where it had fallen back to an even split for want of a link figure."""
     from atoll.coordinator.planner import ProfileSet
 
-    tiny = ModelSpec.from_preset("tiny")
+    tiny = preset_spec("tiny")
     timings = [LayerTiming(layer_kind=k, micro_batch=1, seq_len=64, forward_seconds=0.01, backward_seconds=0.02)
                for k in ("embedding", "block", "head")]
     profiles = {"x": NodeProfile(device_kind="cpu", device_name="cpu", memory_total_bytes=8 * 10**9,
@@ -304,7 +305,7 @@ device = "V100-16GB"
 count = 4
 inter_node_gbps = 25
 """)
-    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024))
+    cm = CostModel(preset_spec("350m"), TrainSpec(global_batch=512, seq_len=1024))
     coarse = several_pipelines(cm, cluster, [["a100"], ["v100"]], refine_below_s=0.0)
     fine = several_pipelines(cm, cluster, [["a100"], ["v100"]])
     assert coarse is not None and fine is not None
@@ -339,7 +340,7 @@ latency_ms = 40
 """
     cluster = parse_cluster(two_regions)
     groups = [["a100"], ["v100"]]
-    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024))
+    cm = CostModel(preset_spec("350m"), TrainSpec(global_batch=512, seq_len=1024))
     multi = several_pipelines(cm, cluster, groups)
     assert multi is not None
     bound = capacity_bound_s(cm, cluster, groups, None, slowest_link(cluster, groups))
@@ -356,7 +357,7 @@ latency_ms = 40
     ps = ProfileSet.from_dict({"devices": {"V100-16GB": {"layers": {k: [{"micro_batch": 1, "seq_len": 1024,
                                                                           "forward_s": 0.001, "backward_s": 0.002}]
                                                                       for k in ("embedding", "block", "head")}}}})
-    measured = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=512, seq_len=1024), ps)
+    measured = CostModel(preset_spec("350m"), TrainSpec(global_batch=512, seq_len=1024), ps)
     assert capacity_bound_s(measured, cluster, groups, None, link) == 0.0
 
 
@@ -401,7 +402,7 @@ def test_one_gpu_machines_and_a_small_batch_run_in_lanes_and_the_runtime_places_
 
     cluster = parse_cluster("[[group]]\nname = \"v\"\ndevice = \"RTX4090\"\ncount = 32\ngpus_per_node = 1\n"
                             "inter_node_gbps = 25\nintra_node_gbps = 64\n")
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     train = TrainSpec(global_batch=16, seq_len=model.config.seq_len)
     # under the cluster's figures alone: the robust choice may prefer the plan without lanes, whose fewer
     # transfers lose less where the links are slower than the file says (tests/test_planner_robust.py)

@@ -16,7 +16,7 @@ from bench.planner import SCENARIOS, ceiling  # noqa: E402
 from atoll.coordinator.planner import TrainSpec, parse_cluster, search_plan  # noqa: E402
 from atoll.coordinator.planner.composer import Composer  # noqa: E402
 from atoll.coordinator.planner.costmodel import CostModel  # noqa: E402
-from atoll.modelspec import ModelSpec  # noqa: E402
+from atoll.models import preset_spec  # noqa: E402
 
 CLUSTER = parse_cluster("""
 [[group]]
@@ -35,7 +35,7 @@ inter_node_gbps = 25
 
 
 def test_islands_of_a_chain_are_cut_into_different_numbers_of_stages() -> None:
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     cm = CostModel(model, TrainSpec(global_batch=512, seq_len=model.config.seq_len))
     setups = Composer(cost_model=cm, cluster=CLUSTER).setups()
     two = [s for s in setups if len(s.order) == 2]
@@ -47,7 +47,7 @@ def test_islands_of_a_chain_are_cut_into_different_numbers_of_stages() -> None:
 
 def test_the_plan_beats_every_baseline_and_stays_under_the_ceiling() -> None:
     s = next(x for x in SCENARIOS if x.name.startswith("8 gpu"))
-    model = ModelSpec.from_preset(s.model)
+    model = preset_spec(s.model)
     train = TrainSpec(global_batch=s.global_batch, seq_len=model.config.seq_len)
     cm = CostModel(model, train)
     cluster = s.load()

@@ -14,7 +14,7 @@ from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQue
 from atoll.coordinator.planning import PlanInputs, make_plan
 from atoll.coordinator.store import MemberRecord
 from atoll.job import JobSpec
-from atoll.modelspec import ModelSpec
+from atoll.models import preset_spec
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
 from atoll.units import duration
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAB = parse_cluster('[[group]]\nname = "rtx4090"\ndevice = "RTX4090"\ncount = 16\ngpus_per_node = 4\n'
                     'inter_node_gbps = 25\n\n[[group]]\nname = "t4"\ndevice = "T4"\ncount = 16\ngpus_per_node = 8\n'
                     'inter_node_gbps = 10\n', source="lab")
-QWEN = ModelSpec.from_preset("qwen2.5-0.5b").with_seq_len(8192)
+QWEN = preset_spec("qwen2.5-0.5b").with_seq_len(8192)
 TRAIN = TrainSpec(global_batch=512, seq_len=8192, dtype="bf16")
 
 

@@ -12,10 +12,10 @@ import pytest
 from atoll.coordinator.planner import Cluster, PlannerOptions, ProfileSet, TrainSpec, search_plan
 from atoll.coordinator.planner.outer import RegionPlan, codec_spec, sync_cost, wan_gap
 from atoll.coordinator.planner.planjob import search_sync
-from atoll.modelspec import ModelSpec
+from atoll.models import preset_spec
 from atoll.types import LayerTiming, LinkMeasurement, NodeProfile
 
-MODEL = ModelSpec.from_preset("tiny")
+MODEL = preset_spec("tiny")
 TRAIN = TrainSpec(global_batch=16, seq_len=64)
 MBIT = 1e6 / 8  # bytes/s
 LAN = 1000 * MBIT

@@ -12,12 +12,12 @@ from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, 
 from atoll.coordinator.planner.outer import INNER_STEPS_LADDER, MODEST_INNER_STEPS, group_inner_steps
 from atoll.coordinator.planner.simulator import simulate_outer
 from atoll.launch.cli import main
-from atoll.modelspec import ModelSpec
+from atoll.models import preset_spec
 from atoll.plan import OuterPlan, Plan
 from atoll.serde import plan_from_proto, plan_to_proto
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = ModelSpec.from_preset("1.3b")
+MODEL = preset_spec("1.3b")
 TRAIN = TrainSpec(global_batch=512, seq_len=MODEL.config.seq_len)
 
 

@@ -9,7 +9,7 @@ from atoll.coordinator.planner import CostModel, PlannerOptions, TrainSpec, pars
 from atoll.coordinator.planner.composer import Composer, _Setup, split_island
 from atoll.coordinator.planner.network import NOMINAL, PESSIMISTIC, NetworkModel
 from atoll.coordinator.planner.robust import Scored, as_model, best_steps, choose, with_network
-from atoll.modelspec import ModelSpec
+from atoll.models import preset_spec
 
 MIXED = ('[[group]]\nname = "a100"\ndevice = "A100-40GB"\ncount = 8\ngpus_per_node = 4\ninter_node_gbps = 25\n'
          '[[group]]\nname = "v100"\ndevice = "V100-16GB"\ncount = 8\ngpus_per_node = 4\ninter_node_gbps = 25\n')
@@ -56,7 +56,7 @@ def test_a_plan_idling_a_tenth_of_the_devices_must_beat_the_one_using_them_under
 def test_network_models_price_cross_node_collectives_and_transfers_only() -> None:
     cluster = parse_cluster(MIXED)
     isl = cluster.islands[0]
-    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=64, seq_len=1024))
+    cm = CostModel(preset_spec("350m"), TrainSpec(global_batch=64, seq_len=1024))
     pess = with_network(cm, PESSIMISTIC)
     assert pess.table(isl, 1) is cm.table(isl, 1)  # layer tables are shared: no network changes them
     # inside one node: unchanged
@@ -83,7 +83,7 @@ def test_network_models_price_cross_node_collectives_and_transfers_only() -> Non
 
 
 def test_a_plan_carries_its_figures_under_the_band_and_no_other_candidate_has_a_smaller_worst_regret() -> None:
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     train = TrainSpec(global_batch=64, seq_len=1024)
     res = search_plan(model, parse_cluster(MIXED), train)
     band = res.band
@@ -107,7 +107,7 @@ def test_a_plan_carries_its_figures_under_the_band_and_no_other_candidate_has_a_
 def test_equal_widths_hold_in_chains_that_visit_an_island_twice() -> None:
     cluster = parse_cluster('[[group]]\nname = "a100"\ndevice = "A100-80GB"\ncount = 16\n'
                             '[[group]]\nname = "v100"\ndevice = "V100-32GB"\ncount = 32\n')
-    cm = CostModel(ModelSpec.from_preset("1.3b"), TrainSpec(global_batch=256, seq_len=2048),
+    cm = CostModel(preset_spec("1.3b"), TrainSpec(global_batch=256, seq_len=2048),
                    options=PlannerOptions(equal_widths=True, band=()))
     comp = Composer(cost_model=cm, cluster=cluster)
     seeds = [s for s in comp.setups() if len(s.order) == 2][:6]
@@ -122,7 +122,7 @@ def test_a_boundary_is_intra_node_only_where_both_stages_fit_one_node() -> None:
     cluster = parse_cluster('[[group]]\nname = "a"\ndevice = "A100-80GB"\ncount = 16\ngpus_per_node = 8\n'
                             'intra_node_gbps = 600\ninter_node_gbps = 100\n')
     isl = cluster.islands[0]
-    cm = CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=64, seq_len=1024),
+    cm = CostModel(preset_spec("350m"), TrainSpec(global_batch=64, seq_len=1024),
                    options=PlannerOptions(network=NOMINAL))
     comp = Composer(cost_model=cm, cluster=cluster)
     eff = cm.options.link_efficiency

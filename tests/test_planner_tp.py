@@ -11,6 +11,7 @@ from atoll.coordinator.planner import (PlannerOptions, TrainSpec, load_cluster, 
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
 from atoll.coordinator.planner.report import format_plan
+from atoll.models import preset_spec
 from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.node.placement import shares
 from atoll.plan import Plan
@@ -24,7 +25,7 @@ def _v100s(count: int, gpus_per_node: int = 8) -> str:
 
 
 def test_tp_is_chosen_where_it_wins_a_large_model_on_v100_nodes() -> None:
-    model = ModelSpec.from_preset("13b")
+    model = preset_spec("13b")
     cluster = parse_cluster(_v100s(16))
     train = TrainSpec(global_batch=32, seq_len=4096)
     plan = plan_job(model, cluster, train)
@@ -41,7 +42,7 @@ def test_tp_is_chosen_where_it_wins_a_large_model_on_v100_nodes() -> None:
 
 
 def test_tp_stays_within_a_node_and_divides_the_heads() -> None:
-    model = ModelSpec.from_preset("13b")
+    model = preset_spec("13b")
     plan = plan_job(model, parse_cluster(_v100s(16, gpus_per_node=2)), TrainSpec(global_batch=32, seq_len=4096))
     assert all(s.tp <= 2 for p in plan.pipelines for s in p.stages)
     odd = ModelSpec.from_config(ModelConfig(name="h12", style="llama", vocab_size=8000, d_model=768, n_layers=4,
@@ -55,7 +56,7 @@ def test_tp_stays_within_a_node_and_divides_the_heads() -> None:
 
 
 def test_replicas_share_a_micro_batch_as_evenly_as_the_runtime_does() -> None:
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     cm = CostModel(model, TrainSpec(global_batch=96, seq_len=1024))
     par = DefaultParallelizer(cm)
     isl = parse_cluster(_v100s(24)).islands[0]
@@ -75,14 +76,14 @@ def test_replicas_share_a_micro_batch_as_evenly_as_the_runtime_does() -> None:
 
 
 def test_a_wide_island_is_used_whole_when_its_size_is_not_a_power_of_two() -> None:
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     plan = search_plan(model, parse_cluster(_v100s(24)), TrainSpec(global_batch=96, seq_len=1024)).plan
     assert sum(s.dp * s.tp for p in plan.pipelines for s in p.stages) == 24 and not plan.idle
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.toml")))
 def test_no_device_is_left_out_without_a_reason(name: str) -> None:
-    model = ModelSpec.from_preset("350m")
+    model = preset_spec("350m")
     cluster = load_cluster(EXAMPLES / f"{name}.toml")
     plan = search_plan(model, cluster, TrainSpec(global_batch=256, seq_len=1024)).plan
     used: dict[str, int] = {}
@@ -112,7 +113,7 @@ memory_gb = 16
 count = 8
 inter_node_gbps = 10
 """)
-    plan = search_plan(ModelSpec.from_preset("350m"), cluster, TrainSpec(global_batch=64, seq_len=1024)).plan
+    plan = search_plan(preset_spec("350m"), cluster, TrainSpec(global_batch=64, seq_len=1024)).plan
     assert [(x.island, x.gpus) for x in plan.idle] == [("slow", 8)] and plan.idle[0].reason
     assert Plan.from_json(plan.to_json()).idle == plan.idle
     text = format_plan(plan, cluster)

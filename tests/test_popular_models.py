@@ -21,7 +21,8 @@ from atoll.coordinator.linkmatrix import complete_matrix
 from atoll.coordinator.planning import PlanInputs, make_plan
 from atoll.coordinator.store import MemberRecord
 from atoll.hf import HF_PRESETS, config_from_hf
-from atoll.modelspec import PRESETS, ModelConfig, preset
+from atoll.models import preset
+from atoll.modelspec import PRESETS, ModelConfig
 from atoll.node.profiler import ProfileOptions, profile_node
 from atoll.types import LinkMeasurement
 from pipeline_harness import run_pinned_plan, tiny_job

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from atoll.job import JobSpec, JobSpecError
-from atoll.modelspec import preset
+from atoll.models import preset
 from atoll.node.dataparallel import GradientAverager, gloo_group
 from atoll.node.inprocess import InProcessLinks, train_threaded
 from atoll.node.model import build_slice

@@ -15,7 +15,8 @@ from pipeline_harness import assert_losses_match, run_pinned_plan, tiny_job
 
 from atoll import serde
 from atoll.job import JobSpec
-from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.node.local import train_local
 from atoll.node.model import build_slice, lm_loss
 from atoll.node.stage import SavedBytesCounter

@@ -16,7 +16,7 @@ import torch
 from atoll.coordinator.checkpoints import complete_steps, copies_of, replication, resume_step
 from atoll.coordinator.planning import handing_over
 from atoll.coordinator.store import CheckpointRecord, MemberRecord
-from atoll.modelspec import preset
+from atoll.models import preset
 from atoll.node import state_transfer
 from atoll.node.checkpoint import load_layers, save_layers
 from atoll.node.live_state import Holder, ResumePoint, agree, gather_held, resume_point, slice_part, sources

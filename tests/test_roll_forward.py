@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from atoll.modelspec import preset
+from atoll.models import preset
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.live_state import Holder, ResumePoint, finishable, resume_point, slice_part, sources
 from atoll.node.model import build_slice

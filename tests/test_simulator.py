@@ -107,8 +107,8 @@ def test_only_a_zero_1_stage_without_tp_hides_part_of_its_sync() -> None:
     window, and only for ZeRO-1 at tp 1 with replicas."""
     from atoll.coordinator.planner import TrainSpec
     from atoll.coordinator.planner.costmodel import ZERO1_BUCKET_BYTES, CostModel
-    from atoll.modelspec import ModelSpec
-    cm = CostModel(ModelSpec.from_preset("tiny"), TrainSpec(global_batch=8, seq_len=32))
+    from atoll.models import preset_spec
+    cm = CostModel(preset_spec("tiny"), TrainSpec(global_batch=8, seq_len=32))
     params = int(4 * ZERO1_BUCKET_BYTES / cm.grad_bytes_per_param)  # four buckets
     assert cm.sync_hidden_seconds(1.0, params, zero=1, dp=4, tp=1, window_s=10.0) == pytest.approx(0.5 * 0.75)
     assert cm.sync_hidden_seconds(1.0, params, zero=1, dp=4, tp=1, window_s=0.1) == pytest.approx(0.1)

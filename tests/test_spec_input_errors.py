@@ -15,7 +15,8 @@ import pytest
 from atoll.hf import HF_PRESETS, HfConfigError, config_from_file, config_from_hf
 from atoll.job import MAX_SEED, JobSpec, JobSpecError, resolve_token
 from atoll.launch.cli import main
-from atoll.modelspec import ModelConfig, preset
+from atoll.models import load_model_config, preset
+from atoll.modelspec import ModelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "examples" / "clusters" / "mixed-a100-v100.toml"
@@ -138,7 +139,7 @@ def test_model_sizes_past_their_limits(tmp_path: Path, field: str, value: int, l
     path = tmp_path / "model.json"
     path.write_text(json.dumps({**MODEL, field: value}))
     with _raises(ValueError, str(path), f"model.{field} must be at most {limit}", f"got {value}"):
-        ModelConfig.load(path)
+        load_model_config(path)
     with _raises(JobSpecError, f"model.{field} must be at most {limit}"):
         JobSpec.from_toml(_spec("model", f"{field} = {value}"))
 
@@ -185,7 +186,7 @@ def test_model_json_fields_are_type_checked(tmp_path: Path, doc: Any, needles: t
     path = tmp_path / "model.json"
     path.write_text(json.dumps(doc))
     with _raises(ValueError, str(path), *needles):
-        ModelConfig.load(path)
+        load_model_config(path)
     with _raises(ValueError, *needles):
         ModelConfig.from_dict(doc)
 
@@ -197,7 +198,7 @@ def test_model_json_numbers_written_as_integers_are_taken(tmp_path: Path) -> Non
     assert config.rope_scaling == (32.0, 1.0, 4.0, 8192)
     assert ModelConfig.from_dict(config.to_dict()) == config
     (tmp_path / "hf.json").write_text(json.dumps(LLAMA))
-    assert ModelConfig.load(tmp_path / "hf.json") == config_from_hf(LLAMA, where="x")  # a Hugging Face config too
+    assert load_model_config(tmp_path / "hf.json") == config_from_hf(LLAMA, where="x")  # a Hugging Face config too
 
 
 @pytest.mark.parametrize(("base", "change", "needles"), [
@@ -282,16 +283,16 @@ def test_model_json_that_is_not_utf8_or_a_folder(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_bytes(b"\xff\xfe{}")
     with _raises(ValueError, f"model file {bad} is not UTF-8 text"):
-        ModelConfig.load(bad)
+        load_model_config(bad)
     folder = tmp_path / "folder.json"
     folder.mkdir()
     with _raises(IsADirectoryError, f"model file {folder} is a folder, not a file"):
-        ModelConfig.load(folder)
+        load_model_config(folder)
     with _raises(FileNotFoundError, "model file", "no such file"):
-        ModelConfig.load(tmp_path / "none.json")
+        load_model_config(tmp_path / "none.json")
     (tmp_path / "broken.json").write_text("{")
     with _raises(ValueError, "broken.json: not valid JSON"):
-        ModelConfig.load(tmp_path / "broken.json")
+        load_model_config(tmp_path / "broken.json")
 
 
 def test_hf_config_that_is_not_utf8_or_a_folder(tmp_path: Path) -> None:

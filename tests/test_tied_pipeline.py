@@ -17,7 +17,8 @@ import torch
 from pipeline_harness import assert_losses_match
 
 from atoll.hf import config_from_hf
-from atoll.modelspec import ModelSpec, preset
+from atoll.models import preset
+from atoll.modelspec import ModelSpec
 from atoll.node.checkpoint import load_layers, read_checkpoint, save_layers
 from atoll.node.model import build_slice
 from atoll.node.slice_state import read_slice

@@ -34,7 +34,7 @@ def _stage_config():
 
 
 def _batches():
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.synthetic import synthetic_batch
     vocab = preset("tiny").vocab_size
     return [synthetic_batch(vocab_size=vocab, batch=BATCH, seq_len=SEQ, seed=SEED, step=k) for k in range(STEPS)]
@@ -51,7 +51,7 @@ def _worker(args: dict) -> None:
     import torch.distributed as dist
 
     from atoll.compression import CodecSpec
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.dataparallel import gloo_group
     from atoll.node.grpc_transport import GrpcTransport, GrpcTransportConfig, PeerRef
     from atoll.node.inprocess import even_cuts
@@ -139,7 +139,7 @@ def runs():
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_identity_links_give_the_losses_of_one_process(runs) -> None:
-    from atoll.modelspec import preset
+    from atoll.models import preset
     from atoll.node.reference import train_unsplit
 
     reference = train_unsplit(preset("tiny"), stage_config=_stage_config(), batches=_batches(), seed=SEED).losses

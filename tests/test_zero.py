@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from pipeline_harness import REPO, assert_losses_match, run_pinned_plan, stage, tiny_job
 
-from atoll.modelspec import preset
+from atoll.models import preset, preset_spec
 from atoll.node.checkpoint import step_dir
 from atoll.node.dataparallel import gloo_group
 from atoll.node.local import train_local
@@ -331,11 +331,10 @@ def test_the_parallelizer_takes_zero_1_at_equal_time_also_under_tensor_paralleli
     from atoll.coordinator.planner import TrainSpec, parse_cluster
     from atoll.coordinator.planner.costmodel import CostModel
     from atoll.coordinator.planner.parallelizer import DefaultParallelizer, SliceQuery
-    from atoll.modelspec import ModelSpec
 
     cluster = parse_cluster('[[group]]\nname = "a100"\ndevice = "A100-80GB"\ncount = 8\ngpus_per_node = 8\n')
     island = cluster.islands[0]
-    par = DefaultParallelizer(CostModel(ModelSpec.from_preset("1.3b"), TrainSpec(global_batch=64, seq_len=1024)))
+    par = DefaultParallelizer(CostModel(preset_spec("1.3b"), TrainSpec(global_batch=64, seq_len=1024)))
     got = par.cost(SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8), island)
     assert got is not None and got.dp == 8 and got.tp == 1 and got.zero == 1
     zero0 = par.evaluate(SliceQuery(start=1, end=9, micro_batch=8, dp=8, in_flight=2, batch=8), island, zero=0)

@@ -21,7 +21,8 @@ from atoll.coordinator.planner import PlannerOptions, TrainSpec, parse_cluster, 
 from atoll.coordinator.planner.costmodel import CostModel
 from atoll.coordinator.planner.simulator import (LinkTimes, PipelineTimes, StageTimes, closed_form_step,
                                                  one_f_one_b_order, simulate, step_lower_bound)
-from atoll.modelspec import ModelConfig, ModelSpec, preset
+from atoll.models import preset, preset_spec
+from atoll.modelspec import ModelConfig, ModelSpec
 from atoll.node.inprocess import train_threaded
 from atoll.node.local import train_local
 from atoll.node.model import build_slice, lm_loss
@@ -134,7 +135,7 @@ def test_the_planner_prices_the_measured_cost_of_splitting_the_backward() -> Non
     """Profiles that measured the split backward's extra time: a few percent leaves the deferral in place at its
     price (the predicted step grows); where splitting costs more than the deferral fills, the planner keeps
     plain 1F1B."""
-    spec = ModelSpec.from_preset("1.3b")
+    spec = preset_spec("1.3b")
     train = TrainSpec(global_batch=256, seq_len=1024)
     cluster = parse_cluster(MIXED)
     options = PlannerOptions(max_tp=1)
@@ -358,7 +359,7 @@ gpus_per_node = 8
 
 
 def test_the_planner_defers_weights_where_the_runtime_can_and_it_fits() -> None:
-    spec = ModelSpec.from_preset("1.3b")
+    spec = preset_spec("1.3b")
     train = TrainSpec(global_batch=256, seq_len=1024)
     cluster = parse_cluster(MIXED)
     zb = search_plan(spec, cluster, train, options=PlannerOptions(max_tp=1))
@@ -423,7 +424,7 @@ def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> Non
 
     cluster = parse_cluster(MIXED)
     island = cluster.islands[0]
-    composer = Composer(cost_model=CostModel(ModelSpec.from_preset("350m"), TrainSpec(global_batch=8, seq_len=512)),
+    composer = Composer(cost_model=CostModel(preset_spec("350m"), TrainSpec(global_batch=8, seq_len=512)),
                         cluster=cluster)
 
     def choice(f: float, b: float, w: float, defer: int) -> StageChoice:
@@ -453,7 +454,7 @@ def test_the_composer_keeps_plain_1f1b_where_deferring_simulates_slower() -> Non
 def test_a_stage_whose_weight_gradients_are_too_short_keeps_them_in_backward() -> None:
     """A weight action costs something of its own: below `min_deferred_s` of weight gradients per micro-batch a
     stage keeps them in backward."""
-    spec = ModelSpec.from_preset("1.3b")
+    spec = preset_spec("1.3b")
     train = TrainSpec(global_batch=256, seq_len=1024)
     cluster = parse_cluster(MIXED)
     options = PlannerOptions(max_tp=1)
@@ -470,7 +471,7 @@ def test_where_memory_holds_part_of_the_products_some_layers_defer() -> None:
 
     cluster = parse_cluster(MIXED)
     island = cluster.islands[0]
-    cm = CostModel(ModelSpec.from_preset("7b"), TrainSpec(global_batch=64, seq_len=2048))
+    cm = CostModel(preset_spec("7b"), TrainSpec(global_batch=64, seq_len=2048))
     composer = Composer(cost_model=cm, cluster=cluster)
     start, end = 1, 9
     t = cm.table(island, 2)  # a 7b block's weight gradients: 11 ms per micro-batch, above `min_deferred_s`
@@ -507,7 +508,7 @@ def _cost(t, start: int, end: int):
 def test_the_composer_fills_the_wait_for_the_first_gradient_where_memory_allows() -> None:
     """Deeper warm-ups (ZB-H2's idea): on a cluster with room to spare, the plan's stages run extra warm-up forwards
     beyond any deep window, within their memory, and the plan simulates faster than without them."""
-    spec = ModelSpec.from_preset("350m")
+    spec = preset_spec("350m")
     cluster = parse_cluster(MIXED)
     train = TrainSpec(global_batch=512, seq_len=1024)
     filled = search_plan(spec, cluster, train)

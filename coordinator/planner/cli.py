@@ -61,11 +61,12 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
 
 
 def load_model(name: str):
-    from atoll.modelspec import ModelConfig, ModelSpec
+    from atoll.models import load_model_config, preset_spec
+    from atoll.modelspec import ModelSpec
 
     if Path(name).suffix == ".json":  # a model config of its fields, or a Hugging Face config.json
-        return ModelSpec.from_config(ModelConfig.load(name))
-    return ModelSpec.from_preset(name)
+        return ModelSpec.from_config(load_model_config(name))
+    return preset_spec(name)
 
 
 def default_seq_len(name: str, model) -> tuple[int, str]:
