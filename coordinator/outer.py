@@ -198,27 +198,36 @@ def group_norms(arrivals: RoundArrivals, groups: Sequence[GroupInfo], indices: I
     return out
 
 
-def outliers(norms: Mapping[int, float], factor: float = OUTLIER_FACTOR) -> dict[int, str]:
+def outliers(norms: Mapping[int, float], factor: float = OUTLIER_FACTOR,
+             tokens: Mapping[int, int] | None = None) -> dict[int, str]:
     """Group index -> why its contribution is left out: its norm is not finite, or above `factor` times the median of
-    the other groups' finite norms."""
+    the other groups' finite norms. With `tokens` (group -> the tokens its contribution trained), norms are compared
+    per token: on uneven regions a group that trains 10 inner steps a round moves its parameters about 10 times as
+    far as one that trains 1, honestly (compared whole, the fast region would be left out of every round)."""
+    def scale(i: int) -> float:
+        return 1.0 / tokens[i] if tokens is not None and tokens.get(i, 0) > 0 else 1.0
+
     out = {}
     for i, norm in norms.items():
         if norm != norm or norm == float("inf"):
             out[i] = "its pseudo-gradient is not finite"
             continue
-        others = sorted(v for j, v in norms.items() if j != i and v == v and v != float("inf"))
+        others = sorted(v * scale(j) for j, v in norms.items() if j != i and v == v and v != float("inf"))
         if not others:
             continue
-        mid = statistics.median(others)
-        if mid > 0 and norm > factor * mid:
-            out[i] = f"its pseudo-gradient norm {norm:.4g} is {norm / mid:.0f}x the median {mid:.4g} of the others'"
+        mid, mine = statistics.median(others), norm * scale(i)
+        if mid > 0 and mine > factor * mid:
+            per = " a token" if tokens is not None and tokens.get(i, 0) > 0 else ""
+            out[i] = (f"its pseudo-gradient norm {norm:.4g}" + (f" over {tokens[i]:,} tokens" if per else "")
+                      + f" is {mine / mid:.0f}x the median{per} {mid:.4g} of the others'")
     return out
 
 
 def exclude_outliers(decision: Decision, arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> tuple[Decision, str]:
-    """`decision` without the participants whose contribution is an outlier (`outliers`), and a line naming them
-    ("" when none is)."""
-    bad = outliers(group_norms(arrivals, groups, {p.group for p in decision.participants}))
+    """`decision` without the participants whose contribution is an outlier (`outliers`, per token trained), and a
+    line naming them ("" when none is)."""
+    tokens = {p.group: p.tokens for p in decision.participants}
+    bad = outliers(group_norms(arrivals, groups, set(tokens)), tokens=tokens)
     if not bad:
         return decision, ""
     names = {g.index: g.name for g in groups}

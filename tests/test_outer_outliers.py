@@ -44,6 +44,22 @@ def test_honest_groups_of_unequal_pace_all_take_part() -> None:
     assert [p.group for p in d.participants] == [0, 1, 2]
 
 
+def test_a_fast_region_beside_one_slow_region_is_not_an_outlier() -> None:
+    # uneven regions, one of them lost: two groups left, the fast one training 10 inner steps a round to the slow
+    # one's 1. Its pseudo-gradient is ~11x the other's norm, honestly: judged per token it takes part (compared
+    # whole it was left out of every round to the job's end)
+    two = GROUPS[:2]
+    rounds = OuterRounds()
+    d = None
+    for i, (node, tokens, norm) in enumerate([("a0", 10_240, 0.6), ("a1", 10_240, 0.8), ("b0", 1_024, 0.09)]):
+        d = rounds.arrive(float(i), round_=0, node=node, group=GROUP_OF[node], tokens=tokens, inner_step=0,
+                          groups=two, deadline_s=60.0, epoch=1, norm=norm)
+    assert d is not None and [p.group for p in d.participants] == [0, 1] and rounds.exclusions == 0
+    # per token, a contribution far above the other's is still left out
+    assert set(outliers({0: 1.0, 1: 0.09}, tokens={0: 1_024, 1: 10_240})) == {0}
+    assert outliers({0: 1.0, 1: 0.09}, tokens={0: 10_240, 1: 1_024}) == {}
+
+
 def test_the_outlier_rule() -> None:
     assert set(outliers({0: 1.0, 1: 1000.0})) == {1}  # two groups: each judged against the other
     assert outliers({0: 1.0, 1: 9.0}) == {}
