@@ -20,8 +20,9 @@ At the end of round r (a fixed inner step of its group, the same for every node 
    plan's outer deadline (`OuterConfig.deadline`); a contribution out of reach past it is reported, and the
    coordinator decides the round again for everyone without it. No node leaves a contribution out on its
    own. Once the coordinator says the decision is final (every node holds its contributions), the node
-   averages them weighted by the tokens each group trained and applies the outer optimizer (Nesterov
-   momentum, or plain averaging with lr 1 and no momentum). The new values reach the other holders in the
+   combines them (`combine_weights`: each group's counts once, their sum scaled to the longest participant's
+   inner steps, so a slow region does not shrink the fast one's progress) and applies the outer optimizer
+   (Nesterov momentum, or plain averaging with lr 1 and no momentum). The new values reach the other holders in the
    group through an all-reduce over the group's own (in-island) process group of the layer segment;
 4. without overlap, wait for it at once and rebase.
 
@@ -381,6 +382,25 @@ class OuterConfig:
     trains more a round (0: `inner_steps`)."""
 
 
+def combine_weights(tokens: Sequence[float], tokens_per_step: int) -> list[float]:
+    """The weight of each contribution (its group trained `tokens` this round) in the round's update: each group's
+    pseudo-gradient counts once, and their sum is scaled to the longest participant's inner steps, so the update
+    moves as far as the group that trained most moved alone:
+    `update = (max_g s_g / sum_g s_g) x sum_g D_g` (s_g = tokens_g / tokens_per_step).
+
+    A weighted mean by tokens, `sum_g s_g D_g / sum_g s_g`, shrinks the update on uneven regions: early in training
+    a group's D grows about linearly with its steps, so groups of 10, 5 and 2 steps a round moved the anchor 7.6
+    steps' worth (129/17), less than the fastest region alone moves, and outer mode lost to its best region. Equal
+    groups get the plain mean either way; one participant gets its own D (nothing is extrapolated). Empty where no
+    group trained a token."""
+    steps = [max(0.0, float(t)) / max(1, tokens_per_step) for t in tokens]
+    total = sum(steps)
+    if total <= 0:
+        return []
+    scale = max(steps) / total
+    return [scale if s > 0 else 0.0 for s in steps]
+
+
 @dataclass
 class _Result:
     round: int
@@ -613,14 +633,13 @@ class OuterSync:
                          for p in decision.participants]
         others = sum(1 for p in decision.participants if not is_own(p))
         stats.wire_bytes = nbytes + sum(memoryview(e.payload).nbytes for e in encoded.values()) * others
-        total = sum(w for w, _ in contributions)
+        weights = combine_weights([w for w, _ in contributions], plan.global_batch * plan.seq_len)
         new_values: dict[str, torch.Tensor] = {}
         for n in self.mine:
-            if total <= 0:  # nobody's contribution (every participant out of reach): the anchor stays
+            if not weights:  # nobody's contribution (every participant out of reach): the anchor stays
                 new_values[n] = self.anchor[n].clone()
                 continue
-            mean = sum(w * c[n].float() for w, c in contributions) / total
-            update = mean
+            update = mean = sum(w * c[n].float() for w, (_, c) in zip(weights, contributions))
             if self.cfg.momentum > 0:
                 m = self.momentum.get(n)
                 m = mean.clone() if m is None else m.mul_(self.cfg.momentum).add_(mean)
