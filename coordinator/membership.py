@@ -146,7 +146,7 @@ class PlanDecision:
 def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unprobed: Set[str],
                   last_change_unix: float, cluster: ClusterSpec, options: MembershipOptions,
                   stale: bool = False, moved: Set[str] = frozenset(), restarted: Set[str] = frozenset(),
-                  first_join_unix: float | None = None) -> PlanDecision:
+                  first_join_unix: float | None = None, returning: Set[str] = frozenset()) -> PlanDecision:
     """Whether to publish a new plan now.
 
     alive: ids of alive members; planned: ids in the current plan (None: no plan yet); unprobed: alive
@@ -155,7 +155,10 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     is gone) and its members have all been heard from since, so it is replaced by a new epoch; moved:
     planned members that came back at another peer address than the plan names; restarted: planned members whose
     process restarted since the plan was made (their runs of it are gone); first_join_unix: when the
-    earliest alive member the plan does not name joined (None: not known), for the join debounce.
+    earliest alive member the plan does not name joined (None: not known), for the join debounce; returning:
+    alive members an earlier plan named (a node or a region restarted and came back). Joins of returning members
+    that make the cluster whole again (alive reaches `cluster.expected_nodes`) replan after `settle`, not the join
+    debounce: no further join is expected, and a region back from a restart should not idle for it.
     """
     if planned is None:
         if len(alive) < cluster.expected_nodes:
@@ -189,14 +192,16 @@ def plan_decision(now: float, *, alive: Set[str], planned: Set[str] | None, unpr
     wait = last_change_unix + options.settle.total_seconds() - now
     if wait > 0:
         return PlanDecision(False, f"membership changed; settling for {wait:.1f}s more")
-    if joined and not gone and first_join_unix is not None:  # joins alone: debounced
+    whole_again = joined <= set(returning) and len(alive) >= cluster.expected_nodes
+    if joined and not gone and first_join_unix is not None and not whole_again:  # joins alone: debounced
         quiet = last_change_unix + options.join_settle.total_seconds() - now
         cap = first_join_unix + options.join_settle_max.total_seconds() - now
         if quiet > 0 and cap > 0:
             return PlanDecision(False, f"{len(joined)} node(s) joined ({', '.join(joined)}); replanning once none has "
                                        f"joined for {options.join_settle.total_seconds():g}s, in "
                                        f"{min(quiet, cap):.1f}s at most")
-    parts = ([f"joined: {_names(joined)}"] if joined else []) + ([f"gone: {_names(gone)}"] if gone else [])
+    parts = ([f"joined: {_names(joined)}" + (" (back: the cluster is whole again)" if whole_again else "")]
+             if joined else []) + ([f"gone: {_names(gone)}"] if gone else [])
     return PlanDecision(True, "; ".join(parts))
 
 

@@ -16,7 +16,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Set
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -216,6 +216,8 @@ class CoordinatorState:
         self._end_hold_since: float | None = None
         """When the running plan's devices are next checked for drift (`_drift_check`)."""
         self._drift_backoff = 1
+        self._ever_planned: set[str] | None = None
+        """Every node any plan of this job named (built from the store when first needed)."""
         self._network_next = self._drift_next
         """When the network model is next fitted to the running plan's reports (`_network_check`)."""
         self._network_backoff = 1
@@ -269,9 +271,21 @@ class CoordinatorState:
         plan = self._plan  # one reference read, atomic: every heartbeat asks, and a publish holds the lock while
         return plan.epoch if plan is not None else 0  # it writes the plan to disk
 
+    def _returning(self, alive: Mapping[str, MemberRecord], planned: Set[str] | None) -> frozenset[str]:
+        """Alive members the current plan does not name that an earlier plan did (`plan_decision`'s `returning`)."""
+        joined = [n for n in alive if planned is not None and n not in planned]
+        if not joined:
+            return frozenset()
+        if self._ever_planned is None:  # once per coordinator process, then kept by `publish`
+            self._ever_planned = {n for h in self.store.plan_history() for p in h.plan.pipelines
+                                  for st in p.stages for n in st.nodes}
+        return frozenset(n for n in joined if n in self._ever_planned)
+
     def publish(self, plan: Plan, reason: str) -> None:
         with self._cond:
             self.store.add_plan(plan, created_unix=self.clock(), reason=reason)
+            if self._ever_planned is not None:
+                self._ever_planned.update(n for p in plan.pipelines for st in p.stages for n in st.nodes)
             self._plan = plan
             self._cond.notify_all()
         self._tell_plan_listeners()
@@ -832,7 +846,8 @@ class CoordinatorState:
                                      options=membership, stale=stale, moved=moved, restarted=restarted,
                                      first_join_unix=min((m.joined_unix for n, m in alive.items()
                                                           if planned is not None and n not in planned),
-                                                         default=None) if changed else None)
+                                                         default=None) if changed else None,
+                                     returning=self._returning(alive, planned) if changed else frozenset())
             failures = self.failures()
             if not decision.plan and plan is not None and plan.epoch in failures:
                 # every member alive, yet a run failed: only a new epoch (fresh groups, from the last

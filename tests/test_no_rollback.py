@@ -78,6 +78,22 @@ def test_ten_joins_within_a_minute_cause_one_replan() -> None:
         MembershipOptions(join_settle=timedelta(seconds=90))
 
 
+def test_a_region_back_from_a_restart_is_planned_without_the_join_debounce() -> None:
+    """Both nodes of a region killed and restarted rejoin: the cluster is whole again (the job's expected nodes), and
+    they are planned after the settle time, not the 10 s join debounce; a newcomer, or a returning node while the
+    cluster is still short, waits for the debounce as before."""
+    opts = MembershipOptions()  # settle 1 s, join_settle 10 s
+    cluster = ClusterSpec(expected_nodes=5, min_nodes=1)
+    planned, alive = {"a0", "a1", "c0"}, {"a0", "a1", "c0", "b0", "b1"}
+    back = plan_decision(20.0, alive=alive, planned=planned, unprobed=set(), last_change_unix=18.5, cluster=cluster,
+                         options=opts, first_join_unix=18.0, returning={"b0", "b1"})
+    assert back.plan and "whole again" in back.reason
+    for returning, nodes in [(set(), alive), ({"b0"}, alive), ({"b0"}, {"a0", "a1", "c0", "b0"})]:
+        d = plan_decision(20.0, alive=nodes, planned=planned, unprobed=set(), last_change_unix=18.5, cluster=cluster,
+                          options=opts, first_join_unix=18.0, returning=returning)
+        assert not d.plan and "replanning once none has joined" in d.reason
+
+
 def _after(cluster: ScriptedCluster, name: str, epoch_runs: int) -> tuple[int, str, int, int]:
     runs = cluster.resumes(name)
     assert len(runs) >= epoch_runs, (name, runs)
