@@ -36,9 +36,11 @@ from atoll.netcheck import diagnose
 from atoll.node.first_contact import FirstContactWatch
 from atoll.node.heartbeat_stream import HeartbeatSender
 from atoll.node.peer import PeerServer, ProbeError, probe_peer
-from atoll.node.profiler import ProfileOptions, profile_node
+from atoll.node.profiler import (PROFILE_CACHE, ProfileOptions, cached_profile, profile_key, profile_node,
+                                 save_profile)
 from atoll.node.signals import handle_on_thread, stuck_main_thread
 from atoll.plan import Plan, resume_words
+from atoll.fsutil import shown_path
 from atoll.preflight import check_dial_address, check_listen, usable_state_dir
 from atoll.rpc import RpcOptions, make_channel, retry_after
 from atoll.tls import CertificateError, cert_from_pem, find_ca, fingerprint
@@ -133,6 +135,9 @@ class AgentConfig:
     """Bound of one link probe."""
     profile: ProfileOptions = field(default_factory=ProfileOptions)
     """How long the start-up profile measures."""
+    reprofile: bool = True
+    """Measure at start-up even where the state dir holds a matching profile (`atoll.node.profiler.cached_profile`);
+    the command line reuses one unless `--reprofile` is given."""
     region: str = ""
     """Site label (a lab, a datacenter, a cloud region): islands never span two."""
     machine: str = ""
@@ -555,11 +560,17 @@ class NodeAgent:
             self.profile = self._given_profile
         else:
             t0 = time.perf_counter()
-            self.profile = profile_node(self.job, self.config.device, self.config.profile)
+            key = profile_key(self.job, self.config.device, self.config.profile)
+            cached = None if self.config.reprofile else cached_profile(self.config.state_dir, key)
+            self.profile = cached or profile_node(self.job, self.config.device, self.config.profile)
+            if cached is None:
+                save_profile(self.config.state_dir, key, self.profile)
             self.profile.region = self.config.region
             block = [t for t in self.profile.layer_timings if t.layer_kind == "block"]
-            log.info("profiled %s %s in %.1fs: block fwd+bwd %s", self.profile.device_kind, self.profile.device_name,
-                     time.perf_counter() - t0,
+            log.info("%s %s %s%s: block fwd+bwd %s", "reused the profile of" if cached else "profiled",
+                     self.profile.device_kind, self.profile.device_name,
+                     f" from {shown_path(self.config.state_dir / PROFILE_CACHE)} (same job, device, CPU quota and "
+                     f"versions; --reprofile measures again)" if cached else f" in {time.perf_counter() - t0:.1f}s",
                      ", ".join(f"{(t.forward_seconds + t.backward_seconds) * 1e3:.1f} ms @ {t.micro_batch}"
                                for t in block))
         self.profile.hostname = self.config.machine or self.profile.hostname  # the machine it shares a card on
@@ -1231,7 +1242,7 @@ def run_node_cli(args: argparse.Namespace) -> int:
                          device=args.device, listen=None if args.no_listen else args.listen,
                          advertise=args.advertise, tls_ca=tls_ca,
                          profile=ProfileOptions(budget=timedelta(seconds=args.profile_seconds)),
-                         region=args.region or "", machine=args.machine or "",
+                         reprofile=args.reprofile, region=args.region or "", machine=args.machine or "",
                          wan_latency=timedelta(milliseconds=args.wan_latency_ms))
     agent = NodeAgent(config)
     stopping: list[threading.Thread] = []

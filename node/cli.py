@@ -50,6 +50,9 @@ def register(sub: SubParsers) -> None:  # type: ignore[valid-type]
                    "neighbours itself, and a node that accepts connections relays between it and others like it. "
                    "Without it, the coordinator dials --advertise back at join and tells the node what it found"),
     p.add_argument("--profile-seconds", type=seconds(most=3600), default=3.0, help="time budget of the start-up profile")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure this machine again at start-up even where its state dir holds a profile of the same "
+                        "job, device, CPU quota and versions from the last 24 hours (a restart otherwise reuses it)")
     p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files of every step under DIR/<node "
                    "id>/ (overrides [train] tensorboard_dir; needs the tensorboard package: atoll[tensorboard])")
     p.add_argument("--threads", type=count(most=4096, what="a thread count"), default=None,

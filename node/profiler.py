@@ -269,3 +269,60 @@ def profile_node(job: JobSpec, device: str = "cpu", options: ProfileOptions | No
     steps = [_timed(dev, opt.step, share) for _ in range(options.repeats)]
     profile.optimizer_step_seconds = statistics.median(steps)
     return profile
+
+
+PROFILE_CACHE = "profile.json"
+"""The newest profile of this node, in its state dir (`cached_profile`, `save_profile`)."""
+PROFILE_CACHE_MAX_AGE = timedelta(hours=24)
+
+
+def profile_key(job: JobSpec, device: str, options: ProfileOptions) -> str:
+    """What a profile measured, as a digest: the job's layers, sequence, micro-batch and precision, the device,
+    the CPU quota and cores, the library versions and the machine. A profile is reused only where this matches."""
+    import hashlib
+    import json
+
+    dev = parse_device(device)
+    what = {"model": job.model.to_dict(), "seq_len": job.train.seq_len, "micro_batch": job.train.micro_batch,
+            "precision": str(job.train.dtype), "sizes": list(options.micro_batches or ()), "device": str(dev),
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+            "cpu_share": cpu_share(), "cpus": psutil.cpu_count(logical=True), "torch": torch.__version__,
+            "atoll": __version__, "host": socket.gethostname()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cached_profile(state_dir: Path, key: str, now: float | None = None,
+                   max_age: timedelta = PROFILE_CACHE_MAX_AGE) -> NodeProfile | None:
+    """The profile this node saved under `state_dir` when it measured the same thing (`profile_key`) less than
+    `max_age` ago: a node restarted on the same machine joins without measuring again (seconds on a slow device,
+    all of them idle for its region). None where there is none, it does not match, or it cannot be read."""
+    import dataclasses
+    import json
+
+    try:
+        saved = json.loads((state_dir / PROFILE_CACHE).read_text())
+        if saved.get("key") != key or (now if now is not None else time.time()) - float(saved["saved_unix"]) \
+                > max_age.total_seconds():
+            return None
+        fields = dict(saved["profile"])
+        fields["layer_timings"] = [LayerTiming(**t) for t in fields.get("layer_timings", [])]
+        names = {f.name for f in dataclasses.fields(NodeProfile)}
+        profile = NodeProfile(**{k: v for k, v in fields.items() if k in names})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not profile.layer_timings or any(not (t.forward_seconds > 0 and t.backward_seconds > 0)
+                                        for t in profile.layer_timings):
+        return None
+    return profile
+
+
+def save_profile(state_dir: Path, key: str, profile: NodeProfile, now: float | None = None) -> None:
+    """Keep `profile` for `cached_profile` (written atomically)."""
+    import dataclasses
+    import json
+
+    from atoll.fsutil import atomic_write_text
+
+    atomic_write_text(state_dir / PROFILE_CACHE, json.dumps(
+        {"key": key, "saved_unix": now if now is not None else time.time(),
+         "profile": dataclasses.asdict(profile)}, indent=1))
