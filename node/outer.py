@@ -75,6 +75,9 @@ log = logging.getLogger("atoll.node.outer")
 KEEP_ROUNDS = 4
 """Rounds of payloads a node keeps to serve: a group up to a few rounds late can still fetch them."""
 MAX_NAMES_PER_FETCH = 4096
+OUTER_CONNECT_S = 3.0
+"""How long a fetch waits for a connection to a holder before it tries the next (a relay): ten round trips of a
+300 ms link, TLS included; the transfer itself is bounded by the round's deadline."""
 STATE_ROUND_RETRIES = 8
 """Times a joining group fetches again the parts of a group's outer state that came from an older round than
 the rest (waits of 0.05 s doubling to 1 s between them, about 4.5 s in all, within the deadline)."""
@@ -256,12 +259,20 @@ class OuterOutbox:
 
 
 def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | None, rpc: RpcOptions,
-                timeout: timedelta, latency: timedelta = timedelta(0),
-                node: str | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+                timeout: timedelta, latency: timedelta = timedelta(0), node: str | None = None,
+                connect_timeout: timedelta | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
     """The tensors a peer serves for `request`: ({name: tensor}, the round they belong to, wire bytes).
-    With mutual TLS and `node`, the server's certificate must be that node's."""
+    With mutual TLS and `node`, the server's certificate must be that node's. With `connect_timeout`, a peer not
+    connected (TCP and TLS) within it raises OuterSyncError at once: a cut link drops packets without an answer,
+    and the stream's own timeout (the whole transfer's) would hold the fetch that long before a relay is tried."""
     channel = make_channel(address, rpc, token=token, server_name=node_dns_name(node) if node else None)
     try:
+        if connect_timeout is not None:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=connect_timeout.total_seconds())
+            except grpc.FutureTimeoutError:
+                raise OuterSyncError(f"no connection to {address} within {connect_timeout.total_seconds():g}s "
+                                     f"(the link may be down)") from None
         stream = pb_grpc.PeerStub(channel).FetchOuter(request, timeout=timeout.total_seconds())
         if latency > timedelta(0):
             time.sleep(latency.total_seconds())  # emulated wide-area latency (a testbed knob; 0 in production)
@@ -796,7 +807,8 @@ class OuterSync:
                                                           kind="delta", names=names, sender=self.cfg.node_id,
                                                           origin=origin),
                             token=self.cfg.token, rpc=self.cfg.rpc, timeout=timedelta(seconds=max(0.5, left)),
-                            latency=self.cfg.latency_to(node), node=node)
+                            latency=self.cfg.latency_to(node), node=node,
+                            connect_timeout=timedelta(seconds=min(max(0.5, left), OUTER_CONNECT_S)))
                         out.update(tensors)
                         nbytes += got
                     if tried:
