@@ -155,6 +155,16 @@ def complete_groups(arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> dic
     return out
 
 
+def writer_of(parts: Sequence[Participant], groups: Sequence[GroupInfo]) -> Participant | None:
+    """The checkpoint-writing group a decision names: the newest plan's first group that takes part in the round (it
+    arrived, so it is alive), else the plan's first. A killed writer is replaced from the first round decided
+    without it, not only once its lease lapses and a replan names another (its interval's checkpoints were lost)."""
+    taking = {p.group for p in parts}
+    g = next((g for g in groups if g.index in taking), groups[0] if groups else None)
+    return None if g is None else Participant(group=g.index, tokens=0, since_epoch=g.since_epoch,
+                                              nodes=tuple(sorted(g.nodes)))
+
+
 def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupInfo], deadline_s: float) -> Decision:
     """Whether the round is decided at `now`, with its participants and a reason."""
     done = complete_groups(arrivals, groups)
@@ -171,11 +181,7 @@ def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupIn
     parts = tuple(Participant(group=i, tokens=t, since_epoch=by_index[i].since_epoch,
                               nodes=tuple(sorted(by_index[i].nodes))) for i, t in sorted(done.items()))
     left = sorted(g.name for g in groups if g.index not in done)
-    first_group = groups[0] if groups else None
-    writer = None if first_group is None else Participant(group=first_group.index, tokens=0,
-                                                          since_epoch=first_group.since_epoch,
-                                                          nodes=tuple(sorted(first_group.nodes)))
-    return Decision(decided=True, participants=parts, version=1, decided_unix=now, checkpointer=writer,
+    return Decision(decided=True, participants=parts, version=1, decided_unix=now, checkpointer=writer_of(parts, groups),
                     reason="every group arrived" if everyone else f"deadline passed without {', '.join(left)}")
 
 
@@ -234,7 +240,7 @@ def exclude_outliers(decision: Decision, arrivals: RoundArrivals, groups: Sequen
     line = "; ".join(f"{names.get(i, i)} ({', '.join(sorted(next(g.nodes for g in groups if g.index == i)))}): {why}"
                      for i, why in sorted(bad.items()))
     parts = tuple(p for p in decision.participants if p.group not in bad)
-    return replace(decision, participants=parts, reason=f"{decision.reason}; left out as outliers: {line}"), line
+    return replace(decision, participants=parts, checkpointer=writer_of(parts, groups), reason=f"{decision.reason}; left out as outliers: {line}"), line
 
 
 def redecide(now: float, decision: Decision, out_of_reach: Participant, node: str) -> Decision | None:
@@ -244,7 +250,11 @@ def redecide(now: float, decision: Decision, out_of_reach: Participant, node: st
     if len(parts) == len(decision.participants):
         return None
     gone = f"group {out_of_reach.group} ({', '.join(out_of_reach.nodes)})"
+    writer = decision.checkpointer
+    if writer is not None and same_group(writer, out_of_reach) and parts:  # not the group left out
+        writer = replace(parts[0], tokens=0)
     return replace(decision, participants=parts, version=decision.version + 1, decided_unix=now, final=False,
+                   checkpointer=writer,
                    reason=f"decided again without {gone}: its contribution stayed out of reach of node {node}")
 
 

@@ -94,3 +94,23 @@ def test_a_node_reports_the_norm_of_what_it_serves(monkeypatch) -> None:
     assert sent[0].has_contribution_norm and math.isnan(sent[0].contribution_norm)
     arrive(RoundReport(round=0, tokens=1, previous=RoundStats()))
     assert not sent[1].has_contribution_norm
+
+
+def test_the_checkpoint_writer_is_a_group_that_takes_part() -> None:
+    """The plan's first group killed: from the first round decided without it, the next group that takes part writes
+    the checkpoints (it named the dead group until a replan, and that interval's checkpoints were lost)."""
+    from atoll.coordinator.outer import Participant, redecide
+
+    rounds = OuterRounds()
+    d = None
+    for i, node in enumerate(["a0", "a1", "b0"]):  # lab-c never arrives: decided at the deadline without it
+        d = rounds.arrive(float(i), round_=0, node=node, group=GROUP_OF[node], tokens=100, inner_step=0,
+                          groups=GROUPS, deadline_s=60.0, epoch=1, norm=1.0)
+    d = rounds.arrive(100.0, round_=0, node="a0", group=0, tokens=100, inner_step=0, groups=GROUPS[::-1],
+                      deadline_s=60.0, epoch=1, norm=1.0)  # (a plan whose first group is lab-c)
+    assert d.decided and [p.group for p in d.participants] == [0, 1]
+    assert d.checkpointer is not None and d.checkpointer.group == 1  # lab-b: the first of the plan's that arrived
+    lab_b = next(p for p in d.participants if p.group == 1)
+    again = redecide(101.0, d, lab_b, "a0")  # and lab-b's contribution out of reach: lab-a writes
+    assert again is not None and again.checkpointer.group == 0 and again.checkpointer.tokens == 0
+    assert redecide(101.0, again, Participant(group=1, tokens=0, since_epoch=1, nodes=("b0",)), "a0") is None
