@@ -26,6 +26,13 @@ At the end of round r (a fixed inner step of its group, the same for every node 
    group through an all-reduce over the group's own (in-island) process group of the layer segment;
 4. without overlap, wait for it at once and rebase.
 
+A tied model's head on a stage without the embedding holds a copy of the embedding's weight (`atoll.node.tied`); a
+group that keeps both on one stage has the weight once. The copy's outer state therefore travels under the
+embedding's name (`OuterSync(aliases=...)`): its holder fetches every participant's contribution to the embedding,
+its own group's included, from the holders of layer 0, and applies the same update to the same anchor, so the copy
+stays equal to the embedding in every group however the groups cut the model. It sends nothing for the copy and
+leaves it out of its norm and its anchor hashes.
+
 Every node applies the same final decision to the same anchor, so the groups' outer parameters never drift,
 including a group that was left out of a round (it still fetches the participants' payloads). Each node
 reports a crc32 of its anchor per layer once a round landed (`anchor_hashes`); the coordinator flags any
@@ -55,6 +62,7 @@ from concurrent.futures import wait as futures_wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from types import MappingProxyType
 
 import grpc
 import torch
@@ -423,11 +431,17 @@ class _Result:
 class OuterSync:
     """The outer state of this node's layers and the exchange of each round (see the module docstring)."""
 
+    aliases: Mapping[str, str] = MappingProxyType({})  # (`__init__` sets this node's)
+
     def __init__(self, config: OuterConfig, plan: Plan, params: Mapping[str, torch.nn.Parameter], *,
                  outbox: OuterOutbox, arrive: Arrive, segment_groups: Sequence[tuple[list[str], dist.ProcessGroup]] = (),
                  timeout: timedelta = timedelta(seconds=120), plan_source: Callable[[], Plan] | None = None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, aliases: Mapping[str, str] | None = None):
         self.cfg, self.plan = config, plan
+        self.aliases = dict(aliases or {})
+        """Parameter -> the name its outer state travels under: a tied head's copy of the embedding weight (the
+        embedding's name; see the module docstring). Its contributions are fetched under that name from the holders
+        of that name's layer, its own group's included."""
         self.stop = stop
         """Set when the run ends (a newer plan that does not keep this group): a wait for an exchange gives up at
         once instead of running out its deadline (the exchange may wait on a group that is gone)."""
@@ -470,6 +484,10 @@ class OuterSync:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-outer")
         self._fetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atoll-outer-fetch")
         self.outbox.put_state(self.round, self._state_tensors())
+
+    def _wire(self, name: str) -> str:
+        """The name parameter `name`'s contributions and outer state travel under (its own, or an alias's)."""
+        return self.aliases.get(name, name)
 
     # --- called by the runner between steps ----------------------------------------------------------
 
@@ -519,7 +537,8 @@ class OuterSync:
             self._land()
         with torch.no_grad():
             self.snapshot = {n: p.detach().clone() for n, p in self.params.items()}
-        deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine}
+        # an alias (a tied copy) sends nothing: its contributions are the original's, fetched in `_exchange`
+        deltas = {n: self.anchor[n] - self.snapshot[n] for n in self.mine if n not in self.aliases}
         fault = faults.injected()  # test-only (`atoll.node.faults`): None unless ATOLL_FAULT says otherwise
         if fault is not None:
             deltas = fault.poison(self.round * self.round_length, deltas)  # the round's first step
@@ -580,7 +599,9 @@ class OuterSync:
             self.checkpointer = result.decision.checkpointer
         if result.decision is not None:
             self._take_steps(result.decision)
-        self._hashes = anchor_hashes(self.anchor, result.round)
+        # a tied copy is left out: a group that keeps the embedding with the head has no copy to hash in the head's
+        # layer (the copy follows the embedding's anchor, hashed with layer 0)
+        self._hashes = anchor_hashes({n: t for n, t in self.anchor.items() if n not in self.aliases}, result.round)
         self.outbox.put_state(self.round, self._state_tensors())
         if result.stats.late_seconds > 0.05:
             log.info("outer round %d landed %.2fs late (the exchange outlasted a round)", result.round,
@@ -639,6 +660,13 @@ class OuterSync:
             RoundReport(round=round_, tokens=tokens, previous=previous, hashes=hashes, step_seconds=pace[0],
                         round_steps=pace[1], norm=math.sqrt(sum(tensor_norm(t) ** 2 for t in own.values()))), is_own)
         stats = RoundStats(round=round_, participants=len(decision.participants), inner_step=previous.inner_step)
+        aliased = [n for n in self.mine if n in self.aliases]
+        if aliased:  # a tied copy: this group's contribution to the original, from its holders in this group
+            for p in decision.participants:
+                if is_own(p):
+                    got, own_bytes = self._fetch_contribution(p, round_, only=aliased)
+                    own = {**own, **got}
+                    nbytes += own_bytes
         # the final decision's set, in its order (every node sums in the same order: the same bits everywhere)
         contributions = [(float(p.tokens), own if is_own(p) else fetched[origin_key(p)])
                          for p in decision.participants]
@@ -650,7 +678,7 @@ class OuterSync:
             if not weights:  # nobody's contribution (every participant out of reach): the anchor stays
                 new_values[n] = self.anchor[n].clone()
                 continue
-            update = mean = sum(w * c[n].float() for w, (_, c) in zip(weights, contributions))
+            update = mean = sum(w * c[self._wire(n)].float() for w, (_, c) in zip(weights, contributions))
             if self.cfg.momentum > 0:
                 m = self.momentum.get(n)
                 m = mean.clone() if m is None else m.mul_(self.cfg.momentum).add_(mean)
@@ -748,13 +776,17 @@ class OuterSync:
                 return plan, g
         return None
 
-    def _sources(self, part: Participant) -> list[tuple[str, dict[str, list[str]], Mapping[str, str], int, str]]:
-        """Where this node's parameters of `part`'s contribution can be fetched, in order: the participant's own
-        responsible nodes, then those of each other group of the newest plan (they fetched them too, and serve them
-        on). Each: (what, node -> names, addresses, the epoch to name, origin)."""
+    def _sources(self, part: Participant, names: Sequence[str] | None = None
+                 ) -> list[tuple[str, dict[str, list[str]], Mapping[str, str], int, str]]:
+        """Where this node's parameters of `part`'s contribution (`names`, else all it exchanges) can be fetched, in
+        order: the participant's own responsible nodes, then those of each other group of the newest plan (they
+        fetched them too, and serve them on). Each: (what, node -> names as they travel, addresses, the epoch to
+        name, origin)."""
+        wanted = sorted({self._wire(n) for n in (self.mine if names is None else names)})
+
         def by_node(holders: Mapping[int, Sequence[str]]) -> dict[str, list[str]]:
             out: dict[str, list[str]] = {}
-            for n in self.mine:
+            for n in wanted:
                 out.setdefault(responsible(n, holders), []).append(n)
             return out
 
@@ -782,16 +814,18 @@ class OuterSync:
         newest = self.plan_source()
         return newest.epoch >= part.since_epoch and _group_in(newest, part) is None
 
-    def _fetch_contribution(self, part: Participant, round_: int, given_up: threading.Event | None = None
-                            ) -> tuple[dict[str, torch.Tensor], int]:
-        """This node's parameters of `part`'s contribution to `round_`, from any node holding them, retried for at
-        most `OuterConfig.deadline` (the bound); OutOfReach past it, or once `given_up` is set."""
+    def _fetch_contribution(self, part: Participant, round_: int, given_up: threading.Event | None = None,
+                            only: Sequence[str] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        """This node's parameters (`only` these, else all it exchanges) of `part`'s contribution to `round_`, keyed by
+        the names they travel under, from any node holding them, retried for at most `OuterConfig.deadline` (the
+        bound); OutOfReach past it, or once `given_up` is set."""
         bound = self.cfg.deadline.total_seconds()
         deadline = time.monotonic() + bound
         wait = 0.1
         tried: list[str] = []
         while True:
-            for what, by_node, addresses, epoch, origin in self._sources(part):
+            for what, by_node, addresses, epoch, origin in (self._sources(part) if only is None
+                                                              else self._sources(part, only)):
                 left = deadline - time.monotonic()
                 if left <= 0 or (given_up is not None and given_up.is_set()):
                     break
@@ -872,10 +906,18 @@ class OuterSync:
         """Restore the outer state (of a checkpoint, or fetched from a live group); with `params_too` the
         parameters start from the anchor (a group that rejoins)."""
         self.round = int(state["round"])
-        for n, t in state["anchor"].items():
-            if n in self.anchor:
+        saved, moments = state["anchor"], state.get("momentum", {})
+
+        def pick(held: Mapping[str, torch.Tensor], n: str) -> torch.Tensor | None:
+            # a tied copy takes the original's state where it is there (a cut that kept the embedding with the head
+            # saved no copy), else its own
+            return held.get(self._wire(n), held.get(n))
+
+        for n in self.anchor:
+            t = pick(saved, n)
+            if t is not None:
                 self.anchor[n] = t.clone().to(self.anchor[n].dtype)
-        self.momentum = {n: t.clone() for n, t in state.get("momentum", {}).items() if n in self.mine}
+        self.momentum = {n: t.clone() for n in self.mine if (t := pick(moments, n)) is not None}
         if params_too:
             with torch.no_grad():
                 for n, p in self.params.items():
@@ -899,7 +941,7 @@ class OuterSync:
         for g in groups:
             holders = self.holders[g]
             by_node: dict[str, list[str]] = {}
-            for n in self.params:
+            for n in sorted({self._wire(n) for n in self.params}):  # a tied copy's state: the original's
                 by_node.setdefault(responsible(n, holders), []).append(n)
             try:
                 parts: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}

@@ -41,7 +41,7 @@ from atoll.node.progress import ProgressLine
 from atoll.v1 import atoll_pb2 as pb
 from atoll.units import counted
 from atoll.node.replication import CopyMade, Replicator, fetch_checkpoint
-from atoll.node.slice_state import ParamStates, load_slice, slice_state
+from atoll.node.slice_state import TIED_SOURCE, ParamStates, load_slice, slice_state
 from atoll.node.roll_forward import finish, finished_scale, pending_grads
 from atoll.node.state_transfer import (LiveState, OuterPosition, StateHolder, StateTransferError, deserialize_state,
                                        fetch_state)
@@ -1121,9 +1121,13 @@ class PlanRunner:
         outbox = OuterOutbox(job_id=plan.job_id, epoch=self.run_epoch, node_id=ctx.node_id)
         ctx.peer_server.attach_outbox(outbox)
         arrive = _arrive_via(ctx.outer_sync, self.current_plan, ctx.node_id)
-        self.outer = outer = OuterSync(cfg, plan, dict(module.named_parameters()), outbox=outbox, arrive=arrive,
+        # a tied head's copy of the embedding weight (a stage without the embedding) syncs as the embedding: another
+        # group may keep both on one stage, with no copy (`atoll.node.outer`)
+        params = dict(module.named_parameters())
+        aliases = {n: TIED_SOURCE for n, p in params.items() if p is module.tied_copy}
+        self.outer = outer = OuterSync(cfg, plan, params, outbox=outbox, arrive=arrive,
                                        segment_groups=segment_groups, timeout=ctx.timeout,
-                                       plan_source=self.current_plan, stop=stop)
+                                       plan_source=self.current_plan, stop=stop, aliases=aliases)
         older = self._older_groups()
         if older and continuing is not None:
             at = continuing.holders[0].outer
