@@ -10,6 +10,7 @@ import logging
 import re
 import secrets
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from atoll.coordinator import validation as v
 from atoll.coordinator import claims
@@ -488,6 +489,11 @@ def handle_status(req: pb.StatusRequest, state: CoordinatorState) -> pb.StatusRe
     # enough reports for the summary's steps from every node, however many there are
     recent = state.store.recent_steps(max(RECENT_STEPS_IN_STATUS * 8, len(members) * (STATUS_WINDOW_STEPS + 1)))
     progress = summarize(recent, plan.epoch if plan is not None else 0, window=STATUS_WINDOW_STEPS)
+    # the loss shown is the newest the history recorded, the vote of the last stages' replicas (one report is one
+    # replica's claim, which a broken or lying replica could set); the newest report's only before any vote
+    voted = next((p for p in reversed(state.store.history(newest=8)) if p.count), None)
+    if voted is not None and voted.loss is not None:
+        progress = replace(progress, loss=voted.loss, loss_step=voted.last)
     done = state.complete_checkpoint_steps()
     reply = pb.StatusReply(
         job=_job_info(state), waiting=state.waiting_reason,

@@ -317,6 +317,11 @@ def test_a_lying_replica_of_three_is_outvoted_named_and_quarantined() -> None:
     member = state.store.get_member(liar)
     assert member is not None and member.state == "quarantined"
     assert all(state.store.get_member(n).state != "quarantined" for n in ("n0", "n1", "n2"))
+    # the status shows the newest loss the vote decided, not the newest report's: one replica's claim for the next
+    # step, which nobody has corroborated yet, is not shown
+    _report(state, "n1", 3, value=0.5)
+    status = h.handle_status(pb.StatusRequest(), state)
+    assert status.has_loss and status.loss == pytest.approx(1.8) and status.loss_step == 2
 
 
 def test_a_single_replica_last_stage_is_taken_at_its_word() -> None:
