@@ -453,22 +453,25 @@ class _Watch:
             self.lives.append(None)
 
 
-def _region_steps(reports: Iterable, region_of: Mapping[str, str], nodes_in: Mapping[str, int]) -> dict[str, list[float]]:
-    """Region -> the completion time of each distinct step (its report from the region's last node; a step trained
-    again after a rollback counts once, at its newest completion), sorted."""
+def region_step_times(reports: Iterable, region_of: Mapping[str, str]) -> dict[str, dict[int, float]]:
+    """Region -> step number -> when the region completed it (its report from the region's last node; a step trained
+    again after a rollback at its newest completion). In outer mode a group that trains fewer steps than H a round
+    completes only some step numbers: the last of each round, and those before it that it trains."""
     per: dict[tuple[str, int, int], list[float]] = {}
     for r in reports:
         region = region_of.get(r.node_id)
         if region is not None:
             per.setdefault((region, r.plan_epoch, r.step), []).append(r.unix_time)
-    done: dict[tuple[str, int], float] = {}
+    out: dict[str, dict[int, float]] = {}
     for (region, _, step), times in per.items():
-        t = max(times)
-        done[(region, step)] = max(done.get((region, step), 0.0), t)
-    out: dict[str, list[float]] = {}
-    for (region, _), t in done.items():
-        out.setdefault(region, []).append(t)
-    return {r: sorted(v) for r, v in out.items()}
+        done = out.setdefault(region, {})
+        done[step] = max(done.get(step, 0.0), max(times))
+    return out
+
+
+def _region_steps(reports: Iterable, region_of: Mapping[str, str], nodes_in: Mapping[str, int]) -> dict[str, list[float]]:
+    """Region -> the completion time of each distinct step (`region_step_times`), sorted."""
+    return {r: sorted(v.values()) for r, v in region_step_times(reports, region_of).items()}
 
 
 class _Faults:
@@ -660,11 +663,14 @@ def run(tb, name: str, job_path: Path, hosts: Sequence, out: Path, timeout: floa
     writer = plan.groups[0].name if plan is not None and plan.mode == "outer" and plan.groups else \
         next(iter(sorted(nodes_in)))
     curve = []
+    completed = region_step_times(reports, region_of).get(writer, {})
     for s in on_disk:
-        mine = steps.get(writer, [])
-        t = mine[s - 1] if s - 1 < len(mine) else None
-        if t is None:
+        # when the writer completed the checkpoint's step, found by its number: a writer group that trains fewer steps
+        # than H a round completes only some numbers, and its n-th completed step is not step n (pairing by count
+        # kept only the checkpoints up to step ~len(steps), and reported one a tenth of the way in as the final one)
+        if s - 1 not in completed:
             continue
+        t = completed[s - 1] - t0
         curve.append((s, t, tokens_by(steps, t, tokens_per_step), losses[s]))
     waited, rounds, exchange = group_totals(state_db)
     name_of = {v: k for k, v in region_of.items()}

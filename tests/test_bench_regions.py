@@ -24,6 +24,7 @@ from bench.regions import (  # noqa: E402
     loss_targets,
     missing_checkpoints,
     parse_only,
+    region_step_times,
     steps_went_back,
     time_to_reach,
     tokens_by,
@@ -57,6 +58,22 @@ def test_tokens_by_counts_each_groups_finished_steps() -> None:
     assert tokens_by(steps, 0.5, 100) == 0
     assert tokens_by(steps, 2.0, 100) == 300  # group 0: 2 steps, group 1: 1
     assert tokens_by(steps, 10.0, 100) == 500
+
+
+def test_step_times_are_kept_by_step_number() -> None:
+    """A group that trains 2 steps of each round of H = 10 completes steps 8, 9, 18, 19, ...: the checkpoint of step 20
+    is paired with its completion of step 19, not with its 20th step (which it reaches at step ~99). Its region's
+    last node completes a step; a step trained again after a rollback counts at its newest completion."""
+    from types import SimpleNamespace as R
+
+    reports = [R(node_id=n, plan_epoch=1, step=s, unix_time=float(s) + (0.5 if n == "c2" else 0.0))
+               for s in (8, 9, 18, 19, 28, 29) for n in ("c1", "c2")]
+    reports += [R(node_id="a1", plan_epoch=1, step=s, unix_time=float(s)) for s in range(30)]
+    reports += [R(node_id="c1", plan_epoch=2, step=19, unix_time=40.0)]  # trained again after a rollback
+    times = region_step_times(reports, {"c1": "lab-c", "c2": "lab-c", "a1": "lab-a"})
+    assert sorted(times["lab-c"]) == [8, 9, 18, 19, 28, 29]
+    assert times["lab-c"][9] == 9.5 and times["lab-c"][19] == 40.0
+    assert len(times["lab-a"]) == 30 and times["lab-a"][19] == 19.0
 
 
 def test_parse_only_keeps_the_order_and_refuses_unknown_keys() -> None:
