@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_harness import in_threads
 
 from atoll.models import preset
 from atoll.node.dataparallel import (CollectiveError, DataParallelConfig, GradientAverager, arrive_on_devices,
@@ -23,26 +24,6 @@ from atoll.node.stage import StageConfig
 from atoll.node.synthetic import replica_batch, synthetic_batch
 
 TIMEOUT = timedelta(seconds=30)
-
-
-def _in_threads(n: int, fn) -> list:
-    out: list = [None] * n
-    errs: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as e:
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
 
 
 @pytest.mark.timeout(60)
@@ -61,7 +42,7 @@ def test_gradient_averager_averages_over_buckets_and_fills_missing_grads():
         GradientAverager(group, config=DataParallelConfig(bucket_bytes=24)).average_(params, TIMEOUT)
         return [p.grad for p in params]  # type: ignore[misc]
 
-    for grads in _in_threads(3, replica):
+    for grads in in_threads(3, replica):
         assert torch.equal(grads[0], torch.full((5,), 1.0))
         assert torch.equal(grads[1], torch.full((2, 3), 10.0))
         assert torch.equal(grads[2], torch.full((4,), 2.0, dtype=torch.float64))
@@ -95,7 +76,7 @@ def test_collectives_time_out_with_a_clear_error():
             checked.set()
         return "ok"
 
-    assert _in_threads(2, member) == ["ok", "absent"]
+    assert in_threads(2, member) == ["ok", "absent"]
 
 
 def test_dataparallel_config_validation():
@@ -118,8 +99,8 @@ def test_ranks_sharing_a_gpu_meet_over_gloo_and_ranks_on_their_own_gpus_over_ncc
 def test_ranks_tell_each_other_their_devices_as_they_arrive():
     """Every rank of a group decides the same backend from what the others announced (CPU: gloo, nothing said)."""
     store = dist.HashStore()
-    got = _in_threads(2, lambda r: arrive_on_devices(dist.PrefixStore("g/", store), rank=r, size=2,
-                                                     device=torch.device("cpu"), timeout=TIMEOUT))
+    got = in_threads(2, lambda r: arrive_on_devices(dist.PrefixStore("g/", store), rank=r, size=2,
+                                                    device=torch.device("cpu"), timeout=TIMEOUT))
     assert got == [("gloo", "cpu tensors")] * 2
     assert device_identity(torch.device("cpu")).endswith("/cpu")
 

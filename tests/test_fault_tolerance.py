@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from pipeline_harness import run_pinned_plan, tiny_job
+from pipeline_harness import in_threads, run_pinned_plan, tiny_job
 
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.service import CoordinatorService, ServiceConfig
@@ -37,17 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _pair(timeout: timedelta) -> list[dist.ProcessGroup]:
     store = dist.HashStore()
-    groups: list = [None, None]
-
-    def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return groups
+    return in_threads(2, lambda rank: dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout), join=30)
 
 
 @pytest.mark.timeout(60)

@@ -12,10 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from pipeline_harness import run_pinned_plan, stage, tiny_job
+from pipeline_harness import outer_arbiter, run_outer_plan, run_pinned_plan, stage, tiny_job
 
-from atoll.coordinator.outer import GroupInfo, OuterRounds
-from atoll.coordinator.outer import Participant as OuterParticipant
 from atoll.job import JobSpec
 from atoll.node.data import Batch, TokenDataset
 from atoll.node.model import build_slice
@@ -39,70 +37,6 @@ class _RpcError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
-
-
-def _arbiter(plan: Plan, paced: bool = False, arrived: dict | None = None):
-    """The coordinator's side of OuterSync over `plan`'s groups. `paced`: rounds by wall-clock time (each node's
-    step times heard, each group's inner steps decided; `atoll.coordinator.pace`); `arrived`: (node, round) -> the
-    time it first arrived, filled in."""
-    rounds = OuterRounds()
-    groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch,
-                        nodes=frozenset(n for p in g.pipelines for s in plan.pipelines[p].stages for n in s.nodes),
-                        inner_steps=g.inner_steps)
-              for i, g in enumerate(plan.groups)]
-    lock = threading.Lock()
-
-    def part(p) -> pb.OuterParticipant:
-        return pb.OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, node_ids=list(p.nodes))
-
-    def call(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
-        with lock:
-            if arrived is not None:
-                arrived.setdefault((req.node_id, req.round), time.monotonic())
-            paced_kw = dict(h=plan.outer.inner_steps, step_seconds=req.step_seconds, round_steps=req.round_steps,
-                            stats={"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
-                            ) if paced else {}
-            d = rounds.arrive(time.time(), round_=req.round, node=req.node_id if req.arrived else "",
-                              group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
-                              deadline_s=plan.outer.deadline_s, fetched_version=req.fetched_version,
-                              version=req.version, fetch_bound_s=plan.outer.fetch_bound_s, unreachable=[
-                                  OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
-                                                   nodes=tuple(x.node_ids)) for x in req.unreachable], **paced_kw)
-            rounds.report_hashes(req.node_id, plan.groups[req.group].name,
-                                 [(h.round, h.layer, h.crc32) for h in req.anchor_hashes])
-        reply = pb.OuterSyncReply(decided=d.decided, participants=[part(p) for p in d.participants],
-                                  version=d.version, final=d.final, steps_round=d.steps_round,
-                                  inner_steps=[pb.OuterGroupSteps(group=g.name, since_epoch=g.since_epoch,
-                                                                  inner_steps=g.steps) for g in d.inner_steps])
-        if d.checkpointer is not None:
-            reply.checkpointer.CopyFrom(part(d.checkpointer))
-        return reply
-    return call, rounds
-
-
-_LAST_RUN: dict = {}
-"""The runners of the newest `_run_outer` (their outer state: anchors)."""
-
-
-def _run_outer(job: JobSpec, groups: list[list[PipelinePlan]], outer: OuterPlan, tmp_path: Path, *,
-               paced: bool = False, arrived: dict | None = None):
-    """Each list of `groups` a replica group: the plan as run, (group, step) -> loss, node -> its outer
-    parameters at the end, and the coordinator's rounds (`paced`, `arrived`: see `_arbiter`)."""
-    pipelines = [p for g in groups for p in g]
-    rgroups, k = [], 0
-    for gi, g in enumerate(groups):
-        rgroups.append(ReplicaGroup(name=f"region-{gi}", pipelines=list(range(k, k + len(g))),
-                                    inner_steps=outer.inner_steps, since_epoch=1))
-        k += len(g)
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, pipelines=pipelines,
-                epoch=1, job_id="job", mode="outer", groups=rgroups, outer=outer)
-    plan.validate(job.model.n_layers + 2)
-    call, rounds = _arbiter(plan, paced=paced, arrived=arrived)
-    run = run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call)
-    _LAST_RUN["runners"] = run.runners
-    losses = {(plan.group_of(m.pipeline), m.step): m.loss for m in run.reports if m.loss is not None}
-    assert all(r.outer is not None for r in run.runners.values())
-    return run.plan, losses, {n: dict(r.outer.params) for n, r in run.runners.items()}, rounds
 
 
 def _sync_data_parallel(job: JobSpec, groups: int) -> list[float]:
@@ -133,7 +67,8 @@ def test_outer_mode_with_h1_plain_averaging_tracks_synchronous_data_parallel(tmp
     outer = OuterPlan(inner_steps=1, codec="identity", lr=1.0, momentum=0.0, overlap=False, deadline_s=30.0)
     whole = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["a"])])]
     other = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["b"])])]
-    _, losses, params, rounds = _run_outer(job, [whole, other], outer, tmp_path)
+    run = run_outer_plan(job, [whole, other], outer, tmp_path)
+    losses, params, rounds = run.losses, run.params, run.rounds
     expected = _sync_data_parallel(job, groups=2)
     for s in range(steps):
         got = (losses[(0, s)] + losses[(1, s)]) / 2
@@ -156,7 +91,8 @@ def test_groups_cut_differently_sync_compressed_and_overlapped(tmp_path: Path) -
     outer = OuterPlan(inner_steps=3, codec="int8", lr=0.8, momentum=0.5, overlap=True, deadline_s=30.0)
     g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[stage((0, 3), ["a", "c"]), stage((3, 6), ["b", "d"])])]
     g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 2), ["e"]), stage((2, 6), ["f"])])]
-    plan, losses, params, rounds = _run_outer(job, [g0, g1], outer, tmp_path)
+    run = run_outer_plan(job, [g0, g1], outer, tmp_path)
+    plan, losses, params, rounds = run.plan, run.losses, run.params, run.rounds
     # the work is spread: both replicas of a stage exchange a share of its parameters
     holders = group_holders(plan, 0)
     owners = {responsible(n, holders) for n in params["a"]}
@@ -478,11 +414,12 @@ def test_a_contribution_out_of_one_nodes_reach_is_decided_again_for_every_node(t
     monkeypatch.setattr(plan_mod, "FETCH_BOUND_MIN_S", 1.0)  # the bound is the deadline, 1.5 s: a fast test
     job = tiny_job(6)
     outer = OuterPlan(inner_steps=2, codec="int8", lr=0.7, momentum=0.5, overlap=False, deadline_s=1.5)
-    _, losses, _, rounds = _run_outer(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+    run = run_outer_plan(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
         stage((0, 6), ["a"])])], [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["b"])])]],
         outer, tmp_path)
+    losses, rounds = run.losses, run.rounds
     assert refused and set(refused) == {1}
-    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    anchors = {n: r.outer.anchor for n, r in run.runners.items()}
     _same_anchors(anchors, ["a", "b"])
     assert (rounds.progress["region-1"].rounds_in, rounds.progress["region-1"].rounds_missed) == (2, 1)  # b left out of round 1 only
     assert rounds.latest_decided == 2 and rounds.anchor_mismatches == 0, rounds.last_mismatch
@@ -497,10 +434,11 @@ def test_a_contribution_is_fetched_through_another_group_when_its_own_is_out_of_
     refused = _cut(monkeypatch, server="b", fetcher="a", rounds={0, 1})
     job = tiny_job(4)
     outer = OuterPlan(inner_steps=2, codec="int8", lr=0.7, momentum=0.5, overlap=True, deadline_s=20.0)
-    _, _, _, rounds = _run_outer(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
+    run = run_outer_plan(job, [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[
         stage((0, 6), [n])])] for n in ("a", "b", "c")], outer, tmp_path)
+    rounds = run.rounds
     assert set(refused) == {0, 1}
-    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    anchors = {n: r.outer.anchor for n, r in run.runners.items()}
     _same_anchors(anchors, ["a", "b", "c"])
     assert all((p.rounds_in, p.rounds_missed) == (2, 0) for p in rounds.progress.values()), rounds.progress
     assert rounds.anchor_mismatches == 0
@@ -520,7 +458,7 @@ def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tm
                 groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
                         for i, n in enumerate("ab")])
     newest = replace(plan, epoch=2, groups=list(reversed(plan.groups)))
-    call, _ = _arbiter(newest)
+    call, _ = outer_arbiter(newest)
     written: list[tuple[str, int]] = []
     run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call,
                     # (a writer asks for copies of what it wrote: the seam that says which node wrote)
@@ -551,10 +489,11 @@ def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_gro
     job = tiny_job(h * n_rounds, global_batch=4, seq_len=16)
     outer = OuterPlan(inner_steps=h, codec="int8", lr=0.7, momentum=0.5, overlap=True, deadline_s=60.0)
     arrived: dict[tuple[str, int], float] = {}
-    _, losses, _, rounds = _run_outer(job, [
+    run = run_outer_plan(job, [
         [PipelinePlan(micro_batch=4, num_micro_batches=1, stages=[stage((0, 6), ["a"])])],
         [PipelinePlan(micro_batch=4, num_micro_batches=1, stages=[stage((0, 3), ["b0"]), stage((3, 6), ["b1"])])]],
         outer, tmp_path, paced=True, arrived=arrived)
+    losses, rounds = run.losses, run.rounds
     a, b = rounds.progress["region-0"], rounds.progress["region-1"]
     tokens_per_step = job.train.global_batch * job.train.seq_len
     b_steps = {r: t // tokens_per_step for r, t in sorted(b.round_tokens.items())}
@@ -572,7 +511,7 @@ def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_gro
           f"{before:.0%} of round 2, {after:.0%} of rounds 4-{n_rounds - 1}")
     assert before > 0.15, (waits, round_s)  # the slow group did pace the rounds before (measured 37-58%)
     assert after < 0.1, (waits, round_s)  # (measured 0%)
-    anchors = {n: r.outer.anchor for n, r in _LAST_RUN["runners"].items()}
+    anchors = {n: r.outer.anchor for n, r in run.runners.items()}
     _same_anchors(anchors, ["b0", "a"])
     _same_anchors(anchors, ["b1", "a"])
     assert rounds.anchor_mismatches == 0 and rounds.latest_decided == n_rounds - 1

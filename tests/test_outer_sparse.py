@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_harness import stage, tiny_job
-from test_outer_runner import _run_outer
+from pipeline_harness import run_outer_plan, stage, tiny_job
 
 from atoll.compression import CodecSpec, get_codec
 from atoll.plan import OuterPlan, PipelinePlan
@@ -30,7 +29,8 @@ def _losses(codec: str, tmp_path: Path) -> tuple[float, float, dict[str, dict[st
     outer = OuterPlan(inner_steps=H, codec=codec, topk_fraction=1 / 64 if codec == "sparse2" else 0.0, lr=1.0,
                       momentum=0.0, overlap=False, deadline_s=30.0)
     groups = [[PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [node])])] for node in "ab"]
-    _, losses, params, rounds = _run_outer(job, groups, outer, tmp_path / codec)
+    run = run_outer_plan(job, groups, outer, tmp_path / codec)
+    losses, params, rounds = run.losses, run.params, run.rounds
     assert rounds.latest_decided == STEPS // H - 1
     first = [losses[(g, s)] for g in (0, 1) for s in range(LAST)]
     last = [losses[(g, s)] for g in (0, 1) for s in range(STEPS - LAST, STEPS)]

@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from pipeline_harness import tiny_job
+from pipeline_harness import run_pinned_plan, tiny_job
 
 RTOL = 1e-4
 
@@ -447,29 +447,15 @@ def _unsharded(job):
 
 
 def _run_in_process(job, tmp_path: Path, *, resume_step: int = 0, until: int | None = None) -> dict[int, float]:
-    """One unsharded node training the whole model, in this process."""
-    from atoll.node.peer import PeerServer
-    from atoll.node.runner import PlanRunner, RunContext
+    """One unsharded node training the whole model, in this process (a thread of it)."""
     from atoll.plan import PipelinePlan, Plan
 
-    losses: dict[int, float] = {}
-
-    def report(m) -> bool:
-        if m.loss is not None:
-            losses[m.step] = m.loss
-        return False
-
-    server = PeerServer(node_id="solo", listen="127.0.0.1:0", token="t")
-    try:
-        plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=2,
-                    job_id="job", resume_step=resume_step, pipelines=[PipelinePlan(
-                        micro_batch=4, num_micro_batches=4, stages=[_stage((0, job.model.n_layers + 2), ["solo"])])])
-        ctx = RunContext(node_id="solo", job=job, peer_server=server, checkpoint_dir=tmp_path / "ckpt",
-                         report_step=report, report_checkpoint=lambda c: None, token="t")
-        PlanRunner(ctx, plan).run(threading.Event(), until_step=until)
-    finally:
-        server.stop()
-    return losses
+    plan = Plan(model=job.model.name, global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=2,
+                job_id="job", resume_step=resume_step, pipelines=[PipelinePlan(
+                    micro_batch=4, num_micro_batches=4, stages=[_stage((0, job.model.n_layers + 2), ["solo"])])])
+    # RunContext's own bound on waits; the test's timeout bounds the run
+    return run_pinned_plan(job, plan, tmp_path / "ckpt", until_step=until, timeout=timedelta(seconds=120),
+                           join=120).losses
 
 
 @pytest.mark.integration

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from pipeline_harness import REPO, assert_losses_match, run_pinned_plan, stage, tiny_job
+from pipeline_harness import REPO, assert_losses_match, in_threads, run_outer_plan, run_pinned_plan, stage, tiny_job
 
 from atoll.models import preset, preset_spec
 from atoll.node.checkpoint import step_dir
@@ -36,22 +36,7 @@ TOL = 1e-4
 def _threads(n: int, fn) -> list:
     """Run fn(rank, group) on n threads over one gloo group; return the results in rank order."""
     store = dist.HashStore()
-    out: list = [None] * n
-    errors: list[BaseException] = []
-
-    def body(r: int) -> None:
-        try:
-            out[r] = fn(r, gloo_group(store, "zero/", rank=r, size=n, timeout=timedelta(seconds=30)))
-        except BaseException as e:  # surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return in_threads(n, lambda r: fn(r, gloo_group(store, "zero/", rank=r, size=n, timeout=timedelta(seconds=30))))
 
 
 @pytest.mark.parametrize("stage,overlap", [(1, False), (1, True), (2, False)])
@@ -264,9 +249,7 @@ def test_zero_stages_in_outer_mode_keep_their_replicas_identical_and_sync(tmp_pa
     """Outer mode over ZeRO stages: a group whose stages shard over two replicas (ZeRO-2, ZeRO-1) and a group
     of one node exchange int8 pseudo-gradients every 3 steps; the outer updates land in the flat parameters the
     sharded AdamW steps, so the replicas stay bit-identical, the groups agree after the last round and the
-    loss falls (the harness of tests/test_outer_runner.py)."""
-    from test_outer_runner import _run_outer
-
+    loss falls (`run_outer_plan`, as in tests/test_outer_runner.py)."""
     from atoll.plan import OuterPlan
 
     steps = 9
@@ -276,7 +259,8 @@ def test_zero_stages_in_outer_mode_keep_their_replicas_identical_and_sync(tmp_pa
     g0 = [PipelinePlan(micro_batch=8, num_micro_batches=2, stages=[stage((0, 3), ["a", "c"], zero=2),
                                                                    stage((3, 6), ["b", "d"], zero=1)])]
     g1 = [PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), ["e"])])]
-    _, losses, params, rounds = _run_outer(job, [g0, g1], outer, tmp_path)
+    run = run_outer_plan(job, [g0, g1], outer, tmp_path)
+    losses, params, rounds = run.losses, run.params, run.rounds
     for a, c in (("a", "c"), ("b", "d")):
         for n in params[a]:
             assert torch.equal(params[a][n], params[c][n]), n
