@@ -5,8 +5,6 @@ stage holds the tied weight once, a group that cuts it into stages holds it twic
 
 from __future__ import annotations
 
-import threading
-import time
 from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
@@ -15,48 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from pipeline_harness import run_pinned_plan, stage, tiny_job
+from pipeline_harness import outer_arbiter, run_pinned_plan, stage, tiny_job
 
 from atoll import plan as plan_mod
-from atoll.coordinator.outer import GroupInfo, OuterRounds
-from atoll.coordinator.outer import Participant as OuterParticipant
 from atoll.node.checkpoint import load_layers
 from atoll.node.data import TokenDataset
 from atoll.node.model import build_slice, lm_loss
 from atoll.plan import OuterPlan, PipelinePlan, Plan, ReplicaGroup
-from atoll.v1 import atoll_pb2 as pb
 
 TIED_COPY = "layers.5.lm.weight"
 EMBEDDING = "layers.0.tok.weight"
-
-
-def _arbiter(plan: Plan):
-    """The coordinator's side of OuterSync over `plan`'s groups (its own `OuterRounds`): (the call, the rounds)."""
-    rounds = OuterRounds()
-    groups = [GroupInfo(index=i, name=g.name, since_epoch=g.since_epoch or plan.epoch, inner_steps=g.inner_steps,
-                        nodes=frozenset(n for p in g.pipelines for s in plan.pipelines[p].stages for n in s.nodes))
-              for i, g in enumerate(plan.groups)]
-    lock = threading.Lock()
-
-    def part(p) -> pb.OuterParticipant:
-        return pb.OuterParticipant(group=p.group, tokens=p.tokens, since_epoch=p.since_epoch, node_ids=list(p.nodes))
-
-    def call(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
-        with lock:
-            d = rounds.arrive(time.time(), round_=req.round, node=req.node_id if req.arrived else "",
-                              group=req.group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
-                              deadline_s=plan.outer.deadline_s, fetched_version=req.fetched_version,
-                              version=req.version, fetch_bound_s=plan.outer.fetch_bound_s, unreachable=[
-                                  OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch,
-                                                   nodes=tuple(x.node_ids)) for x in req.unreachable])
-            rounds.report_hashes(req.node_id, plan.groups[req.group].name,
-                                 [(h.round, h.layer, h.crc32) for h in req.anchor_hashes])
-        reply = pb.OuterSyncReply(decided=d.decided, participants=[part(p) for p in d.participants],
-                                  version=d.version, final=d.final, steps_round=d.steps_round)
-        if d.checkpointer is not None:
-            reply.checkpointer.CopyFrom(part(d.checkpointer))
-        return reply
-    return call, rounds
 
 
 @pytest.mark.timeout(120)
@@ -81,7 +47,7 @@ def test_a_tied_model_cut_differently_by_its_groups_syncs_the_heads_copy_as_the_
                 groups=[ReplicaGroup(name="region-0", pipelines=[0], inner_steps=h, since_epoch=1),
                         ReplicaGroup(name="region-1", pipelines=[1], inner_steps=h, since_epoch=1)])
     plan.validate(job.model.n_layers + 2)
-    call, rounds = _arbiter(plan)
+    call, rounds = outer_arbiter(plan)
     run = run_pinned_plan(job, plan, tmp_path / "ckpt", join=100, outer_sync=call)
     params = {n: {k: t.detach() for k, t in r.outer.params.items()} for n, r in run.runners.items()}
     assert TIED_COPY in params["c"] and TIED_COPY not in params["a"]
