@@ -83,6 +83,8 @@ log = logging.getLogger("atoll.node.outer")
 KEEP_ROUNDS = 4
 """Rounds of payloads a node keeps to serve: a group up to a few rounds late can still fetch them."""
 MAX_NAMES_PER_FETCH = 4096
+UNREACHABLE_S = 10.0
+"""How long a holder that could not be connected to is tried only when no other source is left."""
 OUTER_CONNECT_S = 3.0
 """How long a fetch waits for a connection to a holder before it tries the next (a relay): ten round trips of a
 300 ms link, TLS included; the transfer itself is bounded by the round's deadline."""
@@ -93,6 +95,14 @@ the rest (waits of 0.05 s doubling to 1 s between them, about 4.5 s in all, with
 
 class OuterSyncError(RuntimeError):
     """An outer exchange could not complete; the message says which round, which peer and why."""
+
+
+class Unconnected(OuterSyncError):
+    """A holder this node could not connect to within the connect bound (`OUTER_CONNECT_S`)."""
+
+    def __init__(self, address: str, message: str):
+        super().__init__(message)
+        self.address = address
 
 
 class OutOfReach(OuterSyncError):
@@ -279,8 +289,8 @@ def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | Non
             try:
                 grpc.channel_ready_future(channel).result(timeout=connect_timeout.total_seconds())
             except grpc.FutureTimeoutError:
-                raise OuterSyncError(f"no connection to {address} within {connect_timeout.total_seconds():g}s "
-                                     f"(the link may be down)") from None
+                raise Unconnected(address, f"no connection to {address} within {connect_timeout.total_seconds():g}s "
+                                           f"(the link may be down)") from None
         stream = pb_grpc.PeerStub(channel).FetchOuter(request, timeout=timeout.total_seconds())
         if latency > timedelta(0):
             time.sleep(latency.total_seconds())  # emulated wide-area latency (a testbed knob; 0 in production)
@@ -483,6 +493,8 @@ class OuterSync:
         self._pending: Future[_Result] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-outer")
         self._fetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atoll-outer-fetch")
+        self._unreachable: dict[str, float] = {}
+        """Address -> until when (time.monotonic) it is tried last: a connection to it failed (`Unconnected`)."""
         self.outbox.put_state(self.round, self._state_tensors())
 
     def _wire(self, name: str) -> str:
@@ -824,8 +836,14 @@ class OuterSync:
         wait = 0.1
         tried: list[str] = []
         while True:
-            for what, by_node, addresses, epoch, origin in (self._sources(part) if only is None
-                                                              else self._sources(part, only)):
+            sources = self._sources(part) if only is None else self._sources(part, only)
+            now = time.monotonic()
+            # a holder this node could not connect to lately (the link may be down) is tried only when no other source
+            # is left: each try of it costs the connect bound, while a relay that has not fetched the contribution yet
+            # is asked again within a fraction of a second
+            reachable = [x for x in sources if not any(self._unreachable.get(x[2].get(n, ""), 0.0) > now
+                                                       for n in x[1])]
+            for what, by_node, addresses, epoch, origin in (reachable or sources):
                 left = deadline - time.monotonic()
                 if left <= 0 or (given_up is not None and given_up.is_set()):
                     break
@@ -850,6 +868,8 @@ class OuterSync:
                                  round_, part.group, what, len(tried))
                     return out, nbytes
                 except (grpc.RpcError, CodecError, OuterSyncError) as e:
+                    if isinstance(e, Unconnected):
+                        self._unreachable[e.address] = time.monotonic() + UNREACHABLE_S
                     # a node killed mid-answer ends its stream in any of these ways (UNAVAILABLE, INTERNAL,
                     # CANCELLED, a truncated tensor, parameters missing); a relay that has not fetched it yet
                     # answers UNAVAILABLE or NOT_FOUND: every source is tried in turn until the bound

@@ -225,6 +225,7 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
                                      deadline=timedelta(seconds=30))
     sync.stop = threading.Event()
+    sync._unreachable = {}
     part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b1",))
     monkeypatch.setattr(sync, "_sources", lambda p: [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, "")],
                         raising=False)
@@ -276,6 +277,7 @@ def test_a_contribution_is_fetched_from_any_holder_and_reported_out_of_reach_pas
     sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
                                      deadline=timedelta(seconds=30))
     sync.stop = threading.Event()
+    sync._unreachable = {}
     part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b0", "b1"))
     sources = [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, ""),
                ("group 2 (a relay)", {"c0": ["layers.0.w"]}, {"c0": "c0:1"}, 1, outer_mod.origin_key(part))]
