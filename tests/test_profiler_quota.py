@@ -81,5 +81,7 @@ def test_a_node_in_a_testbed_host_profiles_at_its_quotas_speed() -> None:
         out = tb.hosts[0].run([sys.executable, "-c", _PROFILE, str(job)], timeout=150)
     got = json.loads(out.strip().splitlines()[-1])
     assert math.isclose(got["share"], QUOTA)
-    # the profile predicts the wall time within the noise of a shared machine (1 / QUOTA = 4x apart before)
-    assert 0.6 < got["profiled"] / got["wall"] < 1.6, got
+    # the profile predicts the wall time within the noise of a shared machine: a second test worker can slow the
+    # timed runs after the profile (0.597 seen), so the bound sits at 0.4; a profile blind to the quota reads 1 /
+    # QUOTA = 4x too fast (0.25 at most, less under load)
+    assert 0.4 < got["profiled"] / got["wall"] < 1.6, got
