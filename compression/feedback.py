@@ -19,6 +19,10 @@ class ErrorFeedback:
         self._residuals: dict[str, torch.Tensor] = {}
 
     def encode(self, name: str, tensor: torch.Tensor) -> EncodedTensor:
+        return self.encode_decoded(name, tensor)[0]
+
+    def encode_decoded(self, name: str, tensor: torch.Tensor) -> tuple[EncodedTensor, torch.Tensor]:
+        """`encode`, and what the receivers will decode (the encoder decodes it anyway, for the residual)."""
         corrected = tensor.detach().float()
         residual = self._residuals.get(name)
         if residual is not None:
@@ -30,7 +34,7 @@ class ErrorFeedback:
         enc = encode_tensor(sent, self.spec)
         decoded = get_codec(self.spec).decode(enc.payload, enc.shape, enc.dtype)
         self._residuals[name] = corrected - decoded.float()
-        return enc
+        return enc, decoded
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)

@@ -653,13 +653,12 @@ class OuterSync:
         own: dict[str, torch.Tensor] = {}
         from atoll.compression import get_codec
 
-        for n, d in deltas.items():
+        for n, d in deltas.items():  # each with what the others will see of it
             if self.feedback is not None:
-                enc = self.feedback.encode(n, d)
+                encoded[n], own[n] = self.feedback.encode_decoded(n, d)
             else:
-                enc = encode_tensor(d, self.cfg.codec)
-            encoded[n] = enc
-            own[n] = get_codec(enc.spec).decode(enc.payload, enc.shape, enc.dtype)  # what the others will see
+                enc = encoded[n] = encode_tensor(d, self.cfg.codec)
+                own[n] = get_codec(enc.spec).decode(enc.payload, enc.shape, enc.dtype)
         self.outbox.put_round(round_, encoded)
         plan = self.plan  # one snapshot: the runner may swap in a newer plan meanwhile
         own_since = plan.groups[group_index(plan, self.cfg.node_id)].since_epoch or plan.epoch
