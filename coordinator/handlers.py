@@ -378,7 +378,7 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
         raise InvalidArgument("round, tokens, inner_step or round_steps out of range")
     if req.contribution_norm < 0:  # (not finite is allowed: it is what gets a contribution left out)
         raise InvalidArgument(f"contribution_norm = {req.contribution_norm} must be >= 0 (or not finite)")
-    for name in ("sync_seconds", "late_seconds", "step_seconds"):
+    for name in ("sync_seconds", "late_seconds", "step_seconds", "hold_seconds"):
         v.check_seconds(name, getattr(req, name))
     if len(req.unreachable) > len(plan.groups) or len(req.anchor_hashes) > MAX_ANCHOR_HASHES:
         raise InvalidArgument(f"{len(req.unreachable)} unreachable participants and {len(req.anchor_hashes)} anchor "
@@ -391,6 +391,9 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
     stats = {"bytes": req.sync_bytes, "seconds": req.sync_seconds, "late": req.late_seconds}
     unreachable = [Participant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch, nodes=tuple(x.node_ids))
                    for x in req.unreachable]
+    def alive(n: str) -> bool:
+        return (m := state.store.peek_member(n)) is not None and m.state == "alive"
+
     d = state.outer.arrive(state.clock(), round_=req.round, node=req.node_id if req.arrived else "",
                            group=group, tokens=req.tokens, inner_step=req.inner_step, groups=groups,
                            deadline_s=deadline, stats=stats if req.arrived else None, epoch=plan.epoch,
@@ -398,7 +401,14 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
                            fetch_bound_s=plan.outer.fetch_bound_s, h=plan.outer.inner_steps,
                            step_seconds=req.step_seconds if req.arrived else 0.0, round_steps=req.round_steps,
                            norm=req.contribution_norm if req.arrived and req.has_contribution_norm else None,
-                           alive=lambda n: (m := state.store.peek_member(n)) is not None and m.state == "alive")
+                           alive=alive)
+    # a long poll: asked again (a question, registering nothing) as arrivals and reports come, until the answer
+    # changes or the hold ends, so a node learns of a decision, and of its finality, without polling for it
+    d, held = state.outer.hold(
+        lambda: state.outer.arrive(state.clock(), round_=req.round, node="", group=group, tokens=req.tokens,
+                                   inner_step=req.inner_step, groups=groups, deadline_s=deadline, epoch=plan.epoch,
+                                   fetch_bound_s=plan.outer.fetch_bound_s, h=plan.outer.inner_steps, alive=alive),
+        d, req.hold_seconds, known=max(req.fetched_version, req.version))
     if req.anchor_hashes:
         for line in state.outer.report_hashes(req.node_id, plan.groups[group].name,
                                               [(h.round, h.layer, h.crc32) for h in req.anchor_hashes]):
@@ -409,7 +419,7 @@ def handle_outer_sync(req: pb.OuterSyncRequest, state: CoordinatorState) -> pb.O
         return pb.OuterParticipant(group=x.group, tokens=x.tokens, since_epoch=x.since_epoch, node_ids=list(x.nodes))
     reply = pb.OuterSyncReply(
         decided=d.decided, wait_seconds=d.wait_seconds, latest_round=max(state.outer.latest_decided, 0),
-        participants=[part(x) for x in d.participants], version=d.version, final=d.final)
+        participants=[part(x) for x in d.participants], version=d.version, final=d.final, held=held)
     if d.checkpointer is not None:
         reply.checkpointer.CopyFrom(part(d.checkpointer))
     if d.inner_steps:

@@ -41,6 +41,7 @@ import json
 import logging
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -184,6 +185,13 @@ def round_decision(now: float, arrivals: RoundArrivals, groups: Sequence[GroupIn
     return Decision(decided=True, participants=parts, version=1, decided_unix=now, checkpointer=writer_of(parts, groups),
                     reason="every group arrived" if everyone else f"deadline passed without {', '.join(left)}")
 
+
+MAX_HOLD_S = 1.0
+"""The longest the coordinator holds a node's outer-sync question (`OuterRounds.hold`)."""
+HOLD_RECHECK_S = 0.25
+"""A held question is asked again at least this often (a round's deadline may pass meanwhile)."""
+MAX_HOLDERS = 16
+"""Questions held at once, at most: each holds one of the server's threads (64 by default)."""
 
 OUTLIER_FACTOR = 10.0
 """A group whose pseudo-gradient norm is more than this many times the median of the other groups' is left out of
@@ -392,6 +400,10 @@ class OuterRounds:
 
     def __init__(self, store=None, now: float = 0.0) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._generation = 0
+        """Bumped by every arrival, report or re-decision: what a held question (`hold`) waits on."""
+        self._holders = 0
         self._store = store
         """An `atoll.coordinator.store.Store` (None: in memory only)."""
         self._arrivals: dict[int, RoundArrivals] = {}
@@ -504,6 +516,37 @@ class OuterRounds:
         if self._store is not None:
             self._store.put_outer_decision(round_, decision_to_json(decision))
 
+    def hold(self, ask: Callable[[], Decision], first: Decision, seconds: float, known: int = 0
+             ) -> tuple[Decision, bool]:
+        """A long poll: `ask()` again (a question, registering nothing) whenever an arrival or report comes, and at
+        least every `HOLD_RECHECK_S` (a deadline may pass), until its answer (decided, version, final) differs from
+        `first` or `seconds` pass; (the newest answer, whether it held). Only an answer the asking node has already
+        (undecided, or decision version `known` not final yet) is held: a newer one goes back at once. Holds at most
+        `MAX_HOLDERS` questions at once (each holds a server thread); past that it answers at once."""
+        if seconds <= 0 or first.final or (first.decided and first.version != known):
+            return first, False
+        with self._lock:
+            if self._holders >= MAX_HOLDERS:
+                return first, False
+            self._holders += 1
+            generation = self._generation
+        try:
+            key = (first.decided, first.version, first.final)
+            end = time.monotonic() + min(seconds, MAX_HOLD_S)
+            d = first
+            while (left := end - time.monotonic()) > 0:
+                with self._lock:
+                    if self._generation == generation:
+                        self._changed.wait(min(left, HOLD_RECHECK_S))
+                    generation = self._generation
+                d = ask()
+                if (d.decided, d.version, d.final) != key:
+                    break
+            return d, True
+        finally:
+            with self._lock:
+                self._holders -= 1
+
     def arrive(self, now: float, *, round_: int, node: str, group: int, tokens: int, inner_step: int,
                groups: Sequence[GroupInfo], deadline_s: float, stats: Mapping[str, float] | None = None,
                epoch: int = 0, fetched_version: int = 0, unreachable: Sequence[Participant] = (),
@@ -526,6 +569,9 @@ class OuterRounds:
         from atoll.coordinator.store import OuterArrivalRecord
 
         with self._lock:
+            if node or unreachable:
+                self._generation += 1  # (notified on leaving the lock: a held question sees the new state)
+                self._changed.notify_all()
             decision = self._decided.get(round_)
             if decision is not None and decision.final:
                 if unreachable:

@@ -192,8 +192,10 @@ class PlanRun:
         return self.latest or self.plan
 
     def outer_sync(self, request: pb.OuterSyncRequest) -> pb.OuterSyncReply:
-        """One OuterSync call (the outer-sync thread retries on UNAVAILABLE)."""
-        return self.agent.call("OuterSync", request)
+        """One OuterSync call (the outer-sync thread retries on UNAVAILABLE); its deadline covers the hold it asks
+        for (`hold_seconds`, a long poll)."""
+        return self.agent.call("OuterSync", request, timeout=self.agent.config.call_timeout
+                               + timedelta(seconds=min(request.hold_seconds, 5.0)))
 
     def report_step(self, metrics: StepMetrics) -> pb.StepAck:
         """Send step metrics now (the caller runs it off the step's path); see `NodeAgent.report_step`."""

@@ -361,10 +361,26 @@ class RoundReport:
     norm: float | None = None
     """The L2 norm of the contribution this node serves for its group this round (what the others decode): the
     coordinator leaves a group whose contribution is not finite, or far above the others', out of the round."""
+    hold_s: float = 0.0
+    """A long poll: the coordinator may hold the question this long while its answer stays the same (0: answer
+    at once)."""
 
 
-Arrive = Callable[[RoundReport], RoundDecision | None]
-"""The node's report -> the round's decision as it stands, or None while undecided or the coordinator is away."""
+@dataclass(frozen=True)
+class Held:
+    """What `Arrive` answers for a question the coordinator held (`RoundReport.hold_s`): ask again at once."""
+
+    decision: RoundDecision | None
+    """The round's decision as it stands (None: undecided)."""
+
+
+Arrive = Callable[[RoundReport], "RoundDecision | Held | None"]
+"""The node's report -> the round's decision as it stands (`Held` around it when the coordinator held the question),
+or None while undecided or the coordinator is away."""
+
+HOLD_S = 1.0
+"""How long a node lets the coordinator hold its question about a round while it fetches nothing (a long poll: it
+hears of the decision, and of its finality, as they happen instead of at its next poll)."""
 
 
 @dataclass
@@ -717,7 +733,9 @@ class OuterSync:
         wait = 0.02  # a round is usually decided within a round trip of the last group's arrival: ask often
         try:
             while True:
-                decision = self.arrive(report)
+                answer = self.arrive(replace(report, hold_s=0.0 if inflight else HOLD_S))
+                held = isinstance(answer, Held)
+                decision = answer.decision if isinstance(answer, Held) else answer
                 if decision is not None and report.fetched_version != decision.version:
                     if decision.version != failed_version:
                         failed, failed_version = {}, decision.version
@@ -772,8 +790,9 @@ class OuterSync:
                     what = "decide" if decision is None else f"make final its decision (version {decision.version}) of"
                     raise OuterSyncError(f"the coordinator did not {what} outer round {round_} in time")
                 self._check_stop()
-                time.sleep(wait)
-                wait = min(wait * 1.5, 0.2)
+                if not held:  # (a held question waited already)
+                    time.sleep(wait)
+                    wait = min(wait * 1.5, 0.2)
         finally:
             for _, _, stop, _ in inflight.values():
                 stop.set()

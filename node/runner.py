@@ -58,7 +58,7 @@ from atoll.node.store_exchange import StoreNormExchange
 from atoll.node.inprocess import InProcessLinks
 from atoll.node.model import build_slice
 from atoll.node.norm_exchange import DistNormExchange, NormExchange, OncePerStage
-from atoll.node.outer import (OuterConfig, OuterOutbox, OuterSync, OuterSyncError, RoundDecision, RoundReport,
+from atoll.node.outer import (Held, OuterConfig, OuterOutbox, OuterSync, OuterSyncError, RoundDecision, RoundReport,
                               fetch_outer, group_holders, group_index, layer_of, load_outer_state, responsible,
                               save_outer_state)
 from atoll.node.outer import Participant as OuterParticipant
@@ -352,7 +352,7 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
                                                  for r, layer, crc in report.hashes],
                                   step_seconds=max(0.0, report.step_seconds), round_steps=report.round_steps,
                                   contribution_norm=report.norm if report.norm is not None else 0.0,
-                                  has_contribution_norm=report.norm is not None)
+                                  has_contribution_norm=report.norm is not None, hold_seconds=report.hold_s)
         try:
             reply = call(req)
         except grpc.RpcError as e:
@@ -360,13 +360,13 @@ def _arrive_via(call: Callable[[object], object], plan_source: Callable[[], Plan
                             grpc.StatusCode.FAILED_PRECONDITION):
                 return None
             raise
-        if not reply.decided:
-            return None
-        return RoundDecision(round=report.round, participants=tuple(from_proto(p) for p in reply.participants),
-                             version=reply.version, final=reply.final,
-                             checkpointer=from_proto(reply.checkpointer) if reply.HasField("checkpointer") else None,
-                             inner_steps=tuple((g.group, g.since_epoch, g.inner_steps) for g in reply.inner_steps),
-                             steps_round=reply.steps_round)
+        decision = None if not reply.decided else RoundDecision(
+            round=report.round, participants=tuple(from_proto(p) for p in reply.participants),
+            version=reply.version, final=reply.final,
+            checkpointer=from_proto(reply.checkpointer) if reply.HasField("checkpointer") else None,
+            inner_steps=tuple((g.group, g.since_epoch, g.inner_steps) for g in reply.inner_steps),
+            steps_round=reply.steps_round)
+        return Held(decision) if reply.held else decision
     return arrive
 
 

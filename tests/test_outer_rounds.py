@@ -317,3 +317,74 @@ def test_the_outer_deadline_follows_the_live_round() -> None:
     assert not _paced(rounds, 100.0 + DEADLINE + 1, "a0", 1, 3.0).decided  # past the plan's 10 s, within 60
     d = _paced(rounds, 161.0, "a0", 1, 3.0)
     assert d.decided and [p.group for p in d.participants] == [0]
+
+
+def test_a_held_question_is_answered_as_the_decision_changes() -> None:
+    """A long poll (`OuterSyncRequest.hold_seconds`): a node's question is held while the round stays undecided and
+    answered as soon as the last group arrives, then, once the node holds the decision's contributions, held again
+    until the decision is final; a decision the node does not hold yet is answered at once, a question whose answer
+    does not change when the hold ends, and past `MAX_HOLDERS` held at once, at once."""
+    import threading
+    import time
+
+    from atoll.coordinator import outer as outer_mod
+
+    rounds = OuterRounds()
+
+    def ask():
+        return rounds.arrive(1.0, round_=3, node="", group=0, tokens=0, inner_step=0, groups=GROUPS,
+                             deadline_s=DEADLINE, epoch=1)
+
+    first = _arrive(rounds, 1.0, "a0")
+    _arrive(rounds, 1.0, "a1")
+    assert not first.decided
+    timer = threading.Timer(0.2, lambda: _arrive(rounds, 1.0, "b0"))
+    timer.start()
+    t0 = time.monotonic()
+    d, held = rounds.hold(ask, first, 30.0)  # capped at MAX_HOLD_S
+    took = time.monotonic() - t0
+    timer.join()
+    assert held and d.decided and not d.final, d.reason
+    assert 0.15 <= took < outer_mod.MAX_HOLD_S, took  # answered at b0's arrival, not at the hold's end
+    # held again: final once every node reports holding the contributions
+    for n in ("a0", "a1"):
+        _arrive(rounds, 1.0, n, fetched_version=1)
+    timer = threading.Timer(0.2, lambda: _arrive(rounds, 1.0, "b0", fetched_version=1))
+    timer.start()
+    assert rounds.hold(ask, d, 30.0) == (d, False)  # a decision the node does not hold yet: at once
+    d2, held = rounds.hold(ask, d, 30.0, known=1)
+    timer.join()
+    assert held and d2.final
+    # nothing changes: answered when the hold ends, the same answer
+    t0 = time.monotonic()
+    again, held = rounds.hold(lambda: rounds.arrive(1.0, round_=4, node="", group=0, tokens=0, inner_step=0,
+                                                    groups=GROUPS, deadline_s=DEADLINE, epoch=1),
+                              rounds.arrive(1.0, round_=4, node="a0", group=0, tokens=0, inner_step=0,
+                                            groups=GROUPS, deadline_s=DEADLINE, epoch=1), 0.3)
+    assert held and not again.decided and 0.25 <= time.monotonic() - t0 < 3 * 0.3 + 1.0
+    # a final answer, no hold asked for, or too many holders: at once
+    assert rounds.hold(ask, d2, 1.0) == (d2, False)
+    assert rounds.hold(ask, first, 0.0) == (first, False)
+    rounds._holders = outer_mod.MAX_HOLDERS
+    assert rounds.hold(ask, first, 1.0) == (first, False)
+
+
+def test_the_outer_sync_handler_holds_a_question_it_is_asked_to() -> None:
+    """Over the handler: `hold_seconds` is validated, and a held answer says so (`held`), so the node asks again
+    without a pause."""
+    import time
+
+    from atoll.coordinator.errors import InvalidArgument
+
+    state = _outer_state()
+
+    def request(**kw) -> pb.OuterSyncRequest:
+        return pb.OuterSyncRequest(job_id=state.job.id, node_id="a0", plan_epoch=1, round=2, group=0, arrived=True,
+                                   tokens=10, **kw)
+
+    t0 = time.monotonic()
+    reply = h.handle_outer_sync(request(hold_seconds=0.3), state)
+    assert reply.held and not reply.decided and time.monotonic() - t0 >= 0.25
+    assert not h.handle_outer_sync(request(), state).held
+    with pytest.raises(InvalidArgument, match="hold_seconds"):
+        h.handle_outer_sync(request(hold_seconds=-1.0), state)

@@ -799,7 +799,7 @@ class RunFailure(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ..., lost_checkpoint_step: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class OuterSyncRequest(_message.Message):
-    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes", "step_seconds", "round_steps", "contribution_norm", "has_contribution_norm")
+    __slots__ = ("job_id", "node_id", "plan_epoch", "round", "group", "arrived", "tokens", "inner_step", "sync_bytes", "sync_seconds", "late_seconds", "session", "fetched_version", "unreachable", "version", "anchor_hashes", "step_seconds", "round_steps", "contribution_norm", "has_contribution_norm", "hold_seconds")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -820,6 +820,7 @@ class OuterSyncRequest(_message.Message):
     ROUND_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTION_NORM_FIELD_NUMBER: _ClassVar[int]
     HAS_CONTRIBUTION_NORM_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     plan_epoch: int
@@ -840,7 +841,8 @@ class OuterSyncRequest(_message.Message):
     round_steps: int
     contribution_norm: float
     has_contribution_norm: bool
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., round_steps: _Optional[int] = ..., contribution_norm: _Optional[float] = ..., has_contribution_norm: _Optional[bool] = ...) -> None: ...
+    hold_seconds: float
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., round: _Optional[int] = ..., group: _Optional[int] = ..., arrived: _Optional[bool] = ..., tokens: _Optional[int] = ..., inner_step: _Optional[int] = ..., sync_bytes: _Optional[int] = ..., sync_seconds: _Optional[float] = ..., late_seconds: _Optional[float] = ..., session: _Optional[str] = ..., fetched_version: _Optional[int] = ..., unreachable: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., version: _Optional[int] = ..., anchor_hashes: _Optional[_Iterable[_Union[OuterAnchorHash, _Mapping]]] = ..., step_seconds: _Optional[float] = ..., round_steps: _Optional[int] = ..., contribution_norm: _Optional[float] = ..., has_contribution_norm: _Optional[bool] = ..., hold_seconds: _Optional[float] = ...) -> None: ...
 
 class OuterGroupSteps(_message.Message):
     __slots__ = ("group", "since_epoch", "inner_steps", "step_seconds")
@@ -877,7 +879,7 @@ class OuterParticipant(_message.Message):
     def __init__(self, group: _Optional[int] = ..., tokens: _Optional[int] = ..., since_epoch: _Optional[int] = ..., node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OuterSyncReply(_message.Message):
-    __slots__ = ("decided", "participants", "wait_seconds", "latest_round", "version", "final", "checkpointer", "inner_steps", "steps_round")
+    __slots__ = ("decided", "participants", "wait_seconds", "latest_round", "version", "final", "checkpointer", "inner_steps", "steps_round", "held")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -887,6 +889,7 @@ class OuterSyncReply(_message.Message):
     CHECKPOINTER_FIELD_NUMBER: _ClassVar[int]
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEPS_ROUND_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     decided: bool
     participants: _containers.RepeatedCompositeFieldContainer[OuterParticipant]
     wait_seconds: float
@@ -896,7 +899,8 @@ class OuterSyncReply(_message.Message):
     checkpointer: OuterParticipant
     inner_steps: _containers.RepeatedCompositeFieldContainer[OuterGroupSteps]
     steps_round: int
-    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ..., version: _Optional[int] = ..., final: _Optional[bool] = ..., checkpointer: _Optional[_Union[OuterParticipant, _Mapping]] = ..., inner_steps: _Optional[_Iterable[_Union[OuterGroupSteps, _Mapping]]] = ..., steps_round: _Optional[int] = ...) -> None: ...
+    held: bool
+    def __init__(self, decided: _Optional[bool] = ..., participants: _Optional[_Iterable[_Union[OuterParticipant, _Mapping]]] = ..., wait_seconds: _Optional[float] = ..., latest_round: _Optional[int] = ..., version: _Optional[int] = ..., final: _Optional[bool] = ..., checkpointer: _Optional[_Union[OuterParticipant, _Mapping]] = ..., inner_steps: _Optional[_Iterable[_Union[OuterGroupSteps, _Mapping]]] = ..., steps_round: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("history_points",)
