@@ -10,7 +10,7 @@ step, the steps rolled back and the bytes of state the nodes moved; then the fin
 run of the same job to the same step on the same cluster (run afterwards, in this run).
 
 Targets: the job completes through every event; every node kill is detected within 10 s; coordinator kills
-cost 0 steps.
+cost 0 steps; no node is quarantined (none misbehaves: the coordinator's logs of both runs name no quarantine).
 
 Usage: python -m bench.chaos [--node-kills 100 --coordinator-kills 5] [--quick]
 """
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a path (python bench/chaos.py): imports resolve from the checkout
     sys.path.insert(0, str(ROOT))
 
-from bench.faults import (DriverConfig, FaultSchedule, bench_parser, final_loss, fmt, print_targets,  # noqa: E402
-                          run_bench)
+from bench.faults import (DriverConfig, FaultSchedule, bench_parser, false_quarantines, final_loss,  # noqa: E402
+                          fmt, print_targets, run_bench)
 
 DETECTION_TARGET_S = 10.0
 
@@ -45,7 +45,7 @@ def main() -> int:
     res = run_bench(cfg, schedule, args, f"chaos: tiny job on {cfg.nodes} nodes; {args.node_kills} node kill(s) "
                     f"(restarted {cfg.restart_after:g}s after their detection), {args.coordinator_kills} coordinator "
                     f"kill(s) (down {cfg.outage:g}s), lease {cfg.lease:g}s, the next event once the one before was "
-                    f"detected and {cfg.gap_steps} steps trained since", targets=3)
+                    f"detected and {cfg.gap_steps} steps trained since", targets=4)
     if res is None:
         return 1
     events, losses, base = res.driver.events, res.losses, res.base
@@ -76,6 +76,8 @@ def main() -> int:
         and max(detected) <= DETECTION_TARGET_S,
         "coordinator kills cost 0 steps": bool(coords) and all(c == 0 for c in coord_cost),
     }
+    name, ok = false_quarantines(res)
+    targets[name] = ok
     return print_targets(targets, res)
 
 

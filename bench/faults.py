@@ -915,6 +915,30 @@ def run_bench(cfg: DriverConfig, schedule: FaultSchedule, args: argparse.Namespa
     return res
 
 
+QUARANTINE_LINE = re.compile(r"node (\S+) is quarantined: (.+?); it is left out of the next plan")
+"""What the coordinator logs when it quarantines a node (`atoll.coordinator.quarantine`)."""
+
+
+def quarantines(logs: list[Path]) -> list[tuple[str, str]]:
+    """(node, reason) of every quarantine these coordinator logs name (each log over all its lifetimes: a restarted
+    coordinator appends to it); a log that does not exist names none."""
+    found = []
+    for log in logs:
+        if log.exists():
+            found += [(m.group(1), m.group(2)) for m in QUARANTINE_LINE.finditer(log.read_text(errors="replace"))]
+    return found
+
+
+def false_quarantines(res: Outcome) -> tuple[str, bool]:
+    """Print the quarantines of both runs, all of them false (no node misbehaves in a fault benchmark: it is
+    killed, restarted, joined or leaves), and return the target's (name, met)."""
+    out = res.driver.out
+    found = quarantines([out / "coordinator.log", out.parent / "undisturbed" / "coordinator.log"])
+    print(f"quarantines: {len(found)} (no node misbehaves here: each would be false)"
+          + "".join(f"\n  {node}: {why}" for node, why in found[:10]))
+    return "0 false quarantines", not found
+
+
 def print_targets(targets: dict[str, bool], res: Outcome) -> int:
     """Print the notes and `targets met: N/M`; the exit status (0: the run went through, whatever it met)."""
     if res.driver.not_injected:

@@ -132,3 +132,27 @@ def test_the_quarantine_rule_counts_distinct_steps_within_the_window() -> None:
     assert quarantine_reason("x", [5, 5, 6], "", opts) is None
     assert quarantine_reason("x", [5, 60, 200], "", opts) is None  # spread wider than the window
     assert "3 steps" in quarantine_reason("x", [150, 200, 249], "the newest", opts)
+
+
+def test_the_fault_benchmarks_find_a_quarantine_in_the_coordinators_log(planned, caplog, tmp_path: Path) -> None:
+    """bench.chaos and bench.churn count false quarantines from the coordinator's log: its parser reads the line the
+    coordinator writes (here made by a real quarantine), and a log without one, or no log, names none."""
+    import logging
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench tree is not installed
+    from bench.faults import quarantines
+
+    state, _ = planned
+    with caplog.at_level(logging.INFO, logger="atoll"):
+        for step in range(12):
+            for n in ("n0", "n1", "n2", "n3"):
+                _report(state, n, step, [_nan_from("n0", step)] if step in (3, 7, 11) and n == "n1" else [])
+    assert state.store.get_member("n0").state == "quarantined"
+    log = tmp_path / "coordinator.log"
+    log.write_text("\n".join(f"12:00:00 W {r.name}: {r.getMessage()}" for r in caplog.records) + "\n")
+    found = quarantines([log, tmp_path / "missing.log"])
+    assert [n for n, _ in found] == ["n0"] and "3 steps" in found[0][1], found
+    clean = tmp_path / "clean.log"
+    clean.write_text("12:00:00 I atoll.coordinator: plan epoch 2 (node n1 is gone)\n")
+    assert quarantines([clean]) == []
