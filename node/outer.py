@@ -427,18 +427,19 @@ class OuterConfig:
     trains more a round (0: `inner_steps`)."""
 
 
-def combine_weights(tokens: Sequence[float], tokens_per_step: int) -> list[float]:
+def combine_weights(tokens: Sequence[float]) -> list[float]:
     """The weight of each contribution (its group trained `tokens` this round) in the round's update: each group's
     pseudo-gradient counts once, and their sum is scaled to the longest participant's inner steps, so the update
     moves as far as the group that trained most moved alone:
-    `update = (max_g s_g / sum_g s_g) x sum_g D_g` (s_g = tokens_g / tokens_per_step).
+    `update = (max_g s_g / sum_g s_g) x sum_g D_g` (s_g: group g's steps, in proportion to its tokens: every group
+    trains the plan's batch a step).
 
     A weighted mean by tokens, `sum_g s_g D_g / sum_g s_g`, shrinks the update on uneven regions: early in training
     a group's D grows about linearly with its steps, so groups of 10, 5 and 2 steps a round moved the anchor 7.6
     steps' worth (129/17), less than the fastest region alone moves, and outer mode lost to its best region. Equal
     groups get the plain mean either way; one participant gets its own D (nothing is extrapolated). Empty where no
     group trained a token."""
-    steps = [max(0.0, float(t)) / max(1, tokens_per_step) for t in tokens]
+    steps = [max(0.0, float(t)) for t in tokens]
     total = sum(steps)
     if total <= 0:
         return []
@@ -699,7 +700,7 @@ class OuterSync:
                          for p in decision.participants]
         others = sum(1 for p in decision.participants if not is_own(p))
         stats.wire_bytes = nbytes + sum(memoryview(e.payload).nbytes for e in encoded.values()) * others
-        weights = combine_weights([w for w, _ in contributions], plan.global_batch * plan.seq_len)
+        weights = combine_weights([w for w, _ in contributions])
         new_values: dict[str, torch.Tensor] = {}
         for n in self.mine:
             if not weights:  # nobody's contribution (every participant out of reach): the anchor stays
@@ -854,7 +855,7 @@ class OuterSync:
         wait = 0.1
         tried: list[str] = []
         while True:
-            sources = self._sources(part) if only is None else self._sources(part, only)
+            sources = self._sources(part, only)
             now = time.monotonic()
             # a holder this node could not connect to lately (the link may be down) is tried only when no other source
             # is left: each try of it costs the connect bound, while a relay that has not fetched the contribution yet
