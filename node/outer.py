@@ -276,14 +276,52 @@ class OuterOutbox:
         return gen()
 
 
+class FetchChannels:
+    """Channels to the peers a node fetches outer-sync payloads from, kept from round to round: a fetch over a warm
+    channel pays no TCP and TLS handshake (two round trips on a wide-area link, and the handshake's CPU on a slow
+    node) and no channel set-up. A channel a fetch failed on is dropped; the next fetch connects afresh. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple, grpc.Channel] = {}
+
+    def get(self, key: tuple, make: Callable[[], grpc.Channel]) -> grpc.Channel:
+        with self._lock:
+            channel = self._open.get(key)
+            if channel is None:
+                channel = self._open[key] = make()
+            return channel
+
+    def drop(self, key: tuple, channel: grpc.Channel) -> None:
+        with self._lock:
+            if self._open.get(key) is channel:
+                del self._open[key]
+        channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._open = list(self._open.values()), {}
+        for channel in channels:
+            channel.close()
+
+
 def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | None, rpc: RpcOptions,
                 timeout: timedelta, latency: timedelta = timedelta(0), node: str | None = None,
-                connect_timeout: timedelta | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+                connect_timeout: timedelta | None = None, channels: FetchChannels | None = None
+                ) -> tuple[dict[str, torch.Tensor], int, int]:
     """The tensors a peer serves for `request`: ({name: tensor}, the round they belong to, wire bytes).
     With mutual TLS and `node`, the server's certificate must be that node's. With `connect_timeout`, a peer not
     connected (TCP and TLS) within it raises OuterSyncError at once: a cut link drops packets without an answer,
-    and the stream's own timeout (the whole transfer's) would hold the fetch that long before a relay is tried."""
-    channel = make_channel(address, rpc, token=token, server_name=node_dns_name(node) if node else None)
+    and the stream's own timeout (the whole transfer's) would hold the fetch that long before a relay is tried.
+    With `channels`, the channel is taken from (and left in) them, and dropped if the fetch fails; else it is made
+    for this fetch and closed after it."""
+    server_name = node_dns_name(node) if node else None
+    key = (address, server_name, token)
+    if channels is not None:
+        channel = channels.get(key, lambda: make_channel(address, rpc, token=token, server_name=server_name))
+    else:
+        channel = make_channel(address, rpc, token=token, server_name=server_name)
+    ok = False
     try:
         if connect_timeout is not None:
             try:
@@ -304,8 +342,12 @@ def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | Non
                 round_ = done.meta.step
                 nbytes += done.wire_bytes
         assembler.finish()
+        ok = True
     finally:
-        channel.close()
+        if channels is None:
+            channel.close()
+        elif not ok:
+            channels.drop(key, channel)
     missing = set(request.names) - set(out)
     if missing:
         raise OuterSyncError(f"{address} answered without {len(missing)} of the parameters asked for "
@@ -510,6 +552,9 @@ class OuterSync:
         self._pending: Future[_Result] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atoll-outer")
         self._fetch_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="atoll-outer-fetch")
+        self._holder_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="atoll-outer-holder")
+        """The holders of one contribution are fetched from at once (a thread each, past the first)."""
+        self._channels = FetchChannels()
         self._unreachable: dict[str, float] = {}
         """Address -> until when (time.monotonic) it is tried last: a connection to it failed (`Unconnected`)."""
         self.outbox.put_state(self.round, self._state_tensors())
@@ -610,6 +655,8 @@ class OuterSync:
         self.outbox.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._holder_pool.shutdown(wait=False, cancel_futures=True)
+        self._channels.close()
 
     def _land(self) -> None:
         assert self._pending is not None
@@ -866,20 +913,35 @@ class OuterSync:
                 left = deadline - time.monotonic()
                 if left <= 0 or (given_up is not None and given_up.is_set()):
                     break
+                def one(node: str, names: list[str], epoch: int = epoch, origin: str = origin, addresses=addresses,
+                        left: float = left) -> tuple[dict[str, torch.Tensor], int]:
+                    address = addresses.get(node)
+                    if address is None:
+                        raise OuterSyncError(f"the plan has no address for node {node}")
+                    tensors, _, got = fetch_outer(
+                        address, pb.OuterFetchRequest(job_id=self.cfg.job_id, plan_epoch=epoch, round=round_,
+                                                      kind="delta", names=names, sender=self.cfg.node_id,
+                                                      origin=origin),
+                        token=self.cfg.token, rpc=self.cfg.rpc, timeout=timedelta(seconds=max(0.5, left)),
+                        latency=self.cfg.latency_to(node), node=node,
+                        connect_timeout=timedelta(seconds=min(max(0.5, left), OUTER_CONNECT_S)),
+                        channels=self._channels)
+                    return tensors, got
+
                 try:
                     out: dict[str, torch.Tensor] = {}
                     nbytes = 0
-                    for node, names in by_node.items():
-                        address = addresses.get(node)
-                        if address is None:
-                            raise OuterSyncError(f"the plan has no address for node {node}")
-                        tensors, _, got = fetch_outer(
-                            address, pb.OuterFetchRequest(job_id=self.cfg.job_id, plan_epoch=epoch, round=round_,
-                                                          kind="delta", names=names, sender=self.cfg.node_id,
-                                                          origin=origin),
-                            token=self.cfg.token, rpc=self.cfg.rpc, timeout=timedelta(seconds=max(0.5, left)),
-                            latency=self.cfg.latency_to(node), node=node,
-                            connect_timeout=timedelta(seconds=min(max(0.5, left), OUTER_CONNECT_S)))
+                    holders = list(by_node.items())
+                    # every holder at once (each holds its part; on a wide-area link each fetch is a round trip)
+                    others = [self._holder_pool.submit(one, n, names) for n, names in holders[1:]]
+                    parts: list[tuple[dict[str, torch.Tensor], int]] = []
+                    try:
+                        if holders:
+                            parts.append(one(*holders[0]))
+                    finally:
+                        futures_wait(others)  # (each ends within its own timeout)
+                    parts += [f.result() for f in others]
+                    for tensors, got in parts:
                         out.update(tensors)
                         nbytes += got
                     if tried:

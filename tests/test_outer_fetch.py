@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -45,6 +46,8 @@ def test_a_holder_that_could_not_be_connected_to_is_not_tried_again_while_a_rela
     from atoll.node import outer as outer_mod
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     sync.plan, sync.plan_source, sync.stop = SimpleNamespace(), None, threading.Event()
     sync.timeout, sync.mine, sync._unreachable = timedelta(seconds=120), ["layers.0.w"], {}
     sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2, codec=CodecSpec("identity"),
@@ -76,3 +79,98 @@ def test_a_holder_that_could_not_be_connected_to_is_not_tried_again_while_a_rela
     got, nbytes = sync._fetch_contribution(part, 3)
     assert set(got) == {"layers.0.w"} and nbytes == 4
     assert asked == ["b1:1", "c1:1", "c1:1", "c1:1", "c1:1"]
+
+
+def test_fetches_reuse_a_warm_channel_and_drop_one_a_fetch_failed_on(monkeypatch) -> None:
+    """A node fetches every round from the same holders: with `FetchChannels` the channel (its TCP and TLS session)
+    is made once and kept; a fetch that fails drops it, and the next one connects afresh; closing closes all."""
+    import grpc
+
+    from atoll.node import outer as outer_mod
+
+    made: list = []
+
+    class Channel:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def make_channel(address, rpc, **kw):
+        made.append(Channel())
+        return made[-1]
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    answers: list = [None, Refused(), None]
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        def FetchOuter(self, request, timeout):  # noqa: N802 - the gRPC method's name
+            answer = answers.pop(0)
+            if answer is not None:
+                raise answer
+            return iter(())
+
+    monkeypatch.setattr(outer_mod, "make_channel", make_channel)
+    monkeypatch.setattr(outer_mod.pb_grpc, "PeerStub", Stub)
+    channels = outer_mod.FetchChannels()
+
+    def fetch():
+        return fetch_outer("b0:1", pb.OuterFetchRequest(round=3), token="t", rpc=RpcOptions(),
+                           timeout=timedelta(seconds=5), node="b0", channels=channels)
+
+    fetch()
+    with pytest.raises(grpc.RpcError):
+        fetch()
+    assert len(made) == 1 and made[0].closed  # reused, then dropped when the fetch failed on it
+    fetch()
+    assert len(made) == 2 and not made[1].closed
+    channels.close()
+    assert made[1].closed
+    # without a cache: a channel for the fetch, closed after it
+    answers.append(None)
+    fetch_outer("b0:1", pb.OuterFetchRequest(round=3), token="t", rpc=RpcOptions(), timeout=timedelta(seconds=5))
+    assert len(made) == 3 and made[2].closed
+
+
+def test_the_holders_of_one_contribution_are_fetched_from_at_once(monkeypatch) -> None:
+    """Each holder of a contribution serves its part; the parts are fetched at once (on a wide-area link each is a
+    round trip at least), not one after the other."""
+    import threading
+
+    from atoll.node import outer as outer_mod
+
+    sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(4)  # (what __init__ makes)
+    sync.plan_source = None
+    sync.mine = ["layers.0.w", "layers.1.w", "layers.2.w"]
+    sync.cfg = outer_mod.OuterConfig(job_id="j", node_id="a0", group=0, inner_steps=2,
+                                     codec=outer_mod.CodecSpec("identity"), deadline=timedelta(seconds=30))
+    sync.stop = threading.Event()
+    sync._unreachable = {}
+    part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b0", "b1", "b2"))
+    holders = {"b0": ["layers.0.w"], "b1": ["layers.1.w"], "b2": ["layers.2.w"]}
+    monkeypatch.setattr(sync, "_sources", lambda p, names=None: [
+        ("group 1", holders, {n: f"{n}:1" for n in holders}, 1, "")], raising=False)
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def fetch(address, request, *, node, **kw):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)
+        with lock:
+            inside[0] -= 1
+        return {n: torch.ones(2) for n in request.names}, 3, 8
+
+    monkeypatch.setattr(outer_mod, "fetch_outer", fetch)
+    t0 = time.monotonic()
+    tensors, nbytes = sync._fetch_contribution(part, 3)
+    assert sorted(tensors) == sorted(sync.mine) and nbytes == 24
+    assert most[0] == 3 and time.monotonic() - t0 < 3 * 0.3  # all three at once, not one after the other

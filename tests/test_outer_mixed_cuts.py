@@ -5,7 +5,7 @@ stage holds the tied weight once, a group that cuts it into stages holds it twic
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -97,6 +97,8 @@ def test_a_heads_copy_takes_its_outer_state_as_the_embedding(monkeypatch) -> Non
     from atoll.node import outer as outer_mod
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     sync.params = {"layers.3.w": torch.zeros(2), TIED_COPY: torch.zeros(2)}
     sync.aliases = {TIED_COPY: EMBEDDING}
     sync.anchor = {n: t.clone() for n, t in sync.params.items()}

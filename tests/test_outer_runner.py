@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -138,6 +139,7 @@ def test_a_rejoining_group_fetches_again_the_parts_of_an_older_round(monkeypatch
 
     params = {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)}
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     sync.params = params
     sync.holders = {0: {0: ["a"], 1: ["b"]}}
     sync.plan = SimpleNamespace(node_addresses={"a": "a:1", "b": "b:1"})
@@ -186,6 +188,8 @@ def test_a_rejoining_group_takes_the_outer_momentum_with_the_anchor(monkeypatch)
                       wait=0.0)
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     sync.params = {"layers.0.w": torch.zeros(2), "layers.1.w": torch.zeros(2)}
     sync.holders = {0: {0: ["a"], 1: ["b"]}}
     sync.plan = SimpleNamespace(node_addresses={"a": "a:1", "b": "b:1"})
@@ -218,6 +222,8 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     from atoll.node import outer as outer_mod
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     sync.plan = SimpleNamespace(node_addresses={"b1": "b1:1"})
     sync.plan_source = None
     sync.timeout = timedelta(seconds=120)
@@ -227,7 +233,7 @@ def test_a_stopped_run_gives_up_an_exchange_at_once(monkeypatch) -> None:
     sync.stop = threading.Event()
     sync._unreachable = {}
     part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b1",))
-    monkeypatch.setattr(sync, "_sources", lambda p: [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, "")],
+    monkeypatch.setattr(sync, "_sources", lambda p, names=None: [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, "")],
                         raising=False)
 
     tries = []
@@ -270,6 +276,8 @@ def test_a_contribution_is_fetched_from_any_holder_and_reported_out_of_reach_pas
     from atoll.node import outer as outer_mod
 
     sync = outer_mod.OuterSync.__new__(outer_mod.OuterSync)
+
+    sync._channels, sync._holder_pool = None, ThreadPoolExecutor(2)  # (what __init__ makes)
     newest = [SimpleNamespace(epoch=1)]
     sync.plan_source = lambda: newest[0]
     sync.timeout = timedelta(seconds=120)
@@ -281,7 +289,7 @@ def test_a_contribution_is_fetched_from_any_holder_and_reported_out_of_reach_pas
     part = outer_mod.Participant(group=1, tokens=8, since_epoch=1, nodes=("b0", "b1"))
     sources = [("group 1", {"b1": ["layers.0.w"]}, {"b1": "b1:1"}, 1, ""),
                ("group 2 (a relay)", {"c0": ["layers.0.w"]}, {"c0": "c0:1"}, 1, outer_mod.origin_key(part))]
-    monkeypatch.setattr(sync, "_sources", lambda p: sources, raising=False)
+    monkeypatch.setattr(sync, "_sources", lambda p, names=None: sources, raising=False)
     in_plan = {1: True}
     monkeypatch.setattr(outer_mod, "_group_in", lambda plan, p: 1 if in_plan.get(plan.epoch) else None)
 
