@@ -18,11 +18,8 @@ What is decided (`round_steps`, a pure function of (now, state, options)):
 - each group's inner step time, live (`step_time`): every node reports, with its arrival at a round, the median
   wall time of the round's inner steps on its clock, not counting its waits on the outer sync (landing an
   exchange); a group's figure for the round is its slowest node's, and its estimate the median over its newest
-  `PaceOptions.estimate_rounds` rounds (more where they cover fewer than `min_steps` steps): a group that slowed
-  down is seen within two rounds, and one round's noise moves nothing. On a node under a CPU quota one round's
-  median step swings by 40% (measured on bench.regions' testbed: 0.106 and 0.151 s a step in consecutive rounds of
-  two equal regions), and a figure from the newest round alone cut each equal group to 7-8 of its 10 steps in
-  turn, a fifth of the job's tokens. Per round rather than from the step reports (`progress.step_times`):
+  rounds covering at least `PaceOptions.min_steps` steps (the newest round alone where it had that many: a group
+  that slowed down is seen within one round). Per round rather than from the step reports (`progress.step_times`):
   reports are dropped when the coordinator falls behind, a window of recent reports of a large job holds few of a
   slow group's steps, and `step_seconds` leaves out data loading and evaluation, which a round's wall time holds;
 - the round's target T = H (the plan's inner steps of the fastest group) x the fastest group's live step time;
@@ -31,11 +28,9 @@ What is decided (`round_steps`, a pure function of (now, state, options)):
   a group whose round runs over T makes every other group wait for it, every round, and with the overlapped
   exchange the fast group then runs a round ahead with the exchange's latency exposed on it for good; a group a
   little under T instead lets the fast group keep that slack;
-- hysteresis: a figure that no longer fits (over T by more than `over_tolerance`, 5%, and a tenth of a step)
-  changes at once; one that fits but is short of the steps that would fit changes only when short by more than
-  `hysteresis` of them, so noise around a boundary does not flap it. 5% over is kept: it delays the round's
-  decision by 5% of a round, which the overlapped exchange's slack mostly hides, where cutting a step of an H=10
-  group costs it a tenth of its tokens.
+- hysteresis: a figure that no longer fits (over T by more than `over_tolerance` and a tenth of a step) changes at
+  once; one that fits but is short of the steps that would fit changes only when short by more than `hysteresis`
+  of them, so noise around a boundary does not flap it.
 
 The steps decided when round r is decided are for round r + `LEAD_ROUNDS`: with the overlapped exchange a node
 applies round r's decision at the latest at the end of round r + 1, so every node of a group learns the figure
@@ -63,13 +58,10 @@ class PaceOptions:
     hysteresis: float = 0.10
     """A group's steps that fit the round grow only when short of T / step time by more than this fraction: step
     times vary by a few percent from round to round."""
-    over_tolerance: float = 0.05
-    """A group's steps that run over T by at most this fraction (and a tenth of a step) are kept (see the module
-    docstring)."""
+    over_tolerance: float = 0.02
+    """A group's steps that run over T by at most this fraction (and a tenth of a step) are kept."""
     min_steps: int = 3
     """Steps a group's estimate covers at least (its newest rounds until they hold this many)."""
-    estimate_rounds: int = 3
-    """Newest rounds a group's estimate takes the median of, at least (fewer while it has fewer)."""
     window_rounds: int = 4
     """Newest rounds of figures kept per group."""
     max_age_s: float = 600.0
@@ -81,9 +73,9 @@ class PaceOptions:
         if not 0 <= self.hysteresis < 1 or not 0 <= self.over_tolerance < 1:
             raise ValueError(f"hysteresis and over_tolerance must be in [0, 1), got {self.hysteresis} and "
                              f"{self.over_tolerance}")
-        if self.min_steps < 1 or self.window_rounds < 1 or not 1 <= self.estimate_rounds <= self.window_rounds:
-            raise ValueError(f"min_steps and window_rounds must be >= 1 and estimate_rounds in [1, window_rounds], "
-                             f"got {self.min_steps}, {self.window_rounds} and {self.estimate_rounds}")
+        if self.min_steps < 1 or self.window_rounds < 1:
+            raise ValueError(f"min_steps and window_rounds must be >= 1, got {self.min_steps} and "
+                             f"{self.window_rounds}")
         if self.max_age_s <= 0 or self.deadline_rounds <= 0:
             raise ValueError(f"max_age_s and deadline_rounds must be positive, got {self.max_age_s} and "
                              f"{self.deadline_rounds}")
@@ -147,15 +139,15 @@ class PaceDecision:
 
 
 def step_time(now: float, paces: Sequence[RoundPace], options: PaceOptions) -> float | None:
-    """A group's live inner step time: the median of its newest `estimate_rounds` rounds' figures (more, newest
-    first, until they cover `min_steps` steps), those older than `max_age_s` left out; None without a figure."""
+    """A group's live inner step time: the median of its newest rounds' figures (newest first until they cover
+    `min_steps` steps), those older than `max_age_s` left out; None without a figure."""
     fresh = [p for p in paces if p.seconds > 0 and p.steps > 0 and now - p.unix <= options.max_age_s]
     used: list[float] = []
     covered = 0
     for p in sorted(fresh, key=lambda p: p.round, reverse=True)[:options.window_rounds]:
         used.append(p.seconds)
         covered += p.steps
-        if covered >= options.min_steps and len(used) >= options.estimate_rounds:
+        if covered >= options.min_steps:
             break
     return statistics.median(used) if used else None
 

@@ -40,15 +40,13 @@ def test_uneven_groups_get_steps_in_proportion_to_their_speed() -> None:
 
 def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
     """Steps that fit but are short of the ideal by at most 10% stay; short by more they grow to what fits; steps
-    that run over the round shrink at once, past a 5% tolerance; noise around a boundary does not flap them."""
+    that run over the round shrink at once, past a 2% tolerance; noise around a boundary does not flap them."""
     near = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 46, [0.105])))  # 47.6 fit: short 3%
     assert [g.steps for g in round_steps(120.0, near, OPTS).groups] == [50, 46]
     far = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 40, [0.105])))  # short 16%
     assert [g.steps for g in round_steps(120.0, far, OPTS).groups] == [50, 47]
-    over = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 49, [0.105])))  # over by 3%: kept
-    assert [g.steps for g in round_steps(120.0, over, OPTS).groups] == [50, 49]
-    over = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 50, [0.107])))  # over by 7%
-    assert [g.steps for g in round_steps(120.0, over, OPTS).groups] == [50, 46]
+    over = PaceState(h=50, groups=(_group("a", 50, [0.1]), _group("b", 49, [0.105])))  # over by 3%
+    assert [g.steps for g in round_steps(120.0, over, OPTS).groups] == [50, 47]
     # a group of about 3 steps a round whose time moves by a few percent (2.9-3.03 steps fit)
     steps = 3
     for s in (0.33, 0.34, 0.335, 0.345, 0.33):
@@ -57,7 +55,7 @@ def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
         assert steps == 3, s
     # ... and one of 9-10 (9-10 fit): it stays at 9, not back and forth, until it no longer fits
     steps = 10
-    for s, want in ((0.111, 9), (0.1005, 9), (0.1, 9), (0.1005, 9), (0.111, 9), (0.118, 8)):
+    for s, want in ((0.111, 9), (0.1005, 9), (0.1, 9), (0.1005, 9), (0.111, 9), (0.125, 8)):
         state = PaceState(h=10, groups=(_group("a", 10, [0.1]), _group("b", steps, [s])))
         steps = round_steps(120.0, state, OPTS).groups[1].steps
         assert steps == want, (s, steps)
@@ -65,30 +63,20 @@ def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
     assert round_steps(120.0, near, PaceOptions(hysteresis=0.0)).groups[1].steps == 47
 
 
-def test_a_group_that_slows_down_gets_fewer_steps_within_two_rounds() -> None:
-    """b trained 10 steps a round at 0.1 s for rounds 0-5, then 0.3 s in rounds 6 and 7 (a co-tenant came): one
-    slow round moves nothing (the median of the newest three rounds), the second gives it 3 steps (rounds of
-    10 x 0.1 s)."""
-    a = _group("a", 10, [0.1] * 8)
+def test_a_group_that_slows_down_gets_fewer_steps_within_one_round() -> None:
+    """b trained 10 steps a round at 0.1 s for rounds 0-5, then 0.3 s in round 6 (a co-tenant came): the next
+    decision gives it 3 steps (rounds of 10 x 0.1 s), from its newest round alone, which held min_steps steps."""
+    a = _group("a", 10, [0.1] * 7)
     b = GroupPace(name="b", since_epoch=1, steps=10, paces=_paces([0.1] * 6 + [0.3], 10)[-OPTS.window_rounds:])
-    d = round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS)
-    assert [g.steps for g in d.groups] == [10, 10], d.reason
-    b = GroupPace(name="b", since_epoch=1, steps=10, paces=_paces([0.1] * 6 + [0.3, 0.3], 10)[-OPTS.window_rounds:])
     d = round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS)
     assert [g.steps for g in d.groups] == [10, 3], d.reason
     # ... and back when it recovers
-    b = GroupPace(name="b", since_epoch=1, steps=3, paces=_paces([0.3, 0.3, 0.1, 0.1], 3, first_round=6))
+    b = GroupPace(name="b", since_epoch=1, steps=3, paces=_paces([0.3, 0.1], 3, first_round=6))
     assert round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS).groups[1].steps == 10
-    # two equal groups whose per-round figures swing by 40% (a CPU quota's noise) keep H steps each
-    a = _group("a", 10, [0.106, 0.151, 0.111, 0.107])
-    b = _group("b", 10, [0.151, 0.107, 0.104, 0.125])
-    assert [g.steps for g in round_steps(120.0, PaceState(h=10, groups=(a, b)), OPTS).groups] == [10, 10]
     # a group of 1 step a round is measured over its newest rounds until they cover min_steps steps
     paces = _paces([0.9, 0.5, 0.5], 1)
     assert step_time(120.0, paces, OPTS) == pytest.approx(0.5)
     assert step_time(120.0, paces[:1], OPTS) == pytest.approx(0.9)
-    # ... and a group of many steps over its newest three rounds
-    assert step_time(120.0, _paces([0.1, 0.3, 0.12, 0.11], 10), OPTS) == pytest.approx(0.12)
 
 
 def test_without_live_figures_the_steps_stay_and_old_figures_expire() -> None:
