@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from atoll.coordinator import handlers as h
+from atoll.coordinator.pace import PaceOptions
 from atoll.coordinator.outer import (FINAL_AFTER_BOUNDS, GroupInfo, OuterRounds, Participant, decision_final,
                                      decision_from_json, decision_to_json, lost_contributions, redecide,
                                      round_decision, RoundArrivals)
@@ -264,11 +265,14 @@ def _paced(rounds: OuterRounds, now: float, node: str, round_: int, step_s: floa
 def test_a_round_decision_fixes_each_groups_inner_steps_and_a_restart_keeps_them(tmp_path: Path) -> None:
     """The plan gave both groups H=10, but lab-b measures 0.111 s a step against lab-a's 0.1: the decision of round 3
     gives lab-b the 9 steps that fit in round 5 (rounds of 10 x 0.1 s). A coordinator restarted on its store answers
-    round 3 with the same figures, and decides round 4 from them: lab-b's next figure (9.95 steps fit) is within
+    round 3 with the same figures, and decides round 4 from them: lab-b's next figure (9.75 steps fit) is within
     the hysteresis of 9, so it keeps 9, where a coordinator that had forgotten them would start again from the
-    plan's 10 (which fits as well) and keep 10. The OuterSync reply carries the figures to every node."""
+    plan's 10 (which fits as well) and keep 10. The OuterSync reply carries the figures to every node. (Figures taken
+    as exact: `prior_noise` 0; with the default a single 11% difference is within a round's noise.)"""
+    exact = PaceOptions(prior_noise=0.0)
     store = SqliteStore(tmp_path / "state.db")
     rounds = OuterRounds(store, now=0.0)
+    rounds.pace_options = exact
     for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 0.111)):
         d = _paced(rounds, 1.0, n, 3, s)
     assert d.decided and d.steps_round == 5
@@ -278,16 +282,18 @@ def test_a_round_decision_fixes_each_groups_inner_steps_and_a_restart_keeps_them
 
     store = SqliteStore(tmp_path / "state.db")
     rounds = OuterRounds(store, now=50.0)
+    rounds.pace_options = exact
     again = rounds.arrive(50.0, round_=3, node="", group=0, tokens=0, inner_step=0, groups=PACED, deadline_s=DEADLINE,
                           h=10)
     assert again.decided and again.steps_round == 5
     assert [(g.name, g.steps) for g in again.inner_steps] == [("lab-a", 10), ("lab-b", 9)]
-    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 9.95)):
+    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 9.75)):
         d = _paced(rounds, 51.0, n, 4, s, steps=10 if n.startswith("a") else 9)
     assert d.decided and d.steps_round == 6
     assert [(g.name, g.steps) for g in d.inner_steps] == [("lab-a", 10), ("lab-b", 9)], d.reason
     forgetful = OuterRounds(now=51.0)
-    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 9.95)):
+    forgetful.pace_options = exact
+    for n, s in (("a0", 0.1), ("a1", 0.1), ("b0", 1 / 9.75)):
         fresh = _paced(forgetful, 51.0, n, 4, s, steps=10 if n.startswith("a") else 9)
     assert [g.steps for g in fresh.inner_steps] == [10, 10]
     store.close()
