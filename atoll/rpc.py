@@ -471,9 +471,20 @@ def token_matches(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
+def ready_within(channel: grpc.Channel, seconds: float) -> bool:
+    """Whether the channel connects within `seconds`. A wait that times out is cancelled: left subscribed, grpc's
+    connectivity-polling thread outlives it and raises `ValueError: Cannot invoke RPC: Channel closed!` (an
+    uncaught traceback in the log) once the channel is closed."""
+    future = grpc.channel_ready_future(channel)
+    try:
+        future.result(timeout=seconds)
+        return True
+    except grpc.FutureTimeoutError:
+        future.cancel()
+        return False
+
+
 def wait_ready(channel: grpc.Channel, timeout: timedelta) -> None:
     """Block until the channel connects; raise `TimeoutError` with the target's state otherwise."""
-    try:
-        grpc.channel_ready_future(channel).result(timeout=timeout.total_seconds())
-    except grpc.FutureTimeoutError:
-        raise TimeoutError(f"no gRPC server answered within {timeout.total_seconds():.0f}s") from None
+    if not ready_within(channel, timeout.total_seconds()):
+        raise TimeoutError(f"no gRPC server answered within {timeout.total_seconds():.0f}s")

@@ -62,6 +62,28 @@ def run_id_of(job: JobRecord) -> str:
     return hashlib.sha256(f"{job.job_id}/{job.created_unix!r}".encode()).hexdigest()[:12]
 
 
+def _layout(plan: Plan, group: int) -> tuple:
+    """How replica group `group` of `plan` runs: its pipelines' batches and stages (layers, nodes, parallelism)."""
+    return tuple(sorted((p.micro_batch, p.num_micro_batches, tuple(
+        (st.layers, tuple(st.nodes), st.dp, st.tp, st.zero, st.recompute, tuple(st.recompute_layers), st.lanes)
+        for st in p.stages)) for p in (plan.pipelines[i] for i in plan.groups[group].pipelines)))
+
+
+def unchanged_groups(old: Plan, new: Plan, nodes: frozenset[str]) -> list[str]:
+    """The names of the replica groups of `old` that hold `nodes` when `new` runs every one of them as `old` does (the
+    same nodes, stages and batches); empty when any of them would change."""
+    names = []
+    for g in range(len(old.groups)):
+        members = old.group_nodes(g)
+        if members.isdisjoint(nodes):
+            continue
+        twin = next((k for k in range(len(new.groups)) if new.group_nodes(k) == members), None)
+        if twin is None or _layout(new, twin) != _layout(old, g):
+            return []
+        names.append(old.groups[g].name)
+    return names
+
+
 @dataclass(frozen=True)
 class NodeSession:
     """A node process as the coordinator knows it: its session and when and from where it joined (0, "": heard
@@ -953,6 +975,14 @@ class CoordinatorState:
         if outer:
             inputs = replace(inputs, replan=replan)
         new, how = self.planner(inputs)
+        if outer and (same := unchanged_groups(plan, new, replan)):
+            # the group would run as it runs: planned afresh it would only start its round again (a rollback of the
+            # steps it trained in it), where its inner steps a round already follow its live pace
+            log.info("drift: %s; not replanning: replica group(s) %s would run as they do; their inner steps a round "
+                     "follow their live pace", describe(off), ", ".join(same))
+            self._drift_backoff = min(2 * self._drift_backoff, DRIFT_BACKOFF_MAX)
+            self._drift_next = now + opts.interval.total_seconds() * self._drift_backoff
+            return []
         # compared per global batch of tokens: a synchronous step, or an outer-mode plan's tokens/s over its groups
         tokens = plan.global_batch * plan.seq_len
         current_rate, new_rate = estimated_rate(plan, factors), estimated_rate(new, {})

@@ -73,7 +73,7 @@ from atoll.compression.wire import chunk_frames, tensor_meta
 from atoll.node import faults
 from atoll.node.door import tensor_norm
 from atoll.plan import Plan
-from atoll.rpc import RpcOptions, make_channel
+from atoll.rpc import RpcOptions, make_channel, ready_within
 from atoll.tls import node_dns_name
 from atoll.v1 import atoll_pb2 as pb
 from atoll.v1 import atoll_pb2_grpc as pb_grpc
@@ -279,26 +279,37 @@ class OuterOutbox:
 class FetchChannels:
     """Channels to the peers a node fetches outer-sync payloads from, kept from round to round: a fetch over a warm
     channel pays no TCP and TLS handshake (two round trips on a wide-area link, and the handshake's CPU on a slow
-    node) and no channel set-up. A channel a fetch failed on is dropped; the next fetch connects afresh. Thread-safe."""
+    node) and no channel set-up. A channel a fetch failed on is dropped (the next fetch connects afresh) and closed
+    once no fetch uses it: the holders of a contribution are fetched from at once, often over one channel, and
+    closing it under the others failed their transfers too. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[tuple, grpc.Channel] = {}
+        self._users: dict[int, int] = {}  # id(channel) -> fetches using it
 
-    def get(self, key: tuple, make: Callable[[], grpc.Channel]) -> grpc.Channel:
+    def acquire(self, key: tuple, make: Callable[[], grpc.Channel]) -> grpc.Channel:
         with self._lock:
             channel = self._open.get(key)
             if channel is None:
                 channel = self._open[key] = make()
+            self._users[id(channel)] = self._users.get(id(channel), 0) + 1
             return channel
 
-    def drop(self, key: tuple, channel: grpc.Channel) -> None:
+    def release(self, key: tuple, channel: grpc.Channel, *, failed: bool = False) -> None:
+        """A fetch is done with `channel`; `failed`: it failed on it, so no later fetch takes it."""
         with self._lock:
-            if self._open.get(key) is channel:
+            if failed and self._open.get(key) is channel:
                 del self._open[key]
-        channel.close()
+            left = self._users[id(channel)] = self._users.get(id(channel), 1) - 1
+            close = left <= 0 and self._open.get(key) is not channel
+            if left <= 0:
+                del self._users[id(channel)]
+        if close:
+            channel.close()
 
     def close(self) -> None:
+        """Close every kept channel (the node's outer sync ends: no fetch runs)."""
         with self._lock:
             channels, self._open = list(self._open.values()), {}
         for channel in channels:
@@ -318,17 +329,15 @@ def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | Non
     server_name = node_dns_name(node) if node else None
     key = (address, server_name, token)
     if channels is not None:
-        channel = channels.get(key, lambda: make_channel(address, rpc, token=token, server_name=server_name))
+        channel = channels.acquire(key, lambda: make_channel(address, rpc, token=token, server_name=server_name))
     else:
         channel = make_channel(address, rpc, token=token, server_name=server_name)
     ok = False
     try:
         if connect_timeout is not None:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=connect_timeout.total_seconds())
-            except grpc.FutureTimeoutError:
+            if not ready_within(channel, connect_timeout.total_seconds()):
                 raise Unconnected(address, f"no connection to {address} within {connect_timeout.total_seconds():g}s "
-                                           f"(the link may be down)") from None
+                                           f"(the link may be down)")
         stream = pb_grpc.PeerStub(channel).FetchOuter(request, timeout=timeout.total_seconds())
         if latency > timedelta(0):
             time.sleep(latency.total_seconds())  # emulated wide-area latency (a testbed knob; 0 in production)
@@ -346,8 +355,8 @@ def fetch_outer(address: str, request: pb.OuterFetchRequest, *, token: str | Non
     finally:
         if channels is None:
             channel.close()
-        elif not ok:
-            channels.drop(key, channel)
+        else:
+            channels.release(key, channel, failed=not ok)
     missing = set(request.names) - set(out)
     if missing:
         raise OuterSyncError(f"{address} answered without {len(missing)} of the parameters asked for "
@@ -546,6 +555,8 @@ class OuterSync:
         """Wall times of this round's inner steps, waits on the outer sync left out."""
         self.last = RoundStats()
         self.checkpointer: Participant | None = None
+        self.writers: dict[int, Participant] = {}
+        """Round -> the checkpoint-writing group its decision named (the newest rounds landed)."""
         """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
         self._hashes: tuple[tuple[int, int, int], ...] = ()
         """This node's anchor hashes after the last round it landed, sent with its next arrival."""
@@ -672,7 +683,9 @@ class OuterSync:
         self.anchor = result.anchor
         self.last = result.stats
         if result.decision is not None and result.decision.checkpointer is not None:
-            self.checkpointer = result.decision.checkpointer
+            self.checkpointer = self.writers[result.round] = result.decision.checkpointer
+            for old in [r for r in self.writers if r < result.round - 8]:
+                del self.writers[old]
         if result.decision is not None:
             self._take_steps(result.decision)
         # a tied copy is left out: a group that keeps the embedding with the head has no copy to hash in the head's

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import threading
 import time
 from collections import deque
@@ -460,6 +461,11 @@ class PlanRunner:
         """(step, loss) of a step this node finished from a holder's pending state (`_restore_live`), to report."""
         self._outer_counted: int | None = None
         """Outer mode: the step up to which the outer sync has counted this run's inner steps (`_snapshot`)."""
+        self._ended_round: int | None = None
+        """Outer mode: the round that ended at the step just trained (None: none did)."""
+        self._candidates: dict[int, tuple[int, int, str]] = {}
+        """Outer mode: round -> (step, data position, "" or why it could not be written) of a round-end checkpoint
+        kept aside until the round's decision names its writer (`_settle_candidates`)."""
         self._data: object | None = None
         """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
         with the first stage's checkpoints."""
@@ -699,8 +705,11 @@ class PlanRunner:
                         raise RunFailed(failed) from e
                     # checkpoints of an outer-mode run are taken at round ends (multiples of H), holding the outer state
                     due = (ended and bool(interval) and step % interval < outer.round_length) or step == self.last_step
+                    self._ended_round = outer.round - 1 if ended else None
                 if due:
                     self._checkpoint(module, optimizer, step)
+                if outer is not None and self._candidates:
+                    self._settle_candidates(outer)
         finally:
             cancelling.__exit__(None, None, None)
             finished.set()
@@ -1452,10 +1461,7 @@ class PlanRunner:
         pl, outer = self.placement, self.outer
         assert pl is not None
         writer = outer.checkpointer if outer is not None else None
-        if writer is None:
-            return pl.group == 0
-        own = self.plan.groups[pl.group].since_epoch or self.plan.epoch
-        return self.ctx.node_id in writer.nodes and writer.since_epoch == own
+        return pl.group == 0 if writer is None else self._is_outer_writer(writer)
 
     def _not_written(self, step: int, position: int, error: OSError) -> None:
         """A checkpoint that could not be written (a full disk, no permission): one line, this stage's older files
@@ -1490,8 +1496,18 @@ class PlanRunner:
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
         # (outer mode: the first pipeline of the writing group; a whole-job resume starts every group from its state)
+        # outer mode: the checkpoint of a round's end is written by the group the round's decision names (one that took
+        # part in it, so alive at its end). With the overlapped exchange that decision lands a round later: every
+        # group keeps its round-end checkpoint aside until then, and the named group's is put in place
+        # (`_settle_candidates`). Decided by an older round, the writer could be a group killed since: its
+        # interval's checkpoint was lost (bench.regions (c): step 360 of a region killed mid-round)
+        aside = None
         if self.plan.mode == "outer":
-            if not self._writes_outer_checkpoints():
+            writer = self.outer.writers.get(self._ended_round) if self.outer is not None and \
+                self._ended_round is not None else None
+            if self._ended_round is not None and writer is None and self.outer is not None:
+                aside = self._ended_round
+            elif not (self._is_outer_writer(writer) if writer is not None else self._writes_outer_checkpoints()):
                 return
             first = self.plan.groups[pl.group].pipelines[0]
         else:
@@ -1526,23 +1542,90 @@ class PlanRunner:
                 return
         if pl.replica != 0:
             return
-        self._write_checkpoint(module, optimizer, step, whole)
+        self._write_checkpoint(module, optimizer, step, whole, aside=aside)
 
-    def _write_checkpoint(self, module, optimizer, step: int, whole) -> None:
+    def _aside_root(self) -> Path:
+        """Where this node keeps round-end checkpoints aside (`_checkpoint`): its own folder under the checkpoints'
+        (the same file system, so putting one in place is a rename; not a step folder, so never taken for one)."""
+        return Path(self.ctx.checkpoint_dir) / ".aside" / self.ctx.node_id
+
+    def _is_outer_writer(self, writer: OuterParticipant) -> bool:
+        pl = self.placement
+        assert pl is not None
+        own = self.plan.groups[pl.group].since_epoch or self.plan.epoch
+        return self.ctx.node_id in writer.nodes and writer.since_epoch == own
+
+    def _settle_candidates(self, outer: OuterSync) -> None:
+        """Put in place each round-end checkpoint kept aside whose round's decision has landed and names this node's
+        group as the writer; drop the others (and those of rounds older than the newest decided with no writer
+        named: as before, the first group of this run's plan writes them)."""
+        pl = self.placement
+        assert pl is not None
+        newest = max(outer.writers, default=-1)
+        for round_, (step, position, error) in sorted(self._candidates.items()):
+            writer = outer.writers.get(round_)
+            if writer is None and round_ >= newest:
+                continue
+            mine = self._is_outer_writer(writer) if writer is not None else pl.group == 0
+            folder = step_dir(self._aside_root(), step)
+            del self._candidates[round_]
+            if mine and error:
+                self._not_written(step, position, OSError(error))
+            elif mine:
+                try:
+                    path = self._put_in_place(folder, step)
+                except OSError as e:
+                    self._not_written(step, position, e)
+                else:
+                    self._announce(step, path, path.stat().st_size, position)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _put_in_place(self, folder: Path, step: int) -> Path:
+        """Move the files of a checkpoint kept aside into its step folder, the layers' file last (a step folder's
+        layers files are what make it a checkpoint); return the layers' file."""
+        dest = step_dir(self.ctx.checkpoint_dir, step)
+        dest.mkdir(parents=True, exist_ok=True)
+        files = sorted((f for f in folder.iterdir() if f.is_file() and not f.name.startswith(".")),
+                       key=lambda f: f.name.startswith("layers-"))
+        layers = [f for f in files if f.name.startswith("layers-")]
+        if len(layers) != 1:
+            raise OSError(f"the checkpoint of step {step} kept aside in {folder} holds {len(layers)} layers files")
+        for f in files:
+            f.replace(dest / f.name)
+        return dest / layers[0].name
+
+    def _write_checkpoint(self, module, optimizer, step: int, whole, aside: int | None = None) -> None:
+        """Write the checkpoint of `step` and report it; with `aside` (a round), into this node's folder of checkpoints
+        kept aside until that round's decision names the writer (`_settle_candidates`), unreported."""
         pl = self.placement
         assert pl is not None
         position = step * self.job.train.global_batch
+        root = self.ctx.checkpoint_dir if aside is None else self._aside_root()
+        if aside is not None and not self._candidates:
+            shutil.rmtree(root, ignore_errors=True)  # an earlier run's, never settled
         try:
-            path, nbytes = save_layers(module, optimizer, self.ctx.checkpoint_dir, step, data_position=position,
+            path, nbytes = save_layers(module, optimizer, root, step, data_position=position,
                                        state=whole, extra=None if self.scaler is None else
                                        {"loss_scale": self.scaler.state_dict()})
             if self.outer is not None:
-                save_outer_state(self.outer.state_dict(), self.ctx.checkpoint_dir, step, pl.layers)
+                save_outer_state(self.outer.state_dict(), root, step, pl.layers)
             if pl.is_first and isinstance(self._data, StreamingDataset):  # where the stream can be read again from
-                self._data.save_cursor(step_dir(self.ctx.checkpoint_dir, step), position)
+                self._data.save_cursor(step_dir(root, step), position)
         except OSError as e:
+            if aside is not None:
+                self._candidates[aside] = (step, position, str(e) or type(e).__name__)
+                return
             self._not_written(step, position, e)
             return
+        if aside is not None:
+            self._candidates[aside] = (step, position, "")
+            return
+        self._announce(step, path, nbytes, position)
+
+    def _announce(self, step: int, path: Path, nbytes: int, position: int) -> None:
+        """Report a checkpoint written (or put in place), ask for its copies, and say so."""
+        pl = self.placement
+        assert pl is not None
         try:
             self.ctx.report_checkpoint(CheckpointWritten(step=step, layers=pl.layers, path=path, bytes=nbytes,
                                                          data_position=position, checksum=file_crc32(path)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ from atoll.coordinator import handlers as h
 from atoll.coordinator.calibration import predicted_compute
 from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_rate, estimated_step,
                                      speed_changes, switch_seconds, switch_verdict)
-from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
+from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, unchanged_groups
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
 from atoll.plan import OuterPlan, PipelinePlan, Plan, Prediction, ReplicaGroup, StagePlan
@@ -311,3 +312,25 @@ def test_outer_mode_is_re_estimated_at_its_slowest_groups_new_pace() -> None:
     # a synchronous plan: tokens over `estimated_step`
     sync = replace(plan, mode="sync", groups=[], outer=None, pipelines=[pipe(["a1", "a2"])])
     assert estimated_rate(sync, {"a1": 1.5}) == pytest.approx(16 * 64 / (0.1 * 1.5))
+
+
+def test_a_slowed_group_the_planner_would_run_as_it_runs_is_not_restarted_for_nothing(caplog) -> None:
+    """A node of lab-b computes 3x slower, and the planner's new plan runs lab-b as it runs (the same nodes, cuts and
+    batches: here the planner is made to return the running plan; on bench.regions' testbed a one-node region):
+    a replan would only start lab-b's round again, a rollback of the steps it trained in it (bench.regions (c)
+    measured 9), where its inner steps a round already follow its live pace. No replan, and the log says why."""
+    state, clock, region = _outer_state(steps=2000)
+    first = state.current_plan()
+    slow = next(n for n in sorted(region) if region[n] == "lab-b" and _layers(first, n) > 0)
+    lab_b = frozenset(n for n in region if region[n] == "lab-b")
+    state.planner = lambda inputs: (replace(first), "planner")
+    _run(state, clock, {}, range(0, 11))
+    _run(state, clock, {slow: 3.0}, range(11, 24))
+    _later(state, clock, 61)
+    with caplog.at_level(logging.INFO, logger="atoll.coordinator"):
+        assert state.tick() == [] and state.epoch == first.epoch
+    assert "would run as they do" in caplog.text and "lab-b" in caplog.text, caplog.text
+    assert unchanged_groups(first, first, lab_b) == ["lab-b"]
+    moved = replace(first, pipelines=[replace(p, micro_batch=p.micro_batch * 2) for p in first.pipelines])
+    assert unchanged_groups(first, moved, lab_b) == []
+    assert unchanged_groups(first, replace(first, groups=first.groups[:1]), lab_b) == []

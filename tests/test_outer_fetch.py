@@ -4,15 +4,17 @@ is tried next instead of after the whole transfer's timeout (a cut link answers 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
 
 from atoll.node.outer import OuterSyncError, fetch_outer
-from atoll.rpc import RpcOptions
+from atoll.rpc import RpcOptions, ready_within
 from atoll.v1 import atoll_pb2 as pb
 
 
@@ -132,10 +134,25 @@ def test_fetches_reuse_a_warm_channel_and_drop_one_a_fetch_failed_on(monkeypatch
     assert len(made) == 2 and not made[1].closed
     channels.close()
     assert made[1].closed
+    # two fetches over one channel (two holders at one address): the one that fails drops it for later fetches but
+    # closes it only once the other is done with it
+    channels = outer_mod.FetchChannels()
+    first = channels.acquire(("b0:1", "b0", "t"), lambda: make_channel("b0:1", None))
+    assert channels.acquire(("b0:1", "b0", "t"), lambda: make_channel("b0:1", None)) is first
+    channels.release(("b0:1", "b0", "t"), first, failed=True)
+    assert not first.closed
+    fresh = channels.acquire(("b0:1", "b0", "t"), lambda: make_channel("b0:1", None))
+    assert fresh is not first
+    channels.release(("b0:1", "b0", "t"), first)
+    assert first.closed and not fresh.closed
+    channels.release(("b0:1", "b0", "t"), fresh)
+    assert not fresh.closed  # kept warm for the next round
+    channels.close()
+    assert fresh.closed
     # without a cache: a channel for the fetch, closed after it
     answers.append(None)
     fetch_outer("b0:1", pb.OuterFetchRequest(round=3), token="t", rpc=RpcOptions(), timeout=timedelta(seconds=5))
-    assert len(made) == 3 and made[2].closed
+    assert len(made) == 5 and made[4].closed
 
 
 def test_the_holders_of_one_contribution_are_fetched_from_at_once(monkeypatch) -> None:
@@ -174,3 +191,19 @@ def test_the_holders_of_one_contribution_are_fetched_from_at_once(monkeypatch) -
     tensors, nbytes = sync._fetch_contribution(part, 3)
     assert sorted(tensors) == sorted(sync.mine) and nbytes == 24
     assert most[0] == 3 and time.monotonic() - t0 < 3 * 0.3  # all three at once, not one after the other
+
+
+def test_a_connect_wait_that_times_out_leaves_no_thread_behind_to_fail_on_close(monkeypatch) -> None:
+    """`ready_within` on a peer that does not answer (a cut link) returns False, and closing the channel after it
+    raises nothing in grpc's connectivity-polling thread (uncancelled, that thread raised `Channel closed!` into the
+    nodes' logs on bench.regions' link cut)."""
+    failures: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    assert ready_within(channel, 0.3) is False
+    channel.close()
+    time.sleep(1.0)  # the polling thread wakes every 0.2 s
+    assert failures == []

@@ -476,6 +476,40 @@ def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tm
     assert sorted(written) == [("b", 2), ("b", 4), ("b", 6)], written
 
 
+@pytest.mark.timeout(150)
+def test_each_rounds_checkpoint_is_written_by_the_group_its_own_decision_names(tmp_path: Path) -> None:
+    """With the overlapped exchange a round's decision lands a round late. Round 0's decision names lab-a the
+    writer, rounds 1 and 2 name lab-b (as when lab-a's region is killed in round 1: it takes no part). The
+    checkpoint of each round's end is written by the group that round's own decision names, kept aside by both
+    groups until it lands: a writes step 2, b steps 4 and 6, each once, and the step folders hold nothing else.
+    Before, each node wrote by the newest decision it held at the round's end (round 0's at step 4): a wrote step
+    4, and a writer killed mid-round lost its interval (bench.regions (c): step 360 missing)."""
+    job = tiny_job(6, interval=2)
+    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=True, deadline_s=30.0)
+    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
+                mode="outer", outer=outer, pipelines=[
+                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
+                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
+                        for i, n in enumerate("ab")])
+    call, _ = outer_arbiter(plan)
+
+    def names_b_from_round_1(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
+        reply = call(req)
+        if reply.decided and req.round >= 1:
+            reply.checkpointer.CopyFrom(pb.OuterParticipant(group=1, since_epoch=1, node_ids=["b"]))
+        return reply
+
+    written: list[tuple[str, int]] = []
+    root = tmp_path / "ckpt"
+    run_pinned_plan(job, plan, root, join=150, outer_sync=names_b_from_round_1,
+                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    assert sorted(written) == [("a", 2), ("b", 4), ("b", 6)], written
+    for step in (2, 4, 6):
+        assert sorted(f.name for f in (root / f"step-{step:08d}").iterdir()) == [
+            "layers-0000-0006.pt", "outer-0000-0006.pt"], step
+    assert not any((root / ".aside").rglob("*.pt"))  # nothing left aside
+
+
 @pytest.mark.timeout(300)
 def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_group_stops_waiting(
         tmp_path: Path, monkeypatch) -> None:
@@ -510,7 +544,9 @@ def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_gro
     assert [b_steps[r] for r in (0, 1)] == [h, h]  # the plan's figure until a decision names one
     fit = h * a.step_s / b.step_s  # b's steps in a round of H of a's, at the pace the newest decision took
     assert all(b_steps[r] <= h * 0.75 for r in range(2, n_rounds)), (b_steps, a.step_s, b.step_s)
-    assert 0.9 * fit - 1 <= b.assigned_steps <= 1.02 * fit + 0.1, (b.assigned_steps, fit, a.step_s, b.step_s)
+    # (steps over the fit are kept while within the figures' noise, `pace.NOISE_SIGMAS` standard errors: a few
+    # percent once both groups have rounds of figures, more on a loaded machine)
+    assert 0.9 * fit - 1 <= b.assigned_steps <= 1.12 * fit + 0.1, (b.assigned_steps, fit, a.step_s, b.step_s)
     assert all(t // tokens_per_step == h for t in a.round_tokens.values())
     # a's wait per round (for b's exchange of the round before) against its round's wall time
     round_s = {r: arrived[("a", r)] - arrived[("a", r - 1)] for r in range(1, n_rounds)}
