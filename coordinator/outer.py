@@ -156,12 +156,18 @@ def complete_groups(arrivals: RoundArrivals, groups: Sequence[GroupInfo]) -> dic
     return out
 
 
-def writer_of(parts: Sequence[Participant], groups: Sequence[GroupInfo]) -> Participant | None:
+def writer_of(parts: Sequence[Participant], groups: Sequence[GroupInfo],
+              before: Sequence[Participant] = ()) -> Participant | None:
     """The checkpoint-writing group a decision names: the newest plan's first group that takes part in the round (it
     arrived, so it is alive), else the plan's first. A killed writer is replaced from the first round decided
-    without it, not only once its lease lapses and a replan names another (its interval's checkpoints were lost)."""
+    without it, not only once its lease lapses and a replan names another (its interval's checkpoints were lost).
+    The decision of round r + 1 names the writer of round r's checkpoint (`node/runner.py`): with `before` (round
+    r's participants), a group that took part in both comes first, as only a group that ran through round r's end
+    holds that checkpoint (one that rejoined since starts afresh)."""
     taking = {p.group for p in parts}
-    g = next((g for g in groups if g.index in taking), groups[0] if groups else None)
+    held = {p.group for p in parts if any(same_group(p, q) for q in before)}
+    g = next((g for g in groups if g.index in held), None) or \
+        next((g for g in groups if g.index in taking), groups[0] if groups else None)
     return None if g is None else Participant(group=g.index, tokens=0, since_epoch=g.since_epoch,
                                               nodes=tuple(sorted(g.nodes)))
 
@@ -613,6 +619,9 @@ class OuterRounds:
                 if not decision.decided:
                     return decision
                 decision, excluded = exclude_outliers(decision, arrivals, groups)
+                if (before := self._decided.get(round_ - 1)) is not None:
+                    decision = replace(decision, checkpointer=writer_of(decision.participants, groups,
+                                                                        before.participants))
                 if excluded:
                     self.exclusions += 1
                     self.last_exclusion = f"round {round_}: {excluded}"

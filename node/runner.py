@@ -1496,19 +1496,21 @@ class PlanRunner:
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
         # (outer mode: the first pipeline of the writing group; a whole-job resume starts every group from its state)
-        # outer mode: the checkpoint of a round's end is written by the group the round's decision names (one that took
-        # part in it, so alive at its end). With the overlapped exchange that decision lands a round later: every
-        # group keeps its round-end checkpoint aside until then, and the named group's is put in place
-        # (`_settle_candidates`). Decided by an older round, the writer could be a group killed since: its
-        # interval's checkpoint was lost (bench.regions (c): step 360 of a region killed mid-round)
+        # outer mode: the checkpoint of round r's end is written by the group the decision of round r + 1 names (one that
+        # took part in round r + 1, so alive after round r's end): every group keeps its round-end checkpoint aside
+        # until that decision lands, and the named group's is put in place (`_settle_candidates`). Named by an older
+        # decision, the writer could be a group killed since: its interval's checkpoint was lost (bench.regions (c):
+        # step 360, of a region killed after it arrived at the round). The last step's is written at once, by the
+        # last round's decision (landed before it)
         aside = None
         if self.plan.mode == "outer":
-            writer = self.outer.writers.get(self._ended_round) if self.outer is not None and \
-                self._ended_round is not None else None
-            if self._ended_round is not None and writer is None and self.outer is not None:
-                aside = self._ended_round
-            elif not (self._is_outer_writer(writer) if writer is not None else self._writes_outer_checkpoints()):
-                return
+            ended, outer = self._ended_round, self.outer
+            if ended is not None and outer is not None and step != self.last_step:
+                aside = ended
+            else:
+                writer = outer.writers.get(ended) if outer is not None and ended is not None else None
+                if not (self._is_outer_writer(writer) if writer is not None else self._writes_outer_checkpoints()):
+                    return
             first = self.plan.groups[pl.group].pipelines[0]
         else:
             first = 0
@@ -1556,15 +1558,15 @@ class PlanRunner:
         return self.ctx.node_id in writer.nodes and writer.since_epoch == own
 
     def _settle_candidates(self, outer: OuterSync) -> None:
-        """Put in place each round-end checkpoint kept aside whose round's decision has landed and names this node's
-        group as the writer; drop the others (and those of rounds older than the newest decided with no writer
-        named: as before, the first group of this run's plan writes them)."""
+        """Put in place each round-end checkpoint kept aside (of round r) once the decision of round r + 1 has landed
+        and names this node's group as the writer; drop the others (and those a decision with no writer named
+        settles: as before, the first group of this run's plan writes them)."""
         pl = self.placement
         assert pl is not None
         newest = max(outer.writers, default=-1)
         for round_, (step, position, error) in sorted(self._candidates.items()):
-            writer = outer.writers.get(round_)
-            if writer is None and round_ >= newest:
+            writer = outer.writers.get(round_ + 1)
+            if writer is None and round_ + 1 >= newest:
                 continue
             mine = self._is_outer_writer(writer) if writer is not None else pl.group == 0
             folder = step_dir(self._aside_root(), step)

@@ -13,7 +13,7 @@ from atoll.coordinator import handlers as h
 from atoll.coordinator.pace import PaceOptions
 from atoll.coordinator.outer import (FINAL_AFTER_BOUNDS, GroupInfo, OuterRounds, Participant, decision_final,
                                      decision_from_json, decision_to_json, lost_contributions, redecide,
-                                     round_decision, RoundArrivals)
+                                     round_decision, RoundArrivals, writer_of)
 from atoll.coordinator.state import CoordinatorState
 from atoll.coordinator.status import format_status
 from atoll.coordinator.store import MemberRecord, MemoryStore, SqliteStore
@@ -394,3 +394,18 @@ def test_the_outer_sync_handler_holds_a_question_it_is_asked_to() -> None:
     assert not h.handle_outer_sync(request(), state).held
     with pytest.raises(InvalidArgument, match="hold_seconds"):
         h.handle_outer_sync(request(hold_seconds=-1.0), state)
+
+
+def test_the_writer_of_a_rounds_checkpoint_is_a_group_that_ran_through_it() -> None:
+    """The decision of round r + 1 names the writer of round r's checkpoint: the newest plan's first group that took
+    part in both rounds (one that rejoined since, with a new since-epoch, holds no checkpoint of round r), else the
+    first that takes part."""
+    groups = [GroupInfo(index=0, name="lab-b", since_epoch=5, nodes=frozenset({"b0"}), inner_steps=10),
+              GroupInfo(index=1, name="lab-a", since_epoch=1, nodes=frozenset({"a0"}), inner_steps=10)]
+    now = [Participant(group=0, tokens=10, since_epoch=5, nodes=("b0",)),
+           Participant(group=1, tokens=10, since_epoch=1, nodes=("a0",))]
+    rejoined_since = [Participant(group=0, tokens=10, since_epoch=1, nodes=("b0",)), now[1]]
+    assert writer_of(now, groups).nodes == ("b0",)
+    assert writer_of(now, groups, rejoined_since).nodes == ("a0",)
+    assert writer_of(now, groups, now).nodes == ("b0",)
+    assert writer_of(now, groups, [Participant(group=3, tokens=1, since_epoch=9, nodes=("c0",))]).nodes == ("b0",)

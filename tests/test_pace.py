@@ -64,7 +64,7 @@ def test_hysteresis_keeps_steps_that_are_near_enough() -> None:
         assert steps == want, (s, steps)
     # no hysteresis: every change is taken
     assert round_steps(120.0, near, PaceOptions(hysteresis=0.0, prior_noise=0.0)).groups[1].steps == 47
-    # a single figure is taken as 10% noisy (prior_noise): b 5% slower than a cannot be told apart from it
+    # a single figure is taken as 5% noisy (prior_noise): b 5% slower than a cannot be told apart from it
     assert [g.steps for g in round_steps(120.0, near, OPTS).groups] == [50, 50]
 
 
