@@ -557,6 +557,8 @@ class OuterSync:
         self.checkpointer: Participant | None = None
         self.writers: dict[int, Participant] = {}
         """Round -> the checkpoint-writing group its decision named (the newest rounds landed)."""
+        self.taking_part: dict[int, tuple[Participant, ...]] = {}
+        """Round -> the groups its decision averaged (the newest rounds landed)."""
         """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
         self._hashes: tuple[tuple[int, int, int], ...] = ()
         """This node's anchor hashes after the last round it landed, sent with its next arrival."""
@@ -682,6 +684,10 @@ class OuterSync:
                 p.add_(result.anchor[n] - self.snapshot[n])
         self.anchor = result.anchor
         self.last = result.stats
+        if result.decision is not None:
+            self.taking_part[result.round] = result.decision.participants
+            for old in [r for r in self.taking_part if r < result.round - 8]:
+                del self.taking_part[old]
         if result.decision is not None and result.decision.checkpointer is not None:
             self.checkpointer = self.writers[result.round] = result.decision.checkpointer
             for old in [r for r in self.writers if r < result.round - 8]:

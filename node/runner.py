@@ -709,7 +709,7 @@ class PlanRunner:
                 if due:
                     self._checkpoint(module, optimizer, step)
                 if outer is not None and self._candidates:
-                    self._settle_candidates(outer)
+                    self._settle_candidates(outer, last=step >= last)
         finally:
             cancelling.__exit__(None, None, None)
             finished.set()
@@ -1557,23 +1557,42 @@ class PlanRunner:
         own = self.plan.groups[pl.group].since_epoch or self.plan.epoch
         return self.ctx.node_id in writer.nodes and writer.since_epoch == own
 
-    def _settle_candidates(self, outer: OuterSync) -> None:
-        """Put in place each round-end checkpoint kept aside (of round r) once the decision of round r + 1 has landed
-        and names this node's group as the writer; drop the others (and those a decision with no writer named
-        settles: as before, the first group of this run's plan writes them)."""
+    def _settle_candidates(self, outer: OuterSync, *, last: bool = False) -> None:
+        """Put in place each round-end checkpoint kept aside (of round r) that this node's group is to write, drop the
+        others. The writer is the group the decision of round r + 1 names. It puts its copy in place when that
+        decision lands, which it does before it arrives at round r + 2: a writer that took part in round r + 2 wrote
+        it, and one that did not may have died first, so the group the decision of round r + 2 names stands in
+        (where the step folder does not hold the file already: a shared folder). A decision with no writer named
+        settles as before (the first group of this run's plan writes). `last`: no round follows (the job's end):
+        what is not this node's to write by now is dropped."""
         pl = self.placement
         assert pl is not None
         newest = max(outer.writers, default=-1)
         for round_, (step, position, error) in sorted(self._candidates.items()):
             writer = outer.writers.get(round_ + 1)
-            if writer is None and round_ + 1 >= newest:
+            if writer is None and round_ + 1 >= newest and not last:
                 continue
             mine = self._is_outer_writer(writer) if writer is not None else pl.group == 0
+            stands_in = False
+            if not mine and writer is not None:
+                later = outer.taking_part.get(round_ + 2)
+                if later is None and not last:
+                    continue  # whether the writer lived to write it is known with the next decision
+                if later is not None and not any(p.since_epoch == writer.since_epoch and set(p.nodes) == set(
+                        writer.nodes) for p in later):
+                    stand_in = outer.writers.get(round_ + 2)
+                    stands_in = stand_in is not None and self._is_outer_writer(stand_in) and not (
+                        step_dir(self.ctx.checkpoint_dir, step) / f"layers-{pl.layers[0]:04d}-{pl.layers[1]:04d}.pt"
+                    ).exists()
             folder = step_dir(self._aside_root(), step)
             del self._candidates[round_]
-            if mine and error:
+            if stands_in:
+                log.warning("checkpoint of step %d: its writer (%s) took no part in round %d and may have died before "
+                            "it wrote it; this node's group writes it instead", step, ", ".join(writer.nodes),
+                            round_ + 2)
+            if (mine or stands_in) and error:
                 self._not_written(step, position, OSError(error))
-            elif mine:
+            elif mine or stands_in:
                 try:
                     path = self._put_in_place(folder, step)
                 except OSError as e:

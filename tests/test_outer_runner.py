@@ -511,6 +511,45 @@ def test_each_rounds_checkpoint_is_written_by_a_group_alive_after_it(tmp_path: P
     assert not any((root / ".aside").rglob("*.pt"))  # nothing left aside
 
 
+@pytest.mark.timeout(150)
+def test_a_round_its_writer_took_no_part_after_still_has_its_checkpoint(tmp_path: Path) -> None:
+    """Decision 1 names lab-b the writer (of round 0's checkpoint), and round 2 is decided without lab-b, naming
+    lab-a (as when b's region died after it arrived at round 1). Round 1's checkpoint (step 4) and the last (step
+    6) are a's; step 2 is written once, by b (it landed decision 1 before round 2) or by a standing in for it where
+    b had not written it; every step folder holds one checkpoint and nothing is left aside."""
+    job = tiny_job(6, interval=2)
+    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=True, deadline_s=30.0)
+    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
+                mode="outer", outer=outer, pipelines=[
+                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
+                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
+                        for i, n in enumerate("ab")])
+    call, _ = outer_arbiter(plan)
+
+    def b_gone_from_round_2(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
+        reply = call(req)
+        if reply.decided and req.round == 1:
+            reply.checkpointer.CopyFrom(pb.OuterParticipant(group=1, since_epoch=1, node_ids=["b"]))
+        if reply.decided and req.round >= 2:
+            kept = [p for p in reply.participants if list(p.node_ids) != ["b"]]
+            del reply.participants[:]
+            reply.participants.extend(kept)
+            reply.checkpointer.CopyFrom(pb.OuterParticipant(group=0, since_epoch=1, node_ids=["a"]))
+        return reply
+
+    written: list[tuple[str, int]] = []
+    root = tmp_path / "ckpt"
+    run_pinned_plan(job, plan, root, join=150, outer_sync=b_gone_from_round_2,
+                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    assert sorted(s for n, s in written if n == "a" and s > 2) == [4, 6], written
+    assert not any(n == "b" and s > 2 for n, s in written), written
+    assert len([s for _, s in written if s == 2]) == 1, written
+    for step in (2, 4, 6):
+        assert sorted(f.name for f in (root / f"step-{step:08d}").iterdir()) == [
+            "layers-0000-0006.pt", "outer-0000-0006.pt"], step
+    assert not any((root / ".aside").rglob("*.pt"))
+
+
 @pytest.mark.timeout(300)
 def test_a_group_slower_than_planned_trains_fewer_steps_a_round_and_the_fast_group_stops_waiting(
         tmp_path: Path, monkeypatch) -> None:
