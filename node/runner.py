@@ -465,7 +465,7 @@ class PlanRunner:
         """Outer mode: the round that ended at the step just trained (None: none did)."""
         self._candidates: dict[int, tuple[int, int, str]] = {}
         """Outer mode: round -> (step, data position, "" or why it could not be written) of a round-end checkpoint
-        kept aside until the round's decision names its writer (`_settle_candidates`)."""
+        kept aside until the next rounds' decisions say who writes it (`_settle_candidates`)."""
         self._data: object | None = None
         """The dataset the first and last stages read (set up in `run`); a streamed one saves its restart point
         with the first stage's checkpoints."""
@@ -1495,8 +1495,8 @@ class PlanRunner:
         pl = self.placement
         assert pl is not None
         # pipeline 0 covers every layer once; its replica 0 writes, the other holders have the same weights
-        # (outer mode: the first pipeline of the writing group; a whole-job resume starts every group from its state)
-        # outer mode: the checkpoint of round r's end is written by the group the decision of round r + 1 names (one that
+        # (outer mode: the first pipeline of the writing group; a whole-job resume starts every group from its state).
+        # Outer mode: the checkpoint of round r's end is written by the group the decision of round r + 1 names (one that
         # took part in round r + 1, so alive after round r's end): every group keeps its round-end checkpoint aside
         # until that decision lands, and the named group's is put in place (`_settle_candidates`). Named by an older
         # decision, the writer could be a group killed since: its interval's checkpoint was lost (bench.regions (c):
@@ -1616,8 +1616,8 @@ class PlanRunner:
         return dest / layers[0].name
 
     def _write_checkpoint(self, module, optimizer, step: int, whole, aside: int | None = None) -> None:
-        """Write the checkpoint of `step` and report it; with `aside` (a round), into this node's folder of checkpoints
-        kept aside until that round's decision names the writer (`_settle_candidates`), unreported."""
+        """Write the checkpoint of `step` and report it; with `aside` (the round it ends), into this node's folder of
+        checkpoints kept aside until the next rounds' decisions say who writes it (`_settle_candidates`), unreported."""
         pl = self.placement
         assert pl is not None
         position = step * self.job.train.global_batch
