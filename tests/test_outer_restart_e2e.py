@@ -91,9 +91,11 @@ def test_a_coordinator_killed_mid_round_resumes_the_round_without_a_rollback(tmp
             assert mine == sorted(mine), f"{n}'s steps went back: {mine}"
             assert not _LOADED.search((cluster.out / f"{n}.log").read_text()), f"{n} loaded a checkpoint"
         # checkpoints at every interval through the last step, written by the plan's first group
-        h0 = plan.groups[0].inner_steps
+        # (a round's steps end at a multiple of the plan's H whatever a group's inner steps a round: `next_step`; at
+        # the round ends within a round past each interval: PlanRunner.run's `due` in outer mode. Counted from the
+        # first group's inner steps this expected steps 30, 60 and 72 where the planner gave that group 6 of 10)
+        h0 = plan.outer.inner_steps
         writer_last = ROUNDS * h0
-        # (at the round ends within a round's steps past each interval: PlanRunner.run's `due` in outer mode)
         wanted = {k * h0 for k in range(1, ROUNDS + 1) if (k * h0) % INTERVAL < h0} | {writer_last}
         assert wanted <= set(done), f"complete checkpoints {done}, wanted {sorted(wanted)}"
         assert final.final_checkpoint_step == writer_last and final.last_checkpoint_step == writer_last
