@@ -454,6 +454,31 @@ def test_a_contribution_is_fetched_through_another_group_when_its_own_is_out_of_
     assert rounds.anchor_mismatches == 0
 
 
+def _writer_plan(job: JobSpec, *, overlap: bool) -> Plan:
+    """Two one-node replica groups, lab-a (node a) and lab-b (node b), H=2: the checkpoint-writer tests' plan."""
+    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=overlap, deadline_s=30.0)
+    return Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
+                mode="outer", outer=outer, pipelines=[
+                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
+                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
+                        for i, n in enumerate("ab")])
+
+
+def _writers(job: JobSpec, plan: Plan, root: Path, outer_sync) -> list[tuple[str, int]]:
+    """Run `plan` under `outer_sync`: the (node, step) of every checkpoint written."""
+    written: list[tuple[str, int]] = []
+    run_pinned_plan(job, plan, root, join=150, outer_sync=outer_sync,
+                    # (a writer asks for copies of what it wrote: the seam that says which node wrote)
+                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    return written
+
+
+def _one_checkpoint_each(root: Path, steps) -> None:
+    for step in steps:
+        assert sorted(f.name for f in (root / f"step-{step:08d}").iterdir()) == [
+            "layers-0000-0006.pt", "outer-0000-0006.pt"], step
+
+
 @pytest.mark.timeout(150)
 def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tmp_path: Path) -> None:
     """The coordinator's newest plan lists lab-b first (a replan that kept both groups running reordered them, as a
@@ -461,18 +486,10 @@ def test_the_checkpoint_writer_is_the_group_the_coordinators_plan_lists_first(tm
     names lab-b as the writer, so b writes every checkpoint and a none. Before, each node took the writer from its
     own run plan (a), and after a replan that kept the groups running the writer could be no group at all."""
     job = tiny_job(6, interval=2)
-    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=False, deadline_s=30.0)
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
-                mode="outer", outer=outer, pipelines=[
-                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
-                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
-                        for i, n in enumerate("ab")])
+    plan = _writer_plan(job, overlap=False)
     newest = replace(plan, epoch=2, groups=list(reversed(plan.groups)))
     call, _ = outer_arbiter(newest)
-    written: list[tuple[str, int]] = []
-    run_pinned_plan(job, plan, tmp_path / "ckpt", join=150, outer_sync=call,
-                    # (a writer asks for copies of what it wrote: the seam that says which node wrote)
-                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    written = _writers(job, plan, tmp_path / "ckpt", call)
     assert sorted(written) == [("b", 2), ("b", 4), ("b", 6)], written
 
 
@@ -486,12 +503,7 @@ def test_each_rounds_checkpoint_is_written_by_a_group_alive_after_it(tmp_path: P
     held at the round's end (round 0's at step 4), and a writer killed after it arrived at a round lost the round's
     checkpoint (bench.regions (c): step 360 missing)."""
     job = tiny_job(6, interval=2)
-    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=True, deadline_s=30.0)
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
-                mode="outer", outer=outer, pipelines=[
-                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
-                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
-                        for i, n in enumerate("ab")])
+    plan = _writer_plan(job, overlap=True)
     call, _ = outer_arbiter(plan)
 
     def names_b_from_round_1(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
@@ -500,14 +512,10 @@ def test_each_rounds_checkpoint_is_written_by_a_group_alive_after_it(tmp_path: P
             reply.checkpointer.CopyFrom(pb.OuterParticipant(group=1, since_epoch=1, node_ids=["b"]))
         return reply
 
-    written: list[tuple[str, int]] = []
     root = tmp_path / "ckpt"
-    run_pinned_plan(job, plan, root, join=150, outer_sync=names_b_from_round_1,
-                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    written = _writers(job, plan, root, names_b_from_round_1)
     assert sorted(written) == [("b", 2), ("b", 4), ("b", 6)], written
-    for step in (2, 4, 6):
-        assert sorted(f.name for f in (root / f"step-{step:08d}").iterdir()) == [
-            "layers-0000-0006.pt", "outer-0000-0006.pt"], step
+    _one_checkpoint_each(root, (2, 4, 6))
     assert not any((root / ".aside").rglob("*.pt"))  # nothing left aside
 
 
@@ -518,12 +526,7 @@ def test_a_round_its_writer_took_no_part_after_still_has_its_checkpoint(tmp_path
     6) are a's; step 2 is written once, by b (it landed decision 1 before round 2) or by a standing in for it where
     b had not written it; every step folder holds one checkpoint and nothing is left aside."""
     job = tiny_job(6, interval=2)
-    outer = OuterPlan(inner_steps=2, codec="identity", lr=1.0, momentum=0.0, overlap=True, deadline_s=30.0)
-    plan = Plan(model="tiny", global_batch=job.train.global_batch, seq_len=job.train.seq_len, epoch=1, job_id="job",
-                mode="outer", outer=outer, pipelines=[
-                    PipelinePlan(micro_batch=4, num_micro_batches=4, stages=[stage((0, 6), [n])]) for n in ("a", "b")],
-                groups=[ReplicaGroup(name=f"lab-{n}", pipelines=[i], inner_steps=2, since_epoch=1)
-                        for i, n in enumerate("ab")])
+    plan = _writer_plan(job, overlap=True)
     call, _ = outer_arbiter(plan)
 
     def b_gone_from_round_2(req: pb.OuterSyncRequest) -> pb.OuterSyncReply:
@@ -537,16 +540,12 @@ def test_a_round_its_writer_took_no_part_after_still_has_its_checkpoint(tmp_path
             reply.checkpointer.CopyFrom(pb.OuterParticipant(group=0, since_epoch=1, node_ids=["a"]))
         return reply
 
-    written: list[tuple[str, int]] = []
     root = tmp_path / "ckpt"
-    run_pinned_plan(job, plan, root, join=150, outer_sync=b_gone_from_round_2,
-                    node_context=lambda n: {"replicate": lambda plan, step, layers, n=n: written.append((n, step))})
+    written = _writers(job, plan, root, b_gone_from_round_2)
     assert sorted(s for n, s in written if n == "a" and s > 2) == [4, 6], written
     assert not any(n == "b" and s > 2 for n, s in written), written
     assert len([s for _, s in written if s == 2]) == 1, written
-    for step in (2, 4, 6):
-        assert sorted(f.name for f in (root / f"step-{step:08d}").iterdir()) == [
-            "layers-0000-0006.pt", "outer-0000-0006.pt"], step
+    _one_checkpoint_each(root, (2, 4, 6))
     assert not any((root / ".aside").rglob("*.pt"))
 
 
