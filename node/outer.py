@@ -555,11 +555,11 @@ class OuterSync:
         """Wall times of this round's inner steps, waits on the outer sync left out."""
         self.last = RoundStats()
         self.checkpointer: Participant | None = None
+        """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
         self.writers: dict[int, Participant] = {}
         """Round -> the checkpoint-writing group its decision named (the newest rounds landed)."""
         self.taking_part: dict[int, tuple[Participant, ...]] = {}
         """Round -> the groups its decision averaged (the newest rounds landed)."""
-        """The checkpoint-writing group named by the last decision this node applied (None: none applied yet)."""
         self._hashes: tuple[tuple[int, int, int], ...] = ()
         """This node's anchor hashes after the last round it landed, sent with its next arrival."""
         self._pending: Future[_Result] | None = None
@@ -686,12 +686,11 @@ class OuterSync:
         self.last = result.stats
         if result.decision is not None:
             self.taking_part[result.round] = result.decision.participants
-            for old in [r for r in self.taking_part if r < result.round - 8]:
-                del self.taking_part[old]
-        if result.decision is not None and result.decision.checkpointer is not None:
-            self.checkpointer = self.writers[result.round] = result.decision.checkpointer
-            for old in [r for r in self.writers if r < result.round - 8]:
-                del self.writers[old]
+            if result.decision.checkpointer is not None:
+                self.checkpointer = self.writers[result.round] = result.decision.checkpointer
+            for kept in (self.taking_part, self.writers):  # the newest rounds only
+                for old in [r for r in kept if r < result.round - 8]:
+                    del kept[old]
         if result.decision is not None:
             self._take_steps(result.decision)
         # a tied copy is left out: a group that keeps the embedding with the head has no copy to hash in the head's
