@@ -374,6 +374,11 @@ class Participant:
     nodes: tuple[str, ...]
 
 
+def same_group(a: Participant, b: Participant) -> bool:
+    """Whether two participants are one replica group (the same since-epoch and nodes; indices may differ)."""
+    return a.since_epoch == b.since_epoch and set(a.nodes) == set(b.nodes)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RoundDecision:
     round: int

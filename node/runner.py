@@ -63,6 +63,7 @@ from atoll.node.outer import (Held, OuterConfig, OuterOutbox, OuterSync, OuterSy
                               fetch_outer, group_holders, group_index, layer_of, load_outer_state, responsible,
                               save_outer_state)
 from atoll.node.outer import Participant as OuterParticipant
+from atoll.node.outer import same_group
 from atoll.node.peer import PeerServer
 from atoll.node.placement import Placement, place
 from atoll.node.pretrained import load_pretrained
@@ -1578,8 +1579,7 @@ class PlanRunner:
                 later = outer.taking_part.get(round_ + 2)
                 if later is None and not last:
                     continue  # whether the writer lived to write it is known with the next decision
-                if later is not None and not any(p.since_epoch == writer.since_epoch and set(p.nodes) == set(
-                        writer.nodes) for p in later):
+                if later is not None and not any(same_group(p, writer) for p in later):
                     stand_in = outer.writers.get(round_ + 2)
                     stands_in = stand_in is not None and self._is_outer_writer(stand_in) and not (
                         step_dir(self.ctx.checkpoint_dir, step) / f"layers-{pl.layers[0]:04d}-{pl.layers[1]:04d}.pt"
