@@ -96,6 +96,21 @@ def drifted(factors: Mapping[str, float], threshold: float) -> dict[str, float]:
     return {n: f / median for n, f in factors.items() if not 1.0 / threshold <= f / median <= threshold}
 
 
+def unsettled(compute: Mapping[str, Sequence[float]], window: int, threshold: float, newest: int = 3) -> set[str]:
+    """The nodes whose compute has begun to move and `speed_changes` cannot say so yet: the median of a node's
+    newest `newest` steps over that of its first `window` (at least `window + newest` steps of the epoch), against
+    the median node's same ratio, outside [1 / threshold, threshold]. A slowdown a few steps old reads as a slow
+    network to the network fit (the starved node's transfers and its peers' waits on it stretch) while the drift
+    check still waits for a window of it; the fit leaves such nodes out until the drift check has judged them."""
+    ratios = {}
+    for node, secs in compute.items():
+        if len(secs) >= window + newest:
+            first = statistics.median(secs[:window])
+            if first > 0:
+                ratios[node] = statistics.median(secs[-newest:]) / first
+    return set(drifted(ratios, threshold))
+
+
 def estimated_step(plan: Plan, factors: Mapping[str, float]) -> float:
     """The running plan's step time with each node's compute scaled by its factor (1 where it has none), in the
     plan's own cost model: each pipeline's predicted step scaled as its slowest stage's compute per micro-batch

@@ -29,7 +29,7 @@ from atoll.coordinator.claims import STEP_WINDOW, LossDecision, LossVotes, StepP
 from atoll.coordinator.history import Sample, sample_of
 from atoll.coordinator.replication_gaps import ReplicationGaps
 from atoll.coordinator.quarantine import OffenceLog
-from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes,
+from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes, unsettled,
                                     switch_seconds, switch_verdict)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
@@ -1011,10 +1011,12 @@ class CoordinatorState:
         steps = [m for m in self._reports_of(plan, CALIBRATION_REPORTS_PER_NODE) if m.plan_epoch == plan.epoch]
         # a node whose compute moved from its plan (a CPU quota cut, a throttled GPU) also moves and receives on the
         # starved host: its transfers and its peers' waits on it read as a slow network. Its links say nothing about
-        # the network, and the drift check (run next) is the one to plan around it
-        starved = set(drifted(speed_changes(epoch_compute(plan, self._reports_of(
-            plan, max(CALIBRATION_REPORTS_PER_NODE, 2 * self.options.drift.min_steps + 2))),
-            self.options.drift.min_steps), self.options.drift.threshold))
+        # the network, and the drift check (run first) is the one to plan around it; so do those of a node whose
+        # newest steps began to move before the drift check has a window of them (`unsettled`)
+        compute = epoch_compute(plan, self._reports_of(
+            plan, max(CALIBRATION_REPORTS_PER_NODE, 2 * self.options.drift.min_steps + 2)))
+        window, threshold = self.options.drift.min_steps, self.options.drift.threshold
+        starved = set(drifted(speed_changes(compute, window), threshold)) | unsettled(compute, window, threshold)
         link_of = {(x.src, x.dst): (x.bandwidth_bytes_per_s, x.rtt_seconds / 2)
                    for x in self.store.links_view() if x.bandwidth_bytes_per_s > 0
                    and x.src not in starved and x.dst not in starved}

@@ -222,6 +222,26 @@ def _group(store: dist.Store, prefix: str, rank: int, size: int, timeout: timede
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
+def dial_store(host: str, port: int, timeout: timedelta) -> dist.Store:
+    """A client connection to the rendezvous store at host:port within `timeout`: the port is dialed first (plain TCP,
+    every 0.2 s) and the store client opened once it answers. A `TCPStore` client keeps dialing a store that is
+    down for its timeout and then, after a back-off, once more (up to about twice the bound); a handover that waits
+    on a restarting coordinator has its bound kept. Raises `TimeoutError` when the port does not answer in time."""
+    import socket
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))
+                                     ).close()
+            break
+        except OSError as e:
+            if time.monotonic() + 0.2 >= deadline:
+                raise TimeoutError(f"the rendezvous store at {host}:{port} did not answer within {timeout}: {e}") from e
+            time.sleep(0.2)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)  # (also its operations' bound)
+
+
 def _group_again(connect: Callable[[timedelta], dist.Store], store: dist.Store, prefix: str, rank: int, size: int,
                  timeout: timedelta, device: torch.device, gone: Callable[[], str | None] | None = None
                  ) -> dist.ProcessGroup:
@@ -1175,8 +1195,7 @@ class PlanRunner:
         if not self.plan.rendezvous:
             raise RunFailed("the plan names no rendezvous store; the coordinator must publish one")
         host, port = self.plan.rendezvous.rsplit(":", 1)
-        return dist.TCPStore(host or self.ctx.coordinator_host, int(port), is_master=False,
-                             timeout=timeout or self.ctx.timeout)
+        return dial_store(host or self.ctx.coordinator_host, int(port), timeout or self.ctx.timeout)
 
     def _handover_store(self, store: dist.Store) -> dist.Store:
         """A connection of its own to the rendezvous store for the handovers at the end of a run. The run's may be

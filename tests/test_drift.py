@@ -11,7 +11,7 @@ import pytest
 from atoll.coordinator import handlers as h
 from atoll.coordinator.calibration import predicted_compute
 from atoll.coordinator.drift import (DEFAULT_SWITCH_S, DriftOptions, describe, drifted, estimated_rate, estimated_step,
-                                     speed_changes, switch_seconds, switch_verdict)
+                                     speed_changes, switch_seconds, switch_verdict, unsettled)
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState, unchanged_groups
 from atoll.coordinator.store import MemoryStore
 from atoll.job import JobSpec
@@ -45,6 +45,12 @@ def test_the_running_plan_is_re_estimated_at_its_slowest_stages_new_pace() -> No
     assert drifted({"a": 2.0, "b": 2.1}, 1.25) == {} and drifted({}, 1.25) == {}
     # a change within the epoch: the last steps' median over the first ones' (15 steps: too few for two windows)
     assert speed_changes({"a": [1.0] * 10 + [3.0] * 10, "b": [2.0] * 20, "c": [1.0] * 15}, 10) == {"a": 3.0, "b": 1.0}
+    # a slowdown two steps old is not a window yet, but its node is unsettled (against the median node: c's 1.2x
+    # sharing the host is not); one slow step among fast ones is not (the median of the newest three), nor too few steps
+    compute = {"a": [1.0] * 12 + [4.4] * 2, "b": [1.0] * 14, "c": [1.0] * 12 + [1.2] * 2, "d": [1.0] * 13 + [4.0],
+               "e": [1.0] * 5 + [5.0] * 3}
+    assert speed_changes(compute, 10) == {} and unsettled(compute, 10, 1.25) == {"a"}
+    assert unsettled({"a": [1.0] * 10 + [1.0, 5.0], "b": [1.0] * 12, "c": [1.0] * 12}, 10, 1.25, newest=1) == {"a"}
     assert describe({"a": 0.5, "b": 2.1}) == ("node b computes 2.10x slower than planned, node a 2.00x faster "
                                               "(against the median node)")
 

@@ -150,13 +150,13 @@ def test_ranks_meet_again_when_the_rendezvous_store_restarts_under_them() -> Non
     meets the other, which comes to the meeting only after the restart, on the new store; the group they form
     works. Without the store back in time it fails, saying so."""
     from atoll.coordinator.service import _rendezvous_store
-    from atoll.node.runner import _group_again
+    from atoll.node.runner import _group_again, dial_store
 
     first, address = _rendezvous_store("127.0.0.1:0")
     port = int(address.rsplit(":", 1)[1])
 
     def connect(bound: timedelta) -> dist.Store:
-        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=bound)
+        return dial_store("127.0.0.1", port, bound)  # as the runner connects
 
     sums: dict[int, float] = {}
     failed: list[BaseException] = []
@@ -191,7 +191,8 @@ def test_ranks_meet_again_when_the_rendezvous_store_restarts_under_them() -> Non
     del second  # and not restarted
     waiting.join(20)
     assert failed and "was not back within 0:00:04" in str(failed[0]), failed
-    assert time.monotonic() - t0 < 10
+    print(f"failed after {time.monotonic() - t0:.1f} s")
+    assert time.monotonic() - t0 < 12  # 4 s (its bound) and a margin of 3x
 
 
 def _dp_run(tmp_path: Path, *, wait_bound: timedelta | None, supersede_after: float | None):
