@@ -3,7 +3,7 @@
     python -m bench.planner_testbed [--rate 40e6] [--slower 4] [--after 240]
 
 Two hosts in two regions of the geo testbed (`bench/geo.py`: network namespaces, a tbf-shaped link of `--rate`
-bits/s each way, each host under a CPU quota), a coordinator and two `atoll node` processes training the tiny model
+bits/s each way, each host under a CPU quota), a coordinator and two `atoll node` processes training the small model
 synchronously (one plan over both hosts, activations or gradients crossing the shaped link; `compression.mode =
 "identity"`, so the bytes on the wire are those the planner prices). The nodes probe the link at `--rate` when they
 join, and the first plan is made from those figures. Once the job has trained `--before` steps the link is reshaped
@@ -45,11 +45,13 @@ REGIONS = ("lab-a", "lab-b")
 _RUNNING = re.compile(r"against the running plan's ([0-9.eE+-]+) s")
 
 
-def _job(steps: int) -> str:
+def _job(model: str, steps: int) -> str:
     from atoll.job import JobSpec
+    from atoll.models import preset
 
     job = JobSpec.load(ROOT / "examples" / "tiny.toml")
-    job = replace(job, name="netfit-testbed", id="", train=replace(job.train, steps=steps),
+    job = replace(job, name="netfit-testbed", id="", model=replace(preset(model), seq_len=job.train.seq_len),
+                  model_preset=None, train=replace(job.train, steps=steps),
                   checkpoint=replace(job.checkpoint, interval=1000),
                   compression=replace(job.compression, mode="identity"),
                   cluster=replace(job.cluster, expected_nodes=len(REGIONS), min_nodes=len(REGIONS)),
@@ -79,6 +81,8 @@ def _plans(cluster) -> list[tuple[int, float, str, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="small", help="model preset (default small: a pipeline over both hosts pays "
+                                                     "at the probed rate, one host alone at the slow one)")
     ap.add_argument("--rate", type=float, default=40e6, help="the link's rate when the nodes probe it, bits/s")
     ap.add_argument("--slower", type=float, default=4.0, help="how many times slower the link turns")
     ap.add_argument("--quota", type=float, default=0.8, help="each host's CPU quota, in cores")
@@ -101,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="atoll-netfit-"))
     out.mkdir(parents=True, exist_ok=True)
     job_path = out / "job.toml"
-    job_path.write_text(_job(100_000))
+    job_path.write_text(_job(a.model, 100_000))
     slow_rate = a.rate / a.slower
-    print(f"2 hosts in {' and '.join(REGIONS)} ({a.quota:g} of a core each), the tiny model synchronously over a link "
+    print(f"2 hosts in {' and '.join(REGIONS)} ({a.quota:g} of a core each), the {a.model} model synchronously over a link "
           f"probed at {a.rate / 1e6:g} Mbit/s that turns {a.slower:g}x slower after {a.before} steps; logs in {out}")
     with geo_testbed(regions=dict.fromkeys(REGIONS, 1), wan_bits_per_s=a.rate, cpu_quota=a.quota,
                      coordinator_cpu_quota=0.3) as tb, LocalCluster(job_path=job_path, out=out / "cluster") as cluster:

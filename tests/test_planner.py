@@ -424,3 +424,26 @@ def test_one_gpu_machines_and_a_small_batch_run_in_lanes_and_the_runtime_places_
             pl = place(laned, n, model.num_layers)
             assert pl is not None and pl.lane == r // (s.dp // s.lanes)
     assert "lanes" in format_plan(laned)
+
+
+def test_a_micro_batch_under_the_profiled_sizes_keeps_the_per_call_cost() -> None:
+    """A CPU node profiled at 128, 256 and 512 tokens a layer: a plan of 64-token micro-batches is priced along the
+    line through the two smallest measurements (what each call costs regardless of its size stays), not scaled to
+    zero (which read the run 2x faster than it went); a superlinear pair falls back to proportional, a noisy
+    inverted one to the smallest measurement; between and above the measurements, as before."""
+    from atoll.coordinator.planner.profiles import DeviceProfile, TimingPoint
+
+    cpu = DeviceProfile(layers={"block": (TimingPoint(tokens=128, forward_s=0.006, backward_s=0.012),
+                                          TimingPoint(tokens=256, forward_s=0.010, backward_s=0.020),
+                                          TimingPoint(tokens=512, forward_s=0.018, backward_s=0.036))})
+    assert cpu.layer_seconds("block", 64) == pytest.approx((0.004, 0.008))  # 0.002 + 64 x 3.1e-5, not 0.003
+    assert cpu.layer_seconds("block", 192) == pytest.approx((0.008, 0.016))
+    assert cpu.layer_seconds("block", 1024) == pytest.approx((0.036, 0.072))
+    steep = DeviceProfile(layers={"block": (TimingPoint(tokens=128, forward_s=0.001, backward_s=0.002),
+                                            TimingPoint(tokens=256, forward_s=0.004, backward_s=0.008))})
+    assert steep.layer_seconds("block", 64) == pytest.approx((0.0005, 0.001))
+    inverted = DeviceProfile(layers={"block": (TimingPoint(tokens=128, forward_s=0.004, backward_s=0.008),
+                                               TimingPoint(tokens=256, forward_s=0.003, backward_s=0.007))})
+    assert inverted.layer_seconds("block", 64) == pytest.approx((0.004, 0.008))
+    assert DeviceProfile(layers={"block": (TimingPoint(tokens=128, forward_s=0.004, backward_s=0.008),)}
+                         ).layer_seconds("block", 64) == pytest.approx((0.002, 0.004))

@@ -69,13 +69,27 @@ class DeviceProfile:
     """Optimizer step seconds per 1e9 parameters held on the device (0: use the analytic estimate)."""
 
     def layer_seconds(self, kind: str, tokens: int) -> tuple[float, float] | None:
-        """(forward, backward) seconds of one layer of `kind` over `tokens` tokens, or None if unmeasured."""
+        """(forward, backward) seconds of one layer of `kind` over `tokens` tokens, or None if unmeasured:
+        interpolated between measurements; under the smallest along the line through the two smallest (a cost per
+        call plus one per token), over the largest in proportion to the tokens."""
         pts = self.layers.get(kind)
         if not pts:
             return None
         if len(pts) == 1 or tokens <= pts[0].tokens:
             p = pts[0]
-            return p.forward_s * tokens / p.tokens, p.backward_s * tokens / p.tokens
+            if len(pts) == 1 or tokens == p.tokens:
+                return p.forward_s * tokens / p.tokens, p.backward_s * tokens / p.tokens
+            q = pts[1]
+
+            def below(at_p: float, at_q: float) -> float:
+                # the line through the two smallest measurements: a fixed cost per call (a CPU's or a kernel
+                # launch's overhead) plus a cost per token. Scaled to zero instead, a micro-batch under the
+                # profiled sizes read 2x too fast on a CPU node, and the run's speed factor then carried that
+                # error into plans of other micro-batches. Never below proportional, never above the smallest
+                # measurement.
+                slope = (at_q - at_p) / (q.tokens - p.tokens)
+                return min(at_p, max(at_p * tokens / p.tokens, at_p - slope * (p.tokens - tokens)))
+            return below(p.forward_s, q.forward_s), below(p.backward_s, q.backward_s)
         if tokens >= pts[-1].tokens:
             p = pts[-1]
             return p.forward_s * tokens / p.tokens, p.backward_s * tokens / p.tokens
