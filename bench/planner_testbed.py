@@ -3,7 +3,7 @@
     python -m bench.planner_testbed [--rate 40e6] [--slower 4] [--after 240]
 
 Two hosts in two regions of the geo testbed (`bench/geo.py`: network namespaces, a tbf-shaped link of `--rate`
-bits/s each way, each host under a CPU quota), a coordinator and two `atoll node` processes training the small model
+bits/s each way, no CPU quota by default: see below), a coordinator and two `atoll node` processes training the small model
 synchronously (one plan over both hosts, activations or gradients crossing the shaped link; `compression.mode =
 "identity"`, so the bytes on the wire are those the planner prices). The nodes probe the link at `--rate` when they
 join, and the first plan is made from those figures. Once the job has trained `--before` steps the link is reshaped
@@ -20,13 +20,18 @@ Targets (issue 40, "live, on the testbed"): the job reaches the plan the planner
 within 3 replans of the slowdown (a network replan, or a check that finds the running plan within the replan
 threshold of the best under the fit), and its measured/predicted step time ends within 15%.
 
-Needs root (namespaces, tc, cgroup v1 cpu); about 5-6 minutes.
+Why no CPU quota by default: a cgroup quota limits a host's duty cycle, not its speed. A node that computes in
+bursts (a pipeline stage, waiting between micro-batches) stays under it and runs at full speed, one that computes
+without pause (the whole model alone) is throttled: at 0.6 of a core the same layers ran at 0.84x their profile in
+the pipeline and 1.06x alone, and the speed factor the coordinator measured in one plan mispredicted the next by
+45%. Without a quota each host computes at one of the machine's two cores throughout. `--quota` puts it back.
+
+Needs root (namespaces, tc); about 3 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -79,13 +84,16 @@ def _plans(cluster) -> list[tuple[int, float, str, float]]:
         return [(h.plan.epoch, h.created_unix, h.reason, h.plan.predicted.step_time_s) for h in store.plan_history()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> list[tuple[str, bool]] | None:
+    """One run (see the module docstring; `argv` its options): its targets as (what, met), printed with the run's
+    figures; None where the testbed cannot be built here (the reason printed)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="small", help="model preset (default small: a pipeline over both hosts pays "
                                                      "at the probed rate, one host alone at the slow one)")
     ap.add_argument("--rate", type=float, default=40e6, help="the link's rate when the nodes probe it, bits/s")
     ap.add_argument("--slower", type=float, default=4.0, help="how many times slower the link turns")
-    ap.add_argument("--quota", type=float, default=0.8, help="each host's CPU quota, in cores")
+    ap.add_argument("--quota", type=float, default=0.0,
+                    help="each host's CPU quota, in cores (default 0: none, a core of the machine's two each)")
     ap.add_argument("--before", type=int, default=20, help="steps trained before the link slows")
     ap.add_argument("--check", type=float, default=10.0, help="seconds between the coordinator's checks")
     ap.add_argument("--after", type=float, default=240.0, help="seconds the job trains on the slow link")
@@ -98,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     why = geo_unavailable()
     if why:
         print(f"bench.planner_testbed needs the geo testbed: {why}")
-        return 2
+        return None
     from atoll.launch.localcluster import LocalCluster
     from atoll.serde import plan_from_proto
 
@@ -107,9 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     job_path = out / "job.toml"
     job_path.write_text(_job(a.model, 100_000))
     slow_rate = a.rate / a.slower
-    print(f"2 hosts in {' and '.join(REGIONS)} ({a.quota:g} of a core each), the {a.model} model synchronously over a link "
+    cores = f"{a.quota:g} of a core each" if a.quota > 0 else "no CPU quota"
+    print(f"2 hosts in {' and '.join(REGIONS)} ({cores}), the {a.model} model synchronously over a link "
           f"probed at {a.rate / 1e6:g} Mbit/s that turns {a.slower:g}x slower after {a.before} steps; logs in {out}")
-    with geo_testbed(regions=dict.fromkeys(REGIONS, 1), wan_bits_per_s=a.rate, cpu_quota=a.quota,
+    with geo_testbed(regions=dict.fromkeys(REGIONS, 1), wan_bits_per_s=a.rate, cpu_quota=a.quota or None,
                      coordinator_cpu_quota=0.3) as tb, LocalCluster(job_path=job_path, out=out / "cluster") as cluster:
         cluster.start_coordinator(host=tb.coordinator, extra=["--island-threshold", "0.001",
                                                               "--drift-every", str(a.check)])
@@ -169,9 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for what, ok in targets:
         print(f"  [{'met' if ok else 'MISSED'}] {what}")
-    met = sum(ok for _, ok in targets)
-    print(f"targets met: {met}/{len(targets)}")
-    return 0 if os.environ.get("ATOLL_BENCH_STRICT") is None or met == len(targets) else 1
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    targets = run(argv)
+    if targets is None:
+        return 2
+    print(f"targets met: {sum(ok for _, ok in targets)}/{len(targets)}")
+    return 0
 
 
 if __name__ == "__main__":
