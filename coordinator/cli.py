@@ -59,6 +59,9 @@ def register_coordinator(sub: SubParsers) -> None:  # type: ignore[valid-type]
     p.add_argument("--drift-every", type=seconds(positive=False), default=60.0, metavar="SECONDS",
                    help="how often the running plan's devices are checked for drift (default 60); 0: never replan "
                    "for drift")
+    p.add_argument("--no-network-fit", dest="network_fit", action="store_false",
+                   help="never fit the network model to the nodes' timed transfers, nor replan under such a fit "
+                   "(the drift checks run on; a fit is on by default)")
     p.add_argument("--handshake-timeout", type=seconds(), default=10.0, metavar="SECONDS",
                    help="a connection that has not finished its TLS and HTTP/2 handshake within SECONDS is dropped "
                    "(default 10)")

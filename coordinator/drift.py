@@ -96,7 +96,12 @@ def drifted(factors: Mapping[str, float], threshold: float) -> dict[str, float]:
     return {n: f / median for n, f in factors.items() if not 1.0 / threshold <= f / median <= threshold}
 
 
-def unsettled(compute: Mapping[str, Sequence[float]], window: int, threshold: float, newest: int = 3) -> set[str]:
+UNSETTLED_STEPS = 3
+"""`unsettled` judges a node's newest this many steps."""
+
+
+def unsettled(compute: Mapping[str, Sequence[float]], window: int, threshold: float,
+              newest: int = UNSETTLED_STEPS) -> set[str]:
     """The nodes whose compute has begun to move and `speed_changes` cannot say so yet: the median of a node's
     newest `newest` steps over that of its first `window` (at least `window + newest` steps of the epoch), against
     the median node's same ratio, outside [1 / threshold, threshold]. A slowdown a few steps old reads as a slow

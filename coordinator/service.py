@@ -26,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from atoll.coordinator import backups, statedir
 from atoll.coordinator.heap import settle_heap
 from atoll.coordinator.drift import DriftOptions
+from atoll.coordinator.netfit import CalibrationOptions
 from atoll.coordinator.islands import IslandOptions
 from atoll.coordinator.membership import MembershipOptions
 from atoll.coordinator.metrics import CoordinatorMetrics
@@ -443,7 +444,8 @@ def run_coordinator_cli(args: argparse.Namespace) -> int:
                                      lease=timedelta(seconds=args.lease),
                                      join_settle=timedelta(seconds=min(args.join_settle, 60.0))),
                                  islands=IslandOptions(relative_threshold=args.island_threshold),
-                                 heartbeat_budget=args.heartbeat_budget or None, drift=drift)
+                                 heartbeat_budget=args.heartbeat_budget or None, drift=drift,
+                                 calibration=CalibrationOptions(enabled=getattr(args, "network_fit", True)))
     config = ServiceConfig(listen=args.listen, state_dir=state_dir, metrics_port=args.metrics_port,
                            metrics_host=args.metrics_host, rpc=rpc, mutual_tls=not args.insecure,
                            dashboard_port=getattr(args, "dashboard_port", None),

@@ -22,15 +22,15 @@ from datetime import timedelta
 from pathlib import Path
 
 from atoll.coordinator.cadence import HeartbeatCadence
-from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, speed_factors
+from atoll.coordinator.calibration import calibration_note, compound, epoch_compute, predicted_compute, speed_factors
 from atoll.coordinator.challenges import JoinChallenges
 from atoll.coordinator.checkpoints import complete_steps, copies_of, resume_step
 from atoll.coordinator.claims import STEP_WINDOW, LossDecision, LossVotes, StepProgress, finished_nodes, job_ended
 from atoll.coordinator.history import Sample, sample_of
 from atoll.coordinator.replication_gaps import ReplicationGaps
 from atoll.coordinator.quarantine import OffenceLog
-from atoll.coordinator.drift import (DriftOptions, describe, drifted, estimated_rate, speed_changes, unsettled,
-                                    switch_seconds, switch_verdict)
+from atoll.coordinator.drift import (UNSETTLED_STEPS, DriftOptions, describe, drifted, estimated_rate, speed_changes,
+                                    switch_seconds, switch_verdict, unsettled)
 from atoll.coordinator.islands import IslandOptions, device_class, form_islands, speed_class
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
 from atoll.coordinator.machineprobe import MachineProbes, RoundTarget, machine_of
@@ -1016,6 +1016,10 @@ class CoordinatorState:
         compute = epoch_compute(plan, self._reports_of(
             plan, max(CALIBRATION_REPORTS_PER_NODE, 2 * self.options.drift.min_steps + 2)))
         window, threshold = self.options.drift.min_steps, self.options.drift.threshold
+        if any(len(compute.get(n, ())) < window + UNSETTLED_STEPS for n in predicted_compute(plan)):
+            # too early in the epoch to tell a node's compute moving from its network (`unsettled` needs these
+            # steps): a fit of the first steps read CPU nodes' starved transfers under load as a 29x slower network
+            return []
         starved = set(drifted(speed_changes(compute, window), threshold)) | unsettled(compute, window, threshold)
         link_of = {(x.src, x.dst): (x.bandwidth_bytes_per_s, x.rtt_seconds / 2)
                    for x in self.store.links_view() if x.bandwidth_bytes_per_s > 0

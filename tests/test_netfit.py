@@ -157,17 +157,17 @@ def test_the_coordinator_fits_the_reports_shows_the_fit_and_replans_only_past_bo
     planner_runs = []
     inner = state.planner
     state.planner = lambda inputs: planner_runs.append(inputs.network) or inner(inputs)
-    report(1.0, range(0, 12))
+    report(1.0, range(0, 14))  # (a fit waits for 13 steps of the epoch after its first: `unsettled`'s)
     _later(state, clock, 61)
     state.tick()
     assert planner_runs == [] and state.network == NOMINAL  # as the probes said: nothing to replan
     lines = state.network_fit_lines()
     assert any(line.startswith("p2p:") and "1.00x slower" in line for line in lines), lines
-    report(8.0, range(12, 24))
+    report(8.0, range(14, 26))
     _later(state, clock, 61)
     events = state.tick()
     lines = h.handle_status(pb.StatusRequest(), state).network_fit
-    # the epoch's reports so far: 12 steps as probed, 12 at 8x
+    # the newest 24 reports of each node: 12 steps as probed, 12 at 8x
     fit = state.network_fit
     assert fit is not None and 1.5 < fit.kinds["p2p"].slowdown < 8 and 1.5 < fit.kinds["collective"].slowdown < 8
     assert any(line.startswith("p2p: 72 samples") for line in lines) and lines[0].startswith("planned under nominal")
