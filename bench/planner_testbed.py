@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a path (python bench/planner_testbed.py): imports resolve from the checkout
     sys.path.insert(0, str(ROOT))
 
+from bench.drift import _median_step  # noqa: E402 - the loss reports' median interval, as bench.drift reads it
+
 MAX_REPLANS = 3
 WITHIN = 0.15
 REGIONS = ("lab-a", "lab-b")
@@ -64,12 +66,6 @@ def _job(model: str, steps: int) -> str:
                   cluster=replace(job.cluster, expected_nodes=len(REGIONS), min_nodes=len(REGIONS)),
                   outer=replace(job.outer, mode="sync"))
     return job.to_toml()
-
-
-def _median_step(times: dict[int, float], lo: int, hi: int, least: int = 3) -> float | None:
-    """The median interval between consecutive steps' loss reports for steps in [lo, hi)."""
-    gaps = [times[s] - times[s - 1] for s in range(lo + 1, hi) if s in times and s - 1 in times]
-    return statistics.median(gaps) if len(gaps) >= least else None
 
 
 def _network_lines(log: Path) -> list[str]:
