@@ -382,9 +382,14 @@ def _fetch(address: str, request: pb.StateFetchRequest, sink: _Sink, *, source: 
     total = checksum = None
     last: Exception | None = None
     channel = make_channel(address, rpc, token=token, server_name=node_dns_name(source))  # the holder's own certificate
+    attempt = idle = 0
     try:
         stub = pb_grpc.PeerStub(channel)
-        for attempt in range(1, attempts + 1):
+        # `attempts` bounds the tries in a row that bring no byte: over a slow link a large state outlasts one call's
+        # deadline, and each call that moved the fetch on (a chunk or more) resumes it without using a try up
+        while idle < attempts:
+            attempt += 1
+            before = len(sink)
             req = pb.StateFetchRequest()
             req.CopyFrom(request)
             req.offset = len(sink)
@@ -425,11 +430,14 @@ def _fetch(address: str, request: pb.StateFetchRequest, sink: _Sink, *, source: 
                 last = StateTransferError(f"{source} ({address}): {e.code().name}: {e.details()}")
                 log.info("fetch of layers [%d, %d) from %s broke after %d bytes (%s); resuming",
                          request.layer_start, request.layer_end, source, len(sink), e.code().name)
-                time.sleep(min(2.0, 0.2 * attempt))
+                if len(sink) - before < CHUNK_BYTES:
+                    time.sleep(min(2.0, 0.2 * attempt))  # it moved on: resume at once
+            idle = 0 if len(sink) - before >= CHUNK_BYTES else idle + 1
     finally:
         channel.close()
     raise StateTransferError(f"could not fetch layers [{request.layer_start}, {request.layer_end}) at step "
-                             f"{request.step} from {source} in {attempts} attempts: {last}")
+                             f"{request.step} from {source}: {attempts} attempts in a row brought less than "
+                             f"{CHUNK_BYTES} bytes ({attempt} in all, {len(sink)} bytes fetched): {last}")
 
 
 class _Restart(Exception):

@@ -113,6 +113,47 @@ def test_a_broken_or_corrupted_stream_resumes_from_its_offset(small_chunks) -> N
     assert stats.bytes == len(live.data) + 4096  # only the corrupted chunk came twice
 
 
+class _Trickle(StateHolder):
+    """Breaks every stream after `after` chunks, as a call's deadline does over a link too slow for the whole
+    state."""
+
+    def __init__(self, *a, after: int = 2, **kw):
+        super().__init__(*a, **kw)
+        self.calls: list[int] = []
+        self.after = after
+
+    def chunks(self, request) -> Iterator[pb.StateChunk]:
+        self.calls.append(request.offset)
+        inner = super().chunks(request)
+
+        def gen():
+            for i, c in enumerate(inner):
+                if i == self.after:
+                    raise RuntimeError("deadline")
+                yield c
+        return gen()
+
+
+def test_a_fetch_that_moves_on_each_call_is_not_bounded_by_its_attempts(small_chunks) -> None:
+    """Attempts bound the calls in a row that bring nothing: a state many calls long (each broken off after two
+    chunks) arrives whole, while a holder that sends nothing fails after `attempts` calls."""
+    module, opt = _trained(0, 2)
+    live = LiveState.of(slice_state(module, opt), step=3, epoch=2)
+    assert len(live.data) > 8 * 2 * 4096
+    with PeerServer(node_id="a", listen="127.0.0.1:0", token=TOKEN) as server:
+        server.state = holder = _Trickle(node_id="a")
+        holder.end_run(2, live)
+        data, stats = fetch_state(server.address, _request("live", 3, (0, 2)), source="a", token=TOKEN, attempts=2)
+        assert data == live.data and stats.bytes == len(live.data)
+        assert stats.attempts == len(holder.calls) > 8
+        assert holder.calls == [2 * 4096 * i for i in range(len(holder.calls))]
+        server.state = holder = _Trickle(node_id="a", after=0)
+        holder.end_run(2, live)
+        with pytest.raises(StateTransferError, match="2 attempts in a row brought less than 4096 bytes"):
+            fetch_state(server.address, _request("live", 3, (0, 2)), source="a", token=TOKEN, attempts=2)
+        assert holder.calls == [0, 0]
+
+
 def test_a_file_fetch_resumes_from_its_part_file_and_a_wrong_request_is_refused(tmp_path: Path, small_chunks) -> None:
     module, opt = _trained(0, 2)
     path, size = save_layers(module, opt, tmp_path / "a", 10, data_position=0)
