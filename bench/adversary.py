@@ -24,8 +24,10 @@ quarantined that did nothing wrong, the run's tokens/s; and for the claims cases
 
 Targets (issue 38): every case finishes within 1% of the clean run's final loss; the faulty node is quarantined
 within 50 steps (nan, huge, bitflip), the 1%-noise stage within 200; 0 false quarantines in any run (the slow
-control included); the checks cost at most 3% of tokens/s; every forged claim and replayed join is refused and the
-fake failures make at most 2 plans; each damaged-state case ends in recovery with one clear line.
+control included); the checks cost at most 3% of a stage's step, so of tokens/s, on the tiny job and a 125M-class
+job (judged by `bench.check_cost`, run at the end: the tokens/s of the clean and checks-off runs are printed beside
+it, but six node processes on a shared machine move them by more than the checks cost); every forged claim and
+replayed join is refused and the fake failures make at most 2 plans; each damaged-state case ends in recovery with one clear line.
 
 The outer-mode variant, `poisoned-pseudo-gradient`: three replica groups of one node each (a0, b0, c0 in regions
 lab-a, lab-b, lab-c; 60 steps in rounds of 5), c0 serving its pseudo-gradient x 1000 from the fault step on
@@ -570,7 +572,15 @@ def report(results: list[Result], args: argparse.Namespace, extra: list[Result])
               f"(target <= {100 * CHECK_COST_TARGET:.0f}%)")
         if abs(cost) > 3 * CHECK_COST_TARGET:
             print("  (the runs differ by more than the checks can cost: the machine's load decides this figure)")
-        targets["the checks cost <= 3% of tokens/s"] = cost <= CHECK_COST_TARGET
+    if args.cost_models:
+        # judged on the checks' time in a stage's step (`bench.check_cost`): six node processes on a shared machine
+        # move tokens/s by more than the checks cost, run to run
+        from bench.check_cost import main as check_cost
+
+        print(f"\nthe checks' cost in a stage's step (python -m bench.check_cost --models {args.cost_models}):",
+              flush=True)
+        targets["the checks cost <= 3% of a step (bench.check_cost: " + args.cost_models + ")"] = \
+            check_cost(["--models", args.cost_models]) == 0
     return targets
 
 
@@ -586,8 +596,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None, help="seconds each run may take (default 40 + 2.5 x steps)")
     ap.add_argument("--cost-runs", type=int, default=None,
                     help="runs with and without the checks each, for their cost (default 2; --quick: 1)")
+    ap.add_argument("--cost-models", default=None,
+                    help="jobs whose checks' cost in a stage's step is measured and judged (bench.check_cost; "
+                         "default tiny,125m; --quick: tiny; '' for none)")
     ap.add_argument("--out", default="bench-adversary", help="folder for the runs' logs")
     args = ap.parse_args()
+    if args.cost_models is None:
+        args.cost_models = "tiny" if args.quick else "tiny,125m"
     args.steps = args.steps or (60 if args.quick else 120)
     args.fault_step = args.fault_step or (15 if args.quick else 20)
     args.timeout = args.timeout or 40 + 2.5 * args.steps
