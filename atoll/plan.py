@@ -48,9 +48,18 @@ from atoll.fsutil import atomic_write_text
 GB = 1e9
 
 
-def resume_words(resume_step: int, reached_step: int) -> str:
+LIVE_FETCH_FAILED = "no live holder could give"
+"""How a node's report of a run that failed because the live state its plan agreed to resume from could not be
+fetched begins (`PlanRunner._fetch_live`); the coordinator counts such failures (`membership.live_resume`)."""
+
+
+def resume_words(resume_step: int, reached_step: int, live: bool = True) -> str:
     """Where a plan's nodes start, for a person: the checkpoint step, and where the job had reached beyond it the
-    live state that nodes keep instead (a graceful leave or a replan keeps the steps since the checkpoint)."""
+    live state that nodes keep instead (a graceful leave or a replan keeps the steps since the checkpoint).
+    `live`: False where the plan resumes from the checkpoint whatever the nodes hold (`Plan.live_resume`)."""
+    if reached_step > resume_step and not live:
+        return (f"resume at step {resume_step} (the newest checkpoint; the plans before could not fetch the live "
+                f"state of step {reached_step})")
     if reached_step > resume_step:
         return (f"resume at step {reached_step} from live state where the nodes hold it, else at step {resume_step} "
                 f"(the newest checkpoint)")
@@ -357,6 +366,9 @@ class Plan:
     reached_step: int = 0
     """Steps the job had trained when the plan was made (the newest reported + 1): what a resume from
     `resume_step`, or from live state older than it, rolls back from."""
+    live_resume: bool = True
+    """Whether the nodes may resume from live state (False: from the checkpoint of `resume_step`, because the
+    plans before this one failed to fetch the live state they agreed on, `LIVE_FETCH_FAILED`)."""
     node_addresses: dict[str, str] = field(default_factory=dict)
     """Node id -> HOST:PORT of its Peer server (live plans)."""
     rendezvous: str = ""
@@ -466,7 +478,7 @@ class Plan:
             islands=[IslandInfo(**i) for i in d.get("islands", [])],
             pipelines=pipelines,
             epoch=d.get("epoch", 0), job_id=d.get("job_id", ""), resume_step=d.get("resume_step", 0),
-            reached_step=d.get("reached_step", 0),
+            reached_step=d.get("reached_step", 0), live_resume=d.get("live_resume", True),
             node_addresses=dict(d.get("node_addresses", {})), rendezvous=d.get("rendezvous", ""),
             mode=d.get("mode", "sync"), mode_reason=d.get("mode_reason", ""), groups=[ReplicaGroup(**g) for g in d.get("groups", [])],
             outer=OuterPlan(**d["outer"]) if d.get("outer") else None,

@@ -226,7 +226,7 @@ def _plan_to_proto(p: Plan) -> pb.Plan:
                                stages=[stage_to_proto(s, j) for j, s in enumerate(pl.stages)])
                    for k, pl in enumerate(p.pipelines)],
         resume_step=p.resume_step, node_addresses=p.node_addresses, rendezvous=p.rendezvous,
-        reached_step=p.reached_step, mode_reason=p.mode_reason,
+        reached_step=p.reached_step, mode_reason=p.mode_reason, checkpoint_resume=not p.live_resume,
     )
 
 
@@ -266,7 +266,7 @@ def plan_from_proto(m: pb.Plan) -> Plan:
         pipelines=[PipelinePlan(micro_batch=pl.micro_batch, num_micro_batches=pl.num_micro_batches,
                                 stages=[stage_from_proto(s) for s in pl.stages]) for pl in m.pipelines],
         epoch=m.epoch, job_id=m.job_id, resume_step=m.resume_step, reached_step=m.reached_step,
-        node_addresses=dict(m.node_addresses),
+        live_resume=not m.checkpoint_resume, node_addresses=dict(m.node_addresses),
         rendezvous=m.rendezvous, mode=m.mode or "sync", mode_reason=m.mode_reason, groups=[group_from_proto(g) for g in m.groups],
         outer=outer_from_proto(m.outer) if m.HasField("outer") else None,
         idle=[IdleDevices(island=x.island, gpus=x.gpus, reason=x.reason, nodes=list(x.nodes)) for x in m.idle],

@@ -3,6 +3,7 @@
 - `expire_leases`: which alive members missed their lease and are now gone.
 - `join_decision`: whether a join is a new member, an update of the same node, or a conflicting claim.
 - `plan_decision`: whether the coordinator should (re)plan now.
+- `live_resume`: whether the next plan may resume from live state (not after plans that failed to fetch it).
 - `failure_decision`: whether a failed run of the current plan (reported by a node that is still alive)
   calls for a new epoch now, backing off when consecutive epochs keep failing.
 
@@ -18,6 +19,7 @@ from typing import Literal
 
 from atoll.coordinator.store import MemberRecord
 from atoll.job import ClusterSpec
+from atoll.plan import LIVE_FETCH_FAILED
 from atoll.units import counted
 
 
@@ -223,6 +225,20 @@ def failure_backoff(failed_in_a_row: int, options: MembershipOptions) -> float:
         return 0.0
     first, most = options.failure_backoff.total_seconds(), options.failure_backoff_max.total_seconds()
     return min(most, first * 2.0 ** min(failed_in_a_row - 2, 64))
+
+
+LIVE_FETCH_FAILURES = 2
+"""Plans in a row that failed to fetch the live state they agreed on before the next resumes from a checkpoint."""
+
+
+def live_resume(epoch: int, failures: Mapping[int, RunFailureRecord]) -> bool:
+    """Whether the plan after `epoch` may resume from live state: not when `epoch` and the `LIVE_FETCH_FAILURES` - 1
+    plans before it each failed because a node could not fetch the live state the plan's nodes agreed to resume
+    from (`atoll.plan.LIVE_FETCH_FAILED`: a holder that answers but cannot give its state, a link too slow for it).
+    Made again from the same members, the next plan would agree on the same state and fail the same way; from the
+    checkpoint it rolls back to the checkpoint's step, but it trains."""
+    return not all(f is not None and LIVE_FETCH_FAILED in f.reason
+                   for f in (failures.get(epoch - k) for k in range(LIVE_FETCH_FAILURES)))
 
 
 def failure_decision(now: float, *, epoch: int, failures: Mapping[int, RunFailureRecord], alive: Set[str],

@@ -44,6 +44,8 @@ class PlanInputs:
     """The last complete checkpoint step."""
     reached_step: int = 0
     """Steps the job had trained (the newest step reported + 1)."""
+    live_resume: bool = True
+    """Whether the plan's nodes may resume from live state (`membership.live_resume`)."""
     rendezvous: str = ""
     """HOST:PORT of the coordinator's torch.distributed store ("" host: the host nodes dial the coordinator at)."""
     previous: Plan | None = None
@@ -352,6 +354,7 @@ def finish_plan(plan: Plan, inputs: PlanInputs) -> Plan:
     """
     plan.epoch, plan.job_id, plan.resume_step = inputs.epoch, inputs.job.id, inputs.resume_step
     plan.reached_step = max(inputs.reached_step, inputs.resume_step)
+    plan.live_resume = inputs.live_resume
     plan.rendezvous = inputs.rendezvous
     plan.checkpoint_copies, plan.handover = list(inputs.checkpoint_copies), dict(inputs.handover)
     for g in plan.groups:

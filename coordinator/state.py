@@ -35,7 +35,7 @@ from atoll.coordinator.islands import IslandOptions, device_class, form_islands,
 from atoll.coordinator.linkmatrix import LinkGraph, ProbeOptions, sample_targets
 from atoll.coordinator.machineprobe import MachineProbes, RoundTarget, machine_of
 from atoll.coordinator.membership import (MembershipOptions, PlanDecision, RunFailureRecord, expire_leases,
-                                          failure_decision, plan_decision)
+                                          failure_decision, live_resume, plan_decision)
 from atoll.coordinator.outer import OuterRounds
 from atoll.coordinator.netfit import (CalibrationOptions, NetworkFit, describe_fit, fit_network, model_change,
                                       plan_step_under, replan_verdict, samples_from_steps)
@@ -1087,6 +1087,7 @@ class CoordinatorState:
         resume = resume_step(records, {h.plan.epoch: h.plan for h in self.store.plan_history()}, set(alive))
         inputs = PlanInputs(job=self.job, members=alive, islands=islands, matrix=matrix, links=links, speed=speed,
                             epoch=self.store.latest_epoch() + 1, resume_step=resume, reached_step=self._reached(),
+                            live_resume=previous is None or live_resume(previous.epoch, self.failures()),
                             rendezvous=self.rendezvous,
                             previous=previous if previous is not None and not self._stale(previous) else None,
                             failed=frozenset(failed),

@@ -340,7 +340,7 @@ def format_status(s: pb.StatusReply, now: float | None = None) -> str:
         p = s.plan
         pred = p.predicted
         out.append(f"\nplan epoch {p.epoch}: {p.model}, global batch {p.global_batch}, seq {p.seq_len}, "
-                   f"{resume_words(p.resume_step, p.reached_step)}; predicted {duration(pred.step_time_seconds)} a step, "
+                   f"{resume_words(p.resume_step, p.reached_step, not p.checkpoint_resume)}; predicted {duration(pred.step_time_seconds)} a step, "
                    f"{pred.tokens_per_second:.0f} tokens/s" + (f", bottleneck: {pred.bottleneck}" if pred.bottleneck
                                                                else ""))
         if p.mode != "outer" and p.mode_reason:  # (outer mode's reason is in the outer lines above)

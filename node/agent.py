@@ -251,7 +251,7 @@ def describe_plan(plan: Plan, node_id: str, coordinator_host: str = "") -> str:
     coordinator listening on every interface) is shown at `coordinator_host`, where the node dials it."""
     mode = f", outer mode: {len(plan.groups)} replica groups" if plan.mode == "outer" else ""
     lines = [f"plan epoch {plan.epoch} for job {plan.job_id}: {len(plan.pipelines)} pipeline(s){mode}, global batch "
-             f"{plan.global_batch}, seq {plan.seq_len}, {resume_words(plan.resume_step, plan.reached_step)}"]
+             f"{plan.global_batch}, seq {plan.seq_len}, {resume_words(plan.resume_step, plan.reached_step, plan.live_resume)}"]
     if plan.mode_reason:
         lines.append(f"  {plan.mode_reason}")
     group_of = {k: g.name for g in plan.groups for k in g.pipelines} if plan.mode == "outer" else {}

@@ -74,7 +74,7 @@ from atoll.node.tied import check_tied_plan, tie_gradients
 from atoll.node.tp import TensorParallel, check_shardable
 from atoll.node.zero import ZeroConfig, ZeroOptimizer
 from atoll.node.verify import VERIFY_EVERY, StageVerifier
-from atoll.plan import GB, Plan
+from atoll.plan import GB, LIVE_FETCH_FAILED, Plan
 from atoll.rpc import RpcOptions, rendezvous_prefix
 from atoll.types import StepMetrics, TensorOffence
 
@@ -794,9 +794,12 @@ class PlanRunner:
             found = gather_held(self.plan, ctx.node_id, own, token=ctx.token, rpc=ctx.rpc, timeout=ctx.timeout)
             # a replica group's state (an outer-mode run) is one group's trajectory: never mixed into a whole job's
             found = [h for h in found if h.outer is None]
-            point = agree(store, key, resume_point(found, total_layers=self.job.model.n_layers + 2,
-                                                   checkpoint_step=self.plan.resume_step,
-                                                   reached=self.plan.reached_step))
+            point = resume_point(found if self.plan.live_resume else [], total_layers=self.job.model.n_layers + 2,
+                                 checkpoint_step=self.plan.resume_step, reached=self.plan.reached_step)
+            if not self.plan.live_resume:
+                point = replace(point, reason=f"the plans before this one could not fetch the live state they "
+                                              f"agreed on; resuming from the checkpoint of step {point.step}")
+            point = agree(store, key, point)
         else:
             point = await_point(store, key, 2 * ctx.timeout + timedelta(seconds=10))
         self.restore = report = RestoreReport(point=point)
@@ -935,7 +938,7 @@ class PlanRunner:
             log.info("state transfer: %d bytes from %s in %.2f s (live state of step %d, layers [%d, %d))",
                      stats.bytes, h.node_id, stats.seconds, h.step, *h.layers)
             return data, h
-        raise RunFailed(f"no live holder could give layers [{rng[0]}, {rng[1]}) at step {point.step}: "
+        raise RunFailed(f"{LIVE_FETCH_FAILED} layers [{rng[0]}, {rng[1]}) at step {point.step}: "
                         f"{'; '.join(errors)}")
 
     def _load_checkpoint(self, module, optimizer, step: int) -> None:

@@ -12,8 +12,8 @@ import pytest
 
 from atoll.coordinator import handlers as h
 from atoll.coordinator.errors import FailedPrecondition, InvalidArgument, NotFound
-from atoll.coordinator.membership import (MembershipOptions, RunFailureRecord, failure_backoff,
-                                          failure_decision)
+from atoll.coordinator.membership import (LIVE_FETCH_FAILURES, MembershipOptions, RunFailureRecord,
+                                          failure_backoff, failure_decision, live_resume)
 from atoll.coordinator.state import CoordinatorOptions, CoordinatorState
 from atoll.coordinator.store import MemoryStore
 from atoll.job import CheckpointSpec, JobSpec, JobSpecError
@@ -174,6 +174,57 @@ def test_the_tick_replans_a_failed_epoch_with_the_same_members(planned) -> None:
     for n in ids:
         h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=2), state)
     assert "2 epochs failed in a row" in state.tick()[0] and state.epoch == 3
+
+
+FETCH = ("setting up pipeline 0 stage 1 of epoch {e} failed: no live holder could give layers [6, 10) at step 28: "
+         "could not fetch layers [6, 10) at step 28 from b: DEADLINE_EXCEEDED")
+
+
+def test_plans_that_failed_to_fetch_the_agreed_live_state_are_followed_by_a_checkpoint_resume() -> None:
+    """Made again from the same members, a plan agrees on the same live state: after LIVE_FETCH_FAILURES plans in a
+    row failed to fetch it the next resumes from the checkpoint; one such failure, or one of another kind in the
+    row, keeps live state."""
+    def failures(*reasons: str) -> dict[int, RunFailureRecord]:
+        return {e: RunFailureRecord(epoch=e, node_id="b", step=0, reason=r.format(e=e), reported_unix=0.0)
+                for e, r in enumerate(reasons, 1) if r}
+
+    assert LIVE_FETCH_FAILURES == 2
+    assert live_resume(1, failures(FETCH))
+    assert not live_resume(2, failures(FETCH, FETCH))
+    assert not live_resume(3, failures("receive from a timed out", FETCH, FETCH))
+    assert live_resume(3, failures(FETCH, FETCH, "receive from a timed out"))
+    assert live_resume(3, failures(FETCH, "", FETCH))  # epoch 2 did not fail: the row is broken
+    assert live_resume(2, failures("receive from a timed out", FETCH))
+
+
+def test_the_tick_resumes_from_the_checkpoint_after_two_failed_live_fetches(planned) -> None:
+    """End to end through the coordinator's handlers: the plan after two fetch failures says it resumes from the
+    checkpoint (on the wire and in its JSON), and the plan after a failure of another kind goes back to live
+    state."""
+    import json
+
+    from atoll.plan import Plan, resume_words
+    from atoll.serde import plan_from_proto, plan_to_proto
+
+    state, clock, ids = planned
+
+    def fail(epoch: int, reason: str) -> list[str]:
+        _report(state, ids[1], epoch, reason=reason)
+        clock.t += 61  # past any backoff
+        for n in ids:
+            h.handle_heartbeat(pb.HeartbeatRequest(node_id=n, plan_epoch=epoch), state)
+        return state.tick()
+
+    assert state.current_plan().live_resume
+    assert fail(1, FETCH.format(e=1)) and state.epoch == 2 and state.current_plan().live_resume
+    assert fail(2, FETCH.format(e=2)) and state.epoch == 3
+    plan = state.current_plan()
+    assert not plan.live_resume
+    for received in (plan_from_proto(plan_to_proto(plan)), Plan.from_json_dict(json.loads(plan.to_json()))):
+        assert not received.live_resume
+    assert "could not fetch the live state" in resume_words(0, 40, plan.live_resume)
+    assert fail(3, "step 12 failed: closed") and state.epoch == 4 and state.current_plan().live_resume
+    assert plan_from_proto(plan_to_proto(state.current_plan())).live_resume
 
 
 # --- the node's side -----------------------------------------------------------------------------------

@@ -293,3 +293,46 @@ def test_a_leaving_tp_rank_hands_its_gathered_shards_over(tmp_path: Path, refere
     """b1 is tp rank 0 of a tp pair (each holds half of every block's matrices); b2 becomes tp rank 0 of the next
     pair, so it also checks that a process whose tp rank changed trains as one process (`forget_meshes`)."""
     _b1_leaves_its_stage(tmp_path, reference, (0, 2), "tp shards of stage 1 gathered whole")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_plan_told_to_skip_live_state_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    """After plans that failed to fetch the live state they agreed on, the coordinator's next plan resumes from the
+    checkpoint (`Plan.live_resume` False, `membership.live_resume`): its nodes hold live state of the step the
+    job reached, and leave it, loading the newest checkpoint, and say why."""
+    from atoll.coordinator.planning import PlanInputs
+
+    from scripted_cluster import scripted_planner
+
+    layouts = {frozenset({"a", "b1", "b2"}): [((0, 3), ["a"]), ((3, 6), ["b1", "b2"])],
+               frozenset({"a", "b1"}): [((0, 3), ["a"]), ((3, 6), ["b1"])]}
+    job = _job(3)
+    job = replace(job, checkpoint=replace(job.checkpoint, interval=5))
+    cluster = ScriptedCluster(job=job, out=tmp_path, layouts=layouts)
+    scripted = scripted_planner(job, layouts)
+
+    def planner(inputs: PlanInputs):
+        if frozenset(inputs.members) == frozenset({"a", "b1"}):
+            inputs = replace(inputs, live_resume=False)  # as after two plans that failed to fetch it
+        return scripted(inputs)
+
+    cluster.service.state.planner = planner
+    try:
+        for n in ("a", "b1", "b2"):
+            cluster.start_node(n, region="lab")
+        cluster.wait(lambda: cluster.top_step() >= 12, 150, "step 12")
+        cluster.kill("b2")
+        killed_at = cluster.top_step()
+        cluster.wait(lambda: cluster.top_step() >= STEPS - 1, 200, "the job to finish", dead=["b2"])
+        later = cluster.plan()
+        assert not later.live_resume and set(later.node_addresses) == {"a", "b1"}
+        for n in ("a", "b1"):
+            step, how, was, back = _after(cluster, n, 2)
+            assert how == "checkpoint" and step % 5 == 0 and 10 <= step <= killed_at and back == was - step > 0, \
+                cluster.resumes(n)
+            assert "could not fetch the live state they agreed on" in cluster.log(n), n
+        moved = cluster.transfers("a") + cluster.transfers("b1")
+        assert not [t for t in moved if "live state" in t[2]], moved  # (checkpoint copies replicate as ever)
+    finally:
+        cluster.stop()

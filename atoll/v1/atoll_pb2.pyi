@@ -355,7 +355,7 @@ class OuterPlan(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., codec_params: _Optional[_Union[CodecParams, _Mapping]] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., overlap: _Optional[bool] = ..., deadline_seconds: _Optional[float] = ..., sync_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., bytes_per_round: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer", "idle", "relays", "checkpoint_copies", "handover", "reached_step", "mode_reason")
+    __slots__ = ("epoch", "job_id", "model", "global_batch", "seq_len", "predicted", "islands", "pipelines", "created_unix", "resume_step", "node_addresses", "rendezvous", "mode", "groups", "outer", "idle", "relays", "checkpoint_copies", "handover", "reached_step", "mode_reason", "checkpoint_resume")
     class NodeAddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,7 @@ class Plan(_message.Message):
     HANDOVER_FIELD_NUMBER: _ClassVar[int]
     REACHED_STEP_FIELD_NUMBER: _ClassVar[int]
     MODE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_RESUME_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     job_id: str
     model: str
@@ -412,7 +413,8 @@ class Plan(_message.Message):
     handover: _containers.ScalarMap[str, str]
     reached_step: int
     mode_reason: str
-    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ..., idle: _Optional[_Iterable[_Union[IdleDevices, _Mapping]]] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ..., checkpoint_copies: _Optional[_Iterable[_Union[CheckpointCopy, _Mapping]]] = ..., handover: _Optional[_Mapping[str, str]] = ..., reached_step: _Optional[int] = ..., mode_reason: _Optional[str] = ...) -> None: ...
+    checkpoint_resume: bool
+    def __init__(self, epoch: _Optional[int] = ..., job_id: _Optional[str] = ..., model: _Optional[str] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., predicted: _Optional[_Union[PlanPrediction, _Mapping]] = ..., islands: _Optional[_Iterable[_Union[Island, _Mapping]]] = ..., pipelines: _Optional[_Iterable[_Union[Pipeline, _Mapping]]] = ..., created_unix: _Optional[float] = ..., resume_step: _Optional[int] = ..., node_addresses: _Optional[_Mapping[str, str]] = ..., rendezvous: _Optional[str] = ..., mode: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterPlan, _Mapping]] = ..., idle: _Optional[_Iterable[_Union[IdleDevices, _Mapping]]] = ..., relays: _Optional[_Iterable[_Union[RelayRoute, _Mapping]]] = ..., checkpoint_copies: _Optional[_Iterable[_Union[CheckpointCopy, _Mapping]]] = ..., handover: _Optional[_Mapping[str, str]] = ..., reached_step: _Optional[int] = ..., mode_reason: _Optional[str] = ..., checkpoint_resume: _Optional[bool] = ...) -> None: ...
 
 class CheckpointCopy(_message.Message):
     __slots__ = ("node_id", "layer_start", "layer_end", "address")
