@@ -186,7 +186,7 @@ def stage_cost(job: str, stage: int, *, pairs: int, every: int) -> dict[str, flo
     verify_s = _median_time(verify_once, repeat)
     out_shape = (rows, model.seq_len, model.vocab_size if module.is_last else model.d_model)
     in_shape = (rows, model.seq_len) if module.is_first else (rows, model.seq_len, model.d_model)
-    bcast_s = broadcast_seconds([in_shape, out_shape], repeat=5)
+    bcast_s = broadcast_seconds([in_shape, out_shape], repeat=25)
     off, on = [], []
     for k in range(pairs):  # in turn first and second, so that neither side gains from its place in the pair
         for checks in ((True, False) if k % 2 == 0 else (False, True)):
