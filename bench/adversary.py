@@ -31,10 +31,10 @@ replayed join is refused and the fake failures make at most 2 plans; each damage
 
 The outer-mode variant, `poisoned-pseudo-gradient`: three replica groups of one node each (a0, b0, c0 in regions
 lab-a, lab-b, lab-c; 60 steps in rounds of 5, each blocking on its exchange, so that two runs train alike), c0
-serving its pseudo-gradient x 1000 from the fault step on (`ATOLL_FAULT=poison:1000`); its baseline `clean-outer` runs first. Printed: whether the job finished, its final
-loss against the clean outer run, the rounds the coordinator left c0's group out of and how it named it (its log),
-and exclusions in the clean outer run (targets: c0's group out of every round from the fault's on but the job's
-last, no other group, none in the clean run).
+serving its pseudo-gradient x 1000 from the fault step on (`ATOLL_FAULT=poison:1000`); its baseline `clean-outer`
+runs first. Printed: whether the job finished, its final loss against the clean outer run, the rounds the
+coordinator left c0's group out of and how it named it (its log), and exclusions in the clean outer run (targets:
+c0's group out of every round from the fault's on but the job's last, no other group, none in the clean run).
 
 The disk cases mount a tmpfs and need root; without it they are reported as not run.
 
