@@ -119,9 +119,14 @@ def handle_join(req: pb.JoinRequest, state: CoordinatorState,
         f"the coordinator reached this node's peer server at {req.peer_address}"
     # a quarantined node stays quarantined however often it joins (`atoll job release` lets it back)
     kept = quarantine.QUARANTINED if existing is not None and existing.state == quarantine.QUARANTINED else ""
+    # the join time is the node process's: an update from the same process (a retried join) keeps it, a new process
+    # joining under the id before its lease lapsed (a restart) joined now
+    current = state.process_of(node_id) if req.session else None
+    new_process = current is not None and current.session != req.session
     state.store.put_member(MemberRecord(
         node_id=node_id, peer_address=req.peer_address, profile=profile, state=kept or "alive",
-        joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" else now,
+        joined_unix=existing.joined_unix if existing is not None and decision.kind == "update" and not new_process
+        else now,
         last_heartbeat_unix=now, reason=existing.reason if kept else decision.reason))
     state.note_session(node_id, req.session, now, req.peer_address, seen_from)
     if decision.kind != "update" or existing is None or existing.peer_address != req.peer_address \

@@ -196,11 +196,17 @@ def test_a_planned_node_that_restarts_gets_a_new_epoch_not_its_old_plan(state: C
         return [p.epoch for p in h.watch_plan(pb.WatchPlanRequest(node_id=node), state,
                                               active=iter([True, False]).__next__, poll_seconds=0.01)]
 
+    first = state.store.get_member(ids[0]).joined_unix
+    clock.t += 1
     join(state, node_id=ids[0], host="h0", port=5000, session="s0")  # a retry of the same process's join
     state.tick()
     assert state.epoch == 1 and watched(ids[0]) == [1]
+    assert state.store.get_member(ids[0]).joined_unix == first  # the same process: it joined when it first did
+    clock.t += 1
     for i, n in enumerate(ids):  # every node restarts at its old address
         join(state, node_id=n, host=f"h{i}", port=5000 + i, session=f"again{i}")
+    # a new process joined now, its lease not lapsed (status and the fault benches read when each process joined)
+    assert all(state.store.get_member(n).joined_unix == clock.t for n in ids)
     assert watched(ids[0]) == [] and watched(ids[1]) == []  # the plan whose runs are gone is withheld
     state.tick()
     assert state.epoch == 1  # settling: more may restart
