@@ -385,8 +385,9 @@ def _fetch(address: str, request: pb.StateFetchRequest, sink: _Sink, *, source: 
     attempt = idle = 0
     try:
         stub = pb_grpc.PeerStub(channel)
-        # `attempts` bounds the tries in a row that bring no byte: over a slow link a large state outlasts one call's
-        # deadline, and each call that moved the fetch on (a chunk or more) resumes it without using a try up
+        # `attempts` bounds the calls in a row that bring less than a chunk: over a slow link a large state outlasts
+        # one call's deadline, and a call that moved the fetch on (a chunk or more) is resumed at once, without
+        # using a try up
         while idle < attempts:
             attempt += 1
             before = len(sink)
@@ -430,8 +431,8 @@ def _fetch(address: str, request: pb.StateFetchRequest, sink: _Sink, *, source: 
                 last = StateTransferError(f"{source} ({address}): {e.code().name}: {e.details()}")
                 log.info("fetch of layers [%d, %d) from %s broke after %d bytes (%s); resuming",
                          request.layer_start, request.layer_end, source, len(sink), e.code().name)
-                if len(sink) - before < CHUNK_BYTES:
-                    time.sleep(min(2.0, 0.2 * attempt))  # it moved on: resume at once
+                if len(sink) - before < CHUNK_BYTES:  # (a call that moved the fetch on is resumed at once)
+                    time.sleep(min(2.0, 0.2 * attempt))
             idle = 0 if len(sink) - before >= CHUNK_BYTES else idle + 1
     finally:
         channel.close()
